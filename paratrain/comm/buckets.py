@@ -1,0 +1,68 @@
+"""Flat gradient buckets: parameters' .grad as views into a few contiguous buffers.
+
+One contiguous buffer per bucket means one collective per bucket instead of one per parameter, and
+the gradient needs no copy in or out: autograd accumulates straight into the buffer (as torch DDP's
+gradient_as_bucket_view). Buckets are filled in reverse registration order, which approximates
+the order backward produces gradients in, so the first bucket is the first one ready.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Bucket:
+    index: int
+    params: list[nn.Parameter]
+    buffer: torch.Tensor
+    """buffer[numel]: the gradients of `params`, back to back."""
+    offsets: list[int] = field(default_factory=list)
+    """Start of each parameter's gradient in `buffer`."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        param = self.params[i]
+        return self.buffer[self.offsets[i]: self.offsets[i] + param.numel()].view_as(param)
+
+    def attach(self) -> None:
+        """Point each parameter's .grad at its slice of the buffer (again, if something replaced it)."""
+        for i, param in enumerate(self.params):
+            if param.grad is None or param.grad.data_ptr() != self.grad_view(i).data_ptr():
+                param.grad = self.grad_view(i)
+
+
+def build_buckets(params: list[nn.Parameter], *, cap_bytes: int) -> list[Bucket]:
+    """Group trainable params (reversed) into buckets of about cap_bytes, one dtype and device each.
+
+    The assignment depends only on the parameter list, so every rank with the same model builds the
+    same buckets, in the same order: that is what lets them launch collectives in the same order.
+    """
+    buckets: list[Bucket] = []
+    pending: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+
+    def close(key: tuple[torch.dtype, torch.device]) -> None:
+        group = pending.pop(key)
+        offsets, total = [], 0
+        for param in group:
+            offsets.append(total)
+            total += param.numel()
+        buffer = torch.zeros(total, dtype=key[0], device=key[1])
+        bucket = Bucket(index=len(buckets), params=group, buffer=buffer, offsets=offsets)
+        bucket.attach()
+        buckets.append(bucket)
+
+    for param in reversed([p for p in params if p.requires_grad]):
+        key = (param.dtype, param.device)
+        pending.setdefault(key, []).append(param)
+        if sum(p.numel() * p.element_size() for p in pending[key]) >= cap_bytes:
+            close(key)
+    for key in list(pending):
+        close(key)
+    return buckets

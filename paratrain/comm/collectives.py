@@ -1,0 +1,69 @@
+"""Collectives on an explicit AxisGroup, whose failures name the group and the operation.
+
+torch's own errors on a timeout say little more than "timed out"; in a job with one group per
+axis the first question is which group and which collective, so every call here answers it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from paratrain.topology.mesh import AxisGroup
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the operation and the group."""
+
+
+def _fail(op: str, group: AxisGroup, tensor: torch.Tensor, error: Exception) -> CollectiveError:
+    return CollectiveError(
+        f"{op} of {tuple(tensor.shape)} {tensor.dtype} on {group.describe()} failed on global "
+        f"rank {group.ranks[group.index]}: {error}. A peer may have crashed or be stuck in a "
+        "different collective; check the other ranks' errors."
+    )
+
+
+@dataclass
+class Pending:
+    """An asynchronous collective in flight; wait() raises CollectiveError on failure."""
+
+    op: str
+    group: AxisGroup
+    tensor: torch.Tensor
+    work: dist.Work
+
+    def wait(self) -> None:
+        try:
+            self.work.wait()
+        except RuntimeError as error:
+            raise _fail(self.op, self.group, self.tensor, error) from error
+
+
+def all_reduce(tensor: torch.Tensor, group: AxisGroup, *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+    """In place: every rank of `group` ends with the reduction of all ranks' `tensor`."""
+    try:
+        dist.all_reduce(tensor, op=op, group=group.pg)
+    except RuntimeError as error:
+        raise _fail("all_reduce", group, tensor, error) from error
+
+
+def all_reduce_async(tensor: torch.Tensor, group: AxisGroup,
+                     *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending:
+    """Start an in-place all-reduce; call .wait() on the result before reading `tensor`."""
+    try:
+        work = dist.all_reduce(tensor, op=op, group=group.pg, async_op=True)
+    except RuntimeError as error:
+        raise _fail("all_reduce", group, tensor, error) from error
+    assert work is not None
+    return Pending("all_reduce", group, tensor, work)
+
+
+def broadcast(tensor: torch.Tensor, group: AxisGroup, *, src_index: int = 0) -> None:
+    """In place: every rank of `group` ends with the tensor of the group's `src_index`-th rank."""
+    try:
+        dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg)
+    except RuntimeError as error:
+        raise _fail("broadcast", group, tensor, error) from error

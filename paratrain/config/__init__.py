@@ -1,0 +1,21 @@
+"""Typed configuration: dataclasses, TOML loading with overrides, and the rules a run must obey."""
+
+from paratrain.config.errors import ConfigError
+from paratrain.config.load import build_run_config, from_dict, load_toml, to_dict
+from paratrain.config.model import PRESETS, ModelConfig, preset
+from paratrain.config.parallel import ParallelConfig
+from paratrain.config.run import (
+    DataSection,
+    LaunchSection,
+    ModelSection,
+    OptimSection,
+    RunConfig,
+    TrainSection,
+)
+from paratrain.config.validate import BatchLayout, RunPlan, batch_layout, check_run
+
+__all__ = [
+    "PRESETS", "BatchLayout", "ConfigError", "DataSection", "LaunchSection", "ModelConfig",
+    "ModelSection", "OptimSection", "ParallelConfig", "RunConfig", "RunPlan", "TrainSection",
+    "batch_layout", "build_run_config", "check_run", "from_dict", "load_toml", "preset", "to_dict",
+]

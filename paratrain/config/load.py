@@ -1,0 +1,103 @@
+"""RunConfig from a TOML file and dotted overrides ("data.global_batch=64"), and back to plain dicts."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+from paratrain.config.errors import ConfigError
+from paratrain.config.parallel import ParallelConfig
+from paratrain.config.run import RunConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+
+
+def build_run_config(table: Mapping[str, Any] | None = None,
+                     overrides: Mapping[str, Any] | None = None) -> RunConfig:
+    """Defaults, then a TOML-shaped table, then dotted overrides; unknown keys are errors."""
+    config = RunConfig()
+    for section, value in (table or {}).items():
+        if isinstance(value, Mapping) and section != "model":
+            for key, item in value.items():
+                config = _set(config, f"{section}.{key}", item)
+        elif section == "model" and isinstance(value, Mapping):
+            for key, item in value.items():
+                path = "model.preset" if key == "preset" else f"model.overrides.{key}"
+                config = _set(config, path, item)
+        else:
+            config = _set(config, section, value)
+    for path, value in (overrides or {}).items():
+        config = _set(config, path, value)
+    return config
+
+
+def to_dict(config: RunConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def from_dict(table: Mapping[str, Any]) -> RunConfig:
+    """Inverse of to_dict (model overrides are stored under model.overrides)."""
+    flat = dict(table)
+    model = dict(flat.pop("model", {}))
+    result = build_run_config(flat)
+    result.model.preset = model.get("preset", result.model.preset)
+    result.model.overrides = dict(model.get("overrides", {}))
+    return result
+
+
+def _set(config: RunConfig, path: str, value: Any) -> RunConfig:
+    parts = path.split(".")
+    if parts[:2] == ["model", "overrides"] and len(parts) == 3:
+        config.model.overrides[parts[2]] = value
+        return config
+    if len(parts) == 1:
+        _check_field(config, parts[0], value, path)
+        setattr(config, parts[0], value)
+        return config
+    if len(parts) != 2:
+        raise ConfigError(f"unknown setting {path!r}: settings are 'section.key', e.g. data.global_batch")
+    section_name, key = parts
+    if not hasattr(config, section_name) or section_name == "seed":
+        sections = [f.name for f in dataclasses.fields(config) if f.name != "seed"]
+        raise ConfigError(f"unknown config section {section_name!r}: choose one of {sections}")
+    section = getattr(config, section_name)
+    _check_field(section, key, value, path)
+    if isinstance(section, ParallelConfig):  # frozen: it is also a public API value
+        setattr(config, section_name, dataclasses.replace(section, **{key: value}))
+    else:
+        setattr(section, key, value)
+    return config
+
+
+def _check_field(obj: Any, key: str, value: Any, path: str) -> None:
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    if key not in fields:
+        raise ConfigError(f"unknown setting {path!r}: {type(obj).__name__} has {sorted(fields)}")
+    default = getattr(type(obj)(), key) if not isinstance(obj, RunConfig) else getattr(RunConfig(), key)
+    if value is None or default is None:
+        return
+    if isinstance(default, bool) and not isinstance(value, bool):
+        raise ConfigError(f"{path} must be true or false, got {value!r}")
+    if isinstance(default, int) and not isinstance(default, bool) and not (
+        isinstance(value, int) and not isinstance(value, bool)
+    ):
+        raise ConfigError(f"{path} must be an integer, got {value!r}")
+    if isinstance(default, float) and not isinstance(value, (int, float)):
+        raise ConfigError(f"{path} must be a number, got {value!r}")
+    if isinstance(default, str) and not isinstance(value, str):
+        raise ConfigError(f"{path} must be a string, got {value!r}")

@@ -1,0 +1,109 @@
+"""Shape of the reference decoder-only transformer, and its named presets.
+
+The model code (paratrain.models.gpt) reads this; the validator and, later, the planner read it too,
+which is why it lives in config/ rather than next to the module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from paratrain.config.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Dimensions of the GPT. All presets use dropout 0, as modern pretraining does."""
+
+    vocab_size: int = 256
+    """Tokens in the vocabulary (256: byte-level, the built-in corpus)."""
+    seq_len: int = 128
+    """Longest sequence the model is built for (RoPE tables are this long)."""
+    n_layer: int = 4
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; d_model must divide into them evenly."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    d_ff: int = 0
+    """Hidden width of the MLP; 0 means 4 * d_model."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the output head."""
+    dropout: float = 0.0
+    """Dropout on attention output and MLP output. Layout invariance is promised at 0."""
+    norm_eps: float = 1e-5
+    """Epsilon of RMSNorm."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding frequencies."""
+
+    @property
+    def ff_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def validate(self) -> None:
+        positive = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            divisors = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0 and h <= 64]
+            raise ConfigError(
+                f"model.n_head ({self.n_head}) must divide model.d_model ({self.d_model}): "
+                f"choose n_head in {divisors} or change d_model"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(
+                f"head_dim = d_model / n_head = {self.d_model} / {self.n_head} = {self.head_dim} must be "
+                "even for rotary embeddings: change d_model or n_head"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+    def num_params(self) -> int:
+        """Parameter count (tied head counted once), from the shapes alone."""
+        d, f, v = self.d_model, self.ff_dim, self.vocab_size
+        per_block = 3 * d * d + d * d + d * f + f * d + 2 * d  # qkv, out, up, down, 2 norms
+        head = 0 if self.tie_embeddings else v * d
+        return v * d + self.n_layer * per_block + d + head
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token: 6N for the matmuls plus 12 * L * d * S for attention scores
+        (PaLM, Chowdhery et al. 2022, appendix B). N excludes the embedding lookup."""
+        s = seq_len or self.seq_len
+        n = self.num_params() - self.vocab_size * self.d_model
+        if self.tie_embeddings:  # the tied head is still a matmul
+            n += self.vocab_size * self.d_model
+        return 6.0 * n + 12.0 * self.n_layer * self.d_model * s
+
+
+# GPT-2: Radford et al. 2019. GPT-3: Brown et al. 2020, table 2.1 (13B's d_model is printed as
+# 5140, which 40 heads do not divide; 40 x 128 = 5120 is what the head size implies).
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=64),
+    "small": ModelConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128),
+    "gpt2": ModelConfig(vocab_size=50257, seq_len=1024, n_layer=12, n_head=12, d_model=768),
+    "gpt2-medium": ModelConfig(vocab_size=50257, seq_len=1024, n_layer=24, n_head=16, d_model=1024),
+    "gpt2-large": ModelConfig(vocab_size=50257, seq_len=1024, n_layer=36, n_head=20, d_model=1280),
+    "gpt2-xl": ModelConfig(vocab_size=50257, seq_len=1024, n_layer=48, n_head=25, d_model=1600),
+    "gpt3-small": ModelConfig(vocab_size=50257, seq_len=2048, n_layer=12, n_head=12, d_model=768),
+    "gpt3-medium": ModelConfig(vocab_size=50257, seq_len=2048, n_layer=24, n_head=16, d_model=1024),
+    "gpt3-large": ModelConfig(vocab_size=50257, seq_len=2048, n_layer=24, n_head=16, d_model=1536),
+    "gpt3-xl": ModelConfig(vocab_size=50257, seq_len=2048, n_layer=24, n_head=16, d_model=2048),
+    "gpt3-2.7b": ModelConfig(vocab_size=50257, seq_len=2048, n_layer=32, n_head=32, d_model=2560),
+    "gpt3-6.7b": ModelConfig(vocab_size=50257, seq_len=2048, n_layer=32, n_head=32, d_model=4096),
+    "gpt3-13b": ModelConfig(vocab_size=50257, seq_len=2048, n_layer=40, n_head=40, d_model=5120),
+    "gpt3-175b": ModelConfig(vocab_size=50257, seq_len=2048, n_layer=96, n_head=96, d_model=12288),
+}
+
+
+def preset(name: str, **overrides: object) -> ModelConfig:
+    """The named preset with some fields replaced, validated."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")
+    config = replace(PRESETS[name], **overrides) if overrides else PRESETS[name]
+    config.validate()
+    return config

@@ -1,0 +1,75 @@
+"""How the processes of a job are laid out: the degree of each strategy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from paratrain.config.errors import ConfigError
+
+# Strategies whose issues have not landed yet; a degree above 1 is refused with this note.
+_NOT_YET = {
+    "tp": "tensor parallelism",
+    "pp": "pipeline parallelism",
+    "ep": "expert parallelism",
+}
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees of parallelism. Their product (dp x tp x pp) is the world size."""
+
+    dp: int | None = None
+    """Data-parallel degree: replicas, each reading 1/dp of the global batch. None: what the
+    world size leaves after tp and pp."""
+    tp: int = 1
+    """Tensor-parallel degree (not yet supported above 1)."""
+    pp: int = 1
+    """Pipeline-parallel degree (not yet supported above 1)."""
+    ep: int = 1
+    """Expert-parallel degree, a divisor of dp (not yet supported above 1)."""
+    zero: int = 0
+    """ZeRO stage: 0 plain data parallelism (stages 1-3 not yet supported)."""
+    bucket_mb: float = 25.0
+    """Size of a gradient all-reduce bucket, in MiB (as torch DDP's bucket_cap_mb)."""
+
+    def resolved(self, world_size: int) -> ParallelConfig:
+        """This config with dp filled in and every rule checked against the world size."""
+        for name in ("tp", "pp", "ep"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+            if value > 1:
+                raise ConfigError(
+                    f"{name}={value}: {_NOT_YET[name]} is not yet supported; use {name}=1 "
+                    "(data parallelism is what this version runs)"
+                )
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"zero must be one of 0, 1, 2, 3, got {self.zero}")
+        if self.zero:
+            raise ConfigError(f"zero={self.zero}: ZeRO sharding is not yet supported; use zero=0")
+        if self.bucket_mb <= 0:
+            raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        model_parallel = self.tp * self.pp
+        if world_size % model_parallel:
+            raise ConfigError(
+                f"tp x pp = {self.tp} x {self.pp} = {model_parallel} must divide the world size "
+                f"({world_size}): change tp/pp or the number of processes"
+            )
+        dp = self.dp if self.dp is not None else world_size // model_parallel
+        if dp < 1:
+            raise ConfigError(f"dp must be >= 1, got {dp}")
+        if dp * model_parallel != world_size:
+            raise ConfigError(
+                f"dp x tp x pp = {dp} x {self.tp} x {self.pp} = {dp * model_parallel} must equal the "
+                f"world size ({world_size}): set dp={world_size // model_parallel} or run "
+                f"{dp * model_parallel} processes (--nproc)"
+            )
+        if dp % self.ep:
+            raise ConfigError(f"ep ({self.ep}) must divide dp ({dp})")
+        return replace(self, dp=dp)
+
+    @property
+    def world_size(self) -> int:
+        if self.dp is None:
+            raise ConfigError("dp is not resolved yet: call ParallelConfig.resolved(world_size)")
+        return self.dp * self.tp * self.pp

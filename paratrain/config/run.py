@@ -1,0 +1,102 @@
+"""Typed configuration of a training run: one dataclass per section of the TOML file.
+
+Precedence: dataclass defaults < the TOML file (--config) < command-line flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from paratrain.config.parallel import ParallelConfig
+
+
+@dataclass
+class ModelSection:
+    preset: str = "small"
+    """Name of a preset in paratrain.config.model.PRESETS."""
+    overrides: dict[str, object] = field(default_factory=dict)
+    """Fields of ModelConfig to change from the preset, e.g. {"n_layer": 2}."""
+
+
+@dataclass
+class DataSection:
+    source: str = "builtin"
+    """'builtin' (CPython's pydoc topics, byte tokens), a .txt file (byte tokens), or a folder
+    holding train.bin / val.bin (uint16 tokens, nanoGPT layout)."""
+    seq_len: int = 0
+    """Tokens per sample; 0 means the model's seq_len."""
+    global_batch: int = 32
+    """Samples per optimizer step, over all data-parallel ranks together."""
+    micro_batch: int = 0
+    """Samples per forward/backward on one rank; 0 means global_batch / dp (no accumulation)."""
+    val_fraction: float = 0.1
+    """Share of a single-file source held out for validation (the tail of the file)."""
+
+
+@dataclass
+class OptimSection:
+    lr: float = 3e-3
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr_ratio: float = 0.1
+    """The cosine decays to lr * min_lr_ratio at the last step."""
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, applied to matrices only (not norms, not biases)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+
+
+@dataclass
+class TrainSection:
+    steps: int = 200
+    """Optimizer steps in the whole run (a resumed run continues to the same total)."""
+    precision: str = "fp32"
+    """'fp32', or 'bf16' (autocast with fp32 weights and gradients)."""
+    recompute: bool = False
+    """Recompute each transformer block's activations in backward instead of keeping them."""
+    eval_every: int = 50
+    """Validation loss every this many steps (and at the end); 0: only at the end."""
+    eval_batches: int = 4
+    """Global batches of held-out data per validation."""
+    log_every: int = 1
+    save: str = ""
+    """Folder to write checkpoints to; empty: no checkpoints."""
+    save_every: int = 0
+    """Checkpoint every this many steps (and at the end); 0: only at the end."""
+    resume: str = ""
+    """Checkpoint folder to resume from (its latest checkpoint)."""
+    log_json: str = ""
+    """Write one JSON object per optimizer step to this path (rank 0)."""
+    sample_tokens: int = 200
+    """Length of the text sample generated at the end; 0 skips it."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+
+@dataclass
+class LaunchSection:
+    nproc: int = 2
+    """Processes per node."""
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = ""
+    """host:port of the rendezvous (node 0's address for the static backend)."""
+    rdzv_backend: str = "static"
+    """'static' (fixed node ranks) or 'c10d' (elastic; node ranks assigned at rendezvous)."""
+    rdzv_id: str = "paratrain"
+    timeout_s: float = 300.0
+    """How long a collective may wait before the job fails naming the group and operation."""
+
+
+@dataclass
+class RunConfig:
+    seed: int = 1234
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    launch: LaunchSection = field(default_factory=LaunchSection)

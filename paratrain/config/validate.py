@@ -1,0 +1,116 @@
+"""Every rule a run must satisfy, checked in the launching process before any worker starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.config.errors import ConfigError
+from paratrain.config.model import ModelConfig, preset
+from paratrain.config.parallel import ParallelConfig
+from paratrain.config.run import RunConfig
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How a global batch of samples is cut: G = micro_batch x accumulation x dp."""
+
+    global_batch: int
+    micro_batch: int
+    dp: int
+
+    @property
+    def accumulation(self) -> int:
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def per_rank(self) -> int:
+        return self.global_batch // self.dp
+
+
+def batch_layout(global_batch: int, micro_batch: int, dp: int) -> BatchLayout:
+    """Check G = m x accumulation x dp; micro_batch 0 means no accumulation."""
+    if global_batch < 1:
+        raise ConfigError(f"global_batch must be >= 1, got {global_batch}")
+    if global_batch % dp:
+        lower = dp * (global_batch // dp)
+        nearest = [g for g in (lower, lower + dp) if g > 0]
+        raise ConfigError(
+            f"global_batch ({global_batch}) must be divisible by dp ({dp}): "
+            f"choose global_batch in {nearest} or another dp"
+        )
+    per_rank = global_batch // dp
+    micro = micro_batch or per_rank
+    if micro < 1:
+        raise ConfigError(f"micro_batch must be >= 1, got {micro_batch}")
+    if per_rank % micro:
+        choices = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+        raise ConfigError(
+            f"accumulation = global_batch / (micro_batch x dp) = {global_batch} / ({micro} x {dp}) "
+            f"= {global_batch / (micro * dp):g} is not an integer: choose micro_batch in {choices}, "
+            f"or global_batch a multiple of {micro * dp}"
+        )
+    return BatchLayout(global_batch=global_batch, micro_batch=micro, dp=dp)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A RunConfig checked and resolved: what the workers build."""
+
+    config: RunConfig
+    model: ModelConfig
+    parallel: ParallelConfig
+    batch: BatchLayout
+    seq_len: int
+
+
+def check_run(config: RunConfig, world_size: int) -> RunPlan:
+    """All the rules of a run, in the order a user would want to hear of them."""
+    if world_size < 1:
+        raise ConfigError(f"the world size must be >= 1, got {world_size}")
+    launch = config.launch
+    if launch.nproc < 1 or launch.nnodes < 1:
+        raise ConfigError(f"nproc ({launch.nproc}) and nnodes ({launch.nnodes}) must be >= 1")
+    if not 0 <= launch.node_rank < launch.nnodes:
+        raise ConfigError(f"node_rank ({launch.node_rank}) must be in 0..{launch.nnodes - 1}")
+    if launch.rdzv_backend not in ("static", "c10d"):
+        raise ConfigError(f"rdzv_backend must be 'static' or 'c10d', got {launch.rdzv_backend!r}")
+    if launch.nnodes > 1 and not launch.rdzv_endpoint:
+        raise ConfigError(
+            f"nnodes={launch.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address), "
+            "the same on every node"
+        )
+    model = preset(config.model.preset, **config.model.overrides)  # type: ignore[arg-type]
+    parallel = config.parallel.resolved(world_size)
+    data = config.data
+    seq_len = data.seq_len or model.seq_len
+    if seq_len > model.seq_len:
+        raise ConfigError(
+            f"data.seq_len ({seq_len}) must be <= the model's seq_len ({model.seq_len}): "
+            f"lower --seq-len or raise model.seq_len"
+        )
+    if seq_len < 2:
+        raise ConfigError(f"data.seq_len must be >= 2, got {seq_len}")
+    if not 0.0 < data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must be in (0, 1), got {data.val_fraction}")
+    assert parallel.dp is not None
+    batch = batch_layout(data.global_batch, data.micro_batch, parallel.dp)
+    optim, train = config.optim, config.train
+    if optim.lr <= 0:
+        raise ConfigError(f"optim.lr must be > 0, got {optim.lr}")
+    if not 0 <= optim.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio}")
+    if optim.grad_clip < 0 or optim.warmup_steps < 0:
+        raise ConfigError("optim.grad_clip and optim.warmup_steps must be >= 0")
+    if train.steps < 1:
+        raise ConfigError(f"train.steps must be >= 1, got {train.steps}")
+    if train.precision not in ("fp32", "bf16"):
+        raise ConfigError(
+            f"train.precision must be 'fp32' or 'bf16', got {train.precision!r} "
+            "(fp16 with loss scaling comes with ZeRO sharding)"
+        )
+    for name in ("eval_every", "save_every", "eval_batches", "sample_tokens"):
+        if getattr(train, name) < 0:
+            raise ConfigError(f"train.{name} must be >= 0, got {getattr(train, name)}")
+    if train.log_every < 1:
+        raise ConfigError(f"train.log_every must be >= 1, got {train.log_every}")
+    return RunPlan(config=config, model=model, parallel=parallel, batch=batch, seq_len=seq_len)

@@ -1,0 +1,92 @@
+"""Bucketed gradient all-reduce, overlapped with backward.
+
+Each parameter's .grad is a view into a flat bucket (paratrain.comm.buckets). A hook fires when a
+parameter's gradient has been accumulated; when every parameter of a bucket has fired, the bucket's
+all-reduce starts asynchronously, while backward goes on computing earlier layers' gradients.
+Buckets are launched strictly in index order on every rank, so collectives always match up even if
+autograd finishes buckets in a different order on different ranks. A bucket whose parameters got
+no gradient in this backward (unused parameters) is launched at the end of backward with zeros.
+
+Gradients are *summed* across ranks, not averaged: the engine divides by the token count of the
+whole global batch afterwards, which is what makes the loss independent of the layout.
+
+With accumulation, only the last micro-batch's backward communicates (`sync=False` before the
+others), so a step of k micro-batches still costs one all-reduce per bucket.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paratrain.comm.buckets import Bucket, build_buckets
+from paratrain.comm.collectives import Pending, all_reduce_async
+from paratrain.topology.mesh import AxisGroup
+
+
+class GradSync:
+    def __init__(self, params: list[nn.Parameter], group: AxisGroup | None, *, bucket_bytes: int) -> None:
+        """`group` None (degree 1): buckets hold the gradients, but nothing is ever sent."""
+        self.group = group
+        self.buckets: list[Bucket] = build_buckets(params, cap_bytes=bucket_bytes)
+        self.sync = True
+        self._bucket_of = {id(p): b.index for b in self.buckets for p in b.params}
+        self._ready = [0] * len(self.buckets)
+        self._pending: list[Pending] = []
+        self._next = 0
+        self._finish_queued = False
+        self.launched_during_backward = 0
+        """Buckets whose all-reduce started before backward ended, in the last synced backward."""
+        if group is not None:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                           for b in self.buckets for p in b.params]
+
+    @property
+    def grads(self) -> list[torch.Tensor]:
+        """The flat gradient buffers: every gradient of the model, each exactly once."""
+        return [b.buffer for b in self.buckets]
+
+    def attach(self) -> None:
+        for bucket in self.buckets:
+            bucket.attach()
+
+    def zero_grad(self) -> None:
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self.sync:
+            return
+        if not self._finish_queued:
+            # Runs once, when autograd has finished this whole backward pass.
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._finish_queued = True
+        index = self._bucket_of[id(param)]
+        self._ready[index] += 1
+        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].params):
+            self._launch(self._next)
+            self.launched_during_backward += 1
+
+    def _launch(self, index: int) -> None:
+        assert self.group is not None
+        self._pending.append(all_reduce_async(self.buckets[index].buffer, self.group))
+        self._next += 1
+
+    def _finish_backward(self) -> None:
+        while self._next < len(self.buckets):  # buckets holding parameters that got no gradient
+            self._launch(self._next)
+
+    def wait(self) -> None:
+        """Block until every bucket of this step is reduced; then reset for the next step."""
+        if self.group is not None and self._next < len(self.buckets):
+            # A synced backward that produced no gradient at all still has to meet its peers.
+            self._finish_backward()
+        for pending in self._pending:
+            pending.wait()
+        self._pending.clear()
+        self._ready = [0] * len(self.buckets)
+        self._next = 0
+        self._finish_queued = False
+
+    def start_step(self) -> None:
+        self.launched_during_backward = 0

@@ -1,0 +1,155 @@
+"""Engine: one training step of a parallelized model, from this rank's share of the global batch.
+
+    loss = engine.train_step(batch, loss_fn)
+
+`batch` is this rank's share of the global batch (global_batch / dp samples); the engine cuts it
+into micro-batches and accumulates. `loss_fn(model, micro_batch)` returns (sum of per-token losses,
+number of tokens). The step's loss is sum / count over the *whole global batch*, and gradients are
+divided by the same global count, so the loss and the update do not depend on dp, on the
+micro-batch size or on how many tokens each micro-batch holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence, Union
+
+import torch
+from torch import nn
+
+from paratrain.comm import all_reduce, clip_by_norm_, global_grad_norm
+from paratrain.data_parallel import GradSync
+from paratrain.hybrid.state import load_model_state, load_optimizer_state, model_state, optimizer_state
+from paratrain.memory import autocast
+from paratrain.topology import Context
+
+Batch = Union[torch.Tensor, Sequence[torch.Tensor], Mapping[str, torch.Tensor]]
+LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, Union[torch.Tensor, int]]]
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float
+    """Mean loss per token over the global batch."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    tokens: int
+    """Tokens (loss terms) in the global batch."""
+    micro_batches: int
+
+
+def split_batch(batch: Batch, micro_batch: int) -> list[Any]:
+    """Cut every tensor of `batch` along dim 0 into pieces of `micro_batch` rows."""
+    rows = _rows(batch)
+    if rows % micro_batch:
+        raise ValueError(f"this rank's batch has {rows} rows, not a multiple of micro_batch={micro_batch}")
+    starts = range(0, rows, micro_batch)
+    if isinstance(batch, torch.Tensor):
+        return [batch[s: s + micro_batch] for s in starts]
+    if isinstance(batch, Mapping):
+        return [{k: v[s: s + micro_batch] for k, v in batch.items()} for s in starts]
+    return [type(batch)(t[s: s + micro_batch] for t in batch) for s in starts]  # type: ignore[call-arg]
+
+
+def _rows(batch: Batch) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    tensors = list(batch.values()) if isinstance(batch, Mapping) else list(batch)
+    sizes = {t.shape[0] for t in tensors}
+    if len(sizes) != 1:
+        raise ValueError(f"every tensor of a batch must have the same number of rows, got {sorted(sizes)}")
+    return sizes.pop()
+
+
+def to_device(batch: Batch, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return type(batch)(t.to(device, non_blocking=True) for t in batch)  # type: ignore[call-arg]
+
+
+class Engine:
+    """Built by paratrain.parallelize; owns the model, the gradient sync and the optimizer."""
+
+    def __init__(self, model: nn.Module, ctx: Context, optimizer: torch.optim.Optimizer, grad_sync: GradSync,
+                 *, micro_batch: int | None, precision: str, grad_clip: float) -> None:
+        self.model = model
+        self.ctx = ctx
+        self.optimizer = optimizer
+        self.grad_sync = grad_sync
+        self.micro_batch = micro_batch
+        self.precision = precision
+        self.grad_clip = grad_clip
+        self.last: StepStats | None = None
+        self._names = {id(p): n for n, p in model.named_parameters()}
+        self._dp_group = ctx.mesh.groups.get("dp")
+
+    def train_step(self, batch: Batch, loss_fn: LossFn) -> float:
+        """Forward, backward and update on this rank's share of one global batch; returns its loss."""
+        self.model.train()
+        micro_batches = split_batch(batch, self.micro_batch or _rows(batch))
+        self.grad_sync.attach()
+        self.grad_sync.start_step()
+        # Accumulate (loss sum, token count) in float64 so the reported loss is exact to print.
+        totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        for i, micro in enumerate(micro_batches):
+            self.grad_sync.sync = i == len(micro_batches) - 1  # communicate on the last only
+            loss_sum, count = self._forward(to_device(micro, self.ctx.device), loss_fn)
+            loss_sum.backward()
+            totals[0] += loss_sum.detach().double()
+            totals[1] += count
+        self.grad_sync.wait()
+        if self._dp_group is not None:
+            all_reduce(totals, self._dp_group)
+        loss_sum_global, tokens = totals.tolist()
+        if tokens <= 0:
+            raise ValueError("the global batch holds no tokens to learn from (every target ignored)")
+        grads = self.grad_sync.grads
+        for grad in grads:  # sum over the global batch -> mean per token
+            grad.div_(tokens)
+        norm = global_grad_norm(grads)  # DP: every rank holds every gradient, reduced already
+        if self.grad_clip > 0:
+            clip_by_norm_(grads, norm, self.grad_clip)
+        self.optimizer.step()
+        self.grad_sync.zero_grad()
+        self.last = StepStats(loss=loss_sum_global / tokens, grad_norm=float(norm),
+                              tokens=int(tokens), micro_batches=len(micro_batches))
+        return self.last.loss
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Batch, loss_fn: LossFn) -> float:
+        """Mean per-token loss over the global batch (this rank's share given), without updating."""
+        self.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        for micro in split_batch(batch, self.micro_batch or _rows(batch)):
+            loss_sum, count = self._forward(to_device(micro, self.ctx.device), loss_fn)
+            totals[0] += loss_sum.double()
+            totals[1] += count
+        if self._dp_group is not None:
+            all_reduce(totals, self._dp_group)
+        self.model.train()
+        return float(totals[0] / totals[1])
+
+    def _forward(self, micro: Any, loss_fn: LossFn) -> tuple[torch.Tensor, torch.Tensor | int]:
+        with autocast(self.precision, self.ctx.device):
+            result = loss_fn(self.model, micro)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise TypeError(
+                "loss_fn(model, micro_batch) must return (sum of per-token losses, token count), "
+                f"got {type(result).__name__}; see paratrain.models.lm_loss for the shape"
+            )
+        return result
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def state_dict(self) -> dict[str, Any]:
+        """Full and layout-free: model tensors and optimizer state keyed by parameter name."""
+        return {"model": model_state(self.model), "optimizer": optimizer_state(self.optimizer, self._names)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        load_model_state(self.model, state["model"])
+        load_optimizer_state(self.optimizer, state["optimizer"], self._names)
+        self.grad_sync.attach()

@@ -1,0 +1,56 @@
+"""parallelize: the one ordered recipe that turns a single-device model into a training engine.
+
+Each step reads the layout from the Context and applies one strategy; degree 1 of a strategy is a
+step that does nothing. Later strategies (tensor, pipeline, sharding) slot into this order.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from paratrain.comm import broadcast
+from paratrain.data_parallel import GradSync
+from paratrain.hybrid.engine import Engine
+from paratrain.memory import GPT_BLOCKS, PRECISIONS, apply_recompute
+from paratrain.topology import Context
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
+                micro_batch: int | None = None, precision: str = "fp32", grad_clip: float = 0.0,
+                recompute: bool | str = False, sync_initial_weights: bool = True) -> Engine:
+    """Apply the layout of `ctx` to `model` and return an Engine that trains it.
+
+    optimizer: builds the optimizer from the parameter list (called once, after the layout is applied).
+    micro_batch: rows per forward/backward; None: this rank's whole share in one pass.
+    precision: 'fp32', or 'bf16' autocast with float32 weights and gradients.
+    grad_clip: clip the global gradient norm to this; 0 disables.
+    recompute: True recomputes each GPT block in backward; a string is a regex of module names.
+    sync_initial_weights: broadcast dp rank 0's weights, so replicas start equal even for a model
+        whose init was not layout-free (cheap, once).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if micro_batch is not None and micro_batch < 1:
+        raise ValueError(f"micro_batch must be >= 1 or None, got {micro_batch}")
+    # 1. Place the model on this rank's device.
+    model.to(ctx.device)
+    # 2. Recompute (activation checkpointing), by module name.
+    if recompute:
+        apply_recompute(model, GPT_BLOCKS if recompute is True else recompute)
+    # 3. Data parallelism: same weights everywhere, gradients summed over the dp group in buckets.
+    dp_group = ctx.mesh.groups.get("dp")
+    if dp_group is not None and sync_initial_weights:
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                broadcast(tensor.data, dp_group)
+    params = [p for p in model.parameters() if p.requires_grad]
+    bucket_bytes = int(ctx.config.bucket_mb * 2**20)
+    grad_sync = GradSync(params, dp_group, bucket_bytes=bucket_bytes)
+    # 4. The optimizer sees the parameters whose .grad are now bucket views.
+    return Engine(model, ctx, optimizer(params), grad_sync,
+                  micro_batch=micro_batch, precision=precision, grad_clip=grad_clip)

@@ -1,0 +1,73 @@
+"""Layout-free state: model tensors and optimizer state keyed by parameter *name*.
+
+torch's optimizer.state_dict() keys state by the parameter's position in the optimizer, which
+changes with how parameters are grouped, sharded or split into stages. Keyed by the model's
+parameter names instead, the same state loads into any layout.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers, each stored tensor once (a tied weight under its first name)."""
+    seen: set[int] = set()
+    state = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            state[name] = tensor.detach()
+    return state
+
+
+@torch.no_grad()
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy `state` into the model in place; every stored tensor must be given, with its shape."""
+    own = model_state(model)
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise KeyError(f"model state does not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    for name, tensor in own.items():
+        if tuple(state[name].shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: saved shape {tuple(state[name].shape)} != model shape {tuple(tensor.shape)}")
+        tensor.copy_(state[name])
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
+    """optimizer.state_dict() with each parameter index replaced by the parameter's name."""
+    raw = optimizer.state_dict()
+    index_to_name = {}
+    index = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            index_to_name[index] = names[id(param)]
+            index += 1
+    groups = []
+    for group in raw["param_groups"]:
+        groups.append({**group, "params": [index_to_name[i] for i in group["params"]]})
+    state = {index_to_name[i]: dict(values) for i, values in raw["state"].items()}
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, named: dict[str, Any], names: dict[int, str]) -> None:
+    """Inverse of optimizer_state: map names back to this optimizer's parameter indices."""
+    name_to_index = {}
+    index = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            name_to_index[names[id(param)]] = index
+            index += 1
+    saved_names = [n for group in named["param_groups"] for n in group["params"]]
+    if sorted(saved_names) != sorted(name_to_index):
+        raise KeyError("optimizer state does not match the model's parameters: "
+                       f"saved {len(saved_names)} names, model has {len(name_to_index)}")
+    groups = [{**copy.deepcopy({k: v for k, v in g.items() if k != "params"}),
+               "params": [name_to_index[n] for n in g["params"]]} for g in named["param_groups"]]
+    state = {name_to_index[n]: values for n, values in named["state"].items()}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,183 @@
+"""The reference decoder-only transformer: a plain single-device nn.Module.
+
+No parallel code lives here. Strategies are applied from outside by module name, so the names are
+part of the contract:
+
+    tok_emb                      Embedding[V, D]
+    blocks.{i}.attn_norm         RMSNorm[D]
+    blocks.{i}.attn.qkv          Linear D -> 3D, output laid out as [heads, 3 (q|k|v), head_dim]
+    blocks.{i}.attn.out          Linear D -> D
+    blocks.{i}.mlp_norm          RMSNorm[D]
+    blocks.{i}.mlp.up            Linear D -> F
+    blocks.{i}.mlp.down          Linear F -> D
+    norm                         RMSNorm[D]
+    head                         Linear D -> V (its weight is tok_emb's when tied)
+
+The qkv output is interleaved per head so that any contiguous slice of whole heads holds their
+q, k and v together: a column split of qkv is then a split of the heads. Attention infers its
+local head count from the qkv width, so a narrower (sharded) qkv needs no change here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.config.model import ModelConfig
+from paratrain.models.init import keyed_normal_
+
+IGNORE_INDEX = -100
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 even under bf16 autocast: the mean of squares loses too much in bf16.
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [seq_len, head_dim / 2] (Su et al. 2021, RoFormer, eq. 34)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :h/2], x[..., h/2:]) of x[B, H, S, hd] by position-dependent angles."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # [S, hd/2], broadcast over B and H
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.out = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.out_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # x[B, S, D] @ Wqkv[D, 3D] -> [B, S, H, 3, hd] -> q, k, v each [B, H, S, hd]
+        qkv = self.qkv(x).view(batch, seq, -1, 3, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        y = y.transpose(1, 2).reshape(batch, seq, -1)  # [B, S, H * hd]
+        return self.out_dropout(self.out(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(config.d_model, config.ff_dim, bias=False)
+        self.down = nn.Linear(config.ff_dim, config.d_model, bias=False)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.down(F.gelu(self.up(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+        cos, sin = rope_tables(config.seq_len, config.head_dim, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx[B, S] (token ids) -> logits[B, S, V]."""
+        seq = idx.shape[1]
+        if seq > self.config.seq_len:
+            raise ValueError(f"sequence of {seq} tokens is longer than the model's seq_len {self.config.seq_len}")
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        x = self.tok_emb(idx)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.head(self.norm(x))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Layout-free init (see paratrain.models.init): GPT-2's N(0, 0.02), residual output
+        projections scaled by 1/sqrt(2 * n_layer) (Radford et al. 2019, section 2.3), norms at 1."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(("attn.out.weight", "mlp.down.weight")):
+                keyed_normal_(param, seed=seed, name=name, std=residual_std)
+            else:
+                keyed_normal_(param, seed=seed, name=name, std=0.02)
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.8,
+                 top_k: int = 40, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Append max_new_tokens sampled tokens to idx[B, S] (top-k sampling)."""
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.seq_len:]
+            logits = self(context)[:, -1, :].float() / max(temperature, 1e-6)
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)
+            next_token = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
+            idx = torch.cat((idx, next_token), dim=1)
+        return idx
+
+
+def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy as (sum over tokens, number of tokens), the shape the engine wants.
+
+    The engine divides by the token count of the whole global batch, so that the loss does not
+    depend on how the batch was split into ranks and micro-batches.
+    """
+    inputs, targets = batch
+    logits = model(inputs)
+    loss_sum = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="sum",
+    )
+    return loss_sum, (targets != IGNORE_INDEX).sum()
+
+
+def build_gpt(config: ModelConfig, *, seed: int, device: torch.device | str = "cpu",
+              dtype: torch.dtype = torch.float32) -> GPT:
+    """A GPT with layout-free weights, on `device` in `dtype`."""
+    model = GPT(config)
+    model.init_weights(seed)
+    return model.to(device=device, dtype=dtype)

@@ -1,0 +1,73 @@
+"""Mesh: one process group per parallel axis, built from ParallelDims and passed around explicitly.
+
+Only axes of degree > 1 get a group: degree 1 is the plain single-process path, which never
+communicates. Nothing here is stored in module globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from paratrain.topology.dims import AXES, ParallelDims
+
+
+@dataclass(frozen=True)
+class AxisGroup:
+    """This rank's group along one axis: what a collective needs, and what an error should name."""
+
+    axis: str
+    ranks: tuple[int, ...]
+    """Global ranks of the group, in axis order."""
+    index: int
+    """This rank's position in `ranks`."""
+    pg: dist.ProcessGroup
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def describe(self) -> str:
+        return f"the {self.axis} group (ranks {list(self.ranks)})"
+
+
+@dataclass(frozen=True)
+class Mesh:
+    dims: ParallelDims
+    rank: int
+    groups: dict[str, AxisGroup]
+
+    @classmethod
+    def build(cls, dims: ParallelDims, rank: int, *, timeout: timedelta | None = None) -> Mesh:
+        """Create every axis's groups. Collective: every rank of the world must call it with the
+        same dims, because torch's new_group is collective over the whole world."""
+        groups: dict[str, AxisGroup] = {}
+        for axis in AXES:
+            if dims.degree(axis) == 1:
+                continue
+            for ranks in dims.all_groups(axis):
+                pg = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    groups[axis] = AxisGroup(axis, tuple(ranks), ranks.index(rank), pg)
+        return cls(dims=dims, rank=rank, groups=groups)
+
+    @classmethod
+    def single(cls) -> Mesh:
+        return cls(dims=ParallelDims(dp=1), rank=0, groups={})
+
+    def degree(self, axis: str) -> int:
+        return self.dims.degree(axis)
+
+    def index(self, axis: str) -> int:
+        """This rank's coordinate along `axis`."""
+        return self.dims.coords(self.rank)[axis]
+
+    def group(self, axis: str) -> AxisGroup:
+        if axis not in self.groups:
+            raise ValueError(
+                f"axis {axis!r} has degree {self.degree(axis)}, so it has no process group: "
+                "degree 1 is the plain path and must not communicate"
+            )
+        return self.groups[axis]
