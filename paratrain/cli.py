@@ -1,0 +1,146 @@
+"""`paratrain` command line.
+
+    paratrain train                      the built-in demo: small GPT, built-in corpus, 2 processes
+    paratrain train --nproc 4 --dp 4 --global-batch 64 --micro-batch 4 --steps 100
+    paratrain train --config run.toml --steps 50        (flags override the file)
+    paratrain presets                    list the model presets
+
+Every setting is checked before any process starts; a bad one exits with code 2 and the rule,
+the numbers and a fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from paratrain.config import PRESETS, ConfigError, build_run_config, check_run, load_toml
+
+# flag -> (dotted config path, type, help)
+_TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
+    "--nproc": ("launch.nproc", int, "processes on this node (default 2)"),
+    "--nnodes": ("launch.nnodes", int, "nodes in the job (default 1)"),
+    "--node-rank": ("launch.node_rank", int, "this node's rank, 0..nnodes-1 (static rendezvous)"),
+    "--rdzv-endpoint": ("launch.rdzv_endpoint", str, "HOST:PORT of node 0, for nnodes > 1"),
+    "--rdzv-backend": ("launch.rdzv_backend", str, "static (default) or c10d"),
+    "--rdzv-id": ("launch.rdzv_id", str, "job id shared by all nodes"),
+    "--timeout": ("launch.timeout_s", float, "seconds a collective may wait before the job fails"),
+    "--dp": ("parallel.dp", int, "data-parallel degree (default: world size / (tp x pp))"),
+    "--tp": ("parallel.tp", int, "tensor-parallel degree (not yet supported above 1)"),
+    "--pp": ("parallel.pp", int, "pipeline-parallel degree (not yet supported above 1)"),
+    "--zero": ("parallel.zero", int, "ZeRO stage (not yet supported above 0)"),
+    "--bucket-mb": ("parallel.bucket_mb", float, "gradient all-reduce bucket size in MiB (default 25)"),
+    "--model": ("model.preset", str, f"model preset: {', '.join(PRESETS)}"),
+    "--data": ("data.source", str, "builtin, a .txt file, or a folder with train.bin/val.bin (uint16)"),
+    "--seq-len": ("data.seq_len", int, "tokens per sample (default: the model's)"),
+    "--global-batch": ("data.global_batch", int, "samples per optimizer step, all ranks together"),
+    "--micro-batch": ("data.micro_batch", int, "samples per forward/backward per rank (accumulation = G / (m x dp))"),
+    "--steps": ("train.steps", int, "optimizer steps"),
+    "--lr": ("optim.lr", float, "peak learning rate"),
+    "--warmup": ("optim.warmup_steps", int, "warmup steps"),
+    "--grad-clip": ("optim.grad_clip", float, "clip the global gradient norm (0: off)"),
+    "--precision": ("train.precision", str, "fp32 or bf16"),
+    "--eval-every": ("train.eval_every", int, "validate every N steps (0: only at the end)"),
+    "--save": ("train.save", str, "checkpoint folder"),
+    "--save-every": ("train.save_every", int, "checkpoint every N steps (0: only at the end)"),
+    "--resume": ("train.resume", str, "resume from this checkpoint folder"),
+    "--log-json": ("train.log_json", str, "write one JSON object per step to this file"),
+    "--sample-tokens": ("train.sample_tokens", int, "length of the text sample printed at the end"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paratrain", description="Distributed training, explicit and layout-invariant.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+    train = commands.add_parser("train", help="train a model (no flags: the built-in demo on 2 processes)")
+    train.add_argument("--config", help="TOML file with [model] [parallel] [data] [optim] [train] [launch] tables")
+    train.add_argument("--seed", type=int, default=None, help="seed of init and data order (default 1234)")
+    for flag, (_, kind, text) in _TRAIN_FLAGS.items():
+        train.add_argument(flag, type=kind, default=None, help=text)
+    train.add_argument("--recompute", action="store_true", default=None, help="recompute each block's activations in backward")
+    train.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
+    commands.add_parser("presets", help="list the model presets and their sizes")
+    return parser
+
+
+def run_config_from_args(args: argparse.Namespace) -> Any:
+    table = load_toml(args.config) if args.config else None
+    overrides: dict[str, Any] = {}
+    for flag, (path, _, _) in _TRAIN_FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            overrides[path] = value
+    if args.seed is not None:
+        overrides["seed"] = args.seed
+    if args.recompute is not None:
+        overrides["train.recompute"] = args.recompute
+    if args.progress is not None:
+        overrides["train.progress"] = args.progress
+    return build_run_config(table, overrides)
+
+
+def _train(args: argparse.Namespace, argv: list[str]) -> int:
+    from paratrain.launch import JobFailed, launch, launched_by_torchrun
+
+    config = run_config_from_args(args)
+    if launched_by_torchrun():  # a worker of a job: train here
+        return _worker(config)
+    world_size = config.launch.nproc * config.launch.nnodes
+    plan = check_run(config, world_size)
+    from paratrain.data import load_source
+    from paratrain.train import check_data
+
+    check_data(plan, load_source(config.data.source, val_fraction=config.data.val_fraction))
+    if world_size == 1:  # one process: no launcher, no process group
+        from paratrain.launch import train_on_this_rank
+
+        train_on_this_rank(plan)
+        return 0
+    try:
+        launch(config.launch, argv)
+    except JobFailed as failure:
+        print(f"paratrain: {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _worker(config: Any) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from paratrain.launch import leave, train_on_this_rank
+
+    @record
+    def main() -> None:
+        plan = check_run(config, int(os.environ["WORLD_SIZE"]))
+        train_on_this_rank(plan)
+
+    main()
+    leave()
+    return 0  # not reached: leave() exits the process
+
+
+def _presets() -> int:
+    print(f"{'preset':<12} {'params':>10} {'layers':>6} {'d_model':>7} {'heads':>5} {'seq':>5} {'vocab':>6}")
+    for name, config in PRESETS.items():
+        print(f"{name:<12} {config.num_params() / 1e6:>9.1f}M {config.n_layer:>6} {config.d_model:>7} "
+              f"{config.n_head:>5} {config.seq_len:>5} {config.vocab_size:>6}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return _train(args, argv)
+        return _presets()
+    except ConfigError as error:
+        print(f"paratrain: invalid configuration: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Throughput and utilisation figures, and the per-step JSON log.
+
+Metrics are records, not log lines: one JSON object per optimizer step, written by rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+# Dense bf16 tensor-core peak, FLOP/s, from the vendors' data sheets (without sparsity).
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,  # SXM; the PCIe card is 756e12
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10": 125e12,
+    "V100": 125e12,  # fp16 tensor cores (no bf16)
+}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak bf16 FLOP/s of a CUDA device, or None (CPU, or an unknown GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_BF16_FLOPS.items():
+        if key in name:
+            return value
+    return None
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, world_size: int, peak: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak of all devices (PaLM, app. B)."""
+    if peak is None:
+        return None
+    return tokens_per_s * flops_per_token / (peak * world_size)
+
+
+class JsonLog:
+    """Appends one JSON object per line; a no-op without a path."""
+
+    def __init__(self, path: str | None) -> None:
+        self._file: IO[str] | None = None
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

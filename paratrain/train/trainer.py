@@ -1,0 +1,168 @@
+"""Trainer: the training loop of a run plan, on one rank of the job.
+
+Builds the model (layout-free init), the engine (parallelize), the loaders, then per step: read
+this rank's rows of the global batch, train_step, set the learning rate, log, validate, checkpoint.
+Resuming restores the engine and the loader cursor, so the run continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paratrain.checkpoint import load_checkpoint, save_checkpoint
+from paratrain.config import ConfigError, RunPlan, to_dict
+from paratrain.data import GlobalBatchLoader, TokenSource, load_source
+from paratrain.hybrid import Engine, parallelize
+from paratrain.models import GPT, build_gpt, lm_loss
+from paratrain.topology import Context
+from paratrain.train.log import get_logger
+from paratrain.train.metrics import JsonLog, mfu, peak_flops
+from paratrain.train.optim import adamw_factory
+from paratrain.train.schedule import lr_at
+
+
+@dataclass
+class TrainResult:
+    losses: dict[int, float] = field(default_factory=dict)
+    """Global-batch training loss by step (1-based: the loss of the step that made step N)."""
+    val_losses: dict[int, float] = field(default_factory=dict)
+    sample: str = ""
+
+
+def check_data(plan: RunPlan, source: TokenSource) -> None:
+    """Rules that need the data: vocabulary fits the model; enough samples for a batch."""
+    if source.vocab_size > plan.model.vocab_size:
+        raise ConfigError(
+            f"the data uses token ids up to {source.vocab_size - 1}, but the model's vocab_size is "
+            f"{plan.model.vocab_size}: set model vocab_size >= {source.vocab_size}"
+        )
+    for split, tokens in (("train", source.train), ("val", source.val)):
+        samples = (len(tokens) - 1) // plan.seq_len
+        if samples < plan.batch.global_batch:
+            raise ConfigError(
+                f"the {split} split of {source.name!r} holds {samples} samples of {plan.seq_len + 1} tokens, "
+                f"fewer than one global batch ({plan.batch.global_batch}): lower global_batch or seq_len"
+            )
+
+
+class Trainer:
+    def __init__(self, plan: RunPlan, ctx: Context) -> None:
+        self.plan, self.ctx = plan, ctx
+        config = plan.config
+        self.log = get_logger(ctx.rank)
+        self.source = load_source(config.data.source, val_fraction=config.data.val_fraction)
+        check_data(plan, self.source)
+        self.model: GPT = build_gpt(plan.model, seed=config.seed)
+        self.engine: Engine = parallelize(
+            self.model, ctx, optimizer=adamw_factory(self.model, config.optim),
+            micro_batch=plan.batch.micro_batch, precision=config.train.precision,
+            grad_clip=config.optim.grad_clip, recompute=config.train.recompute,
+        )
+        dp, dp_index = ctx.mesh.degree("dp"), ctx.mesh.index("dp")
+        loader_args = dict(seq_len=plan.seq_len, global_batch=plan.batch.global_batch, dp=dp,
+                           dp_index=dp_index, seed=config.seed)
+        self.train_loader = GlobalBatchLoader(self.source.train, **loader_args)  # type: ignore[arg-type]
+        self.val_loader = GlobalBatchLoader(self.source.val, shuffle=False, **loader_args)  # type: ignore[arg-type]
+        self.step = 0
+        if config.train.resume:
+            self._resume(config.train.resume)
+
+    def _resume(self, path: str) -> None:
+        state, meta = load_checkpoint(path)
+        self.engine.load_state_dict(state)
+        self.train_loader.load_state_dict(meta["loader"])
+        self.step = int(meta["step"])
+        self.log.info("resumed from %s at step %d", path, self.step)
+
+    def save(self) -> None:
+        root = self.plan.config.train.save
+        if self.ctx.is_main:
+            meta = {"config": to_dict(self.plan.config), "loader": self.train_loader.state_dict(),
+                    "world_size": self.ctx.world_size}
+            folder = save_checkpoint(root, self.step, self.engine.state_dict(), meta)
+            self.log.info("saved checkpoint %s", folder)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def validate(self) -> float:
+        self.val_loader.load_state_dict({"epoch": 0, "cursor": 0})
+        batches = min(self.plan.config.train.eval_batches or 1, self.val_loader.batches_per_epoch)
+        losses = [self.engine.eval_loss(self.val_loader.next(), lm_loss) for _ in range(batches)]
+        return sum(losses) / len(losses)
+
+    def fit(self) -> TrainResult:
+        config, train = self.plan.config, self.plan.config.train
+        result = TrainResult()
+        json_log = JsonLog(train.log_json if self.ctx.is_main else None)
+        flops_per_token = self.plan.model.flops_per_token(self.plan.seq_len)
+        peak = peak_flops(self.ctx.device)
+        bar = self._progress_bar()
+        if self.step == 0:
+            # The starting point, so the log shows how far validation loss came down.
+            result.val_losses[0] = self.validate()
+            json_log.write({"step": 0, "val_loss": result.val_losses[0]})
+        try:
+            while self.step < train.steps:
+                lr = lr_at(self.step, total_steps=train.steps, peak=config.optim.lr,
+                           warmup_steps=config.optim.warmup_steps, min_ratio=config.optim.min_lr_ratio)
+                self.engine.set_lr(lr)
+                started = time.perf_counter()
+                batch = self.train_loader.next()
+                loss = self.engine.train_step(batch, lm_loss)
+                if self.ctx.device.type == "cuda":
+                    torch.cuda.synchronize()
+                step_time = time.perf_counter() - started
+                self.step += 1
+                stats = self.engine.last
+                assert stats is not None
+                result.losses[self.step] = loss
+                tokens_per_s = stats.tokens / step_time
+                record: dict[str, Any] = {
+                    "step": self.step, "loss": loss, "grad_norm": stats.grad_norm, "lr": lr,
+                    "tokens": stats.tokens, "step_time": step_time, "tokens_per_s": tokens_per_s,
+                }
+                utilisation = mfu(tokens_per_s, flops_per_token, self.ctx.world_size, peak)
+                if utilisation is not None:
+                    record["mfu"] = utilisation
+                last = self.step == train.steps
+                if (train.eval_every and self.step % train.eval_every == 0) or last:
+                    record["val_loss"] = result.val_losses[self.step] = self.validate()
+                if self.step % train.log_every == 0 or last or "val_loss" in record:
+                    json_log.write(record)
+                if bar is not None:
+                    postfix = {"loss": f"{loss:.3f}", "tok/s": f"{tokens_per_s:,.0f}"}
+                    if "val_loss" in record:
+                        postfix["val"] = f"{record['val_loss']:.3f}"
+                    bar.set_postfix(postfix, refresh=False)
+                    bar.update(1)
+                if train.save and ((train.save_every and self.step % train.save_every == 0) or last):
+                    self.save()
+        finally:
+            if bar is not None:
+                bar.close()
+            json_log.close()
+        if train.sample_tokens and self.ctx.is_main and self.source.vocab_size == 256:
+            result.sample = self.sample(train.sample_tokens)
+        return result
+
+    def _progress_bar(self) -> Any:
+        if not (self.plan.config.train.progress and self.ctx.is_main):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.plan.config.train.steps, initial=self.step, desc="train", unit="step",
+                    dynamic_ncols=True, mininterval=0.5)
+
+    def sample(self, length: int, prompt: str = "The ") -> str:
+        """Text generated by the trained model from `prompt` (rank 0; a fixed sampling seed)."""
+        self.model.eval()
+        ids = torch.tensor([self.source.encode_text(prompt)], device=self.ctx.device)
+        generator = torch.Generator().manual_seed(self.plan.config.seed)
+        out = self.model.generate(ids, length, generator=generator)
+        self.model.train()
+        return self.source.decode(out[0].tolist())
