@@ -48,6 +48,7 @@ _TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--resume": ("train.resume", str, "resume from this checkpoint folder"),
     "--log-json": ("train.log_json", str, "write one JSON object per step to this file"),
     "--sample-tokens": ("train.sample_tokens", int, "length of the text sample printed at the end"),
+    "--fail-at": ("train.fail_at", str, "fault injection for tests: RANK:STEP raises on that rank at that step"),
 }
 
 

@@ -74,6 +74,8 @@ class TrainSection:
     """Length of the text sample generated at the end; 0 skips it."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    fail_at: str = ""
+    """Fault injection for testing crash handling: 'RANK:STEP' makes that rank raise at that step."""
 
 
 @dataclass

@@ -113,4 +113,8 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
             raise ConfigError(f"train.{name} must be >= 0, got {getattr(train, name)}")
     if train.log_every < 1:
         raise ConfigError(f"train.log_every must be >= 1, got {train.log_every}")
+    if train.fail_at:
+        parts = train.fail_at.split(":")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            raise ConfigError(f"train.fail_at must be 'RANK:STEP', e.g. '1:3', got {train.fail_at!r}")
     return RunPlan(config=config, model=model, parallel=parallel, batch=batch, seq_len=seq_len)

@@ -32,6 +32,11 @@ from paratrain.models.init import keyed_normal_
 IGNORE_INDEX = -100
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """x in at least float32: bf16/fp16 go up, float32/float64 stay as they are."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -40,7 +45,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 even under bf16 autocast: the mean of squares loses too much in bf16.
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        wide = upcast(x)
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
 
@@ -150,7 +156,7 @@ class GPT(nn.Module):
         """Append max_new_tokens sampled tokens to idx[B, S] (top-k sampling)."""
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.seq_len:]
-            logits = self(context)[:, -1, :].float() / max(temperature, 1e-6)
+            logits = upcast(self(context)[:, -1, :]) / max(temperature, 1e-6)
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -169,7 +175,7 @@ def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple
     inputs, targets = batch
     logits = model(inputs)
     loss_sum = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+        upcast(logits.reshape(-1, logits.shape[-1])), targets.reshape(-1),
         ignore_index=IGNORE_INDEX, reduction="sum",
     )
     return loss_sum, (targets != IGNORE_INDEX).sum()

@@ -112,6 +112,7 @@ class Trainer:
                            warmup_steps=config.optim.warmup_steps, min_ratio=config.optim.min_lr_ratio)
                 self.engine.set_lr(lr)
                 started = time.perf_counter()
+                self._maybe_fail()
                 batch = self.train_loader.next()
                 loss = self.engine.train_step(batch, lm_loss)
                 if self.ctx.device.type == "cuda":
@@ -149,6 +150,12 @@ class Trainer:
         if train.sample_tokens and self.ctx.is_main and self.source.vocab_size == 256:
             result.sample = self.sample(train.sample_tokens)
         return result
+
+    def _maybe_fail(self) -> None:
+        if self.plan.config.train.fail_at:
+            rank, step = (int(p) for p in self.plan.config.train.fail_at.split(":"))
+            if rank == self.ctx.rank and step == self.step + 1:
+                raise RuntimeError(f"injected fault (train.fail_at) on rank {rank} at step {step}")
 
     def _progress_bar(self) -> Any:
         if not (self.plan.config.train.progress and self.ctx.is_main):

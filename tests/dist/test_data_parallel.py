@@ -1,0 +1,144 @@
+"""Data parallelism against the single-process reference, on real gloo processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import paratrain
+from paratrain.models import lm_loss
+from tests.helpers import TINY, max_state_diff, rel_diff, tiny_run
+
+STEPS = 10
+_reference_cache: dict[tuple, dict] = {}
+
+
+def reference(dtype: str, micro_batch: int | None = None) -> dict:
+    """The degree-1 oracle, computed in the test process itself (no process group at all)."""
+    key = (dtype, micro_batch)
+    if key not in _reference_cache:
+        _reference_cache[key] = tiny_run(dp=None, micro_batch=micro_batch, steps=STEPS, dtype=dtype)
+    return _reference_cache[key]
+
+
+def _job(dp: int, micro_batch: int, dtype: str) -> dict:
+    return tiny_run(dp=dp, micro_batch=micro_batch, steps=STEPS, dtype=dtype)
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+@pytest.mark.parametrize("accumulation", [1, 2, 4])
+def test_loss_matches_single_process_fp32(pools, dp, accumulation):
+    global_batch = 16
+    micro = global_batch // (dp * accumulation)
+    ref = reference("float32")
+    if dp == 1:
+        got = [tiny_run(dp=None, micro_batch=micro, steps=STEPS)]
+    else:
+        got = pools(dp).run(_job, dp, micro, "float32")
+    for rank_result in got:
+        assert rel_diff(rank_result["losses"], ref["losses"]) <= 1e-5
+        assert rel_diff(rank_result["grad_norms"], ref["grad_norms"]) <= 1e-4
+    # every replica ends with the same weights
+    for other in got[1:]:
+        assert max_state_diff(other["model"], got[0]["model"]) == 0.0
+    # Adam turns rounding into up to ~lr-sized steps on near-zero gradients; fp64 below is strict
+    assert max_state_diff(got[0]["model"], ref["model"]) < 1e-4
+
+
+@pytest.mark.parametrize("dp,accumulation", [(2, 2), (4, 1), (4, 2)])
+def test_loss_matches_single_process_fp64(pools, dp, accumulation):
+    micro = 16 // (dp * accumulation)
+    ref = reference("float64")
+    got = pools(dp).run(_job, dp, micro, "float64")
+    assert rel_diff(got[0]["losses"], ref["losses"]) <= 1e-12
+    assert max_state_diff(got[0]["model"], ref["model"]) <= 1e-12
+
+
+def test_buckets_launch_during_backward(pools):
+    got = pools(2).run(_job, 2, 8, "float32")
+    # with 0.05 MiB buckets the tiny GPT has many buckets; all but the last finish inside backward
+    assert got[0]["buckets"] > 4
+    assert got[0]["launched_during_backward"] >= got[0]["buckets"] - 1
+
+
+def test_recompute_matches(pools):
+    got = pools(2).run(tiny_run, dp=2, micro_batch=4, steps=STEPS, recompute=True)
+    assert rel_diff(got[0]["losses"], reference("float32")["losses"]) <= 1e-5
+
+
+class _RecordGrads(torch.optim.SGD):
+    """SGD that keeps a copy of the gradients it was asked to apply."""
+
+    def step(self, closure=None):  # type: ignore[override]
+        self.seen = [p.grad.detach().clone() for g in self.param_groups for p in g["params"]]
+        return super().step(closure)
+
+
+def _grads_vs_ddp() -> float:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ctx = paratrain.init(paratrain.ParallelConfig(dp=world, bucket_mb=0.05))
+    batch_rows = 4
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (batch_rows * world, TINY.seq_len + 1), generator=generator)
+    mine = tokens[rank * batch_rows: (rank + 1) * batch_rows]
+    x, y = mine[:, :-1], mine[:, 1:]
+
+    ours = paratrain.build_gpt(TINY, seed=3, dtype=torch.float64)
+    engine = paratrain.parallelize(ours, ctx, optimizer=lambda ps: _RecordGrads(ps, lr=0.0))
+    engine.train_step((x, y), lm_loss)
+
+    peer = paratrain.build_gpt(TINY, seed=3, dtype=torch.float64)
+    ddp = DDP(peer, process_group=ctx.mesh.group("dp").pg)
+    logits = ddp(x)
+    # every rank holds the same number of tokens, so DDP's mean of local means is the global mean
+    torch.nn.functional.cross_entropy(logits.reshape(-1, 256), y.reshape(-1)).backward()
+    theirs = [p.grad for p in peer.parameters()]
+    mine_grads = engine.optimizer.seen
+    return max(float((a - b).abs().max()) for a, b in zip(mine_grads, theirs, strict=True))
+
+
+def test_gradients_equal_torch_ddp(pools):
+    for diff in pools(2).run(_grads_vs_ddp):
+        assert diff < 1e-14
+
+
+class _TwoBranch(nn.Module):
+    """Not a GPT: a plain module with a branch that gets no gradient on odd ranks' batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.unused = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _generic_module(dp: int | None) -> list[float]:
+    ctx = paratrain.init(paratrain.ParallelConfig(dp=dp, bucket_mb=0.0001))
+    torch.manual_seed(0 if ctx.rank == 0 else 99)  # replicas differ: parallelize must sync them
+    model = _TwoBranch().double()
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    generator = torch.Generator().manual_seed(5)
+    data = torch.randn(8, 8, generator=generator, dtype=torch.float64)
+    target = torch.randn(8, 8, generator=generator, dtype=torch.float64)
+    per_rank = 8 // ctx.mesh.degree("dp")
+    lo = ctx.mesh.index("dp") * per_rank
+
+    def loss_fn(m, batch):
+        inputs, targets = batch
+        return ((m(inputs) - targets) ** 2).sum(), targets.numel()
+
+    return [engine.train_step((data[lo: lo + per_rank], target[lo: lo + per_rank]), loss_fn) for _ in range(5)]
+
+
+def test_generic_module_with_unused_params(pools):
+    torch.manual_seed(0)
+    ref = _generic_module(None)
+    for result in pools(2).run(_generic_module, 2):
+        assert rel_diff(result, ref) <= 1e-12

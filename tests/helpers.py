@@ -1,0 +1,50 @@
+"""Jobs and references shared by the distributed tests. Module level, so pool workers can import them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import paratrain
+from paratrain.config import preset
+from paratrain.data import GlobalBatchLoader, load_source
+from paratrain.models import lm_loss
+
+TINY = preset("tiny", seq_len=32)
+
+
+def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global_batch: int = 16,
+             dtype: str = "float32", seed: int = 7, lr: float = 3e-3, grad_clip: float = 1.0,
+             recompute: bool = False, bucket_mb: float = 0.05) -> dict[str, Any]:
+    """Train the tiny GPT `steps` steps on the built-in corpus under a layout; per-step losses and
+    grad norms, and the final full state. dp None: the single-process reference (no process group)."""
+    torch.manual_seed(12345)  # must not matter: init and data order are keyed
+    ctx = paratrain.init(paratrain.ParallelConfig(dp=dp, bucket_mb=bucket_mb))
+    model = paratrain.build_gpt(TINY, seed=seed, dtype=getattr(torch, dtype))
+    engine = paratrain.parallelize(
+        model, ctx, optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.1),
+        micro_batch=micro_batch, grad_clip=grad_clip, recompute=recompute,
+    )
+    source = load_source("builtin")
+    loader = GlobalBatchLoader(source.train, seq_len=TINY.seq_len, global_batch=global_batch,
+                               dp=ctx.mesh.degree("dp"), dp_index=ctx.mesh.index("dp"), seed=seed)
+    losses, norms = [], []
+    for _ in range(steps):
+        losses.append(engine.train_step(loader.next(), lm_loss))
+        assert engine.last is not None
+        norms.append(engine.last.grad_norm)
+    state = engine.state_dict()
+    return {"losses": losses, "grad_norms": norms,
+            "model": {k: v.clone() for k, v in state["model"].items()},
+            "launched_during_backward": engine.grad_sync.launched_during_backward,
+            "buckets": len(engine.grad_sync.buckets)}
+
+
+def rel_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-30) for x, y in zip(a, b, strict=True))
+
+
+def max_state_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)

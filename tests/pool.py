@@ -1,0 +1,128 @@
+"""A pool of rank processes kept alive across tests (see shared/TESTING.md).
+
+Spawning a gloo world costs seconds; one small parity test on a live world costs milliseconds. So
+each world size gets one pool of `spawn`ed workers that meet through a file store (no ports, so no
+address-in-use retries), and each test sends it a job: an importable module-level function run on
+every rank, whose per-rank results come back. Any error or timeout kills the pool (a rank stuck in
+a collective must not leak into the next test), and the next test builds a fresh one. This works
+because paratrain keeps no global process-group state: a job builds the Mesh it needs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+
+def _worker(rank: int, world_size: int, store: str, conn: Any) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
+    os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank), str(world_size)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=60))
+    conn.send(("ready", None))
+    while True:
+        message = conn.recv()
+        if message is None:
+            break
+        fn, args, kwargs = message
+        try:
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            conn.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+    conn.send(("closed", None))
+    os._exit(0)
+
+
+class RankPool:
+    def __init__(self, world_size: int, *, start_timeout: float = 120.0) -> None:
+        self.world_size = world_size
+        self._dir = tempfile.TemporaryDirectory(prefix=f"paratrain-pool{world_size}-")
+        context = mp.get_context("spawn")
+        self._conns, self._procs = [], []
+        store = os.path.join(self._dir.name, "store")
+        for rank in range(world_size):
+            parent, child = context.Pipe()
+            proc = context.Process(target=_worker, args=(rank, world_size, store, child), daemon=True)
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._collect("start", start_timeout)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+        """fn(*args, **kwargs) on every rank; returns the results by rank, or raises naming the ranks."""
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        return self._collect(getattr(fn, "__name__", str(fn)), timeout)
+
+    def _collect(self, what: str, timeout: float) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        results: list[Any] = [None] * self.world_size
+        errors, silent = [], []
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                silent.append(rank)
+                continue
+            try:
+                status, payload = conn.recv()
+            except EOFError:
+                silent.append(rank)
+                continue
+            if status == "error":
+                errors.append(f"--- rank {rank} ---\n{payload}")
+            results[rank] = payload
+        if errors or silent:
+            self.close()
+            lines = [f"job {what!r} on {self.world_size} ranks failed"]
+            if silent:
+                lines.append(f"ranks {silent} did not answer within {timeout:.0f}s (stuck or dead)")
+            raise AssertionError("\n".join(lines + errors))
+        return results
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._conns, self._procs = [], []
+        self._dir.cleanup()
+
+
+class Pools:
+    """At most one live pool, of the world size asked for last (2 cores cannot host two)."""
+
+    def __init__(self) -> None:
+        self._pool: RankPool | None = None
+
+    def __call__(self, world_size: int) -> RankPool:
+        if self._pool is not None and (self._pool.world_size != world_size or not self._pool.alive):
+            self._pool.close()
+            self._pool = None
+        if self._pool is None:
+            self._pool = RankPool(world_size)
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
