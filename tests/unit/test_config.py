@@ -1,0 +1,104 @@
+"""Every invalid setting is refused with the rule, the numbers and a fix; TOML and flags compose."""
+
+from __future__ import annotations
+
+import pytest
+
+from paratrain.config import ConfigError, ParallelConfig, batch_layout, build_run_config, check_run, preset
+from paratrain.config.load import from_dict, to_dict
+
+
+def test_dp_fills_the_world():
+    assert ParallelConfig().resolved(4).dp == 4
+    assert ParallelConfig(dp=2).resolved(2).world_size == 2
+
+
+@pytest.mark.parametrize("config,world,needle", [
+    (ParallelConfig(dp=3), 4, "dp x tp x pp = 3 x 1 x 1 = 3 must equal the world size (4)"),
+    (ParallelConfig(tp=2), 4, "tensor parallelism is not yet supported"),
+    (ParallelConfig(pp=2), 4, "pipeline parallelism is not yet supported"),
+    (ParallelConfig(ep=2), 4, "expert parallelism is not yet supported"),
+    (ParallelConfig(zero=1), 4, "ZeRO sharding is not yet supported"),
+    (ParallelConfig(zero=5), 4, "zero must be one of 0, 1, 2, 3"),
+    (ParallelConfig(bucket_mb=0), 2, "bucket_mb must be > 0"),
+    (ParallelConfig(dp=0), 2, "dp must be >= 1"),
+])
+def test_parallel_rules(config, world, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        config.resolved(world)
+
+
+def test_accumulation_must_be_integer():
+    assert batch_layout(32, 4, 2).accumulation == 4
+    assert batch_layout(32, 0, 2).micro_batch == 16
+    with pytest.raises(ConfigError) as info:
+        batch_layout(32, 3, 2)
+    message = str(info.value)
+    assert "32 / (3 x 2)" in message and "5.33" in message and "choose micro_batch in [1, 2, 4, 8, 16]" in message
+    with pytest.raises(ConfigError, match=r"global_batch \(33\) must be divisible by dp \(2\).*\[32, 34\]"):
+        batch_layout(33, 0, 2)
+
+
+def test_model_rules():
+    with pytest.raises(ConfigError, match=r"n_head \(3\) must divide model.d_model \(64\)"):
+        preset("tiny", n_head=3)
+    with pytest.raises(ConfigError, match="unknown model preset 'huge'"):
+        preset("huge")
+    tiny = preset("tiny")
+    assert tiny.n_layer >= 4 and tiny.n_head % 4 == 0 and tiny.d_model % 4 == 0 and tiny.ff_dim % 4 == 0
+    assert tiny.dropout == 0.0
+
+
+def test_gpt2_parameter_count():
+    # 124M in the GPT-2 paper counts biases and LayerNorm betas; without them: 123.55M
+    assert abs(preset("gpt2").num_params() - 123.55e6) < 0.01e6
+
+
+@pytest.mark.parametrize("overrides,world,needle", [
+    ({"data.global_batch": 30, "data.micro_batch": 4}, 2, "is not an integer"),
+    ({"data.seq_len": 4096}, 2, "must be <= the model's seq_len"),
+    ({"train.precision": "fp8"}, 2, "precision must be 'fp32' or 'bf16'"),
+    ({"train.steps": 0}, 2, "train.steps must be >= 1"),
+    ({"optim.lr": -1.0}, 2, "optim.lr must be > 0"),
+    ({"launch.nnodes": 2}, 4, "needs --rdzv-endpoint"),
+    ({"launch.node_rank": 3}, 2, r"node_rank \(3\) must be in 0..0"),
+    ({"parallel.dp": 4}, 2, "must equal the world size"),
+    ({"train.fail_at": "x"}, 2, "RANK:STEP"),
+])
+def test_run_rules(overrides, world, needle):
+    with pytest.raises(ConfigError, match=needle):
+        check_run(build_run_config(None, overrides), world)
+
+
+def test_unknown_and_mistyped_settings():
+    with pytest.raises(ConfigError, match="unknown setting 'data.globl_batch'"):
+        build_run_config(None, {"data.globl_batch": 3})
+    with pytest.raises(ConfigError, match="unknown config section 'trian'"):
+        build_run_config({"trian": {"steps": 3}})
+    with pytest.raises(ConfigError, match="data.global_batch must be an integer"):
+        build_run_config({"data": {"global_batch": "many"}})
+    with pytest.raises(ConfigError, match="must be true or false"):
+        build_run_config({"train": {"recompute": 1}})
+
+
+def test_toml_then_flags(tmp_path):
+    from paratrain.config import load_toml
+
+    path = tmp_path / "run.toml"
+    path.write_text('seed = 5\n[model]\npreset = "tiny"\nn_layer = 2\n[data]\nglobal_batch = 8\n[train]\nsteps = 3\n')
+    config = build_run_config(load_toml(path), {"train.steps": 7})
+    assert config.seed == 5 and config.model.preset == "tiny" and config.model.overrides == {"n_layer": 2}
+    assert config.data.global_batch == 8 and config.train.steps == 7
+    plan = check_run(config, 1)
+    assert plan.model.n_layer == 2 and plan.seq_len == 64
+    assert to_dict(from_dict(to_dict(config))) == to_dict(config)
+
+
+def test_bad_toml(tmp_path):
+    from paratrain.config import load_toml
+
+    (tmp_path / "bad.toml").write_text("[data\n")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_toml(tmp_path / "bad.toml")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_toml(tmp_path / "missing.toml")

@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from paratrain.data import GlobalBatchLoader, builtin_text, load_source, write_token_file
+
+
+def _loader(tokens, dp, index, global_batch=8, seq_len=4, seed=3):
+    return GlobalBatchLoader(tokens, seq_len=seq_len, global_batch=global_batch, dp=dp, dp_index=index, seed=seed)
+
+
+def test_builtin_corpus_is_english_and_split():
+    text = builtin_text()
+    assert len(text) > 300_000 and "the" in text
+    source = load_source("builtin")
+    assert source.vocab_size == 256
+    assert len(source.val) / (len(source.train) + len(source.val)) == pytest.approx(0.1, abs=1e-3)
+
+
+def test_global_order_does_not_depend_on_dp():
+    tokens = np.arange(1000, dtype=np.uint16)
+    reference = _loader(tokens, 1, 0)
+    batches = [reference.next()[0] for _ in range(40)]  # 249 samples: 31 batches per epoch
+    for dp in (2, 4):
+        loaders = [_loader(tokens, dp, r) for r in range(dp)]
+        for step in range(40):
+            parts = torch.cat([loader.next()[0] for loader in loaders])
+            assert torch.equal(parts, batches[step])
+
+
+def test_samples_are_shifted_windows():
+    tokens = np.arange(100, dtype=np.uint16)
+    loader = _loader(tokens, 1, 0, global_batch=2, seq_len=5)
+    x, y = loader.next()
+    assert x.dtype == torch.int64 and x.shape == (2, 5)
+    assert torch.equal(y[:, :-1], x[:, 1:])
+    assert int(x[0, 0]) == loader.last_indices[0] * 5
+
+
+def test_epoch_visits_each_sample_once_and_reshuffles():
+    tokens = np.arange(401, dtype=np.uint16)  # 100 samples of 4+1 tokens
+    loader = _loader(tokens, 1, 0, global_batch=10)
+    epoch0 = [i for _ in range(10) for i in (loader.next(), loader.last_indices)[1]]
+    assert sorted(epoch0) == list(range(100))
+    epoch1 = [i for _ in range(10) for i in (loader.next(), loader.last_indices)[1]]
+    assert sorted(epoch1) == list(range(100)) and epoch1 != epoch0
+
+
+def test_state_round_trip_reads_the_same_batches():
+    tokens = np.arange(1000, dtype=np.uint16)
+    a = _loader(tokens, 2, 1)
+    for _ in range(5):
+        a.next()
+    state = a.state_dict()
+    expected = [a.next()[0] for _ in range(30)]
+    b = _loader(tokens, 2, 1)
+    b.load_state_dict(state)
+    assert all(torch.equal(b.next()[0], e) for e in expected)
+    with pytest.raises(ValueError, match="global_batch"):
+        _loader(tokens, 2, 1, global_batch=4).load_state_dict(state)
+
+
+def test_too_little_data():
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        _loader(np.arange(20, dtype=np.uint16), 1, 0, global_batch=8)
+
+
+def test_token_folder_and_text_file(tmp_path):
+    write_token_file(tmp_path / "train.bin", np.arange(5000) % 1000)
+    write_token_file(tmp_path / "val.bin", np.arange(600) % 700)
+    source = load_source(str(tmp_path))
+    assert isinstance(source.train, np.memmap) and source.vocab_size == 1000
+    assert int(source.train[1234]) == 234
+    text = tmp_path / "t.txt"
+    text.write_text("héllo world " * 100)
+    source = load_source(str(text), val_fraction=0.25)
+    assert source.vocab_size == 256 and len(source.val) == pytest.approx(len("héllo world ".encode()) * 25, abs=2)
+    assert source.decode(source.encode_text("héllo")) == "héllo"
+    with pytest.raises(FileNotFoundError, match="neither 'builtin'"):
+        load_source(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="lacks"):
+        load_source(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="does not fit uint16"):
+        write_token_file(tmp_path / "x.bin", np.array([70000]))

@@ -1,0 +1,90 @@
+"""The degree-1 engine (no process group): the oracle itself must behave."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import paratrain
+from paratrain.config import preset
+from paratrain.hybrid import split_batch
+
+TINY = preset("tiny", seq_len=16)
+
+
+def _engine(**kwargs):
+    model = paratrain.build_gpt(TINY, seed=0, dtype=torch.float64)
+    ctx = paratrain.init(paratrain.ParallelConfig())
+    return paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), **kwargs)
+
+
+def test_single_process_context():
+    ctx = paratrain.init()
+    assert ctx.world_size == 1 and ctx.backend == "none" and ctx.is_main and ctx.mesh.groups == {}
+
+
+def test_accumulation_equals_one_big_batch():
+    x = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
+    y = torch.roll(x, -1, 1)
+    whole, parts = _engine(), _engine(micro_batch=2)
+    for _ in range(3):
+        a = whole.train_step((x, y), paratrain.lm_loss)
+        b = parts.train_step((x, y), paratrain.lm_loss)
+        assert a == pytest.approx(b, rel=1e-13)
+    assert parts.last.micro_batches == 4 and parts.last.tokens == 128
+
+
+def test_loss_weights_tokens_not_micro_batches():
+    """Micro-batches with different token counts: the loss is per token of the global batch."""
+    x = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(2))
+    y = torch.roll(x, -1, 1)
+    y[:2, 1:] = -100  # the first micro-batch has 2 tokens, the second 32
+    engine = _engine(micro_batch=2)
+    loss = engine.train_step((x, y), paratrain.lm_loss)
+    reference = _engine()
+    logits = reference.model(x)
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), y.reshape(-1))
+    assert loss == pytest.approx(float(expected.detach()), rel=1e-12)
+
+
+def test_grad_clipping_bounds_the_norm():
+    engine = _engine(grad_clip=1e-3)
+    x = torch.randint(0, 256, (2, 16))
+    before = [p.detach().clone() for p in engine.model.parameters()]
+    engine.train_step((x, torch.roll(x, -1, 1)), paratrain.lm_loss)
+    step = torch.sqrt(sum(((p - b) ** 2).sum() for p, b in zip(engine.model.parameters(), before)))
+    assert engine.last.grad_norm > 1e-3
+    assert float(step) == pytest.approx(0.1 * 1e-3, rel=1e-4)  # SGD lr 0.1 x clipped norm
+
+
+def test_bad_inputs_are_explained():
+    engine = _engine(micro_batch=3)
+    x = torch.zeros(4, 16, dtype=torch.long)
+    with pytest.raises(ValueError, match="not a multiple of micro_batch=3"):
+        engine.train_step((x, x), paratrain.lm_loss)
+    with pytest.raises(TypeError, match="must return"):
+        _engine().train_step((x, x), lambda m, b: m(b[0]).sum())
+    with pytest.raises(ValueError, match="same number of rows"):
+        split_batch((x, x[:2]), 2)
+    with pytest.raises(ValueError, match="precision"):
+        _engine(precision="fp16")
+
+
+def test_split_batch_shapes():
+    x = torch.arange(12).view(6, 2)
+    assert [t.tolist() for t in split_batch(x, 3)] == [x[:3].tolist(), x[3:].tolist()]
+    parts = split_batch({"a": x, "b": x + 1}, 2)
+    assert len(parts) == 3 and torch.equal(parts[1]["b"], x[2:4] + 1)
+
+
+def test_state_dict_round_trip():
+    a, b = _engine(), _engine()
+    x = torch.randint(0, 256, (2, 16))
+    a.optimizer = torch.optim.AdamW(list(a.model.parameters()), lr=1e-2)
+    b.optimizer = torch.optim.AdamW(list(b.model.parameters()), lr=1e-2)
+    a.train_step((x, torch.roll(x, -1, 1)), paratrain.lm_loss)
+    state = a.state_dict()
+    assert "head.weight" not in state["model"]  # tied: stored once, under tok_emb.weight
+    assert "tok_emb.weight" in state["optimizer"]["state"]
+    b.load_state_dict(state)
+    assert a.train_step((x, x), paratrain.lm_loss) == b.train_step((x, x), paratrain.lm_loss)

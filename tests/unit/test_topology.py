@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from paratrain.topology import Mesh, ParallelDims
+
+
+@pytest.mark.parametrize("pp,dp,tp", [(1, 1, 1), (1, 4, 1), (2, 2, 2), (1, 2, 4), (4, 1, 2), (3, 2, 1)])
+def test_rank_coordinates_round_trip(pp, dp, tp):
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp)
+    seen = set()
+    for rank in range(dims.world_size):
+        coords = dims.coords(rank)
+        assert dims.rank(**coords) == rank
+        seen.add(tuple(coords.values()))
+    assert len(seen) == dims.world_size
+
+
+def test_tp_is_innermost():
+    dims = ParallelDims(dp=2, tp=2, pp=2)
+    assert dims.group_ranks("tp", 0) == [0, 1]
+    assert dims.group_ranks("dp", 0) == [0, 2]
+    assert dims.group_ranks("pp", 0) == [0, 4]
+    assert dims.coords(7) == {"pp": 1, "dp": 1, "tp": 1}
+
+
+@pytest.mark.parametrize("axis", ["pp", "dp", "tp"])
+def test_groups_partition_the_world(axis):
+    dims = ParallelDims(dp=2, tp=2, pp=3)
+    groups = dims.all_groups(axis)
+    flat = list(itertools.chain.from_iterable(groups))
+    assert sorted(flat) == list(range(dims.world_size))
+    assert all(len(g) == dims.degree(axis) for g in groups)
+    for group in groups:
+        for rank in group:
+            assert dims.group_ranks(axis, rank) == group
+
+
+def test_bad_ranks_and_axes():
+    dims = ParallelDims(dp=2)
+    with pytest.raises(ValueError, match="rank 2 out of range"):
+        dims.coords(2)
+    with pytest.raises(ValueError, match="unknown axis"):
+        dims.degree("xp")
+
+
+def test_single_mesh_refuses_degree_one_groups():
+    mesh = Mesh.single()
+    assert mesh.degree("dp") == 1 and mesh.index("dp") == 0
+    with pytest.raises(ValueError, match="degree 1"):
+        mesh.group("dp")
