@@ -63,8 +63,11 @@ def launch(launch_cfg: LaunchSection, argv: list[str]) -> None:
 
 
 def _failures(error: object) -> list[RankFailure]:
+    """The failed ranks, root cause first: a rank that raised (exit code > 0) before one the agent
+    killed afterwards (negative: a signal), then the earliest error, then the lowest rank."""
     failures = []
-    for rank, failure in sorted(getattr(error, "failures", {}).items()):
+    items = getattr(error, "failures", {}).items()
+    for rank, failure in sorted(items, key=lambda kv: (kv[1].exitcode < 0, kv[1].timestamp, kv[0])):
         message = failure.message
         if isinstance(message, dict):
             message = message.get("message", str(message))

@@ -1,0 +1,122 @@
+"""The real command line, launching real processes (the e2e tier: few, each a few seconds)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+SMALL = ["--model", "tiny", "--seq-len", "32", "--global-batch", "8", "--micro-batch", "2",
+         "--eval-every", "0", "--sample-tokens", "0", "--no-progress", "--warmup", "2"]
+
+
+def paratrain(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "paratrain", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def losses(path: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(path) if "loss" in r}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_help_lists_commands():
+    out = paratrain("--help")
+    assert out.returncode == 0 and "train" in out.stdout and "presets" in out.stdout
+    out = paratrain("train", "--help")
+    for flag in ("--nproc", "--dp", "--global-batch", "--micro-batch", "--steps", "--seed", "--model", "--lr",
+                 "--precision", "--recompute", "--save", "--resume", "--config", "--log-json"):
+        assert flag in out.stdout
+
+
+def test_invalid_config_is_refused_before_launch():
+    started = time.monotonic()
+    out = paratrain("train", "--nproc", "2", "--global-batch", "30", "--micro-batch", "4")
+    assert out.returncode == 2
+    assert "invalid configuration" in out.stderr and "30 / (4 x 2)" in out.stderr and "choose micro_batch" in out.stderr
+    assert "rank" not in out.stderr.lower().replace("paratrain", "")  # no worker ever spoke
+    assert time.monotonic() - started < 20
+    out = paratrain("train", "--tp", "2")
+    assert out.returncode == 2 and "not yet supported" in out.stderr
+
+
+def test_train_log_save_resume(tmp_path):
+    log = tmp_path / "log.jsonl"
+    out = paratrain("train", "--nproc", "2", *SMALL, "--steps", "4", "--log-json", str(log),
+                    "--save", str(tmp_path / "ckpt"), "--save-every", "2", "--recompute")
+    assert out.returncode == 0, out.stderr
+    rows = records(log)
+    assert rows[0] == {"step": 0, "val_loss": rows[0]["val_loss"]}
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for key in ("step", "loss", "grad_norm", "lr", "tokens", "step_time"):
+        assert key in steps[0]
+    assert steps[0]["tokens"] == 8 * 32 and "val_loss" in steps[-1]
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000004"
+    # resume from the step-2 checkpoint on ONE process with bf16 off: steps 3-4 match the 2-process run
+    log2 = tmp_path / "log2.jsonl"
+    out = paratrain("train", "--nproc", "1", *SMALL, "--steps", "4", "--log-json", str(log2),
+                    "--resume", str(tmp_path / "ckpt" / "step_00000002"))
+    assert out.returncode == 0, out.stderr
+    resumed, first = losses(log2), losses(log)
+    assert sorted(resumed) == [3, 4]
+    for step in (3, 4):
+        assert resumed[step] == pytest.approx(first[step], rel=1e-5)
+
+
+def test_crashing_rank_fails_the_job_with_its_error():
+    out = paratrain("train", "--nproc", "2", *SMALL, "--steps", "5", "--fail-at", "1:3")
+    assert out.returncode == 1
+    assert "rank 1 failed" in out.stderr and "injected fault (train.fail_at) on rank 1 at step 3" in out.stderr
+
+
+def test_two_launcher_nodes_train_together(tmp_path):
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = ["train", "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", endpoint, *SMALL, "--steps", "3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [
+        subprocess.Popen([sys.executable, "-m", "paratrain", *common, "--node-rank", str(rank),
+                          "--log-json", str(tmp_path / f"node{rank}.jsonl")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    for node, (_, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err
+    assert not (tmp_path / "node1.jsonl").exists()  # only global rank 0 writes the log
+    four = losses(tmp_path / "node0.jsonl")
+    # dp=4 over 2 nodes gives the single process's losses
+    single = paratrain("train", "--nproc", "1", *SMALL, "--steps", "3", "--log-json", str(tmp_path / "one.jsonl"))
+    assert single.returncode == 0, single.stderr
+    one = losses(tmp_path / "one.jsonl")
+    for step in one:
+        assert four[step] == pytest.approx(one[step], rel=1e-5)
+
+
+def test_started_by_external_torchrun(tmp_path):
+    log = tmp_path / "log.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "paratrain", "train", *SMALL, "--steps", "2", "--log-json", str(log)],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr
+    assert sorted(losses(log)) == [1, 2]
