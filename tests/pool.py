@@ -70,7 +70,7 @@ class RankPool:
         results: list[Any] = [None] * self.world_size
         errors, silent = [], []
         for rank, conn in enumerate(self._conns):
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
+            if not self._wait_for(rank, deadline):
                 silent.append(rank)
                 continue
             try:
@@ -88,6 +88,16 @@ class RankPool:
                 lines.append(f"ranks {silent} did not answer within {timeout:.0f}s (stuck or dead)")
             raise AssertionError("\n".join(lines + errors))
         return results
+
+    def _wait_for(self, rank: int, deadline: float) -> bool:
+        """True when rank has answered; False at the deadline or as soon as its process is dead."""
+        conn, proc = self._conns[rank], self._procs[rank]
+        while time.monotonic() < deadline:
+            if conn.poll(0.2):
+                return True
+            if not proc.is_alive():
+                return conn.poll(0)
+        return False
 
     @property
     def alive(self) -> bool:

@@ -51,7 +51,7 @@ class OptimSection:
 
 @dataclass
 class TrainSection:
-    steps: int = 200
+    steps: int = 300
     """Optimizer steps in the whole run (a resumed run continues to the same total)."""
     precision: str = "fp32"
     """'fp32', or 'bf16' (autocast with fp32 weights and gradients)."""

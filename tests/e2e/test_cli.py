@@ -120,3 +120,16 @@ def test_started_by_external_torchrun(tmp_path):
         capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == 0, out.stderr
     assert sorted(losses(log)) == [1, 2]
+
+
+def test_default_demo_learns(tmp_path):
+    """`paratrain train` with no flags: 2 processes, small GPT, built-in corpus (the README's main job)."""
+    started = time.monotonic()
+    log = tmp_path / "demo.jsonl"
+    out = paratrain("train", "--log-json", str(log), timeout=600)
+    elapsed = time.monotonic() - started
+    assert out.returncode == 0, out.stderr
+    val = [r["val_loss"] for r in records(log) if "val_loss" in r]
+    assert val[-1] < 0.45 * val[0], val  # ~5.3 -> ~1.7 here
+    assert "sample:" in out.stdout and "validation loss:" in out.stdout
+    assert elapsed < 300, f"the demo took {elapsed:.0f}s"  # about 100s on 2 cores
