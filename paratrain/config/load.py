@@ -66,6 +66,8 @@ def _set(config: RunConfig, path: str, value: Any) -> RunConfig:
         config.model.overrides[parts[2]] = value
         return config
     if len(parts) == 1:
+        if parts[0] != "seed" and hasattr(config, parts[0]):
+            raise ConfigError(f"{path!r} is a section: give it as a table ([{path}] in TOML), not a value")
         _check_field(config, parts[0], value, path)
         setattr(config, parts[0], value)
         return config
@@ -85,19 +87,24 @@ def _set(config: RunConfig, path: str, value: Any) -> RunConfig:
 
 
 def _check_field(obj: Any, key: str, value: Any, path: str) -> None:
+    """The key exists on obj, and the value has the kind its annotation names (None allowed only
+    where the annotation allows it)."""
     fields = {f.name: f for f in dataclasses.fields(obj)}
     if key not in fields:
         raise ConfigError(f"unknown setting {path!r}: {type(obj).__name__} has {sorted(fields)}")
-    default = getattr(type(obj)(), key) if not isinstance(obj, RunConfig) else getattr(RunConfig(), key)
-    if value is None or default is None:
+    annotation = str(fields[key].type)
+    if value is None:
+        if "None" not in annotation:
+            raise ConfigError(f"{path} must be set, got None")
         return
-    if isinstance(default, bool) and not isinstance(value, bool):
-        raise ConfigError(f"{path} must be true or false, got {value!r}")
-    if isinstance(default, int) and not isinstance(default, bool) and not (
-        isinstance(value, int) and not isinstance(value, bool)
-    ):
-        raise ConfigError(f"{path} must be an integer, got {value!r}")
-    if isinstance(default, float) and not isinstance(value, (int, float)):
-        raise ConfigError(f"{path} must be a number, got {value!r}")
-    if isinstance(default, str) and not isinstance(value, str):
-        raise ConfigError(f"{path} must be a string, got {value!r}")
+    kind = annotation.split("|")[0].strip()
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    ok = {
+        "bool": isinstance(value, bool),
+        "int": is_int,
+        "float": is_int or isinstance(value, float),
+        "str": isinstance(value, str),
+    }.get(kind, True)
+    if not ok:
+        words = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string"}
+        raise ConfigError(f"{path} must be {words[kind]}, got {value!r}")

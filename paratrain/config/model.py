@@ -6,7 +6,7 @@ which is why it lives in config/ rather than next to the module.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from paratrain.config.errors import ConfigError
 
@@ -104,6 +104,10 @@ def preset(name: str, **overrides: object) -> ModelConfig:
     """The named preset with some fields replaced, validated."""
     if name not in PRESETS:
         raise ConfigError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")
+    known = {f.name for f in fields(ModelConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError(f"unknown model setting(s) {unknown}: ModelConfig has {sorted(known)}")
     config = replace(PRESETS[name], **overrides) if overrides else PRESETS[name]
     config.validate()
     return config

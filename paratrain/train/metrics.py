@@ -43,11 +43,12 @@ def mfu(tokens_per_s: float, flops_per_token: float, world_size: int, peak: floa
 class JsonLog:
     """Appends one JSON object per line; a no-op without a path."""
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, *, append: bool = False) -> None:
+        """append: continue an existing log (a resumed run); otherwise start the file afresh."""
         self._file: IO[str] | None = None
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a")
+            self._file = open(path, "a" if append else "w")
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:

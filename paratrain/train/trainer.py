@@ -98,7 +98,7 @@ class Trainer:
     def fit(self) -> TrainResult:
         config, train = self.plan.config, self.plan.config.train
         result = TrainResult()
-        json_log = JsonLog(train.log_json if self.ctx.is_main else None)
+        json_log = JsonLog(train.log_json if self.ctx.is_main else None, append=self.step > 0)
         flops_per_token = self.plan.model.flops_per_token(self.plan.seq_len)
         peak = peak_flops(self.ctx.device)
         bar = self._progress_bar()

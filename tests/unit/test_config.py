@@ -79,6 +79,14 @@ def test_unknown_and_mistyped_settings():
         build_run_config({"data": {"global_batch": "many"}})
     with pytest.raises(ConfigError, match="must be true or false"):
         build_run_config({"train": {"recompute": 1}})
+    with pytest.raises(ConfigError, match="parallel.dp must be an integer"):
+        build_run_config(None, {"parallel.dp": "2"})
+    assert build_run_config(None, {"parallel.dp": None}).parallel.dp is None
+    with pytest.raises(ConfigError, match="is a section"):
+        build_run_config({"data": "builtin"})
+    assert build_run_config(None, {"optim.lr": 1}).optim.lr == 1
+    with pytest.raises(ConfigError, match=r"unknown model setting\(s\) \['n_layers'\]"):
+        check_run(build_run_config({"model": {"n_layers": 2}}), 1)
 
 
 def test_toml_then_flags(tmp_path):
