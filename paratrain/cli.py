@@ -16,11 +16,11 @@ import os
 import sys
 from typing import Any
 
-from paratrain.config import PRESETS, ConfigError, build_run_config, check_run, load_toml
+from paratrain.config import PRESETS, ConfigError, build_run_config, check_run, launch_world_size, load_toml
 
 # flag -> (dotted config path, type, help)
 _TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
-    "--nproc": ("launch.nproc", int, "processes on this node (default 2)"),
+    "--nproc": ("launch.nproc", int, "processes on this node (default: dp x tp x pp / nnodes, or 2)"),
     "--nnodes": ("launch.nnodes", int, "nodes in the job (default 1)"),
     "--node-rank": ("launch.node_rank", int, "this node's rank, 0..nnodes-1 (static rendezvous)"),
     "--rdzv-endpoint": ("launch.rdzv_endpoint", str, "HOST:PORT of node 0, for nnodes > 1"),
@@ -89,7 +89,8 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     config = run_config_from_args(args)
     if launched_by_torchrun():  # a worker of a job: train here
         return _worker(config)
-    world_size = config.launch.nproc * config.launch.nnodes
+    world_size = launch_world_size(config)
+    config.launch.nproc = world_size // config.launch.nnodes
     plan = check_run(config, world_size)
     from paratrain.data import load_source
     from paratrain.train import check_data

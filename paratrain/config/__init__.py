@@ -12,10 +12,10 @@ from paratrain.config.run import (
     RunConfig,
     TrainSection,
 )
-from paratrain.config.validate import BatchLayout, RunPlan, batch_layout, check_run
+from paratrain.config.validate import BatchLayout, RunPlan, batch_layout, check_run, launch_world_size
 
 __all__ = [
     "PRESETS", "BatchLayout", "ConfigError", "DataSection", "LaunchSection", "ModelConfig",
     "ModelSection", "OptimSection", "ParallelConfig", "RunConfig", "RunPlan", "TrainSection",
-    "batch_layout", "build_run_config", "check_run", "from_dict", "load_toml", "preset", "to_dict",
+    "batch_layout", "build_run_config", "check_run", "launch_world_size", "from_dict", "load_toml", "preset", "to_dict",
 ]

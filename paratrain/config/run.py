@@ -80,8 +80,8 @@ class TrainSection:
 
 @dataclass
 class LaunchSection:
-    nproc: int = 2
-    """Processes per node."""
+    nproc: int = 0
+    """Processes per node; 0: dp x tp x pp / nnodes when dp is set, else 2."""
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = ""

@@ -63,13 +63,29 @@ class RunPlan:
     seq_len: int
 
 
+def launch_world_size(config: RunConfig) -> int:
+    """Processes the launcher will start: nproc x nnodes, nproc following --dp when not given."""
+    launch, parallel = config.launch, config.parallel
+    if launch.nproc < 0 or launch.nnodes < 1:
+        raise ConfigError(f"nproc ({launch.nproc}) must be >= 1 and nnodes ({launch.nnodes}) >= 1")
+    if launch.nproc:
+        return launch.nproc * launch.nnodes
+    if parallel.dp is None:
+        return 2 * launch.nnodes
+    world = parallel.dp * parallel.tp * parallel.pp
+    if world % launch.nnodes:
+        raise ConfigError(
+            f"dp x tp x pp = {world} processes do not split evenly over {launch.nnodes} nodes: "
+            f"give --nproc (processes per node) or another dp"
+        )
+    return world
+
+
 def check_run(config: RunConfig, world_size: int) -> RunPlan:
     """All the rules of a run, in the order a user would want to hear of them."""
     if world_size < 1:
         raise ConfigError(f"the world size must be >= 1, got {world_size}")
     launch = config.launch
-    if launch.nproc < 1 or launch.nnodes < 1:
-        raise ConfigError(f"nproc ({launch.nproc}) and nnodes ({launch.nnodes}) must be >= 1")
     if not 0 <= launch.node_rank < launch.nnodes:
         raise ConfigError(f"node_rank ({launch.node_rank}) must be in 0..{launch.nnodes - 1}")
     if launch.rdzv_backend not in ("static", "c10d"):

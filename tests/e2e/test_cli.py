@@ -60,7 +60,7 @@ def test_invalid_config_is_refused_before_launch():
 
 def test_train_log_save_resume(tmp_path):
     log = tmp_path / "log.jsonl"
-    out = paratrain("train", "--nproc", "2", *SMALL, "--steps", "4", "--log-json", str(log),
+    out = paratrain("train", "--dp", "2", *SMALL, "--steps", "4", "--log-json", str(log),  # 2 processes
                     "--save", str(tmp_path / "ckpt"), "--save-every", "2", "--recompute")
     assert out.returncode == 0, out.stderr
     rows = records(log)

@@ -89,6 +89,17 @@ def test_unknown_and_mistyped_settings():
         check_run(build_run_config({"model": {"n_layers": 2}}), 1)
 
 
+def test_process_count_follows_dp():
+    from paratrain.config import launch_world_size
+
+    assert launch_world_size(build_run_config()) == 2
+    assert launch_world_size(build_run_config(None, {"parallel.dp": 4})) == 4
+    assert launch_world_size(build_run_config(None, {"parallel.dp": 4, "launch.nproc": 2})) == 2
+    assert launch_world_size(build_run_config(None, {"launch.nproc": 3, "launch.nnodes": 2})) == 6
+    with pytest.raises(ConfigError, match="do not split evenly over 2 nodes"):
+        launch_world_size(build_run_config(None, {"parallel.dp": 3, "launch.nnodes": 2}))
+
+
 def test_toml_then_flags(tmp_path):
     from paratrain.config import load_toml
 
