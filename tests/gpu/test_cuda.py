@@ -1,0 +1,32 @@
+"""The CUDA path (NCCL backend, bf16, MFU): run on a machine with an NVIDIA GPU; skipped elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import paratrain
+from paratrain.config import preset
+from paratrain.train.metrics import peak_flops
+
+pytestmark = pytest.mark.gpu
+
+
+def test_single_gpu_bf16_step_learns():
+    ctx = paratrain.init()
+    assert ctx.device.type == "cuda"
+    config = preset("small")
+    model = paratrain.build_gpt(config, seed=0)
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3),
+                                   precision="bf16", micro_batch=8)
+    x = torch.randint(0, 256, (16, config.seq_len), generator=torch.Generator().manual_seed(0))
+    losses = [engine.train_step((x, torch.roll(x, -1, 1)), paratrain.lm_loss) for _ in range(20)]
+    assert next(model.parameters()).device.type == "cuda"
+    assert losses[-1] < losses[0] - 1.0
+
+
+def test_known_gpu_has_a_peak():
+    name = torch.cuda.get_device_name(0)
+    if not any(key in name for key in ("H100", "H200", "A100", "L40S", "A10", "V100")):
+        pytest.skip(f"no peak FLOP/s on record for {name}")
+    assert peak_flops(torch.device("cuda", 0)) > 1e14
