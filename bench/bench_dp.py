@@ -87,7 +87,7 @@ def _race(steps: int, rounds: int, bucket_mb: float) -> dict:
         dist.all_reduce(probe, group=group.pg)
         raw.append(time.perf_counter() - started)
     # our gradient sync: every bucket launched back to back, then waited
-    buffers = [b.buffer for b in ours.grad_sync.buckets]
+    buffers = [b.buffer for b in ours.grads.buckets]
     grad_bytes = sum(b.numel() * b.element_size() for b in buffers)
     synced = []
     for i in range(8):

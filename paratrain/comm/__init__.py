@@ -1,10 +1,19 @@
 """Communication on explicit groups: named collectives, gradient buckets, global norms."""
 
-from paratrain.comm.buckets import Bucket, build_buckets
-from paratrain.comm.collectives import CollectiveError, Pending, all_reduce, all_reduce_async, broadcast
+from paratrain.comm.buckets import Bucket, build_buckets, plan_buckets
+from paratrain.comm.collectives import (
+    CollectiveError,
+    Pending,
+    all_gather_async,
+    all_reduce,
+    all_reduce_async,
+    broadcast,
+    reduce_scatter_async,
+)
 from paratrain.comm.norms import clip_by_norm_, global_grad_norm
 
 __all__ = [
-    "Bucket", "CollectiveError", "Pending", "all_reduce", "all_reduce_async", "broadcast",
-    "build_buckets", "clip_by_norm_", "global_grad_norm",
+    "Bucket", "CollectiveError", "Pending", "all_gather_async", "all_reduce", "all_reduce_async", "broadcast",
+    "reduce_scatter_async",
+    "build_buckets", "clip_by_norm_", "plan_buckets", "global_grad_norm",
 ]

@@ -9,6 +9,7 @@ the order backward produces gradients in, so the first bucket is the first one r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Hashable
 
 import torch
 from torch import nn
@@ -38,31 +39,34 @@ class Bucket:
                 param.grad = self.grad_view(i)
 
 
-def build_buckets(params: list[nn.Parameter], *, cap_bytes: int) -> list[Bucket]:
-    """Group trainable params (reversed) into buckets of about cap_bytes, one dtype and device each.
+def plan_buckets(params: list[nn.Parameter], *, cap_bytes: int,
+                 key: Callable[[nn.Parameter], Hashable] = lambda p: None) -> list[list[nn.Parameter]]:
+    """Group trainable params (reversed) into lists of about cap_bytes, one (key, dtype, device) each.
 
-    The assignment depends only on the parameter list, so every rank with the same model builds the
+    The assignment depends only on the parameter list, so every rank with the same model plans the
     same buckets, in the same order: that is what lets them launch collectives in the same order.
     """
-    buckets: list[Bucket] = []
-    pending: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+    planned: list[list[nn.Parameter]] = []
+    pending: dict[Hashable, list[nn.Parameter]] = {}
+    for param in reversed([p for p in params if p.requires_grad]):
+        group_key = (key(param), param.dtype, param.device)
+        pending.setdefault(group_key, []).append(param)
+        if sum(p.numel() * p.element_size() for p in pending[group_key]) >= cap_bytes:
+            planned.append(pending.pop(group_key))
+    planned.extend(pending.values())
+    return planned
 
-    def close(key: tuple[torch.dtype, torch.device]) -> None:
-        group = pending.pop(key)
+
+def build_buckets(params: list[nn.Parameter], *, cap_bytes: int) -> list[Bucket]:
+    """Buckets of plan_buckets, each with a zeroed buffer that the parameters' .grad now view."""
+    buckets = []
+    for index, group in enumerate(plan_buckets(params, cap_bytes=cap_bytes)):
         offsets, total = [], 0
         for param in group:
             offsets.append(total)
             total += param.numel()
-        buffer = torch.zeros(total, dtype=key[0], device=key[1])
-        bucket = Bucket(index=len(buckets), params=group, buffer=buffer, offsets=offsets)
+        buffer = torch.zeros(total, dtype=group[0].dtype, device=group[0].device)
+        bucket = Bucket(index=index, params=group, buffer=buffer, offsets=offsets)
         bucket.attach()
         buckets.append(bucket)
-
-    for param in reversed([p for p in params if p.requires_grad]):
-        key = (param.dtype, param.device)
-        pending.setdefault(key, []).append(param)
-        if sum(p.numel() * p.element_size() for p in pending[key]) >= cap_bytes:
-            close(key)
-    for key in list(pending):
-        close(key)
     return buckets

@@ -14,6 +14,11 @@ import torch.distributed as dist
 from paratrain.topology.mesh import AxisGroup
 
 
+# torch 2.13 renamed the tensor forms of all-gather and reduce-scatter; older releases have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names the operation and the group."""
 
@@ -67,3 +72,24 @@ def broadcast(tensor: torch.Tensor, group: AxisGroup, *, src_index: int = 0) -> 
         dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg)
     except RuntimeError as error:
         raise _fail("broadcast", group, tensor, error) from error
+
+
+def reduce_scatter_async(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup,
+                         *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending:
+    """Start output = (sum over the group of `tensor`)[index * n : (index + 1) * n], n = output.numel()."""
+    try:
+        work = _reduce_scatter_single(output, tensor, op=op, group=group.pg, async_op=True)
+    except RuntimeError as error:
+        raise _fail("reduce_scatter", group, tensor, error) from error
+    assert work is not None
+    return Pending("reduce_scatter", group, tensor, work)
+
+
+def all_gather_async(output: torch.Tensor, shard: torch.Tensor, group: AxisGroup) -> Pending:
+    """Start output = concatenation of every group rank's `shard`, in group order."""
+    try:
+        work = _all_gather_single(output, shard, group=group.pg, async_op=True)
+    except RuntimeError as error:
+        raise _fail("all_gather", group, shard, error) from error
+    assert work is not None
+    return Pending("all_gather", group, shard, work)

@@ -17,7 +17,9 @@ def global_grad_norm(owned: list[torch.Tensor], *, sum_over: tuple[AxisGroup, ..
     logical parameter is counted once (not once per replica).
     """
     if owned:
-        squares = torch.stack([torch.linalg.vector_norm(t.float()) ** 2 for t in owned]).sum()
+        # in at least float32 (never down: float64 gradients keep a float64 norm)
+        wide = torch.promote_types(owned[0].dtype, torch.float32)
+        squares = torch.stack([torch.linalg.vector_norm(t, dtype=wide) ** 2 for t in owned]).sum()
     else:
         squares = torch.zeros(())
     for group in sum_over:

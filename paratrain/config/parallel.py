@@ -28,7 +28,15 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel degree, a divisor of dp (not yet supported above 1)."""
     zero: int = 0
-    """ZeRO stage: 0 plain data parallelism (stages 1-3 not yet supported)."""
+    """ZeRO stage over dp: 0 plain data parallelism; 1 shards optimizer state; 2 also gradients
+    (stage 3, parameters too, is not yet supported)."""
+    shard_group: int | None = None
+    """Hierarchical sharding (MiCS / HSDP): shard inside groups of this many dp ranks, replicate
+    across the dp / shard_group groups. None: shard over all of dp."""
+    grad_reduce: str = "auto"
+    """How sharded gradients are reduced: 'reduce_scatter', 'all_reduce' (then each rank keeps its
+    slice), or 'auto': reduce-scatter on NCCL, all-reduce on gloo (gloo's reduce-scatter is slower
+    than its all-reduce of the same tensor: 45 ms vs 26 ms at 16 MiB on 2 CPU processes)."""
     bucket_mb: float = 25.0
     """Size of a gradient all-reduce bucket, in MiB (as torch DDP's bucket_cap_mb)."""
 
@@ -45,8 +53,10 @@ class ParallelConfig:
                 )
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"zero must be one of 0, 1, 2, 3, got {self.zero}")
-        if self.zero:
-            raise ConfigError(f"zero={self.zero}: ZeRO sharding is not yet supported; use zero=0")
+        if self.zero == 3:
+            raise ConfigError("zero=3: parameter sharding is not yet supported; use zero=1 or zero=2")
+        if self.grad_reduce not in ("auto", "reduce_scatter", "all_reduce"):
+            raise ConfigError(f"grad_reduce must be 'auto', 'reduce_scatter' or 'all_reduce', got {self.grad_reduce!r}")
         if self.bucket_mb <= 0:
             raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb}")
         model_parallel = self.tp * self.pp
@@ -64,6 +74,17 @@ class ParallelConfig:
                 f"world size ({world_size}): set dp={world_size // model_parallel} or run "
                 f"{dp * model_parallel} processes (--nproc)"
             )
+        if self.shard_group is not None:
+            if self.zero == 0:
+                raise ConfigError(
+                    f"shard_group={self.shard_group} needs a ZeRO stage: with zero=0 nothing is sharded; "
+                    "set zero to 1 or 2, or drop shard_group"
+                )
+            if self.shard_group < 1 or dp % self.shard_group:
+                choices = [s for s in range(1, dp + 1) if dp % s == 0]
+                raise ConfigError(
+                    f"shard_group ({self.shard_group}) must divide dp ({dp}): choose shard_group in {choices}"
+                )
         if dp % self.ep:
             raise ConfigError(f"ep ({self.ep}) must divide dp ({dp})")
         return replace(self, dp=dp)

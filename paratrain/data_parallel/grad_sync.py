@@ -37,22 +37,33 @@ class GradSync:
         self._finish_queued = False
         self.launched_during_backward = 0
         """Buckets whose all-reduce started before backward ended, in the last synced backward."""
+        self.norm_groups: tuple[AxisGroup, ...] = ()
+        """Every rank holds every reduced gradient: the norm needs no further reduction."""
         if group is not None:
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                            for b in self.buckets for p in b.params]
 
-    @property
-    def grads(self) -> list[torch.Tensor]:
+    def owned_grads(self) -> list[torch.Tensor]:
         """The flat gradient buffers: every gradient of the model, each exactly once."""
         return [b.buffer for b in self.buckets]
 
-    def attach(self) -> None:
+    def begin_step(self) -> None:
+        """Before the first micro-batch: .grad must be the bucket views (again, if someone reset them)."""
         for bucket in self.buckets:
             bucket.attach()
+        self.launched_during_backward = 0
 
-    def zero_grad(self) -> None:
+    def end_backward(self) -> None:
+        """After each micro-batch's backward: nothing to do, accumulation stays in the buckets."""
+
+    def after_step(self) -> None:
         for bucket in self.buckets:
             bucket.buffer.zero_()
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters and gradients."""
+        params = sum(p.numel() * p.element_size() for b in self.buckets for p in b.params)
+        return {"params": params, "grads": sum(b.nbytes for b in self.buckets)}
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self.sync:
@@ -76,7 +87,7 @@ class GradSync:
         while self._next < len(self.buckets):  # buckets holding parameters that got no gradient
             self._launch(self._next)
 
-    def wait(self) -> None:
+    def finish(self) -> None:
         """Block until every bucket of this step is reduced; then reset for the next step."""
         if self.group is not None and self._next < len(self.buckets):
             # A synced backward that produced no gradient at all still has to meet its peers.
@@ -87,6 +98,3 @@ class GradSync:
         self._ready = [0] * len(self.buckets)
         self._next = 0
         self._finish_queued = False
-
-    def start_step(self) -> None:
-        self.launched_during_backward = 0

@@ -12,19 +12,39 @@ micro-batch size or on how many tokens each micro-batch holds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Protocol, Sequence, Union
 
 import torch
 from torch import nn
 
 from paratrain.comm import all_reduce, clip_by_norm_, global_grad_norm
-from paratrain.data_parallel import GradSync
-from paratrain.hybrid.state import load_model_state, load_optimizer_state, model_state, optimizer_state
+from paratrain.hybrid.state import load_model_state, model_state
 from paratrain.memory import autocast
-from paratrain.topology import Context
+from paratrain.topology import AxisGroup, Context
 
 Batch = Union[torch.Tensor, Sequence[torch.Tensor], Mapping[str, torch.Tensor]]
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, Union[torch.Tensor, int]]]
+
+
+class GradientStrategy(Protocol):
+    """How a strategy reduces gradients (paratrain.data_parallel.GradSync, paratrain.sharding.ZeroSync).
+
+    The engine calls, per step: begin_step(); per micro-batch: set `sync`, backward, end_backward();
+    then finish() (gradients reduced), owned_grads() (divided by the token count, normed over
+    norm_groups, clipped), the optimizer step, and after_step().
+    """
+
+    sync: bool
+    """False: this micro-batch's backward only accumulates (the strategy may still communicate)."""
+    norm_groups: tuple[AxisGroup, ...]
+    """Groups across which ranks own different gradient elements (their norms add up)."""
+
+    def begin_step(self) -> None: ...
+    def end_backward(self) -> None: ...
+    def finish(self) -> None: ...
+    def owned_grads(self) -> list[torch.Tensor]: ...
+    def after_step(self) -> None: ...
+    def memory(self) -> dict[str, int]: ...
 
 
 @dataclass(frozen=True)
@@ -72,47 +92,50 @@ def to_device(batch: Batch, device: torch.device) -> Any:
 class Engine:
     """Built by paratrain.parallelize; owns the model, the gradient sync and the optimizer."""
 
-    def __init__(self, model: nn.Module, ctx: Context, optimizer: torch.optim.Optimizer, grad_sync: GradSync,
-                 *, micro_batch: int | None, precision: str, grad_clip: float) -> None:
+    def __init__(self, model: nn.Module, ctx: Context, optimizer: torch.optim.Optimizer, grads: GradientStrategy,
+                 *, micro_batch: int | None, precision: str, grad_clip: float,
+                 optimizer_state: Callable[[], dict[str, Any]],
+                 load_optimizer_state: Callable[[Mapping[str, Any]], None]) -> None:
         self.model = model
         self.ctx = ctx
         self.optimizer = optimizer
-        self.grad_sync = grad_sync
+        self.grads = grads
         self.micro_batch = micro_batch
         self.precision = precision
         self.grad_clip = grad_clip
         self.last: StepStats | None = None
-        self._names = {id(p): n for n, p in model.named_parameters()}
+        self._optimizer_state = optimizer_state
+        self._load_optimizer_state = load_optimizer_state
         self._dp_group = ctx.mesh.groups.get("dp")
 
     def train_step(self, batch: Batch, loss_fn: LossFn) -> float:
         """Forward, backward and update on this rank's share of one global batch; returns its loss."""
         self.model.train()
         micro_batches = split_batch(batch, self.micro_batch or _rows(batch))
-        self.grad_sync.attach()
-        self.grad_sync.start_step()
+        self.grads.begin_step()
         # Accumulate (loss sum, token count) in float64 so the reported loss is exact to print.
         totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         for i, micro in enumerate(micro_batches):
-            self.grad_sync.sync = i == len(micro_batches) - 1  # communicate on the last only
+            self.grads.sync = i == len(micro_batches) - 1  # communicate on the last only
             loss_sum, count = self._forward(to_device(micro, self.ctx.device), loss_fn)
             loss_sum.backward()
+            self.grads.end_backward()
             totals[0] += loss_sum.detach().double()
             totals[1] += count
-        self.grad_sync.wait()
+        self.grads.finish()
         if self._dp_group is not None:
             all_reduce(totals, self._dp_group)
         loss_sum_global, tokens = totals.tolist()
         if tokens <= 0:
             raise ValueError("the global batch holds no tokens to learn from (every target ignored)")
-        grads = self.grad_sync.grads
+        grads = self.grads.owned_grads()
         for grad in grads:  # sum over the global batch -> mean per token
             grad.div_(tokens)
-        norm = global_grad_norm(grads)  # DP: every rank holds every gradient, reduced already
+        norm = global_grad_norm(grads, sum_over=self.grads.norm_groups)
         if self.grad_clip > 0:
             clip_by_norm_(grads, norm, self.grad_clip)
         self.optimizer.step()
-        self.grad_sync.zero_grad()
+        self.grads.after_step()
         self.last = StepStats(loss=loss_sum_global / tokens, grad_norm=float(norm),
                               tokens=int(tokens), micro_batches=len(micro_batches))
         return self.last.loss
@@ -146,10 +169,23 @@ class Engine:
             group["lr"] = lr
 
     def state_dict(self) -> dict[str, Any]:
-        """Full and layout-free: model tensors and optimizer state keyed by parameter name."""
-        return {"model": model_state(self.model), "optimizer": optimizer_state(self.optimizer, self._names)}
+        """Full and layout-free: model tensors and optimizer state keyed by parameter name.
+        Collective under sharding (every rank must call it): shards are gathered."""
+        return {"model": model_state(self.model), "optimizer": self._optimizer_state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         load_model_state(self.model, state["model"])
-        load_optimizer_state(self.optimizer, state["optimizer"], self._names)
-        self.grad_sync.attach()
+        self._load_optimizer_state(state["optimizer"])
+        self.grads.begin_step()
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state (steady state,
+        between steps; transient buffers of a step in flight are not counted)."""
+        report = self.grads.memory()
+        masters = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        report["optimizer"] = sum(
+            v.numel() * v.element_size()
+            for p, st in self.optimizer.state.items() if id(p) in masters
+            for v in st.values() if isinstance(v, torch.Tensor)
+        ) + report.pop("masters", 0)
+        return report

@@ -6,6 +6,7 @@ step that does nothing. Later strategies (tensor, pipeline, sharding) slot into 
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -13,8 +14,10 @@ from torch import nn
 
 from paratrain.comm import broadcast
 from paratrain.data_parallel import GradSync
-from paratrain.hybrid.engine import Engine
+from paratrain.hybrid.engine import Engine, GradientStrategy
+from paratrain.hybrid.state import load_optimizer_state, optimizer_state
 from paratrain.memory import GPT_BLOCKS, PRECISIONS, apply_recompute
+from paratrain.sharding import ZeroSync
 from paratrain.topology import Context
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -49,8 +52,26 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
             for tensor in [*model.parameters(), *model.buffers()]:
                 broadcast(tensor.data, dp_group)
     params = [p for p in model.parameters() if p.requires_grad]
+    names = {id(p): n for n, p in model.named_parameters()}
     bucket_bytes = int(ctx.config.bucket_mb * 2**20)
-    grad_sync = GradSync(params, dp_group, bucket_bytes=bucket_bytes)
-    # 4. The optimizer sees the parameters whose .grad are now bucket views.
-    return Engine(model, ctx, optimizer(params), grad_sync,
-                  micro_batch=micro_batch, precision=precision, grad_clip=grad_clip)
+    opt = optimizer(params)
+    grads: GradientStrategy
+    if ctx.config.zero == 0:
+        # 4a. Plain DP: .grad are bucket views, summed over dp; the optimizer keeps full state.
+        grads = GradSync(params, dp_group, bucket_bytes=bucket_bytes)
+        save_state = functools.partial(optimizer_state, opt, names)
+        load_state = functools.partial(load_optimizer_state, opt, names=names)
+    else:
+        # 4b. ZeRO-1/2: flat groups padded to the shard group; the optimizer is re-pointed at this
+        # rank's shard of each, so its state exists for 1/shard of the parameters only.
+        zero = ZeroSync(params, opt, names, ctx.mesh, stage=ctx.config.zero, bucket_bytes=bucket_bytes,
+                        reduce_op=_grad_reduce(ctx))
+        grads, save_state, load_state = zero, zero.optimizer_state, zero.load_optimizer_state
+    return Engine(model, ctx, opt, grads, micro_batch=micro_batch, precision=precision, grad_clip=grad_clip,
+                  optimizer_state=save_state, load_optimizer_state=load_state)
+
+
+def _grad_reduce(ctx: Context) -> str:
+    if ctx.config.grad_reduce != "auto":
+        return ctx.config.grad_reduce
+    return "reduce_scatter" if ctx.backend == "nccl" else "all_reduce"

@@ -8,7 +8,7 @@ parameter names instead, the same state loads into any layout.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -55,19 +55,26 @@ def optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> 
     return {"state": state, "param_groups": groups}
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, named: dict[str, Any], names: dict[int, str]) -> None:
-    """Inverse of optimizer_state: map names back to this optimizer's parameter indices."""
-    name_to_index = {}
-    index = 0
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            name_to_index[names[id(param)]] = index
-            index += 1
-    saved_names = [n for group in named["param_groups"] for n in group["params"]]
-    if sorted(saved_names) != sorted(name_to_index):
-        raise KeyError("optimizer state does not match the model's parameters: "
-                       f"saved {len(saved_names)} names, model has {len(name_to_index)}")
-    groups = [{**copy.deepcopy({k: v for k, v in g.items() if k != "params"}),
-               "params": [name_to_index[n] for n in g["params"]]} for g in named["param_groups"]]
+def load_optimizer_state(optimizer: torch.optim.Optimizer, named: Mapping[str, Any], *, names: dict[int, str]) -> None:
+    """Inverse of optimizer_state: map names back to this optimizer's parameters.
+
+    torch's load_state_dict pairs saved and current parameters by position within each group, so
+    the groups are rebuilt in this optimizer's order; the saved order (another layout's) is free.
+    """
+    saved_groups = named["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"the saved optimizer has {len(saved_groups)} param groups, this one {len(optimizer.param_groups)}")
+    name_to_index: dict[str, int] = {}
+    groups = []
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        group_names = [names[id(p)] for p in group["params"]]
+        if sorted(group_names) != sorted(saved["params"]):
+            raise KeyError("optimizer state does not match the model's parameters: a saved param group "
+                           f"holds {len(saved['params'])} names, this one {len(group_names)} (or other names)")
+        indices = []
+        for name in group_names:
+            name_to_index[name] = len(name_to_index)
+            indices.append(name_to_index[name])
+        groups.append({**copy.deepcopy({k: v for k, v in saved.items() if k != "params"}), "params": indices})
     state = {name_to_index[n]: values for n, values in named["state"].items()}
     optimizer.load_state_dict({"state": state, "param_groups": groups})

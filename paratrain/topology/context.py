@@ -61,8 +61,10 @@ def init(config: ParallelConfig | None = None, *, timeout: timedelta = timedelta
         used_backend = str(dist.get_backend())
     else:
         rank, world_size, used_backend = 0, 1, "none"
+    resolved = config.resolved(world_size)
     dims = ParallelDims.from_config(config, world_size)
-    mesh = Mesh.build(dims, rank, timeout=timeout) if world_size > 1 else Mesh.single()
+    shard_group = (resolved.shard_group or resolved.dp) if resolved.zero else None
+    mesh = Mesh.build(dims, rank, timeout=timeout, shard_group=shard_group) if world_size > 1 else Mesh.single()
     if used_backend == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     elif used_backend == "none" and torch.cuda.is_available():
@@ -70,6 +72,6 @@ def init(config: ParallelConfig | None = None, *, timeout: timedelta = timedelta
     else:
         device = torch.device("cpu")
     return Context(
-        config=config.resolved(world_size), mesh=mesh, rank=rank, world_size=world_size,
+        config=resolved, mesh=mesh, rank=rank, world_size=world_size,
         device=device, backend=used_backend,
     )

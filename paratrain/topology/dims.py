@@ -71,6 +71,23 @@ class ParallelDims:
             groups.append([self.rank(**{**fixed, axis: i}) for i in range(self.degree(axis))])
         return groups
 
+    def dp_split(self, shard: int) -> tuple[list[list[int]], list[list[int]]]:
+        """(shard groups, replicate groups) for hierarchical sharding (MiCS / HSDP) of the dp axis.
+
+        The dp ranks of each (pp, tp) position are cut into dp / shard groups of `shard` consecutive
+        dp indices: dp_index = replicate_index * shard + shard_index. A shard group holds one copy of
+        the state, split `shard` ways; a replicate group links the ranks that hold the same shard.
+        """
+        if shard < 1 or self.dp % shard:
+            raise ConfigError(f"shard group ({shard}) must divide dp ({self.dp})")
+        shard_groups, replicate_groups = [], []
+        for dp_group in self.all_groups("dp"):
+            for start in range(0, self.dp, shard):
+                shard_groups.append(dp_group[start: start + shard])
+            for offset in range(shard):
+                replicate_groups.append(dp_group[offset::shard])
+        return shard_groups, replicate_groups
+
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} out of range for world size {self.world_size}")

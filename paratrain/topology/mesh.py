@@ -40,17 +40,32 @@ class Mesh:
     groups: dict[str, AxisGroup]
 
     @classmethod
-    def build(cls, dims: ParallelDims, rank: int, *, timeout: timedelta | None = None) -> Mesh:
+    def build(cls, dims: ParallelDims, rank: int, *, timeout: timedelta | None = None,
+              shard_group: int | None = None) -> Mesh:
         """Create every axis's groups. Collective: every rank of the world must call it with the
-        same dims, because torch's new_group is collective over the whole world."""
+        same arguments, because torch's new_group is collective over the whole world.
+
+        shard_group S (1 < S < dp) adds the dp sub-axes of hierarchical sharding: "dp_shard"
+        (S ranks sharing one copy of the state) and "dp_replicate" (dp / S ranks holding the same
+        shard). S = dp makes "dp_shard" the dp group itself; S = 1 or None adds nothing.
+        """
         groups: dict[str, AxisGroup] = {}
-        for axis in AXES:
-            if dims.degree(axis) == 1:
-                continue
-            for ranks in dims.all_groups(axis):
+
+        def add(axis: str, all_ranks: list[list[int]]) -> None:
+            for ranks in all_ranks:
                 pg = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     groups[axis] = AxisGroup(axis, tuple(ranks), ranks.index(rank), pg)
+
+        for axis in AXES:
+            if dims.degree(axis) > 1:
+                add(axis, dims.all_groups(axis))
+        if shard_group is not None and 1 < shard_group < dims.dp:
+            shards, replicas = dims.dp_split(shard_group)
+            add("dp_shard", shards)
+            add("dp_replicate", replicas)
+        elif shard_group == dims.dp and "dp" in groups:
+            groups["dp_shard"] = groups["dp"]
         return cls(dims=dims, rank=rank, groups=groups)
 
     @classmethod
@@ -58,10 +73,14 @@ class Mesh:
         return cls(dims=ParallelDims(dp=1), rank=0, groups={})
 
     def degree(self, axis: str) -> int:
+        if axis in ("dp_shard", "dp_replicate"):
+            return self.groups[axis].size if axis in self.groups else 1
         return self.dims.degree(axis)
 
     def index(self, axis: str) -> int:
         """This rank's coordinate along `axis`."""
+        if axis in ("dp_shard", "dp_replicate"):
+            return self.groups[axis].index if axis in self.groups else 0
         return self.dims.coords(self.rank)[axis]
 
     def group(self, axis: str) -> AxisGroup:

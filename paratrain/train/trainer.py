@@ -81,10 +81,11 @@ class Trainer:
 
     def save(self) -> None:
         root = self.plan.config.train.save
+        state = self.engine.state_dict()  # collective under sharding: every rank gathers
         if self.ctx.is_main:
             meta = {"config": to_dict(self.plan.config), "loader": self.train_loader.state_dict(),
                     "world_size": self.ctx.world_size}
-            folder = save_checkpoint(root, self.step, self.engine.state_dict(), meta)
+            folder = save_checkpoint(root, self.step, state, meta)
             self.log.info("saved checkpoint %s", folder)
         if dist.is_initialized():
             dist.barrier()

@@ -61,7 +61,7 @@ def test_invalid_config_is_refused_before_launch():
 def test_train_log_save_resume(tmp_path):
     log = tmp_path / "log.jsonl"
     out = paratrain("train", "--dp", "2", *SMALL, "--steps", "4", "--log-json", str(log),  # 2 processes
-                    "--save", str(tmp_path / "ckpt"), "--save-every", "2", "--recompute")
+                    "--save", str(tmp_path / "ckpt"), "--save-every", "2", "--recompute", "--zero", "2")
     assert out.returncode == 0, out.stderr
     rows = records(log)
     assert rows[0] == {"step": 0, "val_loss": rows[0]["val_loss"]}
@@ -71,7 +71,7 @@ def test_train_log_save_resume(tmp_path):
         assert key in steps[0]
     assert steps[0]["tokens"] == 8 * 32 and "val_loss" in steps[-1]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000004"
-    # resume from the step-2 checkpoint on ONE process with bf16 off: steps 3-4 match the 2-process run
+    # resume the ZeRO-2 checkpoint of step 2 on ONE process as plain DP: steps 3-4 match the 2-process run
     log2 = tmp_path / "log2.jsonl"
     out = paratrain("train", "--nproc", "1", *SMALL, "--steps", "4", "--log-json", str(log2),
                     "--resume", str(tmp_path / "ckpt" / "step_00000002"))

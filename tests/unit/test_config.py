@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from paratrain.config import ConfigError, ParallelConfig, batch_layout, build_run_config, check_run, preset
@@ -18,13 +20,16 @@ def test_dp_fills_the_world():
     (ParallelConfig(tp=2), 4, "tensor parallelism is not yet supported"),
     (ParallelConfig(pp=2), 4, "pipeline parallelism is not yet supported"),
     (ParallelConfig(ep=2), 4, "expert parallelism is not yet supported"),
-    (ParallelConfig(zero=1), 4, "ZeRO sharding is not yet supported"),
+    (ParallelConfig(zero=3), 4, "parameter sharding is not yet supported"),
+    (ParallelConfig(dp=4, shard_group=2), 4, "needs a ZeRO stage"),
+    (ParallelConfig(dp=4, zero=1, shard_group=3), 4, "shard_group (3) must divide dp (4): choose shard_group in [1, 2, 4]"),
+    (ParallelConfig(zero=1, grad_reduce="ring"), 4, "grad_reduce must be"),
     (ParallelConfig(zero=5), 4, "zero must be one of 0, 1, 2, 3"),
     (ParallelConfig(bucket_mb=0), 2, "bucket_mb must be > 0"),
     (ParallelConfig(dp=0), 2, "dp must be >= 1"),
 ])
 def test_parallel_rules(config, world, needle):
-    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
         config.resolved(world)
 
 

@@ -12,10 +12,10 @@ from paratrain.hybrid import split_batch
 TINY = preset("tiny", seq_len=16)
 
 
-def _engine(**kwargs):
+def _engine(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), zero=0, **kwargs):
     model = paratrain.build_gpt(TINY, seed=0, dtype=torch.float64)
-    ctx = paratrain.init(paratrain.ParallelConfig())
-    return paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), **kwargs)
+    ctx = paratrain.init(paratrain.ParallelConfig(zero=zero))
+    return paratrain.parallelize(model, ctx, optimizer=optimizer, **kwargs)
 
 
 def test_single_process_context():
@@ -78,11 +78,11 @@ def test_split_batch_shapes():
     assert len(parts) == 3 and torch.equal(parts[1]["b"], x[2:4] + 1)
 
 
-def test_state_dict_round_trip():
-    a, b = _engine(), _engine()
+@pytest.mark.parametrize("zero_a,zero_b", [(0, 0), (1, 0), (0, 2), (2, 1)])
+def test_state_dict_round_trip(zero_a, zero_b):
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
+    a, b = _engine(adamw, zero=zero_a), _engine(adamw, zero=zero_b)
     x = torch.randint(0, 256, (2, 16))
-    a.optimizer = torch.optim.AdamW(list(a.model.parameters()), lr=1e-2)
-    b.optimizer = torch.optim.AdamW(list(b.model.parameters()), lr=1e-2)
     a.train_step((x, torch.roll(x, -1, 1)), paratrain.lm_loss)
     state = a.state_dict()
     assert "head.weight" not in state["model"]  # tied: stored once, under tok_emb.weight

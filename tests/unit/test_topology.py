@@ -51,3 +51,13 @@ def test_single_mesh_refuses_degree_one_groups():
     assert mesh.degree("dp") == 1 and mesh.index("dp") == 0
     with pytest.raises(ValueError, match="degree 1"):
         mesh.group("dp")
+
+
+def test_dp_split_for_hierarchical_sharding():
+    dims = ParallelDims(dp=4, tp=2)
+    shards, replicas = dims.dp_split(2)
+    # dp groups are [0, 2, 4, 6] and [1, 3, 5, 7] (tp innermost)
+    assert shards == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert replicas == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    with pytest.raises(Exception, match="must divide dp"):
+        dims.dp_split(3)

@@ -1,0 +1,6 @@
+"""Sharded data parallelism: ZeRO-1/2 and hierarchical (MiCS / HSDP) shard groups, one model of sharding."""
+
+from paratrain.sharding.flat import FlatGroup
+from paratrain.sharding.zero import ZeroSync
+
+__all__ = ["FlatGroup", "ZeroSync"]

@@ -1,0 +1,59 @@
+"""FlatGroup: some parameters flattened into one buffer, split evenly across a shard group.
+
+    param_flat[padded]   = p0 | p1 | ... | pk | zeros      padded = ceil(numel / S) * S
+    rank i of the shard group owns param_flat[i * n : (i + 1) * n], n = padded / S
+
+The parameters become views into param_flat, and `master` (what the optimizer updates) is a
+Parameter sharing storage with this rank's slice: the optimizer writes straight into the model's
+weights, and an all-gather of the slices makes every rank's copy whole again. The zero padding
+makes every slice the same size, which is what reduce-scatter and all-gather need; it stays zero
+(its gradient is zero), so it changes no norm and no update.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class FlatGroup:
+    def __init__(self, index: int, params: list[nn.Parameter], *, shards: int, shard_index: int,
+                 optimizer_group: int) -> None:
+        self.index = index
+        self.params = params
+        self.optimizer_group = optimizer_group
+        """Index of the optimizer param group all these parameters belong to."""
+        self.offsets: list[int] = []
+        total = 0
+        for param in params:
+            self.offsets.append(total)
+            total += param.numel()
+        self.numel = total
+        self.padded = math.ceil(total / shards) * shards
+        self.shard_numel = self.padded // shards
+        self.lo = shard_index * self.shard_numel
+        self.hi = self.lo + self.shard_numel
+        dtype, device = params[0].dtype, params[0].device
+        self.param_flat = torch.zeros(self.padded, dtype=dtype, device=device)
+        with torch.no_grad():
+            for param, view in zip(params, self.views(self.param_flat)):
+                view.copy_(param)
+                param.data = view
+        self.master = nn.Parameter(self.param_flat[self.lo: self.hi])
+        """This rank's shard of the parameters, as the optimizer sees it (shares param_flat's storage)."""
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's region of a [padded] buffer, shaped like the parameter."""
+        return [flat[o: o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
+
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.lo: self.hi]
+
+    def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """[padded] buffer holding `tensors` (shaped like the parameters) back to back."""
+        flat = torch.zeros(self.padded, dtype=tensors[0].dtype, device=tensors[0].device)
+        for view, tensor in zip(self.views(flat), tensors):
+            view.copy_(tensor)
+        return flat

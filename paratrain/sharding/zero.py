@@ -1,0 +1,269 @@
+"""ZeRO-1 and ZeRO-2 over the dp axis, with hierarchical shard groups (Rajbhandari et al. 2020).
+
+One model of sharding, parameterised by the stage:
+- every trainable parameter lives in a FlatGroup (size-capped buckets, one optimizer group each),
+  whose flat buffer is split evenly across the shard group;
+- the optimizer is re-pointed at this rank's shard (`FlatGroup.master`), so its state (Adam's two
+  moments: 8 bytes per parameter in fp32) exists for 1/S of the parameters (P_os);
+- gradients are summed over dp bucket by bucket from post-accumulate-grad hooks, in bucket order,
+  and this rank keeps the sum for its shard only;
+- after the optimizer step, each shard group all-gathers the updated shards into full parameters.
+
+stage 1: full gradients accumulate in persistent flat buffers (the parameters' .grad are views, as
+    in plain DP); only the last micro-batch communicates.
+stage 2: a parameter's gradient is copied into its group's buffer as soon as it is ready and freed;
+    the buffer is reduced and freed as soon as the group is complete, every micro-batch, the sum
+    kept in this rank's shard: full-size gradients never outlive their bucket (P_os+g).
+
+Hierarchical sharding (MiCS, Zhang et al. 2022; torch's HSDP): with a shard group of S < dp ranks,
+a shard's gradient is summed over all dp ranks (reduce-scatter in the shard group, then all-reduce
+of the shard across the dp / S replicas; or one all-reduce over dp), and the all-gather of
+parameters stays inside the shard group.
+
+The reduction primitive is a choice: reduce-scatter moves half the bytes of an all-reduce (NCCL),
+but gloo's reduce-scatter is slower than its all-reduce, so on CPU the default all-reduces the flat
+buffer over dp and keeps the shard's slice.
+
+Requires an element-wise optimizer (SGD, Adam, AdamW, ...): the update of an element must depend
+only on that element's state, since flat shards cut through parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from paratrain.comm import Pending, all_gather_async, all_reduce, all_reduce_async, plan_buckets, reduce_scatter_async
+from paratrain.sharding.flat import FlatGroup
+from paratrain.topology import AxisGroup, Mesh
+
+
+@dataclass
+class _InFlight:
+    group: FlatGroup
+    flat: torch.Tensor
+    """The full gradient buffer being reduced (kept alive until the reduction is done)."""
+    shard: torch.Tensor | None
+    """reduce_scatter: where the shard's sum lands; all_reduce: None (slice `flat`)."""
+    pending: Pending | None
+
+
+class ZeroSync:
+    def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, names: dict[int, str],
+                 mesh: Mesh, *, stage: int, bucket_bytes: int, reduce_op: str) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroSync implements stages 1 and 2, got {stage}")
+        if reduce_op not in ("all_reduce", "reduce_scatter"):
+            raise ValueError(f"reduce_op must be 'all_reduce' or 'reduce_scatter', got {reduce_op!r}")
+        self.stage = stage
+        self.optimizer = optimizer
+        self.names = names
+        self.reduce_op = reduce_op
+        self.dp_group: AxisGroup | None = mesh.groups.get("dp")
+        self.shard_group: AxisGroup | None = mesh.groups.get("dp_shard")
+        self.replicate_group: AxisGroup | None = mesh.groups.get("dp_replicate")
+        self.norm_groups: tuple[AxisGroup, ...] = (self.shard_group,) if self.shard_group else ()
+        shards, shard_index = mesh.degree("dp_shard"), mesh.index("dp_shard")
+
+        group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        missing = [names[id(p)] for p in params if id(p) not in group_of]
+        if missing:
+            raise ValueError(f"the optimizer does not hold these trainable parameters: {missing[:5]}")
+        planned = plan_buckets(params, cap_bytes=bucket_bytes, key=lambda p: group_of[id(p)])
+        self.groups = [FlatGroup(i, ps, shards=shards, shard_index=shard_index, optimizer_group=group_of[id(ps[0])])
+                       for i, ps in enumerate(planned)]
+        self._group_of = {id(p): g for g in self.groups for p in g.params}
+        self._position = {id(p): i for g in self.groups for i, p in enumerate(g.params)}
+        # The optimizer now updates the shards; its per-parameter state starts empty.
+        for gi, param_group in enumerate(optimizer.param_groups):
+            param_group["params"] = [g.master for g in self.groups if g.optimizer_group == gi]
+        optimizer.state.clear()
+
+        self.grad_flats: list[torch.Tensor | None] = [None] * len(self.groups)
+        self.grad_shards: list[torch.Tensor] = []
+        for g in self.groups:
+            if stage == 1:
+                self.grad_flats[g.index] = torch.zeros(g.padded, dtype=g.param_flat.dtype, device=g.param_flat.device)
+            if stage == 1 and reduce_op == "all_reduce":
+                shard = g.shard_of(self.grad_flats[g.index])  # type: ignore[arg-type]
+            else:
+                shard = torch.zeros(g.shard_numel, dtype=g.param_flat.dtype, device=g.param_flat.device)
+            self.grad_shards.append(shard)
+            g.master.grad = shard
+
+        self.sync = True
+        self._ready = [0] * len(self.groups)
+        self._next = 0
+        self._finish_queued = False
+        self._in_flight: list[_InFlight] = []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    # ---- backward -------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        if self.stage == 1:
+            for g in self.groups:
+                flat = self.grad_flats[g.index]
+                assert flat is not None
+                for param, view in zip(g.params, g.views(flat)):
+                    if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+                        param.grad = view
+        for g, shard in zip(self.groups, self.grad_shards):
+            g.master.grad = shard
+
+    def _communicates(self) -> bool:
+        return self.stage == 2 or self.sync
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        group = self._group_of[id(param)]
+        if self.stage == 2:
+            # Move the gradient into its group's buffer and free the parameter-sized one.
+            flat = self.grad_flats[group.index]
+            if flat is None:
+                flat = self.grad_flats[group.index] = torch.zeros(
+                    group.padded, dtype=group.param_flat.dtype, device=group.param_flat.device)
+            offset = group.offsets[self._position[id(param)]]
+            assert param.grad is not None
+            flat[offset: offset + param.numel()].view_as(param).add_(param.grad)
+            param.grad = None
+        if not self._communicates():
+            return
+        if not self._finish_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._launch_rest)
+            self._finish_queued = True
+        self._ready[group.index] += 1
+        while self._next < len(self.groups) and self._ready[self._next] == len(self.groups[self._next].params):
+            self._launch(self._next)
+
+    def _launch(self, index: int) -> None:
+        group = self.groups[index]
+        flat = self.grad_flats[index]
+        if flat is None:  # no parameter of this group got a gradient in this backward
+            flat = torch.zeros(group.padded, dtype=group.param_flat.dtype, device=group.param_flat.device)
+        if self.stage == 2:
+            self.grad_flats[index] = None  # the next micro-batch starts a fresh buffer
+        shard = pending = None
+        if self.reduce_op == "all_reduce":
+            if self.dp_group is not None:
+                pending = all_reduce_async(flat, self.dp_group)
+        elif self.shard_group is not None:
+            shard = torch.empty(group.shard_numel, dtype=flat.dtype, device=flat.device)
+            pending = reduce_scatter_async(shard, flat, self.shard_group)
+        elif self.dp_group is not None:  # shard group of 1 (S = 1): plain all-reduce of the shard
+            pending = all_reduce_async(flat, self.dp_group)
+        self._in_flight.append(_InFlight(group, flat, shard, pending))
+        self._next += 1
+
+    def _launch_rest(self) -> None:
+        while self._next < len(self.groups):
+            self._launch(self._next)
+
+    def _complete(self) -> None:
+        """Wait for every reduction in flight and add its sum into this rank's gradient shards."""
+        for item in self._in_flight:
+            if item.pending is not None:
+                item.pending.wait()
+            if item.shard is not None:
+                if self.replicate_group is not None:  # MiCS: the shard's sum over the other replicas
+                    all_reduce(item.shard, self.replicate_group)
+                summed = item.shard
+            else:
+                summed = item.group.shard_of(item.flat)
+            target = self.grad_shards[item.group.index]
+            if summed.data_ptr() != target.data_ptr():
+                target.add_(summed)
+        self._in_flight.clear()
+        self._ready = [0] * len(self.groups)
+        self._next = 0
+        self._finish_queued = False
+
+    def end_backward(self) -> None:
+        if self.stage == 2:  # every micro-batch was reduced: fold it into the shards now
+            if self._next < len(self.groups):
+                self._launch_rest()
+            self._complete()
+
+    def finish(self) -> None:
+        if self._next < len(self.groups):  # a synced backward that produced no gradient at all
+            self._launch_rest()
+        self._complete()
+
+    # ---- after backward -------------------------------------------------------------------
+    def owned_grads(self) -> list[torch.Tensor]:
+        return self.grad_shards
+
+    def after_step(self) -> None:
+        """All-gather the updated shards into full parameters; zero the gradients."""
+        if self.shard_group is not None:
+            gathers = [all_gather_async(g.param_flat, g.master.detach().clone(), self.shard_group)
+                       for g in self.groups]
+            for pending in gathers:
+                pending.wait()
+        for shard in self.grad_shards:
+            shard.zero_()
+        for flat in self.grad_flats:
+            if flat is not None:
+                flat.zero_()
+
+    def memory(self) -> dict[str, int]:
+        """Bytes held between steps: parameters (full, padded), gradients (stage 1: full buffers;
+        stage 2: shards only), fp32 masters not sharing the parameters' storage (none yet)."""
+        params = sum(g.param_flat.numel() * g.param_flat.element_size() for g in self.groups)
+        grads = sum(f.numel() * f.element_size() for f in self.grad_flats if f is not None)
+        for g, shard in zip(self.groups, self.grad_shards):
+            flat = self.grad_flats[g.index]
+            if flat is None or shard.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+                grads += shard.numel() * shard.element_size()
+        return {"params": params, "grads": grads, "masters": 0}
+
+    # ---- layout-free optimizer state --------------------------------------------------------
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer state of every parameter, full, by name (collective over the shard group)."""
+        state: dict[str, dict[str, Any]] = {}
+        for g in self.groups:
+            for key, value in self.optimizer.state.get(g.master, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == g.master.shape:
+                    full = torch.empty(g.padded, dtype=value.dtype, device=value.device)
+                    if self.shard_group is not None:
+                        all_gather_async(full, value.contiguous(), self.shard_group).wait()
+                    else:
+                        full.copy_(value)
+                    for param, view in zip(g.params, g.views(full)):
+                        state.setdefault(self.names[id(param)], {})[key] = view.clone()
+                else:
+                    for param in g.params:
+                        copy = value.clone() if isinstance(value, torch.Tensor) else value
+                        state.setdefault(self.names[id(param)], {})[key] = copy
+        param_groups = []
+        for gi, group in enumerate(self.optimizer.param_groups):
+            names = [self.names[id(p)] for g in self.groups if g.optimizer_group == gi for p in g.params]
+            param_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+        return {"state": state, "param_groups": param_groups}
+
+    def load_optimizer_state(self, named: Mapping[str, Any]) -> None:
+        """Inverse of optimizer_state: keep this rank's shard of every per-element state tensor."""
+        saved_groups = named["param_groups"]
+        if len(saved_groups) != len(self.optimizer.param_groups):
+            raise ValueError(f"the saved optimizer has {len(saved_groups)} param groups, this one "
+                             f"{len(self.optimizer.param_groups)}")
+        ours = sorted(self.names[id(p)] for g in self.groups for p in g.params)
+        if sorted(n for group in saved_groups for n in group["params"]) != ours:
+            raise KeyError("the saved optimizer state does not hold the same parameters as this model")
+        for group, saved in zip(self.optimizer.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.optimizer.state.clear()
+        saved_state = named["state"]
+        for g in self.groups:
+            per_param = [saved_state.get(self.names[id(p)], {}) for p in g.params]
+            if not any(per_param):
+                continue
+            restored: dict[str, Any] = {}
+            for key, first in per_param[0].items():
+                if isinstance(first, torch.Tensor) and first.dim() > 0:
+                    flat = g.flatten([s[key].to(g.master.device) for s in per_param])
+                    restored[key] = g.shard_of(flat).to(first.dtype).clone()
+                else:
+                    restored[key] = first.clone() if isinstance(first, torch.Tensor) else first
+            self.optimizer.state[g.master] = restored
