@@ -30,7 +30,7 @@ _TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--dp": ("parallel.dp", int, "data-parallel degree (default: world size / (tp x pp))"),
     "--tp": ("parallel.tp", int, "tensor-parallel degree (not yet supported above 1)"),
     "--pp": ("parallel.pp", int, "pipeline-parallel degree (not yet supported above 1)"),
-    "--zero": ("parallel.zero", int, "ZeRO stage over dp: 0 (plain DP), 1 (optimizer state), 2 (+ gradients)"),
+    "--zero": ("parallel.zero", int, "ZeRO stage over dp: 0 (plain DP), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)"),
     "--shard-group": ("parallel.shard_group", int, "hierarchical sharding: shard inside groups of S dp ranks"),
     "--grad-reduce": ("parallel.grad_reduce", str, "sharded gradients: auto, reduce_scatter or all_reduce"),
     "--bucket-mb": ("parallel.bucket_mb", float, "gradient all-reduce bucket size in MiB (default 25)"),

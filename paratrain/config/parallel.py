@@ -28,8 +28,8 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel degree, a divisor of dp (not yet supported above 1)."""
     zero: int = 0
-    """ZeRO stage over dp: 0 plain data parallelism; 1 shards optimizer state; 2 also gradients
-    (stage 3, parameters too, is not yet supported)."""
+    """ZeRO stage over dp: 0 plain data parallelism; 1 shards optimizer state; 2 also gradients;
+    3 also parameters (gathered around each wrapped module when it runs)."""
     shard_group: int | None = None
     """Hierarchical sharding (MiCS / HSDP): shard inside groups of this many dp ranks, replicate
     across the dp / shard_group groups. None: shard over all of dp."""
@@ -53,8 +53,6 @@ class ParallelConfig:
                 )
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"zero must be one of 0, 1, 2, 3, got {self.zero}")
-        if self.zero == 3:
-            raise ConfigError("zero=3: parameter sharding is not yet supported; use zero=1 or zero=2")
         if self.grad_reduce not in ("auto", "reduce_scatter", "all_reduce"):
             raise ConfigError(f"grad_reduce must be 'auto', 'reduce_scatter' or 'all_reduce', got {self.grad_reduce!r}")
         if self.bucket_mb <= 0:

@@ -11,6 +11,7 @@ micro-batch size or on how many tokens each micro-batch holds.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence, Union
 
@@ -171,12 +172,21 @@ class Engine:
     def state_dict(self) -> dict[str, Any]:
         """Full and layout-free: model tensors and optimizer state keyed by parameter name.
         Collective under sharding (every rank must call it): shards are gathered."""
-        return {"model": model_state(self.model), "optimizer": self._optimizer_state()}
+        with self._full_params():
+            model = model_state(self.model)
+            if getattr(self.grads, "params_sharded", False):  # the full tensors are freed on exit
+                model = {k: v.clone() for k, v in model.items()}
+        return {"model": model, "optimizer": self._optimizer_state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        load_model_state(self.model, state["model"])
+        with self._full_params(writeback=True):
+            load_model_state(self.model, state["model"])
         self._load_optimizer_state(state["optimizer"])
         self.grads.begin_step()
+
+    def _full_params(self, *, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
+        full_params = getattr(self.grads, "full_params", None)
+        return full_params(writeback=writeback) if full_params else contextlib.nullcontext()
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer state (steady state,

@@ -17,7 +17,7 @@ from paratrain.data_parallel import GradSync
 from paratrain.hybrid.engine import Engine, GradientStrategy
 from paratrain.hybrid.state import load_optimizer_state, optimizer_state
 from paratrain.memory import GPT_BLOCKS, PRECISIONS, apply_recompute
-from paratrain.sharding import ZeroSync
+from paratrain.sharding import WrapPolicy, ZeroSync
 from paratrain.topology import Context
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -25,7 +25,8 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                 micro_batch: int | None = None, precision: str = "fp32", grad_clip: float = 0.0,
-                recompute: bool | str = False, sync_initial_weights: bool = True) -> Engine:
+                recompute: bool | str = False, sync_initial_weights: bool = True, wrap: WrapPolicy = None,
+                reshard_after_forward: bool = True) -> Engine:
     """Apply the layout of `ctx` to `model` and return an Engine that trains it.
 
     optimizer: builds the optimizer from the parameter list (called once, after the layout is applied).
@@ -35,6 +36,9 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     recompute: True recomputes each GPT block in backward; a string is a regex of module names.
     sync_initial_weights: broadcast dp rank 0's weights, so replicas start equal even for a model
         whose init was not layout-free (cheap, once).
+    wrap: ZeRO-3 units, a regex of module names or module class(es); None: the GPT's blocks.
+    reshard_after_forward: ZeRO-3 frees a unit's full parameters after its forward and gathers them
+        again for backward; False keeps them from forward to backward (more memory, less traffic).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -62,10 +66,11 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         save_state = functools.partial(optimizer_state, opt, names)
         load_state = functools.partial(load_optimizer_state, opt, names=names)
     else:
-        # 4b. ZeRO-1/2: flat groups padded to the shard group; the optimizer is re-pointed at this
+        # 4b. ZeRO-1/2/3: flat groups padded to the shard group; the optimizer is re-pointed at this
         # rank's shard of each, so its state exists for 1/shard of the parameters only.
         zero = ZeroSync(params, opt, names, ctx.mesh, stage=ctx.config.zero, bucket_bytes=bucket_bytes,
-                        reduce_op=_grad_reduce(ctx))
+                        reduce_op=_grad_reduce(ctx), model=model, wrap=wrap,
+                        reshard_after_forward=reshard_after_forward)
         grads, save_state, load_state = zero, zero.optimizer_state, zero.load_optimizer_state
     return Engine(model, ctx, opt, grads, micro_batch=micro_batch, precision=precision, grad_clip=grad_clip,
                   optimizer_state=save_state, load_optimizer_state=load_state)

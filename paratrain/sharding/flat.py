@@ -20,7 +20,9 @@ from torch import nn
 
 class FlatGroup:
     def __init__(self, index: int, params: list[nn.Parameter], *, shards: int, shard_index: int,
-                 optimizer_group: int) -> None:
+                 optimizer_group: int, persistent: bool = True) -> None:
+        """persistent False (ZeRO-3): param_flat's storage is freed, and `master` keeps this rank's
+        slice in storage of its own; gather() refills param_flat before the parameters are used."""
         self.index = index
         self.params = params
         self.optimizer_group = optimizer_group
@@ -41,8 +43,29 @@ class FlatGroup:
             for param, view in zip(params, self.views(self.param_flat)):
                 view.copy_(param)
                 param.data = view
-        self.master = nn.Parameter(self.param_flat[self.lo: self.hi])
-        """This rank's shard of the parameters, as the optimizer sees it (shares param_flat's storage)."""
+        shard = self.param_flat[self.lo: self.hi]
+        self.master = nn.Parameter(shard if persistent else shard.clone())
+        """This rank's shard of the parameters, as the optimizer sees it (shares param_flat's storage
+        when persistent)."""
+        self.persistent = persistent
+        self._full_bytes = self.param_flat.untyped_storage().nbytes()
+        if not persistent:
+            self.free()
+
+    @property
+    def is_gathered(self) -> bool:
+        return self.param_flat.untyped_storage().nbytes() > 0
+
+    def free(self) -> None:
+        """Release the full parameters' memory. The parameters stay views of param_flat, whose
+        storage shrinks to nothing; autograd's saved references see the refilled storage later."""
+        if not self.persistent:
+            self.param_flat.untyped_storage().resize_(0)
+
+    def allocate(self) -> None:
+        """Give param_flat its storage back (contents undefined until gathered)."""
+        if not self.is_gathered:
+            self.param_flat.untyped_storage().resize_(self._full_bytes)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's region of a [padded] buffer, shaped like the parameter."""

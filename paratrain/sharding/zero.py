@@ -14,6 +14,8 @@ stage 1: full gradients accumulate in persistent flat buffers (the parameters' .
 stage 2: a parameter's gradient is copied into its group's buffer as soon as it is ready and freed;
     the buffer is reduced and freed as soon as the group is complete, every micro-batch, the sum
     kept in this rank's shard: full-size gradients never outlive their bucket (P_os+g).
+stage 3: as stage 2, and parameters are sharded too (P_os+g+p): flat groups follow units (wrapped
+    modules, see gather.py), whose full parameters are gathered just before use and freed after.
 
 Hierarchical sharding (MiCS, Zhang et al. 2022; torch's HSDP): with a shard group of S < dp ranks,
 a shard's gradient is summed over all dp ranks (reduce-scatter in the shard group, then all-reduce
@@ -30,15 +32,52 @@ only on that element's state, since flat shards cut through parameters.
 
 from __future__ import annotations
 
+import contextlib
+import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping, Union
 
 import torch
 from torch import nn
 
 from paratrain.comm import Pending, all_gather_async, all_reduce, all_reduce_async, plan_buckets, reduce_scatter_async
 from paratrain.sharding.flat import FlatGroup
+from paratrain.sharding.gather import ParamGatherer, Unit
 from paratrain.topology import AxisGroup, Mesh
+
+
+WrapPolicy = Union[str, type, tuple[type, ...], None]
+"""ZeRO-3 units: a regex of module names, module class(es), or None (GPT blocks: "blocks\\.\\d+")."""
+
+
+def _units(model: nn.Module, params: list[nn.Parameter],
+           wrap: WrapPolicy) -> tuple[Unit, list[Unit], dict[int, list[nn.Parameter]]]:
+    """The root unit, the wrapped units in forward (registration) order, and each unit's trainable
+    parameters (keyed by id(unit)). A parameter belongs to a wrapped unit when every module that
+    owns it lies inside that unit; a weight shared across units (tied) goes to the root."""
+    policy = wrap if wrap is not None else r"blocks\.\d+"
+    units: list[Unit] = []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(u.name + ".") for u in units):
+            continue  # the outermost match wins
+        if re.fullmatch(policy, name) if isinstance(policy, str) else isinstance(module, policy):
+            units.append(Unit(name, module))
+    root = Unit("", model)
+    owners: dict[int, set[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), set()).add(name)
+
+    def unit_of(param: nn.Parameter) -> Unit:
+        for unit in units:
+            if all(o == unit.name or o.startswith(unit.name + ".") for o in owners[id(param)]):
+                return unit
+        return root
+
+    members: dict[int, list[nn.Parameter]] = {id(u): [] for u in [root, *units]}
+    for param in params:
+        members[id(unit_of(param))].append(param)
+    return root, units, members
 
 
 @dataclass
@@ -53,9 +92,11 @@ class _InFlight:
 
 class ZeroSync:
     def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, names: dict[int, str],
-                 mesh: Mesh, *, stage: int, bucket_bytes: int, reduce_op: str) -> None:
-        if stage not in (1, 2):
-            raise ValueError(f"ZeroSync implements stages 1 and 2, got {stage}")
+                 mesh: Mesh, *, stage: int, bucket_bytes: int, reduce_op: str, model: nn.Module | None = None,
+                 wrap: WrapPolicy = None, reshard_after_forward: bool = True) -> None:
+        """model, wrap, reshard_after_forward: stage 3 only (see paratrain.sharding.gather)."""
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeroSync implements stages 1, 2 and 3, got {stage}")
         if reduce_op not in ("all_reduce", "reduce_scatter"):
             raise ValueError(f"reduce_op must be 'all_reduce' or 'reduce_scatter', got {reduce_op!r}")
         self.stage = stage
@@ -72,9 +113,27 @@ class ZeroSync:
         missing = [names[id(p)] for p in params if id(p) not in group_of]
         if missing:
             raise ValueError(f"the optimizer does not hold these trainable parameters: {missing[:5]}")
-        planned = plan_buckets(params, cap_bytes=bucket_bytes, key=lambda p: group_of[id(p)])
-        self.groups = [FlatGroup(i, ps, shards=shards, shard_index=shard_index, optimizer_group=group_of[id(ps[0])])
-                       for i, ps in enumerate(planned)]
+        self.gatherer: ParamGatherer | None = None
+        if stage < 3:
+            planned = plan_buckets(params, cap_bytes=bucket_bytes, key=lambda p: group_of[id(p)])
+            self.groups = [FlatGroup(i, ps, shards=shards, shard_index=shard_index,
+                                     optimizer_group=group_of[id(ps[0])]) for i, ps in enumerate(planned)]
+        else:
+            if model is None:
+                raise ValueError("ZeRO-3 needs the model, to gather parameters around its modules")
+            root, units, members = _units(model, params, wrap)
+            # Gradients complete in backward order: units reversed, the root (embedding) last.
+            self.groups = []
+            for unit in [*reversed(units), root]:
+                by_group: dict[int, list[nn.Parameter]] = {}
+                for param in members[id(unit)]:
+                    by_group.setdefault(group_of[id(param)], []).append(param)
+                for gi, ps in by_group.items():
+                    unit.groups.append(FlatGroup(len(self.groups), ps, shards=shards, shard_index=shard_index,
+                                                 optimizer_group=gi, persistent=False))
+                    self.groups.append(unit.groups[-1])
+            self.gatherer = ParamGatherer(root, units, self.shard_group, reshard_after_forward=reshard_after_forward)
+            self._unit_of = {g.index: u for u in [root, *units] for g in u.groups}
         self._group_of = {id(p): g for g in self.groups for p in g.params}
         self._position = {id(p): i for g in self.groups for i, p in enumerate(g.params)}
         # The optimizer now updates the shards; its per-parameter state starts empty.
@@ -114,11 +173,11 @@ class ZeroSync:
             g.master.grad = shard
 
     def _communicates(self) -> bool:
-        return self.stage == 2 or self.sync
+        return self.stage >= 2 or self.sync
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         group = self._group_of[id(param)]
-        if self.stage == 2:
+        if self.stage >= 2:
             # Move the gradient into its group's buffer and free the parameter-sized one.
             flat = self.grad_flats[group.index]
             if flat is None:
@@ -142,7 +201,7 @@ class ZeroSync:
         flat = self.grad_flats[index]
         if flat is None:  # no parameter of this group got a gradient in this backward
             flat = torch.zeros(group.padded, dtype=group.param_flat.dtype, device=group.param_flat.device)
-        if self.stage == 2:
+        if self.stage >= 2:
             self.grad_flats[index] = None  # the next micro-batch starts a fresh buffer
         shard = pending = None
         if self.reduce_op == "all_reduce":
@@ -155,6 +214,10 @@ class ZeroSync:
             pending = all_reduce_async(flat, self.dp_group)
         self._in_flight.append(_InFlight(group, flat, shard, pending))
         self._next += 1
+        if self.gatherer is not None:  # every gradient of the unit is in: its parameters can go
+            unit = self._unit_of[index]
+            if all(g.index < self._next for g in unit.groups):
+                self.gatherer.free(unit)
 
     def _launch_rest(self) -> None:
         while self._next < len(self.groups):
@@ -180,10 +243,12 @@ class ZeroSync:
         self._finish_queued = False
 
     def end_backward(self) -> None:
-        if self.stage == 2:  # every micro-batch was reduced: fold it into the shards now
+        if self.stage >= 2:  # every micro-batch was reduced: fold it into the shards now
             if self._next < len(self.groups):
                 self._launch_rest()
             self._complete()
+        if self.gatherer is not None:
+            self.gatherer.free_all()
 
     def finish(self) -> None:
         if self._next < len(self.groups):  # a synced backward that produced no gradient at all
@@ -195,8 +260,8 @@ class ZeroSync:
         return self.grad_shards
 
     def after_step(self) -> None:
-        """All-gather the updated shards into full parameters; zero the gradients."""
-        if self.shard_group is not None:
+        """All-gather the updated shards into full parameters (ZeRO-3: at next use); zero the gradients."""
+        if self.shard_group is not None and self.stage < 3:
             gathers = [all_gather_async(g.param_flat, g.master.detach().clone(), self.shard_group)
                        for g in self.groups]
             for pending in gathers:
@@ -208,15 +273,36 @@ class ZeroSync:
                 flat.zero_()
 
     def memory(self) -> dict[str, int]:
-        """Bytes held between steps: parameters (full, padded), gradients (stage 1: full buffers;
-        stage 2: shards only), fp32 masters not sharing the parameters' storage (none yet)."""
-        params = sum(g.param_flat.numel() * g.param_flat.element_size() for g in self.groups)
+        """Bytes held between steps: parameters (stages 1-2: full, padded; stage 3: shards), gradients
+        (stage 1: full buffers; stages 2-3: shards only), fp32 masters not sharing the parameters'
+        storage (none yet)."""
+        params = sum(g.param_flat.untyped_storage().nbytes() for g in self.groups)
+        if self.stage == 3:  # shards in storage of their own (the full buffers are freed between steps)
+            params += sum(g.master.numel() * g.master.element_size() for g in self.groups)
         grads = sum(f.numel() * f.element_size() for f in self.grad_flats if f is not None)
         for g, shard in zip(self.groups, self.grad_shards):
             flat = self.grad_flats[g.index]
             if flat is None or shard.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
                 grads += shard.numel() * shard.element_size()
         return {"params": params, "grads": grads, "masters": 0}
+
+    @property
+    def params_sharded(self) -> bool:
+        return self.gatherer is not None
+
+    @contextlib.contextmanager
+    def full_params(self, *, writeback: bool = False) -> Iterator[None]:
+        """The model's full parameters for the block (collective in ZeRO-3). writeback: what the
+        block wrote into the full parameters is copied into this rank's shards afterwards."""
+        if self.gatherer is None:
+            yield
+            return
+        with self.gatherer.gathered():
+            yield
+            if writeback:
+                with torch.no_grad():
+                    for g in self.groups:
+                        g.master.copy_(g.shard_of(g.param_flat))
 
     # ---- layout-free optimizer state --------------------------------------------------------
     def optimizer_state(self) -> dict[str, Any]:

@@ -23,7 +23,7 @@ def _job(**kwargs) -> dict:
     return tiny_run(steps=STEPS, **kwargs)
 
 
-@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("zero", [1, 2, 3])
 @pytest.mark.parametrize("dp,accumulation", [(2, 1), (2, 2), (4, 1), (4, 2)])
 def test_zero_matches_single_process(pools, zero, dp, accumulation):
     got = pools(dp).run(_job, dp=dp, micro_batch=16 // (dp * accumulation), zero=zero)
@@ -39,6 +39,7 @@ def test_zero_matches_single_process(pools, zero, dp, accumulation):
 @pytest.mark.parametrize("zero,shard_group,grad_reduce", [
     (1, 2, "all_reduce"), (2, 2, "all_reduce"), (1, 2, "reduce_scatter"), (2, 2, "reduce_scatter"),
     (2, 4, "reduce_scatter"), (1, 1, "reduce_scatter"), (2, 1, "all_reduce"),
+    (3, 2, "all_reduce"), (3, 2, "reduce_scatter"), (3, 1, "all_reduce"), (3, 4, "reduce_scatter"),
 ])
 def test_hierarchical_and_primitives_float64(pools, zero, shard_group, grad_reduce):
     got = pools(4).run(_job, dp=4, micro_batch=2, zero=zero, shard_group=shard_group, grad_reduce=grad_reduce,
@@ -59,12 +60,13 @@ def _memory(zero: int, dtype: str) -> dict:
     return {"report": engine.memory_report(), "groups": groups}
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_memory_matches_the_zero_paper(pools, zero):
     """Per-device bytes of ZeRO (Rajbhandari et al. 2020, fig. 1) for fp32 Adam: parameters 4 psi,
     gradients 4 psi, optimizer state K psi with K = 8 (two moments; fp32 weights are their own
-    master copy). Baseline: (4 + 4 + 8) psi; P_os: 4 psi + 4 psi + 8 psi / N; P_os+g: 4 psi + 12 psi / N.
-    Up to the padding of each flat group to a multiple of N (at most N - 1 elements per group)."""
+    master copy). Baseline: (4 + 4 + 8) psi; P_os: 4 psi + 4 psi + 8 psi / N; P_os+g: 4 psi + 12 psi / N;
+    P_os+g+p: 16 psi / N. Up to the padding of each flat group to a multiple of N (at most N - 1
+    elements per group)."""
     n = 4
     psi = TINY.num_params()
     got = pools(n).run(_memory, zero, "float32")
@@ -72,6 +74,7 @@ def test_memory_matches_the_zero_paper(pools, zero):
         0: {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi},
         1: {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi / n},
         2: {"params": 4 * psi, "grads": 4 * psi / n, "optimizer": 8 * psi / n},
+        3: {"params": 4 * psi / n, "grads": 4 * psi / n, "optimizer": 8 * psi / n},
     }[zero]
     for rank_result in got:
         report, groups = rank_result["report"], rank_result["groups"]
@@ -115,3 +118,41 @@ def test_zero2_checkpoint_resumes_as_plain_dp(pools, tmp_path):
     uninterrupted = tiny_run(dp=None, micro_batch=2, steps=6, seed=2)
     got = pools(2).run(_save_zero2_load_dp, str(tmp_path))[0]
     assert rel_diff(got, uninterrupted["losses"][3:]) <= 1e-5
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(width, width)
+        self.norm = torch.nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.inner(torch.tanh(self.norm(x)))
+
+
+def _generic_zero3(dp: int | None, wrap, reshard: bool) -> list[float]:
+    ctx = paratrain.init(paratrain.ParallelConfig(dp=dp, zero=3 if dp else 0))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), *[_Residual(16) for _ in range(3)], torch.nn.Linear(16, 3))
+    model = model.double()
+    kwargs = {"wrap": wrap, "reshard_after_forward": reshard} if dp else {}
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2), micro_batch=2,
+                                   **kwargs)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 6, generator=generator, dtype=torch.float64)
+    y = torch.randn(8, 3, generator=generator, dtype=torch.float64)
+    rows = 8 // ctx.mesh.degree("dp")
+    lo = ctx.mesh.index("dp") * rows
+
+    def loss_fn(m, batch):
+        inputs, targets = batch
+        return ((m(inputs) - targets) ** 2).sum(), targets.numel()
+
+    return [engine.train_step((x[lo: lo + rows], y[lo: lo + rows]), loss_fn) for _ in range(5)]
+
+
+@pytest.mark.parametrize("wrap,reshard", [(_Residual, True), (_Residual, False), (r"[13]", True), (torch.nn.Linear, True)])
+def test_zero3_any_module_with_a_wrap_policy(pools, wrap, reshard):
+    reference_losses = _generic_zero3(None, None, True)
+    for losses in pools(2).run(_generic_zero3, 2, wrap, reshard):
+        assert rel_diff(losses, reference_losses) <= 1e-12

@@ -20,7 +20,6 @@ def test_dp_fills_the_world():
     (ParallelConfig(tp=2), 4, "tensor parallelism is not yet supported"),
     (ParallelConfig(pp=2), 4, "pipeline parallelism is not yet supported"),
     (ParallelConfig(ep=2), 4, "expert parallelism is not yet supported"),
-    (ParallelConfig(zero=3), 4, "parameter sharding is not yet supported"),
     (ParallelConfig(dp=4, shard_group=2), 4, "needs a ZeRO stage"),
     (ParallelConfig(dp=4, zero=1, shard_group=3), 4, "shard_group (3) must divide dp (4): choose shard_group in [1, 2, 4]"),
     (ParallelConfig(zero=1, grad_reduce="ring"), 4, "grad_reduce must be"),

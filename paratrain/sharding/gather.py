@@ -1,0 +1,114 @@
+"""ZeRO-3 parameter gathering: full parameters exist only around the unit that uses them.
+
+A unit is one wrapped module (by default one transformer block) and the FlatGroups of its
+parameters; the root unit holds what no wrapped module owns (for the GPT: the embedding, tied
+to the head, and the final norm). Hooks on each unit:
+
+    forward pre-hook    gather this unit (wait), start gathering the next unit (prefetch)
+    forward hook        free this unit (unless reshard_after_forward is False)
+    backward pre-hook   gather this unit again (wait), start gathering the unit before it
+    (the gradient reducer frees a unit once every gradient of it is reduced)
+
+The root unit is gathered when the model's forward starts and freed after backward (or right after
+forward, in evaluation). Prefetching follows forward order, then its reverse in backward, which is
+the order the units were registered in for a model built like the reference GPT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from paratrain.comm import Pending, all_gather_async
+from paratrain.sharding.flat import FlatGroup
+from paratrain.topology import AxisGroup
+
+
+@dataclass
+class Unit:
+    name: str
+    """Module name ("" for the root unit)."""
+    module: nn.Module
+    groups: list[FlatGroup] = field(default_factory=list)
+    state: str = "free"
+    """'free', 'gathering' (all-gather in flight) or 'ready'."""
+    pending: list[Pending] = field(default_factory=list)
+
+
+class ParamGatherer:
+    def __init__(self, root: Unit, units: list[Unit], shard_group: AxisGroup | None, *,
+                 reshard_after_forward: bool) -> None:
+        self.root = root
+        self.units = units
+        """Wrapped units in forward order."""
+        self.shard_group = shard_group
+        self.reshard_after_forward = reshard_after_forward
+        self._hooks: list[Any] = []
+        for position, unit in enumerate(units):
+            self._hooks += [
+                unit.module.register_forward_pre_hook(lambda m, a, p=position: self._pre_forward(p)),
+                unit.module.register_forward_hook(lambda m, a, o, p=position: self._post_forward(p)),
+                unit.module.register_full_backward_pre_hook(lambda m, g, p=position: self._pre_backward(p)),
+            ]
+        self._hooks += [
+            root.module.register_forward_pre_hook(lambda m, a: self.gather(self.root)),
+            root.module.register_forward_hook(lambda m, a, o: self._root_post_forward()),
+        ]
+
+    def gather(self, unit: Unit, *, wait: bool = True) -> None:
+        if unit.state == "free":
+            for group in unit.groups:
+                group.allocate()
+                if self.shard_group is not None:
+                    unit.pending.append(all_gather_async(group.param_flat, group.master.detach(), self.shard_group))
+                else:
+                    group.shard_of(group.param_flat).copy_(group.master.detach())
+            unit.state = "gathering"
+        if wait and unit.state == "gathering":
+            for pending in unit.pending:
+                pending.wait()
+            unit.pending.clear()
+            unit.state = "ready"
+
+    def free(self, unit: Unit) -> None:
+        if unit.state == "gathering":  # never free memory a collective is still writing into
+            self.gather(unit, wait=True)
+        for group in unit.groups:
+            group.free()
+        unit.state = "free"
+
+    def free_all(self) -> None:
+        for unit in [*self.units, self.root]:
+            self.free(unit)
+
+    def _pre_forward(self, position: int) -> None:
+        self.gather(self.units[position])
+        if position + 1 < len(self.units):
+            self.gather(self.units[position + 1], wait=False)
+
+    def _post_forward(self, position: int) -> None:
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            self.free(self.units[position])
+
+    def _pre_backward(self, position: int) -> None:
+        self.gather(self.units[position])
+        if position > 0:
+            self.gather(self.units[position - 1], wait=False)
+
+    def _root_post_forward(self) -> None:
+        if not torch.is_grad_enabled():  # evaluation: no backward will come to free it
+            self.free_all()
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every unit's full parameters, for the length of the block (state_dict, loading)."""
+        for unit in [self.root, *self.units]:
+            self.gather(unit)
+        try:
+            yield
+        finally:
+            self.free_all()
