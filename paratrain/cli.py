@@ -32,6 +32,7 @@ _TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--pp": ("parallel.pp", int, "pipeline-parallel degree (not yet supported above 1)"),
     "--zero": ("parallel.zero", int, "ZeRO stage over dp: 0 (plain DP), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)"),
     "--shard-group": ("parallel.shard_group", int, "hierarchical sharding: shard inside groups of S dp ranks"),
+    "--offload": ("parallel.offload", str, "optimizer: optimizer state and master weights in CPU memory (zero >= 1)"),
     "--grad-reduce": ("parallel.grad_reduce", str, "sharded gradients: auto, reduce_scatter or all_reduce"),
     "--bucket-mb": ("parallel.bucket_mb", float, "gradient all-reduce bucket size in MiB (default 25)"),
     "--model": ("model.preset", str, f"model preset: {', '.join(PRESETS)}"),

@@ -17,12 +17,12 @@ TINY = preset("tiny", seq_len=32)
 def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global_batch: int = 16,
              dtype: str = "float32", seed: int = 7, lr: float = 3e-3, grad_clip: float = 1.0,
              recompute: bool = False, bucket_mb: float = 0.05, zero: int = 0, shard_group: int | None = None,
-             grad_reduce: str = "auto") -> dict[str, Any]:
+             grad_reduce: str = "auto", offload: str = "none") -> dict[str, Any]:
     """Train the tiny GPT `steps` steps on the built-in corpus under a layout; per-step losses and
     grad norms, and the final full state. dp None: the single-process reference (no process group)."""
     torch.manual_seed(12345)  # must not matter: init and data order are keyed
     ctx = paratrain.init(paratrain.ParallelConfig(dp=dp, bucket_mb=bucket_mb, zero=zero, shard_group=shard_group,
-                                                  grad_reduce=grad_reduce))
+                                                  grad_reduce=grad_reduce, offload=offload))
     model = paratrain.build_gpt(TINY, seed=seed, dtype=getattr(torch, dtype))
     engine = paratrain.parallelize(
         model, ctx, optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.1),

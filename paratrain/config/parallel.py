@@ -33,6 +33,9 @@ class ParallelConfig:
     shard_group: int | None = None
     """Hierarchical sharding (MiCS / HSDP): shard inside groups of this many dp ranks, replicate
     across the dp / shard_group groups. None: shard over all of dp."""
+    offload: str = "none"
+    """'optimizer': optimizer state and fp32 master weights in CPU memory, the update on the CPU
+    (needs zero >= 1; on a CPU-only machine it changes nothing but must stay correct)."""
     grad_reduce: str = "auto"
     """How sharded gradients are reduced: 'reduce_scatter', 'all_reduce' (then each rank keeps its
     slice), or 'auto': reduce-scatter on NCCL, all-reduce on gloo (gloo's reduce-scatter is slower
@@ -71,6 +74,13 @@ class ParallelConfig:
                 f"dp x tp x pp = {dp} x {self.tp} x {self.pp} = {dp * model_parallel} must equal the "
                 f"world size ({world_size}): set dp={world_size // model_parallel} or run "
                 f"{dp * model_parallel} processes (--nproc)"
+            )
+        if self.offload not in ("none", "optimizer"):
+            raise ConfigError(f"offload must be 'none' or 'optimizer', got {self.offload!r}")
+        if self.offload == "optimizer" and self.zero == 0:
+            raise ConfigError(
+                "offload=optimizer needs a ZeRO stage: with zero=0 the optimizer state is not held by "
+                "the sharding engine that offloads it; set zero to 1, 2 or 3"
             )
         if self.shard_group is not None:
             if self.zero == 0:

@@ -56,6 +56,9 @@ class GradSync:
     def end_backward(self) -> None:
         """After each micro-batch's backward: nothing to do, accumulation stays in the buckets."""
 
+    def before_optimizer_step(self) -> None:
+        """The optimizer updates the parameters in place, with .grad the bucket views: nothing to do."""
+
     def after_step(self) -> None:
         for bucket in self.buckets:
             bucket.buffer.zero_()

@@ -32,7 +32,7 @@ class GradientStrategy(Protocol):
 
     The engine calls, per step: begin_step(); per micro-batch: set `sync`, backward, end_backward();
     then finish() (gradients reduced), owned_grads() (divided by the token count, normed over
-    norm_groups, clipped), the optimizer step, and after_step().
+    norm_groups, clipped), before_optimizer_step(), the optimizer step, and after_step().
     """
 
     sync: bool
@@ -44,6 +44,7 @@ class GradientStrategy(Protocol):
     def end_backward(self) -> None: ...
     def finish(self) -> None: ...
     def owned_grads(self) -> list[torch.Tensor]: ...
+    def before_optimizer_step(self) -> None: ...
     def after_step(self) -> None: ...
     def memory(self) -> dict[str, int]: ...
 
@@ -135,6 +136,7 @@ class Engine:
         norm = global_grad_norm(grads, sum_over=self.grads.norm_groups)
         if self.grad_clip > 0:
             clip_by_norm_(grads, norm, self.grad_clip)
+        self.grads.before_optimizer_step()
         self.optimizer.step()
         self.grads.after_step()
         self.last = StepStats(loss=loss_sum_global / tokens, grad_norm=float(norm),

@@ -70,7 +70,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         # rank's shard of each, so its state exists for 1/shard of the parameters only.
         zero = ZeroSync(params, opt, names, ctx.mesh, stage=ctx.config.zero, bucket_bytes=bucket_bytes,
                         reduce_op=_grad_reduce(ctx), model=model, wrap=wrap,
-                        reshard_after_forward=reshard_after_forward)
+                        reshard_after_forward=reshard_after_forward, offload=ctx.config.offload == "optimizer")
         grads, save_state, load_state = zero, zero.optimizer_state, zero.load_optimizer_state
     return Engine(model, ctx, opt, grads, micro_batch=micro_batch, precision=precision, grad_clip=grad_clip,
                   optimizer_state=save_state, load_optimizer_state=load_state)

@@ -20,9 +20,10 @@ from torch import nn
 
 class FlatGroup:
     def __init__(self, index: int, params: list[nn.Parameter], *, shards: int, shard_index: int,
-                 optimizer_group: int, persistent: bool = True) -> None:
-        """persistent False (ZeRO-3): param_flat's storage is freed, and `master` keeps this rank's
-        slice in storage of its own; gather() refills param_flat before the parameters are used."""
+                 optimizer_group: int, persistent: bool = True, master_device: torch.device | None = None) -> None:
+        """persistent False (ZeRO-3): param_flat's storage is freed, and `shard` keeps this rank's
+        slice in storage of its own; the gatherer refills param_flat before the parameters are used.
+        master_device: keep the optimizer's copy of the shard there (offload to the CPU)."""
         self.index = index
         self.params = params
         self.optimizer_group = optimizer_group
@@ -44,9 +45,12 @@ class FlatGroup:
                 view.copy_(param)
                 param.data = view
         shard = self.param_flat[self.lo: self.hi]
-        self.master = nn.Parameter(shard if persistent else shard.clone())
-        """This rank's shard of the parameters, as the optimizer sees it (shares param_flat's storage
-        when persistent)."""
+        self.shard = shard if persistent else shard.clone()
+        """This rank's slice of the parameters on their device: a view of param_flat when
+        persistent, storage of its own otherwise (what the all-gather of ZeRO-3 reads)."""
+        self.master = nn.Parameter(self.shard if master_device is None else self.shard.to(master_device, copy=True))
+        """What the optimizer updates: `shard` itself, or a copy of it on master_device (offload),
+        which push_master() copies back after each update."""
         self.persistent = persistent
         self._full_bytes = self.param_flat.untyped_storage().nbytes()
         if not persistent:
@@ -66,6 +70,23 @@ class FlatGroup:
         """Give param_flat its storage back (contents undefined until gathered)."""
         if not self.is_gathered:
             self.param_flat.untyped_storage().resize_(self._full_bytes)
+
+    @property
+    def offloaded(self) -> bool:
+        return self.master.data_ptr() != self.shard.data_ptr()
+
+    @torch.no_grad()
+    def push_master(self) -> None:
+        """After an update of an offloaded master: copy it back into the device shard."""
+        if self.offloaded:
+            self.shard.copy_(self.master, non_blocking=True)
+
+    @torch.no_grad()
+    def pull_shard(self) -> None:
+        """After the full parameters were written (loading): refresh the shard and the master."""
+        self.shard.copy_(self.shard_of(self.param_flat))
+        if self.offloaded:
+            self.master.copy_(self.shard)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's region of a [padded] buffer, shaped like the parameter."""

@@ -64,9 +64,9 @@ class ParamGatherer:
             for group in unit.groups:
                 group.allocate()
                 if self.shard_group is not None:
-                    unit.pending.append(all_gather_async(group.param_flat, group.master.detach(), self.shard_group))
+                    unit.pending.append(all_gather_async(group.param_flat, group.shard, self.shard_group))
                 else:
-                    group.shard_of(group.param_flat).copy_(group.master.detach())
+                    group.shard_of(group.param_flat).copy_(group.shard)
             unit.state = "gathering"
         if wait and unit.state == "gathering":
             for pending in unit.pending:

@@ -93,8 +93,10 @@ class _InFlight:
 class ZeroSync:
     def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, names: dict[int, str],
                  mesh: Mesh, *, stage: int, bucket_bytes: int, reduce_op: str, model: nn.Module | None = None,
-                 wrap: WrapPolicy = None, reshard_after_forward: bool = True) -> None:
-        """model, wrap, reshard_after_forward: stage 3 only (see paratrain.sharding.gather)."""
+                 wrap: WrapPolicy = None, reshard_after_forward: bool = True, offload: bool = False) -> None:
+        """model, wrap, reshard_after_forward: stage 3 only (see paratrain.sharding.gather).
+        offload: the optimizer's masters and state live in CPU memory and the update runs there
+        (ZeRO-Offload, Ren et al. 2021); the device keeps only its working copy of the shard."""
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroSync implements stages 1, 2 and 3, got {stage}")
         if reduce_op not in ("all_reduce", "reduce_scatter"):
@@ -114,9 +116,10 @@ class ZeroSync:
         if missing:
             raise ValueError(f"the optimizer does not hold these trainable parameters: {missing[:5]}")
         self.gatherer: ParamGatherer | None = None
+        master_device = torch.device("cpu") if offload else None
         if stage < 3:
             planned = plan_buckets(params, cap_bytes=bucket_bytes, key=lambda p: group_of[id(p)])
-            self.groups = [FlatGroup(i, ps, shards=shards, shard_index=shard_index,
+            self.groups = [FlatGroup(i, ps, shards=shards, shard_index=shard_index, master_device=master_device,
                                      optimizer_group=group_of[id(ps[0])]) for i, ps in enumerate(planned)]
         else:
             if model is None:
@@ -130,7 +133,7 @@ class ZeroSync:
                     by_group.setdefault(group_of[id(param)], []).append(param)
                 for gi, ps in by_group.items():
                     unit.groups.append(FlatGroup(len(self.groups), ps, shards=shards, shard_index=shard_index,
-                                                 optimizer_group=gi, persistent=False))
+                                                 optimizer_group=gi, persistent=False, master_device=master_device))
                     self.groups.append(unit.groups[-1])
             self.gatherer = ParamGatherer(root, units, self.shard_group, reshard_after_forward=reshard_after_forward)
             self._unit_of = {g.index: u for u in [root, *units] for g in u.groups}
@@ -151,7 +154,8 @@ class ZeroSync:
             else:
                 shard = torch.zeros(g.shard_numel, dtype=g.param_flat.dtype, device=g.param_flat.device)
             self.grad_shards.append(shard)
-            g.master.grad = shard
+            if not g.offloaded:
+                g.master.grad = shard
 
         self.sync = True
         self._ready = [0] * len(self.groups)
@@ -170,7 +174,8 @@ class ZeroSync:
                     if param.grad is None or param.grad.data_ptr() != view.data_ptr():
                         param.grad = view
         for g, shard in zip(self.groups, self.grad_shards):
-            g.master.grad = shard
+            if not g.offloaded:
+                g.master.grad = shard
 
     def _communicates(self) -> bool:
         return self.stage >= 2 or self.sync
@@ -259,11 +264,18 @@ class ZeroSync:
     def owned_grads(self) -> list[torch.Tensor]:
         return self.grad_shards
 
+    def before_optimizer_step(self) -> None:
+        """Offload: hand the (reduced, scaled, clipped) gradient shards to the masters in CPU memory."""
+        for g, shard in zip(self.groups, self.grad_shards):
+            if g.offloaded:
+                g.master.grad = shard.to(g.master.device, copy=True)
+
     def after_step(self) -> None:
         """All-gather the updated shards into full parameters (ZeRO-3: at next use); zero the gradients."""
+        for g in self.groups:
+            g.push_master()
         if self.shard_group is not None and self.stage < 3:
-            gathers = [all_gather_async(g.param_flat, g.master.detach().clone(), self.shard_group)
-                       for g in self.groups]
+            gathers = [all_gather_async(g.param_flat, g.shard.clone(), self.shard_group) for g in self.groups]
             for pending in gathers:
                 pending.wait()
         for shard in self.grad_shards:
@@ -274,17 +286,18 @@ class ZeroSync:
 
     def memory(self) -> dict[str, int]:
         """Bytes held between steps: parameters (stages 1-2: full, padded; stage 3: shards), gradients
-        (stage 1: full buffers; stages 2-3: shards only), fp32 masters not sharing the parameters'
-        storage (none yet)."""
+        (stage 1: full buffers; stages 2-3: shards only), and masters that do not share the
+        parameters' storage (offload: in CPU memory; they count with the optimizer)."""
         params = sum(g.param_flat.untyped_storage().nbytes() for g in self.groups)
         if self.stage == 3:  # shards in storage of their own (the full buffers are freed between steps)
-            params += sum(g.master.numel() * g.master.element_size() for g in self.groups)
+            params += sum(g.shard.numel() * g.shard.element_size() for g in self.groups)
         grads = sum(f.numel() * f.element_size() for f in self.grad_flats if f is not None)
         for g, shard in zip(self.groups, self.grad_shards):
             flat = self.grad_flats[g.index]
             if flat is None or shard.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
                 grads += shard.numel() * shard.element_size()
-        return {"params": params, "grads": grads, "masters": 0}
+        masters = sum(g.master.numel() * g.master.element_size() for g in self.groups if g.offloaded)
+        return {"params": params, "grads": grads, "masters": masters}
 
     @property
     def params_sharded(self) -> bool:
@@ -293,16 +306,12 @@ class ZeroSync:
     @contextlib.contextmanager
     def full_params(self, *, writeback: bool = False) -> Iterator[None]:
         """The model's full parameters for the block (collective in ZeRO-3). writeback: what the
-        block wrote into the full parameters is copied into this rank's shards afterwards."""
-        if self.gatherer is None:
-            yield
-            return
-        with self.gatherer.gathered():
+        block wrote into the full parameters is copied into this rank's shards and masters after."""
+        with self.gatherer.gathered() if self.gatherer else contextlib.nullcontext():
             yield
             if writeback:
-                with torch.no_grad():
-                    for g in self.groups:
-                        g.master.copy_(g.shard_of(g.param_flat))
+                for g in self.groups:
+                    g.pull_shard()
 
     # ---- layout-free optimizer state --------------------------------------------------------
     def optimizer_state(self) -> dict[str, Any]:

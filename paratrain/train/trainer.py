@@ -103,6 +103,7 @@ class Trainer:
         flops_per_token = self.plan.model.flops_per_token(self.plan.seq_len)
         peak = peak_flops(self.ctx.device)
         bar = self._progress_bar()
+        start_step = self.step
         if self.step == 0:
             # The starting point, so the log shows how far validation loss came down.
             result.val_losses[0] = self.validate()
@@ -136,6 +137,8 @@ class Trainer:
                     record["val_loss"] = result.val_losses[self.step] = self.validate()
                 if self.step % train.log_every == 0 or last or "val_loss" in record:
                     json_log.write(record)
+                if self.step == start_step + 1:  # optimizer state exists now: what this rank holds
+                    json_log.write({"step": self.step, "memory": self.memory_record()})
                 if bar is not None:
                     postfix = {"loss": f"{loss:.3f}", "tok/s": f"{tokens_per_s:,.0f}"}
                     if "val_loss" in record:
@@ -148,9 +151,19 @@ class Trainer:
             if bar is not None:
                 bar.close()
             json_log.close()
-        if train.sample_tokens and self.ctx.is_main and self.source.vocab_size == 256:
-            result.sample = self.sample(train.sample_tokens)
+        # Under ZeRO-3 every forward all-gathers parameters: all ranks generate (the same text).
+        sharded = getattr(self.engine.grads, "params_sharded", False)
+        if train.sample_tokens and (self.ctx.is_main or sharded) and self.source.vocab_size == 256:
+            text = self.sample(train.sample_tokens)
+            result.sample = text if self.ctx.is_main else ""
         return result
+
+    def memory_record(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state on rank 0 (and CUDA's peak there)."""
+        record = self.engine.memory_report()
+        if self.ctx.device.type == "cuda":
+            record["cuda_peak_allocated"] = torch.cuda.max_memory_allocated(self.ctx.device)
+        return record
 
     def _maybe_fail(self) -> None:
         if self.plan.config.train.fail_at:

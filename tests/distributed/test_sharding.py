@@ -41,9 +41,10 @@ def test_zero_matches_single_process(pools, zero, dp, accumulation):
     (2, 4, "reduce_scatter"), (1, 1, "reduce_scatter"), (2, 1, "all_reduce"),
     (3, 2, "all_reduce"), (3, 2, "reduce_scatter"), (3, 1, "all_reduce"), (3, 4, "reduce_scatter"),
 ])
-def test_hierarchical_and_primitives_float64(pools, zero, shard_group, grad_reduce):
+@pytest.mark.parametrize("offload", ["none", "optimizer"])
+def test_hierarchical_and_primitives_float64(pools, zero, shard_group, grad_reduce, offload):
     got = pools(4).run(_job, dp=4, micro_batch=2, zero=zero, shard_group=shard_group, grad_reduce=grad_reduce,
-                       dtype="float64")
+                       dtype="float64", offload=offload)
     ref = reference("float64")
     assert rel_diff(got[0]["losses"], ref["losses"]) <= 1e-13
     assert max_state_diff(got[0]["model"], ref["model"]) <= 1e-12

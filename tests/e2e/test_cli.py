@@ -70,6 +70,8 @@ def test_train_log_save_resume(tmp_path):
     for key in ("step", "loss", "grad_norm", "lr", "tokens", "step_time"):
         assert key in steps[0]
     assert steps[0]["tokens"] == 8 * 32 and "val_loss" in steps[-1]
+    memory = [r["memory"] for r in rows if "memory" in r]
+    assert len(memory) == 1 and set(memory[0]) >= {"params", "grads", "optimizer"}
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000004"
     # resume the ZeRO-2 checkpoint of step 2 on ONE process as plain DP: steps 3-4 match the 2-process run
     log2 = tmp_path / "log2.jsonl"

@@ -23,6 +23,8 @@ def test_dp_fills_the_world():
     (ParallelConfig(dp=4, shard_group=2), 4, "needs a ZeRO stage"),
     (ParallelConfig(dp=4, zero=1, shard_group=3), 4, "shard_group (3) must divide dp (4): choose shard_group in [1, 2, 4]"),
     (ParallelConfig(zero=1, grad_reduce="ring"), 4, "grad_reduce must be"),
+    (ParallelConfig(offload="optimizer"), 2, "offload=optimizer needs a ZeRO stage"),
+    (ParallelConfig(zero=1, offload="nvme"), 2, "offload must be 'none' or 'optimizer'"),
     (ParallelConfig(zero=5), 4, "zero must be one of 0, 1, 2, 3"),
     (ParallelConfig(bucket_mb=0), 2, "bucket_mb must be > 0"),
     (ParallelConfig(dp=0), 2, "dp must be >= 1"),
