@@ -11,9 +11,10 @@ from paratrain.comm.collectives import (
     reduce_scatter_async,
 )
 from paratrain.comm.norms import clip_by_norm_, global_grad_norm
+from paratrain.comm.volume import CommVolume
 
 __all__ = [
-    "Bucket", "CollectiveError", "Pending", "all_gather_async", "all_reduce", "all_reduce_async", "broadcast",
+    "Bucket", "CommVolume", "CollectiveError", "Pending", "all_gather_async", "all_reduce", "all_reduce_async", "broadcast",
     "reduce_scatter_async",
     "build_buckets", "clip_by_norm_", "plan_buckets", "global_grad_norm",
 ]

@@ -21,6 +21,7 @@ from torch import nn
 
 from paratrain.comm.buckets import Bucket, build_buckets
 from paratrain.comm.collectives import Pending, all_reduce_async
+from paratrain.comm.volume import CommVolume
 from paratrain.topology.mesh import AxisGroup
 
 
@@ -37,6 +38,8 @@ class GradSync:
         self._finish_queued = False
         self.launched_during_backward = 0
         """Buckets whose all-reduce started before backward ended, in the last synced backward."""
+        self.comm = CommVolume()
+        """Bytes this rank's gradient all-reduces moved (see paratrain.comm.volume)."""
         self.norm_groups: tuple[AxisGroup, ...] = ()
         """Every rank holds every reduced gradient: the norm needs no further reduction."""
         if group is not None:
@@ -84,6 +87,7 @@ class GradSync:
     def _launch(self, index: int) -> None:
         assert self.group is not None
         self._pending.append(all_reduce_async(self.buckets[index].buffer, self.group))
+        self.comm.add("all_reduce", self.buckets[index].buffer)
         self._next += 1
 
     def _finish_backward(self) -> None:

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from paratrain.comm import Pending, all_gather_async
+from paratrain.comm import CommVolume, Pending, all_gather_async
 from paratrain.sharding.flat import FlatGroup
 from paratrain.topology import AxisGroup
 
@@ -41,12 +41,13 @@ class Unit:
 
 class ParamGatherer:
     def __init__(self, root: Unit, units: list[Unit], shard_group: AxisGroup | None, *,
-                 reshard_after_forward: bool) -> None:
+                 reshard_after_forward: bool, comm: CommVolume) -> None:
         self.root = root
         self.units = units
         """Wrapped units in forward order."""
         self.shard_group = shard_group
         self.reshard_after_forward = reshard_after_forward
+        self.comm = comm
         self._hooks: list[Any] = []
         for position, unit in enumerate(units):
             self._hooks += [
@@ -65,6 +66,7 @@ class ParamGatherer:
                 group.allocate()
                 if self.shard_group is not None:
                     unit.pending.append(all_gather_async(group.param_flat, group.shard, self.shard_group))
+                    self.comm.add("all_gather", group.param_flat)
                 else:
                     group.shard_of(group.param_flat).copy_(group.shard)
             unit.state = "gathering"

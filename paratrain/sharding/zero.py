@@ -40,7 +40,15 @@ from typing import Any, Iterator, Mapping, Union
 import torch
 from torch import nn
 
-from paratrain.comm import Pending, all_gather_async, all_reduce, all_reduce_async, plan_buckets, reduce_scatter_async
+from paratrain.comm import (
+    CommVolume,
+    Pending,
+    all_gather_async,
+    all_reduce,
+    all_reduce_async,
+    plan_buckets,
+    reduce_scatter_async,
+)
 from paratrain.sharding.flat import FlatGroup
 from paratrain.sharding.gather import ParamGatherer, Unit
 from paratrain.topology import AxisGroup, Mesh
@@ -109,6 +117,8 @@ class ZeroSync:
         self.shard_group: AxisGroup | None = mesh.groups.get("dp_shard")
         self.replicate_group: AxisGroup | None = mesh.groups.get("dp_replicate")
         self.norm_groups: tuple[AxisGroup, ...] = (self.shard_group,) if self.shard_group else ()
+        self.comm = CommVolume()
+        """Bytes this rank's collectives moved (see paratrain.comm.volume)."""
         shards, shard_index = mesh.degree("dp_shard"), mesh.index("dp_shard")
 
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
@@ -135,7 +145,8 @@ class ZeroSync:
                     unit.groups.append(FlatGroup(len(self.groups), ps, shards=shards, shard_index=shard_index,
                                                  optimizer_group=gi, persistent=False, master_device=master_device))
                     self.groups.append(unit.groups[-1])
-            self.gatherer = ParamGatherer(root, units, self.shard_group, reshard_after_forward=reshard_after_forward)
+            self.gatherer = ParamGatherer(root, units, self.shard_group, reshard_after_forward=reshard_after_forward,
+                                          comm=self.comm)
             self._unit_of = {g.index: u for u in [root, *units] for g in u.groups}
         self._group_of = {id(p): g for g in self.groups for p in g.params}
         self._position = {id(p): i for g in self.groups for i, p in enumerate(g.params)}
@@ -212,11 +223,16 @@ class ZeroSync:
         if self.reduce_op == "all_reduce":
             if self.dp_group is not None:
                 pending = all_reduce_async(flat, self.dp_group)
+                self.comm.add("all_reduce", flat)
         elif self.shard_group is not None:
             shard = torch.empty(group.shard_numel, dtype=flat.dtype, device=flat.device)
             pending = reduce_scatter_async(shard, flat, self.shard_group)
+            self.comm.add("reduce_scatter", flat)
+            if self.replicate_group is not None:
+                self.comm.add("all_reduce", shard)  # done in _complete, across the replicas
         elif self.dp_group is not None:  # shard group of 1 (S = 1): plain all-reduce of the shard
             pending = all_reduce_async(flat, self.dp_group)
+            self.comm.add("all_reduce", flat)
         self._in_flight.append(_InFlight(group, flat, shard, pending))
         self._next += 1
         if self.gatherer is not None:  # every gradient of the unit is in: its parameters can go
@@ -256,6 +272,8 @@ class ZeroSync:
             self.gatherer.free_all()
 
     def finish(self) -> None:
+        if self.stage >= 2:  # end_backward already reduced every micro-batch
+            return
         if self._next < len(self.groups):  # a synced backward that produced no gradient at all
             self._launch_rest()
         self._complete()
@@ -276,6 +294,8 @@ class ZeroSync:
             g.push_master()
         if self.shard_group is not None and self.stage < 3:
             gathers = [all_gather_async(g.param_flat, g.shard.clone(), self.shard_group) for g in self.groups]
+            for g in self.groups:
+                self.comm.add("all_gather", g.param_flat)
             for pending in gathers:
                 pending.wait()
         for shard in self.grad_shards:

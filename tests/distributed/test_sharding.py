@@ -157,3 +157,28 @@ def test_zero3_any_module_with_a_wrap_policy(pools, wrap, reshard):
     reference_losses = _generic_zero3(None, None, True)
     for losses in pools(2).run(_generic_zero3, 2, wrap, reshard):
         assert rel_diff(losses, reference_losses) <= 1e-12
+
+
+def _volume(zero: int, grad_reduce: str) -> dict:
+    ctx = paratrain.init(paratrain.ParallelConfig(dp=dist.get_world_size(), zero=zero, grad_reduce=grad_reduce))
+    model = paratrain.build_gpt(TINY, seed=0)
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    x = torch.randint(0, 256, (2, TINY.seq_len))
+    engine.train_step((x, torch.roll(x, -1, 1)), paratrain.lm_loss)  # warm: prefetch state settles
+    engine.grads.comm.reset()
+    engine.train_step((x, torch.roll(x, -1, 1)), paratrain.lm_loss)
+    return dict(engine.grads.comm.bytes)
+
+
+@pytest.mark.parametrize("zero,grad_reduce,low,high", [
+    (0, "auto", 2.0, 2.0),                 # all-reduce: 2 psi
+    (1, "reduce_scatter", 2.0, 2.01),      # reduce-scatter psi + all-gather psi (+ padding)
+    (2, "reduce_scatter", 2.0, 2.01),
+    (3, "reduce_scatter", 2.85, 3.01),     # 3 psi, less the root unit's backward all-gather
+    (1, "all_reduce", 3.0, 3.01),          # gloo's faster choice: all-reduce 2 psi + all-gather psi
+])
+def test_communication_volume_per_step(pools, zero, grad_reduce, low, high):
+    psi_bytes = 4 * TINY.num_params()
+    volume = pools(2).run(_volume, zero, grad_reduce)[0]
+    ratio = sum(volume.values()) / psi_bytes
+    assert low <= ratio <= high, (volume, ratio)
