@@ -44,7 +44,7 @@ _TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--lr": ("optim.lr", float, "peak learning rate"),
     "--warmup": ("optim.warmup_steps", int, "warmup steps"),
     "--grad-clip": ("optim.grad_clip", float, "clip the global gradient norm (0: off)"),
-    "--precision": ("train.precision", str, "fp32 or bf16"),
+    "--precision": ("train.precision", str, "fp32, bf16 or fp16 (fp16: dynamic loss scaling)"),
     "--eval-every": ("train.eval_every", int, "validate every N steps (0: only at the end)"),
     "--save": ("train.save", str, "checkpoint folder"),
     "--save-every": ("train.save_every", int, "checkpoint every N steps (0: only at the end)"),

@@ -74,6 +74,8 @@ def save_checkpoint(root: str | Path, step: int, engine_state: dict[str, Any], m
     opt_tensors, opt_meta = _split_optimizer(engine_state["optimizer"])
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     document = {"format": FORMAT, "step": step, "optimizer": opt_meta, **meta}
+    if "loss_scaler" in engine_state:
+        document["loss_scaler"] = engine_state["loss_scaler"]
     _fsync_write(tmp / "meta.json", json.dumps(document, indent=1, sort_keys=True))
     final = root / name
     if final.exists():  # re-saving the same step: move the old one aside first
@@ -105,4 +107,7 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
         raise ValueError(f"{str(folder)!r} has format {meta.get('format')!r}, expected {FORMAT!r}")
     model = load_file(str(folder / "model.safetensors"))
     optimizer = _join_optimizer(load_file(str(folder / "optimizer.safetensors")), meta.pop("optimizer"))
-    return {"model": model, "optimizer": optimizer}, meta
+    engine_state = {"model": model, "optimizer": optimizer}
+    if "loss_scaler" in meta:
+        engine_state["loss_scaler"] = meta.pop("loss_scaler")
+    return engine_state, meta

@@ -119,11 +119,8 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
         raise ConfigError("optim.grad_clip and optim.warmup_steps must be >= 0")
     if train.steps < 1:
         raise ConfigError(f"train.steps must be >= 1, got {train.steps}")
-    if train.precision not in ("fp32", "bf16"):
-        raise ConfigError(
-            f"train.precision must be 'fp32' or 'bf16', got {train.precision!r} "
-            "(fp16 with loss scaling comes with ZeRO sharding)"
-        )
+    if train.precision not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"train.precision must be 'fp32', 'bf16' or 'fp16', got {train.precision!r}")
     for name in ("eval_every", "save_every", "eval_batches", "sample_tokens"):
         if getattr(train, name) < 0:
             raise ConfigError(f"train.{name} must be >= 0, got {getattr(train, name)}")

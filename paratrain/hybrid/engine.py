@@ -11,16 +11,16 @@ micro-batch size or on how many tokens each micro-batch holds.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm import all_reduce, clip_by_norm_, global_grad_norm
 from paratrain.hybrid.state import load_model_state, model_state
-from paratrain.memory import autocast
+from paratrain.memory import LossScaler, autocast
 from paratrain.topology import AxisGroup, Context
 
 Batch = Union[torch.Tensor, Sequence[torch.Tensor], Mapping[str, torch.Tensor]]
@@ -58,6 +58,10 @@ class StepStats:
     tokens: int
     """Tokens (loss terms) in the global batch."""
     micro_batches: int
+    loss_scale: float | None = None
+    """fp16: the loss scale this step used."""
+    skipped: bool = False
+    """fp16: the gradients overflowed on some rank, and no rank updated."""
 
 
 def split_batch(batch: Batch, micro_batch: int) -> list[Any]:
@@ -97,7 +101,8 @@ class Engine:
     def __init__(self, model: nn.Module, ctx: Context, optimizer: torch.optim.Optimizer, grads: GradientStrategy,
                  *, micro_batch: int | None, precision: str, grad_clip: float,
                  optimizer_state: Callable[[], dict[str, Any]],
-                 load_optimizer_state: Callable[[Mapping[str, Any]], None]) -> None:
+                 load_optimizer_state: Callable[[Mapping[str, Any]], None],
+                 scaler: LossScaler | None = None) -> None:
         self.model = model
         self.ctx = ctx
         self.optimizer = optimizer
@@ -109,6 +114,8 @@ class Engine:
         self._optimizer_state = optimizer_state
         self._load_optimizer_state = load_optimizer_state
         self._dp_group = ctx.mesh.groups.get("dp")
+        self.scaler = scaler
+        """fp16: the dynamic loss scale (None in fp32 and bf16)."""
 
     def train_step(self, batch: Batch, loss_fn: LossFn) -> float:
         """Forward, backward and update on this rank's share of one global batch; returns its loss."""
@@ -120,7 +127,7 @@ class Engine:
         for i, micro in enumerate(micro_batches):
             self.grads.sync = i == len(micro_batches) - 1  # communicate on the last only
             loss_sum, count = self._forward(to_device(micro, self.ctx.device), loss_fn)
-            loss_sum.backward()
+            (loss_sum * self._loss_scale(count) if self.scaler else loss_sum).backward()
             self.grads.end_backward()
             totals[0] += loss_sum.detach().double()
             totals[1] += count
@@ -131,17 +138,50 @@ class Engine:
         if tokens <= 0:
             raise ValueError("the global batch holds no tokens to learn from (every target ignored)")
         grads = self.grads.owned_grads()
-        for grad in grads:  # sum over the global batch -> mean per token
-            grad.div_(tokens)
+        scale = self.scaler.scale if self.scaler and self.scaler.scale else 1.0
+        if self.scaler is not None and self._overflow(grads):
+            # fp16 overflow somewhere: every rank skips this update and backs off the scale
+            self.scaler.update(overflow=True)
+            self.grads.after_step()
+            self.last = StepStats(loss=loss_sum_global / tokens, grad_norm=float("nan"), tokens=int(tokens),
+                                  micro_batches=len(micro_batches), loss_scale=scale, skipped=True)
+            return self.last.loss
+        for grad in grads:  # sum over the global batch (times the loss scale) -> mean per token
+            grad.div_(tokens * scale)
         norm = global_grad_norm(grads, sum_over=self.grads.norm_groups)
         if self.grad_clip > 0:
             clip_by_norm_(grads, norm, self.grad_clip)
         self.grads.before_optimizer_step()
         self.optimizer.step()
         self.grads.after_step()
-        self.last = StepStats(loss=loss_sum_global / tokens, grad_norm=float(norm),
-                              tokens=int(tokens), micro_batches=len(micro_batches))
+        if self.scaler is not None:
+            self.scaler.update(overflow=False)
+        self.last = StepStats(loss=loss_sum_global / tokens, grad_norm=float(norm), tokens=int(tokens),
+                              micro_batches=len(micro_batches), loss_scale=scale if self.scaler else None)
         return self.last.loss
+
+    def _loss_scale(self, count: torch.Tensor | int) -> float:
+        """The scale of this step; the very first one derives it from the micro-batch's token count,
+        the smallest over dp (one all-reduce, once), so that every rank scales by the same factor."""
+        assert self.scaler is not None
+        if self.scaler.scale is None:
+            first = torch.tensor([self.scaler.initial(float(count))], device=self.ctx.device)
+            if self._dp_group is not None:
+                all_reduce(first, self._dp_group, op=dist.ReduceOp.MIN)
+            self.scaler.scale = float(first.item())
+        return self.scaler.scale
+
+    def _overflow(self, grads: list[torch.Tensor]) -> bool:
+        """Whether any rank's gradients hold an inf or nan: one all-reduce (MAX) over dp, so that
+        every rank, whichever shard it owns, takes the same decision."""
+        flag = torch.zeros(1, device=self.ctx.device)
+        for grad in grads:
+            if not torch.isfinite(grad).all():
+                flag.fill_(1.0)
+                break
+        if self._dp_group is not None:
+            all_reduce(flag, self._dp_group, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch, loss_fn: LossFn) -> float:
@@ -174,21 +214,28 @@ class Engine:
     def state_dict(self) -> dict[str, Any]:
         """Full and layout-free: model tensors and optimizer state keyed by parameter name.
         Collective under sharding (every rank must call it): shards are gathered."""
-        with self._full_params():
-            model = model_state(self.model)
-            if getattr(self.grads, "params_sharded", False):  # the full tensors are freed on exit
-                model = {k: v.clone() for k, v in model.items()}
-        return {"model": model, "optimizer": self._optimizer_state()}
+        sharded = self._sharded_model_state()
+        model = {**model_state(self.model, skip=frozenset(sharded)), **sharded}
+        state: dict[str, Any] = {"model": model, "optimizer": self._optimizer_state()}
+        if self.scaler is not None:
+            state["loss_scaler"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        with self._full_params(writeback=True):
-            load_model_state(self.model, state["model"])
+        names = frozenset(n for n, p in self.model.named_parameters() if p.requires_grad)
+        load_sharded = getattr(self.grads, "load_model_state", None)
+        load_model_state(self.model, state["model"], skip=names if load_sharded else frozenset())
+        if load_sharded:
+            load_sharded(state["model"])
         self._load_optimizer_state(state["optimizer"])
+        if self.scaler is not None and "loss_scaler" in state:
+            self.scaler.load_state_dict(state["loss_scaler"])
         self.grads.begin_step()
 
-    def _full_params(self, *, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
-        full_params = getattr(self.grads, "full_params", None)
-        return full_params(writeback=writeback) if full_params else contextlib.nullcontext()
+    def _sharded_model_state(self) -> dict[str, torch.Tensor]:
+        """What a sharding strategy holds of the model (gathered, exact), or nothing for plain DP."""
+        gather = getattr(self.grads, "model_state", None)
+        return gather() if gather else {}
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer state (steady state,

@@ -16,7 +16,7 @@ from paratrain.comm import broadcast
 from paratrain.data_parallel import GradSync
 from paratrain.hybrid.engine import Engine, GradientStrategy
 from paratrain.hybrid.state import load_optimizer_state, optimizer_state
-from paratrain.memory import GPT_BLOCKS, PRECISIONS, apply_recompute
+from paratrain.memory import GPT_BLOCKS, LOW_DTYPES, PRECISIONS, LossScaler, apply_recompute
 from paratrain.sharding import WrapPolicy, ZeroSync
 from paratrain.topology import Context
 
@@ -26,12 +26,15 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                 micro_batch: int | None = None, precision: str = "fp32", grad_clip: float = 0.0,
                 recompute: bool | str = False, sync_initial_weights: bool = True, wrap: WrapPolicy = None,
-                reshard_after_forward: bool = True) -> Engine:
+                reshard_after_forward: bool = True, loss_scale: float | None = None) -> Engine:
     """Apply the layout of `ctx` to `model` and return an Engine that trains it.
 
     optimizer: builds the optimizer from the parameter list (called once, after the layout is applied).
     micro_batch: rows per forward/backward; None: this rank's whole share in one pass.
-    precision: 'fp32', or 'bf16' autocast with float32 weights and gradients.
+    precision: 'fp32'; 'bf16' / 'fp16': under zero 0, autocast with float32 weights and gradients;
+        under zero >= 1, parameters and gradients stored in the low dtype, float32 masters in the
+        sharded optimizer. fp16 adds dynamic loss scaling, starting at `loss_scale` (None: 2^16 per
+        token of the first micro-batch).
     grad_clip: clip the global gradient norm to this; 0 disables.
     recompute: True recomputes each GPT block in backward; a string is a regex of module names.
     sync_initial_weights: broadcast dp rank 0's weights, so replicas start equal even for a model
@@ -70,10 +73,13 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         # rank's shard of each, so its state exists for 1/shard of the parameters only.
         zero = ZeroSync(params, opt, names, ctx.mesh, stage=ctx.config.zero, bucket_bytes=bucket_bytes,
                         reduce_op=_grad_reduce(ctx), model=model, wrap=wrap,
-                        reshard_after_forward=reshard_after_forward, offload=ctx.config.offload == "optimizer")
+                        reshard_after_forward=reshard_after_forward, offload=ctx.config.offload == "optimizer",
+                        param_dtype=LOW_DTYPES.get(precision))
         grads, save_state, load_state = zero, zero.optimizer_state, zero.load_optimizer_state
+    # 5. fp16: dynamic loss scaling, its overflow decision shared by all ranks.
+    scaler = LossScaler(scale=loss_scale) if precision == "fp16" else None
     return Engine(model, ctx, opt, grads, micro_batch=micro_batch, precision=precision, grad_clip=grad_clip,
-                  optimizer_state=save_state, load_optimizer_state=load_state)
+                  optimizer_state=save_state, load_optimizer_state=load_state, scaler=scaler)
 
 
 def _grad_reduce(ctx: Context) -> str:

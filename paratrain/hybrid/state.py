@@ -14,23 +14,27 @@ import torch
 from torch import nn
 
 
-def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers, each stored tensor once (a tied weight under its first name)."""
+def model_state(model: nn.Module, *, skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers, each stored tensor once (a tied weight under its first name).
+    skip: names another holder (a sharding strategy) provides."""
     seen: set[int] = set()
     state = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) not in seen:
             seen.add(id(tensor))
-            state[name] = tensor.detach()
+            if name not in skip:
+                state[name] = tensor.detach()
     return state
 
 
 @torch.no_grad()
-def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy `state` into the model in place; every stored tensor must be given, with its shape."""
-    own = model_state(model)
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
+def load_model_state(model: nn.Module, state: Mapping[str, torch.Tensor], *,
+                     skip: frozenset[str] = frozenset()) -> None:
+    """Copy `state` into the model in place; every stored tensor must be given, with its shape.
+    skip: names another holder (a sharding strategy) loads; they must still be in `state`."""
+    own = model_state(model, skip=skip)
+    missing = sorted((set(own) | skip) - set(state))
+    unexpected = sorted(set(state) - set(own) - skip)
     if missing or unexpected:
         raise KeyError(f"model state does not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
     for name, tensor in own.items():

@@ -1,19 +1,73 @@
-"""Precision policy: which dtype computes. Weights, gradients and optimizer state stay float32."""
+"""Precision policy and dynamic loss scaling.
+
+    fp32   everything in float32.
+    bf16   compute in bfloat16. Plain DP (zero 0): torch.autocast, weights and gradients float32.
+           ZeRO (zero >= 1): parameters and gradients stored in bfloat16, float32 master weights
+           held, sharded, by the optimizer (the ZeRO paper's mixed-precision accounting: 2 + 2
+           bytes per parameter on every rank, 12 in the optimizer's shard).
+    fp16   as bf16 with float16, plus dynamic loss scaling: float16's narrow range would turn small
+           gradients into zeros, so the loss is multiplied by a scale before backward and the
+           gradients divided by it after; a step whose gradients overflow is skipped.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import math
+from dataclasses import dataclass
 from typing import ContextManager
 
 import torch
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
+LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast(precision: str, device: torch.device) -> ContextManager[object]:
-    """bf16: matmuls in bfloat16 under torch.autocast (CPU and CUDA); fp32: nothing changes."""
+    """bf16 / fp16: matmuls in the low dtype under torch.autocast (CPU and CUDA); fp32: nothing."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    if precision in LOW_DTYPES:
+        return torch.autocast(device_type=device.type, dtype=LOW_DTYPES[precision])
     raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+
+
+@dataclass
+class LossScaler:
+    """Dynamic loss scale (Micikevicius et al. 2018, "Mixed Precision Training", section 3.2).
+
+    After an overflow (an inf or nan in any rank's gradients: the caller makes every rank agree) the
+    scale is multiplied by `backoff` and the step is skipped; after `growth_interval` steps in a
+    row without one, it is multiplied by `growth`.
+    """
+
+    scale: float | None = None
+    """None: set at the first micro-batch to per_token / its token count (rounded down to a power of
+    two), because the engine scales a *sum* of per-token losses, not a mean."""
+    per_token: float = 2.0**16
+    growth: float = 2.0
+    backoff: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float = 1.0
+    good_steps: int = 0
+
+    def initial(self, tokens: float) -> float:
+        """The first scale for a micro-batch of `tokens` loss terms (a power of two, at least min_scale)."""
+        return max(self.min_scale, 2.0 ** math.floor(math.log2(self.per_token / max(tokens, 1.0))))
+
+    def update(self, overflow: bool) -> None:
+        assert self.scale is not None
+        if overflow:
+            self.scale = max(self.min_scale, self.scale * self.backoff)
+            self.good_steps = 0
+        else:
+            self.good_steps += 1
+            if self.good_steps % self.growth_interval == 0:
+                self.scale *= self.growth
+
+    def state_dict(self) -> dict[str, float | None]:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict[str, float | None]) -> None:
+        self.scale = None if state["scale"] is None else float(state["scale"])
+        self.good_steps = int(state["good_steps"] or 0)

@@ -20,10 +20,12 @@ from torch import nn
 
 class FlatGroup:
     def __init__(self, index: int, params: list[nn.Parameter], *, shards: int, shard_index: int,
-                 optimizer_group: int, persistent: bool = True, master_device: torch.device | None = None) -> None:
+                 optimizer_group: int, persistent: bool = True, master_device: torch.device | None = None,
+                 param_dtype: torch.dtype | None = None) -> None:
         """persistent False (ZeRO-3): param_flat's storage is freed, and `shard` keeps this rank's
         slice in storage of its own; the gatherer refills param_flat before the parameters are used.
-        master_device: keep the optimizer's copy of the shard there (offload to the CPU)."""
+        master_device: keep the optimizer's copy of the shard there (offload to the CPU).
+        param_dtype: store the parameters in this dtype (bf16 / fp16), the masters in theirs."""
         self.index = index
         self.params = params
         self.optimizer_group = optimizer_group
@@ -38,19 +40,23 @@ class FlatGroup:
         self.shard_numel = self.padded // shards
         self.lo = shard_index * self.shard_numel
         self.hi = self.lo + self.shard_numel
-        dtype, device = params[0].dtype, params[0].device
-        self.param_flat = torch.zeros(self.padded, dtype=dtype, device=device)
+        master_dtype, device = params[0].dtype, params[0].device
+        dtype = param_dtype or master_dtype
         with torch.no_grad():
+            exact = self.flatten([p.detach() for p in params])  # in the parameters' own dtype
+            self.param_flat = exact.to(dtype)
             for param, view in zip(params, self.views(self.param_flat)):
-                view.copy_(param)
                 param.data = view
         shard = self.param_flat[self.lo: self.hi]
         self.shard = shard if persistent else shard.clone()
         """This rank's slice of the parameters on their device: a view of param_flat when
         persistent, storage of its own otherwise (what the all-gather of ZeRO-3 reads)."""
-        self.master = nn.Parameter(self.shard if master_device is None else self.shard.to(master_device, copy=True))
-        """What the optimizer updates: `shard` itself, or a copy of it on master_device (offload),
-        which push_master() copies back after each update."""
+        own_master = master_device is not None or dtype != master_dtype
+        exact_shard = exact[self.lo: self.hi]
+        self.master = nn.Parameter(exact_shard.to(master_device or device, copy=True) if own_master else self.shard)
+        """What the optimizer updates: `shard` itself, or a copy of it of its own: in float32 when
+        the parameters are stored in a low precision (initialised from the exact values, not from
+        the rounded ones), on master_device when offloaded. push_master() copies it back."""
         self.persistent = persistent
         self._full_bytes = self.param_flat.untyped_storage().nbytes()
         if not persistent:
@@ -72,21 +78,23 @@ class FlatGroup:
             self.param_flat.untyped_storage().resize_(self._full_bytes)
 
     @property
-    def offloaded(self) -> bool:
+    def own_master(self) -> bool:
+        """The master is a separate tensor (float32 masters, or offloaded), not the shard itself."""
         return self.master.data_ptr() != self.shard.data_ptr()
 
     @torch.no_grad()
     def push_master(self) -> None:
-        """After an update of an offloaded master: copy it back into the device shard."""
-        if self.offloaded:
+        """After an update of a separate master: copy (and round) it back into the device shard."""
+        if self.own_master:
             self.shard.copy_(self.master, non_blocking=True)
 
     @torch.no_grad()
-    def pull_shard(self) -> None:
-        """After the full parameters were written (loading): refresh the shard and the master."""
+    def pull_shard(self, exact: torch.Tensor | None = None) -> None:
+        """After the full parameters were written (loading): refresh the shard and the master.
+        exact: this rank's slice in full precision, when the parameters were rounded to store them."""
         self.shard.copy_(self.shard_of(self.param_flat))
-        if self.offloaded:
-            self.master.copy_(self.shard)
+        if self.own_master:
+            self.master.copy_(self.shard if exact is None else exact)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's region of a [padded] buffer, shaped like the parameter."""

@@ -32,10 +32,9 @@ only on that element's state, since flat shards cut through parameters.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Union
+from typing import Any, Mapping, Union
 
 import torch
 from torch import nn
@@ -101,10 +100,13 @@ class _InFlight:
 class ZeroSync:
     def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, names: dict[int, str],
                  mesh: Mesh, *, stage: int, bucket_bytes: int, reduce_op: str, model: nn.Module | None = None,
-                 wrap: WrapPolicy = None, reshard_after_forward: bool = True, offload: bool = False) -> None:
+                 wrap: WrapPolicy = None, reshard_after_forward: bool = True, offload: bool = False,
+                 param_dtype: torch.dtype | None = None) -> None:
         """model, wrap, reshard_after_forward: stage 3 only (see paratrain.sharding.gather).
         offload: the optimizer's masters and state live in CPU memory and the update runs there
-        (ZeRO-Offload, Ren et al. 2021); the device keeps only its working copy of the shard."""
+        (ZeRO-Offload, Ren et al. 2021); the device keeps only its working copy of the shard.
+        param_dtype: store parameters and gradients in this dtype (bf16 / fp16); the optimizer's
+        masters stay in the parameters' original dtype (float32)."""
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroSync implements stages 1, 2 and 3, got {stage}")
         if reduce_op not in ("all_reduce", "reduce_scatter"):
@@ -130,7 +132,8 @@ class ZeroSync:
         if stage < 3:
             planned = plan_buckets(params, cap_bytes=bucket_bytes, key=lambda p: group_of[id(p)])
             self.groups = [FlatGroup(i, ps, shards=shards, shard_index=shard_index, master_device=master_device,
-                                     optimizer_group=group_of[id(ps[0])]) for i, ps in enumerate(planned)]
+                                     param_dtype=param_dtype, optimizer_group=group_of[id(ps[0])])
+                           for i, ps in enumerate(planned)]
         else:
             if model is None:
                 raise ValueError("ZeRO-3 needs the model, to gather parameters around its modules")
@@ -143,7 +146,8 @@ class ZeroSync:
                     by_group.setdefault(group_of[id(param)], []).append(param)
                 for gi, ps in by_group.items():
                     unit.groups.append(FlatGroup(len(self.groups), ps, shards=shards, shard_index=shard_index,
-                                                 optimizer_group=gi, persistent=False, master_device=master_device))
+                                                 optimizer_group=gi, persistent=False, master_device=master_device,
+                                                 param_dtype=param_dtype))
                     self.groups.append(unit.groups[-1])
             self.gatherer = ParamGatherer(root, units, self.shard_group, reshard_after_forward=reshard_after_forward,
                                           comm=self.comm)
@@ -165,7 +169,7 @@ class ZeroSync:
             else:
                 shard = torch.zeros(g.shard_numel, dtype=g.param_flat.dtype, device=g.param_flat.device)
             self.grad_shards.append(shard)
-            if not g.offloaded:
+            if not g.own_master:
                 g.master.grad = shard
 
         self.sync = True
@@ -185,7 +189,7 @@ class ZeroSync:
                     if param.grad is None or param.grad.data_ptr() != view.data_ptr():
                         param.grad = view
         for g, shard in zip(self.groups, self.grad_shards):
-            if not g.offloaded:
+            if not g.own_master:
                 g.master.grad = shard
 
     def _communicates(self) -> bool:
@@ -283,10 +287,10 @@ class ZeroSync:
         return self.grad_shards
 
     def before_optimizer_step(self) -> None:
-        """Offload: hand the (reduced, scaled, clipped) gradient shards to the masters in CPU memory."""
+        """Separate masters (float32, or offloaded): hand them the reduced, scaled, clipped shards."""
         for g, shard in zip(self.groups, self.grad_shards):
-            if g.offloaded:
-                g.master.grad = shard.to(g.master.device, copy=True)
+            if g.own_master:
+                g.master.grad = shard.to(g.master.device, dtype=g.master.dtype, copy=True)
 
     def after_step(self) -> None:
         """All-gather the updated shards into full parameters (ZeRO-3: at next use); zero the gradients."""
@@ -316,22 +320,44 @@ class ZeroSync:
             flat = self.grad_flats[g.index]
             if flat is None or shard.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
                 grads += shard.numel() * shard.element_size()
-        masters = sum(g.master.numel() * g.master.element_size() for g in self.groups if g.offloaded)
+        masters = sum(g.master.numel() * g.master.element_size() for g in self.groups if g.own_master)
         return {"params": params, "grads": grads, "masters": masters}
 
     @property
     def params_sharded(self) -> bool:
+        """ZeRO-3: a forward all-gathers parameters, so every rank must run it."""
         return self.gatherer is not None
 
-    @contextlib.contextmanager
-    def full_params(self, *, writeback: bool = False) -> Iterator[None]:
-        """The model's full parameters for the block (collective in ZeRO-3). writeback: what the
-        block wrote into the full parameters is copied into this rank's shards and masters after."""
-        with self.gatherer.gathered() if self.gatherer else contextlib.nullcontext():
-            yield
-            if writeback:
-                for g in self.groups:
-                    g.pull_shard()
+    # ---- layout-free model state ------------------------------------------------------------
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter this strategy holds, full, by name, in the masters' precision (the true
+        weights when the parameters are stored rounded). Collective over the shard group."""
+        state = {}
+        for g in self.groups:
+            full = self._gather(g.master.detach(), g)
+            for param, view in zip(g.params, g.views(full)):
+                state[self.names[id(param)]] = view.clone()
+        return state
+
+    @torch.no_grad()
+    def load_model_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Set every parameter from full tensors by name: masters exactly, stored copies rounded."""
+        for g in self.groups:
+            exact = g.flatten([state[self.names[id(p)]].to(g.master.device, g.master.dtype) for p in g.params])
+            if g.persistent:
+                g.param_flat.copy_(exact)
+            g.shard.copy_(g.shard_of(exact))
+            if g.own_master:
+                g.master.copy_(g.shard_of(exact))
+
+    def _gather(self, shard: torch.Tensor, g: FlatGroup) -> torch.Tensor:
+        """[padded] concatenation of every shard-group rank's `shard` (a copy when unsharded)."""
+        full = torch.empty(g.padded, dtype=shard.dtype, device=shard.device)
+        if self.shard_group is not None:
+            all_gather_async(full, shard.contiguous(), self.shard_group).wait()
+        else:
+            full.copy_(shard)
+        return full
 
     # ---- layout-free optimizer state --------------------------------------------------------
     def optimizer_state(self) -> dict[str, Any]:
@@ -340,11 +366,7 @@ class ZeroSync:
         for g in self.groups:
             for key, value in self.optimizer.state.get(g.master, {}).items():
                 if isinstance(value, torch.Tensor) and value.shape == g.master.shape:
-                    full = torch.empty(g.padded, dtype=value.dtype, device=value.device)
-                    if self.shard_group is not None:
-                        all_gather_async(full, value.contiguous(), self.shard_group).wait()
-                    else:
-                        full.copy_(value)
+                    full = self._gather(value, g)
                     for param, view in zip(g.params, g.views(full)):
                         state.setdefault(self.names[id(param)], {})[key] = view.clone()
                 else:

@@ -129,6 +129,14 @@ class Trainer:
                     "step": self.step, "loss": loss, "grad_norm": stats.grad_norm, "lr": lr,
                     "tokens": stats.tokens, "step_time": step_time, "tokens_per_s": tokens_per_s,
                 }
+                if stats.loss_scale is not None:
+                    record["loss_scale"] = stats.loss_scale
+                if stats.skipped:
+                    record["skipped"] = True
+                    if self.ctx.is_main:  # every rank took the same decision: say it once
+                        self.log.warning("step %d: fp16 gradients overflowed (loss scale %g); update skipped on "
+                                         "every rank, scale now %g", self.step, stats.loss_scale,
+                                         self.engine.scaler.scale if self.engine.scaler else float("nan"))
                 utilisation = mfu(tokens_per_s, flops_per_token, self.ctx.world_size, peak)
                 if utilisation is not None:
                     record["mfu"] = utilisation

@@ -63,7 +63,7 @@ def test_gpt2_parameter_count():
 @pytest.mark.parametrize("overrides,world,needle", [
     ({"data.global_batch": 30, "data.micro_batch": 4}, 2, "is not an integer"),
     ({"data.seq_len": 4096}, 2, "must be <= the model's seq_len"),
-    ({"train.precision": "fp8"}, 2, "precision must be 'fp32' or 'bf16'"),
+    ({"train.precision": "fp8"}, 2, "precision must be 'fp32', 'bf16' or 'fp16'"),
     ({"train.steps": 0}, 2, "train.steps must be >= 1"),
     ({"optim.lr": -1.0}, 2, "optim.lr must be > 0"),
     ({"launch.nnodes": 2}, 4, "needs --rdzv-endpoint"),
