@@ -66,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
         train.add_argument(flag, type=kind, default=None, help=text)
     train.add_argument("--recompute", action="store_true", default=None, help="recompute each block's activations in backward")
     train.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
+    train.add_argument("--keep-params", dest="reshard_after_forward", action="store_false", default=None,
+                       help="ZeRO-3: keep a unit's gathered parameters from forward to backward")
     commands.add_parser("presets", help="list the model presets and their sizes")
     return parser
 
@@ -83,6 +85,8 @@ def run_config_from_args(args: argparse.Namespace) -> Any:
         overrides["train.recompute"] = args.recompute
     if args.progress is not None:
         overrides["train.progress"] = args.progress
+    if args.reshard_after_forward is not None:
+        overrides["parallel.reshard_after_forward"] = args.reshard_after_forward
     return build_run_config(table, overrides)
 
 

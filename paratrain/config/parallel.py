@@ -33,6 +33,9 @@ class ParallelConfig:
     shard_group: int | None = None
     """Hierarchical sharding (MiCS / HSDP): shard inside groups of this many dp ranks, replicate
     across the dp / shard_group groups. None: shard over all of dp."""
+    reshard_after_forward: bool = True
+    """ZeRO-3: free a unit's full parameters after its forward and gather them again for backward;
+    false keeps them from forward to backward (more memory, one all-gather fewer per unit)."""
     offload: str = "none"
     """'optimizer': optimizer state and fp32 master weights in CPU memory, the update on the CPU
     (needs zero >= 1; on a CPU-only machine it changes nothing but must stay correct)."""

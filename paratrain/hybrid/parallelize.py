@@ -26,7 +26,7 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                 micro_batch: int | None = None, precision: str = "fp32", grad_clip: float = 0.0,
                 recompute: bool | str = False, sync_initial_weights: bool = True, wrap: WrapPolicy = None,
-                reshard_after_forward: bool = True, loss_scale: float | None = None) -> Engine:
+                reshard_after_forward: bool | None = None, loss_scale: float | None = None) -> Engine:
     """Apply the layout of `ctx` to `model` and return an Engine that trains it.
 
     optimizer: builds the optimizer from the parameter list (called once, after the layout is applied).
@@ -42,6 +42,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     wrap: ZeRO-3 units, a regex of module names or module class(es); None: the GPT's blocks.
     reshard_after_forward: ZeRO-3 frees a unit's full parameters after its forward and gathers them
         again for backward; False keeps them from forward to backward (more memory, less traffic).
+        None: ctx.config.reshard_after_forward.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -73,7 +74,9 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         # rank's shard of each, so its state exists for 1/shard of the parameters only.
         zero = ZeroSync(params, opt, names, ctx.mesh, stage=ctx.config.zero, bucket_bytes=bucket_bytes,
                         reduce_op=_grad_reduce(ctx), model=model, wrap=wrap,
-                        reshard_after_forward=reshard_after_forward, offload=ctx.config.offload == "optimizer",
+                        reshard_after_forward=(ctx.config.reshard_after_forward if reshard_after_forward is None
+                                               else reshard_after_forward),
+                        offload=ctx.config.offload == "optimizer",
                         param_dtype=LOW_DTYPES.get(precision))
         grads, save_state, load_state = zero, zero.optimizer_state, zero.load_optimizer_state
     # 5. fp16: dynamic loss scaling, its overflow decision shared by all ranks.
