@@ -9,9 +9,13 @@ DeepSpeed is optional (not a dependency of paratrain); to include it:
 
 Every contender trains the same GPT (6 layers, d_model 384, 10.7M parameters, seq 128, 8 samples
 per rank, AdamW) from the same weights, each in a fresh set of processes, so that the peak
-resident memory (ru_maxrss) belongs to it alone. Reported per rank 0: median step time, and the
-peak resident memory above what the process held before building the model ("peak MB"); for
-paratrain also the exact bytes of parameters + gradients + optimizer state between steps ("state MB").
+resident memory (ru_maxrss) belongs to it alone. Reported for rank 0: median step time; "live
+tensors", the bytes of all tensor storages alive after the timed steps, found by a gc scan that
+counts each storage once (parameters, gradients, optimizer state, flat buffers, whatever each
+contender keeps between steps: the same measure for all); "peak RSS", the peak resident memory
+above what the process held before building the model, which on CPU is dominated by the allocator
+keeping freed memory (and so says little about sharding); for paratrain also the exact bytes of
+parameters + gradients + optimizer state it reports ("state").
 """
 
 from __future__ import annotations
@@ -36,6 +40,25 @@ CONTENDERS = ["paratrain-zero0", "paratrain-zero1", "paratrain-zero2", "paratrai
 
 def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _live_tensor_mb() -> float:
+    """Bytes of every tensor storage alive in this process, each storage once (a DTensor's local
+    shard, a flat buffer and its views all count once). The same measure for every contender."""
+    import gc
+
+    import torch
+
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+                storage = obj.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+        except (RuntimeError, ReferenceError, NotImplementedError):
+            continue
+    seen.pop(0, None)  # freed (resized to 0) storages
+    return sum(seen.values()) / 2**20
 
 
 def _contender(name: str, steps: int) -> dict:
@@ -103,6 +126,7 @@ def _contender(name: str, steps: int) -> dict:
             optimizer.zero_grad(set_to_none=True)
 
     times = []
+    live_before = _live_tensor_mb()  # model and batches, before any optimizer state or gradient
     for i in range(steps + 2):
         dist.barrier()
         started = time.perf_counter()
@@ -113,7 +137,8 @@ def _contender(name: str, steps: int) -> dict:
         report = engine.memory_report()
         state_mb = (report["params"] + report["grads"] + report["optimizer"]) / 2**20
     return {"name": name, "world": world, "step_s": statistics.median(times),
-            "peak_mb": _rss_mb() - before, "state_mb": state_mb}
+            "peak_mb": _rss_mb() - before, "state_mb": state_mb,
+            "live_mb": _live_tensor_mb(), "live_before_mb": live_before}
 
 
 def main() -> None:
@@ -134,8 +159,8 @@ def main() -> None:
             result = run_world(world, _contender, name, args.steps)
             results.append(result)
             state = f"{result['state_mb']:8.1f}" if result["state_mb"] is not None else "       -"
-            print(f"{world} procs  {name:<17} step {result['step_s']:6.3f} s   peak {result['peak_mb']:7.1f} MB"
-                  f"   state {state} MB", flush=True)
+            print(f"{world} procs  {name:<17} step {result['step_s']:6.3f} s   live tensors {result['live_mb']:7.1f} MB"
+                  f"   peak RSS {result['peak_mb']:7.1f} MB   state {state} MB", flush=True)
     print(f"\nGPT {MODEL}, {PER_RANK} samples x {MODEL['seq_len']} tokens per rank, AdamW, gloo on CPU")
     for world in args.worlds:
         rows = {r["name"]: r for r in results if r["world"] == world}
@@ -144,7 +169,8 @@ def main() -> None:
                            ("paratrain-zero2", "deepspeed-zero2"), ("paratrain-zero3", "deepspeed-zero3")):
             if ours in rows and peer in rows:
                 print(f"{world} procs  {ours} / {peer}: step time x{rows[ours]['step_s'] / rows[peer]['step_s']:.2f}, "
-                      f"peak memory x{rows[ours]['peak_mb'] / max(rows[peer]['peak_mb'], 1e-9):.2f}")
+                      f"live tensors x{rows[ours]['live_mb'] / rows[peer]['live_mb']:.2f}, "
+                      f"peak RSS x{rows[ours]['peak_mb'] / max(rows[peer]['peak_mb'], 1e-9):.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
