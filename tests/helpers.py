@@ -53,3 +53,19 @@ def rel_diff(a: list[float], b: list[float]) -> float:
 def max_state_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def squared_error(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """A loss_fn for plain regression models: (sum of squared errors, number of terms)."""
+    inputs, targets = batch
+    return ((model(inputs) - targets) ** 2).sum(), targets.numel()
+
+
+def regression_rows(ctx: paratrain.Context, inputs: int, outputs: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """This dp rank's slice of a fixed float64 regression batch of `rows` rows (same on every layout)."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, inputs, generator=generator, dtype=torch.float64)
+    y = torch.randn(rows, outputs, generator=generator, dtype=torch.float64)
+    per_rank = rows // ctx.mesh.degree("dp")
+    lo = ctx.mesh.index("dp") * per_rank
+    return x[lo: lo + per_rank], y[lo: lo + per_rank]

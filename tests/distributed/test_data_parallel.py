@@ -9,7 +9,7 @@ from torch import nn
 
 import paratrain
 from paratrain.models import lm_loss
-from tests.helpers import TINY, max_state_diff, rel_diff, tiny_run
+from tests.helpers import TINY, max_state_diff, regression_rows, rel_diff, squared_error, tiny_run
 
 STEPS = 10
 _reference_cache: dict[tuple, dict] = {}
@@ -125,17 +125,8 @@ def _generic_module(dp: int | None) -> list[float]:
     torch.manual_seed(0 if ctx.rank == 0 else 99)  # replicas differ: parallelize must sync them
     model = _TwoBranch().double()
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
-    generator = torch.Generator().manual_seed(5)
-    data = torch.randn(8, 8, generator=generator, dtype=torch.float64)
-    target = torch.randn(8, 8, generator=generator, dtype=torch.float64)
-    per_rank = 8 // ctx.mesh.degree("dp")
-    lo = ctx.mesh.index("dp") * per_rank
-
-    def loss_fn(m, batch):
-        inputs, targets = batch
-        return ((m(inputs) - targets) ** 2).sum(), targets.numel()
-
-    return [engine.train_step((data[lo: lo + per_rank], target[lo: lo + per_rank]), loss_fn) for _ in range(5)]
+    batch = regression_rows(ctx, 8, 8)
+    return [engine.train_step(batch, squared_error) for _ in range(5)]
 
 
 def test_generic_module_with_unused_params(pools):

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import paratrain
-from tests.helpers import TINY, max_state_diff, rel_diff, tiny_run
+from tests.helpers import TINY, max_state_diff, regression_rows, rel_diff, squared_error, tiny_run
 
 STEPS = 10
 _cache: dict = {}
@@ -139,17 +139,8 @@ def _generic_zero3(dp: int | None, wrap, reshard: bool) -> list[float]:
     kwargs = {"wrap": wrap, "reshard_after_forward": reshard} if dp else {}
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2), micro_batch=2,
                                    **kwargs)
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randn(8, 6, generator=generator, dtype=torch.float64)
-    y = torch.randn(8, 3, generator=generator, dtype=torch.float64)
-    rows = 8 // ctx.mesh.degree("dp")
-    lo = ctx.mesh.index("dp") * rows
-
-    def loss_fn(m, batch):
-        inputs, targets = batch
-        return ((m(inputs) - targets) ** 2).sum(), targets.numel()
-
-    return [engine.train_step((x[lo: lo + rows], y[lo: lo + rows]), loss_fn) for _ in range(5)]
+    batch = regression_rows(ctx, 6, 3)
+    return [engine.train_step(batch, squared_error) for _ in range(5)]
 
 
 @pytest.mark.parametrize("wrap,reshard", [(_Residual, True), (_Residual, False), (r"[13]", True), (torch.nn.Linear, True)])

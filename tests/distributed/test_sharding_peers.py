@@ -32,6 +32,18 @@ def _global_mean(local_mean: torch.Tensor) -> float:
     return float(value) / dist.get_world_size()
 
 
+def _peer_losses(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[float]:
+    """A peer's plain training loop with the mean loss (every rank holds the same token count)."""
+    losses = []
+    for b in _batches(dist.get_rank()):
+        loss = F.cross_entropy(model(b[:, :-1]).reshape(-1, 256), b[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(_global_mean(loss))
+    return losses
+
+
 def _fsdp2() -> list[float]:
     from torch.distributed.fsdp import fully_shard
 
@@ -39,15 +51,7 @@ def _fsdp2() -> list[float]:
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for b in _batches(dist.get_rank()):
-        loss = F.cross_entropy(model(b[:, :-1]).reshape(-1, 256), b[:, 1:].reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(_global_mean(loss))
-    return losses
+    return _peer_losses(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
 
 
 def _zero_redundancy() -> list[float]:
@@ -55,15 +59,7 @@ def _zero_redundancy() -> list[float]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = DDP(paratrain.build_gpt(TINY, seed=4, dtype=torch.float64))
-    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-3)
-    losses = []
-    for b in _batches(dist.get_rank()):
-        loss = F.cross_entropy(model(b[:, :-1]).reshape(-1, 256), b[:, 1:].reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(_global_mean(loss))
-    return losses
+    return _peer_losses(model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-3))
 
 
 def _race(peer: str, zero: int) -> dict:
