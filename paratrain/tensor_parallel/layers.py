@@ -1,0 +1,96 @@
+"""Tensor-parallel layers, each built from the full (layout-free) dense layer by slicing it.
+
+    ColumnParallelLinear   W[out, in] -> W[out/tp, in] on each rank
+        x[B, S, in] (same on all ranks) @ W_r^T -> y_r[B, S, out/tp]; gather_output -> y[B, S, out]
+    RowParallelLinear      W[out, in] -> W[out, in/tp] on each rank
+        x_r[B, S, in/tp] @ W_r^T -> partial y[B, S, out], summed over tp (+ bias once, after the sum)
+    VocabParallelEmbedding E[V, D] -> E[V/tp, D]: rank r looks up the ids in [r V/tp, (r+1) V/tp),
+        zeros for the others, and the all-reduce assembles every row.
+
+A column layer followed by a row layer needs one all-reduce in forward (after the row layer) and
+one in backward (the column layer's input gradient): Shoeybi et al. 2019 (Megatron-LM), section 3.
+With sequence parallelism the column input is all-gathered along the sequence and the row output
+reduce-scattered along it instead (Korthikanti et al. 2022).
+
+Slicing the full layer keeps the layout-free init: tp = 1 and tp = N start from the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.comm.regions import (
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_tp_region,
+)
+from paratrain.topology.mesh import AxisGroup
+
+
+def _slice(tensor: torch.Tensor, dim: int, group: AxisGroup, what: str) -> torch.Tensor:
+    size = tensor.shape[dim]
+    if size % group.size:
+        raise ValueError(f"{what}: dim {dim} of size {size} must be divisible by tp ({group.size})")
+    part = size // group.size
+    return tensor.detach().narrow(dim, group.index * part, part).clone()
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, full: nn.Linear, group: AxisGroup, *, gather_output: bool = False,
+                 sequence_parallel: bool = False, sequence_dim: int = 1) -> None:
+        super().__init__()
+        self.group, self.gather_output = group, gather_output
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+        self.weight = nn.Parameter(_slice(full.weight, 0, group, "column-parallel weight"))
+        self.bias = nn.Parameter(_slice(full.bias, 0, group, "column-parallel bias")) if full.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence_region(x, self.group, self.sequence_dim)
+        else:
+            x = copy_to_tp_region(x, self.group)
+        y = F.linear(x, self.weight, self.bias)  # [B, S, out/tp]
+        return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, full: nn.Linear, group: AxisGroup, *, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False, sequence_dim: int = 1) -> None:
+        super().__init__()
+        self.group, self.input_is_parallel = group, input_is_parallel
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+        self.weight = nn.Parameter(_slice(full.weight, 1, group, "row-parallel weight"))
+        # Replicated on every tp rank, added once after the sum. With sequence parallelism each rank
+        # adds it to its slice of the sequence only, so its gradient is partial: whoever applies
+        # sequence parallelism must sum such gradients over tp before the update (as for norms).
+        self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.group)
+        partial = F.linear(x, self.weight)  # [B, S, out], this rank's share of the sum
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_region(partial, self.group, self.sequence_dim)
+        else:
+            y = reduce_from_tp_region(partial, self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, full: nn.Embedding, group: AxisGroup) -> None:
+        super().__init__()
+        self.group = group
+        self.weight = nn.Parameter(_slice(full.weight, 0, group, "vocab-parallel embedding"))
+        self.vocab_start = group.index * self.weight.shape[0]
+        self.vocab_end = self.vocab_start + self.weight.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        rows = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(rows, self.group)

@@ -1,0 +1,115 @@
+"""Each tensor-parallel layer against its dense counterpart: forward, input and weight gradients (float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+from paratrain.topology import AxisGroup
+
+B, S, D, F_HIDDEN, V = 2, 8, 16, 32, 24
+
+
+def _tp_group() -> AxisGroup:
+    ranks = list(range(dist.get_world_size()))
+    return AxisGroup("tp", tuple(ranks), dist.get_rank(), dist.new_group(ranks))
+
+
+def _slice(t: torch.Tensor, dim: int, group: AxisGroup) -> torch.Tensor:
+    part = t.shape[dim] // group.size
+    return t.narrow(dim, group.index * part, part)
+
+
+def _dense_mlp() -> tuple[nn.Linear, nn.Linear, torch.Tensor]:
+    torch.manual_seed(0)
+    up, down = nn.Linear(D, F_HIDDEN).double(), nn.Linear(F_HIDDEN, D).double()
+    return up, down, torch.randn(B, S, D, dtype=torch.float64)
+
+
+def _max_diff(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    return max(float((a - b).abs().max()) for a, b in pairs)
+
+
+def _mlp(sequence_parallel: bool) -> float:
+    group = _tp_group()
+    up, down, x = _dense_mlp()
+    column = ColumnParallelLinear(up, group, sequence_parallel=sequence_parallel)
+    row = RowParallelLinear(down, group, sequence_parallel=sequence_parallel)
+    x_dense = x.clone().requires_grad_()
+    y_dense = down(F.gelu(up(x_dense)))
+    y_dense.pow(2).sum().backward()
+    # sequence parallel: each rank holds its slice of the sequence, in and out
+    x_tp = (_slice(x, 1, group) if sequence_parallel else x).clone().requires_grad_()
+    y_tp = row(F.gelu(column(x_tp)))
+    y_tp.pow(2).sum().backward()
+    expected_y = _slice(y_dense, 1, group) if sequence_parallel else y_dense
+    expected_dx = _slice(x_dense.grad, 1, group) if sequence_parallel else x_dense.grad
+    # in sequence-parallel mode the loss is a sum of per-rank pieces: weight grads are partial sums
+    weights = [column.weight.grad, column.bias.grad, row.weight.grad, row.bias.grad]
+    if sequence_parallel:
+        for grad in (row.bias.grad,):  # replicated parameters: their gradient is summed over tp
+            dist.all_reduce(grad, group=group.pg)
+    return _max_diff([
+        (y_tp, expected_y), (x_tp.grad, expected_dx),
+        (weights[0], _slice(up.weight.grad, 0, group)), (weights[1], _slice(up.bias.grad, 0, group)),
+        (weights[2], _slice(down.weight.grad, 1, group)), (weights[3], down.bias.grad),
+    ])
+
+
+def _gather_and_scatter() -> float:
+    group = _tp_group()
+    up, _, x = _dense_mlp()
+    column = ColumnParallelLinear(up, group, gather_output=True)
+    row_full = nn.Linear(F_HIDDEN, D).double()
+    row = RowParallelLinear(row_full, group, input_is_parallel=False)
+    x_dense, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    row_full(up(x_dense)).sum().backward()
+    y = row(column(x_tp))
+    y.sum().backward()
+    return _max_diff([(y, row_full(up(x))), (x_tp.grad, x_dense.grad)])
+
+
+def _embedding() -> float:
+    group = _tp_group()
+    torch.manual_seed(1)
+    full = nn.Embedding(V, D).double()
+    ids = torch.randint(0, V, (B, S))
+    tp = VocabParallelEmbedding(full, group)
+    full(ids).pow(2).sum().backward()
+    out = tp(ids)
+    out.pow(2).sum().backward()
+    return _max_diff([(out, full(ids)), (tp.weight.grad, _slice(full.weight.grad, 0, group))])
+
+
+def _cross_entropy() -> float:
+    group = _tp_group()
+    torch.manual_seed(2)
+    logits = torch.randn(B * S, V, dtype=torch.float64)
+    targets = torch.randint(0, V, (B * S,))
+    targets[:3] = -100
+    dense = logits.clone().requires_grad_()
+    expected = F.cross_entropy(dense, targets, reduction="none", ignore_index=-100)
+    (expected * torch.arange(B * S, dtype=torch.float64)).sum().backward()  # a non-uniform upstream grad
+    local = _slice(logits, 1, group).clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, targets, group)
+    (loss * torch.arange(B * S, dtype=torch.float64)).sum().backward()
+    return _max_diff([(loss, expected), (local.grad, _slice(dense.grad, 1, group))])
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("job,args", [(_mlp, (False,)), (_mlp, (True,)), (_gather_and_scatter, ()),
+                                      (_embedding, ()), (_cross_entropy, ())],
+                         ids=["column-row", "sequence-parallel", "gather-scatter", "vocab-embedding",
+                              "vocab-cross-entropy"])
+def test_layer_matches_dense(pools, tp, job, args):
+    for diff in pools(tp).run(job, *args):
+        assert diff < 1e-12
