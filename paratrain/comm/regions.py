@@ -20,7 +20,7 @@ The group is always passed in; slices are in group-rank order.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -44,102 +44,59 @@ def _all_gather(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
-    summed = x.contiguous().clone()
-    all_reduce(summed, group)  # gloo: an all-reduce then a slice beats its reduce-scatter (docs/sharding.md)
-    return _split(summed, group, dim)
+    # gloo: an all-reduce then a slice beats its reduce-scatter (docs/sharding.md)
+    return _split(_sum(x, group, dim), group, dim)
 
 
-class _CopyTo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        all_reduce(grad, ctx.group)
-        return grad, None
+def _identity(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
+    return x.view_as(x)
 
 
-class _ReduceFrom(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-        out = x.contiguous().clone()
-        all_reduce(out, group)
-        return out
+def _sum(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
+    out = x.contiguous().clone()  # never reduce in place into a tensor autograd may still need
+    all_reduce(out, group)
+    return out
+
+
+_Action = Callable[[torch.Tensor, AxisGroup, int], torch.Tensor]
+
+
+class _Region(torch.autograd.Function):
+    """A region is a pair of conjugate actions: `forward` on the way in, `backward` on the gradient."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class _GatherFrom(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x, group, dim)
+    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup, dim: int, forward: _Action,
+                backward: _Action) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.backward_action = group, dim, backward
+        return forward(x, group, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _split(grad, ctx.group, ctx.dim), None, None
-
-
-class _ScatterTo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _split(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _all_gather(grad, ctx.group, ctx.dim), None, None
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _reduce_scatter(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _all_gather(grad, ctx.group, ctx.dim), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return ctx.backward_action(grad, ctx.group, ctx.dim), None, None, None, None
 
 
 def copy_to_tp_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    return _CopyTo.apply(x, group)
+    return _Region.apply(x, group, -1, _identity, _sum)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    return _ReduceFrom.apply(x, group)
+    return _Region.apply(x, group, -1, _sum, _identity)
 
 
 def gather_from_tp_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    return _GatherFrom.apply(x, group, x.dim() - 1)
+    return _Region.apply(x, group, x.dim() - 1, _all_gather, _split)
 
 
 def scatter_to_tp_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    return _ScatterTo.apply(x, group, x.dim() - 1)
+    return _Region.apply(x, group, x.dim() - 1, _split, _all_gather)
 
 
 def gather_from_sequence_region(x: torch.Tensor, group: AxisGroup, dim: int = 1) -> torch.Tensor:
-    return _GatherFromSequence.apply(x, group, dim)
+    return _Region.apply(x, group, dim, _all_gather, _reduce_scatter)
 
 
 def reduce_scatter_to_sequence_region(x: torch.Tensor, group: AxisGroup, dim: int = 1) -> torch.Tensor:
-    return _ReduceScatterToSequence.apply(x, group, dim)
+    return _Region.apply(x, group, dim, _reduce_scatter, _all_gather)
 
 
 __all__ = [
