@@ -81,7 +81,7 @@ def _race(steps: int, rounds: int, bucket_mb: float) -> dict:
     group = ctx.mesh.group("dp")
     probe = torch.randn(bucket_bytes // 4)
     raw = []
-    for i in range(8):
+    for _ in range(8):
         dist.barrier()
         started = time.perf_counter()
         dist.all_reduce(probe, group=group.pg)
@@ -90,7 +90,7 @@ def _race(steps: int, rounds: int, bucket_mb: float) -> dict:
     buffers = [b.buffer for b in ours.grads.buckets]
     grad_bytes = sum(b.numel() * b.element_size() for b in buffers)
     synced = []
-    for i in range(8):
+    for _ in range(8):
         dist.barrier()
         started = time.perf_counter()
         for pending in [all_reduce_async(b, group) for b in buffers]:

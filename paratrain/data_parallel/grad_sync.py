@@ -16,6 +16,8 @@ others), so a step of k micro-batches still costs one all-reduce per bucket.
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 from torch import nn
 
@@ -65,6 +67,16 @@ class GradSync:
     def after_step(self) -> None:
         for bucket in self.buckets:
             bucket.buffer.zero_()
+
+    params_sharded = False
+    """Every rank holds the full parameters."""
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """Nothing of its own: the model's tensors are the full parameters."""
+        return {}
+
+    def load_model_state(self, state: Mapping[str, torch.Tensor]) -> frozenset[str]:
+        return frozenset()
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds for parameters and gradients."""

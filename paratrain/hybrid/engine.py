@@ -48,6 +48,18 @@ class GradientStrategy(Protocol):
     def after_step(self) -> None: ...
     def memory(self) -> dict[str, int]: ...
 
+    params_sharded: bool
+    """True when a forward all-gathers parameters (ZeRO-3): every rank must run every forward."""
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The parameters this strategy holds in a form of its own, full, by name (collective);
+        empty when the model's own tensors are the full parameters."""
+        ...
+
+    def load_model_state(self, state: Mapping[str, torch.Tensor]) -> frozenset[str]:
+        """Load what model_state() gives; returns the names it loaded."""
+        ...
+
 
 @dataclass(frozen=True)
 class StepStats:
@@ -214,7 +226,7 @@ class Engine:
     def state_dict(self) -> dict[str, Any]:
         """Full and layout-free: model tensors and optimizer state keyed by parameter name.
         Collective under sharding (every rank must call it): shards are gathered."""
-        sharded = self._sharded_model_state()
+        sharded = self.grads.model_state()
         model = {**model_state(self.model, skip=frozenset(sharded)), **sharded}
         state: dict[str, Any] = {"model": model, "optimizer": self._optimizer_state()}
         if self.scaler is not None:
@@ -222,20 +234,12 @@ class Engine:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        names = frozenset(n for n, p in self.model.named_parameters() if p.requires_grad)
-        load_sharded = getattr(self.grads, "load_model_state", None)
-        load_model_state(self.model, state["model"], skip=names if load_sharded else frozenset())
-        if load_sharded:
-            load_sharded(state["model"])
+        loaded = self.grads.load_model_state(state["model"])
+        load_model_state(self.model, state["model"], skip=loaded)
         self._load_optimizer_state(state["optimizer"])
         if self.scaler is not None and "loss_scaler" in state:
             self.scaler.load_state_dict(state["loss_scaler"])
         self.grads.begin_step()
-
-    def _sharded_model_state(self) -> dict[str, torch.Tensor]:
-        """What a sharding strategy holds of the model (gathered, exact), or nothing for plain DP."""
-        gather = getattr(self.grads, "model_state", None)
-        return gather() if gather else {}
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer state (steady state,

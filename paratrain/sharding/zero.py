@@ -340,8 +340,9 @@ class ZeroSync:
         return state
 
     @torch.no_grad()
-    def load_model_state(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Set every parameter from full tensors by name: masters exactly, stored copies rounded."""
+    def load_model_state(self, state: Mapping[str, torch.Tensor]) -> frozenset[str]:
+        """Set every parameter from full tensors by name: masters exactly, stored copies rounded.
+        Returns the names loaded (every trainable parameter)."""
         for g in self.groups:
             exact = g.flatten([state[self.names[id(p)]].to(g.master.device, g.master.dtype) for p in g.params])
             if g.persistent:
@@ -349,6 +350,7 @@ class ZeroSync:
             g.shard.copy_(g.shard_of(exact))
             if g.own_master:
                 g.master.copy_(g.shard_of(exact))
+        return frozenset(self.names[id(p)] for g in self.groups for p in g.params)
 
     def _gather(self, shard: torch.Tensor, g: FlatGroup) -> torch.Tensor:
         """[padded] concatenation of every shard-group rank's `shard` (a copy when unsharded)."""

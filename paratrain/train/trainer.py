@@ -160,7 +160,7 @@ class Trainer:
                 bar.close()
             json_log.close()
         # Under ZeRO-3 every forward all-gathers parameters: all ranks generate (the same text).
-        sharded = getattr(self.engine.grads, "params_sharded", False)
+        sharded = self.engine.grads.params_sharded
         if train.sample_tokens and (self.ctx.is_main or sharded) and self.source.vocab_size == 256:
             text = self.sample(train.sample_tokens)
             result.sample = text if self.ctx.is_main else ""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import paratrain
 from paratrain.data import GlobalBatchLoader, load_source
