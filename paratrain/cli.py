@@ -2,6 +2,7 @@
 
     paratrain train                      the built-in demo: small GPT, built-in corpus, 2 processes
     paratrain train --nproc 4 --dp 4 --global-batch 64 --micro-batch 4 --steps 100
+    paratrain train --nproc 4 --dp 2 --tp 2 --sequence-parallel --zero 1
     paratrain train --config run.toml --steps 50        (flags override the file)
     paratrain presets                    list the model presets
 
@@ -28,7 +29,7 @@ _TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--rdzv-id": ("launch.rdzv_id", str, "job id shared by all nodes"),
     "--timeout": ("launch.timeout_s", float, "seconds a collective may wait before the job fails"),
     "--dp": ("parallel.dp", int, "data-parallel degree (default: world size / (tp x pp))"),
-    "--tp": ("parallel.tp", int, "tensor-parallel degree (not yet supported above 1)"),
+    "--tp": ("parallel.tp", int, "tensor-parallel degree: layers split over tp ranks (divides heads, ff and padded vocab)"),
     "--pp": ("parallel.pp", int, "pipeline-parallel degree (not yet supported above 1)"),
     "--zero": ("parallel.zero", int, "ZeRO stage over dp: 0 (plain DP), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)"),
     "--shard-group": ("parallel.shard_group", int, "hierarchical sharding: shard inside groups of S dp ranks"),
@@ -65,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     for flag, (_, kind, text) in _TRAIN_FLAGS.items():
         train.add_argument(flag, type=kind, default=None, help=text)
     train.add_argument("--recompute", action="store_true", default=None, help="recompute each block's activations in backward")
+    train.add_argument("--sequence-parallel", action="store_true", default=None,
+                       help="with --tp: norms and dropout on 1/tp of the sequence (all-gather / reduce-scatter)")
     train.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     train.add_argument("--keep-params", dest="reshard_after_forward", action="store_false", default=None,
                        help="ZeRO-3: keep a unit's gathered parameters from forward to backward")
@@ -83,6 +86,8 @@ def run_config_from_args(args: argparse.Namespace) -> Any:
         overrides["seed"] = args.seed
     if args.recompute is not None:
         overrides["train.recompute"] = args.recompute
+    if args.sequence_parallel is not None:
+        overrides["parallel.sequence_parallel"] = args.sequence_parallel
     if args.progress is not None:
         overrides["train.progress"] = args.progress
     if args.reshard_after_forward is not None:

@@ -17,20 +17,28 @@ TINY = preset("tiny", seq_len=32)
 def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global_batch: int = 16,
              dtype: str = "float32", seed: int = 7, lr: float = 3e-3, grad_clip: float = 1.0,
              recompute: bool = False, bucket_mb: float = 0.05, zero: int = 0, shard_group: int | None = None,
-             grad_reduce: str = "auto", offload: str = "none") -> dict[str, Any]:
+             grad_reduce: str = "auto", offload: str = "none", tp: int = 1, sequence_parallel: bool = False,
+             dropout: float = 0.0, start: dict[str, Any] | None = None, start_step: int = 0,
+             return_state: bool = False) -> dict[str, Any]:
     """Train the tiny GPT `steps` steps on the built-in corpus under a layout; per-step losses and
-    grad norms, and the final full state. dp None: the single-process reference (no process group)."""
+    grad norms, and the final full state. dp None: the single-process reference (no process group).
+    start, start_step: resume from a full state (engine.state_dict()) taken after start_step steps."""
     torch.manual_seed(12345)  # must not matter: init and data order are keyed
-    ctx = paratrain.init(paratrain.ParallelConfig(dp=dp, bucket_mb=bucket_mb, zero=zero, shard_group=shard_group,
+    ctx = paratrain.init(paratrain.ParallelConfig(dp=dp, tp=tp, sequence_parallel=sequence_parallel,
+                                                  bucket_mb=bucket_mb, zero=zero, shard_group=shard_group,
                                                   grad_reduce=grad_reduce, offload=offload))
-    model = paratrain.build_gpt(TINY, seed=seed, dtype=getattr(torch, dtype))
+    config = preset("tiny", seq_len=32, dropout=dropout) if dropout else TINY
+    model = paratrain.build_gpt(config, seed=seed, dtype=getattr(torch, dtype))
     engine = paratrain.parallelize(
         model, ctx, optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.1),
-        micro_batch=micro_batch, grad_clip=grad_clip, recompute=recompute,
+        micro_batch=micro_batch, grad_clip=grad_clip, recompute=recompute, seed=seed,
     )
     source = load_source("builtin")
     loader = GlobalBatchLoader(source.train, seq_len=TINY.seq_len, global_batch=global_batch,
                                dp=ctx.mesh.degree("dp"), dp_index=ctx.mesh.index("dp"), seed=seed)
+    if start is not None:
+        engine.load_state_dict(start)
+        loader.load_state_dict({"epoch": 0, "cursor": start_step * global_batch})
     losses, norms = [], []
     for _ in range(steps):
         losses.append(engine.train_step(loader.next(), lm_loss))
@@ -39,7 +47,9 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
     state = engine.state_dict()
     optimizer = {f"{name}::{key}": value.clone() for name, values in state["optimizer"]["state"].items()
                  for key, value in values.items() if isinstance(value, torch.Tensor)}
-    return {"losses": losses, "grad_norms": norms,
+    return {"losses": losses, "grad_norms": norms, "state": state if return_state else None,
+            # this rank's own tensors (ZeRO-3 frees them between steps: none then)
+            "local": {} if engine.grads.params_sharded else {n: p.detach().clone() for n, p in model.named_parameters()},
             "model": {k: v.clone() for k, v in state["model"].items()}, "optimizer": optimizer,
             "memory": engine.memory_report(),
             "launched_during_backward": getattr(engine.grads, "launched_during_backward", None),

@@ -57,10 +57,11 @@ def plan_buckets(params: list[nn.Parameter], *, cap_bytes: int,
     return planned
 
 
-def build_buckets(params: list[nn.Parameter], *, cap_bytes: int) -> list[Bucket]:
+def build_buckets(params: list[nn.Parameter], *, cap_bytes: int,
+                  key: Callable[[nn.Parameter], Hashable] = lambda p: None) -> list[Bucket]:
     """Buckets of plan_buckets, each with a zeroed buffer that the parameters' .grad now view."""
     buckets = []
-    for index, group in enumerate(plan_buckets(params, cap_bytes=cap_bytes)):
+    for index, group in enumerate(plan_buckets(params, cap_bytes=cap_bytes, key=key)):
         offsets, total = [], 0
         for param in group:
             offsets.append(total)

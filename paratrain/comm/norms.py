@@ -2,29 +2,44 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple, Sequence
+
 import torch
 
 from paratrain.comm.collectives import all_reduce
 from paratrain.topology.mesh import AxisGroup
 
 
-def global_grad_norm(owned: list[torch.Tensor], *, sum_over: tuple[AxisGroup, ...] = ()) -> torch.Tensor:
-    """L2 norm of all gradients of the model, as float32.
+class NormPart(NamedTuple):
+    """Gradient pieces and the axes across which ranks hold *different* pieces of them.
 
-    `owned` are the gradient pieces this rank is the single owner of; the groups in `sum_over` are
-    the axes across which different ranks own different pieces (shards). Replicated pieces must be
-    in `owned` on exactly one rank of those groups, or on all ranks with sum_over empty: then each
-    logical parameter is counted once (not once per replica).
+    A tensor-parallel weight's slice sums over tp; a ZeRO shard sums over the shard group; a
+    replicated piece (every rank of the axis holds the same one) must not sum over that axis.
     """
-    if owned:
-        # in at least float32 (never down: float64 gradients keep a float64 norm)
-        wide = torch.promote_types(owned[0].dtype, torch.float32)
-        squares = torch.stack([torch.linalg.vector_norm(t, dtype=wide) ** 2 for t in owned]).sum()
-    else:
-        squares = torch.zeros(())
-    for group in sum_over:
-        all_reduce(squares, group)
-    return squares.sqrt()
+
+    grads: list[torch.Tensor]
+    sum_over: tuple[AxisGroup, ...] = ()
+
+
+def global_grad_norm(parts: Sequence[NormPart]) -> torch.Tensor:
+    """L2 norm of all gradients of the model, in at least float32 (float64 gradients keep float64).
+
+    Each part's sum of squares is summed over its own axes, then the parts are added: so every
+    logical parameter is counted once, not once per replica.
+    """
+    tensors = [g for part in parts for g in part.grads]
+    wide = torch.promote_types(tensors[0].dtype, torch.float32) if tensors else torch.float32
+    device = tensors[0].device if tensors else None
+    total = torch.zeros((), dtype=wide, device=device)
+    for part in parts:
+        if part.grads:
+            squares = torch.stack([torch.linalg.vector_norm(t, dtype=wide) ** 2 for t in part.grads]).sum()
+        else:
+            squares = torch.zeros((), dtype=wide, device=device)
+        for group in part.sum_over:
+            all_reduce(squares, group)
+        total = total + squares
+    return total.sqrt()
 
 
 @torch.no_grad()

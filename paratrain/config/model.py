@@ -17,6 +17,11 @@ class ModelConfig:
 
     vocab_size: int = 256
     """Tokens in the vocabulary (256: byte-level, the built-in corpus)."""
+    vocab_multiple: int = 1
+    """The embedding and head have vocab_size rounded up to a multiple of this many rows
+    (padded_vocab); the padding rows are never targets and are left out of the softmax. Tensor
+    parallelism splits the padded vocabulary, so tp must divide padded_vocab; the rule does not
+    depend on tp, so every layout trains the same model."""
     seq_len: int = 128
     """Longest sequence the model is built for (RoPE tables are this long)."""
     n_layer: int = 4
@@ -41,11 +46,16 @@ class ModelConfig:
         return self.d_ff or 4 * self.d_model
 
     @property
+    def padded_vocab(self) -> int:
+        """vocab_size rounded up to a multiple of vocab_multiple (50257 -> 50304 at 128)."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
 
     def validate(self) -> None:
-        positive = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model")
+        positive = ("vocab_size", "vocab_multiple", "seq_len", "n_layer", "n_head", "d_model")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"model.{name} must be >= 1, got {getattr(self, name)}")
@@ -65,7 +75,7 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameter count (tied head counted once), from the shapes alone."""
-        d, f, v = self.d_model, self.ff_dim, self.vocab_size
+        d, f, v = self.d_model, self.ff_dim, self.padded_vocab
         per_block = 3 * d * d + d * d + d * f + f * d + 2 * d  # qkv, out, up, down, 2 norms
         head = 0 if self.tie_embeddings else v * d
         return v * d + self.n_layer * per_block + d + head
@@ -74,29 +84,30 @@ class ModelConfig:
         """Training FLOPs per token: 6N for the matmuls plus 12 * L * d * S for attention scores
         (PaLM, Chowdhery et al. 2022, appendix B). N excludes the embedding lookup."""
         s = seq_len or self.seq_len
-        n = self.num_params() - self.vocab_size * self.d_model
+        n = self.num_params() - self.padded_vocab * self.d_model
         if self.tie_embeddings:  # the tied head is still a matmul
-            n += self.vocab_size * self.d_model
+            n += self.padded_vocab * self.d_model
         return 6.0 * n + 12.0 * self.n_layer * self.d_model * s
 
 
-# GPT-2: Radford et al. 2019. GPT-3: Brown et al. 2020, table 2.1 (13B's d_model is printed as
+# GPT-2: Radford et al. 2019 (vocabulary padded 50257 -> 50304, a multiple of 128, so that tp up to
+# 128 divides it and the head's matmul has friendly shapes).  GPT-3: Brown et al. 2020, table 2.1 (13B's d_model is printed as
 # 5140, which 40 heads do not divide; 40 x 128 = 5120 is what the head size implies).
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=64),
     "small": ModelConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128),
-    "gpt2": ModelConfig(vocab_size=50257, seq_len=1024, n_layer=12, n_head=12, d_model=768),
-    "gpt2-medium": ModelConfig(vocab_size=50257, seq_len=1024, n_layer=24, n_head=16, d_model=1024),
-    "gpt2-large": ModelConfig(vocab_size=50257, seq_len=1024, n_layer=36, n_head=20, d_model=1280),
-    "gpt2-xl": ModelConfig(vocab_size=50257, seq_len=1024, n_layer=48, n_head=25, d_model=1600),
-    "gpt3-small": ModelConfig(vocab_size=50257, seq_len=2048, n_layer=12, n_head=12, d_model=768),
-    "gpt3-medium": ModelConfig(vocab_size=50257, seq_len=2048, n_layer=24, n_head=16, d_model=1024),
-    "gpt3-large": ModelConfig(vocab_size=50257, seq_len=2048, n_layer=24, n_head=16, d_model=1536),
-    "gpt3-xl": ModelConfig(vocab_size=50257, seq_len=2048, n_layer=24, n_head=16, d_model=2048),
-    "gpt3-2.7b": ModelConfig(vocab_size=50257, seq_len=2048, n_layer=32, n_head=32, d_model=2560),
-    "gpt3-6.7b": ModelConfig(vocab_size=50257, seq_len=2048, n_layer=32, n_head=32, d_model=4096),
-    "gpt3-13b": ModelConfig(vocab_size=50257, seq_len=2048, n_layer=40, n_head=40, d_model=5120),
-    "gpt3-175b": ModelConfig(vocab_size=50257, seq_len=2048, n_layer=96, n_head=96, d_model=12288),
+    "gpt2": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=1024, n_layer=12, n_head=12, d_model=768),
+    "gpt2-medium": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=1024, n_layer=24, n_head=16, d_model=1024),
+    "gpt2-large": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=1024, n_layer=36, n_head=20, d_model=1280),
+    "gpt2-xl": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=1024, n_layer=48, n_head=25, d_model=1600),
+    "gpt3-small": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=2048, n_layer=12, n_head=12, d_model=768),
+    "gpt3-medium": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=2048, n_layer=24, n_head=16, d_model=1024),
+    "gpt3-large": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=2048, n_layer=24, n_head=16, d_model=1536),
+    "gpt3-xl": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=2048, n_layer=24, n_head=16, d_model=2048),
+    "gpt3-2.7b": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=2048, n_layer=32, n_head=32, d_model=2560),
+    "gpt3-6.7b": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=2048, n_layer=32, n_head=32, d_model=4096),
+    "gpt3-13b": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=2048, n_layer=40, n_head=40, d_model=5120),
+    "gpt3-175b": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=2048, n_layer=96, n_head=96, d_model=12288),
 }
 
 

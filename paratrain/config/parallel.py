@@ -8,7 +8,6 @@ from paratrain.config.errors import ConfigError
 
 # Strategies whose issues have not landed yet; a degree above 1 is refused with this note.
 _NOT_YET = {
-    "tp": "tensor parallelism",
     "pp": "pipeline parallelism",
     "ep": "expert parallelism",
 }
@@ -22,7 +21,10 @@ class ParallelConfig:
     """Data-parallel degree: replicas, each reading 1/dp of the global batch. None: what the
     world size leaves after tp and pp."""
     tp: int = 1
-    """Tensor-parallel degree (not yet supported above 1)."""
+    """Tensor-parallel degree: each layer's weights split over tp ranks (Megatron-style)."""
+    sequence_parallel: bool = False
+    """With tp > 1: norms, dropout and residuals between the split layers run on 1/tp of the
+    sequence, all-gather / reduce-scatter replacing the all-reduces (Korthikanti et al. 2022)."""
     pp: int = 1
     """Pipeline-parallel degree (not yet supported above 1)."""
     ep: int = 1
@@ -52,11 +54,16 @@ class ParallelConfig:
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
-            if value > 1:
+            if value > 1 and name in _NOT_YET:
                 raise ConfigError(
                     f"{name}={value}: {_NOT_YET[name]} is not yet supported; use {name}=1 "
-                    "(data parallelism is what this version runs)"
+                    "(data and tensor parallelism are what this version runs)"
                 )
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError(
+                "sequence_parallel splits the sequence over the tp ranks, and tp is 1: set tp > 1 "
+                "or drop sequence_parallel"
+            )
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"zero must be one of 0, 1, 2, 3, got {self.zero}")
         if self.grad_reduce not in ("auto", "reduce_scatter", "all_reduce"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from paratrain.config.errors import ConfigError
@@ -81,6 +82,42 @@ def launch_world_size(config: RunConfig) -> int:
     return world
 
 
+def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len: int) -> None:
+    """tp splits attention heads, the MLP's hidden width and the padded vocabulary; sequence
+    parallelism splits the sequence. Each must divide evenly."""
+    tp = parallel.tp
+    if tp == 1:
+        return
+
+    def divisors(n: int) -> list[int]:
+        return [t for t in range(1, n + 1) if n % t == 0 and t <= 64]
+
+    if model.n_head % tp:
+        raise ConfigError(
+            f"tp ({tp}) must divide the attention heads (n_head = {model.n_head}), since each tp rank "
+            f"computes whole heads: choose tp in {divisors(model.n_head)}"
+        )
+    if model.ff_dim % tp:
+        raise ConfigError(
+            f"tp ({tp}) must divide the MLP width (ff_dim = {model.ff_dim}): choose tp in "
+            f"{divisors(model.ff_dim)} or set model.d_ff to a multiple of {tp}"
+        )
+    if model.padded_vocab % tp:
+        multiple = math.lcm(model.vocab_multiple, tp)
+        padded = -(-model.vocab_size // multiple) * multiple
+        raise ConfigError(
+            f"tp ({tp}) must divide the padded vocabulary: vocab_size {model.vocab_size} rounded up to a "
+            f"multiple of vocab_multiple ({model.vocab_multiple}) is {model.padded_vocab}. Set "
+            f"model.vocab_multiple = {multiple} (pads to {padded}; padding rows are never predicted)"
+        )
+    if parallel.sequence_parallel and seq_len % tp:
+        lower = seq_len - seq_len % tp
+        raise ConfigError(
+            f"sequence parallelism splits each sequence over tp ({tp}) ranks, and seq_len ({seq_len}) "
+            f"is not a multiple of it: set data.seq_len to {lower} or {lower + tp}"
+        )
+
+
 def check_run(config: RunConfig, world_size: int) -> RunPlan:
     """All the rules of a run, in the order a user would want to hear of them."""
     if world_size < 1:
@@ -108,6 +145,7 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
         raise ConfigError(f"data.seq_len must be >= 2, got {seq_len}")
     if not 0.0 < data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {data.val_fraction}")
+    check_tensor_parallel(model, parallel, seq_len)
     assert parallel.dp is not None
     batch = batch_layout(data.global_batch, data.micro_batch, parallel.dp)
     optim, train = config.optim, config.train

@@ -16,22 +16,29 @@ others), so a step of k micro-batches still costs one all-reduce per bucket.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
 
 from paratrain.comm.buckets import Bucket, build_buckets
 from paratrain.comm.collectives import Pending, all_reduce_async
+from paratrain.comm.norms import NormPart
 from paratrain.comm.volume import CommVolume
 from paratrain.topology.mesh import AxisGroup
 
 
 class GradSync:
-    def __init__(self, params: list[nn.Parameter], group: AxisGroup | None, *, bucket_bytes: int) -> None:
-        """`group` None (degree 1): buckets hold the gradients, but nothing is ever sent."""
+    def __init__(self, params: list[nn.Parameter], group: AxisGroup | None, *, bucket_bytes: int,
+                 tp_group: AxisGroup | None = None,
+                 tp_split: Callable[[torch.Tensor], bool] = lambda p: False) -> None:
+        """`group` None (degree 1): buckets hold the gradients, but nothing is ever sent.
+        tp_group, tp_split: under tensor parallelism, which parameters are slices that differ across
+        tp ranks (their norms add up over tp) rather than replicas (counted once)."""
         self.group = group
-        self.buckets: list[Bucket] = build_buckets(params, cap_bytes=bucket_bytes)
+        self.tp_group = tp_group
+        self.buckets: list[Bucket] = build_buckets(params, cap_bytes=bucket_bytes, key=tp_split)
+        self._split = [tp_split(b.params[0]) for b in self.buckets]
         self.sync = True
         self._bucket_of = {id(p): b.index for b in self.buckets for p in b.params}
         self._ready = [0] * len(self.buckets)
@@ -42,8 +49,6 @@ class GradSync:
         """Buckets whose all-reduce started before backward ended, in the last synced backward."""
         self.comm = CommVolume()
         """Bytes this rank's gradient all-reduces moved (see paratrain.comm.volume)."""
-        self.norm_groups: tuple[AxisGroup, ...] = ()
-        """Every rank holds every reduced gradient: the norm needs no further reduction."""
         if group is not None:
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                            for b in self.buckets for p in b.params]
@@ -51,6 +56,13 @@ class GradSync:
     def owned_grads(self) -> list[torch.Tensor]:
         """The flat gradient buffers: every gradient of the model, each exactly once."""
         return [b.buffer for b in self.buckets]
+
+    def norm_parts(self) -> list[NormPart]:
+        """Every dp rank holds every reduced gradient; tp slices add up over tp, replicas do not."""
+        split = [b.buffer for b, s in zip(self.buckets, self._split) if s]
+        replicated = [b.buffer for b, s in zip(self.buckets, self._split) if not s]
+        tp = (self.tp_group,) if self.tp_group is not None else ()
+        return [NormPart(split, tp), NormPart(replicated)]
 
     def begin_step(self) -> None:
         """Before the first micro-batch: .grad must be the bucket views (again, if someone reset them)."""

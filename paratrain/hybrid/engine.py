@@ -18,10 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.comm import all_reduce, clip_by_norm_, global_grad_norm
+from paratrain.comm import NormPart, all_reduce, clip_by_norm_, global_grad_norm
 from paratrain.hybrid.state import load_model_state, model_state
 from paratrain.memory import LossScaler, autocast
-from paratrain.topology import AxisGroup, Context
+from paratrain.models.dropout import KeyedDropout
+from paratrain.rng import DropoutStream
+from paratrain.tensor_parallel import TensorParallelLayout
+from paratrain.topology import Context
 
 Batch = Union[torch.Tensor, Sequence[torch.Tensor], Mapping[str, torch.Tensor]]
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, Union[torch.Tensor, int]]]
@@ -31,14 +34,16 @@ class GradientStrategy(Protocol):
     """How a strategy reduces gradients (paratrain.data_parallel.GradSync, paratrain.sharding.ZeroSync).
 
     The engine calls, per step: begin_step(); per micro-batch: set `sync`, backward, end_backward();
-    then finish() (gradients reduced), owned_grads() (divided by the token count, normed over
-    norm_groups, clipped), before_optimizer_step(), the optimizer step, and after_step().
+    then finish() (gradients reduced), owned_grads() (divided by the token count, normed as
+    norm_parts() say, clipped), before_optimizer_step(), the optimizer step, and after_step().
     """
 
     sync: bool
     """False: this micro-batch's backward only accumulates (the strategy may still communicate)."""
-    norm_groups: tuple[AxisGroup, ...]
-    """Groups across which ranks own different gradient elements (their norms add up)."""
+
+    def norm_parts(self) -> list[NormPart]:
+        """owned_grads() grouped by the axes across which ranks hold different pieces of them."""
+        ...
 
     def begin_step(self) -> None: ...
     def end_backward(self) -> None: ...
@@ -114,7 +119,8 @@ class Engine:
                  *, micro_batch: int | None, precision: str, grad_clip: float,
                  optimizer_state: Callable[[], dict[str, Any]],
                  load_optimizer_state: Callable[[Mapping[str, Any]], None],
-                 scaler: LossScaler | None = None) -> None:
+                 scaler: LossScaler | None = None, tp: TensorParallelLayout | None = None,
+                 seed: int = 0) -> None:
         self.model = model
         self.ctx = ctx
         self.optimizer = optimizer
@@ -128,16 +134,28 @@ class Engine:
         self._dp_group = ctx.mesh.groups.get("dp")
         self.scaler = scaler
         """fp16: the dynamic loss scale (None in fp32 and bf16)."""
+        self.tp = tp
+        """Tensor parallelism: which parameters are split (checkpoints hold them whole)."""
+        self._agree = [g for g in (self._dp_group, ctx.mesh.groups.get("tp")) if g is not None]
+        """Axes over which an fp16 overflow decision must be shared."""
+        self.dropout = DropoutStream(seed)
+        """Keys every KeyedDropout of the model by (seed, step, module name, global position)."""
+        for name, module in model.named_modules():
+            if isinstance(module, KeyedDropout):
+                module.attach(self.dropout, name)
 
     def train_step(self, batch: Batch, loss_fn: LossFn) -> float:
         """Forward, backward and update on this rank's share of one global batch; returns its loss."""
         self.model.train()
-        micro_batches = split_batch(batch, self.micro_batch or _rows(batch))
+        rows = _rows(batch)
+        micro_batches = split_batch(batch, self.micro_batch or rows)
+        first_row = self.ctx.mesh.index("dp") * rows  # this rank's rows of the global batch
         self.grads.begin_step()
         # Accumulate (loss sum, token count) in float64 so the reported loss is exact to print.
         totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         for i, micro in enumerate(micro_batches):
             self.grads.sync = i == len(micro_batches) - 1  # communicate on the last only
+            self.dropout.row_offset = first_row + i * _rows(micro)
             loss_sum, count = self._forward(to_device(micro, self.ctx.device), loss_fn)
             (loss_sum * self._loss_scale(count) if self.scaler else loss_sum).backward()
             self.grads.end_backward()
@@ -147,6 +165,7 @@ class Engine:
         if self._dp_group is not None:
             all_reduce(totals, self._dp_group)
         loss_sum_global, tokens = totals.tolist()
+        self.dropout.step += 1
         if tokens <= 0:
             raise ValueError("the global batch holds no tokens to learn from (every target ignored)")
         grads = self.grads.owned_grads()
@@ -160,7 +179,7 @@ class Engine:
             return self.last.loss
         for grad in grads:  # sum over the global batch (times the loss scale) -> mean per token
             grad.div_(tokens * scale)
-        norm = global_grad_norm(grads, sum_over=self.grads.norm_groups)
+        norm = global_grad_norm(self.grads.norm_parts())
         if self.grad_clip > 0:
             clip_by_norm_(grads, norm, self.grad_clip)
         self.grads.before_optimizer_step()
@@ -184,15 +203,15 @@ class Engine:
         return self.scaler.scale
 
     def _overflow(self, grads: list[torch.Tensor]) -> bool:
-        """Whether any rank's gradients hold an inf or nan: one all-reduce (MAX) over dp, so that
-        every rank, whichever shard it owns, takes the same decision."""
+        """Whether any rank's gradients hold an inf or nan: an all-reduce (MAX) over dp and tp, so
+        that every rank, whichever shard or slice it owns, takes the same decision."""
         flag = torch.zeros(1, device=self.ctx.device)
         for grad in grads:
             if not torch.isfinite(grad).all():
                 flag.fill_(1.0)
                 break
-        if self._dp_group is not None:
-            all_reduce(flag, self._dp_group, op=dist.ReduceOp.MAX)
+        for group in self._agree:
+            all_reduce(flag, group, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     @torch.no_grad()
@@ -228,18 +247,36 @@ class Engine:
         Collective under sharding (every rank must call it): shards are gathered."""
         sharded = self.grads.model_state()
         model = {**model_state(self.model, skip=frozenset(sharded)), **sharded}
-        state: dict[str, Any] = {"model": model, "optimizer": self._optimizer_state()}
+        optimizer = self._optimizer_state()
+        if self.tp is not None:  # tensor-parallel slices -> whole tensors (collective over tp)
+            model = self.tp.gather_full(model)
+            optimizer = {**optimizer, "state": self._per_element_state(optimizer["state"], self.tp.full)}
+        state: dict[str, Any] = {"model": model, "optimizer": optimizer, "rng": {"dropout_step": self.dropout.step}}
         if self.scaler is not None:
             state["loss_scaler"] = self.scaler.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        loaded = self.grads.load_model_state(state["model"])
-        load_model_state(self.model, state["model"], skip=loaded)
-        self._load_optimizer_state(state["optimizer"])
+        model, optimizer = state["model"], state["optimizer"]
+        if self.tp is not None:  # whole tensors -> this rank's slices
+            model = self.tp.local_slices(model)
+            optimizer = {**optimizer, "state": self._per_element_state(optimizer["state"], self.tp.local)}
+        loaded = self.grads.load_model_state(model)
+        load_model_state(self.model, model, skip=loaded)
+        self._load_optimizer_state(optimizer)
         if self.scaler is not None and "loss_scaler" in state:
             self.scaler.load_state_dict(state["loss_scaler"])
+        self.dropout.step = int(state.get("rng", {}).get("dropout_step", 0))
         self.grads.begin_step()
+
+    @staticmethod
+    def _per_element_state(state: Mapping[str, Mapping[str, Any]],
+                           convert: Callable[[str, torch.Tensor], torch.Tensor]) -> dict[str, dict[str, Any]]:
+        """Named optimizer state with every per-element tensor (shaped like its parameter: Adam's
+        moments, not its step count) passed through convert(name, tensor), in name order."""
+        return {name: {key: convert(name, value) if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+                       for key, value in sorted(state[name].items())}
+                for name in sorted(state)}
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer state (steady state,

@@ -7,7 +7,7 @@ step that does nothing. Later strategies (tensor, pipeline, sharding) slot into 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -17,7 +17,9 @@ from paratrain.data_parallel import GradSync
 from paratrain.hybrid.engine import Engine, GradientStrategy
 from paratrain.hybrid.state import load_optimizer_state, optimizer_state
 from paratrain.memory import GPT_BLOCKS, LOW_DTYPES, PRECISIONS, LossScaler, apply_recompute
+from paratrain.models import GPT
 from paratrain.sharding import WrapPolicy, ZeroSync
+from paratrain.tensor_parallel import GPT_PLAN, TensorParallelLayout, apply_tensor_parallel
 from paratrain.topology import Context
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -26,7 +28,8 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                 micro_batch: int | None = None, precision: str = "fp32", grad_clip: float = 0.0,
                 recompute: bool | str = False, sync_initial_weights: bool = True, wrap: WrapPolicy = None,
-                reshard_after_forward: bool | None = None, loss_scale: float | None = None) -> Engine:
+                reshard_after_forward: bool | None = None, loss_scale: float | None = None,
+                tp_plan: Mapping[str, str] | None = None, seed: int = 0) -> Engine:
     """Apply the layout of `ctx` to `model` and return an Engine that trains it.
 
     optimizer: builds the optimizer from the parameter list (called once, after the layout is applied).
@@ -43,6 +46,9 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     reshard_after_forward: ZeRO-3 frees a unit's full parameters after its forward and gathers them
         again for backward; False keeps them from forward to backward (more memory, less traffic).
         None: ctx.config.reshard_after_forward.
+    tp_plan: module name -> tensor-parallel style (paratrain.tensor_parallel.plan), used when
+        ctx.config.tp > 1; None: GPT_PLAN for the built-in GPT (other models must give one).
+    seed: keys dropout masks (paratrain.models.dropout); use the run's seed.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -50,10 +56,19 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         raise ValueError(f"micro_batch must be >= 1 or None, got {micro_batch}")
     # 1. Place the model on this rank's device.
     model.to(ctx.device)
-    # 2. Recompute (activation checkpointing), by module name.
+    # 2. Tensor parallelism: planned modules replaced by slices of themselves, by name.
+    tp: TensorParallelLayout | None = None
+    tp_group = ctx.mesh.groups.get("tp")
+    if tp_group is not None:
+        if tp_plan is None and not isinstance(model, GPT):
+            raise ValueError(f"tp = {tp_group.size} needs a tensor-parallel plan for a {type(model).__name__}: "
+                             "pass tp_plan={module name: style} (see paratrain.tensor_parallel.STYLES)")
+        tp = apply_tensor_parallel(model, GPT_PLAN if tp_plan is None else tp_plan, tp_group,
+                                   sequence_parallel=ctx.config.sequence_parallel)
+    # 3. Recompute (activation checkpointing), by module name.
     if recompute:
         apply_recompute(model, GPT_BLOCKS if recompute is True else recompute)
-    # 3. Data parallelism: same weights everywhere, gradients summed over the dp group in buckets.
+    # 4. Data parallelism: same weights everywhere, gradients summed over the dp group in buckets.
     dp_group = ctx.mesh.groups.get("dp")
     if dp_group is not None and sync_initial_weights:
         with torch.no_grad():
@@ -64,25 +79,26 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     bucket_bytes = int(ctx.config.bucket_mb * 2**20)
     opt = optimizer(params)
     grads: GradientStrategy
+    tp_split = tp.is_split if tp is not None else (lambda p: False)
     if ctx.config.zero == 0:
-        # 4a. Plain DP: .grad are bucket views, summed over dp; the optimizer keeps full state.
-        grads = GradSync(params, dp_group, bucket_bytes=bucket_bytes)
+        # 5a. Plain DP: .grad are bucket views, summed over dp; the optimizer keeps full state.
+        grads = GradSync(params, dp_group, bucket_bytes=bucket_bytes, tp_group=tp_group, tp_split=tp_split)
         save_state = functools.partial(optimizer_state, opt, names)
         load_state = functools.partial(load_optimizer_state, opt, names=names)
     else:
-        # 4b. ZeRO-1/2/3: flat groups padded to the shard group; the optimizer is re-pointed at this
+        # 5b. ZeRO-1/2/3: flat groups padded to the shard group; the optimizer is re-pointed at this
         # rank's shard of each, so its state exists for 1/shard of the parameters only.
         zero = ZeroSync(params, opt, names, ctx.mesh, stage=ctx.config.zero, bucket_bytes=bucket_bytes,
                         reduce_op=_grad_reduce(ctx), model=model, wrap=wrap,
                         reshard_after_forward=(ctx.config.reshard_after_forward if reshard_after_forward is None
                                                else reshard_after_forward),
                         offload=ctx.config.offload == "optimizer",
-                        param_dtype=LOW_DTYPES.get(precision))
+                        param_dtype=LOW_DTYPES.get(precision), tp_split=tp_split)
         grads, save_state, load_state = zero, zero.optimizer_state, zero.load_optimizer_state
-    # 5. fp16: dynamic loss scaling, its overflow decision shared by all ranks.
+    # 6. fp16: dynamic loss scaling, its overflow decision shared by all ranks.
     scaler = LossScaler(scale=loss_scale) if precision == "fp16" else None
     return Engine(model, ctx, opt, grads, micro_batch=micro_batch, precision=precision, grad_clip=grad_clip,
-                  optimizer_state=save_state, load_optimizer_state=load_state, scaler=scaler)
+                  optimizer_state=save_state, load_optimizer_state=load_state, scaler=scaler, tp=tp, seed=seed)
 
 
 def _grad_reduce(ctx: Context) -> str:

@@ -80,5 +80,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, named: Mapping[str, A
             name_to_index[name] = len(name_to_index)
             indices.append(name_to_index[name])
         groups.append({**copy.deepcopy({k: v for k, v in saved.items() if k != "params"}), "params": indices})
-    state = {name_to_index[n]: values for n, values in named["state"].items()}
+    # torch keeps the given tensors when dtype and device already match: copy them, or the caller's
+    # dict would be trained in place (and a second load from it would start from moved state)
+    state = {name_to_index[n]: {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                                for k, v in values.items()}
+             for n, values in named["state"].items()}
     optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -3,19 +3,25 @@
 No parallel code lives here. Strategies are applied from outside by module name, so the names are
 part of the contract:
 
-    tok_emb                      Embedding[V, D]
+    tok_emb                      Embedding[Vp, D]   (Vp: vocab_size padded, ModelConfig.padded_vocab)
     blocks.{i}.attn_norm         RMSNorm[D]
     blocks.{i}.attn.qkv          Linear D -> 3D, output laid out as [heads, 3 (q|k|v), head_dim]
+    blocks.{i}.attn.attn_dropout KeyedDropout on the attention probabilities [B, H, S, S]
     blocks.{i}.attn.out          Linear D -> D
+    blocks.{i}.attn.out_dropout  KeyedDropout [B, S, D]
     blocks.{i}.mlp_norm          RMSNorm[D]
     blocks.{i}.mlp.up            Linear D -> F
     blocks.{i}.mlp.down          Linear F -> D
+    blocks.{i}.mlp.dropout       KeyedDropout [B, S, D]
     norm                         RMSNorm[D]
-    head                         Linear D -> V (its weight is tok_emb's when tied)
+    head                         Linear D -> Vp (its weight is tok_emb's when tied)
+    output                       VocabOutput: the loss over the real vocabulary, and full logits
 
 The qkv output is interleaved per head so that any contiguous slice of whole heads holds their
 q, k and v together: a column split of qkv is then a split of the heads. Attention infers its
-local head count from the qkv width, so a narrower (sharded) qkv needs no change here.
+local head count from the qkv width and the sequence length from its output, so a narrower
+(sharded) qkv, or one that gathers a sequence-split input, needs no change here. Logits leave the
+model through `output`, so a strategy that splits the vocabulary replaces that one module.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.config.model import ModelConfig
+from paratrain.models.dropout import KeyedDropout
 from paratrain.models.init import keyed_normal_
 
 IGNORE_INDEX = -100
@@ -71,20 +78,56 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.dropout = config.dropout
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.attn_dropout = KeyedDropout(config.dropout)
         self.out = nn.Linear(config.d_model, config.d_model, bias=False)
-        self.out_dropout = nn.Dropout(config.dropout)
+        self.out_dropout = KeyedDropout(config.dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
         # x[B, S, D] @ Wqkv[D, 3D] -> [B, S, H, 3, hd] -> q, k, v each [B, H, S, hd]
-        qkv = self.qkv(x).view(batch, seq, -1, 3, self.head_dim)
+        qkv = self.qkv(x)
+        batch, seq = qkv.shape[:2]
+        qkv = qkv.view(batch, seq, -1, 3, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        q, k = apply_rope(q, cos[:seq], sin[:seq]), apply_rope(k, cos[:seq], sin[:seq])
+        if self.training and self.dropout > 0:
+            y = self._attention_with_dropout(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).reshape(batch, seq, -1)  # [B, S, H * hd]
         return self.out_dropout(self.out(y))
+
+    def _attention_with_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(hd) + causal mask), keyed dropout on the probabilities, times v.
+        Written out (not SDPA's fused dropout) so that the mask is keyed by (row, head, query, key)."""
+        seq = q.shape[-2]
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+        probs = torch.softmax(upcast(scores.masked_fill(~causal, float("-inf"))), dim=-1).type_as(q)
+        return self.attn_dropout(probs) @ v
+
+
+class VocabOutput(nn.Module):
+    """The end of the model: logits over the padded vocabulary -> the loss, or full logits to sample from.
+
+    Padded rows (ids >= vocab_size) are never targets and are left out of the softmax, so padding
+    changes nothing but the shapes. Holds no parameters; tensor parallelism replaces it by one that
+    reads vocabulary-split logits (paratrain.tensor_parallel.VocabParallelOutput).
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of per-token cross-entropies, number of tokens) over targets that are not ignored."""
+        real = logits[..., : self.vocab_size]
+        loss_sum = F.cross_entropy(upcast(real.reshape(-1, real.shape[-1])), targets.reshape(-1),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss_sum, (targets != IGNORE_INDEX).sum()
+
+    def full(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits[..., vocab_size] over the real vocabulary."""
+        return logits[..., : self.vocab_size]
 
 
 class MLP(nn.Module):
@@ -92,7 +135,7 @@ class MLP(nn.Module):
         super().__init__()
         self.up = nn.Linear(config.d_model, config.ff_dim, bias=False)
         self.down = nn.Linear(config.ff_dim, config.d_model, bias=False)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = KeyedDropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.down(F.gelu(self.up(x), approximate="tanh")))
@@ -116,10 +159,11 @@ class GPT(nn.Module):
         super().__init__()
         config.validate()
         self.config = config
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.tok_emb = nn.Embedding(config.padded_vocab, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
-        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.head = nn.Linear(config.d_model, config.padded_vocab, bias=False)
+        self.output = VocabOutput(config.vocab_size)
         if config.tie_embeddings:
             self.head.weight = self.tok_emb.weight
         cos, sin = rope_tables(config.seq_len, config.head_dim, config.rope_theta)
@@ -127,7 +171,7 @@ class GPT(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx[B, S] (token ids) -> logits[B, S, V]."""
+        """idx[B, S] (token ids) -> logits[B, S, Vp] (padded vocabulary; `output` reads them)."""
         seq = idx.shape[1]
         if seq > self.config.seq_len:
             raise ValueError(f"sequence of {seq} tokens is longer than the model's seq_len {self.config.seq_len}")
@@ -156,7 +200,7 @@ class GPT(nn.Module):
         """Append max_new_tokens sampled tokens to idx[B, S] (top-k sampling)."""
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.seq_len:]
-            logits = upcast(self(context)[:, -1, :]) / max(temperature, 1e-6)
+            logits = upcast(self.output.full(self(context))[:, -1, :]) / max(temperature, 1e-6)
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -174,11 +218,10 @@ def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple
     """
     inputs, targets = batch
     logits = model(inputs)
-    loss_sum = F.cross_entropy(
-        upcast(logits.reshape(-1, logits.shape[-1])), targets.reshape(-1),
-        ignore_index=IGNORE_INDEX, reduction="sum",
-    )
-    return loss_sum, (targets != IGNORE_INDEX).sum()
+    output = getattr(model, "output", None)
+    if hasattr(output, "loss"):
+        return output.loss(logits, targets)  # type: ignore[union-attr]
+    return VocabOutput(logits.shape[-1]).loss(logits, targets)
 
 
 def build_gpt(config: ModelConfig, *, seed: int, device: torch.device | str = "cpu",

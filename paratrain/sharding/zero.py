@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Union
+from typing import Any, Callable, Mapping, Union
 
 import torch
 from torch import nn
 
 from paratrain.comm import (
     CommVolume,
+    NormPart,
     Pending,
     all_gather_async,
     all_reduce,
@@ -101,12 +102,15 @@ class ZeroSync:
     def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, names: dict[int, str],
                  mesh: Mesh, *, stage: int, bucket_bytes: int, reduce_op: str, model: nn.Module | None = None,
                  wrap: WrapPolicy = None, reshard_after_forward: bool = True, offload: bool = False,
-                 param_dtype: torch.dtype | None = None) -> None:
+                 param_dtype: torch.dtype | None = None,
+                 tp_split: Callable[[torch.Tensor], bool] = lambda p: False) -> None:
         """model, wrap, reshard_after_forward: stage 3 only (see paratrain.sharding.gather).
         offload: the optimizer's masters and state live in CPU memory and the update runs there
         (ZeRO-Offload, Ren et al. 2021); the device keeps only its working copy of the shard.
         param_dtype: store parameters and gradients in this dtype (bf16 / fp16); the optimizer's
-        masters stay in the parameters' original dtype (float32)."""
+        masters stay in the parameters' original dtype (float32).
+        tp_split: under tensor parallelism, which parameters are slices that differ across tp ranks
+        (kept in flat groups of their own, so that the norm adds their squares over tp)."""
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroSync implements stages 1, 2 and 3, got {stage}")
         if reduce_op not in ("all_reduce", "reduce_scatter"):
@@ -118,7 +122,7 @@ class ZeroSync:
         self.dp_group: AxisGroup | None = mesh.groups.get("dp")
         self.shard_group: AxisGroup | None = mesh.groups.get("dp_shard")
         self.replicate_group: AxisGroup | None = mesh.groups.get("dp_replicate")
-        self.norm_groups: tuple[AxisGroup, ...] = (self.shard_group,) if self.shard_group else ()
+        self.tp_group: AxisGroup | None = mesh.groups.get("tp")
         self.comm = CommVolume()
         """Bytes this rank's collectives moved (see paratrain.comm.volume)."""
         shards, shard_index = mesh.degree("dp_shard"), mesh.index("dp_shard")
@@ -130,7 +134,7 @@ class ZeroSync:
         self.gatherer: ParamGatherer | None = None
         master_device = torch.device("cpu") if offload else None
         if stage < 3:
-            planned = plan_buckets(params, cap_bytes=bucket_bytes, key=lambda p: group_of[id(p)])
+            planned = plan_buckets(params, cap_bytes=bucket_bytes, key=lambda p: (group_of[id(p)], tp_split(p)))
             self.groups = [FlatGroup(i, ps, shards=shards, shard_index=shard_index, master_device=master_device,
                                      param_dtype=param_dtype, optimizer_group=group_of[id(ps[0])])
                            for i, ps in enumerate(planned)]
@@ -141,10 +145,10 @@ class ZeroSync:
             # Gradients complete in backward order: units reversed, the root (embedding) last.
             self.groups = []
             for unit in [*reversed(units), root]:
-                by_group: dict[int, list[nn.Parameter]] = {}
+                by_group: dict[tuple[int, bool], list[nn.Parameter]] = {}
                 for param in members[id(unit)]:
-                    by_group.setdefault(group_of[id(param)], []).append(param)
-                for gi, ps in by_group.items():
+                    by_group.setdefault((group_of[id(param)], tp_split(param)), []).append(param)
+                for (gi, _), ps in by_group.items():
                     unit.groups.append(FlatGroup(len(self.groups), ps, shards=shards, shard_index=shard_index,
                                                  optimizer_group=gi, persistent=False, master_device=master_device,
                                                  param_dtype=param_dtype))
@@ -152,6 +156,7 @@ class ZeroSync:
             self.gatherer = ParamGatherer(root, units, self.shard_group, reshard_after_forward=reshard_after_forward,
                                           comm=self.comm)
             self._unit_of = {g.index: u for u in [root, *units] for g in u.groups}
+        self._split = [tp_split(g.params[0]) for g in self.groups]
         self._group_of = {id(p): g for g in self.groups for p in g.params}
         self._position = {id(p): i for g in self.groups for i, p in enumerate(g.params)}
         # The optimizer now updates the shards; its per-parameter state starts empty.
@@ -285,6 +290,14 @@ class ZeroSync:
     # ---- after backward -------------------------------------------------------------------
     def owned_grads(self) -> list[torch.Tensor]:
         return self.grad_shards
+
+    def norm_parts(self) -> list[NormPart]:
+        """Shards add up over the shard group; tp slices also over tp, tp replicas not."""
+        shard = (self.shard_group,) if self.shard_group is not None else ()
+        tp = (self.tp_group,) if self.tp_group is not None else ()
+        split = [self.grad_shards[g.index] for g in self.groups if self._split[g.index]]
+        replicated = [self.grad_shards[g.index] for g in self.groups if not self._split[g.index]]
+        return [NormPart(split, shard + tp), NormPart(replicated, shard)]
 
     def before_optimizer_step(self) -> None:
         """Separate masters (float32, or offloaded): hand them the reduced, scaled, clipped shards."""

@@ -1,10 +1,12 @@
-"""Tensor parallelism (Megatron-style): column / row / vocab-parallel layers and the vocab-parallel loss.
-
-The building blocks of issue 4, tested against the dense layers; applying them to a model by a plan,
-sequence parallelism in the GPT and `--tp` come next (`--tp` > 1 is refused until then).
-"""
+"""Tensor parallelism (Megatron-style): column / row / vocab-parallel layers, the vocab-parallel loss,
+and the plan that applies them to a model by module name (with or without sequence parallelism)."""
 
 from paratrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from paratrain.tensor_parallel.loss import vocab_parallel_cross_entropy
+from paratrain.tensor_parallel.loss import VocabParallelOutput, vocab_parallel_cross_entropy
+from paratrain.tensor_parallel.plan import GPT_PLAN, STYLES, TensorParallelLayout, apply_tensor_parallel, resolve_plan
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
+__all__ = [
+    "GPT_PLAN", "STYLES", "ColumnParallelLinear", "RowParallelLinear", "TensorParallelLayout",
+    "VocabParallelEmbedding", "VocabParallelOutput", "apply_tensor_parallel", "resolve_plan",
+    "vocab_parallel_cross_entropy",
+]

@@ -5,7 +5,8 @@
     RowParallelLinear      W[out, in] -> W[out, in/tp] on each rank
         x_r[B, S, in/tp] @ W_r^T -> partial y[B, S, out], summed over tp (+ bias once, after the sum)
     VocabParallelEmbedding E[V, D] -> E[V/tp, D]: rank r looks up the ids in [r V/tp, (r+1) V/tp),
-        zeros for the others, and the all-reduce assembles every row.
+        zeros for the others, and the all-reduce assembles every row (sequence parallel: a
+        reduce-scatter leaves each rank its slice of the sequence).
 
 A column layer followed by a row layer needs one all-reduce in forward (after the row layer) and
 one in backward (the column layer's input gradient): Shoeybi et al. 2019 (Megatron-LM), section 3.
@@ -82,9 +83,11 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, full: nn.Embedding, group: AxisGroup) -> None:
+    def __init__(self, full: nn.Embedding, group: AxisGroup, *, sequence_parallel: bool = False,
+                 sequence_dim: int = 1) -> None:
         super().__init__()
         self.group = group
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         self.weight = nn.Parameter(_slice(full.weight, 0, group, "vocab-parallel embedding"))
         self.vocab_start = group.index * self.weight.shape[0]
         self.vocab_end = self.vocab_start + self.weight.shape[0]
@@ -93,4 +96,6 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         rows = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:  # each rank keeps the sum for its slice of the sequence
+            return reduce_scatter_to_sequence_region(rows, self.group, self.sequence_dim)
         return reduce_from_tp_region(rows, self.group)

@@ -61,7 +61,7 @@ class Trainer:
         self.engine: Engine = parallelize(
             self.model, ctx, optimizer=adamw_factory(self.model, config.optim),
             micro_batch=plan.batch.micro_batch, precision=config.train.precision,
-            grad_clip=config.optim.grad_clip, recompute=config.train.recompute,
+            grad_clip=config.optim.grad_clip, recompute=config.train.recompute, seed=config.seed,
         )
         dp, dp_index = ctx.mesh.degree("dp"), ctx.mesh.index("dp")
         loader_args = dict(seq_len=plan.seq_len, global_batch=plan.batch.global_batch, dp=dp,
@@ -159,8 +159,9 @@ class Trainer:
             if bar is not None:
                 bar.close()
             json_log.close()
-        # Under ZeRO-3 every forward all-gathers parameters: all ranks generate (the same text).
-        sharded = self.engine.grads.params_sharded
+        # Under ZeRO-3 every forward all-gathers parameters, under tp every layer communicates: then
+        # all ranks generate (the same text).
+        sharded = self.engine.grads.params_sharded or self.engine.tp is not None
         if train.sample_tokens and (self.ctx.is_main or sharded) and self.source.vocab_size == 256:
             text = self.sample(train.sample_tokens)
             result.sample = text if self.ctx.is_main else ""

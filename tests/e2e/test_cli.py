@@ -54,8 +54,10 @@ def test_invalid_config_is_refused_before_launch():
     assert "invalid configuration" in out.stderr and "30 / (4 x 2)" in out.stderr and "choose micro_batch" in out.stderr
     assert "rank" not in out.stderr.lower().replace("paratrain", "")  # no worker ever spoke
     assert time.monotonic() - started < 20
-    out = paratrain("train", "--tp", "2")
+    out = paratrain("train", "--pp", "2")
     assert out.returncode == 2 and "not yet supported" in out.stderr
+    out = paratrain("train", "--nproc", "3", "--tp", "3")
+    assert out.returncode == 2 and "tp (3) must divide the attention heads (n_head = 4)" in out.stderr
 
 
 def test_train_log_save_resume(tmp_path):

@@ -17,7 +17,7 @@ def test_dp_fills_the_world():
 
 @pytest.mark.parametrize("config,world,needle", [
     (ParallelConfig(dp=3), 4, "dp x tp x pp = 3 x 1 x 1 = 3 must equal the world size (4)"),
-    (ParallelConfig(tp=2), 4, "tensor parallelism is not yet supported"),
+    (ParallelConfig(sequence_parallel=True), 4, "sequence_parallel splits the sequence over the tp ranks, and tp is 1"),
     (ParallelConfig(pp=2), 4, "pipeline parallelism is not yet supported"),
     (ParallelConfig(ep=2), 4, "expert parallelism is not yet supported"),
     (ParallelConfig(dp=4, shard_group=2), 4, "needs a ZeRO stage"),
@@ -56,8 +56,26 @@ def test_model_rules():
 
 
 def test_gpt2_parameter_count():
-    # 124M in the GPT-2 paper counts biases and LayerNorm betas; without them: 123.55M
-    assert abs(preset("gpt2").num_params() - 123.55e6) < 0.01e6
+    # 124M in the GPT-2 paper counts biases and LayerNorm betas; without them: 123.55M, plus the
+    # 47 padding rows of the vocabulary (50257 -> 50304) x 768
+    gpt2 = preset("gpt2")
+    assert gpt2.padded_vocab == 50304 and preset("gpt2", vocab_multiple=1).padded_vocab == 50257
+    assert abs(gpt2.num_params() - 47 * 768 - 123.55e6) < 0.01e6
+
+
+@pytest.mark.parametrize("overrides,world,needle", [
+    ({"parallel.tp": 3}, 3, r"tp \(3\) must divide the attention heads \(n_head = 4\).*choose tp in \[1, 2, 4\]"),
+    ({"parallel.tp": 2, "model.overrides": {"n_head": 2, "d_ff": 129}}, 2, r"tp \(2\) must divide the MLP width \(ff_dim = 129\)"),
+    ({"parallel.tp": 2, "model.overrides": {"vocab_size": 257}}, 2,
+     r"vocab_size 257 rounded up to a multiple of vocab_multiple \(1\) is 257.*vocab_multiple = 2 \(pads to 258"),
+    ({"parallel.tp": 4, "parallel.sequence_parallel": True, "data.seq_len": 30}, 4,
+     r"seq_len \(30\) is not a multiple of it: set data.seq_len to 28 or 32"),
+])
+def test_tensor_parallel_rules(overrides, world, needle):
+    with pytest.raises(ConfigError, match=needle):
+        check_run(build_run_config(None, overrides), world)
+    # the fix each message names is accepted
+    assert check_run(build_run_config(None, {"parallel.tp": 2, "model.overrides": {"vocab_size": 257, "vocab_multiple": 2}}), 2)
 
 
 @pytest.mark.parametrize("overrides,world,needle", [

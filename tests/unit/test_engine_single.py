@@ -89,3 +89,16 @@ def test_state_dict_round_trip(zero_a, zero_b):
     assert "tok_emb.weight" in state["optimizer"]["state"]
     b.load_state_dict(state)
     assert a.train_step((x, x), paratrain.lm_loss) == b.train_step((x, x), paratrain.lm_loss)
+
+
+def test_loading_a_state_does_not_alias_it():
+    """torch's optimizer keeps given tensors whose dtype and device match: the engine must copy, or
+    training would move the caller's state in place (a second load from it would start elsewhere)."""
+    from tests.helpers import tiny_run
+
+    state = tiny_run(dp=None, micro_batch=None, steps=2, return_state=True)["state"]
+    before = {n: {k: v.clone() for k, v in vals.items()} for n, vals in state["optimizer"]["state"].items()}
+    tiny_run(dp=None, micro_batch=None, steps=2, start=state, start_step=2)
+    for name, values in before.items():
+        for key, value in values.items():
+            assert torch.equal(state["optimizer"]["state"][name][key], value), (name, key)

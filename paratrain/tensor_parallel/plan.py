@@ -1,0 +1,212 @@
+"""Apply tensor parallelism to a model from outside, by a plan that maps module names to styles.
+
+    layout = apply_tensor_parallel(model, GPT_PLAN, tp_group, sequence_parallel=True)
+
+A plan key names modules by suffix ("attn.qkv" matches "blocks.3.attn.qkv") or by a glob
+("blocks.*.mlp.up"). Styles:
+
+    column            nn.Linear, weight split on the output dim; output stays split (feeds a "row")
+    column_gather     nn.Linear split the same way, output all-gathered (a replicated result)
+    row               nn.Linear, weight split on the input dim, input already split, output summed
+    embedding         nn.Embedding split along the vocabulary (rows)
+    vocab_output      paratrain.models.VocabOutput -> VocabParallelOutput (loss on split logits)
+    heads_dropout     KeyedDropout over [B, H, ...] whose heads dim 1 is split (attention probabilities)
+    sequence_dropout  KeyedDropout over [B, S, ...] between blocks: split along S under sequence
+                      parallelism, replicated (the same mask on every tp rank) otherwise
+
+Every split parameter is a slice of the full, layout-free one, so tp = 1 and tp = N start from the
+same numbers; a weight shared by two modules (a tied embedding and head) stays one parameter when
+both split it the same way. Everything not named stays replicated on every tp rank.
+
+Sequence parallelism (Korthikanti et al. 2022): the split layers all-gather their input along the
+sequence and reduce-scatter their output, so whatever runs between them (norms, dropout, residual
+adds) holds 1/tp of the tokens. A replicated parameter used there (a norm's weight) then gets only
+its slice's share of the gradient on each rank: a hook sums that share over tp as soon as autograd
+produces it, before it accumulates, so every gradient strategy downstream sees the full gradient.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+from paratrain.comm.collectives import all_gather_async, all_reduce
+from paratrain.models.dropout import KeyedDropout
+from paratrain.models.gpt import VocabOutput
+from paratrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from paratrain.tensor_parallel.loss import VocabParallelOutput
+from paratrain.topology.mesh import AxisGroup
+
+STYLES = ("column", "column_gather", "row", "embedding", "vocab_output", "heads_dropout", "sequence_dropout")
+
+GPT_PLAN: dict[str, str] = {
+    "tok_emb": "embedding",
+    "attn.qkv": "column",  # output [heads, 3, head_dim]: a column split is a split of the heads
+    "attn.attn_dropout": "heads_dropout",
+    "attn.out": "row",
+    "attn.out_dropout": "sequence_dropout",
+    "mlp.up": "column",
+    "mlp.down": "row",
+    "mlp.dropout": "sequence_dropout",
+    "head": "column",  # logits stay split along the vocabulary ...
+    "output": "vocab_output",  # ... and the loss reads them that way
+}
+"""The Megatron layout of paratrain.models.GPT: one all-reduce per attention and per MLP, each way."""
+
+
+@dataclass
+class TensorParallelLayout:
+    """What apply_tensor_parallel did: which parameters are split, along which dim, over which group."""
+
+    group: AxisGroup
+    sequence_parallel: bool
+    split_dims: dict[str, int] = field(default_factory=dict)
+    """Parameter name -> the dim split over tp; names not here are replicated on every tp rank."""
+    split_ids: frozenset[int] = frozenset()
+    """id() of the split parameters, for strategies that hold parameters, not names."""
+
+    def is_split(self, param: torch.Tensor) -> bool:
+        return id(param) in self.split_ids
+
+    def full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of parameter `name` (or of state shaped like it) from this rank's slice:
+        all-gathered along its split dim (collective over tp); replicated ones come back as they are."""
+        dim = self.split_dims.get(name)
+        if dim is None:
+            return tensor
+        moved = tensor.detach().movedim(dim, 0).contiguous()
+        out = torch.empty((self.group.size * moved.shape[0], *moved.shape[1:]), dtype=moved.dtype,
+                          device=moved.device)
+        all_gather_async(out, moved, self.group).wait()
+        return out.movedim(0, dim).contiguous()
+
+    def local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the whole tensor of parameter `name` (the inverse of full)."""
+        dim = self.split_dims.get(name)
+        if dim is None:
+            return tensor
+        if tensor.shape[dim] % self.group.size:
+            raise ValueError(f"{name}: dim {dim} of the saved tensor ({tensor.shape[dim]}) does not split "
+                             f"over tp ({self.group.size})")
+        part = tensor.shape[dim] // self.group.size
+        return tensor.narrow(dim, self.group.index * part, part).clone()
+
+    def gather_full(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every split tensor of a name-keyed state made whole (collective over tp; name order)."""
+        return {name: self.full(name, state[name]) for name in sorted(state)}
+
+    def local_slices(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every split tensor of a name-keyed state cut to this rank's slice."""
+        return {name: self.local(name, tensor) for name, tensor in state.items()}
+
+
+def _matches(key: str, name: str) -> bool:
+    if any(c in key for c in "*?["):
+        return fnmatch.fnmatchcase(name, key)
+    return name == key or name.endswith("." + key)
+
+
+def resolve_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+    """Module name -> style, every plan key matched to at least one module, no module matched twice."""
+    bad = {k: s for k, s in plan.items() if s not in STYLES}
+    if bad:
+        raise ValueError(f"unknown tensor-parallel style(s) {bad}: styles are {', '.join(STYLES)}")
+    resolved: dict[str, str] = {}
+    names = [n for n, _ in model.named_modules() if n]
+    for key, style in plan.items():
+        hits = [n for n in names if _matches(key, n)]
+        if not hits:
+            raise ValueError(f"tensor-parallel plan entry {key!r} matches no module of the model "
+                             f"(its modules include {names[:8]}); fix the name or drop the entry")
+        for name in hits:
+            if name in resolved:
+                raise ValueError(f"module {name!r} is matched by two plan entries ({resolved[name]!r} and "
+                                 f"{style!r}): make the keys specific enough to pick one")
+            resolved[name] = style
+    return resolved
+
+
+def _expect(module: nn.Module, kind: type | tuple[type, ...], name: str, style: str) -> None:
+    if not isinstance(module, kind):
+        wanted = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise TypeError(f"tensor-parallel style {style!r} applies to {wanted}, but {name!r} is a "
+                        f"{type(module).__name__}: change the plan entry for it")
+
+
+def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: AxisGroup, *,
+                          sequence_parallel: bool = False) -> TensorParallelLayout:
+    """Replace the planned modules of `model` in place by their tensor-parallel versions."""
+    resolved = resolve_plan(model, plan)
+    split: dict[int, int] = {}  # id(new parameter) -> split dim
+    sliced: dict[int, nn.Parameter] = {}  # id(full parameter) -> its slice here (ties stay ties)
+    for name, style in resolved.items():
+        module = model.get_submodule(name)
+        if style in ("heads_dropout", "sequence_dropout"):
+            _expect(module, KeyedDropout, name, style)
+            assert isinstance(module, KeyedDropout)
+            if style == "heads_dropout" or sequence_parallel:
+                module.split = {1: (group.index, group.size)}
+            continue
+        replacement, dims = _build(module, name, style, group, sequence_parallel)
+        for attr, dim in dims.items():
+            full, new = getattr(module, attr), getattr(replacement, attr)
+            if new is None:
+                continue
+            shared = sliced.get(id(full))
+            if shared is not None:
+                if shared.shape != new.shape or split.get(id(shared)) != dim:
+                    raise ValueError(f"{name}.{attr} is shared with another planned module that splits it "
+                                     "differently: tied weights must use styles that split the same dim")
+                setattr(replacement, attr, shared)
+                continue
+            sliced[id(full)] = new
+            if dim >= 0:
+                split[id(new)] = dim
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, replacement)
+    layout = TensorParallelLayout(group, sequence_parallel)
+    for pname, param in model.named_parameters():
+        if id(param) in split:
+            layout.split_dims[pname] = split[id(param)]
+    layout.split_ids = frozenset(split)
+    if sequence_parallel:
+        for param in model.parameters():
+            if param.requires_grad and id(param) not in split:
+                param.register_hook(_sum_over_tp(group))
+    return layout
+
+
+def _build(module: nn.Module, name: str, style: str, group: AxisGroup,
+           sequence_parallel: bool) -> tuple[nn.Module, dict[str, int]]:
+    """The replacement and, per parameter attribute, the dim it splits (-1: replicated)."""
+    if style in ("column", "column_gather"):
+        _expect(module, nn.Linear, name, style)
+        assert isinstance(module, nn.Linear)
+        return (ColumnParallelLinear(module, group, gather_output=style == "column_gather",
+                                     sequence_parallel=sequence_parallel), {"weight": 0, "bias": 0})
+    if style == "row":
+        _expect(module, nn.Linear, name, style)
+        assert isinstance(module, nn.Linear)
+        return RowParallelLinear(module, group, sequence_parallel=sequence_parallel), {"weight": 1, "bias": -1}
+    if style == "embedding":
+        _expect(module, nn.Embedding, name, style)
+        assert isinstance(module, nn.Embedding)
+        if module.padding_idx is not None or module.max_norm is not None:
+            raise ValueError(f"{name}: vocab-parallel embedding supports neither padding_idx nor max_norm")
+        return VocabParallelEmbedding(module, group, sequence_parallel=sequence_parallel), {"weight": 0}
+    _expect(module, VocabOutput, name, style)
+    assert isinstance(module, VocabOutput)
+    return VocabParallelOutput(module.vocab_size, group), {}
+
+
+def _sum_over_tp(group: AxisGroup) -> Callable[[torch.Tensor], torch.Tensor]:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        summed = grad.contiguous().clone()
+        all_reduce(summed, group)
+        return summed
+
+    return hook
