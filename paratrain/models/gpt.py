@@ -196,11 +196,19 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.8,
-                 top_k: int = 40, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Append max_new_tokens sampled tokens to idx[B, S] (top-k sampling)."""
+                 top_k: int = 40, generator: torch.Generator | None = None, pad_to: int = 1) -> torch.Tensor:
+        """Append max_new_tokens sampled tokens to idx[B, S] (top-k sampling).
+
+        pad_to: run each forward on a length rounded up to a multiple of this, padding on the right
+        (causal attention: the real positions never see the padding), for strategies that split the
+        sequence into equal parts."""
         for _ in range(max_new_tokens):
-            context = idx[:, -self.config.seq_len:]
-            logits = upcast(self.output.full(self(context))[:, -1, :]) / max(temperature, 1e-6)
+            context = idx[:, -(self.config.seq_len - self.config.seq_len % pad_to):]
+            length = context.shape[1]
+            padded = -(-length // pad_to) * pad_to
+            if padded != length:
+                context = torch.cat((context, context.new_zeros(context.shape[0], padded - length)), dim=1)
+            logits = upcast(self.output.full(self(context))[:, length - 1, :]) / max(temperature, 1e-6)
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))

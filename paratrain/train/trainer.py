@@ -193,6 +193,7 @@ class Trainer:
         self.model.eval()
         ids = torch.tensor([self.source.encode_text(prompt)], device=self.ctx.device)
         generator = torch.Generator().manual_seed(self.plan.config.seed)
-        out = self.model.generate(ids, length, generator=generator)
+        split = self.ctx.config.tp if self.ctx.config.sequence_parallel else 1  # equal sequence parts
+        out = self.model.generate(ids, length, generator=generator, pad_to=split)
         self.model.train()
         return self.source.decode(out[0].tolist())

@@ -101,3 +101,26 @@ def test_checkpoint_moves_between_tp_and_dp(pools):
         got = pools(world).run(_half_job, micro_batch=4, dtype="float64", start=first, start_step=STEPS // 2,
                                **layout)
         assert rel_diff(got[0]["losses"], ref["losses"][STEPS // 2:]) <= 1e-12, layout
+
+
+def _mlp_job(dp: int | None, tp: int) -> dict:
+    """Any model of nn.Linear given a plan: an MLP regression in float64, 5 SGD-momentum steps."""
+    import paratrain
+    from tests.helpers import regression_rows, squared_error
+
+    ctx = paratrain.init(paratrain.ParallelConfig(dp=dp, tp=tp))
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8),
+                                torch.nn.Linear(8, 4)).double()
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                   grad_clip=0.5, tp_plan={"0": "column", "2": "row", "3": "column_gather"})
+    losses = [engine.train_step(regression_rows(ctx, 8, 4), squared_error) for _ in range(5)]
+    return {"losses": losses, "model": engine.state_dict()["model"]}
+
+
+def test_plan_applies_to_any_linear_model(pools):
+    ref = _mlp_job(None, 1)
+    for dp, tp in ((1, 2), (2, 2)):
+        got = pools(dp * tp).run(_mlp_job, dp, tp)[0]
+        assert rel_diff(got["losses"], ref["losses"]) <= 1e-12
+        assert max_state_diff(got["model"], ref["model"]) <= 1e-12

@@ -86,6 +86,24 @@ def test_train_log_save_resume(tmp_path):
         assert resumed[step] == pytest.approx(first[step], rel=1e-5)
 
 
+def test_tensor_parallel_run_resumes_on_one_process(tmp_path):
+    """dp 2 x tp 2 with sequence parallelism and ZeRO-1 (4 processes); its checkpoint holds whole
+    tensors, so one process continues it with the same losses. Sampling runs on every tp rank."""
+    log = tmp_path / "log.jsonl"
+    out = paratrain("train", "--nproc", "4", "--dp", "2", "--tp", "2", "--sequence-parallel", "--zero", "1", *SMALL,
+                    "--steps", "4", "--log-json", str(log), "--save", str(tmp_path / "ckpt"), "--save-every", "2",
+                    "--sample-tokens", "16")
+    assert out.returncode == 0, out.stderr
+    assert "sample:" in out.stdout
+    log2 = tmp_path / "log2.jsonl"
+    out = paratrain("train", "--nproc", "1", *SMALL, "--steps", "4", "--log-json", str(log2),
+                    "--resume", str(tmp_path / "ckpt" / "step_00000002"))
+    assert out.returncode == 0, out.stderr
+    resumed, first = losses(log2), losses(log)
+    for step in (3, 4):
+        assert resumed[step] == pytest.approx(first[step], rel=1e-5)
+
+
 def test_crashing_rank_fails_the_job_with_its_error():
     out = paratrain("train", "--nproc", "2", *SMALL, "--steps", "5", "--fail-at", "1:3")
     assert out.returncode == 1

@@ -70,3 +70,27 @@ def test_big_presets_build_on_meta():
     with torch.device("meta"):
         model = GPT(preset("gpt3-xl"))
     assert sum(p.numel() for p in model.parameters()) == preset("gpt3-xl").num_params()
+
+
+def test_generate_padded_to_a_multiple_samples_the_same():
+    """Right padding (for sequence-split strategies) never changes what the real positions see."""
+    model = build_gpt(preset("tiny"), seed=0).eval()
+    prompt = torch.tensor([[5, 6, 7]])
+    plain = model.generate(prompt, 9, generator=torch.Generator().manual_seed(1))
+    padded = model.generate(prompt, 9, generator=torch.Generator().manual_seed(1), pad_to=4)
+    assert torch.equal(plain, padded)
+
+
+def test_padded_vocabulary_changes_nothing_but_shapes():
+    """vocab_multiple pads the embedding and head; padding rows are out of the softmax and never
+    sampled, so the loss equals the unpadded model's with the same real rows."""
+    config = preset("tiny", vocab_size=250)
+    plain, padded = build_gpt(config, seed=0), build_gpt(preset("tiny", vocab_size=250, vocab_multiple=64), seed=0)
+    assert padded.tok_emb.weight.shape[0] == 256
+    with torch.no_grad():
+        padded.load_state_dict({k: v if v.shape == plain.state_dict()[k].shape else
+                                torch.cat((plain.state_dict()[k], v[250:])) for k, v in padded.state_dict().items()})
+    x = torch.randint(0, 250, (2, 16))
+    a, b = lm_loss(plain, (x, x.roll(-1, 1))), lm_loss(padded, (x, x.roll(-1, 1)))
+    assert torch.allclose(a[0], b[0], rtol=1e-6) and a[1] == b[1]
+    assert padded.output.full(padded(x)).shape[-1] == 250

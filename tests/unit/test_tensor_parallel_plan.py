@@ -1,0 +1,66 @@
+"""Tensor-parallel plans and keyed dropout, without processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paratrain.config import preset
+from paratrain.models import GPT, KeyedDropout
+from paratrain.rng import DropoutStream, hashed_uniform
+from paratrain.tensor_parallel import GPT_PLAN, apply_tensor_parallel, resolve_plan
+from paratrain.topology import AxisGroup
+
+
+def test_gpt_plan_names_every_split_module():
+    model = GPT(preset("tiny"))
+    resolved = resolve_plan(model, GPT_PLAN)
+    assert resolved["tok_emb"] == "embedding" and resolved["head"] == "column" and resolved["output"] == "vocab_output"
+    assert sum(style == "column" for style in resolved.values()) == 2 * 4 + 1  # qkv, up per block; head
+    assert resolved["blocks.3.attn.attn_dropout"] == "heads_dropout"
+
+
+def test_bad_plans_are_refused_with_the_rule():
+    model = GPT(preset("tiny"))
+    with pytest.raises(ValueError, match="'attn.qkvv' matches no module"):
+        resolve_plan(model, {"attn.qkvv": "column"})
+    with pytest.raises(ValueError, match="unknown tensor-parallel style"):
+        resolve_plan(model, {"attn.qkv": "diagonal"})
+    with pytest.raises(ValueError, match="matched by two plan entries"):
+        resolve_plan(model, {"attn.qkv": "column", "blocks.*.attn.qkv": "row"})
+    single = AxisGroup("tp", (0,), 0, None)  # type: ignore[arg-type]  # never communicates here
+    with pytest.raises(TypeError, match="style 'column' applies to Linear, but 'blocks.0.attn_norm' is a RMSNorm"):
+        apply_tensor_parallel(model, {"blocks.0.attn_norm": "column"}, single)
+
+
+def test_hashed_uniform_is_uniform_and_keyed():
+    index = torch.arange(200_000)
+    u = hashed_uniform(1234, index)
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.var()) - 1 / 12) < 0.002
+    assert abs(float(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1])) < 0.01  # neighbours independent
+    assert torch.equal(hashed_uniform(1234, index[5:9]), u[5:9])  # a pure function of the index
+    assert not torch.equal(hashed_uniform(1235, index[:64]), u[:64])
+    big = torch.tensor([2**40 + 7, 2**40 + 8])  # indices past 2^32 still differ
+    assert hashed_uniform(1, big)[0] != hashed_uniform(1, big)[1]
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+def test_split_dropout_draws_the_slice_of_the_full_mask(dim):
+    stream = DropoutStream(seed=3, step=5, row_offset=8)
+    full = KeyedDropout(0.3)
+    full.attach(stream, "blocks.0.mlp.dropout")
+    x = torch.ones(4, 6, 10)
+    expected = full(x)
+    assert 0.55 < float((expected != 0).double().mean()) < 0.85
+    for part in range(2):
+        piece = KeyedDropout(0.3)
+        piece.attach(stream, "blocks.0.mlp.dropout")
+        piece.split = {dim: (part, 2)}
+        size = x.shape[dim] // 2
+        assert torch.equal(piece(x.narrow(dim, part * size, size)), expected.narrow(dim, part * size, size))
+    # rows are global-batch rows: rows 10..11 drawn as the micro-batch at offset 10 = rows 2..3 above
+    stream.row_offset = 10
+    assert torch.equal(full(x[:2]), expected[2:])
+    stream.step = 6
+    assert not torch.equal(full(x[:2]), expected[2:])  # a new step, a new mask
