@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from paratrain.comm.collectives import all_gather_async, all_reduce
+from paratrain.comm.collectives import all_gather_async, all_reduce, reduce_scatter_async
 from paratrain.topology.mesh import AxisGroup
 
 
@@ -35,7 +35,8 @@ def _split(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
     return x.narrow(dim, group.index * (size // group.size), size // group.size).contiguous()
 
 
-def _all_gather(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
+def all_gather_along(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
+    """Every group rank's x concatenated along dim, in group order (no autograd)."""
     # gather along dim 0 of a [tp, ...] buffer, then lay the pieces out along `dim`
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((group.size * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
@@ -43,9 +44,16 @@ def _all_gather(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
     return out.movedim(0, dim).contiguous()
 
 
-def _reduce_scatter(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
-    # gloo: an all-reduce then a slice beats its reduce-scatter (docs/sharding.md)
-    return _split(_sum(x, group, dim), group, dim)
+def reduce_scatter_along(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
+    """This rank's slice along dim of the sum over the group of x (no autograd)."""
+    if x.device.type == "cpu":  # gloo: an all-reduce then a slice beats its reduce-scatter (docs/sharding.md)
+        return _split(_sum(x, group, dim), group, dim)
+    moved = x.movedim(dim, 0).contiguous()
+    if moved.shape[0] % group.size:
+        raise ValueError(f"dim {dim} of size {moved.shape[0]} does not split evenly over {group.describe()}")
+    out = torch.empty((moved.shape[0] // group.size, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    reduce_scatter_async(out, moved, group).wait()
+    return out.movedim(0, dim).contiguous()
 
 
 def _identity(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
@@ -84,22 +92,22 @@ def reduce_from_tp_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
 
 
 def gather_from_tp_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    return _Region.apply(x, group, x.dim() - 1, _all_gather, _split)
+    return _Region.apply(x, group, x.dim() - 1, all_gather_along, _split)
 
 
 def scatter_to_tp_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    return _Region.apply(x, group, x.dim() - 1, _split, _all_gather)
+    return _Region.apply(x, group, x.dim() - 1, _split, all_gather_along)
 
 
 def gather_from_sequence_region(x: torch.Tensor, group: AxisGroup, dim: int = 1) -> torch.Tensor:
-    return _Region.apply(x, group, dim, _all_gather, _reduce_scatter)
+    return _Region.apply(x, group, dim, all_gather_along, reduce_scatter_along)
 
 
 def reduce_scatter_to_sequence_region(x: torch.Tensor, group: AxisGroup, dim: int = 1) -> torch.Tensor:
-    return _Region.apply(x, group, dim, _reduce_scatter, _all_gather)
+    return _Region.apply(x, group, dim, reduce_scatter_along, all_gather_along)
 
 
 __all__ = [
-    "copy_to_tp_region", "gather_from_sequence_region", "gather_from_tp_region", "reduce_from_tp_region",
+    "all_gather_along", "reduce_scatter_along", "copy_to_tp_region", "gather_from_sequence_region", "gather_from_tp_region", "reduce_from_tp_region",
     "reduce_scatter_to_sequence_region", "scatter_to_tp_region",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
 
@@ -31,3 +32,37 @@ class CommVolume:
 
     def reset(self) -> None:
         self.bytes.clear()
+
+
+_C10D_KIND = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
+              "_allgather_base_": "all_gather", "allgather_": "all_gather",
+              "allgather_into_tensor_coalesced_": "all_gather",
+              "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+              "reduce_scatter_tensor_coalesced_": "reduce_scatter"}
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts every collective issued while active, whoever issues it (paratrain, DTensor, DDP,
+    FSDP): it sees the c10d operators at torch's dispatcher. The same instrument for every
+    contender of a benchmark, and a test's witness of how many bytes a layout moves.
+
+        with CollectiveCounter() as counter:
+            engine.train_step(batch, loss_fn)
+        counter.calls     # [("all_reduce", numel of the full tensor), ...] in issue order
+        counter.volume    # CommVolume: bytes by operation, counted as the ZeRO paper does
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+        self.volume = CommVolume()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kind = _C10D_KIND.get(func._overloadpacket.__name__) if func.namespace == "c10d" else None
+        if kind is not None:
+            tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
+                       for t in (t if isinstance(t, (list, tuple)) else [t]) if isinstance(t, torch.Tensor)]
+            full = max(tensors, key=lambda t: t.numel())  # all-reduce buffer, gather output, scatter input
+            self.calls.append((kind, full.numel()))
+            self.volume.add(kind, full)
+        return func(*args, **(kwargs or {}))

@@ -18,15 +18,19 @@ Slicing the full layer keeps the layout-free init: tp = 1 and tp = N start from 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.comm.collectives import all_gather_async
 from paratrain.comm.regions import (
+    all_gather_along,
     copy_to_tp_region,
-    gather_from_sequence_region,
     gather_from_tp_region,
     reduce_from_tp_region,
+    reduce_scatter_along,
     reduce_scatter_to_sequence_region,
     scatter_to_tp_region,
 )
@@ -41,6 +45,36 @@ def _slice(tensor: torch.Tensor, dim: int, group: AxisGroup, what: str) -> torch
     return tensor.detach().narrow(dim, group.index * part, part).clone()
 
 
+class _GatheredLinear(torch.autograd.Function):
+    """y = all_gather_seq(x) @ W^T + b that saves this rank's slice of x, not the gathered input.
+
+    A plain gather-then-linear would keep the gathered [B, S, in] for the weight gradient, undoing
+    what sequence parallelism saves; instead backward all-gathers x again (overlapped with the input
+    gradient's matmul) and reduce-scatters the input gradient (Korthikanti et al. 2022, section 4.2.2).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: AxisGroup,
+                dim: int) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.dim, ctx.has_bias = group, dim, bias is not None
+        return F.linear(all_gather_along(x, group, dim), weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        moved = x.movedim(ctx.dim, 0).contiguous()
+        gathered = torch.empty((ctx.group.size * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
+        pending = all_gather_async(gathered, moved, ctx.group)  # in flight during the next matmul
+        grad_input_full = grad @ weight
+        pending.wait()
+        full = gathered.movedim(0, ctx.dim)
+        grad_input = reduce_scatter_along(grad_input_full, ctx.group, ctx.dim)
+        grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad_input, grad_weight, grad_bias, None, None
+
+
 class ColumnParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, group: AxisGroup, *, gather_output: bool = False,
                  sequence_parallel: bool = False, sequence_dim: int = 1) -> None:
@@ -52,10 +86,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            x = gather_from_sequence_region(x, self.group, self.sequence_dim)
+            y = _GatheredLinear.apply(x, self.weight, self.bias, self.group, self.sequence_dim)
         else:
-            x = copy_to_tp_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)  # [B, S, out/tp]
+            y = F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)  # [B, S, out/tp]
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
 

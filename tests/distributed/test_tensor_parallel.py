@@ -124,3 +124,68 @@ def test_plan_applies_to_any_linear_model(pools):
         got = pools(dp * tp).run(_mlp_job, dp, tp)[0]
         assert rel_diff(got["losses"], ref["losses"]) <= 1e-12
         assert max_state_diff(got["model"], ref["model"]) <= 1e-12
+
+
+def _count_step(sequence_parallel: bool) -> list[tuple[str, int]]:
+    import paratrain
+    from paratrain.comm import CollectiveCounter
+    from tests.helpers import TINY
+
+    ctx = paratrain.init(paratrain.ParallelConfig(dp=1, tp=dist.get_world_size(), sequence_parallel=sequence_parallel))
+    model = paratrain.build_gpt(TINY, seed=0)
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), grad_clip=1.0)
+    x = torch.randint(0, 256, (4, TINY.seq_len))
+    with CollectiveCounter() as counter:
+        engine.train_step((x, x.roll(-1, 1)), paratrain.lm_loss)
+    return counter.calls
+
+
+def test_communication_follows_the_megatron_formula(pools):
+    """Per block 2 all-reduces of b x s x h in forward and 2 in backward (Shoeybi et al. 2019), plus
+    the embedding's forward and the head's input-gradient all-reduce, plus the loss's three [b x s]
+    all-reduces and the norm's scalar. Sequence parallelism: each all-reduce becomes an all-gather
+    and a reduce-scatter of the same tensor (gloo's reduce-scatter is issued as an all-reduce), plus
+    one [h] all-reduce per replicated norm weight (and the embedding's backward becomes an all-gather
+    where it was free)."""
+    from tests.helpers import TINY
+
+    b, s, h, layers = 4, TINY.seq_len, TINY.d_model, TINY.n_layer
+    calls = pools(2).run(_count_step, False)[0]
+    assert sorted(calls) == sorted([("all_reduce", b * s * h)] * (4 * layers + 2) + [("all_reduce", b * s)] * 3
+                                   + [("all_reduce", 1)])
+    calls = pools(2).run(_count_step, True)[0]
+    # all-gathers: column inputs (forward: 2 per block and the head; again in backward, since only
+    # the sequence slice is saved), row output gradients (backward), the embedding's output gradient
+    # (backward of its reduce-scatter)
+    assert calls.count(("all_gather", b * s * h)) == 4 * layers + 2 + 2 * layers + 1
+    assert calls.count(("all_reduce", b * s * h)) == 4 * layers + 2  # the reduce-scatters
+    assert calls.count(("all_reduce", h)) == 2 * layers + 1  # replicated norm weights' gradients
+    assert len(calls) == 2 * (4 * layers + 2) + 2 * (2 * layers + 1) + 3 + 1
+
+
+def _activation_bytes(tp: int, sequence_parallel: bool) -> int:
+    import paratrain
+    from paratrain.config import preset
+    from paratrain.memory import saved_activations
+
+    config = preset("tiny", seq_len=64, n_layer=2, d_model=128)
+    ctx = paratrain.init(paratrain.ParallelConfig(dp=dist.get_world_size() // tp, tp=tp,
+                                                  sequence_parallel=sequence_parallel))
+    model = paratrain.build_gpt(config, seed=0)
+    paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    x = torch.randint(0, 256, (4, 64))
+    with saved_activations(model) as saved:
+        paratrain.lm_loss(model, (x, x.roll(-1, 1)))
+    return saved.bytes
+
+
+def test_sequence_parallel_splits_every_activation(pools):
+    """What autograd saves for backward, per rank: tensor parallelism alone splits what lies inside
+    the attention and the MLP; with sequence parallelism the norms' and residuals' activations are
+    split too, and the column layers keep their input's sequence slice (re-gathered in backward),
+    so the whole comes to the single device's activations / tp (Korthikanti et al. 2022, table 2)."""
+    single = pools(2).run(_activation_bytes, 1, False)[0]
+    plain = pools(2).run(_activation_bytes, 2, False)[0]
+    split = pools(2).run(_activation_bytes, 2, True)[0]
+    assert split < plain < single
+    assert split == pytest.approx(single / 2, rel=0.02)
