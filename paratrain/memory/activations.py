@@ -26,14 +26,18 @@ def saved_activations(model: nn.Module) -> Iterator[SavedActivations]:
     """Record what autograd saves for backward while active, leaving out the model's parameters
     (and views of them), which exist whether or not anything is saved."""
     record = SavedActivations()
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    weights = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's local shard
-        storage = local.untyped_storage()
+        storage = _local(tensor).untyped_storage()
         if storage.data_ptr() not in weights and storage.nbytes():
             record.storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield record
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its own storage is not a real one); any other tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
