@@ -34,11 +34,17 @@ class CommVolume:
         self.bytes.clear()
 
 
-_C10D_KIND = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
-              "_allgather_base_": "all_gather", "allgather_": "all_gather",
-              "allgather_into_tensor_coalesced_": "all_gather",
-              "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-              "reduce_scatter_tensor_coalesced_": "reduce_scatter"}
+_KIND = {  # c10d (torch.distributed's calls) and _c10d_functional (DTensor, funcol) operators
+    "c10d": {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
+             "_allgather_base_": "all_gather", "allgather_": "all_gather",
+             "allgather_into_tensor_coalesced_": "all_gather",
+             "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+             "reduce_scatter_tensor_coalesced_": "reduce_scatter"},
+    "_c10d_functional": {"all_reduce": "all_reduce", "all_reduce_": "all_reduce",
+                         "all_reduce_coalesced": "all_reduce", "all_gather_into_tensor": "all_gather",
+                         "all_gather_into_tensor_coalesced": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+                         "reduce_scatter_tensor_coalesced": "reduce_scatter"},
+}
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -58,11 +64,12 @@ class CollectiveCounter(TorchDispatchMode):
         self.volume = CommVolume()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kind = _C10D_KIND.get(func._overloadpacket.__name__) if func.namespace == "c10d" else None
+        kind = _KIND.get(func.namespace, {}).get(func._overloadpacket.__name__)
+        out = func(*args, **(kwargs or {}))
         if kind is not None:
-            tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
-                       for t in (t if isinstance(t, (list, tuple)) else [t]) if isinstance(t, torch.Tensor)]
+            tensors = [t for a in (*args, out) for t in (a if isinstance(a, (list, tuple)) else [a])
+                       if isinstance(t, torch.Tensor)]
             full = max(tensors, key=lambda t: t.numel())  # all-reduce buffer, gather output, scatter input
             self.calls.append((kind, full.numel()))
             self.volume.add(kind, full)
-        return func(*args, **(kwargs or {}))
+        return out
