@@ -10,8 +10,10 @@ from paratrain.data import GlobalBatchLoader, load_source
 from tests.helpers import TINY, rel_diff
 
 
-def _run(dp: int | None, zero: int, precision: str, steps: int = 8, loss_scale: float | None = None) -> dict:
-    ctx = paratrain.init(paratrain.ParallelConfig(dp=dp, zero=zero, bucket_mb=0.05))
+def _run(dp: int | None, zero: int, precision: str, steps: int = 8, loss_scale: float | None = None,
+         tp: int = 1, sequence_parallel: bool = False) -> dict:
+    ctx = paratrain.init(paratrain.ParallelConfig(dp=dp, zero=zero, bucket_mb=0.05, tp=tp,
+                                                  sequence_parallel=sequence_parallel))
     model = paratrain.build_gpt(TINY, seed=1)
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3),
                                    micro_batch=4, precision=precision, grad_clip=1.0, loss_scale=loss_scale)
@@ -39,6 +41,17 @@ def test_low_precision_with_fp32_masters_matches_single_process(pools, zero, pre
         # a sum over 2 ranks in 16-bit rounds differently from one over 1: 2^-8 per rounding in bf16
         assert rel_diff(result["losses"], reference["losses"]) <= (2e-2 if precision == "bf16" else 5e-3)
     assert reference["losses"][-1] < reference["losses"][0] - 0.5
+
+
+@pytest.mark.parametrize("zero,precision,sequence_parallel", [(0, "bf16", True), (1, "fp16", True), (3, "bf16", False)])
+def test_low_precision_under_tensor_parallelism(pools, zero, precision, sequence_parallel):
+    """bf16 autocast (zero 0) or 16-bit storage with fp32 masters (ZeRO), tp 2: the tp all-reduces
+    run in 16 bits, so the tolerance is that of a 16-bit sum over 2 ranks."""
+    reference = _run(None, zero, precision)
+    got = pools(2).run(_run, 1, zero, precision, tp=2, sequence_parallel=sequence_parallel)
+    for result in got:
+        assert rel_diff(result["losses"], reference["losses"]) <= (2e-2 if precision == "bf16" else 5e-3)
+        assert not any(result["skipped"][1:])
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])

@@ -30,3 +30,12 @@ def test_known_gpu_has_a_peak():
     if not any(key in name for key in ("H100", "H200", "A100", "L40S", "A10", "V100")):
         pytest.skip(f"no peak FLOP/s on record for {name}")
     assert peak_flops(torch.device("cuda", 0)) > 1e14
+
+
+def test_keyed_dropout_draws_the_same_bits_on_cuda():
+    """Dropout masks are a pure function of (key, index), computed in int64 without overflow: a GPU
+    rank and a CPU rank (or the CPU reference) draw the same mask."""
+    from paratrain.rng import hashed_uniform
+
+    index = torch.arange(1 << 20) * 7919 + (1 << 33)
+    assert torch.equal(hashed_uniform(99, index.cuda()).cpu(), hashed_uniform(99, index))
