@@ -56,8 +56,11 @@ class _GatheredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: AxisGroup,
                 dim: int) -> torch.Tensor:
+        ctx.input_dtype = x.dtype
+        if torch.is_autocast_enabled(x.device.type):  # gather (and keep) the input in the compute dtype
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.dim, ctx.has_bias = group, dim, bias is not None
+        ctx.group, ctx.dim, ctx.bias_dtype = group, dim, bias.dtype if bias is not None else None
         return F.linear(all_gather_along(x, group, dim), weight, bias)
 
     @staticmethod
@@ -66,12 +69,14 @@ class _GatheredLinear(torch.autograd.Function):
         moved = x.movedim(ctx.dim, 0).contiguous()
         gathered = torch.empty((ctx.group.size * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
         pending = all_gather_async(gathered, moved, ctx.group)  # in flight during the next matmul
-        grad_input_full = grad @ weight
+        # backward runs outside autocast: compute in the output gradient's dtype, as forward did
+        grad_input_full = grad @ weight.to(grad.dtype)
         pending.wait()
-        full = gathered.movedim(0, ctx.dim)
-        grad_input = reduce_scatter_along(grad_input_full, ctx.group, ctx.dim)
-        grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
-        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+        full = gathered.movedim(0, ctx.dim).to(grad.dtype)
+        grad_input = reduce_scatter_along(grad_input_full, ctx.group, ctx.dim).to(ctx.input_dtype)
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_weight = (rows.t() @ full.reshape(-1, full.shape[-1])).to(weight.dtype)
+        grad_bias = rows.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None else None
         return grad_input, grad_weight, grad_bias, None, None
 
 

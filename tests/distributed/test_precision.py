@@ -51,7 +51,7 @@ def test_low_precision_under_tensor_parallelism(pools, zero, precision, sequence
     got = pools(2).run(_run, 1, zero, precision, tp=2, sequence_parallel=sequence_parallel)
     for result in got:
         assert rel_diff(result["losses"], reference["losses"]) <= (2e-2 if precision == "bf16" else 5e-3)
-        assert not any(result["skipped"][1:])
+        assert result["skipped"] == reference["skipped"]  # fp16: the same overflow steps (shared over dp and tp)
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
