@@ -44,9 +44,13 @@ def all_gather_along(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tenso
     return out.movedim(0, dim).contiguous()
 
 
-def reduce_scatter_along(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
-    """This rank's slice along dim of the sum over the group of x (no autograd)."""
-    if x.device.type == "cpu":  # gloo: an all-reduce then a slice beats its reduce-scatter (docs/sharding.md)
+def reduce_scatter_along(x: torch.Tensor, group: AxisGroup, dim: int, *,
+                         primitive: str | None = None) -> torch.Tensor:
+    """This rank's slice along dim of the sum over the group of x (no autograd).
+
+    primitive: 'reduce_scatter', or 'all_reduce' (then slice); None: all-reduce for CPU tensors
+    (gloo's all-reduce beats its reduce-scatter, docs/sharding.md), reduce-scatter otherwise."""
+    if (primitive or ("all_reduce" if x.device.type == "cpu" else "reduce_scatter")) == "all_reduce":
         return _split(_sum(x, group, dim), group, dim)
     moved = x.movedim(dim, 0).contiguous()
     if moved.shape[0] % group.size:

@@ -80,10 +80,11 @@ def test_dropout_is_layout_free(pools):
     device's masks; recomputation redraws the same."""
     ref = reference("float64", dropout=0.1)
     assert ref["losses"] != reference("float64")["losses"]  # dropout is on
-    for dp, tp, sp, recompute in [(1, 2, True, False), (2, 2, True, True), (2, 2, False, False), (4, 1, False, False)]:
-        got = pools(dp * tp).run(_job, dp=dp, tp=tp, sequence_parallel=sp, micro_batch=2, dtype="float64",
-                                 dropout=0.1, recompute=recompute)
-        assert rel_diff(got[0]["losses"], ref["losses"]) <= 1e-12, (dp, tp, sp)
+    steps = 6
+    for dp, tp, sp, recompute in [(2, 2, True, True), (2, 2, False, False), (4, 1, False, False)]:
+        got = pools(dp * tp).run(tiny_run, dp=dp, tp=tp, sequence_parallel=sp, micro_batch=2, dtype="float64",
+                                 dropout=0.1, recompute=recompute, steps=steps)
+        assert rel_diff(got[0]["losses"], ref["losses"][:steps]) <= 1e-12, (dp, tp, sp)
 
 
 def _half_job(**kwargs) -> dict:

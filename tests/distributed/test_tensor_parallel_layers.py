@@ -113,3 +113,19 @@ def _cross_entropy() -> float:
 def test_layer_matches_dense(pools, tp, job, args):
     for diff in pools(tp).run(job, *args):
         assert diff < 1e-12
+
+
+def _reduce_scatter_primitives() -> float:
+    """Both primitives of the sequence reduce-scatter agree: the reduce-scatter one is what NCCL runs,
+    exercised here on gloo (the regions pick all-reduce + slice for CPU tensors)."""
+    from paratrain.comm.regions import reduce_scatter_along
+
+    group = _tp_group()
+    x = torch.randn(2, 4 * group.size, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(group.index))
+    return _max_diff([(reduce_scatter_along(x, group, 1, primitive="reduce_scatter"),
+                       reduce_scatter_along(x, group, 1, primitive="all_reduce"))])
+
+
+def test_reduce_scatter_primitives_agree(pools):
+    for diff in pools(2).run(_reduce_scatter_primitives):
+        assert diff < 1e-12
