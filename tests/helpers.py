@@ -19,12 +19,14 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
              recompute: bool = False, bucket_mb: float = 0.05, zero: int = 0, shard_group: int | None = None,
              grad_reduce: str = "auto", offload: str = "none", tp: int = 1, sequence_parallel: bool = False,
              dropout: float = 0.0, start: dict[str, Any] | None = None, start_step: int = 0,
-             return_state: bool = False) -> dict[str, Any]:
+             return_state: bool = False, pp: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
+             pp_split: tuple[int, ...] = ()) -> dict[str, Any]:
     """Train the tiny GPT `steps` steps on the built-in corpus under a layout; per-step losses and
     grad norms, and the final full state. dp None: the single-process reference (no process group).
     start, start_step: resume from a full state (engine.state_dict()) taken after start_step steps."""
     torch.manual_seed(12345)  # must not matter: init and data order are keyed
-    ctx = paratrain.init(paratrain.ParallelConfig(dp=dp, tp=tp, sequence_parallel=sequence_parallel,
+    ctx = paratrain.init(paratrain.ParallelConfig(dp=dp, tp=tp, sequence_parallel=sequence_parallel, pp=pp,
+                                                  schedule=schedule, virtual_stages=virtual_stages, pp_split=pp_split,
                                                   bucket_mb=bucket_mb, zero=zero, shard_group=shard_group,
                                                   grad_reduce=grad_reduce, offload=offload))
     config = preset("tiny", seq_len=32, dropout=dropout) if dropout else TINY
@@ -49,7 +51,8 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
                  for key, value in values.items() if isinstance(value, torch.Tensor)}
     return {"losses": losses, "grad_norms": norms, "state": state if return_state else None,
             # this rank's own tensors (ZeRO-3 frees them between steps: none then)
-            "local": {} if engine.grads.params_sharded else {n: p.detach().clone() for n, p in model.named_parameters()},
+            "local": {} if engine.grads.params_sharded else {n: p.detach().clone()
+                                                             for n, p in engine.model.named_parameters()},
             "model": {k: v.clone() for k, v in state["model"].items()}, "optimizer": optimizer,
             "memory": engine.memory_report(),
             "launched_during_backward": getattr(engine.grads, "launched_during_backward", None),

@@ -8,7 +8,6 @@ from paratrain.config.errors import ConfigError
 
 # Strategies whose issues have not landed yet; a degree above 1 is refused with this note.
 _NOT_YET = {
-    "pp": "pipeline parallelism",
     "ep": "expert parallelism",
 }
 
@@ -26,7 +25,17 @@ class ParallelConfig:
     """With tp > 1: norms, dropout and residuals between the split layers run on 1/tp of the
     sequence, all-gather / reduce-scatter replacing the all-reduces (Korthikanti et al. 2022)."""
     pp: int = 1
-    """Pipeline-parallel degree (not yet supported above 1)."""
+    """Pipeline-parallel degree: the model's layers cut into pp stages on different ranks."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved (needs virtual_stages >= 2) or zero-bubble."""
+    virtual_stages: int = 1
+    """Chunks per pipeline rank (the interleaved schedule): the model is cut into pp x this."""
+    pp_split: tuple[int, ...] = ()
+    """First layer index of chunks 1 .. pp x virtual_stages - 1; empty: balanced by cost (GPT layers:
+    0 the embedding, 1 .. n_layer the blocks, n_layer + 1 the final norm and head)."""
+    microbatches: int = 0
+    """Micro-batches per pipeline step (SMP's spelling): must equal global_batch / (micro_batch x dp);
+    0: whatever that is."""
     ep: int = 1
     """Expert-parallel degree, a divisor of dp (not yet supported above 1)."""
     zero: int = 0
@@ -59,6 +68,18 @@ class ParallelConfig:
                     f"{name}={value}: {_NOT_YET[name]} is not yet supported; use {name}=1 "
                     "(data and tensor parallelism are what this version runs)"
                 )
+        from paratrain.pipeline.schedules import SCHEDULES
+
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.virtual_stages < 1:
+            raise ConfigError(f"virtual_stages must be >= 1, got {self.virtual_stages}")
+        if self.pp == 1 and (self.virtual_stages > 1 or self.pp_split):
+            raise ConfigError("virtual_stages and pp_split cut the model into pipeline stages, and pp is 1: "
+                              "set pp > 1 or drop them")
+        if self.pp > 1 and self.zero == 3:
+            raise ConfigError("zero 3 gathers parameters around each module's forward and backward, which a "
+                              "pipeline schedule interleaves across micro-batches: use zero 1 or 2 with pp > 1")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError(
                 "sequence_parallel splits the sequence over the tp ranks, and tp is 1: set tp > 1 "

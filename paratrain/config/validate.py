@@ -118,6 +118,37 @@ def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len:
         )
 
 
+def check_pipeline(model: ModelConfig, parallel: ParallelConfig, batch: BatchLayout) -> None:
+    """pp x virtual_stages chunks of at least one layer each; the schedule runs with the micro-batch
+    count that the batch layout gives (the accumulation steps are the pipeline's micro-batches)."""
+    from paratrain.pipeline.schedules import ScheduleError, check_schedule
+
+    m = batch.accumulation
+    if parallel.microbatches and parallel.microbatches != m:
+        raise ConfigError(
+            f"microbatches ({parallel.microbatches}) must equal global_batch / (micro_batch x dp) = "
+            f"{batch.global_batch} / ({batch.micro_batch} x {batch.dp}) = {m}: the micro-batches of a pipeline "
+            f"step are the accumulation steps; set micro_batch = {batch.global_batch // (parallel.microbatches * batch.dp)}"
+            if batch.global_batch % (parallel.microbatches * batch.dp) == 0 else
+            f"microbatches ({parallel.microbatches}) must equal global_batch / (micro_batch x dp) = {m}")
+    if parallel.pp == 1:
+        return
+    chunks = parallel.pp * parallel.virtual_stages
+    layers = model.n_layer + 2  # embedding, blocks, head
+    if chunks > layers:
+        raise ConfigError(f"pp x virtual_stages = {chunks} chunks need at least as many layers; the model has "
+                          f"{layers} (embedding, {model.n_layer} blocks, head): lower pp or virtual_stages")
+    if parallel.pp_split:
+        split = list(parallel.pp_split)
+        if len(split) != chunks - 1 or split != sorted(set(split)) or split[0] < 1 or split[-1] >= layers:
+            raise ConfigError(f"pp_split {split} must be {chunks - 1} increasing layer indices in 1..{layers - 1} "
+                              f"(the first layer of chunks 1..{chunks - 1}; 0 is the embedding, {layers - 1} the head)")
+    try:
+        check_schedule(parallel.schedule, parallel.pp, m, parallel.virtual_stages)
+    except ScheduleError as error:
+        raise ConfigError(str(error)) from None
+
+
 def check_run(config: RunConfig, world_size: int) -> RunPlan:
     """All the rules of a run, in the order a user would want to hear of them."""
     if world_size < 1:
@@ -148,6 +179,7 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
     check_tensor_parallel(model, parallel, seq_len)
     assert parallel.dp is not None
     batch = batch_layout(data.global_batch, data.micro_batch, parallel.dp)
+    check_pipeline(model, parallel, batch)
     optim, train = config.optim, config.train
     if optim.lr <= 0:
         raise ConfigError(f"optim.lr must be > 0, got {optim.lr}")

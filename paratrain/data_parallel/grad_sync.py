@@ -16,29 +16,27 @@ others), so a step of k micro-batches still costs one all-reduce per bucket.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 from torch import nn
 
 from paratrain.comm.buckets import Bucket, build_buckets
-from paratrain.comm.collectives import Pending, all_reduce_async
+from paratrain.comm.collectives import Pending, all_reduce, all_reduce_async
 from paratrain.comm.norms import NormPart
+from paratrain.comm.roles import GradRoles
 from paratrain.comm.volume import CommVolume
 from paratrain.topology.mesh import AxisGroup
 
 
 class GradSync:
     def __init__(self, params: list[nn.Parameter], group: AxisGroup | None, *, bucket_bytes: int,
-                 tp_group: AxisGroup | None = None,
-                 tp_split: Callable[[torch.Tensor], bool] = lambda p: False) -> None:
+                 roles: GradRoles = GradRoles()) -> None:
         """`group` None (degree 1): buckets hold the gradients, but nothing is ever sent.
-        tp_group, tp_split: under tensor parallelism, which parameters are slices that differ across
-        tp ranks (their norms add up over tp) rather than replicas (counted once)."""
+        roles: what tensor and pipeline parallelism say about each parameter (paratrain.comm.roles)."""
         self.group = group
-        self.tp_group = tp_group
-        self.buckets: list[Bucket] = build_buckets(params, cap_bytes=bucket_bytes, key=tp_split)
-        self._split = [tp_split(b.params[0]) for b in self.buckets]
+        self.roles = roles
+        self.buckets: list[Bucket] = build_buckets(params, cap_bytes=bucket_bytes, key=roles.bucket_key)
         self.sync = True
         self._bucket_of = {id(p): b.index for b in self.buckets for p in b.params}
         self._ready = [0] * len(self.buckets)
@@ -58,11 +56,13 @@ class GradSync:
         return [b.buffer for b in self.buckets]
 
     def norm_parts(self) -> list[NormPart]:
-        """Every dp rank holds every reduced gradient; tp slices add up over tp, replicas do not."""
-        split = [b.buffer for b, s in zip(self.buckets, self._split) if s]
-        replicated = [b.buffer for b, s in zip(self.buckets, self._split) if not s]
-        tp = (self.tp_group,) if self.tp_group is not None else ()
-        return [NormPart(split, tp), NormPart(replicated)]
+        """Every dp rank holds every reduced gradient; tp slices and pipeline stages add up."""
+        parts: dict[tuple[AxisGroup, ...], list[torch.Tensor]] = {}
+        for bucket in self.buckets:
+            axes = self.roles.norm_axes(bucket.params[0])
+            if axes is not None:
+                parts.setdefault(axes, []).append(bucket.buffer)
+        return [NormPart(grads, axes) for axes, grads in parts.items()]
 
     def begin_step(self) -> None:
         """Before the first micro-batch: .grad must be the bucket views (again, if someone reset them)."""
@@ -126,6 +126,10 @@ class GradSync:
         for pending in self._pending:
             pending.wait()
         self._pending.clear()
+        if self.roles.tied is not None:  # a weight tied across stages: sum its two ends' gradients
+            for bucket in self.buckets:
+                if self.roles.is_tied(bucket.params[0]):
+                    all_reduce(bucket.buffer, self.roles.tied)
         self._ready = [0] * len(self.buckets)
         self._next = 0
         self._finish_queued = False

@@ -11,6 +11,7 @@ micro-batch size or on how many tokens each micro-batch holds.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence, Union
 
@@ -22,6 +23,9 @@ from paratrain.comm import NormPart, all_reduce, clip_by_norm_, global_grad_norm
 from paratrain.hybrid.state import load_model_state, model_state
 from paratrain.memory import LossScaler, autocast
 from paratrain.models.dropout import KeyedDropout
+from paratrain.models.gpt import IGNORE_INDEX
+from paratrain.pipeline.runtime import PipelineExecutor
+from paratrain.pipeline.stages import gather_stages, stage_part
 from paratrain.rng import DropoutStream
 from paratrain.tensor_parallel import TensorParallelLayout
 from paratrain.topology import Context
@@ -120,7 +124,7 @@ class Engine:
                  optimizer_state: Callable[[], dict[str, Any]],
                  load_optimizer_state: Callable[[Mapping[str, Any]], None],
                  scaler: LossScaler | None = None, tp: TensorParallelLayout | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, pipeline: PipelineExecutor | None = None) -> None:
         self.model = model
         self.ctx = ctx
         self.optimizer = optimizer
@@ -136,7 +140,10 @@ class Engine:
         """fp16: the dynamic loss scale (None in fp32 and bf16)."""
         self.tp = tp
         """Tensor parallelism: which parameters are split (checkpoints hold them whole)."""
-        self._agree = [g for g in (self._dp_group, ctx.mesh.groups.get("tp")) if g is not None]
+        self.pipeline = pipeline
+        """Pipeline parallelism: runs the schedule over this rank's stage (None without pp)."""
+        self._pp_group = ctx.mesh.groups.get("pp")
+        self._agree = [g for g in (self._dp_group, ctx.mesh.groups.get("tp"), self._pp_group) if g is not None]
         """Axes over which an fp16 overflow decision must be shared."""
         self.dropout = DropoutStream(seed)
         """Keys every KeyedDropout of the model by (seed, step, module name, global position)."""
@@ -153,14 +160,17 @@ class Engine:
         self.grads.begin_step()
         # Accumulate (loss sum, token count) in float64 so the reported loss is exact to print.
         totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
-        for i, micro in enumerate(micro_batches):
-            self.grads.sync = i == len(micro_batches) - 1  # communicate on the last only
-            self.dropout.row_offset = first_row + i * _rows(micro)
-            loss_sum, count = self._forward(to_device(micro, self.ctx.device), loss_fn)
-            (loss_sum * self._loss_scale(count) if self.scaler else loss_sum).backward()
-            self.grads.end_backward()
-            totals[0] += loss_sum.detach().double()
-            totals[1] += count
+        if self.pipeline is not None:
+            totals += self._pipeline_pass(micro_batches, first_row, train=True)
+        else:
+            for i, micro in enumerate(micro_batches):
+                self.grads.sync = i == len(micro_batches) - 1  # communicate on the last only
+                self.dropout.row_offset = first_row + i * _rows(micro)
+                loss_sum, count = self._forward(to_device(micro, self.ctx.device), loss_fn)
+                (loss_sum * self._loss_scale(count) if self.scaler else loss_sum).backward()
+                self.grads.end_backward()
+                totals[0] += loss_sum.detach().double()
+                totals[1] += count
         self.grads.finish()
         if self._dp_group is not None:
             all_reduce(totals, self._dp_group)
@@ -219,7 +229,10 @@ class Engine:
         """Mean per-token loss over the global batch (this rank's share given), without updating."""
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
-        for micro in split_batch(batch, self.micro_batch or _rows(batch)):
+        micro_batches = split_batch(batch, self.micro_batch or _rows(batch))
+        if self.pipeline is not None:
+            totals += self._pipeline_pass(micro_batches, self.ctx.mesh.index("dp") * _rows(batch), train=False)
+        for micro in micro_batches if self.pipeline is None else []:
             loss_sum, count = self._forward(to_device(micro, self.ctx.device), loss_fn)
             totals[0] += loss_sum.double()
             totals[1] += count
@@ -227,6 +240,28 @@ class Engine:
             all_reduce(totals, self._dp_group)
         self.model.train()
         return float(totals[0] / totals[1])
+
+    def _pipeline_pass(self, micro_batches: list[Any], first_row: int, *, train: bool) -> torch.Tensor:
+        """Run the pipeline schedule (or, not training, its forward program) over the micro-batches:
+        (loss sum, token count). The loss is computed on the last stage and summed over pp; every
+        stage counts the tokens from the targets it reads too."""
+        assert self.pipeline is not None
+        pairs = []
+        for micro in micro_batches:
+            if not (isinstance(micro, (tuple, list)) and len(micro) == 2):
+                raise TypeError("under pipeline parallelism a batch is (inputs, targets): the loss is computed "
+                                "on the last stage from the targets")
+            pairs.append(tuple(to_device(micro, self.ctx.device)))
+        count = sum(int((targets != IGNORE_INDEX).sum()) for _, targets in pairs)
+        scale = self._loss_scale(int((pairs[0][1] != IGNORE_INDEX).sum())) if self.scaler and train else 1.0
+        self.grads.sync = False  # the schedule interleaves micro-batches: reduce once, in finish()
+        with contextlib.nullcontext() if train else torch.no_grad():
+            loss_sum = self.pipeline.run(pairs, dropout=self.dropout, first_row=first_row, loss_scale=scale,
+                                         train=train,
+                                         forward_context=lambda: autocast(self.precision, self.ctx.device))
+        assert self._pp_group is not None
+        all_reduce(loss_sum, self._pp_group)  # only the last stage computed it
+        return torch.stack([loss_sum, torch.tensor(float(count), dtype=torch.float64, device=self.ctx.device)])
 
     def _forward(self, micro: Any, loss_fn: LossFn) -> tuple[torch.Tensor, torch.Tensor | int]:
         with autocast(self.precision, self.ctx.device):
@@ -251,6 +286,8 @@ class Engine:
         if self.tp is not None:  # tensor-parallel slices -> whole tensors (collective over tp)
             model = self.tp.gather_full(model)
             optimizer = {**optimizer, "state": self._per_element_state(optimizer["state"], self.tp.full)}
+        if self._pp_group is not None:  # every stage's part -> the whole model (collective over pp)
+            model, optimizer = gather_stages(self.model, model, optimizer, self._pp_group)
         state: dict[str, Any] = {"model": model, "optimizer": optimizer, "rng": {"dropout_step": self.dropout.step}}
         if self.scaler is not None:
             state["loss_scaler"] = self.scaler.state_dict()
@@ -258,6 +295,8 @@ class Engine:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         model, optimizer = state["model"], state["optimizer"]
+        if self._pp_group is not None:  # the whole model -> this stage's part
+            model, optimizer = stage_part(self.model, model, optimizer)
         if self.tp is not None:  # whole tensors -> this rank's slices
             model = self.tp.local_slices(model)
             optimizer = {**optimizer, "state": self._per_element_state(optimizer["state"], self.tp.local)}

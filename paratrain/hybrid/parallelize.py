@@ -13,23 +13,28 @@ import torch
 from torch import nn
 
 from paratrain.comm import broadcast
+from paratrain.comm.roles import GradRoles
 from paratrain.data_parallel import GradSync
 from paratrain.hybrid.engine import Engine, GradientStrategy
 from paratrain.hybrid.state import load_optimizer_state, optimizer_state
 from paratrain.memory import GPT_BLOCKS, LOW_DTYPES, PRECISIONS, LossScaler, apply_recompute
 from paratrain.models import GPT
+from paratrain.pipeline.runtime import LossOnOutput, PipelineExecutor
+from paratrain.pipeline.stages import StageModel, chunk_ranges, model_layers
 from paratrain.sharding import WrapPolicy, ZeroSync
 from paratrain.tensor_parallel import GPT_PLAN, TensorParallelLayout, apply_tensor_parallel
 from paratrain.topology import Context
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+PipelineLoss = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, "torch.Tensor | int"]]
 
 
 def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                 micro_batch: int | None = None, precision: str = "fp32", grad_clip: float = 0.0,
                 recompute: bool | str = False, sync_initial_weights: bool = True, wrap: WrapPolicy = None,
                 reshard_after_forward: bool | None = None, loss_scale: float | None = None,
-                tp_plan: Mapping[str, str] | None = None, seed: int = 0) -> Engine:
+                tp_plan: Mapping[str, str] | None = None, seed: int = 0,
+                pipeline_loss: PipelineLoss | None = None) -> Engine:
     """Apply the layout of `ctx` to `model` and return an Engine that trains it.
 
     optimizer: builds the optimizer from the parameter list (called once, after the layout is applied).
@@ -49,26 +54,39 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     tp_plan: module name -> tensor-parallel style (paratrain.tensor_parallel.plan), used when
         ctx.config.tp > 1; None: GPT_PLAN for the built-in GPT (other models must give one).
     seed: keys dropout masks (paratrain.models.dropout); use the run's seed.
+    pipeline_loss: with pp > 1, loss(last chunk's output, targets) -> (sum, count) on the last stage;
+        None: the GPT's `output.loss`. Under pp the engine reads batches as (inputs, targets) and the
+        loss_fn given to train_step is not called (no single rank holds the whole model).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if micro_batch is not None and micro_batch < 1:
         raise ValueError(f"micro_batch must be >= 1 or None, got {micro_batch}")
-    # 1. Place the model on this rank's device.
+    is_gpt = isinstance(model, GPT)
+    # 1. Pipeline: this rank keeps the layers of its chunks, under their names in the whole model.
+    pp_group = ctx.mesh.groups.get("pp")
+    stage: StageModel | None = None
+    if pp_group is not None:
+        layers = model_layers(model)
+        v = ctx.config.virtual_stages
+        ranges = chunk_ranges(layers, pp_group.size * v, ctx.config.pp_split or None)
+        stage = StageModel(model, layers, ranges, [pp_group.index + k * pp_group.size for k in range(v)])
+        model = stage
+    # 2. Place the model on this rank's device.
     model.to(ctx.device)
-    # 2. Tensor parallelism: planned modules replaced by slices of themselves, by name.
+    # 3. Tensor parallelism: planned modules replaced by slices of themselves, by name.
     tp: TensorParallelLayout | None = None
     tp_group = ctx.mesh.groups.get("tp")
     if tp_group is not None:
-        if tp_plan is None and not isinstance(model, GPT):
+        if tp_plan is None and not is_gpt:
             raise ValueError(f"tp = {tp_group.size} needs a tensor-parallel plan for a {type(model).__name__}: "
                              "pass tp_plan={module name: style} (see paratrain.tensor_parallel.STYLES)")
         tp = apply_tensor_parallel(model, GPT_PLAN if tp_plan is None else tp_plan, tp_group,
-                                   sequence_parallel=ctx.config.sequence_parallel)
-    # 3. Recompute (activation checkpointing), by module name.
+                                   sequence_parallel=ctx.config.sequence_parallel, allow_missing=stage is not None)
+    # 4. Recompute (activation checkpointing), by module name.
     if recompute:
-        apply_recompute(model, GPT_BLOCKS if recompute is True else recompute)
-    # 4. Data parallelism: same weights everywhere, gradients summed over the dp group in buckets.
+        apply_recompute(model, GPT_BLOCKS if recompute is True else recompute, required=stage is None)
+    # 5. Data parallelism: same weights everywhere, gradients summed over the dp group in buckets.
     dp_group = ctx.mesh.groups.get("dp")
     if dp_group is not None and sync_initial_weights:
         with torch.no_grad():
@@ -79,26 +97,51 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     bucket_bytes = int(ctx.config.bucket_mb * 2**20)
     opt = optimizer(params)
     grads: GradientStrategy
-    tp_split = tp.is_split if tp is not None else (lambda p: False)
+    tied = [p for n, p in model.named_parameters() if stage is not None and n == stage.tied_name]
+    roles = GradRoles(tp=tp_group, tp_split=tp.split_ids if tp is not None else frozenset(), pp=pp_group,
+                      tied=ctx.mesh.groups.get("tied") if tied else None, tied_ids=frozenset(map(id, tied)),
+                      norm_skip=frozenset(id(p) for p in tied if stage is not None and stage.tied))
     if ctx.config.zero == 0:
-        # 5a. Plain DP: .grad are bucket views, summed over dp; the optimizer keeps full state.
-        grads = GradSync(params, dp_group, bucket_bytes=bucket_bytes, tp_group=tp_group, tp_split=tp_split)
+        # 6a. Plain DP: .grad are bucket views, summed over dp; the optimizer keeps full state.
+        grads = GradSync(params, dp_group, bucket_bytes=bucket_bytes, roles=roles)
         save_state = functools.partial(optimizer_state, opt, names)
         load_state = functools.partial(load_optimizer_state, opt, names=names)
     else:
-        # 5b. ZeRO-1/2/3: flat groups padded to the shard group; the optimizer is re-pointed at this
+        # 6b. ZeRO-1/2/3: flat groups padded to the shard group; the optimizer is re-pointed at this
         # rank's shard of each, so its state exists for 1/shard of the parameters only.
         zero = ZeroSync(params, opt, names, ctx.mesh, stage=ctx.config.zero, bucket_bytes=bucket_bytes,
                         reduce_op=_grad_reduce(ctx), model=model, wrap=wrap,
                         reshard_after_forward=(ctx.config.reshard_after_forward if reshard_after_forward is None
                                                else reshard_after_forward),
                         offload=ctx.config.offload == "optimizer",
-                        param_dtype=LOW_DTYPES.get(precision), tp_split=tp_split)
+                        param_dtype=LOW_DTYPES.get(precision), roles=roles, deferred=stage is not None)
         grads, save_state, load_state = zero, zero.optimizer_state, zero.load_optimizer_state
-    # 6. fp16: dynamic loss scaling, its overflow decision shared by all ranks.
+    # 7. fp16: dynamic loss scaling, its overflow decision shared by all ranks.
     scaler = LossScaler(scale=loss_scale) if precision == "fp16" else None
+    # 8. Pipeline: the executor that runs the schedule's actions on this rank.
+    executor = None
+    if stage is not None:
+        assert pp_group is not None
+        if pipeline_loss is None and not is_gpt:
+            raise ValueError("pp > 1 on a model other than the GPT needs pipeline_loss=(output, targets) -> (sum, count)")
+        chunk_loss = _gpt_chunk_loss if pipeline_loss is None else _wrap_loss(pipeline_loss)
+        executor = PipelineExecutor(stage, pp_group, schedule=ctx.config.schedule, chunks=ctx.config.virtual_stages,
+                                    loss=chunk_loss, device=ctx.device)
     return Engine(model, ctx, opt, grads, micro_batch=micro_batch, precision=precision, grad_clip=grad_clip,
-                  optimizer_state=save_state, load_optimizer_state=load_state, scaler=scaler, tp=tp, seed=seed)
+                  optimizer_state=save_state, load_optimizer_state=load_state, scaler=scaler, tp=tp, seed=seed,
+                  pipeline=executor)
+
+
+def _gpt_chunk_loss(stage: StageModel, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return stage.output.loss(logits, targets)
+
+
+def _wrap_loss(loss: PipelineLoss) -> LossOnOutput:
+    def chunk_loss(stage: StageModel, output: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        total, count = loss(output, targets)
+        return total, torch.as_tensor(count)
+
+    return chunk_loss
 
 
 def _grad_reduce(ctx: Context) -> str:

@@ -19,15 +19,16 @@ from torch.utils.checkpoint import checkpoint
 GPT_BLOCKS = r"blocks\.\d+"
 
 
-def apply_recompute(model: nn.Module, pattern: str = GPT_BLOCKS) -> list[str]:
-    """Recompute every module whose full name matches `pattern`; returns the names wrapped."""
+def apply_recompute(model: nn.Module, pattern: str = GPT_BLOCKS, *, required: bool = True) -> list[str]:
+    """Recompute every module whose full name matches `pattern`; returns the names wrapped.
+    required: a pattern that matches nothing is an error (a pipeline stage may hold no block)."""
     wrapped = []
     for name, module in model.named_modules():
         if name and re.fullmatch(pattern, name) and not getattr(module, "_paratrain_recompute", False):
             module.forward = functools.partial(_recomputed, module.forward)  # type: ignore[method-assign]
             module._paratrain_recompute = True  # type: ignore[assignment]
             wrapped.append(name)
-    if not wrapped:
+    if not wrapped and required:
         raise ValueError(f"recompute pattern {pattern!r} matched no module of {type(model).__name__}")
     return wrapped
 

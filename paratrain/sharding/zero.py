@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Mapping, Union
 
 import torch
 from torch import nn
@@ -49,6 +49,7 @@ from paratrain.comm import (
     plan_buckets,
     reduce_scatter_async,
 )
+from paratrain.comm.roles import GradRoles
 from paratrain.sharding.flat import FlatGroup
 from paratrain.sharding.gather import ParamGatherer, Unit
 from paratrain.topology import AxisGroup, Mesh
@@ -102,15 +103,23 @@ class ZeroSync:
     def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, names: dict[int, str],
                  mesh: Mesh, *, stage: int, bucket_bytes: int, reduce_op: str, model: nn.Module | None = None,
                  wrap: WrapPolicy = None, reshard_after_forward: bool = True, offload: bool = False,
-                 param_dtype: torch.dtype | None = None,
-                 tp_split: Callable[[torch.Tensor], bool] = lambda p: False) -> None:
+                 param_dtype: torch.dtype | None = None, roles: GradRoles = GradRoles(),
+                 deferred: bool = False) -> None:
         """model, wrap, reshard_after_forward: stage 3 only (see paratrain.sharding.gather).
         offload: the optimizer's masters and state live in CPU memory and the update runs there
         (ZeRO-Offload, Ren et al. 2021); the device keeps only its working copy of the shard.
         param_dtype: store parameters and gradients in this dtype (bf16 / fp16); the optimizer's
         masters stay in the parameters' original dtype (float32).
-        tp_split: under tensor parallelism, which parameters are slices that differ across tp ranks
-        (kept in flat groups of their own, so that the norm adds their squares over tp)."""
+        roles: what tensor and pipeline parallelism say about each parameter (paratrain.comm.roles);
+        parameters of different roles never share a flat group.
+        deferred: reduce once per step, after the last backward (pipeline schedules interleave the
+        micro-batches' backwards); stage 2 then keeps full gradients during the step and only the
+        shards between steps."""
+        self.roles = roles
+        self.deferred = deferred
+        if deferred and stage == 3:
+            raise ValueError("ZeRO-3 gathers parameters around each module's forward and backward, which a "
+                             "pipeline schedule interleaves across micro-batches: use zero 1 or 2 with pp")
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroSync implements stages 1, 2 and 3, got {stage}")
         if reduce_op not in ("all_reduce", "reduce_scatter"):
@@ -122,7 +131,6 @@ class ZeroSync:
         self.dp_group: AxisGroup | None = mesh.groups.get("dp")
         self.shard_group: AxisGroup | None = mesh.groups.get("dp_shard")
         self.replicate_group: AxisGroup | None = mesh.groups.get("dp_replicate")
-        self.tp_group: AxisGroup | None = mesh.groups.get("tp")
         self.comm = CommVolume()
         """Bytes this rank's collectives moved (see paratrain.comm.volume)."""
         shards, shard_index = mesh.degree("dp_shard"), mesh.index("dp_shard")
@@ -134,7 +142,7 @@ class ZeroSync:
         self.gatherer: ParamGatherer | None = None
         master_device = torch.device("cpu") if offload else None
         if stage < 3:
-            planned = plan_buckets(params, cap_bytes=bucket_bytes, key=lambda p: (group_of[id(p)], tp_split(p)))
+            planned = plan_buckets(params, cap_bytes=bucket_bytes, key=lambda p: (group_of[id(p)], roles.bucket_key(p)))
             self.groups = [FlatGroup(i, ps, shards=shards, shard_index=shard_index, master_device=master_device,
                                      param_dtype=param_dtype, optimizer_group=group_of[id(ps[0])])
                            for i, ps in enumerate(planned)]
@@ -145,9 +153,9 @@ class ZeroSync:
             # Gradients complete in backward order: units reversed, the root (embedding) last.
             self.groups = []
             for unit in [*reversed(units), root]:
-                by_group: dict[tuple[int, bool], list[nn.Parameter]] = {}
+                by_group: dict[tuple[int, tuple[bool, ...]], list[nn.Parameter]] = {}
                 for param in members[id(unit)]:
-                    by_group.setdefault((group_of[id(param)], tp_split(param)), []).append(param)
+                    by_group.setdefault((group_of[id(param)], roles.bucket_key(param)), []).append(param)
                 for (gi, _), ps in by_group.items():
                     unit.groups.append(FlatGroup(len(self.groups), ps, shards=shards, shard_index=shard_index,
                                                  optimizer_group=gi, persistent=False, master_device=master_device,
@@ -156,7 +164,6 @@ class ZeroSync:
             self.gatherer = ParamGatherer(root, units, self.shard_group, reshard_after_forward=reshard_after_forward,
                                           comm=self.comm)
             self._unit_of = {g.index: u for u in [root, *units] for g in u.groups}
-        self._split = [tp_split(g.params[0]) for g in self.groups]
         self._group_of = {id(p): g for g in self.groups for p in g.params}
         self._position = {id(p): i for g in self.groups for i, p in enumerate(g.params)}
         # The optimizer now updates the shards; its per-parameter state starts empty.
@@ -198,7 +205,7 @@ class ZeroSync:
                 g.master.grad = shard
 
     def _communicates(self) -> bool:
-        return self.stage >= 2 or self.sync
+        return (self.stage >= 2 and not self.deferred) or self.sync
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         group = self._group_of[id(param)]
@@ -273,7 +280,7 @@ class ZeroSync:
         self._finish_queued = False
 
     def end_backward(self) -> None:
-        if self.stage >= 2:  # every micro-batch was reduced: fold it into the shards now
+        if self.stage >= 2 and not self.deferred:  # every micro-batch was reduced: fold it into the shards now
             if self._next < len(self.groups):
                 self._launch_rest()
             self._complete()
@@ -281,23 +288,29 @@ class ZeroSync:
             self.gatherer.free_all()
 
     def finish(self) -> None:
-        if self.stage >= 2:  # end_backward already reduced every micro-batch
-            return
-        if self._next < len(self.groups):  # a synced backward that produced no gradient at all
-            self._launch_rest()
-        self._complete()
+        if self.stage == 1 or self.deferred:
+            if self._next < len(self.groups):  # a synced backward that produced no gradient at all
+                self._launch_rest()
+            self._complete()
+        # (stages 2-3 otherwise: end_backward already reduced every micro-batch)
+        if self.roles.tied is not None:  # a weight tied across stages: sum its two ends' shards
+            for g in self.groups:
+                if self.roles.is_tied(g.params[0]):
+                    all_reduce(self.grad_shards[g.index], self.roles.tied)
 
     # ---- after backward -------------------------------------------------------------------
     def owned_grads(self) -> list[torch.Tensor]:
         return self.grad_shards
 
     def norm_parts(self) -> list[NormPart]:
-        """Shards add up over the shard group; tp slices also over tp, tp replicas not."""
+        """Shards add up over the shard group; tp slices and pipeline stages add up too."""
         shard = (self.shard_group,) if self.shard_group is not None else ()
-        tp = (self.tp_group,) if self.tp_group is not None else ()
-        split = [self.grad_shards[g.index] for g in self.groups if self._split[g.index]]
-        replicated = [self.grad_shards[g.index] for g in self.groups if not self._split[g.index]]
-        return [NormPart(split, shard + tp), NormPart(replicated, shard)]
+        parts: dict[tuple[AxisGroup, ...], list[torch.Tensor]] = {}
+        for g in self.groups:
+            axes = self.roles.norm_axes(g.params[0], shard)
+            if axes is not None:
+                parts.setdefault(axes, []).append(self.grad_shards[g.index])
+        return [NormPart(grads, axes) for axes, grads in parts.items()]
 
     def before_optimizer_step(self) -> None:
         """Separate masters (float32, or offloaded): hand them the reduced, scaled, clipped shards."""

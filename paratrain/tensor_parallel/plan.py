@@ -110,8 +110,9 @@ def _matches(key: str, name: str) -> bool:
     return name == key or name.endswith("." + key)
 
 
-def resolve_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
-    """Module name -> style, every plan key matched to at least one module, no module matched twice."""
+def resolve_plan(model: nn.Module, plan: Mapping[str, str], *, allow_missing: bool = False) -> dict[str, str]:
+    """Module name -> style, every plan key matched to at least one module (unless allow_missing: a
+    pipeline stage holds only some of the model's modules), no module matched twice."""
     bad = {k: s for k, s in plan.items() if s not in STYLES}
     if bad:
         raise ValueError(f"unknown tensor-parallel style(s) {bad}: styles are {', '.join(STYLES)}")
@@ -119,7 +120,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
     names = [n for n, _ in model.named_modules() if n]
     for key, style in plan.items():
         hits = [n for n in names if _matches(key, n)]
-        if not hits:
+        if not hits and not allow_missing:
             raise ValueError(f"tensor-parallel plan entry {key!r} matches no module of the model "
                              f"(its modules include {names[:8]}); fix the name or drop the entry")
         for name in hits:
@@ -138,9 +139,9 @@ def _expect(module: nn.Module, kind: type | tuple[type, ...], name: str, style: 
 
 
 def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: AxisGroup, *,
-                          sequence_parallel: bool = False) -> TensorParallelLayout:
+                          sequence_parallel: bool = False, allow_missing: bool = False) -> TensorParallelLayout:
     """Replace the planned modules of `model` in place by their tensor-parallel versions."""
-    resolved = resolve_plan(model, plan)
+    resolved = resolve_plan(model, plan, allow_missing=allow_missing)
     split: dict[int, int] = {}  # id(new parameter) -> split dim
     sliced: dict[int, nn.Parameter] = {}  # id(full parameter) -> its slice here (ties stay ties)
     for name, style in resolved.items():

@@ -45,6 +45,7 @@ class Mesh:
         """Create every axis's groups. Collective: every rank of the world must call it with the
         same arguments, because torch's new_group is collective over the whole world.
 
+        pp > 1 adds "tied": the first and last pipeline stage of each (dp, tp) position.
         shard_group S (1 < S < dp) adds the dp sub-axes of hierarchical sharding: "dp_shard"
         (S ranks sharing one copy of the state) and "dp_replicate" (dp / S ranks holding the same
         shard). S = dp makes "dp_shard" the dp group itself; S = 1 or None adds nothing.
@@ -60,6 +61,8 @@ class Mesh:
         for axis in AXES:
             if dims.degree(axis) > 1:
                 add(axis, dims.all_groups(axis))
+        if dims.pp > 1:  # the first and last stage of each (dp, tp) position: a weight tied across them
+            add("tied", [[group[0], group[-1]] for group in dims.all_groups("pp")])
         if shard_group is not None and 1 < shard_group < dims.dp:
             shards, replicas = dims.dp_split(shard_group)
             add("dp_shard", shards)
@@ -73,13 +76,13 @@ class Mesh:
         return cls(dims=ParallelDims(dp=1), rank=0, groups={})
 
     def degree(self, axis: str) -> int:
-        if axis in ("dp_shard", "dp_replicate"):
+        if axis in ("dp_shard", "dp_replicate", "tied"):
             return self.groups[axis].size if axis in self.groups else 1
         return self.dims.degree(axis)
 
     def index(self, axis: str) -> int:
         """This rank's coordinate along `axis`."""
-        if axis in ("dp_shard", "dp_replicate"):
+        if axis in ("dp_shard", "dp_replicate", "tied"):
             return self.groups[axis].index if axis in self.groups else 0
         return self.dims.coords(self.rank)[axis]
 

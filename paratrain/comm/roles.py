@@ -1,0 +1,56 @@
+"""What the other parallel axes mean for the gradients a data-parallel strategy holds.
+
+A gradient strategy (GradSync, ZeroSync) reduces gradients over dp. Tensor and pipeline parallelism
+add three facts about each parameter, which it needs for the norm and for one extra reduction:
+
+- split over tp: the rank holds a slice, the other tp ranks the other slices (norms add up over tp);
+  otherwise it is a replica, identical on every tp rank (counted once);
+- on a pipeline stage: other stages hold other parameters (norms add up over pp);
+- tied across stages (the GPT's embedding on the first stage and its head copy on the last): the
+  two gradients are summed over the `tied` group after the dp reduction, and only one end counts in
+  the norm.
+
+Strategies keep parameters of different roles in different buckets / flat groups, so each bucket
+has one role.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from paratrain.topology.mesh import AxisGroup
+
+
+@dataclass(frozen=True)
+class GradRoles:
+    tp: AxisGroup | None = None
+    tp_split: frozenset[int] = frozenset()
+    """id() of parameters split over tp."""
+    pp: AxisGroup | None = None
+    tied: AxisGroup | None = None
+    """The ranks holding the two ends of a tied weight (first and last stage, same dp and tp index)."""
+    tied_ids: frozenset[int] = frozenset()
+    """id() of this rank's end of a tied weight."""
+    norm_skip: frozenset[int] = frozenset()
+    """id() of parameters another rank counts in the norm (the last stage's tied copy)."""
+
+    def bucket_key(self, param: torch.Tensor) -> tuple[bool, bool, bool]:
+        """Parameters with different keys never share a bucket or flat group."""
+        return id(param) in self.tp_split, id(param) in self.tied_ids, id(param) in self.norm_skip
+
+    def is_tied(self, param: torch.Tensor) -> bool:
+        return id(param) in self.tied_ids
+
+    def norm_axes(self, param: torch.Tensor, sharded: tuple[AxisGroup, ...] = ()) -> tuple[AxisGroup, ...] | None:
+        """Axes across which ranks hold different pieces of this parameter's gradient (its squares add
+        up over them), given the axes the strategy shards it over; None: not counted on this rank."""
+        if id(param) in self.norm_skip:
+            return None
+        axes = sharded
+        if self.tp is not None and id(param) in self.tp_split:
+            axes += (self.tp,)
+        if self.pp is not None:
+            axes += (self.pp,)
+        return axes

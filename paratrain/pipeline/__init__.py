@@ -1,0 +1,11 @@
+"""Pipeline parallelism: schedules as data, their simulator, stages and the executor.
+
+Only the pure-Python parts are imported here (config validation uses them); the stage model and
+the executor live in paratrain.pipeline.stages and paratrain.pipeline.runtime.
+"""
+
+from paratrain.pipeline.schedules import SCHEDULES, Action, ScheduleError, check_schedule, compute_order, program
+from paratrain.pipeline.simulate import Simulation, simulate
+
+__all__ = ["SCHEDULES", "Action", "ScheduleError", "Simulation", "check_schedule", "compute_order", "program",
+           "simulate"]

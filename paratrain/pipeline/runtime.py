@@ -1,0 +1,259 @@
+"""The executor: runs one rank's pipeline program (paratrain.pipeline.schedules) on real tensors.
+
+Per action:
+    SEND_F / SEND_B   posted without waiting (a send completes when its receiver takes it); an
+                      activation's data is freed as soon as its send has completed, keeping only
+                      its autograd node (Megatron-LM's deallocate-output trick), unless the node
+                      that made it saves its own result
+    RECV_F / RECV_B   waited for
+    F                 the chunk's forward (the last chunk also computes the loss)
+    B                 the chunk's backward from the received gradient (the last chunk: from the loss)
+    I / W             zero bubble: the input gradient only (graph kept), later the weight gradients
+
+Consecutive communication actions go out as batches of point-to-point operations
+(torch.distributed.batch_isend_irecv, gloo and NCCL): first every send of the run, then every
+receive. Posting sends before the receives that precede them in the program only removes waits,
+so a program the simulator accepts cannot deadlock here.
+
+The first activation sent across each chunk boundary in a step is preceded by a small header with
+its shape and dtype (micro-batches of a step have one shape). Gradients need none: the receiver
+knows the shape of its own output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paratrain.pipeline.schedules import Action, peer, program
+from paratrain.pipeline.stages import StageModel
+from paratrain.rng import DropoutStream
+from paratrain.topology.mesh import AxisGroup
+
+LossOnOutput = Callable[[StageModel, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""loss(stage, last chunk's output, targets) -> (sum of per-token losses, token count)."""
+
+_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64]
+_HEADER = 10
+_ENGINE = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds this rank spent in the last step: computing (F, B, I, W) and in all."""
+
+    compute: float = 0.0
+    total: float = 0.0
+
+
+@dataclass
+class _Step:
+    """What one step keeps per (chunk, micro-batch)."""
+
+    inputs: dict[tuple[int, int], torch.Tensor]
+    """Received activations (leaves that collect their gradient), then that gradient to send back."""
+    outputs: dict[tuple[int, int], torch.Tensor]
+    """Chunk outputs (the scaled loss for the last chunk), kept for backward."""
+    shapes: dict[tuple[int, int], tuple[torch.Size, torch.dtype]]
+    grads: dict[tuple[int, int], torch.Tensor]
+    """Received output gradients; under zero bubble, kept from I for W."""
+    pending_sends: list[tuple[dist.Work, torch.Tensor | None]]
+    headers_sent: set[int]
+    shapes_received: dict[int, tuple[torch.Size, torch.dtype]]
+
+
+class PipelineExecutor:
+    def __init__(self, stage: StageModel, group: AxisGroup, *, schedule: str, chunks: int,
+                 loss: LossOnOutput, device: torch.device) -> None:
+        self.stage, self.group, self.schedule, self.chunks = stage, group, schedule, chunks
+        self.loss, self.device = loss, device
+        self.stages, self.rank = group.size, group.index
+        self.last_chunk = self.stages * chunks - 1
+        self.times = StepTimes()
+        self._programs: dict[int, list[Action]] = {}
+
+    def program(self, microbatches: int) -> list[Action]:
+        if microbatches not in self._programs:
+            self._programs[microbatches] = program(self.schedule, self.stages, microbatches, self.rank, self.chunks)
+        return self._programs[microbatches]
+
+    def forward_program(self, microbatches: int) -> list[Action]:
+        """Forward only (evaluation): each local chunk over every micro-batch, in chunk order."""
+        actions = []
+        for chunk in sorted(self.stage.chunks):
+            for mb in range(microbatches):
+                if chunk > 0:
+                    actions.append(Action("RECV_F", chunk, mb))
+                actions.append(Action("F", chunk, mb))
+                if chunk < self.last_chunk:
+                    actions.append(Action("SEND_F", chunk, mb))
+        return actions
+
+    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, dropout: DropoutStream,
+            first_row: int, loss_scale: float = 1.0, train: bool = True,
+            forward_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> torch.Tensor:
+        """Run the schedule (train) or the forward program over the micro-batches; gradients accumulate
+        into the parameters' .grad (or the strategy's buffers). Returns the sum of the losses computed
+        on this rank (zero unless it holds the last chunk), float64."""
+        prog = self.program(len(micro_batches)) if train else self.forward_program(len(micro_batches))
+        self._forward_context = forward_context
+        rows = micro_batches[0][0].shape[0]
+        step = _Step({}, {}, {}, {}, [], set(), {})
+        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        started, compute = time.perf_counter(), 0.0
+        i = 0
+        while i < len(prog):
+            if prog[i].kind.startswith(("RECV", "SEND")):
+                j = i
+                while j < len(prog) and prog[j].kind.startswith(("RECV", "SEND")):
+                    j += 1
+                self._communicate(prog[i:j], step)
+                i = j
+                continue
+            action = prog[i]
+            dropout.row_offset = first_row + action.mb * rows  # recompute in backward redraws the same masks
+            t0 = time.perf_counter()
+            if action.kind == "F":
+                loss_total += self._forward(action, micro_batches, step, loss_scale, train)
+            else:
+                self._backward(action, step)
+            compute += time.perf_counter() - t0
+            self._free_sent(step)
+            i += 1
+        for work, _ in step.pending_sends:
+            work.wait()
+        self.times = StepTimes(compute=compute, total=time.perf_counter() - started)
+        return loss_total
+
+    # ---- compute ----------------------------------------------------------------------------
+    def _forward(self, action: Action, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], step: _Step,
+                 loss_scale: float, train: bool) -> torch.Tensor:
+        key = (action.chunk, action.mb)
+        x = step.inputs.get(key) if action.chunk > 0 else micro_batches[action.mb][0]
+        with self._forward_context():  # autocast, for the forward only
+            out = self.stage.run_chunk(action.chunk, x)
+            if action.chunk == self.last_chunk:
+                loss_sum, _ = self.loss(self.stage, out, micro_batches[action.mb][1])
+        if action.chunk == self.last_chunk:
+            if train:
+                step.outputs[key] = loss_sum * loss_scale if loss_scale != 1.0 else loss_sum
+            return loss_sum.detach().double()
+        step.outputs[key] = out
+        step.shapes[key] = (out.shape, out.dtype)
+        if not train or x is None or not x.requires_grad:
+            step.inputs.pop(key, None)
+        return torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def _backward(self, action: Action, step: _Step) -> None:
+        key = (action.chunk, action.mb)
+        out = step.outputs[key]
+        if action.kind == "W":  # weight gradients from the graph I kept, from the same output gradient
+            params = tuple(p for p in self.stage.parameters() if p.requires_grad)
+            _ENGINE.run_backward((out,), (step.grads.pop(key),), False, False, params, True, True)
+            del step.outputs[key]
+            return
+        grad = torch.ones_like(out) if action.chunk == self.last_chunk else step.grads.pop(key)
+        x = step.inputs.get(key)
+        if action.kind == "B":
+            _ENGINE.run_backward((out,), (grad,), False, False, (), True, True)
+            del step.outputs[key]
+            if x is not None:
+                step.inputs[key] = x.grad  # what SEND_B sends
+        elif action.kind == "I":
+            if x is not None:
+                (step.inputs[key],) = _ENGINE.run_backward((out,), (grad,), True, False, (x,), True, False)
+            step.grads[key] = grad  # W starts from the same gradient
+
+    # ---- point-to-point ---------------------------------------------------------------------
+    def _communicate(self, actions: list[Action], step: _Step) -> None:
+        group = self.group
+        sends: list[dist.P2POp] = []
+        freeable: list[torch.Tensor | None] = []
+        for action in actions:
+            if not action.kind.startswith("SEND"):
+                continue
+            to = group.ranks[peer(action, self.stages)]
+            key = (action.chunk, action.mb)
+            if action.kind == "SEND_F":
+                out = step.outputs[key]
+                if action.chunk not in step.headers_sent:
+                    step.headers_sent.add(action.chunk)
+                    sends.append(dist.P2POp(dist.isend, _header(out), to, group.pg))
+                    freeable.append(None)
+                sends.append(dist.P2POp(dist.isend, out.detach(), to, group.pg))
+                freeable.append(out if _result_not_saved(out) else None)
+            else:
+                sends.append(dist.P2POp(dist.isend, step.inputs.pop(key).contiguous(), to, group.pg))
+                freeable.append(None)
+        if sends:
+            step.pending_sends.extend(zip(dist.batch_isend_irecv(sends), freeable))
+        receives = [a for a in actions if a.kind.startswith("RECV")]
+        headers = []
+        for action in receives:
+            if action.kind == "RECV_F" and action.chunk - 1 not in step.shapes_received:
+                buffer = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+                headers.append((action, buffer))
+                step.shapes_received[action.chunk - 1] = (torch.Size(), torch.float32)  # filled below
+        if headers:
+            ops = [dist.P2POp(dist.irecv, b, group.ranks[peer(a, self.stages)], group.pg) for a, b in headers]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            for action, buffer in headers:
+                step.shapes_received[action.chunk - 1] = _parse(buffer)
+        ops, buffers = [], []
+        for action in receives:
+            key = (action.chunk, action.mb)
+            shape, dtype = step.shapes_received[action.chunk - 1] if action.kind == "RECV_F" else step.shapes[key]
+            buffer = torch.empty(shape, dtype=dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, buffer, group.ranks[peer(action, self.stages)], group.pg))
+            buffers.append((action, buffer))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for action, buffer in buffers:
+            key = (action.chunk, action.mb)
+            if action.kind == "RECV_F":
+                step.inputs[key] = buffer.requires_grad_(buffer.is_floating_point())
+            else:
+                step.grads[key] = buffer
+
+    @staticmethod
+    def _free_sent(step: _Step) -> None:
+        """Free the data of activations whose send has completed (their autograd node stays)."""
+        still = []
+        for work, tensor in step.pending_sends:
+            if work.is_completed():
+                if tensor is not None:
+                    tensor.data = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
+            else:
+                still.append((work, tensor))
+        step.pending_sends = still
+
+
+def _result_not_saved(tensor: torch.Tensor) -> bool:
+    """Whether backward can do without this tensor's data: the node that made it does not keep its
+    own result (an add does not; a tanh or a softmax does)."""
+    node = tensor.grad_fn
+    return node is not None and not hasattr(node, "_saved_result")
+
+
+def _header(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
+        raise ValueError(f"a pipeline activation must have at most {_HEADER - 2} dims and a dtype in {_DTYPES}, "
+                         f"got {tuple(tensor.shape)} {tensor.dtype}")
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=tensor.device)
+    header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+    header[2: 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    return header
+
+
+def _parse(header: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
+    values = header.tolist()
+    return torch.Size(values[2: 2 + values[0]]), _DTYPES[values[1]]

@@ -1,0 +1,225 @@
+"""Cut a model into pipeline chunks: an ordered list of layers, split into contiguous ranges.
+
+A model is described as layers, each a few modules under their names in the whole model and a
+function that runs them:
+
+    GPT:            tok_emb | blocks.0 | ... | blocks.{L-1} | head (norm, head, output)
+    nn.Sequential:  0 | 1 | ... (its children)
+
+The p x v chunks are contiguous ranges of layers, given as split points or balanced by a cost
+estimate (parameters and forward FLOPs per layer). A rank's `StageModel` holds the layers of its
+chunks under the names the whole model gives them ("blocks.5.mlp.up.weight" on whichever rank holds
+block 5), so checkpoints, tensor-parallel plans, recompute patterns and ZeRO all work on it as on
+the whole model.
+
+A weight tied across the first and last layers (the GPT's embedding and head) becomes two
+parameters when those layers land on different ranks: the last one's copy starts equal, and the
+gradient strategies sum the two gradients over the ranks holding them ("tied group"), so both stay
+equal; checkpoints hold it once, under the first name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.config.errors import ConfigError
+from paratrain.models.gpt import GPT
+from paratrain.topology.mesh import AxisGroup
+
+Run = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Layer:
+    name: str
+    modules: dict[str, nn.Module]
+    """Dotted names in the whole model -> modules this layer runs."""
+    run: Run
+    """run(stage_model, x) -> y: the layer's forward, reading its modules from the stage model."""
+    cost: float
+    """Relative cost (forward FLOPs per token, or parameters), for balancing."""
+
+
+def gpt_layers(model: GPT) -> list[Layer]:
+    config = model.config
+    d, f, v, s = config.d_model, config.ff_dim, config.padded_vocab, config.seq_len
+    block_flops = 2 * (4 * d * d + 2 * d * f) + 4 * s * d  # matmuls + attention scores, per token
+    layers = [Layer("tok_emb", {"tok_emb": model.tok_emb}, lambda st, x: st.tok_emb(x), 2.0 * d)]
+    for i, block in enumerate(model.blocks):
+        layers.append(Layer(f"blocks.{i}", {f"blocks.{i}": block}, _block_runner(i), float(block_flops)))
+    layers.append(Layer("head", {"norm": model.norm, "head": model.head, "output": model.output},
+                        lambda st, x: st.head(st.norm(x)), 2.0 * d * v))
+    return layers
+
+
+def _block_runner(i: int) -> Run:
+    def run(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return stage.blocks[str(i)](x, stage.rope_cos, stage.rope_sin)
+
+    return run
+
+
+def sequential_layers(model: nn.Sequential) -> list[Layer]:
+    layers = []
+    for name, child in model.named_children():
+        params = sum(p.numel() for p in child.parameters())
+        layers.append(Layer(name, {name: child}, _child_runner(name), float(max(params, 1))))
+    return layers
+
+
+def _child_runner(name: str) -> Run:
+    def run(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return stage.get_submodule(name)(x)
+
+    return run
+
+
+def model_layers(model: nn.Module) -> list[Layer]:
+    if isinstance(model, GPT):
+        return gpt_layers(model)
+    if isinstance(model, nn.Sequential):
+        return sequential_layers(model)
+    raise TypeError(f"pipeline parallelism splits a paratrain GPT or an nn.Sequential, not a {type(model).__name__}: "
+                    "express the model as nn.Sequential of its layers")
+
+
+def balanced_split(costs: Sequence[float], parts: int) -> list[int]:
+    """Start index of each of `parts` contiguous, non-empty ranges minimising the largest range cost
+    (exact, by dynamic programming over split points)."""
+    n = len(costs)
+    if parts > n:
+        raise ConfigError(f"{parts} pipeline chunks need at least {parts} layers; the model has {n}")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]  # best[k][j]: first j layers in k ranges
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):
+                value = max(best[k - 1][i], prefix[j] - prefix[i])
+                if value < best[k][j] - 1e-12:
+                    best[k][j], cut[k][j] = value, i
+    starts, j = [], n
+    for k in range(parts, 0, -1):
+        j = cut[k][j]
+        starts.append(j)
+    return starts[::-1]
+
+
+def chunk_ranges(layers: Sequence[Layer], parts: int, split: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """[start, end) layer ranges of the chunks: from `split` (start indices of chunks 1..parts-1) or balanced."""
+    n = len(layers)
+    if split:
+        starts = [0, *split]
+        if len(starts) != parts or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= n:
+            raise ConfigError(
+                f"pipeline split {list(split)} must give {parts - 1} increasing layer indices in 1..{n - 1} "
+                f"(the first layer of chunks 1..{parts - 1}); layers are {[layer.name for layer in layers][:6]}...")
+    else:
+        starts = balanced_split([layer.cost for layer in layers], parts)
+    return [(s, e) for s, e in zip(starts, [*starts[1:], n])]
+
+
+class StageModel(nn.Module):
+    """The layers of one pipeline rank's chunks, registered under their names in the whole model."""
+
+    def __init__(self, model: nn.Module, layers: list[Layer], ranges: list[tuple[int, int]],
+                 chunks: list[int]) -> None:
+        super().__init__()
+        self.layers = layers
+        self.ranges = {c: ranges[c] for c in chunks}
+        """Chunk index -> [start, end) layers, for this rank's chunks."""
+        self.chunks = chunks
+        self.first_chunk = 0 in chunks
+        self.last_chunk = len(ranges) - 1 in chunks
+        for c in chunks:
+            start, end = ranges[c]
+            for layer in layers[start:end]:
+                for name, module in layer.modules.items():
+                    _register(self, name, module)
+        if isinstance(model, GPT):
+            self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+            self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        self.tied: dict[str, str] = {}
+        """Name of a tied copy on this rank -> the name the checkpoint keeps it under."""
+        self.tied_name: str | None = None
+        """This rank's end of a weight tied across stages: its gradient is summed with the other end's."""
+        if isinstance(model, GPT) and model.config.tie_embeddings and self.first_chunk != self.last_chunk:
+            if self.last_chunk:
+                self.head.weight = nn.Parameter(model.tok_emb.weight.detach().clone())
+                self.tied["head.weight"] = "tok_emb.weight"
+                self.tied_name = "head.weight"
+            else:
+                self.tied_name = "tok_emb.weight"
+
+    def run_chunk(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
+        start, end = self.ranges[chunk]
+        for layer in self.layers[start:end]:
+            x = layer.run(self, x)
+        return x
+
+
+def _register(root: nn.Module, dotted: str, module: nn.Module) -> None:
+    *parents, leaf = dotted.split(".")
+    node = root
+    for part in parents:
+        if not hasattr(node, part):
+            node.add_module(part, nn.ModuleDict())
+        node = getattr(node, part)
+    node.add_module(leaf, module)
+
+
+def _settings(group: Mapping[str, Any]) -> str:
+    return repr(sorted((k, v) for k, v in group.items() if k != "params"))
+
+
+def gather_stages(stage: StageModel, model: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any],
+                  group: AxisGroup) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This stage's name-keyed (model, optimizer) state -> the whole model's, on every pp rank
+    (collective over pp). Tied copies are left out: the first stage's end holds the weight.
+    Optimizer param groups with the same settings (weight decay, ...) are merged across stages."""
+    skip = set(stage.tied)
+    mine = ({k: v.detach().cpu() for k, v in model.items() if k not in skip},
+            {k: {key: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for key, v in values.items()}
+             for k, values in optimizer["state"].items() if k not in skip},
+            [{**g, "params": [n for n in g["params"] if n not in skip]} for g in optimizer["param_groups"]])
+    parts: list[Any] = [None] * group.size
+    dist.all_gather_object(parts, mine, group=group.pg)
+    whole_model: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {}
+    groups: dict[str, dict[str, Any]] = {}
+    for part_model, part_state, part_groups in parts:
+        whole_model.update(part_model)
+        state.update(part_state)
+        for g in part_groups:
+            merged = groups.setdefault(_settings(g), {**g, "params": []})
+            merged["params"] = merged["params"] + list(g["params"])
+    return whole_model, {"state": state, "param_groups": [g for g in groups.values() if g["params"]]}
+
+
+def stage_part(stage: StageModel, model: Mapping[str, torch.Tensor],
+               optimizer: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The whole model's name-keyed state -> this stage's part (a tied copy reads its first end's)."""
+    own = list(stage.state_dict(keep_vars=True))
+    missing = sorted(stage.tied.get(n, n) for n in own if stage.tied.get(n, n) not in model)
+    if missing:
+        raise KeyError(f"the saved model lacks {missing[:6]} that pipeline stage {stage.chunks} holds")
+    part_model = {n: model[stage.tied.get(n, n)] for n in own}
+    params = [n for n, _ in stage.named_parameters()]
+    source = {n: stage.tied.get(n, n) for n in params}
+    state = {n: optimizer["state"][source[n]] for n in params if source[n] in optimizer["state"]}
+    groups = []
+    for g in optimizer["param_groups"]:
+        names = [n for n in params if source[n] in set(g["params"])]
+        if names:
+            groups.append({**g, "params": names})
+    return part_model, {"state": state, "param_groups": groups}
