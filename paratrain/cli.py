@@ -3,6 +3,7 @@
     paratrain train                      the built-in demo: small GPT, built-in corpus, 2 processes
     paratrain train --nproc 4 --dp 4 --global-batch 64 --micro-batch 4 --steps 100
     paratrain train --nproc 4 --dp 2 --tp 2 --sequence-parallel --zero 1
+    paratrain train --nproc 8 --dp 2 --tp 2 --pp 2 --schedule 1f1b --micro-batch 2 --zero 2
     paratrain train --config run.toml --steps 50        (flags override the file)
     paratrain presets                    list the model presets
 
@@ -19,6 +20,13 @@ from typing import Any
 
 from paratrain.config import PRESETS, ConfigError, build_run_config, check_run, launch_world_size, load_toml
 
+def _int_tuple(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, e.g. 3,6,9; got {text!r}") from None
+
+
 # flag -> (dotted config path, type, help)
 _TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--nproc": ("launch.nproc", int, "processes on this node (default: dp x tp x pp / nnodes, or 2)"),
@@ -30,7 +38,12 @@ _TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--timeout": ("launch.timeout_s", float, "seconds a collective may wait before the job fails"),
     "--dp": ("parallel.dp", int, "data-parallel degree (default: world size / (tp x pp))"),
     "--tp": ("parallel.tp", int, "tensor-parallel degree: layers split over tp ranks (divides heads, ff and padded vocab)"),
-    "--pp": ("parallel.pp", int, "pipeline-parallel degree (not yet supported above 1)"),
+    "--pp": ("parallel.pp", int, "pipeline-parallel degree: layers cut into pp stages"),
+    "--schedule": ("parallel.schedule", str, "pipeline schedule: gpipe, 1f1b (default), interleaved, zero-bubble"),
+    "--virtual-stages": ("parallel.virtual_stages", int, "chunks per pipeline rank (interleaved schedule)"),
+    "--pp-split": ("parallel.pp_split", _int_tuple, "first layer of each pipeline chunk after the first, e.g. 3,6,9 "
+                   "(GPT layers: 0 embedding, 1..n blocks, n+1 head); default: balanced by cost"),
+    "--microbatches": ("parallel.microbatches", int, "micro-batches per pipeline step; must equal G / (m x dp)"),
     "--zero": ("parallel.zero", int, "ZeRO stage over dp: 0 (plain DP), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)"),
     "--shard-group": ("parallel.shard_group", int, "hierarchical sharding: shard inside groups of S dp ranks"),
     "--offload": ("parallel.offload", str, "optimizer: optimizer state and master weights in CPU memory (zero >= 1)"),

@@ -20,7 +20,7 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
              grad_reduce: str = "auto", offload: str = "none", tp: int = 1, sequence_parallel: bool = False,
              dropout: float = 0.0, start: dict[str, Any] | None = None, start_step: int = 0,
              return_state: bool = False, pp: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
-             pp_split: tuple[int, ...] = ()) -> dict[str, Any]:
+             pp_split: tuple[int, ...] = (), n_layer: int = 4) -> dict[str, Any]:
     """Train the tiny GPT `steps` steps on the built-in corpus under a layout; per-step losses and
     grad norms, and the final full state. dp None: the single-process reference (no process group).
     start, start_step: resume from a full state (engine.state_dict()) taken after start_step steps."""
@@ -29,7 +29,7 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
                                                   schedule=schedule, virtual_stages=virtual_stages, pp_split=pp_split,
                                                   bucket_mb=bucket_mb, zero=zero, shard_group=shard_group,
                                                   grad_reduce=grad_reduce, offload=offload))
-    config = preset("tiny", seq_len=32, dropout=dropout) if dropout else TINY
+    config = preset("tiny", seq_len=32, dropout=dropout, n_layer=n_layer) if dropout or n_layer != 4 else TINY
     model = paratrain.build_gpt(config, seed=seed, dtype=getattr(torch, dtype))
     engine = paratrain.parallelize(
         model, ctx, optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.1),

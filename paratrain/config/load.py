@@ -78,6 +78,8 @@ def _set(config: RunConfig, path: str, value: Any) -> RunConfig:
         sections = [f.name for f in dataclasses.fields(config) if f.name != "seed"]
         raise ConfigError(f"unknown config section {section_name!r}: choose one of {sections}")
     section = getattr(config, section_name)
+    if isinstance(value, list):  # TOML arrays: the dataclasses hold tuples
+        value = tuple(value)
     _check_field(section, key, value, path)
     if isinstance(section, ParallelConfig):  # frozen: it is also a public API value
         setattr(config, section_name, dataclasses.replace(section, **{key: value}))

@@ -162,7 +162,10 @@ class Trainer:
         # Under ZeRO-3 every forward all-gathers parameters, under tp every layer communicates: then
         # all ranks generate (the same text).
         sharded = self.engine.grads.params_sharded or self.engine.tp is not None
-        if train.sample_tokens and (self.ctx.is_main or sharded) and self.source.vocab_size == 256:
+        if self.engine.pipeline is not None:  # no rank holds the whole model to sample from
+            if train.sample_tokens and self.ctx.is_main:
+                self.log.info("no sample under pipeline parallelism (each rank holds only its stage)")
+        elif train.sample_tokens and (self.ctx.is_main or sharded) and self.source.vocab_size == 256:
             text = self.sample(train.sample_tokens)
             result.sample = text if self.ctx.is_main else ""
         return result
