@@ -54,8 +54,8 @@ def test_invalid_config_is_refused_before_launch():
     assert "invalid configuration" in out.stderr and "30 / (4 x 2)" in out.stderr and "choose micro_batch" in out.stderr
     assert "rank" not in out.stderr.lower().replace("paratrain", "")  # no worker ever spoke
     assert time.monotonic() - started < 20
-    out = paratrain("train", "--pp", "2")
-    assert out.returncode == 2 and "not yet supported" in out.stderr
+    out = paratrain("train", "--nproc", "2", "--pp", "2", "--zero", "3")
+    assert out.returncode == 2 and "use zero 1 or 2 with pp > 1" in out.stderr
     out = paratrain("train", "--nproc", "3", "--tp", "3")
     assert out.returncode == 2 and "tp (3) must divide the attention heads (n_head = 4)" in out.stderr
 
@@ -102,6 +102,24 @@ def test_tensor_parallel_run_resumes_on_one_process(tmp_path):
     resumed, first = losses(log2), losses(log)
     for step in (3, 4):
         assert resumed[step] == pytest.approx(first[step], rel=1e-5)
+
+
+def test_pipeline_run_resumes_on_one_process(tmp_path):
+    """dp 2 x pp 2, interleaved over 2 chunks per rank, ZeRO-1; its checkpoint is the whole model."""
+    log = tmp_path / "log.jsonl"
+    out = paratrain("train", "--nproc", "4", "--dp", "2", "--pp", "2", "--schedule", "interleaved",
+                    "--virtual-stages", "2", "--zero", "1", *SMALL, "--steps", "4", "--log-json", str(log),
+                    "--save", str(tmp_path / "ckpt"), "--save-every", "2")
+    assert out.returncode == 0, out.stderr
+    log2 = tmp_path / "log2.jsonl"
+    out = paratrain("train", "--nproc", "1", *SMALL, "--steps", "4", "--log-json", str(log2),
+                    "--resume", str(tmp_path / "ckpt" / "step_00000002"))
+    assert out.returncode == 0, out.stderr
+    resumed, first = losses(log2), losses(log)
+    for step in (3, 4):
+        assert resumed[step] == pytest.approx(first[step], rel=1e-5)
+    out = paratrain("train", "--nproc", "4", "--pp", "4", "--schedule", "interleaved", *SMALL)
+    assert out.returncode == 2 and "needs --virtual-stages >= 2" in out.stderr
 
 
 def test_crashing_rank_fails_the_job_with_its_error():
