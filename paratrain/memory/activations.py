@@ -4,8 +4,10 @@ splitting, sequence parallelism and recomputation save (Korthikanti et al. 2022 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,3 +43,58 @@ def saved_activations(model: nn.Module) -> Iterator[SavedActivations]:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (its own storage is not a real one); any other tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class ActivationMeter:
+    """Bytes of saved activations alive over time, and their peak, while active (each storage
+    counted once, from the first save to the last release). Measures what a pipeline schedule keeps
+    in flight: GPipe holds every micro-batch's activations at once, 1F1B at most p - r.
+
+        with ActivationMeter(model) as meter:
+            engine.train_step(batch, loss_fn)
+        meter.peak
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.weights = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        self.live = 0
+        self.peak = 0
+        self._counts: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def __enter__(self) -> ActivationMeter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        storage = _local(tensor).untyped_storage()
+        ptr, size = storage.data_ptr(), storage.nbytes()
+        if ptr in self.weights or not size:
+            return tensor
+        self._counts[ptr] = self._counts.get(ptr, 0) + 1
+        if self._counts[ptr] == 1:
+            self.live += size
+            self.peak = max(self.peak, self.live)
+        holder = _Saved(tensor)
+        weakref.finalize(holder, self._release, ptr, size)
+        return holder
+
+    def _release(self, ptr: int, size: int) -> None:
+        self._counts[ptr] -= 1
+        if self._counts[ptr] == 0:
+            del self._counts[ptr]
+            self.live -= size
+
+
+class _Saved:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def _unpack(saved: Any) -> torch.Tensor:
+    return saved.tensor if isinstance(saved, _Saved) else saved

@@ -51,6 +51,10 @@ class StepTimes:
 
     compute: float = 0.0
     total: float = 0.0
+    by_kind: tuple[tuple[str, float, int], ...] = ()
+    """(action kind, seconds, count) of the compute actions."""
+    peak_in_flight: int = 0
+    """Most micro-batch chunks whose activations were kept at once."""
 
 
 @dataclass
@@ -108,6 +112,8 @@ class PipelineExecutor:
         step = _Step({}, {}, {}, {}, [], set(), {})
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         started, compute = time.perf_counter(), 0.0
+        by_kind: dict[str, list[float]] = {}
+        peak = 0
         i = 0
         while i < len(prog):
             if prog[i].kind.startswith(("RECV", "SEND")):
@@ -124,12 +130,17 @@ class PipelineExecutor:
                 loss_total += self._forward(action, micro_batches, step, loss_scale, train)
             else:
                 self._backward(action, step)
-            compute += time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            compute += elapsed
+            by_kind.setdefault(action.kind, []).append(elapsed)
+            peak = max(peak, len(step.outputs))
             self._free_sent(step)
             i += 1
         for work, _ in step.pending_sends:
             work.wait()
-        self.times = StepTimes(compute=compute, total=time.perf_counter() - started)
+        self.times = StepTimes(compute=compute, total=time.perf_counter() - started,
+                               by_kind=tuple((k, sum(v), len(v)) for k, v in sorted(by_kind.items())),
+                               peak_in_flight=peak)
         return loss_total
 
     # ---- compute ----------------------------------------------------------------------------

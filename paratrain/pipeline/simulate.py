@@ -17,7 +17,7 @@ not yet released by B or W).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from paratrain.pipeline.schedules import Action, ScheduleError, peer
@@ -89,8 +89,11 @@ def _check_matching(programs: list[list[Action]], stages: int) -> None:
 
 
 def simulate(programs: list[list[Action]], *, stages: int, microbatches: int, chunks: int = 1,
-             costs: Mapping[str, float] = DEFAULT_COSTS) -> Simulation:
-    """Check the programs of all ranks (see the module doc) and run them in simulated time."""
+             costs: Mapping[str, float] | Sequence[Mapping[str, float]] = DEFAULT_COSTS) -> Simulation:
+    """Check the programs of all ranks (see the module doc) and run them in simulated time.
+    costs: time of each action kind for a whole stage, the same on every rank or one mapping per rank
+    (unbalanced stages); a chunk of the interleaved schedule costs 1 / chunks of it."""
+    per_rank = [costs] * stages if isinstance(costs, Mapping) else list(costs)
     if len(programs) != stages:
         raise ScheduleError(f"{len(programs)} programs for {stages} stages")
     _check_coverage(programs, stages, chunks, microbatches)
@@ -116,7 +119,7 @@ def simulate(programs: list[list[Action]], *, stages: int, microbatches: int, ch
                 elif a.kind == "SEND_B":
                     sent[("B", a.chunk - 1, a.mb)] = clock[r]
                 else:
-                    cost = costs[a.kind] / chunks
+                    cost = per_rank[r][a.kind] / chunks
                     clock[r] += cost
                     busy[r] += cost
                     if a.kind == "F":

@@ -1,0 +1,178 @@
+"""Pipeline parallelism: paratrain's schedules vs torch.distributed.pipelining on the same split.
+
+    python bench/bench_pp.py                   # about 4 minutes on 2 cores
+    python bench/bench_pp.py --steps 4 --only paratrain-1f1b torch-1f1b
+
+pp = 2 on 2 processes (one core each, so a rank's time is its own), a GPT with 8 blocks (d_model 256,
+4 heads, seq 128), 8 micro-batches of 2 samples per step, AdamW, fp32, cut at layer 5 (embedding +
+4 blocks | 4 blocks + head). Reported for each contender: median step time and the peak bytes of
+saved activations per stage over a step (paratrain.memory.ActivationMeter, the same meter for all);
+for paratrain also the measured bubble, 1 - sum of compute time / (p x step time), next to the
+formula ((p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (v m) of the ideal time for interleaved)
+and next to the simulator fed with each rank's measured mean time of each action kind (F, B, I, W),
+which accounts for unequal stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.world import run_world  # noqa: E402
+
+MODEL = {"vocab_size": 256, "seq_len": 128, "n_layer": 8, "n_head": 4, "d_model": 256}
+MICRO, MICROBATCHES, PP = 2, 8, 2
+SPLIT = (5,)
+CONTENDERS = ["paratrain-gpipe", "paratrain-1f1b", "paratrain-interleaved", "paratrain-zero-bubble",
+              "torch-gpipe", "torch-1f1b"]
+
+
+def _contender(name: str, steps: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import paratrain
+    from paratrain.config import ModelConfig
+    from paratrain.memory import ActivationMeter
+
+    config = ModelConfig(**MODEL)
+    rank = dist.get_rank()
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 256, (MICRO * MICROBATCHES, config.seq_len + 1), generator=generator)
+               for _ in range(3)]
+    model = paratrain.build_gpt(config, seed=0)
+    schedule = name.split("-", 1)[1]
+    v = 2 if schedule == "interleaved" else 1
+    split = (3, 5, 7) if v == 2 else SPLIT
+    ctx = paratrain.init(paratrain.ParallelConfig(dp=1, pp=PP, schedule=schedule if name.startswith("paratrain")
+                                                  else "1f1b", virtual_stages=v, pp_split=split))
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+                                   micro_batch=MICRO)
+    stage = engine.model
+    if name.startswith("paratrain"):
+        def step(b):
+            engine.train_step((b[:, :-1], b[:, 1:]), paratrain.lm_loss)
+    else:
+        from torch import nn
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        class Chunk(nn.Module):  # paratrain's stage, seen by torch's pipelining as one module
+            def __init__(self) -> None:
+                super().__init__()
+                self.stage = stage
+
+            def forward(self, x):
+                return stage.run_chunk(rank, x)
+
+        tokens = MICRO * MICROBATCHES * config.seq_len
+
+        def loss_fn(logits, targets):
+            return stage.output.loss(logits, targets)[0] / tokens
+
+        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        pipe = kind(PipelineStage(Chunk(), rank, PP, torch.device("cpu")), n_microbatches=MICROBATCHES,
+                    loss_fn=loss_fn, scale_grads=False)
+        optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-4)
+
+        def step(b):
+            optimizer.zero_grad(set_to_none=True)
+            if rank == 0:
+                pipe.step(b[:, :-1])
+            else:
+                pipe.step(target=b[:, 1:])
+            optimizer.step()
+
+    times, peaks, measured = [], [], []
+    for i in range(steps + 2):
+        dist.barrier()
+        with ActivationMeter(stage) as meter:
+            started = time.perf_counter()
+            step(batches[i % 3])
+            elapsed = time.perf_counter() - started
+        if i >= 2:
+            times.append(elapsed)
+            peaks.append(meter.peak)
+            if engine.pipeline is not None and name.startswith("paratrain"):
+                measured.append(engine.pipeline.times)
+    result = {"name": name, "step_s": statistics.median(times), "peak_mb": max(peaks) / 2**20}
+    if measured:
+        compute = statistics.median(t.compute for t in measured)
+        total = statistics.median(t.total for t in measured)
+        kinds: dict[str, list[float]] = {}
+        for t in measured:
+            for kind_name, seconds, count in t.by_kind:
+                kinds.setdefault(kind_name, []).append(seconds / count)
+        result.update(compute=compute, total=total, in_flight=measured[-1].peak_in_flight,
+                      kind_s={k: statistics.median(v) for k, v in kinds.items()})
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, result)
+    return {"name": name, "ranks": parts}
+
+
+def _theory(schedule: str) -> float:
+    p, m = PP, MICROBATCHES
+    if schedule == "interleaved":
+        over_ideal = (p - 1) / (2 * m)
+        return over_ideal / (1 + over_ideal)
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    return float("nan")
+
+
+def _simulated(schedule: str, ranks: list[dict]) -> float:
+    """The simulator's bubble with each rank's measured mean time of each action kind (a chunk's
+    time x v for a whole stage): the schedule's bubble on these (unbalanced) stages."""
+    from paratrain.pipeline import program, simulate
+
+    v = 2 if schedule == "interleaved" else 1
+    costs = [{kind: r["kind_s"].get(kind, 0.0) * v for kind in ("F", "B", "I", "W")} for r in ranks]
+    sim = simulate([program(schedule, PP, MICROBATCHES, r, v) for r in range(PP)], stages=PP,
+                   microbatches=MICROBATCHES, chunks=v, costs=costs)
+    return sim.bubble_fraction
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--only", nargs="+", default=CONTENDERS, choices=CONTENDERS)
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+    results = []
+    for name in args.only:
+        result = run_world(PP, _contender, name, args.steps)
+        results.append(result)
+        ranks = result["ranks"]
+        step = max(r["step_s"] for r in ranks)
+        line = f"{name:<24} step {step:6.3f} s   peak activations per stage " + \
+            " / ".join(f"{r['peak_mb']:6.1f}" for r in ranks) + " MB"
+        if "compute" in ranks[0]:
+            schedule = name.split("-", 1)[1]
+            measured = 1 - sum(r["compute"] for r in ranks) / (PP * max(r["total"] for r in ranks))
+            result["bubble"] = {"measured": measured, "formula": _theory(schedule),
+                                "simulated": _simulated(schedule, ranks)}
+            line += (f"   bubble {measured:.3f} (formula {_theory(schedule):.3f}, simulated with measured "
+                     f"costs {result['bubble']['simulated']:.3f})   in flight " +
+                     " / ".join(str(r["in_flight"]) for r in ranks) + "   ms per action " +
+                     " / ".join(", ".join(f"{k} {v * 1000:.0f}" for k, v in r["kind_s"].items()) for r in ranks))
+        print(line, flush=True)
+    rows = {r["name"]: r for r in results}
+    print(f"\nGPT {MODEL}, pp {PP}, {MICROBATCHES} micro-batches of {MICRO}, AdamW, gloo on CPU")
+    for schedule in ("gpipe", "1f1b"):
+        ours, peer = rows.get(f"paratrain-{schedule}"), rows.get(f"torch-{schedule}")
+        if ours and peer:
+            a = max(r["step_s"] for r in ours["ranks"])
+            b = max(r["step_s"] for r in peer["ranks"])
+            print(f"paratrain / torch.distributed.pipelining, {schedule}: step time x{a / b:.2f}, peak activations "
+                  f"stage 0 x{ours['ranks'][0]['peak_mb'] / peer['ranks'][0]['peak_mb']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
