@@ -71,6 +71,8 @@ class _Step:
     pending_sends: list[tuple[dist.Work, torch.Tensor | None]]
     headers_sent: set[int]
     shapes_received: dict[int, tuple[torch.Size, torch.dtype]]
+    posted: dict[Action, tuple[dist.Work, torch.Tensor]]
+    """Receives posted ahead of their action, so the transfer overlaps the compute before it."""
 
 
 class PipelineExecutor:
@@ -109,7 +111,7 @@ class PipelineExecutor:
         prog = self.program(len(micro_batches)) if train else self.forward_program(len(micro_batches))
         self._forward_context = forward_context
         rows = micro_batches[0][0].shape[0]
-        step = _Step({}, {}, {}, {}, [], set(), {})
+        step = _Step({}, {}, {}, {}, [], set(), {}, {})
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         started, compute = time.perf_counter(), 0.0
         by_kind: dict[str, list[float]] = {}
@@ -120,7 +122,14 @@ class PipelineExecutor:
                 j = i
                 while j < len(prog) and prog[j].kind.startswith(("RECV", "SEND")):
                     j += 1
-                self._communicate(prog[i:j], step)
+                k = j
+                while k < len(prog) and not prog[k].kind.startswith(("RECV", "SEND")):
+                    k += 1
+                upcoming = []
+                while k < len(prog) and prog[k].kind.startswith(("RECV", "SEND")):
+                    upcoming.append(prog[k])
+                    k += 1
+                self._communicate(prog[i:j], step, upcoming)
                 i = j
                 continue
             action = prog[i]
@@ -183,7 +192,9 @@ class PipelineExecutor:
             step.grads[key] = grad  # W starts from the same gradient
 
     # ---- point-to-point ---------------------------------------------------------------------
-    def _communicate(self, actions: list[Action], step: _Step) -> None:
+    def _communicate(self, actions: list[Action], step: _Step, upcoming: list[Action]) -> None:
+        """Post this run's sends, then its receives (and, ahead, the next run's receives whose shape
+        is known, in program order), and wait for this run's receives."""
         group = self.group
         sends: list[dist.P2POp] = []
         freeable: list[torch.Tensor | None] = []
@@ -208,6 +219,8 @@ class PipelineExecutor:
         receives = [a for a in actions if a.kind.startswith("RECV")]
         headers = []
         for action in receives:
+            if action in step.posted:
+                continue
             if action.kind == "RECV_F" and action.chunk - 1 not in step.shapes_received:
                 buffer = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
                 headers.append((action, buffer))
@@ -218,17 +231,29 @@ class PipelineExecutor:
                 work.wait()
             for action, buffer in headers:
                 step.shapes_received[action.chunk - 1] = _parse(buffer)
+        ahead = []
+        for action in upcoming:  # a prefix: receives must be posted in program order
+            if not action.kind.startswith("RECV"):
+                continue
+            known = (action.chunk - 1 in step.shapes_received if action.kind == "RECV_F"
+                     else (action.chunk, action.mb) in step.shapes)
+            if not known:
+                break
+            ahead.append(action)
+        to_post = [a for a in receives if a not in step.posted] + ahead
         ops, buffers = [], []
-        for action in receives:
+        for action in to_post:
             key = (action.chunk, action.mb)
             shape, dtype = step.shapes_received[action.chunk - 1] if action.kind == "RECV_F" else step.shapes[key]
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
             ops.append(dist.P2POp(dist.irecv, buffer, group.ranks[peer(action, self.stages)], group.pg))
             buffers.append((action, buffer))
         if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        for action, buffer in buffers:
+            for (action, buffer), work in zip(buffers, dist.batch_isend_irecv(ops)):
+                step.posted[action] = (work, buffer)
+        for action in receives:
+            work, buffer = step.posted.pop(action)
+            work.wait()
             key = (action.chunk, action.mb)
             if action.kind == "RECV_F":
                 step.inputs[key] = buffer.requires_grad_(buffer.is_floating_point())

@@ -67,25 +67,25 @@ def _check_coverage(programs: list[list[Action]], stages: int, chunks: int, micr
 
 
 def _check_matching(programs: list[list[Action]], stages: int) -> None:
-    sends: dict[tuple[int, int, str], list[tuple[int, int]]] = {}
-    receives: dict[tuple[int, int, str], list[tuple[int, int]]] = {}
+    """Between two ranks, the receiver takes the messages (activations and gradients alike) in the
+    order the sender sends them: NCCL matches point-to-point operations between a pair by order."""
+    sends: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    receives: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
     for rank, prog in enumerate(programs):
         for a in prog:
             if a.kind.startswith("SEND_"):
-                to = peer(a, stages)
                 # the receiver of SEND_F(c) waits for RECV_F(c + 1); of SEND_B(c), RECV_B(c - 1)
                 target = a.chunk + 1 if a.kind == "SEND_F" else a.chunk - 1
-                sends.setdefault((rank, to, a.kind[-1]), []).append((target, a.mb))
+                sends.setdefault((rank, peer(a, stages)), []).append((a.kind[-1], target, a.mb))
             elif a.kind.startswith("RECV_"):
-                receives.setdefault((peer(a, stages), rank, a.kind[-1]), []).append((a.chunk, a.mb))
+                receives.setdefault((peer(a, stages), rank), []).append((a.kind[-1], a.chunk, a.mb))
     for key in sorted(set(sends) | set(receives)):
         sent, got = sends.get(key, []), receives.get(key, [])
         if sent != got:
-            src, dst, way = key
+            src, dst = key
             raise ScheduleError(
-                f"rank {src} -> rank {dst} ({'activations' if way == 'F' else 'gradients'}): sent "
-                f"{sent[:6]}{'...' if len(sent) > 6 else ''} but received in the order {got[:6]}"
-                f"{'...' if len(got) > 6 else ''}: point-to-point messages match in order")
+                f"rank {src} -> rank {dst}: sent {sent[:6]}{'...' if len(sent) > 6 else ''} but received in the "
+                f"order {got[:6]}{'...' if len(got) > 6 else ''}: point-to-point messages match in order")
 
 
 def simulate(programs: list[list[Action]], *, stages: int, microbatches: int, chunks: int = 1,
