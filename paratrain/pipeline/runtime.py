@@ -23,6 +23,7 @@ knows the shape of its own output.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from paratrain.pipeline.schedules import Action, peer, program
 from paratrain.pipeline.stages import StageModel
@@ -73,6 +75,10 @@ class _Step:
     shapes_received: dict[int, tuple[torch.Size, torch.dtype]]
     posted: dict[Action, tuple[dist.Work, torch.Tensor]]
     """Receives posted ahead of their action, so the transfer overlaps the compute before it."""
+    module_outputs: dict[tuple[int, int], list[tuple[nn.Module, torch.Tensor]]]
+    """Zero bubble: outputs of the parameter-holding modules of a forward."""
+    weight_grads: dict[tuple[int, int], list[tuple[nn.Module, torch.Tensor, torch.Tensor]]]
+    """Zero bubble: (module, its output, that output's gradient from I), for W."""
 
 
 class PipelineExecutor:
@@ -84,6 +90,16 @@ class PipelineExecutor:
         self.last_chunk = self.stages * chunks - 1
         self.times = StepTimes()
         self._programs: dict[int, list[Action]] = {}
+        # Zero bubble: W from each parameter-holding module's output gradient (captured during I)
+        # runs only the weight-gradient ops; otherwise W walks the whole chunk again.
+        self._weight_modules = _weight_modules(stage) if schedule == "zero-bubble" else []
+        self._capture: list[tuple[nn.Module, torch.Tensor]] | None = None
+        for module in self._weight_modules:
+            module.register_forward_hook(self._record_output)
+
+    def _record_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._capture is not None and isinstance(output, torch.Tensor) and output.requires_grad:
+            self._capture.append((module, output))
 
     def program(self, microbatches: int) -> list[Action]:
         if microbatches not in self._programs:
@@ -111,7 +127,7 @@ class PipelineExecutor:
         prog = self.program(len(micro_batches)) if train else self.forward_program(len(micro_batches))
         self._forward_context = forward_context
         rows = micro_batches[0][0].shape[0]
-        step = _Step({}, {}, {}, {}, [], set(), {}, {})
+        step = _Step({}, {}, {}, {}, [], set(), {}, {}, {}, {})
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         started, compute = time.perf_counter(), 0.0
         by_kind: dict[str, list[float]] = {}
@@ -157,10 +173,14 @@ class PipelineExecutor:
                  loss_scale: float, train: bool) -> torch.Tensor:
         key = (action.chunk, action.mb)
         x = step.inputs.get(key) if action.chunk > 0 else micro_batches[action.mb][0]
+        self._capture = [] if train and self._weight_modules else None
         with self._forward_context():  # autocast, for the forward only
             out = self.stage.run_chunk(action.chunk, x)
             if action.chunk == self.last_chunk:
                 loss_sum, _ = self.loss(self.stage, out, micro_batches[action.mb][1])
+        if self._capture:
+            step.module_outputs[key] = self._capture
+        self._capture = None
         if action.chunk == self.last_chunk:
             if train:
                 step.outputs[key] = loss_sum * loss_scale if loss_scale != 1.0 else loss_sum
@@ -174,10 +194,18 @@ class PipelineExecutor:
     def _backward(self, action: Action, step: _Step) -> None:
         key = (action.chunk, action.mb)
         out = step.outputs[key]
-        if action.kind == "W":  # weight gradients from the graph I kept, from the same output gradient
-            params = tuple(p for p in self.stage.parameters() if p.requires_grad)
-            _ENGINE.run_backward((out,), (step.grads.pop(key),), False, False, params, True, True)
+        if action.kind == "W":  # weight gradients from the graph I kept
+            grad = step.grads.pop(key)
+            local = step.weight_grads.pop(key, None)
+            if local is not None:  # each module's own weight-gradient ops, from its output's gradient
+                for module, output, output_grad in local:
+                    params = tuple(p for p in module.parameters(recurse=False) if p.requires_grad)
+                    _ENGINE.run_backward((output,), (output_grad,), True, False, params, True, True)
+            else:  # the whole chunk again, restricted to the parameters
+                params = tuple(p for p in self.stage.parameters() if p.requires_grad)
+                _ENGINE.run_backward((out,), (grad,), False, False, params, True, True)
             del step.outputs[key]
+            step.module_outputs.pop(key, None)
             return
         grad = torch.ones_like(out) if action.chunk == self.last_chunk else step.grads.pop(key)
         x = step.inputs.get(key)
@@ -188,8 +216,16 @@ class PipelineExecutor:
                 step.inputs[key] = x.grad  # what SEND_B sends
         elif action.kind == "I":
             if x is not None:
+                captured = step.module_outputs.get(key, [])
+                seen: list[torch.Tensor | None] = [None] * len(captured)
+                handles = [output.register_hook(functools.partial(_store, seen, i))
+                           for i, (_, output) in enumerate(captured)]
                 (step.inputs[key],) = _ENGINE.run_backward((out,), (grad,), True, False, (x,), True, False)
-            step.grads[key] = grad  # W starts from the same gradient
+                for handle in handles:
+                    handle.remove()
+                if captured and all(g is not None for g in seen):
+                    step.weight_grads[key] = [(m, o, g) for (m, o), g in zip(captured, seen)]
+            step.grads[key] = grad  # W falls back to the whole chunk from this
 
     # ---- point-to-point ---------------------------------------------------------------------
     def _communicate(self, actions: list[Action], step: _Step, upcoming: list[Action]) -> None:
@@ -271,6 +307,26 @@ class PipelineExecutor:
             else:
                 still.append((work, tensor))
         step.pending_sends = still
+
+
+def _weight_modules(stage: nn.Module) -> list[nn.Module]:
+    """Modules holding parameters directly, when W can run module by module: each parameter in one
+    module, and no recomputation (a recomputed block would be recomputed once per module)."""
+    owners: dict[int, int] = {}
+    modules = []
+    for module in stage.modules():
+        if getattr(module, "_paratrain_recompute", False):
+            return []
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if own:
+            modules.append(module)
+            for p in own:
+                owners[id(p)] = owners.get(id(p), 0) + 1
+    return [] if any(n > 1 for n in owners.values()) else modules
+
+
+def _store(seen: list[torch.Tensor | None], index: int, grad: torch.Tensor) -> None:
+    seen[index] = grad
 
 
 def _result_not_saved(tensor: torch.Tensor) -> bool:

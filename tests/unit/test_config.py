@@ -18,7 +18,9 @@ def test_dp_fills_the_world():
 @pytest.mark.parametrize("config,world,needle", [
     (ParallelConfig(dp=3), 4, "dp x tp x pp = 3 x 1 x 1 = 3 must equal the world size (4)"),
     (ParallelConfig(sequence_parallel=True), 4, "sequence_parallel splits the sequence over the tp ranks, and tp is 1"),
-    (ParallelConfig(pp=2), 4, "pipeline parallelism is not yet supported"),
+    (ParallelConfig(pp=2, zero=3), 4, "use zero 1 or 2 with pp > 1"),
+    (ParallelConfig(pp=2, schedule="pipedream"), 4, "schedule must be one of gpipe, 1f1b, interleaved, zero-bubble"),
+    (ParallelConfig(virtual_stages=2), 4, "virtual_stages and pp_split cut the model into pipeline stages, and pp is 1"),
     (ParallelConfig(ep=2), 4, "expert parallelism is not yet supported"),
     (ParallelConfig(dp=4, shard_group=2), 4, "needs a ZeRO stage"),
     (ParallelConfig(dp=4, zero=1, shard_group=3), 4, "shard_group (3) must divide dp (4): choose shard_group in [1, 2, 4]"),
