@@ -78,7 +78,9 @@ class ActivationMeter:
         if self._counts[ptr] == 1:
             self.live += size
             self.peak = max(self.peak, self.live)
-        holder = _Saved(tensor)
+        # hold a detached alias: a saved output's grad_fn is the very node saving it, and a holder
+        # referring to it would make a cycle that only backward (not a retained graph) breaks
+        holder = _Saved(tensor.detach())
         weakref.finalize(holder, self._release, ptr, size)
         return holder
 
