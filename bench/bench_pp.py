@@ -1,4 +1,5 @@
-"""Pipeline parallelism: paratrain's schedules vs torch.distributed.pipelining on the same split.
+"""Pipeline parallelism: paratrain's schedules vs torch.distributed.pipelining and DeepSpeed's
+PipelineModule (when installed) on the same split.
 
     python bench/bench_pp.py                   # about 4 minutes on 2 cores
     python bench/bench_pp.py --steps 4 --only paratrain-1f1b torch-1f1b
@@ -30,7 +31,7 @@ MODEL = {"vocab_size": 256, "seq_len": 128, "n_layer": 8, "n_head": 4, "d_model"
 MICRO, MICROBATCHES, PP = 2, 8, 2
 SPLIT = (5,)
 CONTENDERS = ["paratrain-gpipe", "paratrain-1f1b", "paratrain-interleaved", "paratrain-zero-bubble",
-              "torch-gpipe", "torch-1f1b"]
+              "torch-gpipe", "torch-1f1b", "deepspeed-1f1b"]
 
 
 def _contender(name: str, steps: int) -> dict:
@@ -58,6 +59,8 @@ def _contender(name: str, steps: int) -> dict:
     if name.startswith("paratrain"):
         def step(b):
             engine.train_step((b[:, :-1], b[:, 1:]), paratrain.lm_loss)
+    elif name.startswith("deepspeed"):
+        stage, step = _deepspeed(config)
     else:
         from torch import nn
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -115,6 +118,54 @@ def _contender(name: str, steps: int) -> dict:
     return {"name": name, "ranks": parts}
 
 
+def _deepspeed(config):
+    """DeepSpeed's PipelineModule over the same layers (embedding | 8 blocks | norm + head), cut in
+    the same place (uniform: 5 layers per stage), its 1F1B engine (train_batch). Its head is untied:
+    a tied layer across stages is DeepSpeed's TiedLayerSpec, which this benchmark does not build."""
+    import deepspeed
+    import torch
+    from deepspeed.pipe import PipelineModule
+    from torch import nn
+
+    import paratrain
+    from dataclasses import replace
+
+    model = paratrain.build_gpt(replace(config, tie_embeddings=False), seed=0)
+
+    class Block(nn.Module):
+        def __init__(self, block: nn.Module) -> None:
+            super().__init__()
+            self.block = block
+
+        def forward(self, x):
+            return self.block(x, model.rope_cos, model.rope_sin)
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.head = model.norm, model.head
+
+        def forward(self, x):
+            return self.head(self.norm(x))
+
+    def loss_fn(logits, targets):
+        return model.output.loss(logits, targets)[0] / targets.numel()
+
+    deepspeed.init_distributed(dist_backend="gloo")  # wraps the process group the bench made
+    layers = [model.tok_emb, *[Block(b) for b in model.blocks], Head()]
+    pipe = PipelineModule(layers=layers, num_stages=PP, loss_fn=loss_fn, partition_method="uniform")
+    ds_config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": MICROBATCHES,
+                 "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    engine, *_ = deepspeed.initialize(model=pipe, optimizer=torch.optim.AdamW(pipe.parameters(), lr=1e-4),
+                                      config=ds_config, dist_init_required=False)
+
+    def step(b):
+        micro = [(b[i: i + MICRO, :-1], b[i: i + MICRO, 1:]) for i in range(0, b.shape[0], MICRO)]
+        engine.train_batch(data_iter=iter(micro))
+
+    return pipe, step
+
+
 def _theory(schedule: str) -> float:
     p, m = PP, MICROBATCHES
     if schedule == "interleaved":
@@ -143,6 +194,11 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", default=CONTENDERS, choices=CONTENDERS)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        print("DeepSpeed is not installed: its contender is skipped (see bench/bench_zero.py's docstring)")
+        args.only = [c for c in args.only if not c.startswith("deepspeed")]
     results = []
     for name in args.only:
         result = run_world(PP, _contender, name, args.steps)
@@ -163,12 +219,12 @@ def main() -> None:
         print(line, flush=True)
     rows = {r["name"]: r for r in results}
     print(f"\nGPT {MODEL}, pp {PP}, {MICROBATCHES} micro-batches of {MICRO}, AdamW, gloo on CPU")
-    for schedule in ("gpipe", "1f1b"):
-        ours, peer = rows.get(f"paratrain-{schedule}"), rows.get(f"torch-{schedule}")
+    for schedule, peer_name in (("gpipe", "torch-gpipe"), ("1f1b", "torch-1f1b"), ("1f1b", "deepspeed-1f1b")):
+        ours, peer = rows.get(f"paratrain-{schedule}"), rows.get(peer_name)
         if ours and peer:
             a = max(r["step_s"] for r in ours["ranks"])
             b = max(r["step_s"] for r in peer["ranks"])
-            print(f"paratrain / torch.distributed.pipelining, {schedule}: step time x{a / b:.2f}, peak activations "
+            print(f"paratrain / {peer_name}: step time x{a / b:.2f}, peak activations "
                   f"stage 0 x{ours['ranks'][0]['peak_mb'] / peer['ranks'][0]['peak_mb']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
