@@ -82,3 +82,21 @@ def regression_rows(ctx: paratrain.Context, inputs: int, outputs: int, rows: int
     per_rank = rows // ctx.mesh.degree("dp")
     lo = ctx.mesh.index("dp") * per_rank
     return x[lo: lo + per_rank], y[lo: lo + per_rank]
+
+
+_REFERENCES: dict[tuple, dict[str, Any]] = {}
+
+
+def reference_run(steps: int = 10, **kwargs: Any) -> dict[str, Any]:
+    """The single-process tiny_run (cached per process), the oracle of the parity tests."""
+    key = (steps, tuple(sorted(kwargs.items())))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = tiny_run(dp=None, micro_batch=None, steps=steps, **kwargs)
+    return _REFERENCES[key]
+
+
+def ranked_run(**kwargs: Any) -> dict[str, Any]:
+    """tiny_run on a pool rank, tagged with the rank (results come back in rank order)."""
+    import torch.distributed as dist
+
+    return {**tiny_run(**kwargs), "rank": dist.get_rank()}

@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
-from tests.helpers import max_state_diff, rel_diff, tiny_run
+from tests.helpers import max_state_diff, ranked_run, reference_run, rel_diff, tiny_run
 
 STEPS = 10
-_cache: dict = {}
 
 
 def reference(dtype: str = "float32", n_layer: int = 4) -> dict:
-    key = (dtype, n_layer)
-    if key not in _cache:
-        _cache[key] = tiny_run(dp=None, micro_batch=None, steps=STEPS, dtype=dtype, n_layer=n_layer)
-    return _cache[key]
+    return reference_run(STEPS, dtype=dtype, n_layer=n_layer)
 
 
 def _job(**kwargs) -> dict:
-    result = tiny_run(steps=STEPS, **kwargs)
-    result["rank"] = dist.get_rank()
-    return result
+    return ranked_run(steps=STEPS, **kwargs)
 
 
 @pytest.mark.parametrize("pp,schedule", [(2, "gpipe"), (2, "1f1b"), (2, "interleaved"), (2, "zero-bubble"),

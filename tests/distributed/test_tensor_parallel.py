@@ -6,23 +6,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import max_state_diff, rel_diff, tiny_run
+from tests.helpers import max_state_diff, ranked_run, reference_run, rel_diff, tiny_run
 
 STEPS = 10
-_cache: dict = {}
 
 
 def reference(dtype: str = "float32", dropout: float = 0.0) -> dict:
-    key = (dtype, dropout)
-    if key not in _cache:
-        _cache[key] = tiny_run(dp=None, micro_batch=None, steps=STEPS, dtype=dtype, dropout=dropout)
-    return _cache[key]
+    return reference_run(STEPS, dtype=dtype, dropout=dropout)
 
 
 def _job(**kwargs) -> dict:
-    result = tiny_run(steps=STEPS, **kwargs)
-    result["rank"] = dist.get_rank()
-    return result
+    return ranked_run(steps=STEPS, **kwargs)
 
 
 def _replicas_identical(got: list[dict], tp: int) -> None:

@@ -47,6 +47,17 @@ def test_help_lists_commands():
         assert flag in out.stdout
 
 
+def resumes_on_one_process(tmp_path: Path, log: Path) -> None:
+    """The checkpoint of step 2 in tmp_path/ckpt, resumed on one process, gives steps 3-4 of `log`."""
+    log2 = tmp_path / "log2.jsonl"
+    out = paratrain("train", "--nproc", "1", *SMALL, "--steps", "4", "--log-json", str(log2),
+                    "--resume", str(tmp_path / "ckpt" / "step_00000002"))
+    assert out.returncode == 0, out.stderr
+    resumed, first = losses(log2), losses(log)
+    for step in (3, 4):
+        assert resumed[step] == pytest.approx(first[step], rel=1e-5)
+
+
 def test_invalid_config_is_refused_before_launch():
     started = time.monotonic()
     out = paratrain("train", "--nproc", "2", "--global-batch", "30", "--micro-batch", "4")
@@ -95,13 +106,7 @@ def test_tensor_parallel_run_resumes_on_one_process(tmp_path):
                     "--sample-tokens", "16")
     assert out.returncode == 0, out.stderr
     assert "sample:" in out.stdout
-    log2 = tmp_path / "log2.jsonl"
-    out = paratrain("train", "--nproc", "1", *SMALL, "--steps", "4", "--log-json", str(log2),
-                    "--resume", str(tmp_path / "ckpt" / "step_00000002"))
-    assert out.returncode == 0, out.stderr
-    resumed, first = losses(log2), losses(log)
-    for step in (3, 4):
-        assert resumed[step] == pytest.approx(first[step], rel=1e-5)
+    resumes_on_one_process(tmp_path, log)
 
 
 def test_pipeline_run_resumes_on_one_process(tmp_path):
@@ -111,13 +116,7 @@ def test_pipeline_run_resumes_on_one_process(tmp_path):
                     "--virtual-stages", "2", "--zero", "1", *SMALL, "--steps", "4", "--log-json", str(log),
                     "--save", str(tmp_path / "ckpt"), "--save-every", "2")
     assert out.returncode == 0, out.stderr
-    log2 = tmp_path / "log2.jsonl"
-    out = paratrain("train", "--nproc", "1", *SMALL, "--steps", "4", "--log-json", str(log2),
-                    "--resume", str(tmp_path / "ckpt" / "step_00000002"))
-    assert out.returncode == 0, out.stderr
-    resumed, first = losses(log2), losses(log)
-    for step in (3, 4):
-        assert resumed[step] == pytest.approx(first[step], rel=1e-5)
+    resumes_on_one_process(tmp_path, log)
     out = paratrain("train", "--nproc", "4", "--pp", "4", "--schedule", "interleaved", *SMALL)
     assert out.returncode == 2 and "needs --virtual-stages >= 2" in out.stderr
 
