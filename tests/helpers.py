@@ -100,3 +100,13 @@ def ranked_run(**kwargs: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
     return {**tiny_run(**kwargs), "rank": dist.get_rank()}
+
+
+def assert_matches_reference(got: list[dict[str, Any]], ref: dict[str, Any], *, norm_tol: float = 1e-5) -> None:
+    """Every rank's per-step losses (1e-5) and grad norms match the single process (float32), and the
+    whole gathered state (weights and optimizer state) is within 1e-4."""
+    for rank_result in got:
+        assert rel_diff(rank_result["losses"], ref["losses"]) <= 1e-5
+        assert rel_diff(rank_result["grad_norms"], ref["grad_norms"]) <= norm_tol
+    assert max_state_diff(got[0]["model"], ref["model"]) < 1e-4
+    assert max_state_diff(got[0]["optimizer"], ref["optimizer"]) < 1e-4

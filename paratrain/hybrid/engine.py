@@ -232,10 +232,11 @@ class Engine:
         micro_batches = split_batch(batch, self.micro_batch or _rows(batch))
         if self.pipeline is not None:
             totals += self._pipeline_pass(micro_batches, self.ctx.mesh.index("dp") * _rows(batch), train=False)
-        for micro in micro_batches if self.pipeline is None else []:
-            loss_sum, count = self._forward(to_device(micro, self.ctx.device), loss_fn)
-            totals[0] += loss_sum.double()
-            totals[1] += count
+        else:
+            for micro in micro_batches:
+                loss_sum, count = self._forward(to_device(micro, self.ctx.device), loss_fn)
+                totals[0] += loss_sum.double()
+                totals[1] += count
         if self._dp_group is not None:
             all_reduce(totals, self._dp_group)
         self.model.train()

@@ -34,7 +34,8 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from paratrain.comm.collectives import all_gather_async, all_reduce
+from paratrain.comm.collectives import all_reduce
+from paratrain.comm.regions import all_gather_along
 from paratrain.models.dropout import KeyedDropout
 from paratrain.models.gpt import VocabOutput
 from paratrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -76,13 +77,7 @@ class TensorParallelLayout:
         """The whole tensor of parameter `name` (or of state shaped like it) from this rank's slice:
         all-gathered along its split dim (collective over tp); replicated ones come back as they are."""
         dim = self.split_dims.get(name)
-        if dim is None:
-            return tensor
-        moved = tensor.detach().movedim(dim, 0).contiguous()
-        out = torch.empty((self.group.size * moved.shape[0], *moved.shape[1:]), dtype=moved.dtype,
-                          device=moved.device)
-        all_gather_async(out, moved, self.group).wait()
-        return out.movedim(0, dim).contiguous()
+        return tensor if dim is None else all_gather_along(tensor.detach(), self.group, dim)
 
     def local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the whole tensor of parameter `name` (the inverse of full)."""
