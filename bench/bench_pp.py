@@ -9,9 +9,10 @@ pp = 2 on 2 processes (one core each, so a rank's time is its own), a GPT with 8
 4 blocks | 4 blocks + head). Reported for each contender: median step time and the peak bytes of
 saved activations per stage over a step (paratrain.memory.ActivationMeter, the same meter for all);
 for paratrain also the measured bubble, 1 - sum of compute time / (p x step time), next to the
-formula ((p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (v m) of the ideal time for interleaved)
-and next to the simulator fed with each rank's measured mean time of each action kind (F, B, I, W),
-which accounts for unequal stages.
+formula (bench/bench_bubble.py's, for balanced stages) and to the replay: the simulator fed with every
+action's measured time and free messages, which accounts for the stages' inequality and the compute's
+jitter, so that measured - replayed is what communication and the executor add. --trace DIR writes
+each paratrain schedule's last step as a Chrome trace (chrome://tracing, ui.perfetto.dev).
 """
 
 from __future__ import annotations
@@ -105,13 +106,11 @@ def _contender(name: str, steps: int) -> dict:
                 measured.append(engine.pipeline.times)
     result = {"name": name, "step_s": statistics.median(times), "peak_mb": max(peaks) / 2**20}
     if measured:
-        compute = statistics.median(t.compute for t in measured)
-        total = statistics.median(t.total for t in measured)
         kinds: dict[str, list[float]] = {}
         for t in measured:
             for kind_name, seconds, count in t.by_kind:
                 kinds.setdefault(kind_name, []).append(seconds / count)
-        result.update(compute=compute, total=total, in_flight=measured[-1].peak_in_flight,
+        result.update(in_flight=measured[-1].peak_in_flight, timelines=measured,
                       kind_s={k: statistics.median(v) for k, v in kinds.items()})
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, result)
@@ -167,25 +166,21 @@ def _deepspeed(config):
 
 
 def _theory(schedule: str) -> float:
-    p, m = PP, MICROBATCHES
-    if schedule == "interleaved":
-        over_ideal = (p - 1) / (2 * m)
-        return over_ideal / (1 + over_ideal)
-    if schedule in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
-    return float("nan")
+    from bench.bench_bubble import formula
+
+    return formula(schedule, PP, MICROBATCHES)
 
 
-def _simulated(schedule: str, ranks: list[dict]) -> float:
-    """The simulator's bubble with each rank's measured mean time of each action kind (a chunk's
-    time x v for a whole stage): the schedule's bubble on these (unbalanced) stages."""
-    from paratrain.pipeline import program, simulate
+def _bubbles(schedule: str, ranks: list[dict]) -> tuple[float, float]:
+    """Median over steps of the measured bubble and of the replay's (every action's measured time,
+    free messages: the stages' inequality and the compute's jitter, without communication)."""
+    from paratrain.pipeline.timeline import measured_bubble, replay
 
     v = 2 if schedule == "interleaved" else 1
-    costs = [{kind: r["kind_s"].get(kind, 0.0) * v for kind in ("F", "B", "I", "W")} for r in ranks]
-    sim = simulate([program(schedule, PP, MICROBATCHES, r, v) for r in range(PP)], stages=PP,
-                   microbatches=MICROBATCHES, chunks=v, costs=costs)
-    return sim.bubble_fraction
+    steps = [[r["timelines"][s] for r in ranks] for s in range(len(ranks[0]["timelines"]))]
+    return (statistics.median(measured_bubble(times) for times in steps),
+            statistics.median(replay(times, schedule, microbatches=MICROBATCHES, chunks=v).bubble_fraction
+                              for times in steps))
 
 
 def main() -> None:
@@ -193,6 +188,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--only", nargs="+", default=CONTENDERS, choices=CONTENDERS)
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--trace", help="write each paratrain schedule's last step as a Chrome trace into this folder")
     args = parser.parse_args()
     try:
         import deepspeed  # noqa: F401
@@ -207,13 +203,18 @@ def main() -> None:
         step = max(r["step_s"] for r in ranks)
         line = f"{name:<24} step {step:6.3f} s   peak activations per stage " + \
             " / ".join(f"{r['peak_mb']:6.1f}" for r in ranks) + " MB"
-        if "compute" in ranks[0]:
+        if "timelines" in ranks[0]:
             schedule = name.split("-", 1)[1]
-            measured = 1 - sum(r["compute"] for r in ranks) / (PP * max(r["total"] for r in ranks))
-            result["bubble"] = {"measured": measured, "formula": _theory(schedule),
-                                "simulated": _simulated(schedule, ranks)}
-            line += (f"   bubble {measured:.3f} (formula {_theory(schedule):.3f}, simulated with measured "
-                     f"costs {result['bubble']['simulated']:.3f})   in flight " +
+            measured, replayed = _bubbles(schedule, ranks)
+            result["bubble"] = {"measured": measured, "formula": _theory(schedule), "replayed": replayed}
+            if args.trace:
+                from paratrain.pipeline.timeline import chrome_trace
+
+                Path(args.trace).mkdir(parents=True, exist_ok=True)
+                trace = chrome_trace([r["timelines"][-1] for r in ranks])
+                Path(args.trace, f"{name}.json").write_text(json.dumps(trace))
+            line += (f"   bubble {measured:.3f} (formula {_theory(schedule):.3f}, replayed "
+                     f"{replayed:.3f})   in flight " +
                      " / ".join(str(r["in_flight"]) for r in ranks) + "   ms per action " +
                      " / ".join(", ".join(f"{k} {v * 1000:.0f}" for k, v in r["kind_s"].items()) for r in ranks))
         print(line, flush=True)
@@ -227,6 +228,9 @@ def main() -> None:
             print(f"paratrain / {peer_name}: step time x{a / b:.2f}, peak activations "
                   f"stage 0 x{ours['ranks'][0]['peak_mb'] / peer['ranks'][0]['peak_mb']:.2f}")
     if args.json:
+        for result in results:
+            for r in result["ranks"]:
+                r.pop("timelines", None)
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
 
 

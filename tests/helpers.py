@@ -56,7 +56,8 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
             "model": {k: v.clone() for k, v in state["model"].items()}, "optimizer": optimizer,
             "memory": engine.memory_report(),
             "launched_during_backward": getattr(engine.grads, "launched_during_backward", None),
-            "buckets": len(getattr(engine.grads, "buckets", getattr(engine.grads, "groups", [])))}
+            "buckets": len(getattr(engine.grads, "buckets", getattr(engine.grads, "groups", []))),
+            "timeline": engine.pipeline.times if engine.pipeline is not None else None}
 
 
 def rel_diff(a: list[float], b: list[float]) -> float:

@@ -10,10 +10,14 @@ Per action:
     B                 the chunk's backward from the received gradient (the last chunk: from the loss)
     I / W             zero bubble: the input gradient only (graph kept), later the weight gradients
 
-Consecutive communication actions go out as batches of point-to-point operations
-(torch.distributed.batch_isend_irecv, gloo and NCCL): first every send of the run, then every
-receive. Posting sends before the receives that precede them in the program only removes waits,
-so a program the simulator accepts cannot deadlock here.
+Consecutive communication actions go out as batches of point-to-point operations: first every
+send of the run, then every receive; on NCCL as one grouped launch (batch_isend_irecv), on gloo,
+which runs each operation on its own anyway, one by one (35 instead of 110-150 us of host time per
+operation, measured). Posting sends before the receives that precede them in the program only
+removes waits, so a program the simulator accepts cannot deadlock here.
+
+Every step leaves its timeline in `times` (StepTimes.events): paratrain.pipeline.timeline turns it
+into the measured bubble, a replay in the simulator and a Chrome trace.
 
 The first activation sent across each chunk boundary in a step is preceded by a small header with
 its shape and dtype (micro-batches of a step have one shape). Gradients need none: the receiver
@@ -57,6 +61,13 @@ class StepTimes:
     """(action kind, seconds, count) of the compute actions."""
     peak_in_flight: int = 0
     """Most micro-batch chunks whose activations were kept at once."""
+    started: float = 0.0
+    """time.perf_counter() when the step began (CLOCK_MONOTONIC: comparable between the processes of
+    one host, not across hosts)."""
+    events: tuple[tuple[str, int, int, float, float], ...] = ()
+    """(kind, chunk, micro-batch, start, end) in seconds from the step's start: every compute action,
+    and every wait for a receive ("WAIT_F" / "WAIT_B", "WAIT_HEADER" for a boundary's shape): the
+    step's timeline on this rank."""
 
 
 @dataclass
@@ -89,6 +100,9 @@ class PipelineExecutor:
         self.stages, self.rank = group.size, group.index
         self.last_chunk = self.stages * chunks - 1
         self.times = StepTimes()
+        self._events: list[tuple[str, int, int, float, float]] = []
+        self._started = 0.0
+        self._grouped = dist.get_backend(group.pg) == "nccl"
         self._programs: dict[int, list[Action]] = {}
         # Zero bubble: W from each parameter-holding module's output gradient (captured during I)
         # runs only the weight-gradient ops; otherwise W walks the whole chunk again.
@@ -131,6 +145,8 @@ class PipelineExecutor:
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         started, compute = time.perf_counter(), 0.0
         by_kind: dict[str, list[float]] = {}
+        self._events: list[tuple[str, int, int, float, float]] = []
+        self._started = started
         peak = 0
         i = 0
         while i < len(prog):
@@ -155,7 +171,9 @@ class PipelineExecutor:
                 loss_total += self._forward(action, micro_batches, step, loss_scale, train)
             else:
                 self._backward(action, step)
-            elapsed = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            elapsed = t1 - t0
+            self._events.append((action.kind, action.chunk, action.mb, t0 - started, t1 - started))
             compute += elapsed
             by_kind.setdefault(action.kind, []).append(elapsed)
             peak = max(peak, len(step.outputs))
@@ -165,7 +183,7 @@ class PipelineExecutor:
             work.wait()
         self.times = StepTimes(compute=compute, total=time.perf_counter() - started,
                                by_kind=tuple((k, sum(v), len(v)) for k, v in sorted(by_kind.items())),
-                               peak_in_flight=peak)
+                               peak_in_flight=peak, started=started, events=tuple(self._events))
         return loss_total
 
     # ---- compute ----------------------------------------------------------------------------
@@ -251,7 +269,7 @@ class PipelineExecutor:
                 sends.append(dist.P2POp(dist.isend, step.inputs.pop(key).contiguous(), to, group.pg))
                 freeable.append(None)
         if sends:
-            step.pending_sends.extend(zip(dist.batch_isend_irecv(sends), freeable))
+            step.pending_sends.extend(zip(self._post(sends), freeable))
         receives = [a for a in actions if a.kind.startswith("RECV")]
         headers = []
         for action in receives:
@@ -263,8 +281,11 @@ class PipelineExecutor:
                 step.shapes_received[action.chunk - 1] = (torch.Size(), torch.float32)  # filled below
         if headers:
             ops = [dist.P2POp(dist.irecv, b, group.ranks[peer(a, self.stages)], group.pg) for a, b in headers]
-            for work in dist.batch_isend_irecv(ops):
+            t0 = time.perf_counter()
+            for work in self._post(ops):
                 work.wait()
+            self._events.append(("WAIT_HEADER", headers[0][0].chunk, 0, t0 - self._started,
+                                 time.perf_counter() - self._started))
             for action, buffer in headers:
                 step.shapes_received[action.chunk - 1] = _parse(buffer)
         ahead = []
@@ -285,16 +306,24 @@ class PipelineExecutor:
             ops.append(dist.P2POp(dist.irecv, buffer, group.ranks[peer(action, self.stages)], group.pg))
             buffers.append((action, buffer))
         if ops:
-            for (action, buffer), work in zip(buffers, dist.batch_isend_irecv(ops)):
+            for (action, buffer), work in zip(buffers, self._post(ops)):
                 step.posted[action] = (work, buffer)
         for action in receives:
             work, buffer = step.posted.pop(action)
+            t0 = time.perf_counter()
             work.wait()
+            self._events.append(("WAIT_" + action.kind[-1], action.chunk, action.mb, t0 - self._started,
+                                 time.perf_counter() - self._started))
             key = (action.chunk, action.mb)
             if action.kind == "RECV_F":
                 step.inputs[key] = buffer.requires_grad_(buffer.is_floating_point())
             else:
                 step.grads[key] = buffer
+
+    def _post(self, ops: list[dist.P2POp]) -> list[dist.Work]:
+        if self._grouped:
+            return dist.batch_isend_irecv(ops)
+        return [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
 
     @staticmethod
     def _free_sent(step: _Step) -> None:

@@ -89,11 +89,18 @@ def _check_matching(programs: list[list[Action]], stages: int) -> None:
 
 
 def simulate(programs: list[list[Action]], *, stages: int, microbatches: int, chunks: int = 1,
-             costs: Mapping[str, float] | Sequence[Mapping[str, float]] = DEFAULT_COSTS) -> Simulation:
+             costs: Mapping[str, float] | Sequence[Mapping[str, float]] = DEFAULT_COSTS,
+             durations: Sequence[Mapping[tuple[str, int, int], float]] | None = None,
+             latency: float = 0.0) -> Simulation:
     """Check the programs of all ranks (see the module doc) and run them in simulated time.
     costs: time of each action kind for a whole stage, the same on every rank or one mapping per rank
-    (unbalanced stages); a chunk of the interleaved schedule costs 1 / chunks of it."""
+    (unbalanced stages); a chunk of the interleaved schedule costs 1 / chunks of it.
+    durations: instead, each rank's time of each compute action, (kind, chunk, micro-batch) -> time
+    (a replay of measured actions, paratrain.pipeline.timeline).
+    latency: time a message takes from its send to its receiver (0: free communication)."""
     per_rank = [costs] * stages if isinstance(costs, Mapping) else list(costs)
+    if durations is not None and len(durations) != stages:
+        raise ScheduleError(f"durations for {len(durations)} ranks, {stages} stages")
     if len(programs) != stages:
         raise ScheduleError(f"{len(programs)} programs for {stages} stages")
     _check_coverage(programs, stages, chunks, microbatches)
@@ -115,11 +122,12 @@ def simulate(programs: list[list[Action]], *, stages: int, microbatches: int, ch
                         break
                     clock[r] = max(clock[r], sent[key])
                 elif a.kind == "SEND_F":
-                    sent[("F", a.chunk + 1, a.mb)] = clock[r]
+                    sent[("F", a.chunk + 1, a.mb)] = clock[r] + latency
                 elif a.kind == "SEND_B":
-                    sent[("B", a.chunk - 1, a.mb)] = clock[r]
+                    sent[("B", a.chunk - 1, a.mb)] = clock[r] + latency
                 else:
-                    cost = per_rank[r][a.kind] / chunks
+                    cost = (per_rank[r][a.kind] / chunks if durations is None
+                            else durations[r][(a.kind, a.chunk, a.mb)])
                     clock[r] += cost
                     busy[r] += cost
                     if a.kind == "F":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from paratrain.pipeline import program
+from paratrain.pipeline.timeline import replay
 from tests.helpers import assert_matches_reference, max_state_diff, ranked_run, reference_run, rel_diff, tiny_run
 
 STEPS = 10
@@ -28,6 +30,12 @@ def test_every_schedule_matches_single_process(pools, pp, schedule):
     # grad norm: float32 gradients accumulated over 8 micro-batches instead of one batch differ by a few
     # 1e-4 at the steps where Adam amplifies the rounding; float64 (below) shows the norm is exact
     assert_matches_reference(got, ref, norm_tol=1e-3)  # the whole model, gathered over stages
+    # the last step's timeline: every compute action of the program, in its order, and the replay
+    times = [r["timeline"] for r in got]
+    for rank, t in enumerate(times):
+        ran = [(kind, chunk, mb) for kind, chunk, mb, *_ in t.events if not kind.startswith("WAIT")]
+        assert ran == [(a.kind, a.chunk, a.mb) for a in program(schedule, pp, 8, rank, v) if a.kind in ("F", "B", "I", "W")]
+    assert 0 < replay(times, schedule, microbatches=8, chunks=v).makespan <= max(t.total for t in times)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "zero-bubble"])

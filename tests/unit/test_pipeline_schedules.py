@@ -46,6 +46,32 @@ def test_zero_bubble_beats_1f1b_with_its_memory(p, m):
     assert all("B" not in {a.kind for a in program("zero-bubble", p, m, r)} for r in range(p))
 
 
+@pytest.mark.parametrize("p,m", [(p, m) for p, m in CASES if m >= p > 1])
+@pytest.mark.parametrize("f,i,w", [(1.0, 1.0, 1.0), (1.0, 1.5, 0.7), (0.6, 1.2, 1.9)])
+def test_zero_bubble_idles_f_plus_i_per_stage_boundary(p, m, f, i, w):
+    """With 1F1B's per-stage memory bound, each rank idles (p - 1)(F + I): 1F1B's (p - 1)(F + I + W)
+    less the weight gradients moved into it (the order is built with equal costs and holds for others)."""
+    costs = {"F": f, "I": i, "W": w, "B": i + w}
+    sim = simulate([program("zero-bubble", p, m, r) for r in range(p)], stages=p, microbatches=m, costs=costs)
+    assert sim.makespan == pytest.approx(m * (f + i + w) + (p - 1) * (f + i), abs=1e-9)
+
+
+def test_replay_with_measured_durations_and_latency():
+    """durations replace the per-kind costs action by action; latency delays every message."""
+    p, m = 2, 4
+    programs = [program("1f1b", p, m, r) for r in range(p)]
+    uniform = [{(k, c, mb): cost for k, cost in (("F", 1.0), ("B", 2.0)) for c in range(p) for mb in range(m)}] * p
+    base = simulate(programs, stages=p, microbatches=m, durations=uniform)
+    assert base.makespan == simulate(programs, stages=p, microbatches=m).makespan == 15.0
+    slow = [dict(uniform[0]), uniform[1]]
+    slow[0][("B", 0, 3)] = 5.0  # the last backward of stage 0 is on the critical path
+    assert simulate(programs, stages=p, microbatches=m, durations=slow).makespan == 18.0
+    # 1F1B at p = 2 has no slack: worked by hand, its critical path crosses the stage boundary m times
+    assert simulate(programs, stages=p, microbatches=m, latency=0.1).makespan == pytest.approx(15.0 + 0.1 * m)
+    with pytest.raises(ScheduleError, match="durations for 1 ranks, 2 stages"):
+        simulate(programs, stages=p, microbatches=m, durations=uniform[:1])
+
+
 def test_invalid_schedules_are_refused_with_the_reason():
     with pytest.raises(ScheduleError, match=r"micro-batches \(6\) must be a multiple of it; use 4 or 8"):
         check_schedule("interleaved", 4, 6, 2)
@@ -71,3 +97,21 @@ def test_simulator_finds_deadlocks_and_misordered_messages():
     # a backward before its forward
     with pytest.raises(ScheduleError, match="comes before F0.0"):
         simulate([[Action("B", 0, 0), Action("F", 0, 0)]], stages=1, microbatches=1)
+
+
+def test_timeline_measures_replays_and_traces_a_step():
+    """A hand-made 1F1B step at p = 2, m = 1: rank 1 waits for the activation, rank 0 for the gradient."""
+    from paratrain.pipeline.runtime import StepTimes
+    from paratrain.pipeline.timeline import chrome_trace, measured_bubble, replay
+
+    rank0 = StepTimes(compute=3.0, total=6.5, events=(("F", 0, 0, 0.0, 1.0), ("WAIT_B", 0, 0, 1.0, 4.5),
+                                                      ("B", 0, 0, 4.5, 6.5)))
+    rank1 = StepTimes(compute=3.0, total=4.5, events=(("WAIT_F", 1, 0, 0.0, 1.5), ("F", 1, 0, 1.5, 2.5),
+                                                      ("B", 1, 0, 2.5, 4.5)))
+    assert measured_bubble([rank0, rank1]) == pytest.approx(1 - 6.0 / (2 * 6.5))
+    sim = replay([rank0, rank1], "1f1b", microbatches=1)
+    assert sim.makespan == pytest.approx(6.0)  # the same actions with free messages
+    assert replay([rank0, rank1], "1f1b", microbatches=1, latency=0.25).makespan == pytest.approx(6.5)
+    trace = chrome_trace([rank0, rank1])["traceEvents"]
+    assert [(e["tid"], e["name"], e["cat"]) for e in trace[:2]] == [(0, "F 0.0", "compute"), (0, "WAIT_B 0.0", "wait")]
+    assert trace[-1]["ts"] == pytest.approx(2.5e6) and trace[-1]["dur"] == pytest.approx(2e6)
