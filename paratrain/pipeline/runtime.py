@@ -19,9 +19,10 @@ removes waits, so a program the simulator accepts cannot deadlock here.
 Every step leaves its timeline in `times` (StepTimes.events): paratrain.pipeline.timeline turns it
 into the measured bubble, a replay in the simulator and a Chrome trace.
 
-The first activation sent across each chunk boundary in a step is preceded by a small header with
-its shape and dtype (micro-batches of a step have one shape). Gradients need none: the receiver
-knows the shape of its own output.
+The first activation sent across each chunk boundary is preceded by a small header with its shape
+and dtype, once per micro-batch shape (micro-batches of a step have one shape, and a chunk's output
+shape must follow from it: the sender checks). Gradients need none: the receiver knows the shape of
+its own output.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import functools
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,6 +49,10 @@ LossOnOutput = Callable[[StageModel, torch.Tensor, torch.Tensor], tuple[torch.Te
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64]
 _HEADER = 10
+_AHEAD = 4
+"""gloo: receives posted ahead of need (beyond the current run's). gloo moves a message only once
+its receive is posted (a late receive costs a round trip, 0.4-0.75 ms measured); NCCL takes only
+the next run's, since a posted receive holds up its stream."""
 _ENGINE = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
 
 
@@ -74,21 +79,25 @@ class StepTimes:
 class _Step:
     """What one step keeps per (chunk, micro-batch)."""
 
-    inputs: dict[tuple[int, int], torch.Tensor]
+    receives: list[Action]
+    """The program's receives, in order; posted up to `next_post`, waited for up to `consumed`."""
+    next_post: int = 0
+    consumed: int = 0
+    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     """Received activations (leaves that collect their gradient), then that gradient to send back."""
-    outputs: dict[tuple[int, int], torch.Tensor]
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     """Chunk outputs (the scaled loss for the last chunk), kept for backward."""
-    shapes: dict[tuple[int, int], tuple[torch.Size, torch.dtype]]
-    grads: dict[tuple[int, int], torch.Tensor]
+    shapes: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = field(default_factory=dict)
+    grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     """Received output gradients; under zero bubble, kept from I for W."""
-    pending_sends: list[tuple[dist.Work, torch.Tensor | None]]
-    headers_sent: set[int]
-    shapes_received: dict[int, tuple[torch.Size, torch.dtype]]
-    posted: dict[Action, tuple[dist.Work, torch.Tensor]]
+    pending_sends: list[tuple[dist.Work, torch.Tensor | None]] = field(default_factory=list)
+    headers_sent: set[int] = field(default_factory=set)
+    shapes_received: dict[int, tuple[torch.Size, torch.dtype]] = field(default_factory=dict)
+    posted: dict[Action, tuple[dist.Work, torch.Tensor]] = field(default_factory=dict)
     """Receives posted ahead of their action, so the transfer overlaps the compute before it."""
-    module_outputs: dict[tuple[int, int], list[tuple[nn.Module, torch.Tensor]]]
+    module_outputs: dict[tuple[int, int], list[tuple[nn.Module, torch.Tensor]]] = field(default_factory=dict)
     """Zero bubble: outputs of the parameter-holding modules of a forward."""
-    weight_grads: dict[tuple[int, int], list[tuple[nn.Module, torch.Tensor, torch.Tensor]]]
+    weight_grads: dict[tuple[int, int], list[tuple[nn.Module, torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     """Zero bubble: (module, its output, that output's gradient from I), for W."""
 
 
@@ -103,6 +112,10 @@ class PipelineExecutor:
         self._events: list[tuple[str, int, int, float, float]] = []
         self._started = 0.0
         self._grouped = dist.get_backend(group.pg) == "nccl"
+        self._boundary_shapes: dict[tuple[int, tuple[Any, ...]], tuple[torch.Size, torch.dtype]] = {}
+        """(sending chunk, micro-batch input shape, dtype, train) -> that chunk's output shape and dtype:
+        the header goes once per boundary and micro-batch shape, not once per step."""
+        self._input_key: tuple[Any, ...] = ()
         self._programs: dict[int, list[Action]] = {}
         # Zero bubble: W from each parameter-holding module's output gradient (captured during I)
         # runs only the weight-gradient ops; otherwise W walks the whole chunk again.
@@ -141,7 +154,15 @@ class PipelineExecutor:
         prog = self.program(len(micro_batches)) if train else self.forward_program(len(micro_batches))
         self._forward_context = forward_context
         rows = micro_batches[0][0].shape[0]
-        step = _Step({}, {}, {}, {}, [], set(), {}, {}, {}, {})
+        step = _Step(receives=[a for a in prog if a.kind.startswith("RECV")])
+        # boundaries whose activation shape is known from an earlier step with micro-batches of this shape
+        self._input_key = (tuple(micro_batches[0][0].shape), micro_batches[0][0].dtype, train)
+        for (chunk, input_key), known in self._boundary_shapes.items():
+            if input_key == self._input_key:
+                if chunk in self.stage.chunks:
+                    step.headers_sent.add(chunk)
+                else:
+                    step.shapes_received[chunk] = known
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         started, compute = time.perf_counter(), 0.0
         by_kind: dict[str, list[float]] = {}
@@ -154,14 +175,17 @@ class PipelineExecutor:
                 j = i
                 while j < len(prog) and prog[j].kind.startswith(("RECV", "SEND")):
                     j += 1
-                k = j
-                while k < len(prog) and not prog[k].kind.startswith(("RECV", "SEND")):
-                    k += 1
-                upcoming = []
-                while k < len(prog) and prog[k].kind.startswith(("RECV", "SEND")):
-                    upcoming.append(prog[k])
-                    k += 1
-                self._communicate(prog[i:j], step, upcoming)
+                post_until = step.consumed + sum(a.kind.startswith("RECV") for a in prog[i:j])
+                if self._grouped:  # and the next run's receives
+                    k = j
+                    while k < len(prog) and not prog[k].kind.startswith(("RECV", "SEND")):
+                        k += 1
+                    while k < len(prog) and prog[k].kind.startswith(("RECV", "SEND")):
+                        post_until += prog[k].kind.startswith("RECV")
+                        k += 1
+                else:
+                    post_until = max(post_until, step.consumed + _AHEAD)
+                self._communicate(prog[i:j], step, min(post_until, len(step.receives)))
                 i = j
                 continue
             action = prog[i]
@@ -246,9 +270,10 @@ class PipelineExecutor:
             step.grads[key] = grad  # W falls back to the whole chunk from this
 
     # ---- point-to-point ---------------------------------------------------------------------
-    def _communicate(self, actions: list[Action], step: _Step, upcoming: list[Action]) -> None:
-        """Post this run's sends, then its receives (and, ahead, the next run's receives whose shape
-        is known, in program order), and wait for this run's receives."""
+    def _communicate(self, actions: list[Action], step: _Step, post_until: int) -> None:
+        """Post this run's sends, then its receives and, ahead, later ones up to `post_until` (an
+        index into the program's receives) whose shape is known, in program order; wait for this
+        run's receives."""
         group = self.group
         sends: list[dist.P2POp] = []
         freeable: list[torch.Tensor | None] = []
@@ -259,10 +284,17 @@ class PipelineExecutor:
             key = (action.chunk, action.mb)
             if action.kind == "SEND_F":
                 out = step.outputs[key]
+                boundary = (action.chunk, self._input_key)
                 if action.chunk not in step.headers_sent:
                     step.headers_sent.add(action.chunk)
+                    self._boundary_shapes[boundary] = (out.shape, out.dtype)
                     sends.append(dist.P2POp(dist.isend, _header(out), to, group.pg))
                     freeable.append(None)
+                elif self._boundary_shapes.get(boundary, (out.shape, out.dtype)) != (out.shape, out.dtype):
+                    raise RuntimeError(
+                        f"pipeline chunk {action.chunk} sent {tuple(out.shape)} {out.dtype}, but "
+                        f"{self._boundary_shapes[boundary]} before for micro-batches of the same shape "
+                        f"{self._input_key[0]}: a chunk's output shape must follow from its micro-batch's")
                 sends.append(dist.P2POp(dist.isend, out.detach(), to, group.pg))
                 freeable.append(out if _result_not_saved(out) else None)
             else:
@@ -273,11 +305,8 @@ class PipelineExecutor:
         receives = [a for a in actions if a.kind.startswith("RECV")]
         headers = []
         for action in receives:
-            if action in step.posted:
-                continue
             if action.kind == "RECV_F" and action.chunk - 1 not in step.shapes_received:
-                buffer = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-                headers.append((action, buffer))
+                headers.append((action, torch.zeros(_HEADER, dtype=torch.int64, device=self.device)))
                 step.shapes_received[action.chunk - 1] = (torch.Size(), torch.float32)  # filled below
         if headers:
             ops = [dist.P2POp(dist.irecv, b, group.ranks[peer(a, self.stages)], group.pg) for a, b in headers]
@@ -288,23 +317,17 @@ class PipelineExecutor:
                                  time.perf_counter() - self._started))
             for action, buffer in headers:
                 step.shapes_received[action.chunk - 1] = _parse(buffer)
-        ahead = []
-        for action in upcoming:  # a prefix: receives must be posted in program order
-            if not action.kind.startswith("RECV"):
-                continue
-            known = (action.chunk - 1 in step.shapes_received if action.kind == "RECV_F"
-                     else (action.chunk, action.mb) in step.shapes)
-            if not known:
-                break
-            ahead.append(action)
-        to_post = [a for a in receives if a not in step.posted] + ahead
+                self._boundary_shapes[(action.chunk - 1, self._input_key)] = step.shapes_received[action.chunk - 1]
         ops, buffers = [], []
-        for action in to_post:
-            key = (action.chunk, action.mb)
-            shape, dtype = step.shapes_received[action.chunk - 1] if action.kind == "RECV_F" else step.shapes[key]
-            buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        while step.next_post < post_until:  # in program order: point-to-point messages match in order
+            action = step.receives[step.next_post]
+            known = self._receive_shape(action, step)
+            if known is None:  # later receives wait for the forward that tells their shape
+                break
+            buffer = torch.empty(known[0], dtype=known[1], device=self.device)
             ops.append(dist.P2POp(dist.irecv, buffer, group.ranks[peer(action, self.stages)], group.pg))
             buffers.append((action, buffer))
+            step.next_post += 1
         if ops:
             for (action, buffer), work in zip(buffers, self._post(ops)):
                 step.posted[action] = (work, buffer)
@@ -319,6 +342,13 @@ class PipelineExecutor:
                 step.inputs[key] = buffer.requires_grad_(buffer.is_floating_point())
             else:
                 step.grads[key] = buffer
+        step.consumed += len(receives)
+
+    def _receive_shape(self, action: Action, step: _Step) -> tuple[torch.Size, torch.dtype] | None:
+        """An activation's from its boundary's header; a gradient's from the output it belongs to."""
+        if action.kind == "RECV_F":
+            return step.shapes_received.get(action.chunk - 1)
+        return step.shapes.get((action.chunk, action.mb)) or self._boundary_shapes.get((action.chunk, self._input_key))
 
     def _post(self, ops: list[dist.P2POp]) -> list[dist.Work]:
         if self._grouped:
