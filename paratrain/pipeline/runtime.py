@@ -49,6 +49,8 @@ LossOnOutput = Callable[[StageModel, torch.Tensor, torch.Tensor], tuple[torch.Te
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64]
 _HEADER = 10
+_Op = tuple[bool, torch.Tensor, int]
+"""A point-to-point operation: (send, not receive; the tensor; the peer's index in the pp group)."""
 _AHEAD = 4
 """gloo: receives posted ahead of need (beyond the current run's). gloo moves a message only once
 its receive is posted (a late receive costs a round trip, 0.4-0.75 ms measured); NCCL takes only
@@ -274,13 +276,12 @@ class PipelineExecutor:
         """Post this run's sends, then its receives and, ahead, later ones up to `post_until` (an
         index into the program's receives) whose shape is known, in program order; wait for this
         run's receives."""
-        group = self.group
-        sends: list[dist.P2POp] = []
+        sends: list[_Op] = []
         freeable: list[torch.Tensor | None] = []
         for action in actions:
             if not action.kind.startswith("SEND"):
                 continue
-            to = group.ranks[peer(action, self.stages)]
+            to = peer(action, self.stages)
             key = (action.chunk, action.mb)
             if action.kind == "SEND_F":
                 out = step.outputs[key]
@@ -288,17 +289,17 @@ class PipelineExecutor:
                 if action.chunk not in step.headers_sent:
                     step.headers_sent.add(action.chunk)
                     self._boundary_shapes[boundary] = (out.shape, out.dtype)
-                    sends.append(dist.P2POp(dist.isend, _header(out), to, group.pg))
+                    sends.append((True, _header(out), to))
                     freeable.append(None)
                 elif self._boundary_shapes.get(boundary, (out.shape, out.dtype)) != (out.shape, out.dtype):
                     raise RuntimeError(
                         f"pipeline chunk {action.chunk} sent {tuple(out.shape)} {out.dtype}, but "
                         f"{self._boundary_shapes[boundary]} before for micro-batches of the same shape "
                         f"{self._input_key[0]}: a chunk's output shape must follow from its micro-batch's")
-                sends.append(dist.P2POp(dist.isend, out.detach(), to, group.pg))
+                sends.append((True, out.detach(), to))
                 freeable.append(out if _result_not_saved(out) else None)
             else:
-                sends.append(dist.P2POp(dist.isend, step.inputs.pop(key).contiguous(), to, group.pg))
+                sends.append((True, step.inputs.pop(key).contiguous(), to))
                 freeable.append(None)
         if sends:
             step.pending_sends.extend(zip(self._post(sends), freeable))
@@ -309,7 +310,7 @@ class PipelineExecutor:
                 headers.append((action, torch.zeros(_HEADER, dtype=torch.int64, device=self.device)))
                 step.shapes_received[action.chunk - 1] = (torch.Size(), torch.float32)  # filled below
         if headers:
-            ops = [dist.P2POp(dist.irecv, b, group.ranks[peer(a, self.stages)], group.pg) for a, b in headers]
+            ops: list[_Op] = [(False, b, peer(a, self.stages)) for a, b in headers]
             t0 = time.perf_counter()
             for work in self._post(ops):
                 work.wait()
@@ -318,14 +319,14 @@ class PipelineExecutor:
             for action, buffer in headers:
                 step.shapes_received[action.chunk - 1] = _parse(buffer)
                 self._boundary_shapes[(action.chunk - 1, self._input_key)] = step.shapes_received[action.chunk - 1]
-        ops, buffers = [], []
+        ops, buffers = [], []  # type: ignore[var-annotated]
         while step.next_post < post_until:  # in program order: point-to-point messages match in order
             action = step.receives[step.next_post]
             known = self._receive_shape(action, step)
             if known is None:  # later receives wait for the forward that tells their shape
                 break
             buffer = torch.empty(known[0], dtype=known[1], device=self.device)
-            ops.append(dist.P2POp(dist.irecv, buffer, group.ranks[peer(action, self.stages)], group.pg))
+            ops.append((False, buffer, peer(action, self.stages)))
             buffers.append((action, buffer))
             step.next_post += 1
         if ops:
@@ -350,10 +351,13 @@ class PipelineExecutor:
             return step.shapes_received.get(action.chunk - 1)
         return step.shapes.get((action.chunk, action.mb)) or self._boundary_shapes.get((action.chunk, self._input_key))
 
-    def _post(self, ops: list[dist.P2POp]) -> list[dist.Work]:
+    def _post(self, ops: list[_Op]) -> list[dist.Work]:
+        pg = self.group.pg
         if self._grouped:
-            return dist.batch_isend_irecv(ops)
-        return [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
+            return dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, tensor, self.group.ranks[to], pg)
+                                           for send, tensor, to in ops])
+        # the process group's own calls: torch.distributed.isend's checks cost as much as gloo's send
+        return [pg.send([tensor], to, 0) if send else pg.recv([tensor], to, 0) for send, tensor, to in ops]
 
     @staticmethod
     def _free_sent(step: _Step) -> None:
