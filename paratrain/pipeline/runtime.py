@@ -68,9 +68,6 @@ class StepTimes:
     """(action kind, seconds, count) of the compute actions."""
     peak_in_flight: int = 0
     """Most micro-batch chunks whose activations were kept at once."""
-    started: float = 0.0
-    """time.perf_counter() when the step began (CLOCK_MONOTONIC: comparable between the processes of
-    one host, not across hosts)."""
     events: tuple[tuple[str, int, int, float, float], ...] = ()
     """(kind, chunk, micro-batch, start, end) in seconds from the step's start: every compute action,
     and every wait for a receive ("WAIT_F" / "WAIT_B", "WAIT_HEADER" for a boundary's shape): the
@@ -168,7 +165,7 @@ class PipelineExecutor:
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         started, compute = time.perf_counter(), 0.0
         by_kind: dict[str, list[float]] = {}
-        self._events: list[tuple[str, int, int, float, float]] = []
+        self._events = []
         self._started = started
         peak = 0
         i = 0
@@ -209,7 +206,7 @@ class PipelineExecutor:
             work.wait()
         self.times = StepTimes(compute=compute, total=time.perf_counter() - started,
                                by_kind=tuple((k, sum(v), len(v)) for k, v in sorted(by_kind.items())),
-                               peak_in_flight=peak, started=started, events=tuple(self._events))
+                               peak_in_flight=peak, events=tuple(self._events))
         return loss_total
 
     # ---- compute ----------------------------------------------------------------------------
@@ -310,16 +307,16 @@ class PipelineExecutor:
                 headers.append((action, torch.zeros(_HEADER, dtype=torch.int64, device=self.device)))
                 step.shapes_received[action.chunk - 1] = (torch.Size(), torch.float32)  # filled below
         if headers:
-            ops: list[_Op] = [(False, b, peer(a, self.stages)) for a, b in headers]
             t0 = time.perf_counter()
-            for work in self._post(ops):
+            for work in self._post([(False, b, peer(a, self.stages)) for a, b in headers]):
                 work.wait()
             self._events.append(("WAIT_HEADER", headers[0][0].chunk, 0, t0 - self._started,
                                  time.perf_counter() - self._started))
             for action, buffer in headers:
                 step.shapes_received[action.chunk - 1] = _parse(buffer)
                 self._boundary_shapes[(action.chunk - 1, self._input_key)] = step.shapes_received[action.chunk - 1]
-        ops, buffers = [], []  # type: ignore[var-annotated]
+        ops: list[_Op] = []
+        buffers: list[tuple[Action, torch.Tensor]] = []
         while step.next_post < post_until:  # in program order: point-to-point messages match in order
             action = step.receives[step.next_post]
             known = self._receive_shape(action, step)
@@ -354,8 +351,8 @@ class PipelineExecutor:
     def _post(self, ops: list[_Op]) -> list[dist.Work]:
         pg = self.group.pg
         if self._grouped:
-            return dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, tensor, self.group.ranks[to], pg)
-                                           for send, tensor, to in ops])
+            return dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, tensor,
+                                                      self.group.ranks[to], pg) for send, tensor, to in ops])
         # the process group's own calls: torch.distributed.isend's checks cost as much as gloo's send
         return [pg.send([tensor], to, 0) if send else pg.recv([tensor], to, 0) for send, tensor, to in ops]
 
