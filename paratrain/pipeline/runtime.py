@@ -52,9 +52,9 @@ _HEADER = 10
 _Op = tuple[bool, torch.Tensor, int]
 """A point-to-point operation: (send, not receive; the tensor; the peer's index in the pp group)."""
 _AHEAD = 4
-"""gloo: receives posted ahead of need (beyond the current run's). gloo moves a message only once
-its receive is posted (a late receive costs a round trip, 0.4-0.75 ms measured); NCCL takes only
-the next run's, since a posted receive holds up its stream."""
+"""gloo: receives posted ahead of need (beyond the current run's): a receive posted after its
+message was sent still takes 0.4-0.75 ms to complete (measured: a round trip, not a copy). NCCL
+takes only the next run's, since a posted receive holds up its stream."""
 _ENGINE = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
 
 
