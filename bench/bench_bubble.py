@@ -96,18 +96,17 @@ def _contender(schedule: str, pp: int, unit: float, steps: int) -> dict:
     replays = [replay(times, schedule, microbatches=MICROBATCHES, chunks=v).bubble_fraction for times in per_step]
     with_latency = [replay(times, schedule, microbatches=MICROBATCHES, chunks=v, latency=latency).bubble_fraction
                     for times in per_step]
-    kinds: list[dict[str, list[float]]] = [{} for _ in range(pp)]
+    per_kind: list[dict[str, list[float]]] = [{} for _ in range(pp)]
     for times in per_step:
-        for r, t in enumerate(times):
+        for rank, t in enumerate(times):
             for kind, _, _, start, end in t.events:
-                kinds[r].setdefault(kind, []).append(end - start)
-    ms = [{k: round(1000 * statistics.mean(v), 2) for k, v in sorted(k.items())} for k in kinds]
-    between = [round(1000 * statistics.median(times[r].total - sum(e - s for *_, s, e in times[r].events)
-                                             for times in per_step), 2) for r in range(pp)]
-    return {"schedule": schedule, "pp": pp, "measured": statistics.median(bubbles), "latency_ms": latency * 1000,
-            "replayed_with_latency": statistics.median(with_latency), "ms_per_action": ms, "ms_between_actions": between,
-            "replayed": statistics.median(replays), "step_s": statistics.median(max(t.total for t in times)
-                                                                                  for times in per_step)}
+                per_kind[rank].setdefault(kind, []).append(end - start)
+    ms_per_action = [{kind: round(1000 * statistics.mean(spans), 2) for kind, spans in sorted(kinds.items())}
+                     for kinds in per_kind]
+    return {"schedule": schedule, "pp": pp, "measured": statistics.median(bubbles),
+            "replayed": statistics.median(replays), "replayed_with_latency": statistics.median(with_latency),
+            "latency_ms": latency * 1000, "ms_per_action": ms_per_action,
+            "step_s": statistics.median(max(t.total for t in times) for times in per_step)}
 
 
 def _latency(group, message) -> float:

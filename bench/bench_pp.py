@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.world import run_world  # noqa: E402
+from bench.world import run_world, without_missing  # noqa: E402
 
 MODEL = {"vocab_size": 256, "seq_len": 128, "n_layer": 8, "n_head": 4, "d_model": 256}
 MICRO, MICROBATCHES, PP = 2, 8, 2
@@ -190,11 +190,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--trace", help="write each paratrain schedule's last step as a Chrome trace into this folder")
     args = parser.parse_args()
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
-        print("DeepSpeed is not installed: its contender is skipped (see bench/bench_zero.py's docstring)")
-        args.only = [c for c in args.only if not c.startswith("deepspeed")]
+    args.only = without_missing(args.only)
     results = []
     for name in args.only:
         result = run_world(PP, _contender, name, args.steps)

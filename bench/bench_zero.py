@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.world import run_world  # noqa: E402
+from bench.world import run_world, without_missing  # noqa: E402
 
 MODEL = dict(vocab_size=256, seq_len=128, n_layer=6, n_head=6, d_model=384)
 PER_RANK = 8
@@ -148,11 +148,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", default=CONTENDERS, choices=CONTENDERS)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
-        print("DeepSpeed is not installed: its contenders are skipped (see this file's docstring)")
-        args.only = [c for c in args.only if not c.startswith("deepspeed")]
+    args.only = without_missing(args.only)
     results = []
     for world in args.worlds:
         for name in args.only:

@@ -46,3 +46,14 @@ def run_world(world: int, fn: Callable[..., Any], *args: Any) -> Any:
     if status != "ok":
         raise RuntimeError(payload)
     return payload
+
+
+def without_missing(contenders: list[str], package: str = "deepspeed") -> list[str]:
+    """The contenders, less those named after `package` when it is not installed (said once)."""
+    try:
+        __import__(package)
+    except ImportError:
+        print(f"{package} is not installed: its contenders are skipped (bench/bench_zero.py's docstring says how "
+              "to install it)")
+        return [c for c in contenders if not c.startswith(package)]
+    return contenders
