@@ -35,6 +35,8 @@ _TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--rdzv-endpoint": ("launch.rdzv_endpoint", str, "HOST:PORT of node 0, for nnodes > 1"),
     "--rdzv-backend": ("launch.rdzv_backend", str, "static (default) or c10d"),
     "--rdzv-id": ("launch.rdzv_id", str, "job id shared by all nodes"),
+    "--device": ("launch.device", str, "cpu (gloo), cuda (NCCL, one GPU per process) or auto (default: cuda when "
+                 "a GPU is visible; then nproc defaults to the GPU count)"),
     "--timeout": ("launch.timeout_s", float, "seconds a collective may wait before the job fails"),
     "--dp": ("parallel.dp", int, "data-parallel degree (default: world size / (tp x pp))"),
     "--tp": ("parallel.tp", int, "tensor-parallel degree: layers split over tp ranks (divides heads, ff and padded vocab)"),
@@ -114,7 +116,9 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     config = run_config_from_args(args)
     if launched_by_torchrun():  # a worker of a job: train here
         return _worker(config)
-    world_size = launch_world_size(config)
+    import torch
+
+    world_size = launch_world_size(config, gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
     config.launch.nproc = world_size // config.launch.nnodes
     plan = check_run(config, world_size)
     from paratrain.data import load_source

@@ -12,10 +12,19 @@ from paratrain.config.run import (
     RunConfig,
     TrainSection,
 )
-from paratrain.config.validate import BatchLayout, RunPlan, batch_layout, check_run, launch_world_size
+from paratrain.config.validate import (
+    DEVICES,
+    BatchLayout,
+    RunPlan,
+    batch_layout,
+    check_run,
+    launch_world_size,
+    resolve_device,
+)
 
 __all__ = [
-    "PRESETS", "BatchLayout", "ConfigError", "DataSection", "LaunchSection", "ModelConfig",
+    "DEVICES", "PRESETS", "BatchLayout", "ConfigError", "DataSection", "LaunchSection", "ModelConfig",
     "ModelSection", "OptimSection", "ParallelConfig", "RunConfig", "RunPlan", "TrainSection",
-    "batch_layout", "build_run_config", "check_run", "launch_world_size", "from_dict", "load_toml", "preset", "to_dict",
+    "batch_layout", "build_run_config", "check_run", "launch_world_size", "from_dict", "load_toml", "preset",
+    "resolve_device", "to_dict",
 ]

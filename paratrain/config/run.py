@@ -89,6 +89,9 @@ class LaunchSection:
     rdzv_backend: str = "static"
     """'static' (fixed node ranks) or 'c10d' (elastic; node ranks assigned at rendezvous)."""
     rdzv_id: str = "paratrain"
+    device: str = "auto"
+    """'cpu' (gloo), 'cuda' (NCCL, one GPU per process) or 'auto': CUDA when this node sees a GPU. On
+    CUDA the default nproc is the number of visible GPUs, and more processes than GPUs are refused."""
     timeout_s: float = 300.0
     """How long a collective may wait before the job fails naming the group and operation."""
 

@@ -64,22 +64,49 @@ class RunPlan:
     seq_len: int
 
 
-def launch_world_size(config: RunConfig) -> int:
-    """Processes the launcher will start: nproc x nnodes, nproc following --dp when not given."""
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(device: str, *, gpus: int) -> str:
+    """'cpu' or 'cuda' for a requested device, given the GPUs this node sees: 'auto' is CUDA when
+    there is one, else the CPU."""
+    if device not in DEVICES:
+        raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "auto":
+        return "cuda" if gpus else "cpu"
+    if device == "cuda" and not gpus:
+        raise ConfigError("device cuda was asked for, but torch sees no CUDA GPU on this node (a CPU build of torch, "
+                          "or CUDA_VISIBLE_DEVICES empty): use device cpu")
+    return device
+
+
+def launch_world_size(config: RunConfig, *, gpus: int) -> int:
+    """Processes the launcher will start: nproc x nnodes. Without --nproc, nproc follows --dp
+    (dp x tp x pp / nnodes), else one per visible GPU on CUDA, 2 on the CPU. `gpus`: the CUDA
+    devices this node sees; under NCCL each process takes one, so a node may not start more."""
     launch, parallel = config.launch, config.parallel
     if launch.nproc < 0 or launch.nnodes < 1:
         raise ConfigError(f"nproc ({launch.nproc}) must be >= 1 and nnodes ({launch.nnodes}) >= 1")
+    device = resolve_device(launch.device, gpus=gpus)
     if launch.nproc:
-        return launch.nproc * launch.nnodes
-    if parallel.dp is None:
-        return 2 * launch.nnodes
-    world = parallel.dp * parallel.tp * parallel.pp
-    if world % launch.nnodes:
+        per_node = launch.nproc
+    elif parallel.dp is None:
+        per_node = gpus if device == "cuda" else 2
+    else:
+        world = parallel.dp * parallel.tp * parallel.pp
+        if world % launch.nnodes:
+            raise ConfigError(
+                f"dp x tp x pp = {world} processes do not split evenly over {launch.nnodes} nodes: "
+                f"give --nproc (processes per node) or another dp"
+            )
+        per_node = world // launch.nnodes
+    if device == "cuda" and per_node > gpus:
         raise ConfigError(
-            f"dp x tp x pp = {world} processes do not split evenly over {launch.nnodes} nodes: "
-            f"give --nproc (processes per node) or another dp"
+            f"{per_node} processes per node on CUDA need {per_node} GPUs (NCCL gives each process one), but this node "
+            f"sees {gpus}: start at most {gpus} per node (--nproc {gpus}, and a layout whose dp x tp x pp is "
+            f"{gpus} x nnodes), or train on the CPU with --device cpu (gloo)"
         )
-    return world
+    return per_node * launch.nnodes
 
 
 def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len: int) -> None:
@@ -158,6 +185,8 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
         raise ConfigError(f"node_rank ({launch.node_rank}) must be in 0..{launch.nnodes - 1}")
     if launch.rdzv_backend not in ("static", "c10d"):
         raise ConfigError(f"rdzv_backend must be 'static' or 'c10d', got {launch.rdzv_backend!r}")
+    if launch.device not in DEVICES:
+        raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {launch.device!r}")
     if launch.nnodes > 1 and not launch.rdzv_endpoint:
         raise ConfigError(
             f"nnodes={launch.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address), "

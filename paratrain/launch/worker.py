@@ -23,7 +23,8 @@ def train_on_this_rank(plan: RunPlan) -> TrainResult:
     """Join the job's process group (if launched), train, print the summary on rank 0."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(threads_per_rank(local_world))
-    ctx = init(plan.parallel, timeout=timedelta(seconds=plan.config.launch.timeout_s))
+    ctx = init(plan.parallel, device=plan.config.launch.device,
+               timeout=timedelta(seconds=plan.config.launch.timeout_s))
     result = Trainer(plan, ctx).fit()
     if ctx.is_main:
         print_summary(result)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.config.parallel import ParallelConfig
+from paratrain.config.validate import DEVICES, resolve_device
 from paratrain.topology.dims import ParallelDims
 from paratrain.topology.mesh import Mesh
 
@@ -37,41 +38,54 @@ class Context:
         return self.rank == 0
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def init(config: ParallelConfig | None = None, *, timeout: timedelta = timedelta(minutes=5),
-         backend: str | None = None) -> Context:
-    """Build this process's Context.
+def init(config: ParallelConfig | None = None, *, device: str = "auto",
+         timeout: timedelta = timedelta(minutes=5)) -> Context:
+    """Build this process's Context, on `device`: 'cpu', 'cuda', or 'auto'.
 
     Inside a launched job (RANK / WORLD_SIZE set by torchrun or `paratrain train`) this joins the
-    job's default process group, creating it if needed; alone, it returns a single-process
-    context that never communicates. The backend is NCCL when CUDA is available, gloo otherwise.
+    job's default process group, creating it if needed: NCCL for CUDA (one GPU per process,
+    cuda:LOCAL_RANK), gloo for the CPU. Alone, it returns a single-process context that never
+    communicates. 'auto' follows a process group that already exists (NCCL: CUDA, gloo: CPU), and
+    otherwise takes CUDA when a GPU is visible. Name the device wherever results are compared across
+    processes: a CUDA reference and CPU ranks differ by two machines' rounding.
     """
     config = config or ParallelConfig()
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if not dist.is_initialized() and launched:
-        chosen = backend or default_backend()
-        if chosen == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(chosen, timeout=timeout)
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
     if dist.is_initialized():
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        used_backend = str(dist.get_backend())
+        backend = str(dist.get_backend())
+        kind = ("cuda" if backend == "nccl" else "cpu") if device == "auto" else device
+        if (backend == "nccl") != (kind == "cuda"):
+            raise RuntimeError(f"the job's process group uses {backend}, which does not serve device {kind!r}: NCCL "
+                               f"is for CUDA tensors, gloo for CPU tensors; ask for device "
+                               f"{'cuda' if backend == 'nccl' else 'cpu'}")
     else:
-        rank, world_size, used_backend = 0, 1, "none"
+        kind = resolve_device(device, gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched: join the job
+            if kind == "cuda":
+                torch.cuda.set_device(_local_gpu())
+            dist.init_process_group("nccl" if kind == "cuda" else "gloo", timeout=timeout)
+    if dist.is_initialized():
+        rank, world_size, backend = dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
+    else:
+        rank, world_size, backend = 0, 1, "none"
     resolved = config.resolved(world_size)
     dims = ParallelDims.from_config(config, world_size)
     shard_group = (resolved.shard_group or resolved.dp) if resolved.zero else None
     mesh = Mesh.build(dims, rank, timeout=timeout, shard_group=shard_group) if world_size > 1 else Mesh.single()
-    if used_backend == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    elif used_backend == "none" and torch.cuda.is_available():
-        device = torch.device("cuda", 0)
+    if kind == "cuda":
+        on = torch.device("cuda", torch.cuda.current_device() if backend == "nccl" else 0)
     else:
-        device = torch.device("cpu")
-    return Context(
-        config=resolved, mesh=mesh, rank=rank, world_size=world_size,
-        device=device, backend=used_backend,
-    )
+        on = torch.device("cpu")
+    return Context(config=resolved, mesh=mesh, rank=rank, world_size=world_size, device=on, backend=backend)
+
+
+def _local_gpu() -> int:
+    """This process's GPU under NCCL: cuda:LOCAL_RANK, which must exist."""
+    local_rank, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local_rank >= count:
+        raise RuntimeError(
+            f"local rank {local_rank} needs GPU {local_rank}, but this node has {count} visible GPU(s) for "
+            f"{os.environ.get('LOCAL_WORLD_SIZE', '?')} processes: under NCCL each process takes one GPU. Start at "
+            f"most {count} processes per node, or use device 'cpu' (gloo)")
+    return local_rank

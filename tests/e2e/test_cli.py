@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.e2e
 
-SMALL = ["--model", "tiny", "--seq-len", "32", "--global-batch", "8", "--micro-batch", "2",
+SMALL = ["--device", "cpu", "--model", "tiny", "--seq-len", "32", "--global-batch", "8", "--micro-batch", "2",
          "--eval-every", "0", "--sample-tokens", "0", "--no-progress", "--warmup", "2"]
 
 
@@ -43,7 +44,7 @@ def test_help_lists_commands():
     assert out.returncode == 0 and "train" in out.stdout and "presets" in out.stdout
     out = paratrain("train", "--help")
     for flag in ("--nproc", "--dp", "--global-batch", "--micro-batch", "--steps", "--seed", "--model", "--lr",
-                 "--precision", "--recompute", "--save", "--resume", "--config", "--log-json"):
+                 "--precision", "--recompute", "--save", "--resume", "--config", "--log-json", "--device"):
         assert flag in out.stdout
 
 
@@ -60,15 +61,18 @@ def resumes_on_one_process(tmp_path: Path, log: Path) -> None:
 
 def test_invalid_config_is_refused_before_launch():
     started = time.monotonic()
-    out = paratrain("train", "--nproc", "2", "--global-batch", "30", "--micro-batch", "4")
+    out = paratrain("train", "--device", "cpu", "--nproc", "2", "--global-batch", "30", "--micro-batch", "4")
     assert out.returncode == 2
     assert "invalid configuration" in out.stderr and "30 / (4 x 2)" in out.stderr and "choose micro_batch" in out.stderr
     assert "rank" not in out.stderr.lower().replace("paratrain", "")  # no worker ever spoke
     assert time.monotonic() - started < 20
-    out = paratrain("train", "--nproc", "2", "--pp", "2", "--zero", "3")
+    out = paratrain("train", "--device", "cpu", "--nproc", "2", "--pp", "2", "--zero", "3")
     assert out.returncode == 2 and "use zero 1 or 2 with pp > 1" in out.stderr
-    out = paratrain("train", "--nproc", "3", "--tp", "3")
+    out = paratrain("train", "--device", "cpu", "--nproc", "3", "--tp", "3")
     assert out.returncode == 2 and "tp (3) must divide the attention heads (n_head = 4)" in out.stderr
+    if not torch.cuda.is_available():
+        out = paratrain("train", "--device", "cuda")
+        assert out.returncode == 2 and "torch sees no CUDA GPU on this node" in out.stderr
 
 
 def test_train_log_save_resume(tmp_path):

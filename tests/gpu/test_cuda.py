@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_single_gpu_bf16_step_learns():
-    ctx = paratrain.init()
+    ctx = paratrain.init(device="cuda")
     assert ctx.device.type == "cuda"
     config = preset("small")
     model = paratrain.build_gpt(config, seed=0)

@@ -118,12 +118,45 @@ def test_unknown_and_mistyped_settings():
 def test_process_count_follows_dp():
     from paratrain.config import launch_world_size
 
-    assert launch_world_size(build_run_config()) == 2
-    assert launch_world_size(build_run_config(None, {"parallel.dp": 4})) == 4
-    assert launch_world_size(build_run_config(None, {"parallel.dp": 4, "launch.nproc": 2})) == 2
-    assert launch_world_size(build_run_config(None, {"launch.nproc": 3, "launch.nnodes": 2})) == 6
+    def world(gpus: int = 0, **settings) -> int:
+        return launch_world_size(build_run_config(None, settings), gpus=gpus)
+
+    assert world() == 2
+    assert world(**{"parallel.dp": 4}) == 4
+    assert world(**{"parallel.dp": 4, "launch.nproc": 2}) == 2
+    assert world(**{"launch.nproc": 3, "launch.nnodes": 2}) == 6
     with pytest.raises(ConfigError, match="do not split evenly over 2 nodes"):
-        launch_world_size(build_run_config(None, {"parallel.dp": 3, "launch.nnodes": 2}))
+        world(**{"parallel.dp": 3, "launch.nnodes": 2})
+
+
+def test_devices_are_explicit():
+    """On CUDA the default process count is the visible GPUs; more processes than GPUs per node under
+    NCCL is refused before launch (a machine with one GPU once launched 2 and lost rank 1 to
+    'invalid device ordinal'). The CPU takes any count."""
+    from paratrain.config import launch_world_size, resolve_device
+
+    def world(gpus: int, **settings) -> int:
+        return launch_world_size(build_run_config(None, settings), gpus=gpus)
+
+    assert resolve_device("auto", gpus=0) == "cpu" and resolve_device("auto", gpus=1) == "cuda"
+    assert resolve_device("cpu", gpus=8) == "cpu"
+    with pytest.raises(ConfigError, match="torch sees no CUDA GPU on this node"):
+        resolve_device("cuda", gpus=0)
+    with pytest.raises(ConfigError, match="device must be one of auto, cpu, cuda, got 'tpu'"):
+        resolve_device("tpu", gpus=0)
+    assert world(1) == 1 and world(8) == 8  # the README's main job on a one-GPU machine: one process
+    assert world(8, **{"launch.nnodes": 2}) == 16
+    assert world(1, **{"launch.device": "cpu"}) == 2 and world(1, **{"launch.device": "cpu", "launch.nproc": 4}) == 4
+    with pytest.raises(ConfigError, match=r"2 processes per node on CUDA need 2 GPUs .* sees 1: start at most 1 "
+                                          r"per node \(--nproc 1.*or train on the CPU with --device cpu"):
+        world(1, **{"launch.nproc": 2})
+    with pytest.raises(ConfigError, match="4 processes per node on CUDA need 4 GPUs"):
+        world(2, **{"parallel.dp": 2, "parallel.tp": 2})
+    assert world(4, **{"parallel.dp": 2, "parallel.tp": 2, "launch.nnodes": 2}) == 4
+    with pytest.raises(ConfigError, match="torch sees no CUDA GPU"):
+        world(0, **{"launch.device": "cuda"})
+    with pytest.raises(ConfigError, match="device must be one of"):
+        check_run(build_run_config(None, {"launch.device": "gpu"}), 1)
 
 
 def test_toml_then_flags(tmp_path):
