@@ -23,7 +23,6 @@ from paratrain.comm import NormPart, all_reduce, clip_by_norm_, global_grad_norm
 from paratrain.hybrid.state import load_model_state, model_state
 from paratrain.memory import LossScaler, autocast
 from paratrain.models.dropout import KeyedDropout
-from paratrain.models.gpt import IGNORE_INDEX
 from paratrain.pipeline.runtime import PipelineExecutor
 from paratrain.pipeline.stages import gather_stages, stage_part
 from paratrain.rng import DropoutStream
@@ -244,8 +243,7 @@ class Engine:
 
     def _pipeline_pass(self, micro_batches: list[Any], first_row: int, *, train: bool) -> torch.Tensor:
         """Run the pipeline schedule (or, not training, its forward program) over the micro-batches:
-        (loss sum, token count). The loss is computed on the last stage and summed over pp; every
-        stage counts the tokens from the targets it reads too."""
+        (loss sum, token count), both as the loss function computed them on the last stage, summed over pp."""
         assert self.pipeline is not None
         pairs = []
         for micro in micro_batches:
@@ -253,16 +251,16 @@ class Engine:
                 raise TypeError("under pipeline parallelism a batch is (inputs, targets): the loss is computed "
                                 "on the last stage from the targets")
             pairs.append(tuple(to_device(micro, self.ctx.device)))
-        count = sum(int((targets != IGNORE_INDEX).sum()) for _, targets in pairs)
-        scale = self._loss_scale(int((pairs[0][1] != IGNORE_INDEX).sum())) if self.scaler and train else 1.0
+        # The first scale of fp16 comes from the first micro-batch's size, before any rank has run the
+        # loss: only the last stage ever knows the loss's own count, and every stage needs the scale.
+        scale = self._loss_scale(pairs[0][1].numel()) if self.scaler and train else 1.0
         self.grads.sync = False  # the schedule interleaves micro-batches: reduce once, in finish()
         with contextlib.nullcontext() if train else torch.no_grad():
-            loss_sum = self.pipeline.run(pairs, dropout=self.dropout, first_row=first_row, loss_scale=scale,
-                                         train=train,
-                                         forward_context=lambda: autocast(self.precision, self.ctx.device))
+            totals = self.pipeline.run(pairs, dropout=self.dropout, first_row=first_row, loss_scale=scale,
+                                       train=train, forward_context=lambda: autocast(self.precision, self.ctx.device))
         assert self._pp_group is not None
-        all_reduce(loss_sum, self._pp_group)  # only the last stage computed it
-        return torch.stack([loss_sum, torch.tensor(float(count), dtype=torch.float64, device=self.ctx.device)])
+        all_reduce(totals, self._pp_group)  # only the last stage computed them
+        return totals
 
     def _forward(self, micro: Any, loss_fn: LossFn) -> tuple[torch.Tensor, torch.Tensor | int]:
         with autocast(self.precision, self.ctx.device):

@@ -148,8 +148,9 @@ class PipelineExecutor:
             first_row: int, loss_scale: float = 1.0, train: bool = True,
             forward_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> torch.Tensor:
         """Run the schedule (train) or the forward program over the micro-batches; gradients accumulate
-        into the parameters' .grad (or the strategy's buffers). Returns the sum of the losses computed
-        on this rank (zero unless it holds the last chunk), float64."""
+        into the parameters' .grad (or the strategy's buffers). Returns float64 [2]: the sum of the
+        losses computed on this rank and their token count, as the loss function counted them (zeros
+        unless this rank holds the last chunk)."""
         prog = self.program(len(micro_batches)) if train else self.forward_program(len(micro_batches))
         self._forward_context = forward_context
         rows = micro_batches[0][0].shape[0]
@@ -162,7 +163,7 @@ class PipelineExecutor:
                     step.headers_sent.add(chunk)
                 else:
                     step.shapes_received[chunk] = known
-        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         started, compute = time.perf_counter(), 0.0
         by_kind: dict[str, list[float]] = {}
         self._events = []
@@ -191,7 +192,7 @@ class PipelineExecutor:
             dropout.row_offset = first_row + action.mb * rows  # recompute in backward redraws the same masks
             t0 = time.perf_counter()
             if action.kind == "F":
-                loss_total += self._forward(action, micro_batches, step, loss_scale, train)
+                self._forward(action, micro_batches, step, loss_scale, train, totals)
             else:
                 self._backward(action, step)
             t1 = time.perf_counter()
@@ -207,30 +208,32 @@ class PipelineExecutor:
         self.times = StepTimes(compute=compute, total=time.perf_counter() - started,
                                by_kind=tuple((k, sum(v), len(v)) for k, v in sorted(by_kind.items())),
                                peak_in_flight=peak, events=tuple(self._events))
-        return loss_total
+        return totals
 
     # ---- compute ----------------------------------------------------------------------------
     def _forward(self, action: Action, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], step: _Step,
-                 loss_scale: float, train: bool) -> torch.Tensor:
+                 loss_scale: float, train: bool, totals: torch.Tensor) -> None:
+        """The chunk's forward; on the last chunk, the loss, whose (sum, count) go into `totals`."""
         key = (action.chunk, action.mb)
         x = step.inputs.get(key) if action.chunk > 0 else micro_batches[action.mb][0]
         self._capture = [] if train and self._weight_modules else None
         with self._forward_context():  # autocast, for the forward only
             out = self.stage.run_chunk(action.chunk, x)
             if action.chunk == self.last_chunk:
-                loss_sum, _ = self.loss(self.stage, out, micro_batches[action.mb][1])
+                loss_sum, count = self.loss(self.stage, out, micro_batches[action.mb][1])
         if self._capture:
             step.module_outputs[key] = self._capture
         self._capture = None
         if action.chunk == self.last_chunk:
             if train:
                 step.outputs[key] = loss_sum * loss_scale if loss_scale != 1.0 else loss_sum
-            return loss_sum.detach().double()
+            totals[0] += loss_sum.detach().double()
+            totals[1] += count
+            return
         step.outputs[key] = out
         step.shapes[key] = (out.shape, out.dtype)
         if not train or x is None or not x.requires_grad:
             step.inputs.pop(key, None)
-        return torch.zeros((), dtype=torch.float64, device=self.device)
 
     def _backward(self, action: Action, step: _Step) -> None:
         key = (action.chunk, action.mb)
