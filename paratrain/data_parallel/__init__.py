@@ -1,5 +1,5 @@
 """Data parallelism: full replicas, bucketed gradient all-reduce overlapped with backward."""
 
-from paratrain.data_parallel.grad_sync import GradSync
+from paratrain.data_parallel.grad_sync import GradSync, SyncTimes
 
-__all__ = ["GradSync"]
+__all__ = ["GradSync", "SyncTimes"]

@@ -16,6 +16,8 @@ others), so a step of k micro-batches still costs one all-reduce per bucket.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
@@ -25,8 +27,18 @@ from paratrain.comm.buckets import Bucket, build_buckets
 from paratrain.comm.collectives import Pending, all_reduce, all_reduce_async
 from paratrain.comm.norms import NormPart
 from paratrain.comm.roles import GradRoles
-from paratrain.comm.volume import CommVolume
 from paratrain.topology.mesh import AxisGroup
+
+
+@dataclass(frozen=True)
+class SyncTimes:
+    """When the last synced backward's communication happened (time.perf_counter seconds): its first
+    bucket's all-reduce started, backward ended, every bucket was reduced. reduced - first_launch is
+    the communication window, reduced - backward_end the part of it that backward did not hide."""
+
+    first_launch: float = 0.0
+    backward_end: float = 0.0
+    reduced: float = 0.0
 
 
 class GradSync:
@@ -45,8 +57,9 @@ class GradSync:
         self._finish_queued = False
         self.launched_during_backward = 0
         """Buckets whose all-reduce started before backward ended, in the last synced backward."""
-        self.comm = CommVolume()
-        """Bytes this rank's gradient all-reduces moved (see paratrain.comm.volume)."""
+        self.times = SyncTimes()
+        """The last synced backward's communication timeline (bench/bench_dp.py reads it)."""
+        self._first_launch = self._backward_end = 0.0
         if group is not None:
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                            for b in self.buckets for p in b.params]
@@ -110,11 +123,13 @@ class GradSync:
 
     def _launch(self, index: int) -> None:
         assert self.group is not None
+        if self._next == 0:
+            self._first_launch = time.perf_counter()
         self._pending.append(all_reduce_async(self.buckets[index].buffer, self.group))
-        self.comm.add("all_reduce", self.buckets[index].buffer)
         self._next += 1
 
     def _finish_backward(self) -> None:
+        self._backward_end = time.perf_counter()
         while self._next < len(self.buckets):  # buckets holding parameters that got no gradient
             self._launch(self._next)
 
@@ -125,6 +140,8 @@ class GradSync:
             self._finish_backward()
         for pending in self._pending:
             pending.wait()
+        if self._pending:
+            self.times = SyncTimes(self._first_launch, self._backward_end, time.perf_counter())
         self._pending.clear()
         if self.roles.tied is not None:  # a weight tied across stages: sum its two ends' gradients
             for bucket in self.buckets:

@@ -88,14 +88,6 @@ class FlatGroup:
         if self.own_master:
             self.shard.copy_(self.master, non_blocking=True)
 
-    @torch.no_grad()
-    def pull_shard(self, exact: torch.Tensor | None = None) -> None:
-        """After the full parameters were written (loading): refresh the shard and the master.
-        exact: this rank's slice in full precision, when the parameters were rounded to store them."""
-        self.shard.copy_(self.shard_of(self.param_flat))
-        if self.own_master:
-            self.master.copy_(self.shard if exact is None else exact)
-
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's region of a [padded] buffer, shaped like the parameter."""
         return [flat[o: o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]

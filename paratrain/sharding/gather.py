@@ -16,14 +16,13 @@ the order the units were registered in for a model built like the reference GPT.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
-from paratrain.comm import CommVolume, Pending, all_gather_async
+from paratrain.comm import Pending, all_gather_async
 from paratrain.sharding.flat import FlatGroup
 from paratrain.topology import AxisGroup
 
@@ -41,13 +40,12 @@ class Unit:
 
 class ParamGatherer:
     def __init__(self, root: Unit, units: list[Unit], shard_group: AxisGroup | None, *,
-                 reshard_after_forward: bool, comm: CommVolume) -> None:
+                 reshard_after_forward: bool) -> None:
         self.root = root
         self.units = units
         """Wrapped units in forward order."""
         self.shard_group = shard_group
         self.reshard_after_forward = reshard_after_forward
-        self.comm = comm
         self._hooks: list[Any] = []
         for position, unit in enumerate(units):
             self._hooks += [
@@ -66,7 +64,6 @@ class ParamGatherer:
                 group.allocate()
                 if self.shard_group is not None:
                     unit.pending.append(all_gather_async(group.param_flat, group.shard, self.shard_group))
-                    self.comm.add("all_gather", group.param_flat)
                 else:
                     group.shard_of(group.param_flat).copy_(group.shard)
             unit.state = "gathering"
@@ -103,14 +100,4 @@ class ParamGatherer:
 
     def _root_post_forward(self) -> None:
         if not torch.is_grad_enabled():  # evaluation: no backward will come to free it
-            self.free_all()
-
-    @contextlib.contextmanager
-    def gathered(self) -> Iterator[None]:
-        """Every unit's full parameters, for the length of the block (state_dict, loading)."""
-        for unit in [self.root, *self.units]:
-            self.gather(unit)
-        try:
-            yield
-        finally:
             self.free_all()

@@ -40,7 +40,6 @@ import torch
 from torch import nn
 
 from paratrain.comm import (
-    CommVolume,
     NormPart,
     Pending,
     all_gather_async,
@@ -131,8 +130,6 @@ class ZeroSync:
         self.dp_group: AxisGroup | None = mesh.groups.get("dp")
         self.shard_group: AxisGroup | None = mesh.groups.get("dp_shard")
         self.replicate_group: AxisGroup | None = mesh.groups.get("dp_replicate")
-        self.comm = CommVolume()
-        """Bytes this rank's collectives moved (see paratrain.comm.volume)."""
         shards, shard_index = mesh.degree("dp_shard"), mesh.index("dp_shard")
 
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
@@ -161,8 +158,7 @@ class ZeroSync:
                                                  optimizer_group=gi, persistent=False, master_device=master_device,
                                                  param_dtype=param_dtype))
                     self.groups.append(unit.groups[-1])
-            self.gatherer = ParamGatherer(root, units, self.shard_group, reshard_after_forward=reshard_after_forward,
-                                          comm=self.comm)
+            self.gatherer = ParamGatherer(root, units, self.shard_group, reshard_after_forward=reshard_after_forward)
             self._unit_of = {g.index: u for u in [root, *units] for g in u.groups}
         self._group_of = {id(p): g for g in self.groups for p in g.params}
         self._position = {id(p): i for g in self.groups for i, p in enumerate(g.params)}
@@ -239,16 +235,11 @@ class ZeroSync:
         if self.reduce_op == "all_reduce":
             if self.dp_group is not None:
                 pending = all_reduce_async(flat, self.dp_group)
-                self.comm.add("all_reduce", flat)
         elif self.shard_group is not None:
             shard = torch.empty(group.shard_numel, dtype=flat.dtype, device=flat.device)
             pending = reduce_scatter_async(shard, flat, self.shard_group)
-            self.comm.add("reduce_scatter", flat)
-            if self.replicate_group is not None:
-                self.comm.add("all_reduce", shard)  # done in _complete, across the replicas
         elif self.dp_group is not None:  # shard group of 1 (S = 1): plain all-reduce of the shard
             pending = all_reduce_async(flat, self.dp_group)
-            self.comm.add("all_reduce", flat)
         self._in_flight.append(_InFlight(group, flat, shard, pending))
         self._next += 1
         if self.gatherer is not None:  # every gradient of the unit is in: its parameters can go
@@ -324,8 +315,6 @@ class ZeroSync:
             g.push_master()
         if self.shard_group is not None and self.stage < 3:
             gathers = [all_gather_async(g.param_flat, g.shard.clone(), self.shard_group) for g in self.groups]
-            for g in self.groups:
-                self.comm.add("all_gather", g.param_flat)
             for pending in gathers:
                 pending.wait()
         for shard in self.grad_shards:
