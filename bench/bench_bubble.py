@@ -73,7 +73,7 @@ def _contender(schedule: str, pp: int, unit: float, steps: int) -> dict:
             return Held.apply(x, unit, 0.0) + Held.apply(self.bias, 0.0, 2 * unit)
 
     v = 2 if schedule == "interleaved" else 1
-    ctx = paratrain.init(paratrain.ParallelConfig(dp=1, pp=pp, schedule=schedule, virtual_stages=v))
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=1, pp=pp, schedule=schedule, virtual_stages=v))
     model = nn.Sequential(*[Timed() for _ in range(LAYERS)])
 
     def squared_error(output, target):

@@ -52,7 +52,7 @@ def _contender(name: str, steps: int) -> dict:
     schedule = name.split("-", 1)[1]
     v = 2 if schedule == "interleaved" else 1
     split = (3, 5, 7) if v == 2 else SPLIT
-    ctx = paratrain.init(paratrain.ParallelConfig(dp=1, pp=PP, schedule=schedule if name.startswith("paratrain")
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=1, pp=PP, schedule=schedule if name.startswith("paratrain")
                                                   else "1f1b", virtual_stages=v, pp_split=split))
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                                    micro_batch=MICRO)

@@ -54,7 +54,7 @@ def _contender(name: str, steps: int) -> dict:
     model = paratrain.build_gpt(config, seed=0)
     if name.startswith("paratrain"):
         sp = name.endswith("-sp")
-        ctx = paratrain.init(paratrain.ParallelConfig(dp=1, tp=world, sequence_parallel=sp))
+        ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=1, tp=world, sequence_parallel=sp))
         engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                                        tp_plan=BLOCKS_PLAN if name.endswith("-blocks") else None)
 

@@ -81,7 +81,7 @@ def _contender(name: str, steps: int) -> dict:
         return F.cross_entropy(m(b[:, :-1]).reshape(-1, 256), b[:, 1:].reshape(-1))
 
     if name.startswith("paratrain"):
-        ctx = paratrain.init(paratrain.ParallelConfig(dp=world, zero=int(name[-1])))
+        ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=world, zero=int(name[-1])))
         engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
 
         def step(b):
