@@ -5,6 +5,20 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--margins", metavar="PATH", default=None,
+                     help="write every parity bound of the session and the value measured against it "
+                          "to PATH (JSON; python -m tests.margins PATH... prints the table)")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = session.config.getoption("--margins")
+    if path:
+        from tests import margins
+
+        margins.write(path)
+
+
 @pytest.fixture(scope="session")
 def pools():
     """pools(n) -> a live RankPool of n gloo ranks, shared by the tests of the session."""

@@ -10,22 +10,38 @@ import paratrain
 from paratrain.config import preset
 from paratrain.data import GlobalBatchLoader, load_source
 from paratrain.models import lm_loss
+from tests.margins import within
 
 TINY = preset("tiny", seq_len=32)
 
+LR, WARMUP = 1e-3, 10
+"""The parity tests' recipe: AdamW at lr 1e-3, warmed up linearly over 10 steps (the tests' horizon).
+Without warmup Adam's first steps move every weight by about lr whatever its gradient's size, which
+amplifies rounding: in ONE process, accumulation 2 vs none (only the summation order differs) drifted
+from 2e-16 to 4.5e-13 by step 20 in float64 at lr 3e-3 (AMD EPYC, avx2) and to 8e-3 by step 9 in
+float32 on an Intel Xeon (avx512); at 1e-3 without warmup the 6-layer model's grad norm still jumped
+to 3.3e-13 (float64) / 5e-5 (float32) at step 10. With this recipe steps 1-10 stay at 2-3e-16
+(float64) and 3e-7 (float32), 4 and 6 layers, avx2 and default kernels. tests/unit/test_recipe.py
+keeps it so."""
+
+
+def lr_at(step: int, lr: float = LR, warmup: int = WARMUP) -> float:
+    """The recipe's learning rate at optimizer step `step` (0-based)."""
+    return lr * min(1.0, (step + 1) / warmup) if warmup else lr
+
 
 def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global_batch: int = 16,
-             dtype: str = "float32", seed: int = 7, lr: float = 3e-3, grad_clip: float = 1.0,
+             dtype: str = "float32", seed: int = 7, lr: float = LR, grad_clip: float = 1.0,
              recompute: bool = False, bucket_mb: float = 0.05, zero: int = 0, shard_group: int | None = None,
              grad_reduce: str = "auto", offload: str = "none", tp: int = 1, sequence_parallel: bool = False,
              dropout: float = 0.0, start: dict[str, Any] | None = None, start_step: int = 0,
              return_state: bool = False, pp: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
-             pp_split: tuple[int, ...] = (), n_layer: int = 4) -> dict[str, Any]:
+             pp_split: tuple[int, ...] = (), n_layer: int = 4, warmup: int = WARMUP) -> dict[str, Any]:
     """Train the tiny GPT `steps` steps on the built-in corpus under a layout; per-step losses and
     grad norms, and the final full state. dp None: the single-process reference (no process group).
     start, start_step: resume from a full state (engine.state_dict()) taken after start_step steps."""
     torch.manual_seed(12345)  # must not matter: init and data order are keyed
-    ctx = paratrain.init(paratrain.ParallelConfig(dp=dp, tp=tp, sequence_parallel=sequence_parallel, pp=pp,
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dp, tp=tp, sequence_parallel=sequence_parallel, pp=pp,
                                                   schedule=schedule, virtual_stages=virtual_stages, pp_split=pp_split,
                                                   bucket_mb=bucket_mb, zero=zero, shard_group=shard_group,
                                                   grad_reduce=grad_reduce, offload=offload))
@@ -42,7 +58,8 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
         engine.load_state_dict(start)
         loader.load_state_dict({"epoch": 0, "cursor": start_step * global_batch})
     losses, norms = [], []
-    for _ in range(steps):
+    for step in range(start_step, start_step + steps):
+        engine.set_lr(lr_at(step, lr, warmup))
         losses.append(engine.train_step(loader.next(), lm_loss))
         assert engine.last is not None
         norms.append(engine.last.grad_norm)
@@ -103,11 +120,15 @@ def ranked_run(**kwargs: Any) -> dict[str, Any]:
     return {**tiny_run(**kwargs), "rank": dist.get_rank()}
 
 
-def assert_matches_reference(got: list[dict[str, Any]], ref: dict[str, Any], *, norm_tol: float = 1e-5) -> None:
-    """Every rank's per-step losses (1e-5) and grad norms match the single process (float32), and the
-    whole gathered state (weights and optimizer state) is within 1e-4."""
+def assert_matches_reference(got: list[dict[str, Any]], ref: dict[str, Any]) -> None:
+    """Every rank's per-step losses and grad norms match the single process (float32, relative 1e-5),
+    and the whole gathered state (weights and optimizer state) is within 1e-4."""
     for rank_result in got:
-        assert rel_diff(rank_result["losses"], ref["losses"]) <= 1e-5
-        assert rel_diff(rank_result["grad_norms"], ref["grad_norms"]) <= norm_tol
-    assert max_state_diff(got[0]["model"], ref["model"]) < 1e-4
-    assert max_state_diff(got[0]["optimizer"], ref["optimizer"]) < 1e-4
+        # Worst measured (docs/testing.md: avx2 and default kernels, 1 and 2 reference threads): step-1
+        # loss 4.3e-8 (a forward from the same weights), loss 1.6e-7, grad norm 7.9e-7 (already at step 1:
+        # a float32 sum of squares in another order), weights 1.4e-6, optimizer state 1e-8.
+        within(rel_diff(rank_result["losses"][:1], ref["losses"][:1]), 1e-6, "step-1 loss")
+        within(rel_diff(rank_result["losses"], ref["losses"]), 1e-5, "loss")
+        within(rel_diff(rank_result["grad_norms"], ref["grad_norms"]), 1e-5, "grad norm")
+    within(max_state_diff(got[0]["model"], ref["model"]), 1e-4, "weights")
+    within(max_state_diff(got[0]["optimizer"], ref["optimizer"]), 1e-4, "optimizer state")

@@ -1,8 +1,8 @@
-"""A pool of rank processes kept alive across tests (see shared/TESTING.md).
+"""A pool of rank processes kept alive across tests (docs/testing.md).
 
-Spawning a gloo world costs seconds; one small parity test on a live world costs milliseconds. So
-each world size gets one pool of `spawn`ed workers that meet through a file store (no ports, so no
-address-in-use retries), and each test sends it a job: an importable module-level function run on
+Spawning a gloo world costs seconds (an interpreter and `import torch` per rank); one small parity
+test on a live world costs milliseconds. So each world size gets one pool of `spawn`ed workers that
+meet through a file store (no ports, so no address-in-use retries), and each test sends it a job: an importable module-level function run on
 every rank, whose per-rank results come back. Any error or timeout kills the pool (a rank stuck in
 a collective must not leak into the next test), and the next test builds a fresh one. This works
 because paratrain keeps no global process-group state: a job builds the Mesh it needs.

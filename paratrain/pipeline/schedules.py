@@ -21,8 +21,10 @@ Schedules:
   one backward alternately, then the remaining backwards. In flight: at most p - r.
 - interleaved (Narayanan et al. 2021, section 2.2): 1F1B over v chunks per rank; needs m to be a
   multiple of p. Bubble (p - 1) / (v m) of the ideal time instead of (p - 1) / m.
-- zero-bubble (ZB-H1, Qi et al. 2024): backward split into I and W; list-scheduled so that I is
-  on the critical path and W fills what 1F1B leaves idle, with 1F1B's in-flight bound (p - r).
+- zero-bubble (after Qi et al. 2024's ZB-H1): backward split into I and W; list-scheduled so that I
+  is on the critical path and W fills what 1F1B leaves idle, with 1F1B's in-flight bound (p - r).
+  Each rank idles (p - 1)(F + I), 1F1B's (p - 1)(F + I + W) less W: not the paper's ZB-H1 bound
+  (p - 1)(F + I - W), which lets later stages hold up to p micro-batches.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def _zero_bubble_h1(p: int, m: int, r: int) -> list[Action]:
 
 @functools.lru_cache(maxsize=64)
 def _zero_bubble_orders(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
-    """ZB-H1 by list scheduling in simulated time (costs F = I = W = 1): whenever a stage is free it
+    """I/W split by list scheduling in simulated time (costs F = I = W = 1): whenever a stage is free it
     runs, in this priority, the next input gradient I whose upstream gradient has arrived, the next
     forward F whose input has arrived if fewer than p - s micro-batches are in flight (1F1B's memory
     bound), or the oldest pending weight gradient W; otherwise it waits for the next event. W fills

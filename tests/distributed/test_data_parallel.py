@@ -9,7 +9,8 @@ from torch import nn
 
 import paratrain
 from paratrain.models import lm_loss
-from tests.helpers import TINY, max_state_diff, regression_rows, rel_diff, squared_error, tiny_run
+from tests.helpers import LR, TINY, lr_at, max_state_diff, regression_rows, rel_diff, squared_error, tiny_run
+from tests.margins import within
 
 STEPS = 10
 _reference_cache: dict[tuple, dict] = {}
@@ -38,14 +39,14 @@ def test_loss_matches_single_process_fp32(pools, dp, accumulation):
     else:
         got = pools(dp).run(_job, dp, micro, "float32")
     for rank_result in got:
-        # the bound is 1e-5; measured here: <= 1.5e-7. The tighter bound catches regressions.
-        assert rel_diff(rank_result["losses"], ref["losses"]) <= 1e-6
-        assert rel_diff(rank_result["grad_norms"], ref["grad_norms"]) <= 1e-4
+        # worst measured 1.6e-7 (loss), 1.2e-6 (grad norm): docs/testing.md
+        within(rel_diff(rank_result["losses"], ref["losses"]), 1e-5, "loss")
+        within(rel_diff(rank_result["grad_norms"], ref["grad_norms"]), 1e-5, "grad norm")
     # every replica ends with the same weights
     for other in got[1:]:
         assert max_state_diff(other["model"], got[0]["model"]) == 0.0
     # Adam turns rounding into up to ~lr-sized steps on near-zero gradients; fp64 below is strict
-    assert max_state_diff(got[0]["model"], ref["model"]) < 1e-4
+    within(max_state_diff(got[0]["model"], ref["model"]), 1e-4, "weights")
 
 
 @pytest.mark.parametrize("dp,accumulation", [(2, 2), (4, 1), (4, 2)])
@@ -53,8 +54,8 @@ def test_loss_matches_single_process_fp64(pools, dp, accumulation):
     micro = 16 // (dp * accumulation)
     ref = reference("float64")
     got = pools(dp).run(_job, dp, micro, "float64")
-    assert rel_diff(got[0]["losses"], ref["losses"]) <= 1e-13  # measured: <= 4e-16
-    assert max_state_diff(got[0]["model"], ref["model"]) <= 1e-12  # measured: <= 6e-14
+    within(rel_diff(got[0]["losses"], ref["losses"]), 1e-13, "loss (float64)")  # measured: <= 4e-16
+    within(max_state_diff(got[0]["model"], ref["model"]), 1e-12, "weights (float64)")  # measured: <= 6e-14
 
 
 def test_buckets_launch_during_backward(pools):
@@ -66,7 +67,7 @@ def test_buckets_launch_during_backward(pools):
 
 def test_recompute_matches(pools):
     got = pools(2).run(tiny_run, dp=2, micro_batch=4, steps=STEPS, recompute=True)
-    assert rel_diff(got[0]["losses"], reference("float32")["losses"]) <= 1e-5
+    within(rel_diff(got[0]["losses"], reference("float32")["losses"]), 1e-5, "loss")
 
 
 class _RecordGrads(torch.optim.SGD):
@@ -81,7 +82,7 @@ def _grads_vs_ddp() -> float:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    ctx = paratrain.init(paratrain.ParallelConfig(dp=world, bucket_mb=0.05))
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=world, bucket_mb=0.05))
     batch_rows = 4
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (batch_rows * world, TINY.seq_len + 1), generator=generator)
@@ -104,7 +105,7 @@ def _grads_vs_ddp() -> float:
 
 def test_gradients_equal_torch_ddp(pools):
     for diff in pools(2).run(_grads_vs_ddp):
-        assert diff < 1e-14
+        within(diff, 1e-14, "gradient difference (float64)")
 
 
 class _TwoBranch(nn.Module):
@@ -121,7 +122,7 @@ class _TwoBranch(nn.Module):
 
 
 def _generic_module(dp: int | None) -> list[float]:
-    ctx = paratrain.init(paratrain.ParallelConfig(dp=dp, bucket_mb=0.0001))
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dp, bucket_mb=0.0001))
     torch.manual_seed(0 if ctx.rank == 0 else 99)  # replicas differ: parallelize must sync them
     model = _TwoBranch().double()
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
@@ -133,25 +134,30 @@ def test_generic_module_with_unused_params(pools):
     torch.manual_seed(0)
     ref = _generic_module(None)
     for result in pools(2).run(_generic_module, 2):
-        assert rel_diff(result, ref) <= 1e-12
+        within(rel_diff(result, ref), 1e-12, "loss (float64)")
 
 
 def _bf16_run(dp: int | None) -> list[float]:
     import paratrain
     from paratrain.data import GlobalBatchLoader, load_source
 
-    ctx = paratrain.init(paratrain.ParallelConfig(dp=dp))
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dp))
     model = paratrain.build_gpt(TINY, seed=1)
-    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3),
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
                                    micro_batch=2, precision="bf16", grad_clip=1.0)
     loader = GlobalBatchLoader(load_source("builtin").train, seq_len=TINY.seq_len, global_batch=16,
                                dp=ctx.mesh.degree("dp"), dp_index=ctx.mesh.index("dp"), seed=1)
     assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 weights under bf16 compute
-    return [engine.train_step(loader.next(), lm_loss) for _ in range(10)]
+    losses = []
+    for step in range(10):
+        engine.set_lr(lr_at(step))
+        losses.append(engine.train_step(loader.next(), lm_loss))
+    return losses
 
 
 def test_bf16_autocast_matches_single_process_to_bf16_rounding(pools):
     ref = _bf16_run(None)
     got = pools(2).run(_bf16_run, 2)[0]
-    assert ref[-1] < ref[0] - 0.5  # it learns
-    assert rel_diff(got, ref) <= 1e-2  # bf16 has 8 bits of mantissa: 2^-8 = 4e-3 per rounding
+    assert ref[-1] < ref[0] - 0.3  # it learns
+    # bf16 has 8 bits of mantissa (2^-8 = 4e-3 per rounding), but the recipe does not amplify them: 1.3e-5 measured
+    within(rel_diff(got, ref), 1e-3, "loss")

@@ -12,7 +12,7 @@ from paratrain.comm import CollectiveError, all_reduce
 
 
 def _only_rank0_reduces() -> str:
-    ctx = paratrain.init(paratrain.ParallelConfig(dp=2), timeout=timedelta(seconds=2))
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=2), timeout=timedelta(seconds=2))
     if dist.get_rank() != 0:
         return ""
     try:

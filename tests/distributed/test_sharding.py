@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 import paratrain
-from tests.helpers import TINY, max_state_diff, regression_rows, rel_diff, squared_error, tiny_run
+from tests.helpers import LR, TINY, lr_at, max_state_diff, regression_rows, rel_diff, squared_error, tiny_run
+from tests.margins import within
 
 STEPS = 10
 _cache: dict = {}
@@ -29,11 +30,11 @@ def test_zero_matches_single_process(pools, zero, dp, accumulation):
     got = pools(dp).run(_job, dp=dp, micro_batch=16 // (dp * accumulation), zero=zero)
     ref = reference()
     for rank_result in got:
-        assert rel_diff(rank_result["losses"], ref["losses"]) <= 1e-6
+        within(rel_diff(rank_result["losses"], ref["losses"]), 1e-5, "loss")  # measured <= 1.6e-7
     for other in got[1:]:  # the all-gather leaves every rank with the same full weights
         assert max_state_diff(other["model"], got[0]["model"]) == 0.0
-    assert max_state_diff(got[0]["model"], ref["model"]) < 1e-4
-    assert max_state_diff(got[0]["optimizer"], ref["optimizer"]) < 1e-4  # full, gathered state
+    within(max_state_diff(got[0]["model"], ref["model"]), 1e-4, "weights")
+    within(max_state_diff(got[0]["optimizer"], ref["optimizer"]), 1e-4, "optimizer state")  # full, gathered state
 
 
 _LAYOUTS = [
@@ -51,13 +52,13 @@ def test_hierarchical_and_primitives_float64(pools, zero, shard_group, grad_redu
     got = pools(4).run(_job, dp=4, micro_batch=2, zero=zero, shard_group=shard_group, grad_reduce=grad_reduce,
                        dtype="float64", offload=offload)
     ref = reference("float64")
-    assert rel_diff(got[0]["losses"], ref["losses"]) <= 1e-13
-    assert max_state_diff(got[0]["model"], ref["model"]) <= 1e-12
-    assert max_state_diff(got[0]["optimizer"], ref["optimizer"]) <= 1e-12
+    within(rel_diff(got[0]["losses"], ref["losses"]), 1e-13, "loss (float64)")
+    within(max_state_diff(got[0]["model"], ref["model"]), 1e-12, "weights (float64)")
+    within(max_state_diff(got[0]["optimizer"], ref["optimizer"]), 1e-12, "optimizer state (float64)")
 
 
 def _memory(zero: int, dtype: str) -> dict:
-    ctx = paratrain.init(paratrain.ParallelConfig(dp=dist.get_world_size(), zero=zero, bucket_mb=0.05))
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dist.get_world_size(), zero=zero, bucket_mb=0.05))
     model = paratrain.build_gpt(TINY, seed=0, dtype=getattr(torch, dtype))
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     x = torch.randint(0, 256, (2, TINY.seq_len))
@@ -95,18 +96,19 @@ def _save_zero2_load_dp(tmp: str) -> list[float]:
     from paratrain.data import GlobalBatchLoader, load_source
 
     def engine_for(zero: int):
-        ctx = paratrain.init(paratrain.ParallelConfig(dp=dist.get_world_size(), zero=zero, bucket_mb=0.05))
+        ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dist.get_world_size(), zero=zero, bucket_mb=0.05))
         model = paratrain.build_gpt(TINY, seed=2)
         # the same optimizer and clipping as tests.helpers.tiny_run, the reference below
         return ctx, paratrain.parallelize(
-            model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1),
+            model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.1),
             micro_batch=2, grad_clip=1.0)
 
     source = load_source("builtin")
     ctx, engine = engine_for(2)
     loader = GlobalBatchLoader(source.train, seq_len=TINY.seq_len, global_batch=16, dp=ctx.mesh.degree("dp"),
                                dp_index=ctx.mesh.index("dp"), seed=2)
-    for _ in range(3):
+    for step in range(3):
+        engine.set_lr(lr_at(step))
         engine.train_step(loader.next(), paratrain.lm_loss)
     state = engine.state_dict()
     if ctx.is_main:
@@ -116,14 +118,18 @@ def _save_zero2_load_dp(tmp: str) -> list[float]:
     saved, meta = load_checkpoint(tmp)
     plain.load_state_dict(saved)
     loader.load_state_dict(meta["loader"])
-    return [plain.train_step(loader.next(), paratrain.lm_loss) for _ in range(3)]
+    losses = []
+    for step in range(3, 6):
+        plain.set_lr(lr_at(step))
+        losses.append(plain.train_step(loader.next(), paratrain.lm_loss))
+    return losses
 
 
 def test_zero2_checkpoint_resumes_as_plain_dp(pools, tmp_path):
     """Saved by ZeRO-2 on 2 ranks after 3 steps, resumed as plain DP: steps 4-6 of one uninterrupted run."""
     uninterrupted = tiny_run(dp=None, micro_batch=2, steps=6, seed=2)
     got = pools(2).run(_save_zero2_load_dp, str(tmp_path))[0]
-    assert rel_diff(got, uninterrupted["losses"][3:]) <= 1e-5
+    within(rel_diff(got, uninterrupted["losses"][3:]), 1e-5, "loss")
 
 
 class _Residual(torch.nn.Module):
@@ -137,7 +143,7 @@ class _Residual(torch.nn.Module):
 
 
 def _generic_zero3(dp: int | None, wrap, reshard: bool) -> list[float]:
-    ctx = paratrain.init(paratrain.ParallelConfig(dp=dp, zero=3 if dp else 0))
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dp, zero=3 if dp else 0))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), *[_Residual(16) for _ in range(3)], torch.nn.Linear(16, 3))
     model = model.double()
@@ -152,29 +158,36 @@ def _generic_zero3(dp: int | None, wrap, reshard: bool) -> list[float]:
 def test_zero3_any_module_with_a_wrap_policy(pools, wrap, reshard):
     reference_losses = _generic_zero3(None, None, True)
     for losses in pools(2).run(_generic_zero3, 2, wrap, reshard):
-        assert rel_diff(losses, reference_losses) <= 1e-12
+        within(rel_diff(losses, reference_losses), 1e-12, "loss (float64)")
 
 
 def _volume(zero: int, grad_reduce: str) -> dict:
-    ctx = paratrain.init(paratrain.ParallelConfig(dp=dist.get_world_size(), zero=zero, grad_reduce=grad_reduce))
+    """Bytes moved by every collective of one step (after a warm-up step), counted at torch's dispatcher."""
+    from paratrain.comm import CollectiveCounter
+
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dist.get_world_size(), zero=zero,
+                                                                       grad_reduce=grad_reduce))
     model = paratrain.build_gpt(TINY, seed=0)
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     x = torch.randint(0, 256, (2, TINY.seq_len))
     engine.train_step((x, torch.roll(x, -1, 1)), paratrain.lm_loss)  # warm: prefetch state settles
-    engine.grads.comm.reset()
-    engine.train_step((x, torch.roll(x, -1, 1)), paratrain.lm_loss)
-    return dict(engine.grads.comm.bytes)
+    with CollectiveCounter() as counter:
+        engine.train_step((x, torch.roll(x, -1, 1)), paratrain.lm_loss)
+    return dict(counter.volume.bytes)
 
 
 @pytest.mark.parametrize("zero,grad_reduce,low,high", [
-    (0, "auto", 2.0, 2.0),                 # all-reduce: 2 psi
+    (0, "auto", 2.0, 2.001),               # all-reduce: 2 psi
     (1, "reduce_scatter", 2.0, 2.01),      # reduce-scatter psi + all-gather psi (+ padding)
     (2, "reduce_scatter", 2.0, 2.01),
     (3, "reduce_scatter", 2.85, 3.01),     # 3 psi, less the root unit's backward all-gather
     (1, "all_reduce", 3.0, 3.01),          # gloo's faster choice: all-reduce 2 psi + all-gather psi
 ])
 def test_communication_volume_per_step(pools, zero, grad_reduce, low, high):
+    """Every collective of a step, whoever issued it (gradients, parameters, and the engine's few scalars:
+    loss and token totals, the norm), in the ZeRO paper's accounting (section 7), over psi in bytes."""
     psi_bytes = 4 * TINY.num_params()
     volume = pools(2).run(_volume, zero, grad_reduce)[0]
     ratio = sum(volume.values()) / psi_bytes
-    assert low <= ratio <= high, (volume, ratio)
+    assert ratio >= low, (volume, ratio)
+    within(ratio, high, "bytes moved / psi")

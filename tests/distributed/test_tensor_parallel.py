@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import assert_matches_reference, max_state_diff, ranked_run, reference_run, rel_diff, tiny_run
+from tests.margins import within
 
 STEPS = 10
 
@@ -41,7 +42,7 @@ def test_tp_matches_single_process(pools, dp, tp, sequence_parallel):
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tp_with_recompute(pools, sequence_parallel):
     got = pools(2).run(_job, dp=1, tp=2, sequence_parallel=sequence_parallel, micro_batch=8, recompute=True)
-    assert rel_diff(got[0]["losses"], reference()["losses"]) <= 1e-5
+    within(rel_diff(got[0]["losses"], reference()["losses"]), 1e-5, "loss")
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
@@ -56,8 +57,8 @@ def test_tp_with_zero(pools, zero):
 def test_tp_float64_is_exact(pools, sequence_parallel):
     got = pools(4).run(_job, dp=2, tp=2, sequence_parallel=sequence_parallel, micro_batch=4, dtype="float64")
     ref = reference("float64")
-    assert rel_diff(got[0]["losses"], ref["losses"]) <= 1e-12
-    assert max_state_diff(got[0]["model"], ref["model"]) <= 1e-11
+    within(rel_diff(got[0]["losses"], ref["losses"]), 1e-12, "loss (float64)")
+    within(max_state_diff(got[0]["model"], ref["model"]), 1e-11, "weights (float64)")
 
 
 def test_dropout_is_layout_free(pools):
@@ -70,7 +71,7 @@ def test_dropout_is_layout_free(pools):
     for dp, tp, sp, recompute in [(2, 2, True, True), (2, 2, False, False), (4, 1, False, False)]:
         got = pools(dp * tp).run(tiny_run, dp=dp, tp=tp, sequence_parallel=sp, micro_batch=2, dtype="float64",
                                  dropout=0.1, recompute=recompute, steps=steps)
-        assert rel_diff(got[0]["losses"], ref["losses"][:steps]) <= 1e-12, (dp, tp, sp)
+        within(rel_diff(got[0]["losses"], ref["losses"][:steps]), 1e-12, f"loss (float64) {(dp, tp, sp)}")
 
 
 def _half_job(**kwargs) -> dict:
@@ -87,7 +88,7 @@ def test_checkpoint_moves_between_tp_and_dp(pools):
         world = layout["dp"] * layout.get("tp", 1)
         got = pools(world).run(_half_job, micro_batch=4, dtype="float64", start=first, start_step=STEPS // 2,
                                **layout)
-        assert rel_diff(got[0]["losses"], ref["losses"][STEPS // 2:]) <= 1e-12, layout
+        within(rel_diff(got[0]["losses"], ref["losses"][STEPS // 2:]), 1e-12, f"loss (float64) {layout}")
 
 
 def _mlp_job(dp: int | None, tp: int) -> dict:
@@ -95,7 +96,7 @@ def _mlp_job(dp: int | None, tp: int) -> dict:
     import paratrain
     from tests.helpers import regression_rows, squared_error
 
-    ctx = paratrain.init(paratrain.ParallelConfig(dp=dp, tp=tp))
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dp, tp=tp))
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8),
                                 torch.nn.Linear(8, 4)).double()
@@ -109,8 +110,8 @@ def test_plan_applies_to_any_linear_model(pools):
     ref = _mlp_job(None, 1)
     for dp, tp in ((1, 2), (2, 2)):
         got = pools(dp * tp).run(_mlp_job, dp, tp)[0]
-        assert rel_diff(got["losses"], ref["losses"]) <= 1e-12
-        assert max_state_diff(got["model"], ref["model"]) <= 1e-12
+        within(rel_diff(got["losses"], ref["losses"]), 1e-12, "loss (float64)")
+        within(max_state_diff(got["model"], ref["model"]), 1e-12, "weights (float64)")
 
 
 def _count_step(sequence_parallel: bool) -> list[tuple[str, int]]:
@@ -118,7 +119,7 @@ def _count_step(sequence_parallel: bool) -> list[tuple[str, int]]:
     from paratrain.comm import CollectiveCounter
     from tests.helpers import TINY
 
-    ctx = paratrain.init(paratrain.ParallelConfig(dp=1, tp=dist.get_world_size(), sequence_parallel=sequence_parallel))
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=1, tp=dist.get_world_size(), sequence_parallel=sequence_parallel))
     model = paratrain.build_gpt(TINY, seed=0)
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), grad_clip=1.0)
     x = torch.randint(0, 256, (4, TINY.seq_len))
@@ -156,7 +157,7 @@ def _activation_bytes(tp: int, sequence_parallel: bool) -> int:
     from paratrain.memory import saved_activations
 
     config = preset("tiny", seq_len=64, n_layer=2, d_model=128)
-    ctx = paratrain.init(paratrain.ParallelConfig(dp=dist.get_world_size() // tp, tp=tp,
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dist.get_world_size() // tp, tp=tp,
                                                   sequence_parallel=sequence_parallel))
     model = paratrain.build_gpt(config, seed=0)
     paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))

@@ -5,14 +5,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests.helpers import TINY, rel_diff, tiny_run
+from tests.helpers import LR, TINY, lr_at, rel_diff, tiny_run
+from tests.margins import within
 
 STEPS = 10
 
 
-def dtensor_run(steps: int = STEPS, seed: int = 7, lr: float = 3e-3, global_batch: int = 16) -> list[float]:
+def dtensor_run(steps: int = STEPS, seed: int = 7, global_batch: int = 16) -> list[float]:
     """The tiny GPT under torch's DTensor TP (Megatron layout on the blocks; embedding, head and norms
-    replicated), torch's AdamW and norm clipping at 1, the same data: per-step losses."""
+    replicated), torch's AdamW and norm clipping at 1, the tests' learning rate, the same data: per-step losses."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -24,11 +25,13 @@ def dtensor_run(steps: int = STEPS, seed: int = 7, lr: float = 3e-3, global_batc
     plan = {"blocks.*.attn.qkv": ColwiseParallel(), "blocks.*.attn.out": RowwiseParallel(),
             "blocks.*.mlp.up": ColwiseParallel(), "blocks.*.mlp.down": RowwiseParallel()}
     parallelize_module(model, mesh, plan)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     loader = GlobalBatchLoader(load_source("builtin").train, seq_len=TINY.seq_len, global_batch=global_batch,
                                dp=1, dp_index=0, seed=seed)
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
         loss_sum, count = paratrain.lm_loss(model, loader.next())
         loss = loss_sum / count
         loss.backward()
@@ -53,5 +56,5 @@ def test_same_losses_as_dtensor_tensor_parallel(pools):
     ref = tiny_run(dp=None, micro_batch=None, steps=STEPS)["losses"]
     for tp in (2, 4):
         got = pools(tp).run(_both)[0]
-        assert rel_diff(got["dtensor"], ref) <= 1e-5, tp  # the peer agrees with the single process ...
-        assert rel_diff(got["paratrain"], got["dtensor"]) <= 1e-5, tp  # ... and with us
+        within(rel_diff(got["dtensor"], ref), 1e-5, f"DTensor loss vs 1 process, tp {tp}")  # the peer agrees with the single process ...
+        within(rel_diff(got["paratrain"], got["dtensor"]), 1e-5, f"loss vs DTensor, tp {tp}")  # ... and with us

@@ -22,7 +22,7 @@ def _config(tmp: str, **overrides):
 def _train(tmp: str, overrides: dict) -> dict:
     world = dist.get_world_size() if dist.is_initialized() else 1
     plan = check_run(_config(tmp, **overrides), world)
-    trainer = Trainer(plan, paratrain.init(plan.parallel))
+    trainer = Trainer(plan, paratrain.init(device="cpu", config=plan.parallel))
     seen = []
     original_next = trainer.train_loader.next
 

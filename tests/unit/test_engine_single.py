@@ -14,12 +14,12 @@ TINY = preset("tiny", seq_len=16)
 
 def _engine(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), zero=0, **kwargs):
     model = paratrain.build_gpt(TINY, seed=0, dtype=torch.float64)
-    ctx = paratrain.init(paratrain.ParallelConfig(zero=zero))
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(zero=zero))
     return paratrain.parallelize(model, ctx, optimizer=optimizer, **kwargs)
 
 
 def test_single_process_context():
-    ctx = paratrain.init()
+    ctx = paratrain.init(device="cpu")
     assert ctx.world_size == 1 and ctx.backend == "none" and ctx.is_main and ctx.mesh.groups == {}
 
 
