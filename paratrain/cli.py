@@ -6,6 +6,8 @@
     paratrain train --nproc 8 --dp 2 --tp 2 --pp 2 --schedule 1f1b --micro-batch 2 --zero 2
     paratrain train --config run.toml --steps 50        (flags override the file)
     paratrain presets                    list the model presets
+    paratrain plan --model gpt3-175b --gpus 1024 --hardware a100-80gb --global-batch 1536
+                                         memory and step time of every layout, best first
 
 Every setting is checked before any process starts; a bad one exits with code 2 and the rule,
 the numbers and a fix.
@@ -87,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--keep-params", dest="reshard_after_forward", action="store_false", default=None,
                        help="ZeRO-3: keep a unit's gathered parameters from forward to backward")
     commands.add_parser("presets", help="list the model presets and their sizes")
+    from paratrain.planner.command import add_arguments
+
+    add_arguments(commands.add_parser("plan", help="predict per-device memory and step time of layouts, best first"))
     return parser
 
 
@@ -167,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args, argv)
+        if args.command == "plan":
+            from paratrain.planner.command import run
+
+            return run(args)
         return _presets()
     except ConfigError as error:
         print(f"paratrain: invalid configuration: {error}", file=sys.stderr)

@@ -1,0 +1,130 @@
+"""`paratrain plan`: the planner on the command line (a table, best layouts first, or one JSON object).
+
+    paratrain plan --model gpt3-175b --gpus 1024 --hardware a100-80gb --global-batch 1536
+    paratrain plan --model gpt3-xl --gpus 8 --hardware h100-80gb --global-batch 512 --tp 2 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from paratrain.config.errors import ConfigError
+from paratrain.config.model import PRESETS, preset
+from paratrain.planner.hardware import PROFILES, hardware
+from paratrain.planner.search import search
+from paratrain.planner.textbook import training_days
+
+_PINS = {"--dp": "dp", "--tp": "tp", "--pp": "pp", "--virtual-stages": "virtual_stages", "--zero": "zero",
+         "--micro-batch": "micro_batch"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="gpt2", help=f"model preset: {', '.join(PRESETS)}")
+    parser.add_argument("--gpus", type=int, help="devices in all (or --nodes x --gpus-per-node)")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int, help="devices per node (default: the hardware's, 8)")
+    parser.add_argument("--hardware", default="h100-80gb", help=f"{', '.join(PROFILES)}, or a JSON profile file")
+    parser.add_argument("--peak-tflops", type=float, help="override: dense 16-bit TFLOP/s per device")
+    parser.add_argument("--memory-gb", type=float, help="override: memory per device, GB (1e9 bytes)")
+    parser.add_argument("--intra-node-gbps", type=float, help="override: bus bandwidth inside a node, GB/s per device")
+    parser.add_argument("--inter-node-gbps", type=float, help="override: bus bandwidth between nodes, GB/s per device")
+    parser.add_argument("--efficiency", type=float, help="override: share of the peak the matmuls reach (default 0.5)")
+    parser.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    parser.add_argument("--seq-len", type=int, help="tokens per sample (default: the model's)")
+    parser.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--tokens", type=float, help="a token budget: adds training days")
+    parser.add_argument("--top", type=int, default=10, help="rows of the table")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    for flag, field in _PINS.items():
+        parser.add_argument(flag, type=int, help=f"pin {field}")
+    parser.add_argument("--recompute", choices=("none", "full"), help="pin recomputation")
+    parser.add_argument("--sequence-parallel", action="store_true", default=None, help="pin sequence parallelism on")
+
+
+def run(args: argparse.Namespace) -> int:
+    model = preset(args.model)
+    hw = hardware(args.hardware, peak_flops=args.peak_tflops and args.peak_tflops * 1e12,
+                  memory_bytes=args.memory_gb and args.memory_gb * 1e9,
+                  intra_node_bw=args.intra_node_gbps and args.intra_node_gbps * 1e9,
+                  inter_node_bw=args.inter_node_gbps and args.inter_node_gbps * 1e9, efficiency=args.efficiency)
+    if args.gpus_per_node:
+        from dataclasses import replace
+
+        hw = replace(hw, devices_per_node=args.gpus_per_node)
+    devices = args.gpus or args.nodes * hw.devices_per_node
+    if devices < 1 or args.global_batch < 1:
+        raise ConfigError(f"--gpus ({devices}) and --global-batch ({args.global_batch}) must be >= 1")
+    pins: dict[str, Any] = {field: getattr(args, flag[2:].replace("-", "_")) for flag, field in _PINS.items()
+                            if getattr(args, flag[2:].replace("-", "_")) is not None}
+    if args.recompute is not None:
+        pins["recompute"] = args.recompute
+    if args.sequence_parallel:
+        pins["sequence_parallel"] = True
+    result = search(model, devices, hw, global_batch=args.global_batch, seq_len=args.seq_len,
+                    precision=args.precision, pins=pins)
+    if args.tokens:
+        for record in result["candidates"]:
+            record["train_days"] = args.tokens / record["tokens_per_s"] / 86400
+    record = {"model": {"preset": args.model, **{k: getattr(model, k) for k in ("n_layer", "d_model", "n_head")},
+                        "params": model.num_params()},
+              "hardware": hw.to_dict(), "devices": devices, **result}
+    if args.json:
+        print(json.dumps(record))
+        return 0
+    print(_table(record, args.top, tokens=args.tokens))
+    return 0
+
+
+def _layout_text(layout: dict[str, Any]) -> str:
+    text = f"dp{layout['dp']} tp{layout['tp']} pp{layout['pp']}"
+    if layout["virtual_stages"] > 1:
+        text += f"x{layout['virtual_stages']}"
+    text += f" z{layout['zero']} mb{layout['micro_batch']}"
+    if layout["recompute"] != "none":
+        text += " rc"
+    if layout["sequence_parallel"]:
+        text += " sp"
+    return text
+
+
+def _why(record: dict[str, Any], best: dict[str, Any]) -> str:
+    """What makes a runner-up slower than the best: its largest difference."""
+    if record is best:
+        return "best"
+    if not record["fits"]:
+        return "does not fit"
+    gaps = {"compute (recompute / stage balance)": record["compute_s"] - best["compute_s"],
+            "communication": record["comm_s"] - best["comm_s"],
+            "pipeline bubble": record["step_time_s"] * record["bubble"] - best["step_time_s"] * best["bubble"]}
+    name, gap = max(gaps.items(), key=lambda kv: kv[1])
+    return f"+{gap:.3g} s {name}" if gap > 0 else "ties"
+
+
+def _table(record: dict[str, Any], top: int, *, tokens: float | None) -> str:
+    gb = 1e9
+    model, hw, candidates = record["model"], record["hardware"], record["candidates"]
+    lines = [f"{model['preset']} ({model['params'] / 1e9:.2f}B parameters) on {record['devices']} x {hw['name']} "
+             f"({hw['memory_bytes'] / gb:.0f} GB, {hw['peak_flops'] / 1e12:.0f} TFLOP/s peak x {hw['efficiency']:g})"]
+    if not candidates:
+        lines.append(f"no layout passes paratrain's rules ({len(record['rejected'])} refused); first reason: "
+                     + (record["rejected"][0]["reason"] if record["rejected"] else "none"))
+        return "\n".join(lines)
+    best = candidates[0]
+    header = (f"{'layout':<26} {'peak GB':>8} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'step s':>8} "
+              f"{'tok/s':>10} {'MFU':>5}" + (f" {'days':>6}" if tokens else "") + "  why")
+    lines.append(header)
+    for r in candidates[:top]:
+        m = r["memory"]
+        row = (f"{_layout_text(r['layout']):<26} {m['peak'] / gb:>8.1f} {m['params'] / gb:>7.1f} {m['grads'] / gb:>7.1f} "
+               f"{m['optimizer'] / gb:>7.1f} {m['activations'] / gb:>7.1f} {r['step_time_s']:>8.3f} "
+               f"{r['tokens_per_s']:>10.0f} {r['mfu']:>5.1%}" + (f" {r['train_days']:>6.1f}" if tokens else ""))
+        lines.append(row + "  " + _why(r, best))
+    fitting = sum(r["fits"] for r in candidates)
+    lines.append(f"{fitting} layouts fit, {len(candidates) - fitting} do not, {len(record['rejected'])} refused by "
+                 "paratrain's rules (--json lists every one with its reason)")
+    if tokens:
+        days = training_days(tokens, model["params"], record["devices"], hw["peak_flops"] * hw["efficiency"])
+        lines.append(f"8 T P / (n X) estimate (Narayanan et al. 2021) at {hw['efficiency']:g} of peak: {days:.1f} days")
+    return "\n".join(lines)

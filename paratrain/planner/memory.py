@@ -1,0 +1,261 @@
+"""Bytes one rank holds: model states between steps, exactly as paratrain holds them.
+
+`model_state_bytes` mirrors `engine.memory_report()` (tests/distributed/test_planner.py checks it
+to the byte over the parity matrix): parameters, gradients and optimizer state (AdamW: two moments
+and a 4-byte step per tensor it updates, plus ZeRO's fp32 masters when parameters are stored in 16
+bits or offloaded), with paratrain's own flat groups and their padding to a multiple of the shard
+group. The textbook form, (2 + 2 + K) psi over the ZeRO stages, is paratrain.planner.textbook's.
+
+    zero 0     every parameter, its gradient buffer (no padding), AdamW state per parameter
+    zero 1/2   flat groups (paratrain.comm.plan_buckets: ~bucket_mb each, one optimizer group and one
+               gradient role each) padded to a multiple of S; parameters whole; zero 1 keeps whole
+               gradient buffers (and, reducing by reduce-scatter, a shard beside each), zero 2 shards
+    zero 3     flat groups per unit (a block, or the root: embedding, final norm, head); shards only
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from paratrain.comm.buckets import plan_buckets
+from paratrain.config.model import ModelConfig
+from paratrain.pipeline.schedules import Action, compute_order
+from paratrain.planner.layout import Layout, RankParam, chunk_layers, meta_tensors, rank_params
+
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+MASTER_BYTES = 4
+"""fp32: what the model is built in, so what ZeRO's masters and AdamW's moments are kept in."""
+STEP_BYTES = 4
+"""AdamW's step count: a float32 scalar tensor per parameter it updates."""
+
+
+@dataclass(frozen=True)
+class FlatPlan:
+    numel: int
+    padded: int
+    shards: int
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded // self.shards
+
+
+def _optimizer_group(param: RankParam) -> int:
+    """paratrain.train.optim.adamw_factory: matrices decay (group 0), vectors do not (group 1)."""
+    return 0 if len(param.shape) >= 2 else 1
+
+
+def _role(param: RankParam) -> tuple[bool, bool, bool]:
+    """paratrain.comm.roles.GradRoles.bucket_key: parameters of different roles never share a group."""
+    return param.tp_split, param.tied, param.norm_skip
+
+
+def flat_groups(params: list[RankParam], *, zero: int, shards: int, bucket_bytes: int) -> list[FlatPlan]:
+    """ZeroSync's flat groups for these parameters, in its order."""
+    present = sorted({_optimizer_group(p) for p in params})
+    group_of = {id(p): present.index(_optimizer_group(p)) for p in params}  # empty groups are dropped
+    if zero < 3:
+        tensors = meta_tensors(params, torch.float32)  # planned on the parameters as built: fp32
+        by_id = {id(t): p for t, p in zip(tensors, params)}
+        planned = plan_buckets(tensors, cap_bytes=bucket_bytes,
+                               key=lambda t: (group_of[id(by_id[id(t)])], _role(by_id[id(t)])))
+        sizes = [sum(t.numel() for t in group) for group in planned]
+    else:
+        units: dict[str, list[RankParam]] = {}
+        for p in params:
+            units.setdefault(p.unit, []).append(p)
+        blocks = [u for u in units if u]
+        sizes = []
+        for unit in [*reversed(blocks), *([""] if "" in units else [])]:
+            by_key: dict[tuple[object, ...], int] = {}
+            for p in units[unit]:
+                key = (group_of[id(p)], _role(p))
+                by_key[key] = by_key.get(key, 0) + p.numel
+            sizes += list(by_key.values())
+    return [FlatPlan(n, math.ceil(n / shards) * shards, shards) for n in sizes]
+
+
+@functools.lru_cache(maxsize=8192)
+def _sharded_totals(model: ModelConfig, tp: int, pp: int, virtual_stages: int, stage: int, pp_split: tuple[int, ...],
+                    zero: int, shards: int, bucket_bytes: int) -> tuple[int, int, int]:
+    """(padded elements, shard elements, flat groups) of a stage's ZeRO flat groups."""
+    params = rank_params(model, Layout(tp=tp, pp=pp, virtual_stages=virtual_stages), stage, pp_split)
+    groups = flat_groups(params, zero=zero, shards=shards, bucket_bytes=bucket_bytes)
+    return sum(g.padded for g in groups), sum(g.shard_numel for g in groups), len(groups)
+
+
+@functools.lru_cache(maxsize=8192)
+def _plain_totals(model: ModelConfig, tp: int, pp: int, virtual_stages: int, stage: int,
+                  pp_split: tuple[int, ...]) -> tuple[int, int]:
+    """(elements, tensors) a stage holds."""
+    params = rank_params(model, Layout(tp=tp, pp=pp, virtual_stages=virtual_stages), stage, pp_split)
+    return sum(p.numel for p in params), len(params)
+
+
+def model_state_bytes(model: ModelConfig, layout: Layout, *, precision: str = "fp32", stage: int = 0,
+                      bucket_mb: float = 25.0, grad_reduce: str = "all_reduce",
+                      pp_split: tuple[int, ...] = ()) -> dict[str, int]:
+    """What `engine.memory_report()` says on pipeline rank `stage` (every dp and tp rank of a stage
+    holds the same amounts): {"params", "grads", "optimizer"} in bytes, AdamW, the GPT.
+
+    precision: under ZeRO, bf16 / fp16 store parameters and gradients in 16 bits with fp32 masters;
+    under zero 0 they are autocast over fp32 storage. grad_reduce: ZeRO's reduction primitive
+    ("all_reduce": gloo's choice; "reduce_scatter": NCCL's)."""
+    shape = (model, layout.tp, layout.pp, layout.virtual_stages, stage, tuple(pp_split))
+    if layout.zero == 0:
+        numel, tensors = _plain_totals(*shape)
+        return {"params": 4 * numel, "grads": 4 * numel,
+                "optimizer": 2 * MASTER_BYTES * numel + STEP_BYTES * tensors}
+    elsize = _BYTES[precision]
+    padded, shard, groups = _sharded_totals(*shape, layout.zero, layout.shards, int(bucket_mb * 2**20))
+    param_bytes = elsize * (shard if layout.zero == 3 else padded)
+    if layout.zero == 1:
+        separate_shards = grad_reduce == "reduce_scatter"
+        grad_bytes = elsize * (padded + (shard if separate_shards else 0))
+    else:
+        grad_bytes = elsize * shard
+    own_master = layout.offload or elsize != MASTER_BYTES
+    masters = MASTER_BYTES * shard if own_master else 0
+    optimizer = 2 * MASTER_BYTES * shard + STEP_BYTES * groups + masters
+    return {"params": param_bytes, "grads": grad_bytes, "optimizer": optimizer}
+
+
+# ---- activations ------------------------------------------------------------------------------
+#
+# What autograd keeps for backward, per micro-batch, for the reference GPT as paratrain runs it
+# (counted as paratrain.memory.saved_activations counts: each storage once, parameters left out).
+# Derived from the model's code op by op and checked to the byte on one process and under tp / SP
+# (tests/unit/test_planner_memory.py, tests/distributed/test_planner.py). Three storage modes:
+#   fp32      everything float32;
+#   autocast  16-bit matmuls over float32 weights (zero 0 with bf16 / fp16): the residual stream and
+#             norms stay float32, each linear keeps a 16-bit copy of its input and of its weight;
+#   low       parameters stored in 16 bits (ZeRO with bf16 / fp16; buffers stay float32): the residual
+#             stream is 16-bit, each norm keeps a float32 copy of its input (it normalises in float32).
+# tokens n = micro_batch x seq; t = tp; q = t with sequence parallelism (norms and residuals hold
+# n / t tokens), else 1.
+
+def storage_mode(precision: str, zero: int) -> str:
+    if precision == "fp32":
+        return "fp32"
+    return "low" if zero >= 1 else "autocast"
+
+
+def _norm_and_column_input(tokens: float, d: int, mode: str) -> float:
+    """An RMSNorm and the input the next (column) linear keeps: its input, 1/rms, the normalised x,
+    and x * weight (or, under autocast, the linear's 16-bit copy of it)."""
+    if mode == "fp32":
+        return tokens * (3 * d * 4 + 4)
+    if mode == "autocast":
+        return tokens * (2 * d * 4 + 4 + d * 2)
+    return tokens * (d * 4 + 4 + 2 * d * 2)  # low: a float32 copy of x, 16-bit normed and x * weight
+
+
+def block_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, tp: int = 1,
+                           sequence_parallel: bool = False, mode: str = "fp32", recompute: str = "none") -> float:
+    """Bytes one transformer block keeps for backward, per micro-batch (rope tables excluded: they are
+    one storage for the whole model, see rope_bytes)."""
+    b, s, d, f, h, t = micro_batch, seq, model.d_model, model.ff_dim, model.n_head, tp
+    n = b * s
+    q = t if sequence_parallel else 1
+    res = 2 if mode == "low" else 4
+    if recompute == "full":
+        return n / q * d * res  # the block's input
+    if recompute != "none":
+        raise ValueError(f"paratrain recomputes whole blocks ('full') or nothing ('none'), got {recompute!r}")
+    act = 4 if mode == "fp32" else 2
+    norms = 2 * _norm_and_column_input(n / q, d, mode)
+    # qkv output (3), rotated q and k (2), attention output (1), and its [B, S, D] copy that `out` keeps
+    # (1; a view, not a copy, when a rank holds one head), + the softmax's log-sum-exp in float32
+    copy = 0 if h // t == 1 or s == 1 else 1
+    attention = (6 + copy) * n * d / t * act + b * (h // t) * s * 4
+    mlp = 2 * n * f / t * act  # up's output (GELU's input) and GELU's output (down's input)
+    casts = 0.0
+    if mode != "fp32":  # each apply_rope keeps 16-bit copies of the float32 cos and sin tables
+        casts += 4 * s * (model.head_dim // 2) * 2
+    if mode == "autocast":  # and autocast keeps a 16-bit copy of every weight it casts: under sequence
+        # parallelism the column layers (qkv, up) cast inside their own autograd function and keep the
+        # float32 weight, so only the row layers' (out, down) copies are kept
+        column = 0 if sequence_parallel else 3 * d * d + d * f
+        casts += 2 * (column + d * d + d * f) / t
+    return norms + attention + mlp + casts
+
+
+def rope_bytes(model: ModelConfig, *, seq: int, mode: str, recompute: str = "none") -> float:
+    """The rotary tables (cos, sin: [seq, head_dim / 2], float32 buffers: ZeRO stores only parameters
+    in 16 bits), kept once for the whole model: by the rotations in float32, or as inputs of
+    recomputed blocks. In 16-bit compute the rotations keep 16-bit copies per block instead (counted
+    in the block)."""
+    if mode != "fp32" and recompute == "none":
+        return 0.0
+    return 2 * seq * (model.head_dim // 2) * 4
+
+
+def embedding_activation_bytes(*, micro_batch: int, seq: int, tp: int = 1) -> float:
+    """The embedding keeps the token ids (int64; the batch holds one more column of targets); split
+    over tp, each rank keeps its local ids and the mask of ids outside its vocabulary slice."""
+    n = micro_batch * seq
+    return micro_batch * (seq + 1) * 8 if tp == 1 else n * 9
+
+
+def head_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, tp: int = 1,
+                          sequence_parallel: bool = False, mode: str = "fp32") -> float:
+    """The final norm, the head's input (and 16-bit weight copy under autocast), and the loss: the
+    float32 log-softmax over the real vocabulary and the targets (tp: the softmax over this rank's
+    padded vocabulary slice, local targets and two masks)."""
+    b, s, d, t = micro_batch, seq, model.d_model, tp
+    n = b * s
+    q = t if sequence_parallel else 1
+    total = _norm_and_column_input(n / q, d, mode)
+    if mode == "autocast" and not sequence_parallel:  # the head's 16-bit weight copy (see the block's)
+        total += model.padded_vocab // t * d * 2
+    if t == 1:
+        total += n * model.vocab_size * 4 + n * 8 + 4
+    else:
+        total += n * model.padded_vocab // t * 4 + n * 10
+    return total
+
+
+def chunk_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str,
+                           pp_split: tuple[int, ...] = ()) -> list[float]:
+    """Bytes one micro-batch leaves saved in each pipeline chunk (its layers' terms)."""
+    kwargs = dict(micro_batch=layout.micro_batch, seq=seq, tp=layout.tp)
+    block = block_activation_bytes(model, sequence_parallel=layout.sequence_parallel, mode=mode,
+                                   recompute=layout.recompute, **kwargs)
+    head = head_activation_bytes(model, sequence_parallel=layout.sequence_parallel, mode=mode, **kwargs)
+    embedding = embedding_activation_bytes(**kwargs)
+    sizes = []
+    for start, end in chunk_layers(model, layout, pp_split):
+        blocks = len(range(max(start, 1), min(end, model.n_layer + 1)))
+        sizes.append(blocks * block + (embedding if start == 0 else 0.0) + (head if end == model.n_layer + 2 else 0.0))
+    return sizes
+
+
+def activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str, stage: int = 0,
+                     microbatches: int = 1, pp_split: tuple[int, ...] = ()) -> float:
+    """Peak bytes of saved activations on pipeline rank `stage` over a step: one micro-batch at a time
+    without pp (accumulation runs each backward before the next forward); under pp, the schedule's
+    own program walked action by action (F saves a chunk's activations, B or W releases them)."""
+    sizes = chunk_activation_bytes(model, layout, seq=seq, mode=mode, pp_split=pp_split)
+    ranges = chunk_layers(model, layout, pp_split)
+    mine = [c for c in range(len(ranges)) if c % layout.pp == stage]
+    has_block = any(max(ranges[c][0], 1) < min(ranges[c][1], model.n_layer + 1) for c in mine)
+    rope = rope_bytes(model, seq=seq, mode=mode, recompute=layout.recompute) if has_block else 0.0
+    if layout.pp == 1:
+        return sizes[0] + rope
+    live = peak = 0.0
+    for action in _compute_program(layout.schedule, layout.pp, microbatches, stage, layout.virtual_stages):
+        if action.kind == "F":
+            live += sizes[action.chunk]
+            peak = max(peak, live)
+        elif action.kind in ("B", "W"):
+            live -= sizes[action.chunk]
+    return peak + rope
+
+
+@functools.lru_cache(maxsize=1024)
+def _compute_program(schedule: str, pp: int, microbatches: int, stage: int, chunks: int) -> tuple[Action, ...]:
+    return tuple(compute_order(schedule, pp, microbatches, stage, chunks))

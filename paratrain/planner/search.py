@@ -1,0 +1,128 @@
+"""estimate (one layout: memory per rank, step time) and search (every layout of a device count,
+checked by paratrain's own rules, ranked by predicted step time)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from typing import Any
+
+from paratrain.config.errors import ConfigError
+from paratrain.config.model import ModelConfig
+from paratrain.config.parallel import ParallelConfig
+from paratrain.config.validate import batch_layout, check_pipeline, check_tensor_parallel
+from paratrain.planner.hardware import Hardware
+from paratrain.planner.layout import Layout
+from paratrain.planner.memory import activation_bytes, model_state_bytes, storage_mode
+from paratrain.planner.timing import step_time
+
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def check_layout(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int) -> None:
+    """paratrain's own rules for the layout (the messages `paratrain train` gives), or ConfigError."""
+    parallel = ParallelConfig(dp=layout.dp, tp=layout.tp, pp=layout.pp, virtual_stages=layout.virtual_stages,
+                              zero=layout.zero, shard_group=layout.shard_group, schedule=layout.schedule,
+                              sequence_parallel=layout.sequence_parallel,
+                              offload="optimizer" if layout.offload else "none").resolved(layout.world_size)
+    if layout.recompute not in ("none", "full"):
+        raise ConfigError(f"recompute must be 'none' or 'full' (whole blocks, what paratrain runs), got {layout.recompute!r}")
+    check_tensor_parallel(model, parallel, seq)
+    batch = batch_layout(global_batch, layout.micro_batch, layout.dp)
+    check_pipeline(model, parallel, batch)
+
+
+def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, precision: str,
+           bucket_mb: float = 25.0, grad_reduce: str = "reduce_scatter") -> dict[str, float]:
+    """Device bytes of the busiest pipeline rank at its peak (every dp and tp rank of a stage holds the
+    same): model states between steps, saved activations at the schedule's peak, and transients
+    ("other": the loss's logits and their gradient; ZeRO-3's gathered unit and the one prefetched;
+    the gradient bucket being reduced). Offloaded optimizer state is in CPU memory, not counted."""
+    mode = storage_mode(precision, layout.zero)
+    microbatches = global_batch // (layout.dp * layout.micro_batch)
+    act = 4 if mode == "fp32" else 2
+    best: dict[str, float] = {}
+    for stage in sorted({0, layout.pp // 2, layout.pp - 1}):
+        states = model_state_bytes(model, layout, precision=precision, stage=stage, bucket_mb=bucket_mb,
+                                   grad_reduce=grad_reduce)
+        if layout.offload:
+            states = {**states, "optimizer": 0}
+        activations = activation_bytes(model, layout, seq=seq, mode=mode, stage=stage, microbatches=microbatches)
+        tokens = layout.micro_batch * seq
+        other = min(bucket_mb * 2**20, states["grads"] or bucket_mb * 2**20)
+        if stage == layout.pp - 1:  # logits (compute dtype), their float32 softmax and its gradient
+            other += tokens * model.padded_vocab / layout.tp * (act + 8)
+        if layout.zero == 3:
+            unit = (4 * model.d_model ** 2 + 2 * model.d_model * model.ff_dim) / layout.tp
+            other += 2 * unit * _BYTES[precision if mode == "low" else "fp32"]
+        record = {**{k: float(v) for k, v in states.items()}, "activations": activations, "other": other}
+        record["peak"] = sum(record.values())
+        if record["peak"] > best.get("peak", -1.0):
+            best = record
+    return best
+
+
+def estimate(model_config: ModelConfig, layout: Layout, hardware: Hardware, *, global_batch: int,
+             seq_len: int | None = None, precision: str = "bf16") -> dict[str, Any]:
+    """The candidate record of one layout: its memory (worst rank, bytes) and predicted step time."""
+    seq = seq_len or model_config.seq_len
+    check_layout(model_config, layout, global_batch=global_batch, seq=seq)
+    mem = memory(model_config, layout, global_batch=global_batch, seq=seq, precision=precision)
+    t = step_time(model_config, layout, hardware, global_batch=global_batch, seq=seq, precision=precision)
+    return {"layout": layout.to_dict(), "memory": mem, "step_time_s": t.step_s, "compute_s": t.compute_s,
+            "comm_s": t.comm_s, "bubble": t.bubble, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
+            "fits": mem["peak"] <= hardware.memory_bytes}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(model: ModelConfig, devices: int, hardware: Hardware, *, global_batch: int,
+               pins: dict[str, Any] | None = None) -> list[Layout]:
+    """Every layout of `devices` ranks the search considers: tp within a node, pp up to the layers,
+    1 or 2 virtual stages, ZeRO 0-3 over all of dp, power-of-two micro-batches, recompute or not,
+    sequence parallelism with tp; `pins` fixes any field."""
+    pins = pins or {}
+    out = []
+    for tp in _divisors(devices):
+        if tp > hardware.devices_per_node:
+            continue
+        for pp in _divisors(devices // tp):
+            if pp > model.n_layer + 2:
+                continue
+            dp = devices // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_rank = global_batch // dp
+            micro = [m for m in (1, 2, 4, 8, 16, 32) if per_rank % m == 0]
+            for v, zero, mb, recompute, sp in itertools.product(
+                    (1, 2) if pp > 1 else (1,), (0, 1, 2, 3), micro, ("none", "full"), (False, True) if tp > 1 else (False,)):
+                layout = Layout(dp=dp, tp=tp, pp=pp, virtual_stages=v, zero=zero, micro_batch=mb, recompute=recompute,
+                                sequence_parallel=sp, schedule="interleaved" if v > 1 else "1f1b")
+                if pins:
+                    layout = replace(layout, **{k: pins[k] for k in pins if k in layout.to_dict()})
+                    if layout.world_size != devices:
+                        continue
+                out.append(layout)
+    return list(dict.fromkeys(out))
+
+
+def search(model_config: ModelConfig, devices: int, hardware: Hardware, *, global_batch: int,
+           seq_len: int | None = None, precision: str = "bf16", pins: dict[str, Any] | None = None,
+           ) -> dict[str, list[dict[str, Any]]]:
+    """{"candidates": fitting layouts, fastest first, then those that do not fit, smallest peak first;
+    "rejected": [{"layout", "reason"}] for layouts paratrain's rules refuse}."""
+    seq = seq_len or model_config.seq_len
+    fits, too_big, rejected = [], [], []
+    for layout in candidates(model_config, devices, hardware, global_batch=global_batch, pins=pins):
+        try:
+            record = estimate(model_config, layout, hardware, global_batch=global_batch, seq_len=seq,
+                              precision=precision)
+        except ConfigError as error:
+            rejected.append({"layout": layout.to_dict(), "reason": str(error)})
+            continue
+        (fits if record["fits"] else too_big).append(record)
+    fits.sort(key=lambda r: r["step_time_s"])
+    too_big.sort(key=lambda r: r["memory"]["peak"])
+    return {"candidates": fits + too_big, "rejected": rejected}

@@ -1,0 +1,112 @@
+"""Step time of a layout: compute at the hardware's rate, the pipeline bubble, and the communication
+of each axis over the links it crosses. A first-order model (Narayanan et al. 2021, section 3;
+Korthikanti et al. 2022, section 4), each term named so that a measurement can be set against it.
+
+    compute    model FLOPs (6 N per token + attention, PaLM's count) of the busiest pipeline stage,
+               times 4/3 with full recomputation (one more forward), over peak x efficiency
+    tp         per block and micro-batch 4 all-reduces of b s h (2 forward, 2 backward; sequence
+               parallelism moves the same bytes as all-gathers and reduce-scatters): on the critical
+               path, so added to each micro-batch's time
+    bubble     the schedule's idle share (paratrain.planner.textbook.bubble_fraction), stretching
+               the pipelined time
+    pp         an activation forward and a gradient backward per micro-batch and stage boundary; the
+               steady state hides them, the fill and drain do not: 2 (p - 1) transfers exposed
+    dp         gradient reduction (zero 0: all-reduce; ZeRO: reduce-scatter + all-gather; ZeRO-3 also
+               gathers parameters for every forward and backward), overlapped with the last
+               micro-batch's backward (not under pp: the reduction follows the schedule)
+
+Links: ranks are laid out tp innermost, then dp, then pp (paratrain.topology.dims), so a tp group is
+inside a node when tp <= devices per node, a dp group when tp x dp <= devices per node, and pp only
+when the whole world fits in a node.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from paratrain.config.model import ModelConfig
+from paratrain.planner.hardware import Hardware
+from paratrain.planner.layout import Layout, chunk_layers, layer_costs, rank_params
+from paratrain.planner.textbook import bubble_fraction
+
+_ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class StepTime:
+    step_s: float
+    compute_s: float
+    """Compute of the busiest stage, bubble excluded."""
+    comm_s: float
+    """Communication on the critical path: tp, the exposed part of dp, pp's fill and drain."""
+    bubble: float
+    """The schedule's idle share of the pipelined part."""
+    tokens_per_s: float
+    mfu: float
+    """Model FLOPs per second over the peak of every device."""
+
+
+def _bus_time(nbytes: float, ranks: int, bw: float, latency: float, *, factor: float) -> float:
+    """factor x (k - 1) / k x bytes / bw: 2 for an all-reduce, 1 for reduce-scatter or all-gather."""
+    if ranks <= 1:
+        return 0.0
+    return latency + factor * (ranks - 1) / ranks * nbytes / bw
+
+
+def _bandwidth(hw: Hardware, span: int) -> float:
+    """A group whose ranks lie within `span` consecutive ranks: inside a node when span fits in one."""
+    return hw.intra_node_bw if span <= hw.devices_per_node else hw.inter_node_bw
+
+
+@functools.lru_cache(maxsize=4096)
+def _stages(model: ModelConfig, pp: int, v: int) -> tuple[float, int, int]:
+    """The busiest pipeline rank's share of the model's work (layers are split by these costs), the
+    most blocks a rank holds, and the most parameter elements a rank holds before tensor parallelism."""
+    layout = Layout(pp=pp, virtual_stages=v)
+    costs = layer_costs(model)
+    ranges = chunk_layers(model, layout)
+    mine = [[c for c in range(len(ranges)) if c % pp == r] for r in range(pp)]
+    share = max(sum(sum(costs[slice(*ranges[c])]) for c in chunks) for chunks in mine) / sum(costs)
+    blocks = max(sum(len(range(max(ranges[c][0], 1), min(ranges[c][1], model.n_layer + 1))) for c in chunks)
+                 for chunks in mine)
+    numel = max(sum(p.numel for p in rank_params(model, layout, r)) for r in {0, pp - 1})
+    return share, blocks, numel
+
+
+def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch: int, seq: int,
+              precision: str = "bf16", grad_reduce: str = "reduce_scatter") -> StepTime:
+    dp, tp, pp, v = layout.dp, layout.tp, layout.pp, layout.virtual_stages
+    m = global_batch // (dp * layout.micro_batch)  # micro-batches per rank and step
+    tokens = global_batch * seq
+    model_flops = model.flops_per_token(seq) * tokens
+    hardware_flops = model_flops * (4.0 / 3.0 if layout.recompute == "full" else 1.0)
+    share, blocks_here, numel = _stages(model, pp, v)
+    rate = hw.peak_flops * hw.efficiency
+    compute = hardware_flops * share / (dp * tp) / rate
+    act = _ACT_BYTES[precision]
+    # tensor parallelism: 4 all-reduces of b s h per block and micro-batch, on the critical path
+    tp_bytes = layout.micro_batch * seq * model.d_model * act
+    tp_time = m * blocks_here * 4 * _bus_time(tp_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=2)
+    bubble = bubble_fraction(layout.schedule if pp > 1 else "1f1b", pp, m, v) if pp > 1 else 0.0
+    pipelined = (compute + tp_time) / (1.0 - bubble)
+    # pipeline: the fill and drain expose 2 (p - 1) transfers of an activation (or its gradient)
+    pp_time = 2 * (pp - 1) * (hw.latency_s + tp_bytes / tp / _bandwidth(hw, dp * tp * pp)) if pp > 1 else 0.0
+    # data parallelism over dp ranks (ZeRO: its shard group), on this rank's parameters
+    grad_bytes = numel / tp * (_ACT_BYTES[precision] if layout.zero else 4)
+    bw_dp = _bandwidth(hw, tp * dp)
+    if layout.zero == 0:
+        dp_time = _bus_time(grad_bytes, dp, bw_dp, hw.latency_s, factor=2)
+    else:
+        reduce_factor = 1 if grad_reduce == "reduce_scatter" else 2
+        dp_time = (_bus_time(grad_bytes, dp, bw_dp, hw.latency_s, factor=reduce_factor)
+                   + _bus_time(grad_bytes, dp, bw_dp, hw.latency_s, factor=1))
+        if layout.zero == 3:  # every micro-batch gathers the parameters for forward and for backward
+            dp_time += 2 * m * _bus_time(grad_bytes, dp, bw_dp, hw.latency_s, factor=1)
+    overlap = (2.0 / 3.0) * compute / m if pp == 1 else 0.0  # the last micro-batch's backward
+    if layout.zero == 3:
+        overlap = compute  # prefetched gathers run under the compute of every micro-batch
+    dp_exposed = max(0.0, dp_time - overlap)
+    step = pipelined + pp_time + dp_exposed
+    return StepTime(step_s=step, compute_s=compute, comm_s=tp_time + pp_time + dp_exposed, bubble=bubble,
+                    tokens_per_s=tokens / step, mfu=model_flops / step / (layout.world_size * hw.peak_flops))

@@ -1,0 +1,34 @@
+"""The planner's activation bytes against what autograd keeps (paratrain.memory.saved_activations),
+one process: to the byte, for every storage mode with and without recomputation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import paratrain
+from paratrain.config import preset
+from paratrain.memory import apply_recompute, autocast
+from paratrain.memory.activations import saved_activations
+from paratrain.planner.layout import Layout
+from paratrain.planner.memory import activation_bytes, storage_mode
+
+
+@pytest.mark.parametrize("precision,zero", [("fp32", 0), ("bf16", 0), ("bf16", 1), ("fp16", 1)])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("shape", [("tiny", 1, 2), ("tiny", 3, 4), ("small", 2, 2)])
+def test_activations_equal_what_autograd_keeps(precision, zero, recompute, shape):
+    name, n_layer, rows = shape
+    config = preset(name, n_layer=n_layer)
+    mode = storage_mode(precision, zero)
+    model = paratrain.build_gpt(config, seed=0)
+    if mode == "low":  # as ZeRO stores them: parameters in 16 bits, buffers (the rope tables) in float32
+        for param in model.parameters():
+            param.data = param.data.to({"bf16": torch.bfloat16, "fp16": torch.float16}[precision])
+    if recompute == "full":
+        apply_recompute(model)
+    x = torch.randint(0, 256, (rows, config.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    with saved_activations(model) as saved, autocast(precision, torch.device("cpu")):
+        paratrain.lm_loss(model, (x[:, :-1], x[:, 1:]))
+    predicted = activation_bytes(config, Layout(micro_batch=rows, recompute=recompute), seq=config.seq_len, mode=mode)
+    assert predicted == saved.bytes

@@ -1,0 +1,70 @@
+"""The planner's search and command line: paratrain's own rules, pins, ranking, the JSON record."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from paratrain.cli import main
+from paratrain.config import ConfigError, preset
+from paratrain.planner import Layout, estimate, hardware, search, zero_model_state_bytes
+
+GPT3 = preset("gpt3-175b")
+
+
+def test_gpt3_layouts_against_the_zero_paper():
+    """dp 16 x tp 8 x pp 8 with ZeRO-1 in bf16: each rank holds 1/64 of the model in 16 bits and 1/16
+    of the 12 bytes of optimizer state per parameter, as the paper's P_os counts, up to the embedding on
+    the end stages (+2.8 %) and, reducing by reduce-scatter (NCCL), a gradient shard beside the whole
+    gradient (+1/16)."""
+    record = estimate(GPT3, Layout(dp=16, tp=8, pp=8, virtual_stages=2, zero=1, schedule="interleaved"),
+                      hardware("a100-80gb"), global_batch=1536)
+    paper = zero_model_state_bytes(GPT3.num_params() // 64, stage=1, dp=16)
+    assert record["memory"]["params"] == pytest.approx(paper["params"], rel=0.03)
+    assert record["memory"]["grads"] == pytest.approx(paper["grads"] * (1 + 1 / 16), rel=0.03)
+    assert record["memory"]["optimizer"] == pytest.approx(paper["optimizer"], rel=0.03)
+    assert record["fits"] and 0.3 < record["mfu"] < 0.6
+    one_device = estimate(GPT3, Layout(), hardware("a100-80gb"), global_batch=8)
+    assert not one_device["fits"] and one_device["memory"]["peak"] > 2.8e12  # 16 bytes x 175B
+
+
+def test_search_ranks_fits_first_and_is_fast():
+    started = time.perf_counter()
+    result = search(GPT3, 1024, hardware("a100-80gb"), global_batch=1536)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 10  # measured 0.5-1.5 s on 2 busy cores (docs/planner.md)
+    fitting = [r for r in result["candidates"] if r["fits"]]
+    assert fitting and result["candidates"][: len(fitting)] == fitting
+    times = [r["step_time_s"] for r in fitting]
+    assert times == sorted(times)
+    assert all(r["memory"]["peak"] <= hardware("a100-80gb").memory_bytes for r in fitting)
+    reasons = {r["reason"] for r in result["rejected"]}
+    assert any("zero 3 gathers parameters" in reason for reason in reasons)  # paratrain's own message
+
+
+def test_pins_and_refusals():
+    result = search(preset("gpt2"), 8, hardware("h100-80gb"), global_batch=64, pins={"tp": 2, "zero": 1})
+    assert all(r["layout"]["tp"] == 2 and r["layout"]["zero"] == 1 for r in result["candidates"])
+    with pytest.raises(ConfigError, match=r"tp \(3\) must divide the attention heads"):
+        estimate(preset("gpt2-medium"), Layout(tp=3), hardware("h100-80gb"), global_batch=8)
+    with pytest.raises(ConfigError, match="unknown hardware 'tpu-v9'"):
+        hardware("tpu-v9")
+
+
+def test_command_line_json(capsys):
+    assert main(["plan", "--model", "gpt2", "--gpus", "8", "--hardware", "h100-80gb", "--global-batch", "64",
+                 "--json", "--tokens", "1e9"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["model"]["params"] == preset("gpt2").num_params()
+    best = record["candidates"][0]
+    assert set(best["layout"]) >= {"dp", "tp", "pp", "virtual_stages", "zero", "shard_group", "micro_batch",
+                                   "recompute", "sequence_parallel", "schedule"}
+    assert set(best["memory"]) == {"params", "grads", "optimizer", "activations", "other", "peak"}
+    for key in ("step_time_s", "compute_s", "comm_s", "bubble", "tokens_per_s", "mfu", "fits", "train_days"):
+        assert key in best
+    assert main(["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "64", "--top", "3"]) == 0
+    table = capsys.readouterr().out
+    assert "best" in table and "layouts fit" in table
+    assert main(["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "64", "--hardware", "tpu"]) == 2
