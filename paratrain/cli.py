@@ -86,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--sequence-parallel", action="store_true", default=None,
                        help="with --tp: norms and dropout on 1/tp of the sequence (all-gather / reduce-scatter)")
     train.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
+    train.add_argument("--no-memory-check", dest="memory_check", action="store_false", default=None,
+                       help="launch even when the planner predicts the layout will not fit in memory")
     train.add_argument("--keep-params", dest="reshard_after_forward", action="store_false", default=None,
                        help="ZeRO-3: keep a unit's gathered parameters from forward to backward")
     commands.add_parser("presets", help="list the model presets and their sizes")
@@ -112,6 +114,8 @@ def run_config_from_args(args: argparse.Namespace) -> Any:
         overrides["train.progress"] = args.progress
     if args.reshard_after_forward is not None:
         overrides["parallel.reshard_after_forward"] = args.reshard_after_forward
+    if args.memory_check is not None:
+        overrides["launch.memory_check"] = args.memory_check
     return build_run_config(table, overrides)
 
 
@@ -123,13 +127,22 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         return _worker(config)
     import torch
 
-    world_size = launch_world_size(config, gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    world_size = launch_world_size(config, gpus=gpus)
     config.launch.nproc = world_size // config.launch.nnodes
     plan = check_run(config, world_size)
     from paratrain.data import load_source
     from paratrain.train import check_data
 
     check_data(plan, load_source(config.data.source, val_fraction=config.data.val_fraction))
+    if config.launch.memory_check:
+        from paratrain.config import resolve_device
+        from paratrain.planner.check import available_memory, check_memory
+
+        device = resolve_device(config.launch.device, gpus=gpus)
+        available = available_memory(device)
+        if available is not None:
+            check_memory(plan, device=device, available_bytes=available, processes=config.launch.nproc)
     if world_size == 1:  # one process: no launcher, no process group
         from paratrain.launch import train_on_this_rank
 

@@ -92,6 +92,9 @@ class LaunchSection:
     device: str = "auto"
     """'cpu' (gloo), 'cuda' (NCCL, one GPU per process) or 'auto': CUDA when this node sees a GPU. On
     CUDA the default nproc is the number of visible GPUs, and more processes than GPUs are refused."""
+    memory_check: bool = True
+    """Refuse before launch a layout the planner predicts will not fit the device's memory (GPU) or
+    this node's available memory shared by its processes (CPU)."""
     timeout_s: float = 300.0
     """How long a collective may wait before the job fails naming the group and operation."""
 

@@ -33,7 +33,8 @@ def check_layout(model: ModelConfig, layout: Layout, *, global_batch: int, seq: 
 
 
 def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, precision: str,
-           bucket_mb: float = 25.0, grad_reduce: str = "reduce_scatter") -> dict[str, float]:
+           bucket_mb: float = 25.0, grad_reduce: str = "reduce_scatter",
+           pp_split: tuple[int, ...] = ()) -> dict[str, float]:
     """Device bytes of the busiest pipeline rank at its peak (every dp and tp rank of a stage holds the
     same): model states between steps, saved activations at the schedule's peak, and transients
     ("other": the loss's logits and their gradient; ZeRO-3's gathered unit and the one prefetched;
@@ -44,10 +45,11 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, p
     best: dict[str, float] = {}
     for stage in sorted({0, layout.pp // 2, layout.pp - 1}):
         states = model_state_bytes(model, layout, precision=precision, stage=stage, bucket_mb=bucket_mb,
-                                   grad_reduce=grad_reduce)
+                                   grad_reduce=grad_reduce, pp_split=pp_split)
         if layout.offload:
             states = {**states, "optimizer": 0}
-        activations = activation_bytes(model, layout, seq=seq, mode=mode, stage=stage, microbatches=microbatches)
+        activations = activation_bytes(model, layout, seq=seq, mode=mode, stage=stage, microbatches=microbatches,
+                                       pp_split=pp_split)
         tokens = layout.micro_batch * seq
         other = min(bucket_mb * 2**20, states["grads"] or bucket_mb * 2**20)
         if stage == layout.pp - 1:  # logits (compute dtype), their float32 softmax and its gradient

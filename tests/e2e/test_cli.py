@@ -73,6 +73,10 @@ def test_invalid_config_is_refused_before_launch():
     if not torch.cuda.is_available():
         out = paratrain("train", "--device", "cuda")
         assert out.returncode == 2 and "torch sees no CUDA GPU on this node" in out.stderr
+    # GPT-3 175B on 2 CPU processes: the planner refuses it before anything is built
+    out = paratrain("train", "--device", "cpu", "--nproc", "2", "--model", "gpt3-175b", "--seq-len", "128",
+                    "--global-batch", "8", "--zero", "3")
+    assert out.returncode == 2 and "GB per process" in out.stderr and "--no-memory-check" in out.stderr
 
 
 def test_train_log_save_resume(tmp_path):

@@ -68,3 +68,20 @@ def test_command_line_json(capsys):
     table = capsys.readouterr().out
     assert "best" in table and "layouts fit" in table
     assert main(["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "64", "--hardware", "tpu"]) == 2
+
+
+def test_train_refuses_a_layout_that_does_not_fit():
+    """The check `paratrain train` runs before launch: the planner's peak (or the float32 build of the
+    whole model, which every rank still does) against the memory one process may use."""
+    from paratrain.config import build_run_config, check_run
+    from paratrain.planner.check import check_memory
+
+    plan = check_run(build_run_config(None, {"model.preset": "gpt3-xl", "data.seq_len": 128,
+                                             "data.global_batch": 8, "parallel.zero": 3}), 2)
+    with pytest.raises(ConfigError, match=r"predicted to need .* GB per process .* each has 4.00 GB of available "
+                                          r"CPU memory shared by 2 processes: shard more"):
+        check_memory(plan, device="cpu", available_bytes=8e9, processes=2)
+    predicted = check_memory(plan, device="cpu", available_bytes=64e9, processes=2)
+    assert predicted["build"] == 4 * plan.model.num_params() and predicted["peak"] > predicted["build"]
+    with pytest.raises(ConfigError, match="of GPU memory"):
+        check_memory(plan, device="cuda", available_bytes=4e9, processes=1)

@@ -1,0 +1,67 @@
+"""The memory check `paratrain train` runs before it launches: the planner's peak for the run's layout
+against what one process may use on this node (the GPU's memory, or the CPU's available memory shared
+by the node's processes)."""
+
+from __future__ import annotations
+
+from paratrain.config.errors import ConfigError
+from paratrain.config.validate import RunPlan
+from paratrain.planner.layout import Layout
+from paratrain.planner.search import memory
+
+RUNTIME_BYTES = {"cpu": 0.5e9, "cuda": 1.0e9}
+"""What a process needs besides the model: the interpreter and torch (CPU), or the CUDA context and
+the caching allocator's slack (GPU). Rough figures, on the side of letting a run start."""
+
+
+def layout_of(plan: RunPlan) -> Layout:
+    parallel = plan.parallel
+    assert parallel.dp is not None
+    return Layout(dp=parallel.dp, tp=parallel.tp, pp=parallel.pp, virtual_stages=parallel.virtual_stages,
+                  zero=parallel.zero, shard_group=parallel.shard_group, micro_batch=plan.batch.micro_batch,
+                  recompute="full" if plan.config.train.recompute else "none",
+                  sequence_parallel=parallel.sequence_parallel, schedule=parallel.schedule,
+                  offload=parallel.offload == "optimizer")
+
+
+def check_memory(plan: RunPlan, *, device: str, available_bytes: float, processes: int) -> dict[str, float]:
+    """The predicted peak of the busiest rank; ConfigError when it exceeds what a process may use.
+    available_bytes: the GPU's memory (device 'cuda'), or the node's available memory, which its
+    `processes` share (device 'cpu')."""
+    parallel = plan.parallel
+    grad_reduce = parallel.grad_reduce if parallel.grad_reduce != "auto" else (
+        "reduce_scatter" if device == "cuda" else "all_reduce")
+    predicted = memory(plan.model, layout_of(plan), global_batch=plan.batch.global_batch, seq=plan.seq_len,
+                       precision=plan.config.train.precision, bucket_mb=parallel.bucket_mb, grad_reduce=grad_reduce,
+                       pp_split=tuple(parallel.pp_split))
+    # every rank still builds the whole model in float32 before it keeps its shard, slice or stage
+    build = 4.0 * plan.model.num_params()
+    per_process = available_bytes / (processes if device == "cpu" else 1)
+    need = max(predicted["peak"], build) + RUNTIME_BYTES[device]
+    if need > per_process:
+        where = "GPU memory" if device == "cuda" else f"available CPU memory shared by {processes} processes"
+        parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in predicted.items() if k != "peak")
+        raise ConfigError(
+            f"the layout is predicted to need {need / 1e9:.2f} GB per process (training: {parts} GB; building: "
+            f"the whole model in float32, {build / 1e9:.2f} GB; + {RUNTIME_BYTES[device] / 1e9:.1f} GB runtime), "
+            f"but each has {per_process / 1e9:.2f} GB of {where}: shard more (--zero 3, or more ranks), recompute "
+            "(--recompute), a smaller --micro-batch or model, or compare layouts with `paratrain plan`; "
+            "--no-memory-check launches anyway")
+    return {**predicted, "build": build}
+
+
+def available_memory(device: str) -> float | None:
+    """Bytes a run may use on this node: the first GPU's total memory, or the CPU's MemAvailable
+    (Linux; None elsewhere, and the check is skipped)."""
+    if device == "cuda":
+        import torch
+
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
