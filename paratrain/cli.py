@@ -119,6 +119,40 @@ def run_config_from_args(args: argparse.Namespace) -> Any:
     return build_run_config(table, overrides)
 
 
+def prepare_launch(config: Any, *, gpus: int) -> Any:
+    """Every check the launching process makes before any worker starts: the world size and devices,
+    every rule of the run, the data, and (unless switched off) the planner's memory prediction.
+    Returns the RunPlan; raises ConfigError with the rule, the numbers and a fix."""
+    world_size = launch_world_size(config, gpus=gpus)
+    config.launch.nproc = world_size // config.launch.nnodes
+    plan = check_run(config, world_size)
+    from paratrain.data import load_source
+    from paratrain.train import check_data
+
+    try:
+        source = load_source(config.data.source, val_fraction=config.data.val_fraction)
+    except (FileNotFoundError, ValueError) as error:
+        raise ConfigError(f"data.source {config.data.source!r}: {error}") from None
+    check_data(plan, source)
+    if config.train.resume:
+        from paratrain.checkpoint import resolve_checkpoint
+
+        try:
+            resolve_checkpoint(config.train.resume)
+        except FileNotFoundError as error:
+            raise ConfigError(f"train.resume: {error}: give a folder written by --save (its latest checkpoint is "
+                              "taken) or one of its step_* folders") from None
+    if config.launch.memory_check:
+        from paratrain.config import resolve_device
+        from paratrain.planner.check import available_memory, check_memory
+
+        device = resolve_device(config.launch.device, gpus=gpus)
+        available = available_memory(device)
+        if available is not None:
+            check_memory(plan, device=device, available_bytes=available, processes=config.launch.nproc)
+    return plan
+
+
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from paratrain.launch import JobFailed, launch, launched_by_torchrun
 
@@ -128,21 +162,8 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    world_size = launch_world_size(config, gpus=gpus)
-    config.launch.nproc = world_size // config.launch.nnodes
-    plan = check_run(config, world_size)
-    from paratrain.data import load_source
-    from paratrain.train import check_data
-
-    check_data(plan, load_source(config.data.source, val_fraction=config.data.val_fraction))
-    if config.launch.memory_check:
-        from paratrain.config import resolve_device
-        from paratrain.planner.check import available_memory, check_memory
-
-        device = resolve_device(config.launch.device, gpus=gpus)
-        available = available_memory(device)
-        if available is not None:
-            check_memory(plan, device=device, available_bytes=available, processes=config.launch.nproc)
+    plan = prepare_launch(config, gpus=gpus)
+    world_size = plan.parallel.world_size
     if world_size == 1:  # one process: no launcher, no process group
         from paratrain.launch import train_on_this_rank
 

@@ -6,6 +6,7 @@ which is why it lives in config/ rather than next to the module.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 
 from paratrain.config.errors import ConfigError
@@ -72,6 +73,12 @@ class ModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.d_ff < 0:
+            raise ConfigError(f"model.d_ff must be >= 0 (0: 4 x d_model), got {self.d_ff}")
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"model.{name} must be a finite number > 0, got {value}")
 
     def num_params(self) -> int:
         """Parameter count (tied head counted once), from the shapes alone."""
@@ -119,6 +126,15 @@ def preset(name: str, **overrides: object) -> ModelConfig:
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ConfigError(f"unknown model setting(s) {unknown}: ModelConfig has {sorted(known)}")
-    config = replace(PRESETS[name], **overrides) if overrides else PRESETS[name]
+    base = PRESETS[name]
+    for key, value in overrides.items():
+        kind = type(getattr(base, key))
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = isinstance(value, bool) if kind is bool else (is_number if kind is float else
+                                                           is_number and isinstance(value, int))
+        if not ok:
+            raise ConfigError(f"model.{key} must be {'true or false' if kind is bool else 'a number' if kind is float else 'an integer'}, "
+                              f"got {value!r}")
+    config = replace(base, **overrides) if overrides else base
     config.validate()
     return config

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig, preset
@@ -85,8 +85,15 @@ def launch_world_size(config: RunConfig, *, gpus: int) -> int:
     (dp x tp x pp / nnodes), else one per visible GPU on CUDA, 2 on the CPU. `gpus`: the CUDA
     devices this node sees; under NCCL each process takes one, so a node may not start more."""
     launch, parallel = config.launch, config.parallel
-    if launch.nproc < 0 or launch.nnodes < 1:
-        raise ConfigError(f"nproc ({launch.nproc}) must be >= 1 and nnodes ({launch.nnodes}) >= 1")
+    if launch.nproc < 0:
+        raise ConfigError(f"nproc ({launch.nproc}) must be >= 1 processes per node (or 0: one per GPU on CUDA, "
+                          "dp x tp x pp / nnodes when --dp is given, else 2)")
+    if launch.nnodes < 1:
+        raise ConfigError(f"nnodes ({launch.nnodes}) must be >= 1")
+    for axis in ("dp", "tp", "pp"):
+        degree = getattr(parallel, axis)
+        if degree is not None and degree < 1:
+            raise ConfigError(f"{axis} ({degree}) must be >= 1")
     device = resolve_device(launch.device, gpus=gpus)
     if launch.nproc:
         per_node = launch.nproc
@@ -176,10 +183,42 @@ def check_pipeline(model: ModelConfig, parallel: ParallelConfig, batch: BatchLay
         raise ConfigError(str(error)) from None
 
 
+def check_numbers(config: RunConfig) -> None:
+    """Every number of every section is finite (nan and inf are refused by name), and those that
+    cannot be negative or zero are not: the rules no other check covers."""
+    sections = {"parallel": config.parallel, "data": config.data, "optim": config.optim, "train": config.train,
+                "launch": config.launch}
+    for section_name, section in sections.items():
+        for f in fields(section):
+            value = getattr(section, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section_name}.{f.name} must be a finite number, got {value}")
+    for key, value in config.model.overrides.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"model.{key} must be a finite number, got {value}")
+    if config.seed < 0:
+        raise ConfigError(f"seed must be >= 0, got {config.seed}")
+    optim, launch = config.optim, config.launch
+    if optim.weight_decay < 0:
+        raise ConfigError(f"optim.weight_decay must be >= 0, got {optim.weight_decay}")
+    for name in ("beta1", "beta2"):
+        if not 0.0 <= getattr(optim, name) < 1.0:
+            raise ConfigError(f"optim.{name} must be in [0, 1), got {getattr(optim, name)} (AdamW's usual: 0.9, 0.95)")
+    if optim.eps <= 0:
+        raise ConfigError(f"optim.eps must be > 0, got {optim.eps} (AdamW's usual: 1e-8)")
+    if launch.timeout_s <= 0:
+        raise ConfigError(f"launch.timeout_s must be > 0 seconds, got {launch.timeout_s}: a collective needs time to "
+                          "meet its peers (default 300)")
+    if config.parallel.microbatches < 0:
+        raise ConfigError(f"parallel.microbatches must be >= 0 (0: global_batch / (micro_batch x dp)), "
+                          f"got {config.parallel.microbatches}")
+
+
 def check_run(config: RunConfig, world_size: int) -> RunPlan:
     """All the rules of a run, in the order a user would want to hear of them."""
     if world_size < 1:
         raise ConfigError(f"the world size must be >= 1, got {world_size}")
+    check_numbers(config)
     launch = config.launch
     if not 0 <= launch.node_rank < launch.nnodes:
         raise ConfigError(f"node_rank ({launch.node_rank}) must be in 0..{launch.nnodes - 1}")

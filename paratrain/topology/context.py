@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from paratrain.config.errors import ConfigError
 from paratrain.config.parallel import ParallelConfig
 from paratrain.config.validate import DEVICES, resolve_device
 from paratrain.topology.dims import ParallelDims
@@ -51,7 +52,7 @@ def init(config: ParallelConfig | None = None, *, device: str = "auto",
     """
     config = config or ParallelConfig()
     if device not in DEVICES:
-        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+        raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     if dist.is_initialized():
         backend = str(dist.get_backend())
         kind = ("cuda" if backend == "nccl" else "cpu") if device == "auto" else device

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from paratrain.config import ConfigError, ParallelConfig, batch_layout, build_run_config, check_run, preset
 from paratrain.config.load import from_dict, to_dict
@@ -157,6 +158,14 @@ def test_devices_are_explicit():
         world(0, **{"launch.device": "cuda"})
     with pytest.raises(ConfigError, match="device must be one of"):
         check_run(build_run_config(None, {"launch.device": "gpu"}), 1)
+    import paratrain
+
+    assert paratrain.init(device="cpu").device.type == "cpu"
+    with pytest.raises(ConfigError, match="device must be one of"):
+        paratrain.init(device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="torch sees no CUDA GPU"):
+            paratrain.init(device="cuda")
 
 
 def test_toml_then_flags(tmp_path):
