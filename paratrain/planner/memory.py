@@ -1,7 +1,7 @@
 """Bytes one rank holds: model states between steps, exactly as paratrain holds them.
 
 `model_state_bytes` mirrors `engine.memory_report()` (tests/distributed/test_planner.py checks it
-to the byte over the parity matrix): parameters, gradients and optimizer state (AdamW: two moments
+to the byte on 19 layouts of 2 and 4 ranks): parameters, gradients and optimizer state (AdamW: two moments
 and a 4-byte step per tensor it updates, plus ZeRO's fp32 masters when parameters are stored in 16
 bits or offloaded), with paratrain's own flat groups and their padding to a multiple of the shard
 group. The textbook form, (2 + 2 + K) psi over the ZeRO stages, is paratrain.planner.textbook's.
