@@ -74,6 +74,11 @@ class TrainSection:
     """Length of the text sample generated at the end; 0 skips it."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    nan_policy: str = "stop"
+    """A step whose loss or gradient norm is nan or inf (outside fp16's own overflow skip): 'stop' the
+    run, naming the step, the ranks and the newest checkpoint; or 'skip' its update (every rank)."""
+    nan_skips: int = 10
+    """With nan_policy 'skip': the most non-finite steps a run may skip before it stops."""
     fail_at: str = ""
     """Fault injection for testing crash handling: 'RANK:STEP' makes that rank raise at that step."""
 

@@ -262,6 +262,10 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
     for name in ("eval_every", "save_every", "eval_batches", "sample_tokens"):
         if getattr(train, name) < 0:
             raise ConfigError(f"train.{name} must be >= 0, got {getattr(train, name)}")
+    if train.nan_policy not in ("stop", "skip"):
+        raise ConfigError(f"train.nan_policy must be 'stop' or 'skip', got {train.nan_policy!r}")
+    if train.nan_skips < 0:
+        raise ConfigError(f"train.nan_skips must be >= 0, got {train.nan_skips}")
     if train.log_every < 1:
         raise ConfigError(f"train.log_every must be >= 1, got {train.log_every}")
     if train.fail_at:

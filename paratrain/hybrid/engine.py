@@ -12,6 +12,7 @@ micro-batch size or on how many tokens each micro-batch holds.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence, Union
 
@@ -81,7 +82,24 @@ class StepStats:
     loss_scale: float | None = None
     """fp16: the loss scale this step used."""
     skipped: bool = False
-    """fp16: the gradients overflowed on some rank, and no rank updated."""
+    """No rank updated: fp16 gradients overflowed on some rank, or (on_non_finite="skip") the loss or
+    the gradient norm was not finite."""
+    non_finite: bool = False
+    """Skipped because the loss or the gradient norm was nan or inf (on_non_finite="skip")."""
+    non_finite_ranks: tuple[int, ...] = ()
+    """Then: the ranks whose own loss was nan or inf (under pp: every stage of the pipeline that
+    computed it); empty when only the gradients were."""
+
+
+class NonFiniteError(FloatingPointError):
+    """The global loss or gradient norm of a step is nan or inf (outside fp16's scaled skip). Raised on
+    every rank alike: both values are the same on every rank."""
+
+    def __init__(self, loss: float, grad_norm: float, ranks: tuple[int, ...]) -> None:
+        self.loss, self.grad_norm, self.ranks = loss, grad_norm, ranks
+        where = (f"the loss of rank(s) {list(ranks)}' own samples was not finite" if ranks else
+                 "every rank's own loss was finite: the gradients (or their sum over ranks) were not")
+        super().__init__(f"the loss ({loss}) or gradient norm ({grad_norm}) is not finite; {where}")
 
 
 def split_batch(batch: Batch, micro_batch: int) -> list[Any]:
@@ -123,7 +141,11 @@ class Engine:
                  optimizer_state: Callable[[], dict[str, Any]],
                  load_optimizer_state: Callable[[Mapping[str, Any]], None],
                  scaler: LossScaler | None = None, tp: TensorParallelLayout | None = None,
-                 seed: int = 0, pipeline: PipelineExecutor | None = None) -> None:
+                 seed: int = 0, pipeline: PipelineExecutor | None = None, on_non_finite: str = "raise") -> None:
+        if on_non_finite not in ("raise", "skip"):
+            raise ValueError(f"on_non_finite must be 'raise' or 'skip', got {on_non_finite!r}")
+        self.on_non_finite = on_non_finite
+        """A step whose loss or gradient norm is nan or inf: 'raise' NonFiniteError, or 'skip' its update."""
         self.model = model
         self.ctx = ctx
         self.optimizer = optimizer
@@ -171,6 +193,7 @@ class Engine:
                 totals[0] += loss_sum.detach().double()
                 totals[1] += count
         self.grads.finish()
+        local_loss = totals[0].clone()  # this rank's own, to name it if the step is not finite
         if self._dp_group is not None:
             all_reduce(totals, self._dp_group)
         loss_sum_global, tokens = totals.tolist()
@@ -189,6 +212,16 @@ class Engine:
         for grad in grads:  # sum over the global batch (times the loss scale) -> mean per token
             grad.div_(tokens * scale)
         norm = global_grad_norm(self.grads.norm_parts())
+        loss, norm_value = loss_sum_global / tokens, float(norm)
+        if not (math.isfinite(loss) and math.isfinite(norm_value)):
+            ranks = self._non_finite_ranks(local_loss)
+            if self.on_non_finite == "raise":
+                raise NonFiniteError(loss, norm_value, ranks)
+            self.grads.after_step()  # every rank skips the update alike
+            self.last = StepStats(loss=loss, grad_norm=norm_value, tokens=int(tokens), micro_batches=len(micro_batches),
+                                  loss_scale=scale if self.scaler else None, skipped=True, non_finite=True,
+                                  non_finite_ranks=ranks)
+            return loss
         if self.grad_clip > 0:
             clip_by_norm_(grads, norm, self.grad_clip)
         self.grads.before_optimizer_step()
@@ -196,9 +229,20 @@ class Engine:
         self.grads.after_step()
         if self.scaler is not None:
             self.scaler.update(overflow=False)
-        self.last = StepStats(loss=loss_sum_global / tokens, grad_norm=float(norm), tokens=int(tokens),
+        self.last = StepStats(loss=loss, grad_norm=norm_value, tokens=int(tokens),
                               micro_batches=len(micro_batches), loss_scale=scale if self.scaler else None)
         return self.last.loss
+
+    def _non_finite_ranks(self, local_loss: torch.Tensor) -> tuple[int, ...]:
+        """The ranks whose own loss (before the sum over ranks) is nan or inf: a flag per rank of the
+        world, combined over every axis (collective: every rank takes this path together). Gradients
+        cannot name a rank: once reduced, one rank's nan is every rank's."""
+        flags = torch.zeros(self.ctx.world_size, device=self.ctx.device)
+        if not torch.isfinite(local_loss):
+            flags[self.ctx.rank] = 1.0
+        for group in self._agree:
+            all_reduce(flags, group, op=dist.ReduceOp.MAX)
+        return tuple(int(r) for r in torch.nonzero(flags).flatten().tolist())
 
     def _loss_scale(self, count: torch.Tensor | int) -> float:
         """The scale of this step; the very first one derives it from the micro-batch's token count,

@@ -34,7 +34,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                 recompute: bool | str = False, sync_initial_weights: bool = True, wrap: WrapPolicy = None,
                 reshard_after_forward: bool | None = None, loss_scale: float | None = None,
                 tp_plan: Mapping[str, str] | None = None, seed: int = 0,
-                pipeline_loss: PipelineLoss | None = None) -> Engine:
+                pipeline_loss: PipelineLoss | None = None, on_non_finite: str = "raise") -> Engine:
     """Apply the layout of `ctx` to `model` and return an Engine that trains it.
 
     optimizer: builds the optimizer from the parameter list (called once, after the layout is applied).
@@ -57,6 +57,8 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     pipeline_loss: with pp > 1, loss(last chunk's output, targets) -> (sum, count) on the last stage;
         None: the GPT's `output.loss`. Under pp the engine reads batches as (inputs, targets) and the
         loss_fn given to train_step is not called (no single rank holds the whole model).
+    on_non_finite: a step whose loss or gradient norm is nan or inf (outside fp16's own skip): 'raise'
+        paratrain.hybrid.NonFiniteError on every rank, or 'skip' its update on every rank.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -129,7 +131,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                                     loss=chunk_loss, device=ctx.device)
     return Engine(model, ctx, opt, grads, micro_batch=micro_batch, precision=precision, grad_clip=grad_clip,
                   optimizer_state=save_state, load_optimizer_state=load_state, scaler=scaler, tp=tp, seed=seed,
-                  pipeline=executor)
+                  pipeline=executor, on_non_finite=on_non_finite)
 
 
 def _gpt_chunk_loss(stage: StageModel, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratrain.checkpoint import load_checkpoint, save_checkpoint
+from paratrain.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from paratrain.config import ConfigError, RunPlan, to_dict
 from paratrain.data import GlobalBatchLoader, TokenSource, load_source
-from paratrain.hybrid import Engine, parallelize
+from paratrain.hybrid import Engine, NonFiniteError, parallelize
 from paratrain.models import GPT, build_gpt, lm_loss
 from paratrain.topology import Context
 from paratrain.train.log import get_logger
@@ -62,7 +62,9 @@ class Trainer:
             self.model, ctx, optimizer=adamw_factory(self.model, config.optim),
             micro_batch=plan.batch.micro_batch, precision=config.train.precision,
             grad_clip=config.optim.grad_clip, recompute=config.train.recompute, seed=config.seed,
+            on_non_finite="skip" if config.train.nan_policy == "skip" else "raise",
         )
+        self.non_finite_skips = 0
         dp, dp_index = ctx.mesh.degree("dp"), ctx.mesh.index("dp")
         loader_args = dict(seq_len=plan.seq_len, global_batch=plan.batch.global_batch, dp=dp,
                            dp_index=dp_index, seed=config.seed)
@@ -116,7 +118,10 @@ class Trainer:
                 started = time.perf_counter()
                 self._maybe_fail()
                 batch = self.train_loader.next()
-                loss = self.engine.train_step(batch, lm_loss)
+                try:
+                    loss = self.engine.train_step(batch, lm_loss)
+                except NonFiniteError as error:
+                    raise self._stopped(self.step + 1, str(error)) from None
                 if self.ctx.device.type == "cuda":
                     torch.cuda.synchronize()
                 step_time = time.perf_counter() - started
@@ -131,7 +136,17 @@ class Trainer:
                 }
                 if stats.loss_scale is not None:
                     record["loss_scale"] = stats.loss_scale
-                if stats.skipped:
+                if stats.non_finite:  # skipped by --nan-policy skip
+                    record.update(skipped=True, non_finite_ranks=list(stats.non_finite_ranks))
+                    self.non_finite_skips += 1
+                    if self.non_finite_skips > train.nan_skips:
+                        raise self._stopped(self.step, f"{self.non_finite_skips} non-finite steps skipped, more than "
+                                                       f"train.nan_skips ({train.nan_skips})")
+                    if self.ctx.is_main:
+                        self.log.warning("step %d: loss %s, grad norm %s: not finite; update skipped on every rank "
+                                         "(%d of at most %d)", self.step, stats.loss, stats.grad_norm,
+                                         self.non_finite_skips, train.nan_skips)
+                elif stats.skipped:
                     record["skipped"] = True
                     if self.ctx.is_main:  # every rank took the same decision: say it once
                         self.log.warning("step %d: fp16 gradients overflowed (loss scale %g); update skipped on "
@@ -169,6 +184,18 @@ class Trainer:
             text = self.sample(train.sample_tokens)
             result.sample = text if self.ctx.is_main else ""
         return result
+
+    def _stopped(self, step: int, why: str) -> FloatingPointError:
+        """The error that stops a run at a non-finite step, naming the newest checkpoint to resume from."""
+        root = self.plan.config.train.save
+        try:
+            newest = str(resolve_checkpoint(root)) if root else ""
+        except FileNotFoundError:
+            newest = ""
+        where = (f"newest checkpoint: {newest} (--resume {root})" if newest else
+                 "no checkpoint saved yet" + ("" if root else " (--save DIR keeps them)"))
+        return FloatingPointError(f"step {step}: {why}; {where}. Lower --lr, clip harder (--grad-clip), or "
+                                  "--nan-policy skip to skip such steps")
 
     def memory_record(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state on rank 0 (and CUDA's peak there)."""
