@@ -80,7 +80,8 @@ class TrainSection:
     nan_skips: int = 10
     """With nan_policy 'skip': the most non-finite steps a run may skip before it stops."""
     fail_at: str = ""
-    """Fault injection for testing crash handling: 'RANK:STEP' makes that rank raise at that step."""
+    """Fault injection for testing crash handling: 'RANK:STEP' makes that rank raise at that step,
+    'RANK:STEP:kill' kill itself with SIGKILL."""
 
 
 @dataclass

@@ -24,16 +24,30 @@ class RankFailure:
     rank: int
     exitcode: int
     message: str
+    how: str
+    """How it ended, in words: "raised", "died of SIGKILL (signal 9)", "was stopped by the launcher (SIGTERM)"."""
 
 
 class JobFailed(RuntimeError):
+    """The root cause first (the rank that failed first and how), then what that did to the others."""
+
     def __init__(self, failures: list[RankFailure]) -> None:
         self.failures = failures
-        first = failures[0] if failures else None
-        text = f"rank {first.rank} failed (exit code {first.exitcode}): {first.message}" if first else "job failed"
-        if len(failures) > 1:
-            text += f" (and {len(failures) - 1} more rank(s))"
+        if not failures:
+            super().__init__("job failed")
+            return
+        first, rest = failures[0], failures[1:]
+        text = f"rank {first.rank} {first.how}: {first.message}"
+        if rest:
+            then = "; ".join(f"rank {f.rank} {f.how}: {_short(f.message)}" for f in rest[:3])
+            more = f"; and {len(rest) - 3} more" if len(rest) > 3 else ""
+            text += f"\nthen: {then}{more}"
         super().__init__(text)
+
+
+def _short(message: str, limit: int = 160) -> str:
+    line = message.strip().splitlines()[0] if message.strip() else message
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def launch(launch_cfg: LaunchSection, argv: list[str]) -> None:
@@ -63,16 +77,31 @@ def launch(launch_cfg: LaunchSection, argv: list[str]) -> None:
 
 
 def _failures(error: object) -> list[RankFailure]:
-    """The failed ranks, root cause first: a rank that raised (exit code > 0) before one the agent
-    killed afterwards (negative: a signal), then the earliest error, then the lowest rank."""
+    """The failed ranks, root cause first. A rank that died of a signal with no error of its own
+    (SIGKILL: killed from outside or out of memory; SIGSEGV, SIGABRT: crashed) comes first; then one
+    that raised its own error; then the collectives that failed because a peer was gone; last the
+    ranks the launcher stopped with SIGTERM once one had failed. Within each, the earliest, then the
+    lowest rank."""
     failures = []
-    items = getattr(error, "failures", {}).items()
-    for rank, failure in sorted(items, key=lambda kv: (kv[1].exitcode < 0, kv[1].timestamp, kv[0])):
+    for rank, failure in getattr(error, "failures", {}).items():
         message = failure.message
         if isinstance(message, dict):
             message = message.get("message", str(message))
         text = str(message or "").strip()
-        if not text or text.startswith("To enable traceback"):
-            text = f"exited with code {failure.exitcode} (see its traceback above)"
-        failures.append(RankFailure(rank=rank, exitcode=failure.exitcode, message=text))
-    return failures
+        signalled = failure.exitcode < 0
+        name = failure.signal_name() if signalled else ""
+        silent = signalled and (not text or text.startswith("Signal "))  # no error file of its own
+        if silent:
+            how = ("was stopped by the launcher (SIGTERM)" if name == "SIGTERM" else
+                   f"died of {name} (signal {-failure.exitcode})")
+            text = {"SIGTERM": "after another rank failed", "SIGKILL": "killed from outside, or out of memory"}.get(
+                name, "no error of its own: a crash")
+            order = 3 if name == "SIGTERM" else 0
+        else:
+            if not text or text.startswith("To enable traceback"):
+                text = f"exited with code {failure.exitcode} (see its traceback above)"
+            how = "raised" + (f" (then stopped by the launcher: {name})" if signalled else "")
+            order = 2 if "CollectiveError" in text else 1
+        failures.append((order, failure.timestamp, rank,
+                         RankFailure(rank=rank, exitcode=failure.exitcode, message=text, how=how)))
+    return [f for *_, f in sorted(failures, key=lambda item: item[:3])]

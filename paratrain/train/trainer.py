@@ -7,6 +7,8 @@ Resuming restores the engine and the loader cursor, so the run continues exactly
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -206,8 +208,10 @@ class Trainer:
 
     def _maybe_fail(self) -> None:
         if self.plan.config.train.fail_at:
-            rank, step = (int(p) for p in self.plan.config.train.fail_at.split(":"))
-            if rank == self.ctx.rank and step == self.step + 1:
+            rank, step, *kill = self.plan.config.train.fail_at.split(":")
+            if int(rank) == self.ctx.rank and int(step) == self.step + 1:
+                if kill:  # as the out-of-memory killer or `kill -9` would
+                    os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError(f"injected fault (train.fail_at) on rank {rank} at step {step}")
 
     def _progress_bar(self) -> Any:

@@ -132,7 +132,16 @@ def test_pipeline_run_resumes_on_one_process(tmp_path):
 def test_crashing_rank_fails_the_job_with_its_error():
     out = paratrain("train", "--nproc", "2", *SMALL, "--steps", "5", "--fail-at", "1:3")
     assert out.returncode == 1
-    assert "rank 1 failed" in out.stderr and "injected fault (train.fail_at) on rank 1 at step 3" in out.stderr
+    assert "rank 1 raised: RuntimeError: injected fault (train.fail_at) on rank 1 at step 3" in out.stderr
+
+
+def test_a_killed_rank_is_named_first():
+    """kill -9 of rank 1 at step 3: the last words name rank 1 and SIGKILL, then what it did to rank 0."""
+    out = paratrain("train", "--nproc", "2", *SMALL, "--steps", "5", "--fail-at", "1:3:kill")
+    assert out.returncode == 1
+    final = out.stderr[out.stderr.rindex("paratrain: "):]
+    assert final.startswith("paratrain: rank 1 died of SIGKILL (signal 9)"), final
+    assert "then: rank 0" in final
 
 
 def test_two_launcher_nodes_train_together(tmp_path):
