@@ -66,7 +66,8 @@ _TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--eval-every": ("train.eval_every", int, "validate every N steps (0: only at the end)"),
     "--save": ("train.save", str, "checkpoint folder"),
     "--save-every": ("train.save_every", int, "checkpoint every N steps (0: only at the end)"),
-    "--resume": ("train.resume", str, "resume from this checkpoint folder"),
+    "--resume": ("train.resume", str, "resume from this checkpoint folder (verified first), or auto: the newest "
+                 "checkpoint under --save that verifies (none: start at step 0)"),
     "--log-json": ("train.log_json", str, "write one JSON object per step to this file"),
     "--sample-tokens": ("train.sample_tokens", int, "length of the text sample printed at the end"),
     "--nan-policy": ("train.nan_policy", str, "a nan or inf loss or gradient norm: stop (default: name the step, "
@@ -137,14 +138,19 @@ def prepare_launch(config: Any, *, gpus: int) -> Any:
     except (FileNotFoundError, ValueError) as error:
         raise ConfigError(f"data.source {config.data.source!r}: {error}") from None
     check_data(plan, source)
-    if config.train.resume:
-        from paratrain.checkpoint import resolve_checkpoint
+    if config.train.resume == "auto":
+        if not config.train.save:
+            raise ConfigError("--resume auto takes the newest verified checkpoint under --save: give --save DIR")
+    elif config.train.resume:
+        from paratrain.checkpoint import CheckpointError, resolve_checkpoint, verify_checkpoint
 
         try:
-            resolve_checkpoint(config.train.resume)
+            verify_checkpoint(resolve_checkpoint(config.train.resume))
         except FileNotFoundError as error:
             raise ConfigError(f"train.resume: {error}: give a folder written by --save (its latest checkpoint is "
                               "taken) or one of its step_* folders") from None
+        except CheckpointError as error:
+            raise ConfigError(f"train.resume: {error}") from None
     if config.launch.memory_check:
         from paratrain.config import resolve_device
         from paratrain.planner.check import available_memory, check_memory

@@ -1,5 +1,14 @@
 """Layout-free checkpoints: full tensors by name in safetensors, the rest in JSON, written atomically."""
 
-from paratrain.checkpoint.io import FORMAT, load_checkpoint, resolve_checkpoint, save_checkpoint
+from paratrain.checkpoint.io import (
+    FORMAT,
+    CheckpointError,
+    load_checkpoint,
+    newest_verified,
+    resolve_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
 
-__all__ = ["FORMAT", "load_checkpoint", "resolve_checkpoint", "save_checkpoint"]
+__all__ = ["FORMAT", "CheckpointError", "load_checkpoint", "newest_verified", "resolve_checkpoint", "save_checkpoint",
+           "verify_checkpoint"]

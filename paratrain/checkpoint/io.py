@@ -5,12 +5,16 @@
     DIR/step_00000100/optimizer.safetensors  optimizer tensors as "<param name>::<state key>"
     DIR/step_00000100/meta.json      step, run config, loader state, optimizer hyper-parameters
 
-A checkpoint is written into a temporary folder and renamed into place, then `latest` is replaced
-atomically; a crash mid-write leaves the previous checkpoint intact. Loading never unpickles.
+A checkpoint is written into a temporary folder (every file fsynced) and renamed into place, then
+`latest` is replaced atomically; a crash mid-write leaves the previous checkpoint intact. meta.json
+holds each tensor file's size and SHA-256 and each tensor's shape and dtype: loading verifies them
+first, and a checkpoint that fails names the file, what is wrong, and the newest older checkpoint that
+verifies. Loading never unpickles.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -18,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 FORMAT = "paratrain-checkpoint/1"
@@ -50,6 +55,27 @@ def _join_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> d
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that does not verify: the message names the file, what is wrong, and the newest
+    older checkpoint that verifies."""
+
+
+_TENSOR_FILES = ("model.safetensors", "optimizer.safetensors")
+
+
+def _digest(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
 def _fsync_write(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
@@ -70,10 +96,15 @@ def save_checkpoint(root: str | Path, step: int, engine_state: dict[str, Any], m
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_file({k: _cpu(v) for k, v in engine_state["model"].items()}, str(tmp / "model.safetensors"))
+    model = {k: _cpu(v) for k, v in engine_state["model"].items()}
     opt_tensors, opt_meta = _split_optimizer(engine_state["optimizer"])
-    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-    document = {"format": FORMAT, "step": step, "optimizer": opt_meta, **meta}
+    files, tensors = {}, {}
+    for file_name, content in zip(_TENSOR_FILES, (model, opt_tensors)):
+        save_file(content, str(tmp / file_name))
+        _fsync_file(tmp / file_name)
+        files[file_name] = {"bytes": (tmp / file_name).stat().st_size, "sha256": _digest(tmp / file_name)}
+        tensors[file_name] = {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in content.items()}
+    document = {"format": FORMAT, "step": step, "optimizer": opt_meta, "files": files, "tensors": tensors, **meta}
     if "loss_scaler" in engine_state:
         document["loss_scaler"] = engine_state["loss_scaler"]
     _fsync_write(tmp / "meta.json", json.dumps(document, indent=1, sort_keys=True))
@@ -85,6 +116,11 @@ def save_checkpoint(root: str | Path, step: int, engine_state: dict[str, Any], m
     os.replace(tmp, final)
     _fsync_write(root / ".latest.tmp", name + "\n")
     os.replace(root / ".latest.tmp", root / "latest")
+    directory = os.open(root, os.O_RDONLY)  # the renames themselves reach the disk
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
     return final
 
 
@@ -99,12 +135,83 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise FileNotFoundError(f"{str(path)!r} is neither a checkpoint folder (meta.json) nor a root with a 'latest' file")
 
 
-def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(engine_state, meta) of a checkpoint saved by save_checkpoint; tensors on CPU."""
-    folder = resolve_checkpoint(path)
-    meta = json.loads((folder / "meta.json").read_text())
+def verify_checkpoint(folder: str | Path) -> dict[str, Any]:
+    """Check one checkpoint folder against its meta.json (files present, sizes, SHA-256, each tensor's
+    shape and dtype); returns the meta, or raises CheckpointError naming the file and the newest
+    older checkpoint of the same root that verifies."""
+    folder = Path(folder)
+    try:
+        meta = _verified_meta(folder)
+    except CheckpointError as error:
+        older = newest_verified(folder.parent, before=folder.name)
+        hint = (f"the newest older checkpoint that verifies is {older} (--resume {older})" if older else
+                "no older checkpoint in this folder verifies")
+        raise CheckpointError(f"{error}; {hint}") from None
+    return meta
+
+
+def _verified_meta(folder: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{folder / 'meta.json'} cannot be read: {error}") from None
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{str(folder)!r} has format {meta.get('format')!r}, expected {FORMAT!r}")
+        raise CheckpointError(f"{folder} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    for file_name in _TENSOR_FILES:
+        path = folder / file_name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing")
+        expected = meta.get("files", {}).get(file_name)
+        if expected is None:  # written before checksums were kept: its headers are all there is to check
+            continue
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{path} has {size} bytes, {expected['bytes']} were written (cut short or replaced)")
+        if _digest(path) != expected["sha256"]:
+            raise CheckpointError(f"{path} does not match the SHA-256 written with it (corrupted)")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                found = {k: [list(f.get_slice(k).get_shape()), _dtype_name(f.get_slice(k).get_dtype())]
+                         for k in f.keys()}
+        except SafetensorError as error:
+            raise CheckpointError(f"{path} is not a readable safetensors file: {error}") from None
+        index = meta.get("tensors", {}).get(file_name, {})
+        wrong = sorted(k for k in set(index) | set(found) if index.get(k) != found.get(k))
+        if wrong:
+            raise CheckpointError(f"{path}: tensors {wrong[:4]} differ from the index in meta.json (shape or dtype)")
+    return meta
+
+
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def _dtype_name(code: str) -> str:
+    return _SAFETENSORS_DTYPES.get(code, code)
+
+
+def newest_verified(root: str | Path, *, before: str | None = None) -> Path | None:
+    """The newest step_* checkpoint under root that verifies (older than `before` when given), or None."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    for folder in sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True):
+        if before is not None and folder.name >= before:
+            continue
+        try:
+            _verified_meta(folder)
+        except CheckpointError:
+            continue
+        return folder
+    return None
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(engine_state, meta) of a checkpoint saved by save_checkpoint, verified first; tensors on CPU."""
+    folder = resolve_checkpoint(path)
+    meta = verify_checkpoint(folder)
+    for key in ("files", "tensors"):
+        meta.pop(key, None)
     model = load_file(str(folder / "model.safetensors"))
     optimizer = _join_optimizer(load_file(str(folder / "optimizer.safetensors")), meta.pop("optimizer"))
     engine_state = {"model": model, "optimizer": optimizer}

@@ -67,7 +67,8 @@ class TrainSection:
     save_every: int = 0
     """Checkpoint every this many steps (and at the end); 0: only at the end."""
     resume: str = ""
-    """Checkpoint folder to resume from (its latest checkpoint)."""
+    """Checkpoint folder to resume from (its latest checkpoint, verified first), or 'auto': the newest
+    checkpoint under `save` that verifies (none: start at step 0)."""
     log_json: str = ""
     """Write one JSON object per optimizer step to this path (rank 0)."""
     sample_tokens: int = 200

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratrain.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from paratrain.checkpoint import load_checkpoint, newest_verified, resolve_checkpoint, save_checkpoint
 from paratrain.config import ConfigError, RunPlan, to_dict
 from paratrain.data import GlobalBatchLoader, TokenSource, load_source
 from paratrain.hybrid import Engine, NonFiniteError, parallelize
@@ -77,6 +77,13 @@ class Trainer:
             self._resume(config.train.resume)
 
     def _resume(self, path: str) -> None:
+        if path == "auto":  # the newest checkpoint under --save that verifies, if any
+            newest = newest_verified(self.plan.config.train.save)
+            if newest is None:
+                self.log.info("--resume auto: no checkpoint under %s verifies; starting at step 0",
+                              self.plan.config.train.save)
+                return
+            path = str(newest)
         state, meta = load_checkpoint(path)
         self.engine.load_state_dict(state)
         self.train_loader.load_state_dict(meta["loader"])

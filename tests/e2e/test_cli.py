@@ -94,10 +94,17 @@ def test_train_log_save_resume(tmp_path):
     memory = [r["memory"] for r in rows if "memory" in r]
     assert len(memory) == 1 and set(memory[0]) >= {"params", "grads", "optimizer"}
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000004"
-    # resume the ZeRO-2 checkpoint of step 2 on ONE process as plain DP: steps 3-4 match the 2-process run
+    # the step-4 checkpoint cut short: --resume refuses it before launch, naming the file and step 2
+    cut = tmp_path / "ckpt" / "step_00000004" / "model.safetensors"
+    cut.write_bytes(cut.read_bytes()[:-100])
+    out = paratrain("train", "--nproc", "1", *SMALL, "--steps", "4", "--resume", str(tmp_path / "ckpt"))
+    assert out.returncode == 2 and "step_00000004/model.safetensors has" in out.stderr
+    assert "the newest older checkpoint that verifies is" in out.stderr and "step_00000002" in out.stderr
+    # --resume auto takes that one: the ZeRO-2 checkpoint of step 2 on ONE process as plain DP, whose
+    # steps 3-4 match the 2-process run
     log2 = tmp_path / "log2.jsonl"
     out = paratrain("train", "--nproc", "1", *SMALL, "--steps", "4", "--log-json", str(log2),
-                    "--resume", str(tmp_path / "ckpt" / "step_00000002"))
+                    "--resume", "auto", "--save", str(tmp_path / "ckpt"))
     assert out.returncode == 0, out.stderr
     resumed, first = losses(log2), losses(log)
     assert sorted(resumed) == [3, 4]

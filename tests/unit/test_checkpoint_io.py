@@ -56,3 +56,25 @@ def test_interrupted_write_keeps_previous(tmp_path, monkeypatch):
 def test_missing_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a checkpoint folder"):
         load_checkpoint(tmp_path)
+
+
+def test_a_damaged_checkpoint_names_its_file_and_the_newest_one_that_verifies(tmp_path):
+    from paratrain.checkpoint import CheckpointError, newest_verified
+
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, _state(), {})
+    cut = tmp_path / "step_00000003" / "model.safetensors"
+    cut.write_bytes(cut.read_bytes()[:-7])  # cut short
+    with pytest.raises(CheckpointError, match=r"step_00000003/model.safetensors has \d+ bytes, \d+ were written "
+                                              r"\(cut short or replaced\); the newest older checkpoint that verifies "
+                                              r"is .*step_00000002"):
+        load_checkpoint(tmp_path)
+    flipped = tmp_path / "step_00000002" / "optimizer.safetensors"
+    data = bytearray(flipped.read_bytes())
+    data[-1] ^= 0xFF  # same size, one bit pattern changed
+    flipped.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"optimizer.safetensors does not match the SHA-256 .*step_00000001"):
+        load_checkpoint(tmp_path / "step_00000002")
+    assert newest_verified(tmp_path).name == "step_00000001"  # what --resume auto takes
+    (tmp_path / "step_00000001" / "meta.json").write_text("{")
+    assert newest_verified(tmp_path) is None
