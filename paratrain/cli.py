@@ -39,6 +39,8 @@ _TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--rdzv-id": ("launch.rdzv_id", str, "job id shared by all nodes"),
     "--device": ("launch.device", str, "cpu (gloo), cuda (NCCL, one GPU per process) or auto (default: cuda when "
                  "a GPU is visible; then nproc defaults to the GPU count)"),
+    "--max-restarts": ("launch.max_restarts", int, "restart the workers this many times when a rank fails, "
+                       "resuming from the newest verified checkpoint under --save"),
     "--timeout": ("launch.timeout_s", float, "seconds a collective may wait before the job fails"),
     "--dp": ("parallel.dp", int, "data-parallel degree (default: world size / (tp x pp))"),
     "--tp": ("parallel.tp", int, "tensor-parallel degree: layers split over tp ranks (divides heads, ff and padded vocab)"),
@@ -90,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--sequence-parallel", action="store_true", default=None,
                        help="with --tp: norms and dropout on 1/tp of the sequence (all-gather / reduce-scatter)")
     train.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
+    train.add_argument("--attempt", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     train.add_argument("--no-memory-check", dest="memory_check", action="store_false", default=None,
                        help="launch even when the planner predicts the layout will not fit in memory")
     train.add_argument("--keep-params", dest="reshard_after_forward", action="store_false", default=None,
@@ -120,6 +123,8 @@ def run_config_from_args(args: argparse.Namespace) -> Any:
         overrides["parallel.reshard_after_forward"] = args.reshard_after_forward
     if args.memory_check is not None:
         overrides["launch.memory_check"] = args.memory_check
+    if args.attempt is not None:
+        overrides["launch.attempt"] = args.attempt
     return build_run_config(table, overrides)
 
 

@@ -99,6 +99,12 @@ class LaunchSection:
     device: str = "auto"
     """'cpu' (gloo), 'cuda' (NCCL, one GPU per process) or 'auto': CUDA when this node sees a GPU. On
     CUDA the default nproc is the number of visible GPUs, and more processes than GPUs are refused."""
+    max_restarts: int = 0
+    """Launch the job again this many times when a rank fails; it resumes from the newest
+    checkpoint under train.save that verifies (so train.save is needed)."""
+    attempt: int = 0
+    """Set by the launcher on a relaunch (--attempt K): 0 the first time; above, resume from the newest
+    verified checkpoint under train.save, and the JSON log keeps each step once."""
     memory_check: bool = True
     """Refuse before launch a layout the planner predicts will not fit the device's memory (GPU) or
     this node's available memory shared by its processes (CPU)."""

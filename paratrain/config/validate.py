@@ -224,6 +224,11 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
         raise ConfigError(f"node_rank ({launch.node_rank}) must be in 0..{launch.nnodes - 1}")
     if launch.rdzv_backend not in ("static", "c10d"):
         raise ConfigError(f"rdzv_backend must be 'static' or 'c10d', got {launch.rdzv_backend!r}")
+    if launch.max_restarts < 0:
+        raise ConfigError(f"launch.max_restarts must be >= 0, got {launch.max_restarts}")
+    if launch.max_restarts and not config.train.save:
+        raise ConfigError(f"--max-restarts {launch.max_restarts} restarts failed workers from the newest verified "
+                          "checkpoint under --save: give --save DIR (and --save-every N, how far a restart goes back)")
     if launch.device not in DEVICES:
         raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {launch.device!r}")
     if launch.nnodes > 1 and not launch.rdzv_endpoint:

@@ -51,7 +51,26 @@ def _short(message: str, limit: int = 160) -> str:
 
 
 def launch(launch_cfg: LaunchSection, argv: list[str]) -> None:
-    """Run `python -m paratrain *argv` on nproc local processes (this node's share of the job)."""
+    """Run `python -m paratrain *argv` on nproc local processes (this node's share of the job).
+
+    With max_restarts N, a failed job is launched again, up to N times, each time as a new job with a
+    new rendezvous (torch's own in-place restart of the workers failed here: the restarted gloo
+    workers' process group could not connect, "Connection refused", torch 2.13) and `--attempt K`:
+    the workers resume from the newest checkpoint under --save that verifies. The failure of each
+    attempt is reported as it happens."""
+    for attempt in range(launch_cfg.max_restarts + 1):
+        try:
+            _launch_once(launch_cfg, [*argv, "--attempt", str(attempt)] if attempt else argv)
+            return
+        except JobFailed as failure:
+            if attempt == launch_cfg.max_restarts:
+                raise
+            print(f"paratrain: attempt {attempt} failed: {failure}\nparatrain: restarting "
+                  f"({attempt + 1} of {launch_cfg.max_restarts}) from the newest verified checkpoint",
+                  file=sys.stderr, flush=True)
+
+
+def _launch_once(launch_cfg: LaunchSection, argv: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 

@@ -43,12 +43,18 @@ def mfu(tokens_per_s: float, flops_per_token: float, world_size: int, peak: floa
 class JsonLog:
     """Appends one JSON object per line; a no-op without a path."""
 
-    def __init__(self, path: str | None, *, append: bool = False) -> None:
-        """append: continue an existing log (a resumed run); otherwise start the file afresh."""
+    def __init__(self, path: str | None, *, append: bool = False, keep_until: int | None = None) -> None:
+        """append: continue an existing log (a resumed run); otherwise start the file afresh.
+        keep_until: a restarted run drops the records of steps after the one it resumed from, which
+        it is about to run again, so the log holds each step once."""
         self._file: IO[str] | None = None
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a" if append else "w")
+            if keep_until is not None and Path(path).is_file():
+                kept = [line for line in Path(path).read_text().splitlines()
+                        if line.strip() and json.loads(line).get("step", 0) <= keep_until]
+                Path(path).write_text("".join(line + "\n" for line in kept))
+            self._file = open(path, "a" if append or keep_until is not None else "w")
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:

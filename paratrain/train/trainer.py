@@ -55,6 +55,9 @@ def check_data(plan: RunPlan, source: TokenSource) -> None:
 class Trainer:
     def __init__(self, plan: RunPlan, ctx: Context) -> None:
         self.plan, self.ctx = plan, ctx
+        self.attempt = plan.config.launch.attempt
+        """0, or how many times the launcher relaunched the job (it resumes from the newest checkpoint
+        under train.save that verifies)."""
         config = plan.config
         self.log = get_logger(ctx.rank)
         self.source = load_source(config.data.source, val_fraction=config.data.val_fraction)
@@ -73,7 +76,9 @@ class Trainer:
         self.train_loader = GlobalBatchLoader(self.source.train, **loader_args)  # type: ignore[arg-type]
         self.val_loader = GlobalBatchLoader(self.source.val, shuffle=False, **loader_args)  # type: ignore[arg-type]
         self.step = 0
-        if config.train.resume:
+        if self.attempt > 0:
+            self._resume("auto")
+        elif config.train.resume:
             self._resume(config.train.resume)
 
     def _resume(self, path: str) -> None:
@@ -110,7 +115,8 @@ class Trainer:
     def fit(self) -> TrainResult:
         config, train = self.plan.config, self.plan.config.train
         result = TrainResult()
-        json_log = JsonLog(train.log_json if self.ctx.is_main else None, append=self.step > 0)
+        json_log = JsonLog(train.log_json if self.ctx.is_main else None, append=self.step > 0,
+                           keep_until=(self.step if self.step > 0 else -1) if self.attempt > 0 else None)
         flops_per_token = self.plan.model.flops_per_token(self.plan.seq_len)
         peak = peak_flops(self.ctx.device)
         bar = self._progress_bar()
@@ -216,7 +222,7 @@ class Trainer:
     def _maybe_fail(self) -> None:
         if self.plan.config.train.fail_at:
             rank, step, *kill = self.plan.config.train.fail_at.split(":")
-            if int(rank) == self.ctx.rank and int(step) == self.step + 1:
+            if int(rank) == self.ctx.rank and int(step) == self.step + 1 and self.attempt == 0:
                 if kill:  # as the out-of-memory killer or `kill -9` would
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError(f"injected fault (train.fail_at) on rank {rank} at step {step}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -149,6 +150,34 @@ def test_a_killed_rank_is_named_first():
     final = out.stderr[out.stderr.rindex("paratrain: "):]
     assert final.startswith("paratrain: rank 1 died of SIGKILL (signal 9)"), final
     assert "then: rank 0" in final
+
+
+@pytest.mark.parametrize("layout", [["--nproc", "2"], ["--nproc", "4", "--dp", "2", "--tp", "2"]], ids=["dp2", "dp2xtp2"])
+def test_a_killed_rank_is_restarted_and_the_run_continues_exactly(tmp_path, layout):
+    """kill -9 of a random rank at a random step after the checkpoint of step 4 (--save-every 4), with
+    --max-restarts 1: the job is launched again from step 4, finishes, its per-step losses are those of
+    an uninterrupted run, and its log holds each step once (the steps after 4 ran twice)."""
+    world = int(layout[1])
+    rng = random.Random(world)
+    rank, step = rng.randrange(world), rng.randrange(5, 8)
+    common = ["train", *layout, *SMALL, "--steps", "7"]
+    started = time.monotonic()
+    plain = paratrain(*common, "--log-json", str(tmp_path / "plain.jsonl"))
+    plain_s = time.monotonic() - started
+    assert plain.returncode == 0, plain.stderr
+    started = time.monotonic()
+    out = paratrain(*common, "--log-json", str(tmp_path / "restarted.jsonl"), "--save", str(tmp_path / "ckpt"),
+                    "--save-every", "4", "--max-restarts", "1", "--fail-at", f"{rank}:{step}:kill")
+    restarted_s = time.monotonic() - started
+    assert out.returncode == 0, out.stderr
+    assert f"attempt 0 failed: rank {rank} died of SIGKILL" in out.stderr
+    steps = [r["step"] for r in records(tmp_path / "restarted.jsonl") if "loss" in r]
+    assert steps == list(range(1, 8))
+    expected = losses(tmp_path / "plain.jsonl")
+    for n, loss in losses(tmp_path / "restarted.jsonl").items():
+        assert loss == pytest.approx(expected[n], rel=1e-6), n
+    print(f"\n{layout}: rank {rank} killed at step {step}; restart cost {restarted_s - plain_s:.1f} s ({plain_s:.1f} s "
+          f"uninterrupted, {restarted_s:.1f} s with the kill, the relaunch and {step - 5} step(s) run again)")
 
 
 def test_two_launcher_nodes_train_together(tmp_path):
