@@ -106,7 +106,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def run_config_from_args(args: argparse.Namespace) -> Any:
     table = load_toml(args.config) if args.config else None
-    overrides: dict[str, Any] = {}
+    from paratrain.launch.slurm import slurm_overrides
+
+    overrides: dict[str, Any] = slurm_overrides(os.environ)  # under srun; flags below win
     for flag, (path, _, _) in _TRAIN_FLAGS.items():
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:

@@ -180,16 +180,28 @@ def test_a_killed_rank_is_restarted_and_the_run_continues_exactly(tmp_path, layo
           f"uninterrupted, {restarted_s:.1f} s with the kill, the relaunch and {step - 5} step(s) run again)")
 
 
-def test_two_launcher_nodes_train_together(tmp_path):
-    endpoint = f"127.0.0.1:{free_port()}"
-    common = ["train", "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", endpoint, *SMALL, "--steps", "3"]
+@pytest.mark.parametrize("how", ["flags", "slurm"])
+def test_two_launcher_nodes_train_together(tmp_path, how):
+    """Two launcher agents on 127.0.0.1, 2 processes each: told by flags, or by SLURM's variables as
+    `srun --nodes 2 --ntasks-per-node 1 paratrain train --nproc 2` sets them (the same command on both)."""
+    port = free_port()
+    common = ["train", "--nproc", "2", *SMALL, "--steps", "3"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    nodes = [
-        subprocess.Popen([sys.executable, "-m", "paratrain", *common, "--node-rank", str(rank),
-                          "--log-json", str(tmp_path / f"node{rank}.jsonl")],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        for rank in (0, 1)
-    ]
+
+    def node(rank: int) -> tuple[list[str], dict[str, str]]:
+        log = ["--log-json", str(tmp_path / f"node{rank}.jsonl")]
+        if how == "flags":
+            return [*common, "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--node-rank", str(rank), *log], env
+        slurm = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_NNODES": "2", "SLURM_NTASKS": "2",
+                 "SLURM_NODEID": str(rank), "SLURM_PROCID": str(rank), "SLURM_JOB_NODELIST": "localhost,localhost",
+                 "MASTER_PORT": str(port)}
+        return [*common, *log], {**env, **slurm}
+
+    nodes = []
+    for rank in (0, 1):
+        argv, node_env = node(rank)
+        nodes.append(subprocess.Popen([sys.executable, "-m", "paratrain", *argv], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=node_env))
     outputs = [node.communicate(timeout=240) for node in nodes]
     for node, (_, err) in zip(nodes, outputs):
         assert node.returncode == 0, err
