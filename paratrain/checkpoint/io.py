@@ -83,10 +83,12 @@ def _fsync_write(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def save_checkpoint(root: str | Path, step: int, engine_state: dict[str, Any], meta: dict[str, Any]) -> Path:
+def save_checkpoint(root: str | Path, step: int, engine_state: dict[str, Any], meta: dict[str, Any], *,
+                    keep_last: int = 0) -> Path:
     """Write one checkpoint under `root` and point `latest` at it; returns its folder.
 
     engine_state: Engine.state_dict() (full model and optimizer state). meta: JSON-able extras.
+    keep_last: then delete all but the newest this many step_* folders (0: keep every one).
     Call on one rank only (all ranks hold the full state in data parallelism).
     """
     root = Path(root)
@@ -121,6 +123,9 @@ def save_checkpoint(root: str | Path, step: int, engine_state: dict[str, Any], m
         os.fsync(directory)
     finally:
         os.close(directory)
+    if keep_last:  # only once the new one is complete and `latest` names it
+        for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep_last]:
+            shutil.rmtree(old)
     return final
 
 

@@ -66,6 +66,9 @@ class TrainSection:
     """Folder to write checkpoints to; empty: no checkpoints."""
     save_every: int = 0
     """Checkpoint every this many steps (and at the end); 0: only at the end."""
+    keep_last: int = 0
+    """Keep only the newest this many checkpoints under `save` (older ones are deleted once a newer one
+    is complete); 0 keeps every one."""
     resume: str = ""
     """Checkpoint folder to resume from (its latest checkpoint, verified first), or 'auto': the newest
     checkpoint under `save` that verifies (none: start at step 0)."""

@@ -264,7 +264,7 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
         raise ConfigError(f"train.steps must be >= 1, got {train.steps}")
     if train.precision not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"train.precision must be 'fp32', 'bf16' or 'fp16', got {train.precision!r}")
-    for name in ("eval_every", "save_every", "eval_batches", "sample_tokens"):
+    for name in ("eval_every", "save_every", "keep_last", "eval_batches", "sample_tokens"):
         if getattr(train, name) < 0:
             raise ConfigError(f"train.{name} must be >= 0, got {getattr(train, name)}")
     if train.nan_policy not in ("stop", "skip"):

@@ -101,7 +101,7 @@ class Trainer:
         if self.ctx.is_main:
             meta = {"config": to_dict(self.plan.config), "loader": self.train_loader.state_dict(),
                     "world_size": self.ctx.world_size}
-            folder = save_checkpoint(root, self.step, state, meta)
+            folder = save_checkpoint(root, self.step, state, meta, keep_last=self.plan.config.train.keep_last)
             self.log.info("saved checkpoint %s", folder)
         if dist.is_initialized():
             dist.barrier()

@@ -167,9 +167,10 @@ def test_a_killed_rank_is_restarted_and_the_run_continues_exactly(tmp_path, layo
     assert plain.returncode == 0, plain.stderr
     started = time.monotonic()
     out = paratrain(*common, "--log-json", str(tmp_path / "restarted.jsonl"), "--save", str(tmp_path / "ckpt"),
-                    "--save-every", "4", "--max-restarts", "1", "--fail-at", f"{rank}:{step}:kill")
+                    "--save-every", "4", "--keep-last", "1", "--max-restarts", "1", "--fail-at", f"{rank}:{step}:kill")
     restarted_s = time.monotonic() - started
     assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_00000007"]  # --keep-last 1
     assert f"attempt 0 failed: rank {rank} died of SIGKILL" in out.stderr
     steps = [r["step"] for r in records(tmp_path / "restarted.jsonl") if "loss" in r]
     assert steps == list(range(1, 8))

@@ -78,3 +78,10 @@ def test_a_damaged_checkpoint_names_its_file_and_the_newest_one_that_verifies(tm
     assert newest_verified(tmp_path).name == "step_00000001"  # what --resume auto takes
     (tmp_path / "step_00000001" / "meta.json").write_text("{")
     assert newest_verified(tmp_path) is None
+
+
+def test_keep_last_deletes_only_older_complete_checkpoints(tmp_path):
+    for step in range(1, 6):
+        save_checkpoint(tmp_path, step, _state(), {}, keep_last=2)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000004", "step_00000005"]
+    assert resolve_checkpoint(tmp_path).name == "step_00000005"
