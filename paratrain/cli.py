@@ -94,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --tp: norms and dropout on 1/tp of the sequence (all-gather / reduce-scatter)")
     train.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     train.add_argument("--attempt", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
+    train.add_argument("--flight-dir", default=None, help=argparse.SUPPRESS)  # set by the launcher
     train.add_argument("--no-memory-check", dest="memory_check", action="store_false", default=None,
                        help="launch even when the planner predicts the layout will not fit in memory")
     train.add_argument("--keep-params", dest="reshard_after_forward", action="store_false", default=None,
@@ -128,6 +129,8 @@ def run_config_from_args(args: argparse.Namespace) -> Any:
         overrides["launch.memory_check"] = args.memory_check
     if args.attempt is not None:
         overrides["launch.attempt"] = args.attempt
+    if args.flight_dir is not None:
+        overrides["launch.flight_dir"] = args.flight_dir
     return build_run_config(table, overrides)
 
 

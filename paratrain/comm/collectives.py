@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.topology.mesh import AxisGroup
+from paratrain.topology.recorder import Entry
 
 
 # torch 2.13 renamed the tensor forms of all-gather and reduce-scatter; older releases have the old names.
@@ -23,9 +24,22 @@ class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names the operation and the group."""
 
 
-def _fail(op: str, group: AxisGroup, tensor: torch.Tensor, error: Exception) -> CollectiveError:
+def _enter(op: str, group: AxisGroup, tensor: torch.Tensor) -> Entry | None:
+    """Log a collective this rank enters on `group` in its flight recorder (numbered per group)."""
+    return group.recorder.enter(op, group.axis, group.ranks, tensor) if group.recorder is not None else None
+
+
+def _close(entry: Entry | None, state: str) -> None:
+    if entry is not None:
+        entry.state = state
+
+
+def _fail(op: str, group: AxisGroup, tensor: torch.Tensor, error: Exception,
+          entry: Entry | None = None) -> CollectiveError:
+    _close(entry, "failed")
+    where = f" (#{entry.seq} on this group)" if entry is not None else ""
     return CollectiveError(
-        f"{op} of {tuple(tensor.shape)} {tensor.dtype} on {group.describe()} failed on global "
+        f"{op}{where} of {tuple(tensor.shape)} {tensor.dtype} on {group.describe()} failed on global "
         f"rank {group.ranks[group.index]}: {error}. A peer may have crashed or be stuck in a "
         "different collective; check the other ranks' errors."
     )
@@ -39,57 +53,66 @@ class Pending:
     group: AxisGroup
     tensor: torch.Tensor
     work: dist.Work
+    entry: Entry | None = None
 
     def wait(self) -> None:
         try:
             self.work.wait()
         except RuntimeError as error:
-            raise _fail(self.op, self.group, self.tensor, error) from error
+            raise _fail(self.op, self.group, self.tensor, error, self.entry) from error
+        _close(self.entry, "done")
 
 
 def all_reduce(tensor: torch.Tensor, group: AxisGroup, *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
     """In place: every rank of `group` ends with the reduction of all ranks' `tensor`."""
+    entry = _enter("all_reduce", group, tensor)
     try:
         dist.all_reduce(tensor, op=op, group=group.pg)
     except RuntimeError as error:
-        raise _fail("all_reduce", group, tensor, error) from error
+        raise _fail("all_reduce", group, tensor, error, entry) from error
+    _close(entry, "done")
 
 
 def all_reduce_async(tensor: torch.Tensor, group: AxisGroup,
                      *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending:
     """Start an in-place all-reduce; call .wait() on the result before reading `tensor`."""
+    entry = _enter("all_reduce", group, tensor)
     try:
         work = dist.all_reduce(tensor, op=op, group=group.pg, async_op=True)
     except RuntimeError as error:
-        raise _fail("all_reduce", group, tensor, error) from error
+        raise _fail("all_reduce", group, tensor, error, entry) from error
     assert work is not None
-    return Pending("all_reduce", group, tensor, work)
+    return Pending("all_reduce", group, tensor, work, entry)
 
 
 def broadcast(tensor: torch.Tensor, group: AxisGroup, *, src_index: int = 0) -> None:
     """In place: every rank of `group` ends with the tensor of the group's `src_index`-th rank."""
+    entry = _enter("broadcast", group, tensor)
     try:
         dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg)
     except RuntimeError as error:
-        raise _fail("broadcast", group, tensor, error) from error
+        raise _fail("broadcast", group, tensor, error, entry) from error
+    _close(entry, "done")
 
 
 def reduce_scatter_async(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup,
                          *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending:
     """Start output = (sum over the group of `tensor`)[index * n : (index + 1) * n], n = output.numel()."""
+    entry = _enter("reduce_scatter", group, tensor)
     try:
         work = _reduce_scatter_single(output, tensor, op=op, group=group.pg, async_op=True)
     except RuntimeError as error:
-        raise _fail("reduce_scatter", group, tensor, error) from error
+        raise _fail("reduce_scatter", group, tensor, error, entry) from error
     assert work is not None
-    return Pending("reduce_scatter", group, tensor, work)
+    return Pending("reduce_scatter", group, tensor, work, entry)
 
 
 def all_gather_async(output: torch.Tensor, shard: torch.Tensor, group: AxisGroup) -> Pending:
     """Start output = concatenation of every group rank's `shard`, in group order."""
+    entry = _enter("all_gather", group, shard)
     try:
         work = _all_gather_single(output, shard, group=group.pg, async_op=True)
     except RuntimeError as error:
-        raise _fail("all_gather", group, shard, error) from error
+        raise _fail("all_gather", group, shard, error, entry) from error
     assert work is not None
-    return Pending("all_gather", group, shard, work)
+    return Pending("all_gather", group, shard, work, entry)

@@ -85,7 +85,7 @@ class TrainSection:
     """With nan_policy 'skip': the most non-finite steps a run may skip before it stops."""
     fail_at: str = ""
     """Fault injection for testing crash handling: 'RANK:STEP' makes that rank raise at that step,
-    'RANK:STEP:kill' kill itself with SIGKILL."""
+    'RANK:STEP:kill' kill itself with SIGKILL, 'RANK:STEP:hang' stop answering."""
 
 
 @dataclass
@@ -105,6 +105,9 @@ class LaunchSection:
     max_restarts: int = 0
     """Launch the job again this many times when a rank fails; it resumes from the newest
     checkpoint under train.save that verifies (so train.save is needed)."""
+    flight_dir: str = ""
+    """Set by the launcher (--flight-dir): where each worker leaves its flight recorder (its last
+    collectives) and its stack when it fails or is stopped, for the launcher's hang report."""
     attempt: int = 0
     """Set by the launcher on a relaunch (--attempt K): 0 the first time; above, resume from the newest
     verified checkpoint under train.save, and the JSON log keeps each step once."""

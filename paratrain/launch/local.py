@@ -7,11 +7,14 @@ it trains instead of launching. A job started by an external torchrun takes the 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass
 
 from paratrain.config.run import LaunchSection
+from paratrain.topology.recorder import hang_report
 
 
 def launched_by_torchrun() -> bool:
@@ -29,10 +32,11 @@ class RankFailure:
 
 
 class JobFailed(RuntimeError):
-    """The root cause first (the rank that failed first and how), then what that did to the others."""
+    """The root cause first (the rank that failed first and how), then what that did to the others,
+    then the hang report: ranks that never entered a collective their peers waited in."""
 
-    def __init__(self, failures: list[RankFailure]) -> None:
-        self.failures = failures
+    def __init__(self, failures: list[RankFailure], hangs: list[str] | None = None) -> None:
+        self.failures, self.hangs = failures, hangs or []
         if not failures:
             super().__init__("job failed")
             return
@@ -42,6 +46,8 @@ class JobFailed(RuntimeError):
             then = "; ".join(f"rank {f.rank} {f.how}: {_short(f.message)}" for f in rest[:3])
             more = f"; and {len(rest) - 3} more" if len(rest) > 3 else ""
             text += f"\nthen: {then}{more}"
+        if self.hangs:
+            text += "\nhang report: " + "\n".join(self.hangs)
         super().__init__(text)
 
 
@@ -89,10 +95,13 @@ def _launch_once(launch_cfg: LaunchSection, argv: list[str]) -> None:
         max_restarts=0, monitor_interval=0.1, start_method="spawn",
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(launch_cfg.nproc)))
+    flight = tempfile.mkdtemp(prefix="paratrain-flight-")  # this node's workers' records, read on failure
     try:
-        elastic_launch(config, sys.executable)("-m", "paratrain", *argv)
+        elastic_launch(config, sys.executable)("-m", "paratrain", *argv, "--flight-dir", flight)
     except ChildFailedError as error:
-        raise JobFailed(_failures(error)) from None
+        raise JobFailed(_failures(error), hang_report(flight)) from None
+    finally:
+        shutil.rmtree(flight, ignore_errors=True)
 
 
 def _failures(error: object) -> list[RankFailure]:

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import traceback
 from datetime import timedelta
+from types import FrameType
 
 import torch
 import torch.distributed as dist
 
 from paratrain.config import RunPlan
 from paratrain.topology import init
+from paratrain.topology.recorder import FlightRecorder
 from paratrain.train import Trainer, TrainResult
 
 
@@ -25,10 +29,30 @@ def train_on_this_rank(plan: RunPlan) -> TrainResult:
     torch.set_num_threads(threads_per_rank(local_world))
     ctx = init(plan.parallel, device=plan.config.launch.device,
                timeout=timedelta(seconds=plan.config.launch.timeout_s))
-    result = Trainer(plan, ctx).fit()
+    folder, recorder = plan.config.launch.flight_dir, ctx.mesh.recorder
+    if folder and recorder is not None:
+        _leave_a_record_when_stopped(recorder, folder)
+    try:
+        result = Trainer(plan, ctx).fit()
+    except BaseException:
+        if folder and recorder is not None:
+            recorder.dump(folder, stack=traceback.format_exc())
+        raise
     if ctx.is_main:
         print_summary(result)
     return result
+
+
+def _leave_a_record_when_stopped(recorder: FlightRecorder, folder: str) -> None:
+    """On the launcher's SIGTERM (another rank failed), write this rank's flight record and where it
+    was, then die of SIGTERM as it would have: the launcher's hang report reads both."""
+
+    def stopped(signum: int, frame: FrameType | None) -> None:
+        recorder.dump(folder, stack="".join(traceback.format_stack(frame)) if frame is not None else "")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stopped)
 
 
 def print_summary(result: TrainResult) -> None:

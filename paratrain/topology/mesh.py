@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from paratrain.topology.recorder import FlightRecorder
 from paratrain.topology.dims import AXES, ParallelDims
 
 
@@ -24,6 +25,8 @@ class AxisGroup:
     index: int
     """This rank's position in `ranks`."""
     pg: dist.ProcessGroup
+    recorder: FlightRecorder | None = None
+    """This rank's flight recorder (shared by its groups), where paratrain.comm's collectives log."""
 
     @property
     def size(self) -> int:
@@ -38,6 +41,8 @@ class Mesh:
     dims: ParallelDims
     rank: int
     groups: dict[str, AxisGroup]
+    recorder: FlightRecorder | None = None
+    """The collectives this rank issued on its groups (None: a single process, which issues none)."""
 
     @classmethod
     def build(cls, dims: ParallelDims, rank: int, *, timeout: timedelta | None = None,
@@ -51,12 +56,13 @@ class Mesh:
         shard). S = dp makes "dp_shard" the dp group itself; S = 1 or None adds nothing.
         """
         groups: dict[str, AxisGroup] = {}
+        recorder = FlightRecorder(rank)
 
         def add(axis: str, all_ranks: list[list[int]]) -> None:
             for ranks in all_ranks:
                 pg = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
-                    groups[axis] = AxisGroup(axis, tuple(ranks), ranks.index(rank), pg)
+                    groups[axis] = AxisGroup(axis, tuple(ranks), ranks.index(rank), pg, recorder)
 
         for axis in AXES:
             if dims.degree(axis) > 1:
@@ -69,7 +75,7 @@ class Mesh:
             add("dp_replicate", replicas)
         elif shard_group == dims.dp and "dp" in groups:
             groups["dp_shard"] = groups["dp"]
-        return cls(dims=dims, rank=rank, groups=groups)
+        return cls(dims=dims, rank=rank, groups=groups, recorder=recorder)
 
     @classmethod
     def single(cls) -> Mesh:

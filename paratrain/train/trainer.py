@@ -221,10 +221,12 @@ class Trainer:
 
     def _maybe_fail(self) -> None:
         if self.plan.config.train.fail_at:
-            rank, step, *kill = self.plan.config.train.fail_at.split(":")
+            rank, step, *how = self.plan.config.train.fail_at.split(":")
             if int(rank) == self.ctx.rank and int(step) == self.step + 1 and self.attempt == 0:
-                if kill:  # as the out-of-memory killer or `kill -9` would
+                if how == ["kill"]:  # as the out-of-memory killer or `kill -9` would
                     os.kill(os.getpid(), signal.SIGKILL)
+                while how == ["hang"]:  # a rank that stops answering: its peers time out in a collective
+                    time.sleep(1.0)
                 raise RuntimeError(f"injected fault (train.fail_at) on rank {rank} at step {step}")
 
     def _progress_bar(self) -> Any:

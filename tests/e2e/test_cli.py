@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -150,6 +151,20 @@ def test_a_killed_rank_is_named_first():
     final = out.stderr[out.stderr.rindex("paratrain: "):]
     assert final.startswith("paratrain: rank 1 died of SIGKILL (signal 9)"), final
     assert "then: rank 0" in final
+
+
+def test_a_rank_that_stops_answering_is_found_by_the_hang_report():
+    """Rank 1 stops answering at step 3 (--timeout 5): rank 0 times out in the gradients' all-reduce, and
+    the last words say rank 1 never entered it, the last collective it finished there, and its stack."""
+    started = time.monotonic()
+    out = paratrain("train", "--nproc", "2", *SMALL, "--steps", "5", "--timeout", "5", "--fail-at", "1:3:hang")
+    elapsed = time.monotonic() - started
+    assert out.returncode == 1
+    report = out.stderr[out.stderr.index("hang report: "):]
+    assert re.match(r"hang report: rank 1 never entered all_reduce #(\d+) on the dp group \(ranks \[0, 1\]\), where "
+                    r"rank 0 waited; its last collective there is #\d+ \(all_reduce, done\); its stack:", report), report
+    assert "in _maybe_fail" in report  # where rank 1 was
+    assert elapsed < 60, elapsed  # the timeout and a few seconds, not the launcher's 30 s grace
 
 
 @pytest.mark.parametrize("layout", [["--nproc", "2"], ["--nproc", "4", "--dp", "2", "--tp", "2"]], ids=["dp2", "dp2xtp2"])

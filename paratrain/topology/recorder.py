@@ -1,0 +1,87 @@
+"""A flight recorder: the last collectives this rank issued on each of its groups, numbered per group.
+
+When a collective fails or times out, each rank's record (written to the launcher's folder by the
+worker) shows where every rank was: the launcher names the ranks that never entered the collective
+the others waited in, with the last one they finished there and their stack (`hang_report`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Entry:
+    axis: str
+    ranks: tuple[int, ...]
+    seq: int
+    """1 for the first collective this rank issued on this group, then 2, 3, ..."""
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    state: str = "entered"
+    """'entered', 'done' (completed on this rank) or 'failed'."""
+
+
+class FlightRecorder:
+    def __init__(self, rank: int, *, keep: int = 64) -> None:
+        self.rank = rank
+        self.entries: deque[Entry] = deque(maxlen=keep)
+        self._seq: dict[tuple[str, tuple[int, ...]], int] = {}
+
+    def enter(self, op: str, axis: str, ranks: tuple[int, ...], tensor: torch.Tensor) -> Entry:
+        key = (axis, ranks)
+        self._seq[key] = self._seq.get(key, 0) + 1
+        entry = Entry(axis, ranks, self._seq[key], op, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+        self.entries.append(entry)
+        return entry
+
+    def to_dict(self, stack: str = "") -> dict[str, Any]:
+        return {"rank": self.rank, "entries": [asdict(e) for e in self.entries], "stack": stack}
+
+    def dump(self, folder: str | Path, stack: str = "") -> None:
+        path = Path(folder) / f"rank{self.rank}.json"
+        path.write_text(json.dumps(self.to_dict(stack)))
+
+
+def hang_report(folder: str | Path) -> list[str]:
+    """Lines naming, for each collective some rank failed in, the ranks of its group that never
+    entered it (and the last collective they finished there, and their stack), from the ranks' records."""
+    records = {}
+    for path in Path(folder).glob("rank*.json"):
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            continue
+        records[int(data["rank"])] = data
+    lines: list[str] = []
+    seen: set[tuple[str, tuple[int, ...], int]] = set()
+    for rank in sorted(records):
+        for entry in records[rank]["entries"]:
+            if entry["state"] != "failed":
+                continue
+            ranks, key = tuple(entry["ranks"]), (entry["axis"], tuple(entry["ranks"]), entry["seq"])
+            if key in seen:
+                continue
+            seen.add(key)
+            where = f"{entry['op']} #{entry['seq']} on the {entry['axis']} group (ranks {list(ranks)})"
+            for other in ranks:
+                if other == rank:
+                    continue
+                if other not in records:
+                    lines.append(f"rank {other} left no record of {where}: stopped, or stuck outside Python")
+                    continue
+                mine = [e for e in records[other]["entries"] if (e["axis"], tuple(e["ranks"])) == key[:2]]
+                if mine and mine[-1]["seq"] >= entry["seq"]:
+                    continue  # it got there too
+                last = f"#{mine[-1]['seq']} ({mine[-1]['op']}, {mine[-1]['state']})" if mine else "none"
+                stack = records[other].get("stack", "").strip("\n")
+                lines.append(f"rank {other} never entered {where}, where rank {rank} waited; its last collective "
+                             f"there is {last}" + (f"; its stack:\n{stack}" if stack else ""))
+    return lines
