@@ -111,27 +111,18 @@ def run_config_from_args(args: argparse.Namespace) -> Any:
     from paratrain.launch.slurm import slurm_overrides
 
     overrides: dict[str, Any] = slurm_overrides(os.environ)  # under srun; flags below win
-    for flag, (path, _, _) in _TRAIN_FLAGS.items():
-        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+    paths = {flag.lstrip("-").replace("-", "_"): path for flag, (path, _, _) in _TRAIN_FLAGS.items()}
+    for attribute, path in {**paths, **_OTHER_ARGS}.items():
+        value = getattr(args, attribute)
         if value is not None:
             overrides[path] = value
-    if args.seed is not None:
-        overrides["seed"] = args.seed
-    if args.recompute is not None:
-        overrides["train.recompute"] = args.recompute
-    if args.sequence_parallel is not None:
-        overrides["parallel.sequence_parallel"] = args.sequence_parallel
-    if args.progress is not None:
-        overrides["train.progress"] = args.progress
-    if args.reshard_after_forward is not None:
-        overrides["parallel.reshard_after_forward"] = args.reshard_after_forward
-    if args.memory_check is not None:
-        overrides["launch.memory_check"] = args.memory_check
-    if args.attempt is not None:
-        overrides["launch.attempt"] = args.attempt
-    if args.flight_dir is not None:
-        overrides["launch.flight_dir"] = args.flight_dir
     return build_run_config(table, overrides)
+
+
+# arguments of `paratrain train` outside _TRAIN_FLAGS (switches, and what the launcher passes) -> config path
+_OTHER_ARGS = {"seed": "seed", "recompute": "train.recompute", "sequence_parallel": "parallel.sequence_parallel",
+               "progress": "train.progress", "reshard_after_forward": "parallel.reshard_after_forward",
+               "memory_check": "launch.memory_check", "attempt": "launch.attempt", "flight_dir": "launch.flight_dir"}
 
 
 def prepare_launch(config: Any, *, gpus: int) -> Any:
