@@ -176,8 +176,8 @@ def _verified_meta(folder: Path) -> dict[str, Any]:
             raise CheckpointError(f"{path} does not match the SHA-256 written with it (corrupted)")
         try:
             with safe_open(str(path), framework="pt") as f:
-                found = {k: [list(f.get_slice(k).get_shape()), _dtype_name(f.get_slice(k).get_dtype())]
-                         for k in f.keys()}
+                slices = {k: f.get_slice(k) for k in f.keys()}
+                found = {k: [list(s.get_shape()), _dtype_name(s.get_dtype())] for k, s in slices.items()}
         except SafetensorError as error:
             raise CheckpointError(f"{path} is not a readable safetensors file: {error}") from None
         index = meta.get("tensors", {}).get(file_name, {})

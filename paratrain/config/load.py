@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from paratrain.config.errors import ConfigError
+from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import ParallelConfig
 from paratrain.config.run import RunConfig
 
@@ -63,6 +64,8 @@ def from_dict(table: Mapping[str, Any]) -> RunConfig:
 def _set(config: RunConfig, path: str, value: Any) -> RunConfig:
     parts = path.split(".")
     if parts[:2] == ["model", "overrides"] and len(parts) == 3:
+        if parts[2] in {f.name for f in dataclasses.fields(ModelConfig)}:  # unknown names: preset() lists them
+            _check_field(ModelConfig, parts[2], value, f"model.{parts[2]}")
         config.model.overrides[parts[2]] = value
         return config
     if len(parts) == 1:

@@ -126,15 +126,6 @@ def preset(name: str, **overrides: object) -> ModelConfig:
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ConfigError(f"unknown model setting(s) {unknown}: ModelConfig has {sorted(known)}")
-    base = PRESETS[name]
-    for key, value in overrides.items():
-        kind = type(getattr(base, key))
-        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        ok = isinstance(value, bool) if kind is bool else (is_number if kind is float else
-                                                           is_number and isinstance(value, int))
-        if not ok:
-            raise ConfigError(f"model.{key} must be {'true or false' if kind is bool else 'a number' if kind is float else 'an integer'}, "
-                              f"got {value!r}")
-    config = replace(base, **overrides) if overrides else base
+    config = replace(PRESETS[name], **overrides) if overrides else PRESETS[name]
     config.validate()
     return config

@@ -16,9 +16,6 @@ import torch
 from paratrain.config.model import ModelConfig
 from paratrain.pipeline.stages import balanced_split
 
-RECOMPUTE = ("none", "selective", "full")
-
-
 @dataclass(frozen=True)
 class Layout:
     """One way to lay a run out: the degrees and the memory savers (the planner's search space)."""

@@ -26,7 +26,8 @@ from paratrain.config.model import ModelConfig
 from paratrain.pipeline.schedules import Action, compute_order
 from paratrain.planner.layout import Layout, RankParam, chunk_layers, meta_tensors, rank_params
 
-_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes of one element stored in each precision."""
 MASTER_BYTES = 4
 """fp32: what the model is built in, so what ZeRO's masters and AdamW's moments are kept in."""
 STEP_BYTES = 4
@@ -35,7 +36,6 @@ STEP_BYTES = 4
 
 @dataclass(frozen=True)
 class FlatPlan:
-    numel: int
     padded: int
     shards: int
 
@@ -76,7 +76,7 @@ def flat_groups(params: list[RankParam], *, zero: int, shards: int, bucket_bytes
                 key = (group_of[id(p)], _role(p))
                 by_key[key] = by_key.get(key, 0) + p.numel
             sizes += list(by_key.values())
-    return [FlatPlan(n, math.ceil(n / shards) * shards, shards) for n in sizes]
+    return [FlatPlan(math.ceil(n / shards) * shards, shards) for n in sizes]
 
 
 @functools.lru_cache(maxsize=8192)
@@ -110,7 +110,7 @@ def model_state_bytes(model: ModelConfig, layout: Layout, *, precision: str = "f
         numel, tensors = _plain_totals(*shape)
         return {"params": 4 * numel, "grads": 4 * numel,
                 "optimizer": 2 * MASTER_BYTES * numel + STEP_BYTES * tensors}
-    elsize = _BYTES[precision]
+    elsize = BYTES[precision]
     padded, shard, groups = _sharded_totals(*shape, layout.zero, layout.shards, int(bucket_mb * 2**20))
     param_bytes = elsize * (shard if layout.zero == 3 else padded)
     if layout.zero == 1:

@@ -13,11 +13,8 @@ from paratrain.config.parallel import ParallelConfig
 from paratrain.config.validate import batch_layout, check_pipeline, check_tensor_parallel
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
-from paratrain.planner.memory import activation_bytes, model_state_bytes, storage_mode
+from paratrain.planner.memory import BYTES, activation_bytes, model_state_bytes, storage_mode
 from paratrain.planner.timing import step_time
-
-_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
 
 def check_layout(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int) -> None:
     """paratrain's own rules for the layout (the messages `paratrain train` gives), or ConfigError."""
@@ -56,7 +53,7 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, p
             other += tokens * model.padded_vocab / layout.tp * (act + 8)
         if layout.zero == 3:
             unit = (4 * model.d_model ** 2 + 2 * model.d_model * model.ff_dim) / layout.tp
-            other += 2 * unit * _BYTES[precision if mode == "low" else "fp32"]
+            other += 2 * unit * BYTES[precision if mode == "low" else "fp32"]
         record = {**{k: float(v) for k, v in states.items()}, "activations": activations, "other": other}
         record["peak"] = sum(record.values())
         if record["peak"] > best.get("peak", -1.0):

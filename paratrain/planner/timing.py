@@ -28,10 +28,8 @@ from dataclasses import dataclass
 from paratrain.config.model import ModelConfig
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout, chunk_layers, layer_costs, rank_params
+from paratrain.planner.memory import BYTES
 from paratrain.planner.textbook import bubble_fraction
-
-_ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
 
 @dataclass(frozen=True)
 class StepTime:
@@ -84,7 +82,7 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     share, blocks_here, numel = _stages(model, pp, v)
     rate = hw.peak_flops * hw.efficiency
     compute = hardware_flops * share / (dp * tp) / rate
-    act = _ACT_BYTES[precision]
+    act = BYTES[precision]
     # tensor parallelism: 4 all-reduces of b s h per block and micro-batch, on the critical path
     tp_bytes = layout.micro_batch * seq * model.d_model * act
     tp_time = m * blocks_here * 4 * _bus_time(tp_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=2)
@@ -93,7 +91,7 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     # pipeline: the fill and drain expose 2 (p - 1) transfers of an activation (or its gradient)
     pp_time = 2 * (pp - 1) * (hw.latency_s + tp_bytes / tp / _bandwidth(hw, dp * tp * pp)) if pp > 1 else 0.0
     # data parallelism over dp ranks (ZeRO: its shard group), on this rank's parameters
-    grad_bytes = numel / tp * (_ACT_BYTES[precision] if layout.zero else 4)
+    grad_bytes = numel / tp * (BYTES[precision] if layout.zero else 4)
     bw_dp = _bandwidth(hw, tp * dp)
     if layout.zero == 0:
         dp_time = _bus_time(grad_bytes, dp, bw_dp, hw.latency_s, factor=2)
