@@ -7,6 +7,10 @@ Rank r holds logits[N, V/tp] for the vocabulary slice [r V/tp, (r+1) V/tp). Per 
 Three all-reduces of [N] vectors (max, sum of exponentials, the target logit, which exactly one rank
 holds) replace an all-gather of [N, V]. The gradient is softmax - onehot(target), each rank writing
 its own slice (Megatron-LM, tensor_parallel/cross_entropy.py, in our own words).
+
+Like paratrain.models.loss, the rows are walked in chunks upcast one at a time: backward keeps the
+logits in their own dtype and the [N] maxima and sums, and recomputes the softmax chunk by chunk,
+instead of keeping a float32 softmax[N, V/tp].
 """
 
 from __future__ import annotations
@@ -19,50 +23,82 @@ from torch import nn
 
 from paratrain.comm.collectives import all_reduce
 from paratrain.comm.regions import gather_from_tp_region
+from paratrain.models.loss import compute_dtype, default_chunk_rows
 from paratrain.topology.mesh import AxisGroup
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token losses [N] from logits[N, V/tp] (any float dtype), by row chunks: the float32
+    temporaries are chunk_rows x V/tp, and backward keeps the logits in their own dtype plus [N]
+    vectors (the maxima and sums of exponentials in at least float32, target indices and masks),
+    never the softmax."""
+
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: AxisGroup,
-                ignore_index: int, vocab_size: int | None) -> torch.Tensor:
-        logits = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
-        part = logits.shape[-1]
+                ignore_index: int, vocab_size: int | None, chunk_rows: int | None) -> torch.Tensor:
+        wide = compute_dtype(logits.dtype)
+        rows, part = logits.shape
         start = group.index * part
-        if vocab_size is not None and start + part > vocab_size:  # padding rows: out of the softmax
-            logits = logits.clone()
-            logits[..., max(vocab_size - start, 0):] = float("-inf")
-        maxima = logits.max(dim=-1).values
+        # columns of this slice in the softmax: padding (ids >= vocab_size) is left out by reading
+        # only the first `real` columns of each chunk, none at all on a slice that is all padding
+        real = part if vocab_size is None else min(max(vocab_size - start, 0), part)
+        chunk_rows = chunk_rows or default_chunk_rows(part, logits.dtype)
+        if real:  # the max is exact in any dtype: no upcast needed
+            maxima = logits[:, :real].amax(dim=-1).to(wide)
+        else:
+            maxima = torch.full((rows,), float("-inf"), dtype=wide, device=logits.device)
         all_reduce(maxima, group, op=dist.ReduceOp.MAX)
-        shifted = logits - maxima.unsqueeze(-1)  # [N, V/tp]
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
+        sum_exp = torch.zeros(rows, dtype=wide, device=logits.device)
+        for first in range(0, rows if real else 0, chunk_rows):
+            last = first + chunk_rows
+            # bf16 minus float32 promotes: the upcast chunk, shifted, is the one [chunk, V/tp] temporary
+            shifted = torch.sub(logits[first:last, :real], maxima[first:last].unsqueeze(-1))
+            torch.sum(shifted.exp_(), dim=-1, out=sum_exp[first:last])
         all_reduce(sum_exp, group)
-        mine = (targets >= start) & (targets < start + part)
-        local = (targets - start).clamp(0, part - 1)
-        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
+        local = targets - start
+        mine = (local >= 0) & (local < part)  # exactly one rank holds each target
+        local = local.clamp(0, part - 1)
+        # z_target - m, [N]; a target in the padding gets -inf (an infinite loss), as a column out
+        # of the softmax must
+        target_logit = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).to(wide) - maxima
+        target_logit = torch.where(local < real, target_logit, float("-inf"))
+        target_logit = torch.where(mine, target_logit, 0.0)
         all_reduce(target_logit, group)
-        loss = sum_exp.log() - target_logit
         ignored = targets == ignore_index
-        loss = loss.masked_fill(ignored, 0.0)
-        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local, mine & ~ignored, ignored)
+        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+        ctx.save_for_backward(logits, maxima, sum_exp, local, mine & ~ignored & (local < real), ignored)
+        ctx.real, ctx.chunk_rows = real, chunk_rows
         return loss
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        softmax, local, mine, ignored = ctx.saved_tensors
-        grad_logits = softmax.clone()
-        rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
-        grad_logits[rows, local] -= mine.to(grad_logits.dtype)
-        grad_logits = grad_logits.masked_fill(ignored.unsqueeze(-1), 0.0)
-        return grad_logits * grad.unsqueeze(-1), None, None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
+        logits, maxima, sum_exp, local, hit, ignored = ctx.saved_tensors
+        real, chunk_rows = ctx.real, ctx.chunk_rows
+        # d loss_n / d z_nv = (softmax_nv - [v = target]) * grad_n, 0 on ignored rows
+        scale = grad.to(maxima.dtype).masked_fill(ignored, 0.0)
+        grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        grad_logits[:, real:] = 0  # padding columns: out of the softmax, no gradient
+        for first in range(0, logits.shape[0] if real else 0, chunk_rows):
+            last = first + chunk_rows
+            probs = torch.sub(logits[first:last, :real], maxima[first:last].unsqueeze(-1)).exp_()
+            probs.div_(sum_exp[first:last].unsqueeze(-1))  # softmax over the whole vocabulary, [chunk, real]
+            index = torch.arange(probs.shape[0], device=probs.device)
+            probs[index, local[first:last].clamp(max=real - 1)] -= hit[first:last].to(probs.dtype)
+            # scaled and rounded to the logits' dtype as it is written: no second float32 pass
+            torch.mul(probs, scale[first:last].unsqueeze(-1), out=grad_logits[first:last, :real])
+        return grad_logits, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: AxisGroup,
-                                 *, ignore_index: int = -100, vocab_size: int | None = None) -> torch.Tensor:
+                                 *, ignore_index: int = -100, vocab_size: int | None = None,
+                                 chunk_rows: int | None = None) -> torch.Tensor:
     """Per-token losses [N] (0 where ignored) from logits[N, V/tp] and targets[N] in the full vocabulary.
-    vocab_size: columns at or beyond it (padding of the vocabulary) are left out of the softmax."""
-    return _VocabParallelCrossEntropy.apply(logits, targets, group, ignore_index, vocab_size)
+    vocab_size: columns at or beyond it (padding of the vocabulary) are left out of the softmax.
+    chunk_rows: rows upcast to float32 at a time (default: about 64 MiB, see
+    paratrain.models.loss.default_chunk_rows); the three all-reduces are per call, not per chunk."""
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"chunk_rows is {chunk_rows}; it must be at least 1 (None picks ~64 MiB chunks)")
+    return _VocabParallelCrossEntropy.apply(logits, targets, group, ignore_index, vocab_size, chunk_rows)
 
 
 class VocabParallelOutput(nn.Module):
