@@ -6,7 +6,9 @@ part of the contract:
     tok_emb                      Embedding[Vp, D]   (Vp: vocab_size padded, ModelConfig.padded_vocab)
     blocks.{i}.attn_norm         RMSNorm[D]
     blocks.{i}.attn.qkv          Linear D -> 3D, output laid out as [heads, 3 (q|k|v), head_dim]
-    blocks.{i}.attn.attn_dropout KeyedDropout on the attention probabilities [B, H, S, S]
+    blocks.{i}.attn.core         AttentionCore: softmax(q k^T / sqrt(hd) + causal) v, no parameters
+                                 (what selective recomputation recomputes)
+    blocks.{i}.attn.core.dropout KeyedDropout on the attention probabilities [B, H, S, S]
     blocks.{i}.attn.out          Linear D -> D
     blocks.{i}.attn.out_dropout  KeyedDropout [B, S, D]
     blocks.{i}.mlp_norm          RMSNorm[D]
@@ -15,7 +17,8 @@ part of the contract:
     blocks.{i}.mlp.dropout       KeyedDropout [B, S, D]
     norm                         RMSNorm[D]
     head                         Linear D -> Vp (its weight is tok_emb's when tied)
-    output                       VocabOutput: the loss over the real vocabulary, and full logits
+    output                       VocabOutput: the loss over the real vocabulary (models/loss.py,
+                                 by row chunks), and full logits
 
 The qkv output is interleaved per head so that any contiguous slice of whole heads holds their
 q, k and v together: a column split of qkv is then a split of the heads. Attention infers its
@@ -35,6 +38,7 @@ from torch import nn
 from paratrain.config.model import ModelConfig
 from paratrain.models.dropout import KeyedDropout
 from paratrain.models.init import keyed_normal_
+from paratrain.models.loss import chunked_cross_entropy
 
 IGNORE_INDEX = -100
 
@@ -72,13 +76,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
+class AttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(hd) + causal mask) v for q, k, v [B, H, S, hd] -> [B, H, S, hd].
+
+    Without dropout: torch's fused kernel (scaled_dot_product_attention), which saves O(S) per
+    head. With dropout: written out, so that the mask is keyed by (row, head, query, key), and it
+    saves the [B, H, S, S] scores, probabilities and mask: the 5·a·s/h term of Korthikanti et al.
+    2022, which selective recomputation (this module alone) removes.
+    """
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.p = dropout
+        self.dropout = KeyedDropout(dropout)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not (self.training and self.p > 0):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        seq = q.shape[-2]
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+        probs = torch.softmax(upcast(scores.masked_fill(~causal, float("-inf"))), dim=-1).type_as(q)
+        return self.dropout(probs) @ v
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.head_dim = config.head_dim
-        self.dropout = config.dropout
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
-        self.attn_dropout = KeyedDropout(config.dropout)
+        self.core = AttentionCore(config.dropout)
         self.out = nn.Linear(config.d_model, config.d_model, bias=False)
         self.out_dropout = KeyedDropout(config.dropout)
 
@@ -89,29 +116,18 @@ class Attention(nn.Module):
         qkv = qkv.view(batch, seq, -1, 3, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))
         q, k = apply_rope(q, cos[:seq], sin[:seq]), apply_rope(k, cos[:seq], sin[:seq])
-        if self.training and self.dropout > 0:
-            y = self._attention_with_dropout(q, k, v)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        y = y.transpose(1, 2).reshape(batch, seq, -1)  # [B, S, H * hd]
+        y = self.core(q, k, v).transpose(1, 2).reshape(batch, seq, -1)  # [B, S, H * hd]
         return self.out_dropout(self.out(y))
-
-    def _attention_with_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(hd) + causal mask), keyed dropout on the probabilities, times v.
-        Written out (not SDPA's fused dropout) so that the mask is keyed by (row, head, query, key)."""
-        seq = q.shape[-2]
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
-        probs = torch.softmax(upcast(scores.masked_fill(~causal, float("-inf"))), dim=-1).type_as(q)
-        return self.attn_dropout(probs) @ v
 
 
 class VocabOutput(nn.Module):
     """The end of the model: logits over the padded vocabulary -> the loss, or full logits to sample from.
 
     Padded rows (ids >= vocab_size) are never targets and are left out of the softmax, so padding
-    changes nothing but the shapes. Holds no parameters; tensor parallelism replaces it by one that
-    reads vocabulary-split logits (paratrain.tensor_parallel.VocabParallelOutput).
+    changes nothing but the shapes. The loss is chunked_cross_entropy: logits[B, S, Vp] in their own
+    dtype are all it saves for backward, never a float32 copy of them. Holds no parameters; tensor
+    parallelism replaces it by one that reads vocabulary-split logits
+    (paratrain.tensor_parallel.VocabParallelOutput).
     """
 
     def __init__(self, vocab_size: int) -> None:
@@ -119,10 +135,11 @@ class VocabOutput(nn.Module):
         self.vocab_size = vocab_size
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of per-token cross-entropies, number of tokens) over targets that are not ignored."""
-        real = logits[..., : self.vocab_size]
-        loss_sum = F.cross_entropy(upcast(real.reshape(-1, real.shape[-1])), targets.reshape(-1),
-                                   ignore_index=IGNORE_INDEX, reduction="sum")
+        """(sum of per-token cross-entropies, number of tokens) over targets that are not ignored.
+
+        In float32 at least, by row chunks (paratrain.models.loss): bf16 logits are never upcast
+        whole, and backward keeps only the logits themselves and one number per token."""
+        loss_sum = chunked_cross_entropy(logits, targets, vocab_size=self.vocab_size, ignore_index=IGNORE_INDEX)
         return loss_sum, (targets != IGNORE_INDEX).sum()
 
     def full(self, logits: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.memory.recompute import Recomputed
 from paratrain.pipeline.schedules import Action, peer, program
 from paratrain.pipeline.stages import StageModel
 from paratrain.rng import DropoutStream
@@ -378,7 +379,7 @@ def _weight_modules(stage: nn.Module) -> list[nn.Module]:
     owners: dict[int, int] = {}
     modules = []
     for module in stage.modules():
-        if getattr(module, "_paratrain_recompute", False):
+        if isinstance(module, Recomputed):
             return []
         own = [p for p in module.parameters(recurse=False) if p.requires_grad]
         if own:

@@ -19,9 +19,9 @@ def layout_of(plan: RunPlan) -> Layout:
     assert parallel.dp is not None
     return Layout(dp=parallel.dp, tp=parallel.tp, pp=parallel.pp, virtual_stages=parallel.virtual_stages,
                   zero=parallel.zero, shard_group=parallel.shard_group, micro_batch=plan.batch.micro_batch,
-                  recompute="full" if plan.config.train.recompute else "none",
+                  recompute=plan.config.train.recompute,
                   sequence_parallel=parallel.sequence_parallel, schedule=parallel.schedule,
-                  offload=parallel.offload == "optimizer")
+                  offload="optimizer" in parallel.offloaded)
 
 
 def check_memory(plan: RunPlan, *, device: str, available_bytes: float, processes: int) -> dict[str, float]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import PRESETS, preset
-from paratrain.planner.hardware import PROFILES, hardware
+from paratrain.planner.hardware import CPU_PROFILE, PROFILES, hardware
 from paratrain.planner.search import search
 from paratrain.planner.textbook import training_days
 
@@ -25,13 +25,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=int, help="devices in all (or --nodes x --gpus-per-node)")
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, help="devices per node (default: the hardware's, 8)")
-    parser.add_argument("--hardware", default="h100-80gb", help=f"{', '.join(PROFILES)}, or a JSON profile file")
+    parser.add_argument("--hardware", default="h100-80gb",
+                        help=f"{', '.join(PROFILES)}, cpu (measured by --calibrate), or a JSON profile file")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure this machine's CPU profile (matmul rate, a GPT step's efficiency, gloo bandwidth "
+                             "and latency; about 10 s), save it and print it; then --hardware cpu uses it")
+    parser.add_argument("--save-hardware", help=f"with --calibrate: save the profile here (default {CPU_PROFILE})")
+    parser.add_argument("--processes", type=int, default=2, help="with --calibrate: local processes for gloo (default 2)")
     parser.add_argument("--peak-tflops", type=float, help="override: dense 16-bit TFLOP/s per device")
     parser.add_argument("--memory-gb", type=float, help="override: memory per device, GB (1e9 bytes)")
     parser.add_argument("--intra-node-gbps", type=float, help="override: bus bandwidth inside a node, GB/s per device")
     parser.add_argument("--inter-node-gbps", type=float, help="override: bus bandwidth between nodes, GB/s per device")
     parser.add_argument("--efficiency", type=float, help="override: share of the peak the matmuls reach (default 0.5)")
-    parser.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    parser.add_argument("--global-batch", type=int, help="samples per optimizer step (required unless --calibrate)")
     parser.add_argument("--seq-len", type=int, help="tokens per sample (default: the model's)")
     parser.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--tokens", type=float, help="a token budget: adds training days")
@@ -39,11 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     for flag, field in _PINS.items():
         parser.add_argument(flag, type=int, help=f"pin {field}")
-    parser.add_argument("--recompute", choices=("none", "full"), help="pin recomputation")
+    parser.add_argument("--recompute", choices=("none", "selective", "full"), help="pin recomputation")
     parser.add_argument("--sequence-parallel", action="store_true", default=None, help="pin sequence parallelism on")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        return _calibrate(args)
+    if args.global_batch is None:
+        raise ConfigError("paratrain plan needs --global-batch (samples per optimizer step)")
     model = preset(args.model)
     hw = hardware(args.hardware, peak_flops=args.peak_tflops and args.peak_tflops * 1e12,
                   memory_bytes=args.memory_gb and args.memory_gb * 1e9,
@@ -77,13 +87,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from paratrain.planner.calibrate import calibrate
+
+    if args.processes < 2:
+        raise ConfigError(f"--processes must be >= 2 (gloo between local processes), got {args.processes}")
+    profile = calibrate(args.processes)
+    path = Path(args.save_hardware or CPU_PROFILE)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
+    print(json.dumps(profile.to_dict()) if args.json else
+          f"saved {path}: {profile.peak_flops / 1e9:.1f} GFLOP/s float32 matmul per process, a GPT step reaches "
+          f"{profile.efficiency:.0%} of it; gloo {profile.intra_node_bw / 1e9:.2f} GB/s bus bandwidth, "
+          f"{profile.latency_s * 1e6:.0f} us latency; {profile.memory_bytes / 1e9:.1f} GB per process")
+    return 0
+
+
 def _layout_text(layout: dict[str, Any]) -> str:
     text = f"dp{layout['dp']} tp{layout['tp']} pp{layout['pp']}"
     if layout["virtual_stages"] > 1:
         text += f"x{layout['virtual_stages']}"
     text += f" z{layout['zero']} mb{layout['micro_batch']}"
     if layout["recompute"] != "none":
-        text += " rc"
+        text += " rc" if layout["recompute"] == "full" else " rc-sel"
     if layout["sequence_parallel"]:
         text += " sp"
     return text

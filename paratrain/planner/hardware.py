@@ -4,7 +4,8 @@ Data-sheet figures (dense 16-bit tensor-core peak, memory, link bandwidth per GP
 that turns a peak into what large matmuls reach. Bandwidths are *bus* bandwidths as NCCL-tests define
 them (an all-reduce of n bytes takes 2 (k - 1) / k x n / bw on k ranks), per GPU, one direction.
 Every field can be overridden (`paratrain plan --peak-tflops ...`); `cpu` is measured on this machine
-by `paratrain plan --calibrate` (paratrain.planner.calibrate).
+by `paratrain plan --calibrate` (paratrain.planner.calibrate), which saves it where `--hardware cpu`
+reads it (CPU_PROFILE).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 from paratrain.config.errors import ConfigError
 
 GIB = 2**30
+CPU_PROFILE = Path.home() / ".cache" / "paratrain" / "cpu.json"
+"""Where `paratrain plan --calibrate` saves this machine's profile and `--hardware cpu` reads it."""
 
 
 @dataclass(frozen=True)
@@ -52,11 +55,15 @@ PROFILES: dict[str, Hardware] = {
 
 def hardware(name_or_path: str, **overrides: float) -> Hardware:
     """A profile by name, or from a JSON file (what --calibrate saves), with fields overridden."""
+    if name_or_path == "cpu" and not CPU_PROFILE.exists():
+        raise ConfigError(f"no CPU profile at {CPU_PROFILE}: measure this machine first with `paratrain plan --calibrate` "
+                          "(about 10 seconds)")
     if name_or_path in PROFILES:
         profile = PROFILES[name_or_path]
-    elif name_or_path.endswith(".json"):
+    elif name_or_path == "cpu" or name_or_path.endswith(".json"):
+        path = CPU_PROFILE if name_or_path == "cpu" else Path(name_or_path)
         try:
-            data = json.loads(Path(name_or_path).read_text())
+            data = json.loads(path.read_text())
         except (OSError, ValueError) as error:
             raise ConfigError(f"hardware profile {name_or_path!r} cannot be read: {error}") from None
         known = {f.name for f in fields(Hardware)}
@@ -65,8 +72,9 @@ def hardware(name_or_path: str, **overrides: float) -> Hardware:
             raise ConfigError(f"hardware profile {name_or_path!r} has unknown fields {unknown}: it may hold {sorted(known)}")
         profile = Hardware(**data)
     else:
-        raise ConfigError(f"unknown hardware {name_or_path!r}: choose one of {', '.join(PROFILES)}, "
-                          "or a profile file written by `paratrain plan --calibrate --save-hardware FILE.json`")
+        raise ConfigError(f"unknown hardware {name_or_path!r}: choose one of {', '.join(PROFILES)}, cpu (after "
+                          "`paratrain plan --calibrate`), or a profile file written by `paratrain plan --calibrate "
+                          "--save-hardware FILE.json`")
     given = {k: v for k, v in overrides.items() if v is not None}
     for key, value in given.items():
         if not value > 0:

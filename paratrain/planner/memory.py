@@ -164,14 +164,19 @@ def block_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, tp
     res = 2 if mode == "low" else 4
     if recompute == "full":
         return n / q * d * res  # the block's input
-    if recompute != "none":
-        raise ValueError(f"paratrain recomputes whole blocks ('full') or nothing ('none'), got {recompute!r}")
+    if recompute not in ("none", "selective"):
+        raise ValueError(f"recompute must be 'none', 'full' or 'selective', got {recompute!r}")
     act = 4 if mode == "fp32" else 2
     norms = 2 * _norm_and_column_input(n / q, d, mode)
     # qkv output (3), rotated q and k (2), attention output (1), and its [B, S, D] copy that `out` keeps
-    # (1; a view, not a copy, when a rank holds one head), + the softmax's log-sum-exp in float32
+    # (1; a view, not a copy, when a rank holds one head), + the softmax's log-sum-exp in float32.
+    # Selective recompute keeps the core's inputs (q, k, v: counted) and drops what the fused kernel
+    # saved: its log-sum-exp, and its output unless `out` keeps that very storage (one head).
     copy = 0 if h // t == 1 or s == 1 else 1
-    attention = (6 + copy) * n * d / t * act + b * (h // t) * s * 4
+    if recompute == "selective":
+        attention = 6 * n * d / t * act
+    else:
+        attention = (6 + copy) * n * d / t * act + b * (h // t) * s * 4
     mlp = 2 * n * f / t * act  # up's output (GELU's input) and GELU's output (down's input)
     casts = 0.0
     if mode != "fp32":  # each apply_rope keeps 16-bit copies of the float32 cos and sin tables
@@ -189,7 +194,7 @@ def rope_bytes(model: ModelConfig, *, seq: int, mode: str, recompute: str = "non
     in 16 bits), kept once for the whole model: by the rotations in float32, or as inputs of
     recomputed blocks. In 16-bit compute the rotations keep 16-bit copies per block instead (counted
     in the block)."""
-    if mode != "fp32" and recompute == "none":
+    if mode != "fp32" and recompute != "full":
         return 0.0
     return 2 * seq * (model.head_dim // 2) * 4
 
@@ -203,19 +208,20 @@ def embedding_activation_bytes(*, micro_batch: int, seq: int, tp: int = 1) -> fl
 
 def head_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, tp: int = 1,
                           sequence_parallel: bool = False, mode: str = "fp32") -> float:
-    """The final norm, the head's input (and 16-bit weight copy under autocast), and the loss: the
-    float32 log-softmax over the real vocabulary and the targets (tp: the softmax over this rank's
-    padded vocabulary slice, local targets and two masks)."""
+    """The final norm, the head's input (and 16-bit weight copy under autocast), and the loss, which
+    keeps the logits in their own dtype and O(n) per-row values (paratrain.models.loss; under tp the
+    vocabulary-parallel loss likewise for this rank's slice): never a float32 copy of the logits."""
     b, s, d, t = micro_batch, seq, model.d_model, tp
     n = b * s
     q = t if sequence_parallel else 1
     total = _norm_and_column_input(n / q, d, mode)
     if mode == "autocast" and not sequence_parallel:  # the head's 16-bit weight copy (see the block's)
         total += model.padded_vocab // t * d * 2
-    if t == 1:
-        total += n * model.vocab_size * 4 + n * 8 + 4
-    else:
-        total += n * model.padded_vocab // t * 4 + n * 10
+    logit_bytes = 4 if mode == "fp32" else 2  # the chunked losses keep the logits themselves, in the head's dtype
+    if t == 1:  # logits [n, Vp], targets int64, the ignore mask, float32 log-sum-exp
+        total += n * model.padded_vocab * logit_bytes + n * 13
+    else:  # logits [n, Vp / t], row maxima and sums of exponentials (float32), local targets, two masks
+        total += n * model.padded_vocab // t * logit_bytes + n * 18
     return total
 
 

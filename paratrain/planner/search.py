@@ -11,6 +11,7 @@ from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import ParallelConfig
 from paratrain.config.validate import batch_layout, check_pipeline, check_tensor_parallel
+from paratrain.models.loss import CHUNK_BYTES
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import BYTES, activation_bytes, model_state_bytes, storage_mode
@@ -22,8 +23,8 @@ def check_layout(model: ModelConfig, layout: Layout, *, global_batch: int, seq: 
                               zero=layout.zero, shard_group=layout.shard_group, schedule=layout.schedule,
                               sequence_parallel=layout.sequence_parallel,
                               offload="optimizer" if layout.offload else "none").resolved(layout.world_size)
-    if layout.recompute not in ("none", "full"):
-        raise ConfigError(f"recompute must be 'none' or 'full' (whole blocks, what paratrain runs), got {layout.recompute!r}")
+    if layout.recompute not in ("none", "full", "selective"):
+        raise ConfigError(f"recompute must be 'none', 'full' or 'selective', got {layout.recompute!r}")
     check_tensor_parallel(model, parallel, seq)
     batch = batch_layout(global_batch, layout.micro_batch, layout.dp)
     check_pipeline(model, parallel, batch)
@@ -34,7 +35,8 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, p
            pp_split: tuple[int, ...] = ()) -> dict[str, float]:
     """Device bytes of the busiest pipeline rank at its peak (every dp and tp rank of a stage holds the
     same): model states between steps, saved activations at the schedule's peak, and transients
-    ("other": the loss's logits and their gradient; ZeRO-3's gathered unit and the one prefetched;
+    ("other": the logits' gradient and the chunked loss's float32 temporaries; ZeRO-3's gathered unit
+    and the one prefetched;
     the gradient bucket being reduced). Offloaded optimizer state is in CPU memory, not counted."""
     mode = storage_mode(precision, layout.zero)
     microbatches = global_batch // (layout.dp * layout.micro_batch)
@@ -49,8 +51,9 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, p
                                        pp_split=pp_split)
         tokens = layout.micro_batch * seq
         other = min(bucket_mb * 2**20, states["grads"] or bucket_mb * 2**20)
-        if stage == layout.pp - 1:  # logits (compute dtype), their float32 softmax and its gradient
-            other += tokens * model.padded_vocab / layout.tp * (act + 8)
+        if stage == layout.pp - 1:  # the logits' gradient (compute dtype) and the loss's float32 chunks
+            logits = tokens * model.padded_vocab / layout.tp
+            other += logits * act + min(2 * CHUNK_BYTES, 2 * 4 * logits)
         if layout.zero == 3:
             unit = (4 * model.d_model ** 2 + 2 * model.d_model * model.ff_dim) / layout.tp
             other += 2 * unit * BYTES[precision if mode == "low" else "fp32"]
@@ -80,7 +83,7 @@ def _divisors(n: int) -> list[int]:
 def candidates(model: ModelConfig, devices: int, hardware: Hardware, *, global_batch: int,
                pins: dict[str, Any] | None = None) -> list[Layout]:
     """Every layout of `devices` ranks the search considers: tp within a node, pp up to the layers,
-    1 or 2 virtual stages, ZeRO 0-3 over all of dp, power-of-two micro-batches, recompute or not,
+    1 or 2 virtual stages, ZeRO 0-3 over all of dp, power-of-two micro-batches, no / selective / full recompute,
     sequence parallelism with tp; `pins` fixes any field."""
     pins = pins or {}
     out = []
@@ -96,7 +99,7 @@ def candidates(model: ModelConfig, devices: int, hardware: Hardware, *, global_b
             per_rank = global_batch // dp
             micro = [m for m in (1, 2, 4, 8, 16, 32) if per_rank % m == 0]
             for v, zero, mb, recompute, sp in itertools.product(
-                    (1, 2) if pp > 1 else (1,), (0, 1, 2, 3), micro, ("none", "full"), (False, True) if tp > 1 else (False,)):
+                    (1, 2) if pp > 1 else (1,), (0, 1, 2, 3), micro, ("none", "selective", "full"), (False, True) if tp > 1 else (False,)):
                 layout = Layout(dp=dp, tp=tp, pp=pp, virtual_stages=v, zero=zero, micro_batch=mb, recompute=recompute,
                                 sequence_parallel=sp, schedule="interleaved" if v > 1 else "1f1b")
                 if pins:

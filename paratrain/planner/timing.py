@@ -79,6 +79,8 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     tokens = global_batch * seq
     model_flops = model.flops_per_token(seq) * tokens
     hardware_flops = model_flops * (4.0 / 3.0 if layout.recompute == "full" else 1.0)
+    if layout.recompute == "selective":  # the attention core's forward again: a third of its 12 L d s
+        hardware_flops += 4.0 * model.n_layer * model.d_model * seq * tokens
     share, blocks_here, numel = _stages(model, pp, v)
     rate = hw.peak_flops * hw.efficiency
     compute = hardware_flops * share / (dp * tp) / rate

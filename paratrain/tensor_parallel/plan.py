@@ -47,7 +47,7 @@ STYLES = ("column", "column_gather", "row", "embedding", "vocab_output", "heads_
 GPT_PLAN: dict[str, str] = {
     "tok_emb": "embedding",
     "attn.qkv": "column",  # output [heads, 3, head_dim]: a column split is a split of the heads
-    "attn.attn_dropout": "heads_dropout",
+    "attn.core.dropout": "heads_dropout",
     "attn.out": "row",
     "attn.out_dropout": "sequence_dropout",
     "mlp.up": "column",

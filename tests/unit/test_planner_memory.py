@@ -8,14 +8,14 @@ import torch
 
 import paratrain
 from paratrain.config import preset
-from paratrain.memory import apply_recompute, autocast
+from paratrain.memory import RECOMPUTE_MODES, apply_recompute, autocast
 from paratrain.memory.activations import saved_activations
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import activation_bytes, storage_mode
 
 
 @pytest.mark.parametrize("precision,zero", [("fp32", 0), ("bf16", 0), ("bf16", 1), ("fp16", 1)])
-@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
 @pytest.mark.parametrize("shape", [("tiny", 1, 2), ("tiny", 3, 4), ("small", 2, 2)])
 def test_activations_equal_what_autograd_keeps(precision, zero, recompute, shape):
     name, n_layer, rows = shape
@@ -25,8 +25,8 @@ def test_activations_equal_what_autograd_keeps(precision, zero, recompute, shape
     if mode == "low":  # as ZeRO stores them: parameters in 16 bits, buffers (the rope tables) in float32
         for param in model.parameters():
             param.data = param.data.to({"bf16": torch.bfloat16, "fp16": torch.float16}[precision])
-    if recompute == "full":
-        apply_recompute(model)
+    if recompute != "none":
+        apply_recompute(model, RECOMPUTE_MODES[recompute])
     x = torch.randint(0, 256, (rows, config.seq_len + 1), generator=torch.Generator().manual_seed(0))
     with saved_activations(model) as saved, autocast(precision, torch.device("cpu")):
         paratrain.lm_loss(model, (x[:, :-1], x[:, 1:]))

@@ -17,7 +17,7 @@ def test_gpt_plan_names_every_split_module():
     resolved = resolve_plan(model, GPT_PLAN)
     assert resolved["tok_emb"] == "embedding" and resolved["head"] == "column" and resolved["output"] == "vocab_output"
     assert sum(style == "column" for style in resolved.values()) == 2 * 4 + 1  # qkv, up per block; head
-    assert resolved["blocks.3.attn.attn_dropout"] == "heads_dropout"
+    assert resolved["blocks.3.attn.core.dropout"] == "heads_dropout"
 
 
 def test_bad_plans_are_refused_with_the_rule():

@@ -1,0 +1,121 @@
+"""`paratrain plan --calibrate`: the `cpu` hardware profile, measured on this machine.
+
+Ranks on a CPU run one thread each (as the launcher starts them), so every figure is per process:
+    peak_flops      float32 matmul FLOP/s of one thread (a 512 x 512 x 512 product, best of several)
+    efficiency      the model FLOP/s of a training step of the small GPT (forward, backward, AdamW;
+                    one process, micro-batch 8) over that peak: what a step really reaches, the
+                    norms, softmax, optimizer and Python overhead included
+    intra_node_bw   gloo all-reduce bus bandwidth between `processes` local processes (16 MiB)
+    latency_s       the time of a 4-byte gloo all-reduce between them
+    memory_bytes    the memory available now, shared by `processes` processes
+inter_node_bw is the same loopback figure: a network between machines is not measured here (give
+--inter-node-gbps). About 10 seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from paratrain.planner.hardware import Hardware
+
+def _best_seconds(fn: object, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()  # type: ignore[operator]
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def matmul_flops(size: int = 512, repeats: int = 10) -> float:
+    """float32 FLOP/s of one thread on a size^3 matmul (best of `repeats`)."""
+    a = torch.randn(size, size, generator=torch.Generator().manual_seed(0))
+    b = torch.randn(size, size, generator=torch.Generator().manual_seed(1))
+    a @ b  # warm up
+    return 2 * size**3 / _best_seconds(lambda: a @ b, repeats)
+
+
+def model_flops(steps: int = 4) -> float:
+    """Model FLOP/s (6 N + attention per token, as the planner counts) of the small GPT training on
+    one process: the median of `steps` steps after a first one."""
+    import paratrain
+    from paratrain.config import preset
+
+    config = preset("small")
+    ctx = paratrain.init(device="cpu")
+    model = paratrain.build_gpt(config, seed=0)
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4), micro_batch=8)
+    x = torch.randint(0, config.vocab_size, (8, config.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    batch = (x[:, :-1], x[:, 1:])
+    engine.train_step(batch, paratrain.lm_loss)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.train_step(batch, paratrain.lm_loss)
+        times.append(time.perf_counter() - start)
+    return config.flops_per_token(config.seq_len) * x.shape[0] * config.seq_len / statistics.median(times)
+
+
+def _gloo_rank(rank: int, world: int, store: str, out: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        big, small = torch.zeros(4 * 2**20), torch.zeros(1)  # 16 MiB, 4 bytes
+        for _ in range(2):
+            dist.all_reduce(big)
+            dist.all_reduce(small)
+        dist.barrier()
+        big_s = _best_seconds(lambda: dist.all_reduce(big), 5)
+        small_s = _best_seconds(lambda: dist.all_reduce(small), 20)
+        if rank == 0:
+            bus = 2 * (world - 1) / world * big.numel() * 4 / big_s
+            Path(out).write_text(f"{bus} {small_s}")
+    finally:
+        dist.destroy_process_group()
+
+
+def gloo_bandwidth(processes: int = 2) -> tuple[float, float]:
+    """(bus bandwidth in bytes/s, latency in s) of gloo all-reduces between local processes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result")
+        mp.start_processes(_gloo_rank, args=(processes, os.path.join(tmp, "store"), out), nprocs=processes,
+                           start_method="spawn")
+        bus, latency = map(float, Path(out).read_text().split())
+    return bus, latency
+
+
+def available_memory() -> float:
+    """MemAvailable of /proc/meminfo, bytes (Linux); else the total physical memory."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def calibrate(processes: int = 2) -> Hardware:
+    """Measure this machine (one thread per process, as ranks run) and return its `cpu` profile."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        peak = matmul_flops()
+        reached = model_flops()
+    finally:
+        torch.set_num_threads(threads)
+    bus, latency = gloo_bandwidth(processes)
+    return Hardware("cpu", peak_flops=peak, memory_bytes=available_memory() / processes, intra_node_bw=bus,
+                    inter_node_bw=bus, devices_per_node=os.cpu_count() or processes,
+                    efficiency=min(1.0, reached / peak), latency_s=latency)
