@@ -10,11 +10,11 @@ from paratrain.comm.collectives import (
     broadcast,
     reduce_scatter_async,
 )
-from paratrain.comm.norms import NormPart, clip_by_norm_, global_grad_norm
+from paratrain.comm.norms import NormPart, divide_and_clip_, global_grad_norm
 from paratrain.comm.volume import CollectiveCounter, CommVolume
 
 __all__ = [
     "Bucket", "CollectiveCounter", "CommVolume", "CollectiveError", "Pending", "all_gather_async", "all_reduce", "all_reduce_async", "broadcast",
     "reduce_scatter_async",
-    "NormPart", "build_buckets", "clip_by_norm_", "plan_buckets", "global_grad_norm",
+    "NormPart", "build_buckets", "divide_and_clip_", "plan_buckets", "global_grad_norm",
 ]

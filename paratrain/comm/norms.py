@@ -32,8 +32,8 @@ def global_grad_norm(parts: Sequence[NormPart]) -> torch.Tensor:
     device = tensors[0].device if tensors else None
     total = torch.zeros((), dtype=wide, device=device)
     for part in parts:
-        if part.grads:
-            squares = torch.stack([torch.linalg.vector_norm(t, dtype=wide) ** 2 for t in part.grads]).sum()
+        if part.grads:  # one foreach kernel per part, not one norm per tensor
+            squares = torch.stack(torch._foreach_norm(part.grads, dtype=wide)).pow(2).sum()
         else:
             squares = torch.zeros((), dtype=wide, device=device)
         for group in part.sum_over:
@@ -43,8 +43,20 @@ def global_grad_norm(parts: Sequence[NormPart]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_by_norm_(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
-    """Scale grads so their global norm is at most max_norm (as torch.nn.utils.clip_grad_norm_)."""
-    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for grad in grads:
-        grad.mul_(coefficient.to(grad.dtype))
+def divide_and_clip_(grads: list[torch.Tensor], divisor: torch.Tensor, norm: torch.Tensor, max_norm: float) -> None:
+    """grads /= divisor, then scaled so that their global norm (`norm`, of the divided gradients) is at
+    most max_norm (as torch.nn.utils.clip_grad_norm_; 0: no clipping), in one pass over the gradients:
+    one multiplication by (1 / divisor) x min(1, max_norm / (norm + 1e-6)), in at least float32."""
+    factor = 1.0 / divisor.double()
+    if max_norm > 0:
+        factor = factor * torch.clamp(max_norm / (norm.double() + 1e-6), max=1.0)
+    for (device, dtype), group in by_device_and_dtype(grads).items():
+        torch._foreach_mul_(group, factor.to(device=device, dtype=torch.promote_types(dtype, torch.float32)))
+
+
+def by_device_and_dtype(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """Tensors grouped so that each group can go through one foreach kernel."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return groups

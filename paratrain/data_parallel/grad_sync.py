@@ -90,8 +90,7 @@ class GradSync:
         """The optimizer updates the parameters in place, with .grad the bucket views: nothing to do."""
 
     def after_step(self) -> None:
-        for bucket in self.buckets:
-            bucket.buffer.zero_()
+        torch._foreach_zero_([bucket.buffer for bucket in self.buckets])
 
     params_sharded = False
     """Every rank holds the full parameters."""

@@ -1,6 +1,6 @@
 """The composition of strategies for a layout (parallelize) and the Engine that trains with it."""
 
-from paratrain.hybrid.engine import Engine, LossFn, NonFiniteError, StepStats, split_batch
+from paratrain.hybrid.engine import Engine, LossFn, NonFiniteError, PendingStep, StepStats, split_batch
 from paratrain.hybrid.parallelize import OptimizerFactory, parallelize
 
-__all__ = ["Engine", "LossFn", "NonFiniteError", "OptimizerFactory", "StepStats", "parallelize", "split_batch"]
+__all__ = ["Engine", "LossFn", "NonFiniteError", "OptimizerFactory", "PendingStep", "StepStats", "parallelize", "split_batch"]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.comm import NormPart, all_reduce, clip_by_norm_, global_grad_norm
+from paratrain.comm import NormPart, all_reduce, divide_and_clip_, global_grad_norm
 from paratrain.hybrid.state import load_model_state, model_state
 from paratrain.memory import LossScaler, autocast
 from paratrain.models.dropout import KeyedDropout
@@ -95,11 +95,101 @@ class NonFiniteError(FloatingPointError):
     """The global loss or gradient norm of a step is nan or inf (outside fp16's scaled skip). Raised on
     every rank alike: both values are the same on every rank."""
 
-    def __init__(self, loss: float, grad_norm: float, ranks: tuple[int, ...]) -> None:
-        self.loss, self.grad_norm, self.ranks = loss, grad_norm, ranks
+    def __init__(self, loss: float, grad_norm: float, ranks: tuple[int, ...], *, step: int) -> None:
+        self.loss, self.grad_norm, self.ranks, self.step = loss, grad_norm, ranks, step
         where = (f"the loss of rank(s) {list(ranks)}' own samples was not finite" if ranks else
                  "every rank's own loss was finite: the gradients (or their sum over ranks) were not")
-        super().__init__(f"the loss ({loss}) or gradient norm ({grad_norm}) is not finite; {where}")
+        super().__init__(f"the loss ({loss}) or gradient norm ({grad_norm}) of step {step} is not finite; {where}")
+
+
+class PendingStep:
+    """A step's statistics while they are still on the device (Engine.step). stats() reads them once
+    (a host synchronisation) and caches the result; under on_non_finite="raise" it raises
+    NonFiniteError for the first non-finite step since the engine last checked (collective)."""
+
+    def __init__(self, engine: Engine, number: int, micro_batches: int, totals: torch.Tensor,
+                 local_loss: torch.Tensor) -> None:
+        self.engine, self.number, self.micro_batches = engine, number, micro_batches
+        self.totals = totals
+        """[loss sum, token count] over the global batch, float64."""
+        self.local_loss = local_loss
+        self.grad_norm: torch.Tensor | None = None
+        self.loss_scale: float | None = None
+        self.skipped = self.non_finite = False
+        self._stats: StepStats | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether stats() has been read already (it costs nothing more then)."""
+        return self._stats is not None
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """The mean loss per token, on the device (reading it is a host synchronisation)."""
+        return self.totals[0] / self.totals[1]
+
+    def stats(self, *, check: bool = True) -> StepStats:
+        """Read the step's values (the first call waits for the device); also sets engine.last.
+        check: raise NonFiniteError first if any step since the last check was not finite."""
+        watched = self.engine._watch.take() if check else None
+        if self._stats is None or watched is not None:  # one read from the device for both
+            norm = self.grad_norm if self.grad_norm is not None else self.totals[0] * float("nan")
+            parts = [torch.stack([self.totals[0], self.totals[1], norm.double()])]
+            values = torch.cat(parts + ([watched] if watched is not None else [])).tolist()
+            if watched is not None:
+                self.engine._watch.judge(values[3:])
+        if self._stats is None:
+            loss_sum, tokens, norm_value = values[:3]
+            if tokens <= 0:
+                raise ValueError("the global batch holds no tokens to learn from (every target ignored)")
+            loss, ranks = loss_sum / tokens, ()
+            judged = self.grad_norm is not None  # not an fp16 overflow, skipped before any norm
+            if judged and not (math.isfinite(loss) and math.isfinite(norm_value)):
+                ranks = self.engine.non_finite_ranks(self.local_loss)  # collective; all ranks are here
+                if self.engine.on_non_finite == "raise":
+                    raise NonFiniteError(loss, norm_value, ranks, step=self.number)
+                self.skipped = self.non_finite = True
+            self._stats = StepStats(loss=loss, grad_norm=norm_value, tokens=int(tokens),
+                                    micro_batches=self.micro_batches, loss_scale=self.loss_scale,
+                                    skipped=self.skipped, non_finite=self.non_finite, non_finite_ranks=ranks)
+        self.engine.last = self._stats
+        return self._stats
+
+
+class _NonFiniteWatch:
+    """Under on_non_finite="raise", without a host read per step: the first step since the last check
+    whose loss or gradient norm is not finite, kept on the device, read by check()."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.first: torch.Tensor | None = None
+        """[step number (0: none), loss, grad norm, this rank's own loss], float64."""
+
+    def see(self, step: PendingStep) -> None:
+        assert step.grad_norm is not None
+        loss, norm = step.loss, step.grad_norm.double()
+        bad = ~(torch.isfinite(loss) & torch.isfinite(norm))
+        record = torch.stack([torch.full_like(loss, float(step.number)), loss, norm, step.local_loss])
+        if self.first is None:
+            self.first = torch.zeros(4, dtype=torch.float64, device=loss.device)
+        self.first = torch.where(bad & (self.first[0] == 0), record, self.first)
+
+    def take(self) -> torch.Tensor | None:
+        """The record so far (None: no step since the last take), forgotten here."""
+        first, self.first = self.first, None
+        return first
+
+    def check(self) -> None:
+        first = self.take()
+        if first is not None:
+            self.judge(first.tolist())
+
+    def judge(self, record: list[float]) -> None:
+        """Raise NonFiniteError if `record` (what take() gave, read) names a step."""
+        number, loss, norm, local_loss = record
+        if number:
+            ranks = self.engine.non_finite_ranks(torch.tensor(local_loss))
+            raise NonFiniteError(loss, norm, ranks, step=int(number))
 
 
 def split_batch(batch: Batch, micro_batch: int) -> list[Any]:
@@ -154,6 +244,8 @@ class Engine:
         self.precision = precision
         self.grad_clip = grad_clip
         self.last: StepStats | None = None
+        """The statistics of the newest step read back (PendingStep.stats())."""
+        self._watch = _NonFiniteWatch(self)
         self._optimizer_state = optimizer_state
         self._load_optimizer_state = load_optimizer_state
         self._dp_group = ctx.mesh.groups.get("dp")
@@ -173,7 +265,20 @@ class Engine:
                 module.attach(self.dropout, name)
 
     def train_step(self, batch: Batch, loss_fn: LossFn) -> float:
-        """Forward, backward and update on this rank's share of one global batch; returns its loss."""
+        """Forward, backward and update on this rank's share of one global batch; returns its loss
+        (read back from the device: see step() for a step that does not wait for it)."""
+        return self.step(batch, loss_fn, wait=True).stats().loss
+
+    def step(self, batch: Batch, loss_fn: LossFn, *, wait: bool = False) -> PendingStep:
+        """As train_step, without reading anything back to the host: on a GPU the step is queued and
+        this returns at once. Its loss, gradient norm and token count stay on the device until
+        PendingStep.stats() reads them (read them once per log interval). Two policies must decide
+        on the host before the update, so they read once per step: fp16 (was there an overflow) and
+        on_non_finite="skip". Under "raise", a step whose loss or gradient norm is not finite is
+        found by the next stats() or check() (collective), which raises NonFiniteError naming it:
+        the updates in between are not undone, so read before saving a checkpoint.
+        wait: read the values before the update (as train_step does): a non-finite step then raises
+        or is skipped before it changes anything."""
         self.model.train()
         rows = _rows(batch)
         micro_batches = split_batch(batch, self.micro_batch or rows)
@@ -196,44 +301,42 @@ class Engine:
         local_loss = totals[0].clone()  # this rank's own, to name it if the step is not finite
         if self._dp_group is not None:
             all_reduce(totals, self._dp_group)
-        loss_sum_global, tokens = totals.tolist()
         self.dropout.step += 1
-        if tokens <= 0:
-            raise ValueError("the global batch holds no tokens to learn from (every target ignored)")
+        pending = PendingStep(self, self.dropout.step, len(micro_batches), totals, local_loss)
         grads = self.grads.owned_grads()
         scale = self.scaler.scale if self.scaler and self.scaler.scale else 1.0
-        if self.scaler is not None and self._overflow(grads):
-            # fp16 overflow somewhere: every rank skips this update and backs off the scale
-            self.scaler.update(overflow=True)
-            self.grads.after_step()
-            self.last = StepStats(loss=loss_sum_global / tokens, grad_norm=float("nan"), tokens=int(tokens),
-                                  micro_batches=len(micro_batches), loss_scale=scale, skipped=True)
-            return self.last.loss
-        for grad in grads:  # sum over the global batch (times the loss scale) -> mean per token
-            grad.div_(tokens * scale)
-        norm = global_grad_norm(self.grads.norm_parts())
-        loss, norm_value = loss_sum_global / tokens, float(norm)
-        if not (math.isfinite(loss) and math.isfinite(norm_value)):
-            ranks = self._non_finite_ranks(local_loss)
-            if self.on_non_finite == "raise":
-                raise NonFiniteError(loss, norm_value, ranks)
-            self.grads.after_step()  # every rank skips the update alike
-            self.last = StepStats(loss=loss, grad_norm=norm_value, tokens=int(tokens), micro_batches=len(micro_batches),
-                                  loss_scale=scale if self.scaler else None, skipped=True, non_finite=True,
-                                  non_finite_ranks=ranks)
-            return loss
-        if self.grad_clip > 0:
-            clip_by_norm_(grads, norm, self.grad_clip)
+        if self.scaler is not None:
+            pending.loss_scale = scale
+            if self._overflow(grads):  # fp16 overflow somewhere: every rank skips and backs off the scale
+                self.scaler.update(overflow=True)
+                self.grads.after_step()
+                pending.skipped = True
+                return pending
+        # The gradients are sums over the global batch (times the loss scale): their norm as means per
+        # token is the sums' norm over the divisor; one pass below divides and clips (no tokens:
+        # stats() says so).
+        divisor = totals[1].clamp(min=1.0) * scale
+        pending.grad_norm = global_grad_norm(self.grads.norm_parts()) / divisor
+        if wait or self.on_non_finite == "skip":
+            if pending.stats().non_finite:  # "raise" has raised; "skip": every rank skips alike
+                self.grads.after_step()
+                return pending
+        else:
+            self._watch.see(pending)
+        divide_and_clip_(grads, divisor, pending.grad_norm, self.grad_clip)
         self.grads.before_optimizer_step()
         self.optimizer.step()
         self.grads.after_step()
         if self.scaler is not None:
             self.scaler.update(overflow=False)
-        self.last = StepStats(loss=loss, grad_norm=norm_value, tokens=int(tokens),
-                              micro_batches=len(micro_batches), loss_scale=scale if self.scaler else None)
-        return self.last.loss
+        return pending
 
-    def _non_finite_ranks(self, local_loss: torch.Tensor) -> tuple[int, ...]:
+    def check(self) -> None:
+        """Raise NonFiniteError if a step since the last check had a loss or gradient norm that was not
+        finite (on_non_finite="raise"; one read from the device; collective: call it on every rank)."""
+        self._watch.check()
+
+    def non_finite_ranks(self, local_loss: torch.Tensor) -> tuple[int, ...]:
         """The ranks whose own loss (before the sum over ranks) is nan or inf: a flag per rank of the
         world, combined over every axis (collective: every rank takes this path together). Gradients
         cannot name a rank: once reduced, one rank's nan is every rank's."""

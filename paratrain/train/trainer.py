@@ -19,7 +19,7 @@ import torch.distributed as dist
 from paratrain.checkpoint import load_checkpoint, newest_verified, resolve_checkpoint, save_checkpoint
 from paratrain.config import ConfigError, RunPlan, to_dict
 from paratrain.data import GlobalBatchLoader, TokenSource, load_source
-from paratrain.hybrid import Engine, NonFiniteError, parallelize
+from paratrain.hybrid import Engine, NonFiniteError, StepStats, parallelize
 from paratrain.models import GPT, build_gpt, lm_loss
 from paratrain.topology import Context
 from paratrain.train.log import get_logger
@@ -67,7 +67,7 @@ class Trainer:
             self.model, ctx, optimizer=adamw_factory(self.model, config.optim),
             micro_batch=plan.batch.micro_batch, precision=config.train.precision,
             grad_clip=config.optim.grad_clip, recompute=config.train.recompute, seed=config.seed,
-            on_non_finite="skip" if config.train.nan_policy == "skip" else "raise",
+            on_non_finite="skip" if config.train.nan_policy == "skip" else "raise", compile=config.train.compile,
         )
         self.non_finite_skips = 0
         dp, dp_index = ctx.mesh.degree("dp"), ctx.mesh.index("dp")
@@ -125,66 +125,58 @@ class Trainer:
             # The starting point, so the log shows how far validation loss came down.
             result.val_losses[0] = self.validate()
             json_log.write({"step": 0, "val_loss": result.val_losses[0]})
+        # Steps are queued without reading anything back (Engine.step); their losses are read once
+        # per log interval (or when a step must be looked at: validation, checkpoint, the last one),
+        # and the interval's time is spread over its steps.
+        unread: list[tuple[int, float, Any]] = []  # (step, lr, PendingStep) since the last read
+        interval_start = time.perf_counter()
         try:
             while self.step < train.steps:
                 lr = lr_at(self.step, total_steps=train.steps, peak=config.optim.lr,
                            warmup_steps=config.optim.warmup_steps, min_ratio=config.optim.min_lr_ratio)
                 self.engine.set_lr(lr)
-                started = time.perf_counter()
                 self._maybe_fail()
                 batch = self.train_loader.next()
                 try:
-                    loss = self.engine.train_step(batch, lm_loss)
-                except NonFiniteError as error:
-                    raise self._stopped(self.step + 1, str(error)) from None
-                if self.ctx.device.type == "cuda":
-                    torch.cuda.synchronize()
-                step_time = time.perf_counter() - started
+                    pending = self.engine.step(batch, lm_loss)
+                except NonFiniteError as error:  # read before the update (--nan-policy skip, fp16)
+                    raise self._stopped(error.step, str(error)) from None
                 self.step += 1
-                stats = self.engine.last
-                assert stats is not None
-                result.losses[self.step] = loss
-                tokens_per_s = stats.tokens / step_time
-                record: dict[str, Any] = {
-                    "step": self.step, "loss": loss, "grad_norm": stats.grad_norm, "lr": lr,
-                    "tokens": stats.tokens, "step_time": step_time, "tokens_per_s": tokens_per_s,
-                }
-                if stats.loss_scale is not None:
-                    record["loss_scale"] = stats.loss_scale
-                if stats.non_finite:  # skipped by --nan-policy skip
-                    record.update(skipped=True, non_finite_ranks=list(stats.non_finite_ranks))
-                    self.non_finite_skips += 1
-                    if self.non_finite_skips > train.nan_skips:
-                        raise self._stopped(self.step, f"{self.non_finite_skips} non-finite steps skipped, more than "
-                                                       f"train.nan_skips ({train.nan_skips})")
-                    if self.ctx.is_main:
-                        self.log.warning("step %d: loss %s, grad norm %s: not finite; update skipped on every rank "
-                                         "(%d of at most %d)", self.step, stats.loss, stats.grad_norm,
-                                         self.non_finite_skips, train.nan_skips)
-                elif stats.skipped:
-                    record["skipped"] = True
-                    if self.ctx.is_main:  # every rank took the same decision: say it once
-                        self.log.warning("step %d: fp16 gradients overflowed (loss scale %g); update skipped on "
-                                         "every rank, scale now %g", self.step, stats.loss_scale,
-                                         self.engine.scaler.scale if self.engine.scaler else float("nan"))
-                utilisation = mfu(tokens_per_s, flops_per_token, self.ctx.world_size, peak)
-                if utilisation is not None:
-                    record["mfu"] = utilisation
+                unread.append((self.step, lr, pending))
                 last = self.step == train.steps
-                if (train.eval_every and self.step % train.eval_every == 0) or last:
-                    record["val_loss"] = result.val_losses[self.step] = self.validate()
-                if self.step % train.log_every == 0 or last or "val_loss" in record:
-                    json_log.write(record)
-                if self.step == start_step + 1:  # optimizer state exists now: what this rank holds
-                    json_log.write({"step": self.step, "memory": self.memory_record()})
+                validating = bool(train.eval_every and self.step % train.eval_every == 0) or last
+                saving = bool(train.save and ((train.save_every and self.step % train.save_every == 0) or last))
                 if bar is not None:
-                    postfix = {"loss": f"{loss:.3f}", "tok/s": f"{tokens_per_s:,.0f}"}
-                    if "val_loss" in record:
-                        postfix["val"] = f"{record['val_loss']:.3f}"
-                    bar.set_postfix(postfix, refresh=False)
                     bar.update(1)
-                if train.save and ((train.save_every and self.step % train.save_every == 0) or last):
+                if not (self.step % train.log_every == 0 or validating or saving or pending.ready
+                        or self.step == start_step + 1):
+                    continue
+                try:
+                    losses = torch.stack([p.loss for _, _, p in unread]).tolist()  # one read for the interval
+                    for (_, _, p) in unread:
+                        p.stats()
+                except NonFiniteError as error:
+                    raise self._stopped(error.step, str(error)) from None
+                step_time = (time.perf_counter() - interval_start) / len(unread)
+                for (number, step_lr, p), loss in zip(unread, losses):
+                    result.losses[number] = loss
+                    record = self._record(number, step_lr, p.stats(), step_time, flops_per_token, peak)
+                    if number == self.step:
+                        if validating:
+                            record["val_loss"] = result.val_losses[self.step] = self.validate()
+                        if self.step % train.log_every == 0 or last or validating:
+                            json_log.write(record)
+                        if self.step == start_step + 1:  # optimizer state exists now: what this rank holds
+                            json_log.write({"step": self.step, "memory": self.memory_record()})
+                        if bar is not None:
+                            postfix = {"loss": f"{loss:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
+                            if "val_loss" in record:
+                                postfix["val"] = f"{record['val_loss']:.3f}"
+                            bar.set_postfix(postfix, refresh=False)
+                unread.clear()
+                if saving:
                     self.save()
+                interval_start = time.perf_counter()
         finally:
             if bar is not None:
                 bar.close()
@@ -199,6 +191,35 @@ class Trainer:
             text = self.sample(train.sample_tokens)
             result.sample = text if self.ctx.is_main else ""
         return result
+
+    def _record(self, step: int, lr: float, stats: StepStats, step_time: float, flops_per_token: float,
+                peak: float | None) -> dict[str, Any]:
+        """The JSON record of one step (warning once on rank 0 about a skipped update)."""
+        train = self.plan.config.train
+        tokens_per_s = stats.tokens / step_time
+        record: dict[str, Any] = {"step": step, "loss": stats.loss, "grad_norm": stats.grad_norm, "lr": lr,
+                                  "tokens": stats.tokens, "step_time": step_time, "tokens_per_s": tokens_per_s}
+        if stats.loss_scale is not None:
+            record["loss_scale"] = stats.loss_scale
+        if stats.non_finite:  # skipped by --nan-policy skip
+            record.update(skipped=True, non_finite_ranks=list(stats.non_finite_ranks))
+            self.non_finite_skips += 1
+            if self.non_finite_skips > train.nan_skips:
+                raise self._stopped(step, f"{self.non_finite_skips} non-finite steps skipped, more than "
+                                          f"train.nan_skips ({train.nan_skips})")
+            if self.ctx.is_main:
+                self.log.warning("step %d: loss %s, grad norm %s: not finite; update skipped on every rank "
+                                 "(%d of at most %d)", step, stats.loss, stats.grad_norm,
+                                 self.non_finite_skips, train.nan_skips)
+        elif stats.skipped:
+            record["skipped"] = True
+            if self.ctx.is_main:  # every rank took the same decision: say it once
+                self.log.warning("step %d: fp16 gradients overflowed (loss scale %g); update skipped on "
+                                 "every rank", step, stats.loss_scale)
+        utilisation = mfu(tokens_per_s, flops_per_token, self.ctx.world_size, peak)
+        if utilisation is not None:
+            record["mfu"] = utilisation
+        return record
 
     def _stopped(self, step: int, why: str) -> FloatingPointError:
         """The error that stops a run at a non-finite step, naming the newest checkpoint to resume from."""
