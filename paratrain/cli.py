@@ -52,7 +52,9 @@ _TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--microbatches": ("parallel.microbatches", int, "micro-batches per pipeline step; must equal G / (m x dp)"),
     "--zero": ("parallel.zero", int, "ZeRO stage over dp: 0 (plain DP), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)"),
     "--shard-group": ("parallel.shard_group", int, "hierarchical sharding: shard inside groups of S dp ranks"),
-    "--offload": ("parallel.offload", str, "optimizer: optimizer state and master weights in CPU memory (zero >= 1)"),
+    "--offload": ("parallel.offload", str, "optimizer: optimizer state and master weights in CPU memory (zero >= 1); "
+                  "activations: each block's saved activations in pinned CPU memory between forward and backward; "
+                  "optimizer,activations: both"),
     "--grad-reduce": ("parallel.grad_reduce", str, "sharded gradients: auto, reduce_scatter or all_reduce"),
     "--bucket-mb": ("parallel.bucket_mb", float, "gradient all-reduce bucket size in MiB (default 25)"),
     "--model": ("model.preset", str, f"model preset: {', '.join(PRESETS)}"),
@@ -65,6 +67,8 @@ _TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--warmup": ("optim.warmup_steps", int, "warmup steps"),
     "--grad-clip": ("optim.grad_clip", float, "clip the global gradient norm (0: off)"),
     "--precision": ("train.precision", str, "fp32, bf16 or fp16 (fp16: dynamic loss scaling)"),
+    "--log-every": ("train.log_every", int, "read the loss back and log every N steps (default 1; on a GPU, "
+                    "steps in between queue without waiting for the device)"),
     "--eval-every": ("train.eval_every", int, "validate every N steps (0: only at the end)"),
     "--save": ("train.save", str, "checkpoint folder"),
     "--save-every": ("train.save_every", int, "checkpoint every N steps (0: only at the end)"),
@@ -89,7 +93,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=None, help="seed of init and data order (default 1234)")
     for flag, (_, kind, text) in _TRAIN_FLAGS.items():
         train.add_argument(flag, type=kind, default=None, help=text)
-    train.add_argument("--recompute", action="store_true", default=None, help="recompute each block's activations in backward")
+    train.add_argument("--recompute", nargs="?", const="full", default=None, choices=("none", "full", "selective"),
+                       help="recompute activations in backward: full (each block; the default of a bare --recompute) "
+                            "or selective (each block's attention core)")
+    train.add_argument("--compile", action="store_true", default=None,
+                       help="torch.compile each transformer block (collectives and keyed dropout stay eager)")
     train.add_argument("--sequence-parallel", action="store_true", default=None,
                        help="with --tp: norms and dropout on 1/tp of the sequence (all-gather / reduce-scatter)")
     train.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
@@ -120,7 +128,7 @@ def run_config_from_args(args: argparse.Namespace) -> Any:
 
 
 # arguments of `paratrain train` outside _TRAIN_FLAGS (switches, and what the launcher passes) -> config path
-_OTHER_ARGS = {"seed": "seed", "recompute": "train.recompute", "sequence_parallel": "parallel.sequence_parallel",
+_OTHER_ARGS = {"seed": "seed", "recompute": "train.recompute", "compile": "train.compile", "sequence_parallel": "parallel.sequence_parallel",
                "progress": "train.progress", "reshard_after_forward": "parallel.reshard_after_forward",
                "memory_check": "launch.memory_check", "attempt": "launch.attempt", "flight_dir": "launch.flight_dir"}
 

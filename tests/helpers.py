@@ -32,11 +32,12 @@ def lr_at(step: int, lr: float = LR, warmup: int = WARMUP) -> float:
 
 def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global_batch: int = 16,
              dtype: str = "float32", seed: int = 7, lr: float = LR, grad_clip: float = 1.0,
-             recompute: bool = False, bucket_mb: float = 0.05, zero: int = 0, shard_group: int | None = None,
+             recompute: bool | str = False, bucket_mb: float = 0.05, zero: int = 0, shard_group: int | None = None,
              grad_reduce: str = "auto", offload: str = "none", tp: int = 1, sequence_parallel: bool = False,
              dropout: float = 0.0, start: dict[str, Any] | None = None, start_step: int = 0,
              return_state: bool = False, pp: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
-             pp_split: tuple[int, ...] = (), n_layer: int = 4, warmup: int = WARMUP) -> dict[str, Any]:
+             pp_split: tuple[int, ...] = (), n_layer: int = 4, warmup: int = WARMUP,
+             compile: bool | str = False) -> dict[str, Any]:
     """Train the tiny GPT `steps` steps on the built-in corpus under a layout; per-step losses and
     grad norms, and the final full state. dp None: the single-process reference (no process group).
     start, start_step: resume from a full state (engine.state_dict()) taken after start_step steps."""
@@ -49,7 +50,7 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
     model = paratrain.build_gpt(config, seed=seed, dtype=getattr(torch, dtype))
     engine = paratrain.parallelize(
         model, ctx, optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.1),
-        micro_batch=micro_batch, grad_clip=grad_clip, recompute=recompute, seed=seed,
+        micro_batch=micro_batch, grad_clip=grad_clip, recompute=recompute, seed=seed, compile=compile,
     )
     source = load_source("builtin")
     loader = GlobalBatchLoader(source.train, seq_len=TINY.seq_len, global_batch=global_batch,

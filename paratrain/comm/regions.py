@@ -87,28 +87,33 @@ class _Region(torch.autograd.Function):
         return ctx.backward_action(grad, ctx.group, ctx.dim), None, None, None, None
 
 
+@torch.compiler.disable  # collectives run eagerly: torch.compile breaks its graph here
+def _region(x: torch.Tensor, group: AxisGroup, dim: int, forward: _Action, backward: _Action) -> torch.Tensor:
+    return _Region.apply(x, group, dim, forward, backward)
+
+
 def copy_to_tp_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    return _Region.apply(x, group, -1, _identity, _sum)
+    return _region(x, group, -1, _identity, _sum)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    return _Region.apply(x, group, -1, _sum, _identity)
+    return _region(x, group, -1, _sum, _identity)
 
 
 def gather_from_tp_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    return _Region.apply(x, group, x.dim() - 1, all_gather_along, _split)
+    return _region(x, group, x.dim() - 1, all_gather_along, _split)
 
 
 def scatter_to_tp_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    return _Region.apply(x, group, x.dim() - 1, _split, all_gather_along)
+    return _region(x, group, x.dim() - 1, _split, all_gather_along)
 
 
 def gather_from_sequence_region(x: torch.Tensor, group: AxisGroup, dim: int = 1) -> torch.Tensor:
-    return _Region.apply(x, group, dim, all_gather_along, reduce_scatter_along)
+    return _region(x, group, dim, all_gather_along, reduce_scatter_along)
 
 
 def reduce_scatter_to_sequence_region(x: torch.Tensor, group: AxisGroup, dim: int = 1) -> torch.Tensor:
-    return _Region.apply(x, group, dim, reduce_scatter_along, all_gather_along)
+    return _region(x, group, dim, reduce_scatter_along, all_gather_along)
 
 
 __all__ = [

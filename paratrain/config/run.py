@@ -55,8 +55,12 @@ class TrainSection:
     """Optimizer steps in the whole run (a resumed run continues to the same total)."""
     precision: str = "fp32"
     """'fp32', or 'bf16' (autocast with fp32 weights and gradients)."""
-    recompute: bool = False
-    """Recompute each transformer block's activations in backward instead of keeping them."""
+    recompute: str = "none"
+    """'full': recompute each transformer block in backward, keeping only its input; 'selective':
+    only each block's attention core (softmax(q k^T) v); 'none'."""
+    compile: bool = False
+    """torch.compile each transformer block (inductor; on the CPU it builds C++ with the system's
+    compiler). Collectives and keyed dropout run eagerly between the compiled pieces."""
     eval_every: int = 50
     """Validation loss every this many steps (and at the end); 0: only at the end."""
     eval_batches: int = 4

@@ -267,6 +267,8 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
     for name in ("eval_every", "save_every", "keep_last", "eval_batches", "sample_tokens"):
         if getattr(train, name) < 0:
             raise ConfigError(f"train.{name} must be >= 0, got {getattr(train, name)}")
+    if train.recompute not in ("none", "full", "selective"):
+        raise ConfigError(f"train.recompute must be 'none', 'full' or 'selective', got {train.recompute!r}")
     if train.nan_policy not in ("stop", "skip"):
         raise ConfigError(f"train.nan_policy must be 'stop' or 'skip', got {train.nan_policy!r}")
     if train.nan_skips < 0:

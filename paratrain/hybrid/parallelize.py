@@ -15,9 +15,11 @@ from torch import nn
 from paratrain.comm import broadcast
 from paratrain.comm.roles import GradRoles
 from paratrain.data_parallel import GradSync
+from paratrain.hybrid.compile import compile_blocks
 from paratrain.hybrid.engine import Engine, GradientStrategy
 from paratrain.hybrid.state import load_optimizer_state, optimizer_state
-from paratrain.memory import GPT_BLOCKS, LOW_DTYPES, PRECISIONS, LossScaler, apply_recompute
+from paratrain.memory import (LOW_DTYPES, PRECISIONS, RECOMPUTE_MODES, LossScaler, apply_activation_offload,
+                              apply_recompute)
 from paratrain.models import GPT
 from paratrain.pipeline.runtime import LossOnOutput, PipelineExecutor
 from paratrain.pipeline.stages import StageModel, chunk_ranges, model_layers
@@ -34,7 +36,8 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                 recompute: bool | str = False, sync_initial_weights: bool = True, wrap: WrapPolicy = None,
                 reshard_after_forward: bool | None = None, loss_scale: float | None = None,
                 tp_plan: Mapping[str, str] | None = None, seed: int = 0,
-                pipeline_loss: PipelineLoss | None = None, on_non_finite: str = "raise") -> Engine:
+                pipeline_loss: PipelineLoss | None = None, on_non_finite: str = "raise",
+                compile: bool | str = False) -> Engine:
     """Apply the layout of `ctx` to `model` and return an Engine that trains it.
 
     optimizer: builds the optimizer from the parameter list (called once, after the layout is applied).
@@ -44,7 +47,9 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         sharded optimizer. fp16 adds dynamic loss scaling, starting at `loss_scale` (None: 2^16 per
         token of the first micro-batch).
     grad_clip: clip the global gradient norm to this; 0 disables.
-    recompute: True recomputes each GPT block in backward; a string is a regex of module names.
+    recompute: 'full' (or True) recomputes each GPT block in backward, 'selective' each block's
+        attention core (paratrain.memory.recompute); 'none' or False nothing; any other string is a
+        regex of module names.
     sync_initial_weights: broadcast dp rank 0's weights, so replicas start equal even for a model
         whose init was not layout-free (cheap, once).
     wrap: ZeRO-3 units, a regex of module names or module class(es); None: the GPT's blocks.
@@ -59,6 +64,10 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         loss_fn given to train_step is not called (no single rank holds the whole model).
     on_non_finite: a step whose loss or gradient norm is nan or inf (outside fp16's own skip): 'raise'
         paratrain.hybrid.NonFiniteError on every rank, or 'skip' its update on every rank.
+    compile: torch.compile each GPT block (True: inductor; a string names another torch.compile
+        backend, e.g. 'aot_eager'), after tensor parallelism and recomputation, as torchtitan does:
+        each block's forward is compiled in place, so names, ZeRO-3's gathers and the pipeline see the
+        same modules. Collectives and keyed dropout run eagerly between the compiled pieces.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -85,9 +94,16 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                              "pass tp_plan={module name: style} (see paratrain.tensor_parallel.STYLES)")
         tp = apply_tensor_parallel(model, GPT_PLAN if tp_plan is None else tp_plan, tp_group,
                                    sequence_parallel=ctx.config.sequence_parallel, allow_missing=stage is not None)
-    # 4. Recompute (activation checkpointing), by module name.
-    if recompute:
-        apply_recompute(model, GPT_BLOCKS if recompute is True else recompute, required=stage is None)
+    # 4. By module name: recompute (activation checkpointing); compile each block (its forward, with
+    # the recomputation inside); offload each block's saved activations (around the compiled forward).
+    if recompute is True:
+        recompute = "full"
+    if recompute and recompute != "none":
+        apply_recompute(model, RECOMPUTE_MODES.get(recompute, recompute), required=stage is None)
+    if compile:
+        compile_blocks(model, backend="inductor" if compile is True else compile, required=stage is None)
+    if "activations" in ctx.config.offloaded:
+        apply_activation_offload(model, required=stage is None)
     # 5. Data parallelism: same weights everywhere, gradients summed over the dp group in buckets.
     dp_group = ctx.mesh.groups.get("dp")
     if dp_group is not None and sync_initial_weights:
@@ -115,7 +131,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                         reduce_op=_grad_reduce(ctx), model=model, wrap=wrap,
                         reshard_after_forward=(ctx.config.reshard_after_forward if reshard_after_forward is None
                                                else reshard_after_forward),
-                        offload=ctx.config.offload == "optimizer",
+                        offload="optimizer" in ctx.config.offloaded,
                         param_dtype=LOW_DTYPES.get(precision), roles=roles, deferred=stage is not None)
         grads, save_state, load_state = zero, zero.optimizer_state, zero.load_optimizer_state
     # 7. fp16: dynamic loss scaling, its overflow decision shared by all ranks.

@@ -41,6 +41,11 @@ class KeyedDropout(nn.Module):
             return x
         if self.stream is None:
             return F.dropout(x, self.p, training=True)
+        return self._keyed(x)
+
+    @torch.compiler.disable  # its key changes every step: compiled, it would be a new graph per step
+    def _keyed(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.stream is not None
         keep = hashed_uniform(self.stream.key(self.key_name), self._global_index(x)) >= self.p
         return x * keep.to(x.dtype) * (1.0 / (1.0 - self.p))
 

@@ -80,6 +80,12 @@ class _GatheredLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None
 
 
+@torch.compiler.disable  # collectives run eagerly: torch.compile breaks its graph here
+def _gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: AxisGroup,
+                     dim: int) -> torch.Tensor:
+    return _GatheredLinear.apply(x, weight, bias, group, dim)
+
+
 class ColumnParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, group: AxisGroup, *, gather_output: bool = False,
                  sequence_parallel: bool = False, sequence_dim: int = 1) -> None:
@@ -91,7 +97,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            y = _GatheredLinear.apply(x, self.weight, self.bias, self.group, self.sequence_dim)
+            y = _gathered_linear(x, self.weight, self.bias, self.group, self.sequence_dim)
         else:
             y = F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)  # [B, S, out/tp]
         return gather_from_tp_region(y, self.group) if self.gather_output else y

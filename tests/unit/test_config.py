@@ -27,7 +27,7 @@ def test_dp_fills_the_world():
     (ParallelConfig(dp=4, zero=1, shard_group=3), 4, "shard_group (3) must divide dp (4): choose shard_group in [1, 2, 4]"),
     (ParallelConfig(zero=1, grad_reduce="ring"), 4, "grad_reduce must be"),
     (ParallelConfig(offload="optimizer"), 2, "offload=optimizer needs a ZeRO stage"),
-    (ParallelConfig(zero=1, offload="nvme"), 2, "offload must be 'none' or 'optimizer'"),
+    (ParallelConfig(zero=1, offload="nvme"), 2, "offload must be 'none', 'optimizer', 'activations'"),
     (ParallelConfig(zero=5), 4, "zero must be one of 0, 1, 2, 3"),
     (ParallelConfig(bucket_mb=0), 2, "bucket_mb must be > 0"),
     (ParallelConfig(dp=0), 2, "dp must be >= 1"),
@@ -105,7 +105,9 @@ def test_unknown_and_mistyped_settings():
     with pytest.raises(ConfigError, match="data.global_batch must be an integer"):
         build_run_config({"data": {"global_batch": "many"}})
     with pytest.raises(ConfigError, match="must be true or false"):
-        build_run_config({"train": {"recompute": 1}})
+        build_run_config({"train": {"compile": 1}})
+    with pytest.raises(ConfigError, match="train.recompute must be a string"):
+        build_run_config({"train": {"recompute": True}})
     with pytest.raises(ConfigError, match="parallel.dp must be an integer"):
         build_run_config(None, {"parallel.dp": "2"})
     assert build_run_config(None, {"parallel.dp": None}).parallel.dp is None
