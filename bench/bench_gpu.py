@@ -1,0 +1,238 @@
+"""paratrain's Engine against a plain PyTorch loop on one GPU: step time, MFU and memory.
+
+    python bench/bench_gpu.py                           # gpt2 and gpt3-xl, every variant (~8 min on an H100)
+    python bench/bench_gpu.py --models gpt2 --steps 10 --json out.json
+    python bench/bench_gpu.py --only 4,5 --repeat 2     # compiled plain vs engine, twice in turn
+
+Both contenders train the same GPT (bf16 autocast over float32 weights, fused AdamW, clip 1.0, one
+process) on the same batches with the same micro-batching and the same loss (the chunked
+cross-entropy of paratrain.models.loss), so the ratio engine / plain is what the engine adds: its
+gradient buckets, its global-batch token normalisation, its norm and clip, its non-finite watch.
+Each configuration runs `--warmup` steps (compilation happens there), then `--steps` timed steps
+with nothing read back, closed by one synchronisation; the plain loop likewise.
+
+Rows, per model:
+  plain / engine, eager / compiled     engine overhead (target: <= 1.02)
+  engine recompute full / selective    time against the same mode without (target full: <= 1.4x)
+  engine offload activations           memory drop and time cost
+  plain with F.cross_entropy           what the chunked loss saves (its float32 logits and gradient)
+and, for the engine rows, the planner's predicted peak memory and step time beside the measured
+(paratrain.planner.estimate with the h100-80gb profile), and the host synchronisations of a step that
+does not log (torch.cuda.set_sync_debug_mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import paratrain  # noqa: E402
+from paratrain.config import preset  # noqa: E402
+from paratrain.models import lm_loss  # noqa: E402
+from paratrain.train.metrics import peak_flops  # noqa: E402
+
+SPECS = {"gpt2": (32, 16), "gpt3-xl": (16, 8), "gpt3-2.7b": (8, 4)}
+"""Model preset -> (global batch, micro-batch) at the preset's sequence length."""
+
+
+def _batches(vocab: int, batch: int, seq: int, count: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(count):
+        x = torch.randint(0, vocab, (batch, seq + 1), generator=generator).cuda()
+        out.append((x[:, :-1], x[:, 1:]))
+    return out
+
+
+def _full_logits_loss(model: torch.nn.Module, micro: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+    """What a plain loop usually writes: the whole logits in float32, then F.cross_entropy."""
+    inputs, targets = micro
+    logits = model(inputs)[..., : model.config.vocab_size]
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum"), targets.numel()
+
+
+def _plain(config: Any, micro: int, *, compile: bool, loss: Callable = lm_loss) -> tuple[Callable, torch.nn.Module]:
+    model = paratrain.build_gpt(config, seed=0, device="cuda")
+    if compile:
+        for block in model.blocks:
+            block.compile()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        inputs, targets = batch
+        tokens = targets.numel()
+        for i in range(0, inputs.shape[0], micro):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                total, _ = loss(model, (inputs[i: i + micro], targets[i: i + micro]))
+            (total / tokens).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, model
+
+
+def _engine(config: Any, micro: int, *, compile: bool, recompute: str = "none",
+            offload: str = "none") -> tuple[Callable, Any]:
+    ctx = paratrain.init(paratrain.ParallelConfig(offload=offload), device="cuda")
+    model = paratrain.build_gpt(config, seed=0)
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True),
+                                   micro_batch=micro, precision="bf16", grad_clip=1.0, recompute=recompute,
+                                   compile=compile)
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        engine.step(batch, lm_loss)
+
+    return step, engine
+
+
+def _time(step: Callable, batches: list, *, warmup: int, steps: int) -> float:
+    for i in range(warmup):
+        step(batches[i % len(batches)])
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(steps):
+        step(batches[i % len(batches)])
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
+def _host_syncs(step: Callable, batch: Any) -> int | str:
+    """Synchronisations in one step that reads nothing (0, or the error sync debug mode raised)."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(batch)
+        return 0
+    except RuntimeError as error:
+        return str(error).splitlines()[0][:160]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _planner(config: Any, batch: int, micro: int, recompute: str) -> dict[str, float]:
+    from paratrain.planner import estimate
+    from paratrain.planner.hardware import hardware
+    from paratrain.planner.layout import Layout
+
+    record = estimate(config, Layout(micro_batch=micro, recompute=recompute), hardware("h100-80gb"),
+                      global_batch=batch, precision="bf16")
+    return {"predicted_peak_gb": record["memory"]["peak"] / 1e9, "predicted_step_s": record["step_time_s"]}
+
+
+def _measure(name: str, variant: dict[str, Any], config: Any, batch: int, micro: int, args: argparse.Namespace,
+             peak: float | None) -> dict[str, Any]:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    torch.cuda.reset_peak_memory_stats()
+    batches = _batches(config.vocab_size, batch, config.seq_len)
+    kind = variant["kind"]
+    if kind == "plain":
+        step, holder = _plain(config, micro, compile=variant["compile"],
+                              loss=_full_logits_loss if variant.get("loss") == "full" else lm_loss)
+    else:
+        step, holder = _engine(config, micro, compile=variant["compile"], recompute=variant.get("recompute", "none"),
+                               offload=variant.get("offload", "none"))
+    seconds = _time(step, batches, warmup=args.warmup, steps=args.steps)
+    row = {"model": name, **variant, "global_batch": batch, "micro_batch": micro, "step_s": seconds,
+           "max_allocated_gb": torch.cuda.max_memory_allocated() / 1e9}
+    tokens_per_s = batch * config.seq_len / seconds
+    if peak:
+        row["mfu"] = tokens_per_s * config.flops_per_token(config.seq_len) / peak
+    if kind == "engine":
+        row["host_syncs_quiet_step"] = _host_syncs(step, batches[0])
+        row["memory_report_gb"] = {k: v / 1e9 for k, v in holder.memory_report().items()}
+        if variant.get("offload", "none") == "none":
+            row.update(_planner(config, batch, micro, variant.get("recompute", "none")))
+    del step, holder
+    return row
+
+
+def _variants(compiled: bool) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    modes = [False, True] if compiled else [False]
+    for compile in modes:
+        rows += [dict(kind="plain", compile=compile), dict(kind="engine", compile=compile)]
+        rows += [dict(kind="engine", compile=compile, recompute=r) for r in ("full", "selective")]
+    rows.append(dict(kind="engine", compile=False, offload="activations"))
+    rows.append(dict(kind="plain", compile=False, loss="full"))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="gpt2,gpt3-xl")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--only", default="", help="comma-separated variant indices to run")
+    parser.add_argument("--repeat", type=int, default=1, help="run the variants this many times in turn; the "
+                        "table takes each one's median")
+    parser.add_argument("--json", default="", help="write the rows here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gpu needs a CUDA GPU")
+    device = torch.device("cuda", 0)
+    peak = peak_flops(device)
+    print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, peak bf16 {peak and peak / 1e12:.0f} TFLOP/s")
+    rows = []
+    variants = _variants(args.compile)
+    only = {int(i) for i in args.only.split(",") if i}
+    for name in args.models.split(","):
+        batch, micro = SPECS[name]
+        config = preset(name)
+        for index, variant in [(i, v) for _ in range(args.repeat) for i, v in enumerate(variants)]:
+            if only and index not in only:
+                continue
+            try:
+                row = _measure(name, variant, config, batch, micro, args, peak)
+            except torch.cuda.OutOfMemoryError as error:
+                row = {"model": name, **variant, "error": f"out of memory: {str(error)[:120]}"}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    _report(rows)
+
+
+def _report(rows: list[dict[str, Any]]) -> None:
+    """Markdown: the ratios the docs quote."""
+    def find(model: str, **want: Any) -> dict[str, Any] | None:
+        """The matching row of median step time (one per --repeat)."""
+        found = sorted((row for row in rows if row["model"] == model and "error" not in row
+                        and all(row.get(k, d) == v for k, (v, d) in want.items())), key=lambda row: row["step_s"])
+        return found[(len(found) - 1) // 2] if found else None
+
+    print("\n| model | mode | plain MFU | engine MFU | engine / plain | full recompute / none | selective / none "
+          "| engine peak GB | planner peak GB | engine step s | planner step s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for compile in (False, True):
+            base = dict(compile=(compile, False), recompute=("none", "none"), offload=("none", "none"),
+                        loss=("chunked", "chunked"))
+            plain = find(model, kind=("plain", None), **base)
+            engine = find(model, kind=("engine", None), **base)
+            full = find(model, kind=("engine", None), **{**base, "recompute": ("full", "none")})
+            selective = find(model, kind=("engine", None), **{**base, "recompute": ("selective", "none")})
+            if not (plain and engine):
+                continue
+            ratio = lambda r: f"{r['step_s'] / engine['step_s']:.3f}" if r else "-"  # noqa: E731
+            print(f"| {model} | {'compiled' if compile else 'eager'} | {plain.get('mfu', 0):.1%} | "
+                  f"{engine.get('mfu', 0):.1%} | {engine['step_s'] / plain['step_s']:.3f} | {ratio(full)} | "
+                  f"{ratio(selective)} | {engine['max_allocated_gb']:.1f} | {engine.get('predicted_peak_gb', 0):.1f} | "
+                  f"{engine['step_s']:.3f} | {engine.get('predicted_step_s', 0):.3f} |")
+
+
+if __name__ == "__main__":
+    main()
