@@ -2,9 +2,11 @@
 
 Ranks on a CPU run one thread each (as the launcher starts them), so every figure is per process:
     peak_flops      float32 matmul FLOP/s of one thread (a 512 x 512 x 512 product, best of several)
-    efficiency      the model FLOP/s of a training step of the small GPT (forward, backward, AdamW;
-                    one process, micro-batch 8) over that peak: what a step really reaches, the
-                    norms, softmax, optimizer and Python overhead included
+    efficiency      the FLOP/s that a training step reaches (forward, backward, AdamW; one process)
+    overhead_s      and its fixed time per block and micro-batch (launches, Python): the two solve
+                    time = FLOPs / (peak x efficiency) + overhead x blocks x micro-batches for the
+                    tiny and the small GPT (one micro-batch of 8 each); efficiency is the rate over
+                    the matmul peak
     intra_node_bw   gloo all-reduce bus bandwidth between `processes` local processes (16 MiB)
     latency_s       the time of a 4-byte gloo all-reduce between them
     memory_bytes    the memory available now, shared by `processes` processes
@@ -44,13 +46,13 @@ def matmul_flops(size: int = 512, repeats: int = 10) -> float:
     return 2 * size**3 / _best_seconds(lambda: a @ b, repeats)
 
 
-def model_flops(steps: int = 4) -> float:
-    """Model FLOP/s (6 N + attention per token, as the planner counts) of the small GPT training on
-    one process: the median of `steps` steps after a first one."""
+def step_seconds(name: str, steps: int = 4) -> tuple[float, float, int]:
+    """(seconds, model FLOPs, blocks) of a training step of a GPT preset on one process, one
+    micro-batch of 8: the median of `steps` steps after a first one."""
     import paratrain
     from paratrain.config import preset
 
-    config = preset("small")
+    config = preset(name)
     ctx = paratrain.init(device="cpu")
     model = paratrain.build_gpt(config, seed=0)
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4), micro_batch=8)
@@ -62,7 +64,20 @@ def model_flops(steps: int = 4) -> float:
         start = time.perf_counter()
         engine.train_step(batch, paratrain.lm_loss)
         times.append(time.perf_counter() - start)
-    return config.flops_per_token(config.seq_len) * x.shape[0] * config.seq_len / statistics.median(times)
+    flops = config.flops_per_token(config.seq_len) * x.shape[0] * config.seq_len
+    return statistics.median(times), flops, config.n_layer
+
+
+def compute_rate(small: tuple[float, float, int], large: tuple[float, float, int]) -> tuple[float, float]:
+    """(FLOP/s, seconds per block and micro-batch) solving t = F / rate + overhead x blocks for two
+    measured steps (one micro-batch each); overhead 0 (and the larger model's rate) if the two do not
+    give a positive one."""
+    (t1, f1, b1), (t2, f2, b2) = small, large
+    per_flop = (t2 * b1 - t1 * b2) / (f2 * b1 - f1 * b2) if f2 * b1 != f1 * b2 else 0.0
+    overhead = (t1 - f1 * per_flop) / b1 if per_flop > 0 else -1.0
+    if per_flop <= 0 or overhead < 0:
+        return f2 / t2, 0.0
+    return 1.0 / per_flop, overhead
 
 
 def _gloo_rank(rank: int, world: int, store: str, out: str) -> None:
@@ -112,10 +127,10 @@ def calibrate(processes: int = 2) -> Hardware:
     torch.set_num_threads(1)
     try:
         peak = matmul_flops()
-        reached = model_flops()
+        reached, overhead = compute_rate(step_seconds("tiny"), step_seconds("small"))
     finally:
         torch.set_num_threads(threads)
     bus, latency = gloo_bandwidth(processes)
     return Hardware("cpu", peak_flops=peak, memory_bytes=available_memory() / processes, intra_node_bw=bus,
                     inter_node_bw=bus, devices_per_node=os.cpu_count() or processes,
-                    efficiency=min(1.0, reached / peak), latency_s=latency)
+                    efficiency=min(1.0, reached / peak), latency_s=latency, overhead_s=overhead)

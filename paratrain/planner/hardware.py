@@ -37,6 +37,10 @@ class Hardware:
     """Share of the peak that the model's matmuls reach (MFU of a well-tuned run is 0.4-0.55 on GPUs)."""
     latency_s: float = 10e-6
     """Fixed cost of one collective or point-to-point message."""
+    overhead_s: float = 0.0
+    """Fixed time per transformer block and micro-batch (forward and backward) that FLOPs do not
+    count: operator launches and Python. Measured by --calibrate on a CPU; 0 (not modelled) in the
+    GPU profiles."""
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -3,10 +3,11 @@ of each axis over the links it crosses. A first-order model (Narayanan et al. 20
 Korthikanti et al. 2022, section 4), each term named so that a measurement can be set against it.
 
     compute    model FLOPs (6 N per token + attention, PaLM's count) of the busiest pipeline stage,
-               times 4/3 with full recomputation (one more forward), over peak x efficiency
+               times 4/3 with full recomputation (one more forward), over peak x efficiency; plus
+               the profile's fixed overhead per block and micro-batch (launches, Python)
     tp         per block and micro-batch 4 all-reduces of b s h (2 forward, 2 backward; sequence
-               parallelism moves the same bytes as all-gathers and reduce-scatters): on the critical
-               path, so added to each micro-batch's time
+               parallelism: 4 all-gathers and 4 reduce-scatters, and 2 all-gathers again in
+               backward): on the critical path, so added to each micro-batch's time
     bubble     the schedule's idle share (paratrain.planner.textbook.bubble_fraction), stretching
                the pipelined time
     pp         an activation forward and a gradient backward per micro-batch and stage boundary; the
@@ -83,11 +84,17 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
         hardware_flops += 4.0 * model.n_layer * model.d_model * seq * tokens
     share, blocks_here, numel = _stages(model, pp, v)
     rate = hw.peak_flops * hw.efficiency
-    compute = hardware_flops * share / (dp * tp) / rate
+    compute = hardware_flops * share / (dp * tp) / rate + hw.overhead_s * blocks_here * m
     act = BYTES[precision]
-    # tensor parallelism: 4 all-reduces of b s h per block and micro-batch, on the critical path
+    # tensor parallelism, on the critical path, per block and micro-batch: 4 all-reduces of b s h; with
+    # sequence parallelism 4 all-gathers and 4 reduce-scatters (each half an all-reduce's traffic)
+    # and 2 more all-gathers in backward (the column layers keep only their slice of the input)
     tp_bytes = layout.micro_batch * seq * model.d_model * act
-    tp_time = m * blocks_here * 4 * _bus_time(tp_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=2)
+    if layout.sequence_parallel:
+        per_block = 10 * _bus_time(tp_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=1)
+    else:
+        per_block = 4 * _bus_time(tp_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=2)
+    tp_time = m * blocks_here * per_block
     bubble = bubble_fraction(layout.schedule if pp > 1 else "1f1b", pp, m, v) if pp > 1 else 0.0
     pipelined = (compute + tp_time) / (1.0 - bubble)
     # pipeline: the fill and drain expose 2 (p - 1) transfers of an activation (or its gradient)

@@ -85,3 +85,26 @@ def test_train_refuses_a_layout_that_does_not_fit():
     assert predicted["build"] == 4 * plan.model.num_params() and predicted["peak"] > predicted["build"]
     with pytest.raises(ConfigError, match="of GPU memory"):
         check_memory(plan, device="cuda", available_bytes=4e9, processes=1)
+
+
+def test_calibration_solves_rate_and_overhead():
+    from paratrain.planner.calibrate import compute_rate
+
+    rate, overhead = 50e9, 2e-3  # two steps made by that rate and overhead come back to it
+    small, large = (1e8 / rate + 4 * overhead, 1e8, 4), (1e9 / rate + 4 * overhead, 1e9, 4)
+    assert compute_rate(small, large) == pytest.approx((rate, overhead))
+    assert compute_rate((0.5, 1e8, 4), (0.1, 1e9, 4)) == (1e9 / 0.1, 0.0)  # no positive overhead: rate only
+
+
+def test_calibrate_writes_the_cpu_profile(tmp_path, capsys, monkeypatch):
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("paratrain.planner.hardware"), "CPU_PROFILE", tmp_path / "none.json")
+    with pytest.raises(ConfigError, match="paratrain plan --calibrate"):
+        hardware("cpu")
+    path = tmp_path / "cpu.json"
+    assert main(["plan", "--calibrate", "--save-hardware", str(path), "--json"]) == 0
+    profile = hardware(str(path))
+    assert profile.name == "cpu" and 1e8 < profile.peak_flops < 1e13 and 0 < profile.efficiency <= 1
+    assert profile.intra_node_bw > 1e6 and 0 < profile.latency_s < 0.1 and profile.overhead_s >= 0
+    assert json.loads(capsys.readouterr().out)["name"] == "cpu"
