@@ -96,6 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--recompute", nargs="?", const="full", default=None, choices=("none", "full", "selective"),
                        help="recompute activations in backward: full (each block; the default of a bare --recompute) "
                             "or selective (each block's attention core)")
+    train.add_argument("--check-collectives", action="store_true", default=None,
+                       help="compare the ranks' sequences of collectives after every step (always after the first)")
     train.add_argument("--compile", action="store_true", default=None,
                        help="torch.compile each transformer block (collectives and keyed dropout stay eager)")
     train.add_argument("--sequence-parallel", action="store_true", default=None,
@@ -103,6 +105,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     train.add_argument("--attempt", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     train.add_argument("--flight-dir", default=None, help=argparse.SUPPRESS)  # set by the launcher
+    train.add_argument("--plan", choices=("auto",), default=None,
+                       help="auto: the planner picks the layout (dp, tp, pp, ZeRO, micro-batch, recompute, sequence "
+                            "parallelism) for the processes at hand and prints why; layout flags given are kept "
+                            "(on a CPU, run `paratrain plan --calibrate` once first)")
     train.add_argument("--no-memory-check", dest="memory_check", action="store_false", default=None,
                        help="launch even when the planner predicts the layout will not fit in memory")
     train.add_argument("--keep-params", dest="reshard_after_forward", action="store_false", default=None,
@@ -128,9 +134,11 @@ def run_config_from_args(args: argparse.Namespace) -> Any:
 
 
 # arguments of `paratrain train` outside _TRAIN_FLAGS (switches, and what the launcher passes) -> config path
-_OTHER_ARGS = {"seed": "seed", "recompute": "train.recompute", "compile": "train.compile", "sequence_parallel": "parallel.sequence_parallel",
+_OTHER_ARGS = {"seed": "seed", "recompute": "train.recompute", "compile": "train.compile",
+               "check_collectives": "train.check_collectives", "sequence_parallel": "parallel.sequence_parallel",
                "progress": "train.progress", "reshard_after_forward": "parallel.reshard_after_forward",
-               "memory_check": "launch.memory_check", "attempt": "launch.attempt", "flight_dir": "launch.flight_dir"}
+               "memory_check": "launch.memory_check", "attempt": "launch.attempt", "flight_dir": "launch.flight_dir",
+               "plan": "launch.plan"}
 
 
 def prepare_launch(config: Any, *, gpus: int) -> Any:
@@ -181,6 +189,8 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if config.launch.plan == "auto":
+        config, argv = _plan_auto(config, args, argv, gpus=gpus)
     plan = prepare_launch(config, gpus=gpus)
     world_size = plan.parallel.world_size
     if world_size == 1:  # one process: no launcher, no process group
@@ -194,6 +204,24 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"paratrain: {failure}", file=sys.stderr)
         return 1
     return 0
+
+
+def _plan_auto(config: Any, args: argparse.Namespace, argv: list[str], *, gpus: int) -> tuple[Any, list[str]]:
+    """The planner's layout for this job's processes; the workers get it as explicit flags."""
+    from paratrain.config import preset, resolve_device
+    from paratrain.planner.auto import PINNABLE, as_flags, choose_layout, device_hardware
+    from paratrain.planner.check import available_memory
+
+    world_size = launch_world_size(config, gpus=gpus)
+    device = resolve_device(config.launch.device, gpus=gpus)
+    hw = device_hardware(device, processes=world_size // config.launch.nnodes, available_bytes=available_memory(device))
+    pins = {field: getattr(args, dest) for field, dest in PINNABLE.items() if getattr(args, dest, None) is not None}
+    seq_len = config.data.seq_len or preset(config.model.preset, **config.model.overrides).seq_len
+    config, text = choose_layout(config, world_size=world_size, hw=hw, pins=pins, seq_len=seq_len)
+    print(f"paratrain: {text}", file=sys.stderr)
+    kept = [a for i, a in enumerate(argv) if a != "--plan" and not a.startswith("--plan=")
+            and not (i > 0 and argv[i - 1] == "--plan")]
+    return config, kept + as_flags(config)
 
 
 def _worker(config: Any) -> int:

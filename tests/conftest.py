@@ -1,8 +1,15 @@
+import getpass
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Inductor's on-disk cache does not key its C++ kernels by ATEN_CPU_CAPABILITY: a kernel built for avx2
+# and reloaded under ATEN_CPU_CAPABILITY=default fails to compile (torch 2.13, seen here). One cache per
+# capability keeps the suite runnable under each (docs/testing.md varies it).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}"))
 
 
 def pytest_addoption(parser):

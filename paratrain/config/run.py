@@ -66,6 +66,10 @@ class TrainSection:
     eval_batches: int = 4
     """Global batches of held-out data per validation."""
     log_every: int = 1
+    """Read the loss back and log every this many steps (steps in between wait for nothing)."""
+    check_collectives: bool = False
+    """Compare the ranks' sequences of collectives after every step (paratrain.comm.order), not only
+    after the first one."""
     save: str = ""
     """Folder to write checkpoints to; empty: no checkpoints."""
     save_every: int = 0
@@ -118,6 +122,9 @@ class LaunchSection:
     memory_check: bool = True
     """Refuse before launch a layout the planner predicts will not fit the device's memory (GPU) or
     this node's available memory shared by its processes (CPU)."""
+    plan: str = ""
+    """'auto': the planner chooses dp, tp, pp, ZeRO, micro-batch, recompute and sequence parallelism
+    for the processes at hand (paratrain.planner.auto); axes given as flags are kept. '': as given."""
     timeout_s: float = 300.0
     """How long a collective may wait before the job fails naming the group and operation."""
 

@@ -9,7 +9,7 @@ ZeRO-3 unit owns) it states here for the reference GPT, next to the rule it mirr
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -45,7 +45,10 @@ class Layout:
         return (self.shard_group or self.dp) if self.zero else 1
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        return {name: getattr(self, name) for name in _LAYOUT_FIELDS}  # flat, no deep copy: the search calls it often
+
+
+_LAYOUT_FIELDS = tuple(f.name for f in fields(Layout))
 
 
 @dataclass(frozen=True)

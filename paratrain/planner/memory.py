@@ -228,6 +228,14 @@ def head_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, tp:
 def chunk_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str,
                            pp_split: tuple[int, ...] = ()) -> list[float]:
     """Bytes one micro-batch leaves saved in each pipeline chunk (its layers' terms)."""
+    # dp and ZeRO change nothing here: cached on what does (the search asks for many dp x ZeRO at once)
+    essential = Layout(tp=layout.tp, pp=layout.pp, virtual_stages=layout.virtual_stages, micro_batch=layout.micro_batch,
+                       recompute=layout.recompute, sequence_parallel=layout.sequence_parallel)
+    return list(_chunk_sizes(model, essential, seq, mode, pp_split))
+
+
+@functools.lru_cache(maxsize=8192)
+def _chunk_sizes(model: ModelConfig, layout: Layout, seq: int, mode: str, pp_split: tuple[int, ...]) -> tuple[float, ...]:
     kwargs = dict(micro_batch=layout.micro_batch, seq=seq, tp=layout.tp)
     block = block_activation_bytes(model, sequence_parallel=layout.sequence_parallel, mode=mode,
                                    recompute=layout.recompute, **kwargs)
@@ -237,7 +245,7 @@ def chunk_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode
     for start, end in chunk_layers(model, layout, pp_split):
         blocks = len(range(max(start, 1), min(end, model.n_layer + 1)))
         sizes.append(blocks * block + (embedding if start == 0 else 0.0) + (head if end == model.n_layer + 2 else 0.0))
-    return sizes
+    return tuple(sizes)
 
 
 def activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str, stage: int = 0,
@@ -252,14 +260,21 @@ def activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str,
     rope = rope_bytes(model, seq=seq, mode=mode, recompute=layout.recompute) if has_block else 0.0
     if layout.pp == 1:
         return sizes[0] + rope
+    return _peak_in_flight(layout.schedule, layout.pp, microbatches, stage, layout.virtual_stages, tuple(sizes)) + rope
+
+
+@functools.lru_cache(maxsize=8192)
+def _peak_in_flight(schedule: str, pp: int, microbatches: int, stage: int, chunks: int,
+                    sizes: tuple[float, ...]) -> float:
+    """The most bytes a stage's schedule keeps saved at once: F saves a chunk's, B or W releases them."""
     live = peak = 0.0
-    for action in _compute_program(layout.schedule, layout.pp, microbatches, stage, layout.virtual_stages):
+    for action in _compute_program(schedule, pp, microbatches, stage, chunks):
         if action.kind == "F":
             live += sizes[action.chunk]
             peak = max(peak, live)
         elif action.kind in ("B", "W"):
             live -= sizes[action.chunk]
-    return peak + rope
+    return peak
 
 
 @functools.lru_cache(maxsize=1024)

@@ -34,13 +34,22 @@ class FlightRecorder:
         self.rank = rank
         self.entries: deque[Entry] = deque(maxlen=keep)
         self._seq: dict[tuple[str, tuple[int, ...]], int] = {}
+        self.window: dict[tuple[str, tuple[int, ...]], list[Entry]] | None = {}
+        """Every collective since the last collective-order check, per group (paratrain.comm.order);
+        None once checks stop (the window would otherwise grow for the whole run)."""
 
     def enter(self, op: str, axis: str, ranks: tuple[int, ...], tensor: torch.Tensor) -> Entry:
         key = (axis, ranks)
         self._seq[key] = self._seq.get(key, 0) + 1
         entry = Entry(axis, ranks, self._seq[key], op, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
         self.entries.append(entry)
+        if self.window is not None:
+            self.window.setdefault(key, []).append(entry)
         return entry
+
+    def take_window(self, axis: str, ranks: tuple[int, ...]) -> list[Entry]:
+        """The group's collectives since the last take (forgotten here)."""
+        return self.window.pop((axis, ranks), []) if self.window is not None else []
 
     def to_dict(self, stack: str = "") -> dict[str, Any]:
         return {"rank": self.rank, "entries": [asdict(e) for e in self.entries], "stack": stack}

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.checkpoint import load_checkpoint, newest_verified, resolve_checkpoint, save_checkpoint
+from paratrain.comm.order import check_collective_order
 from paratrain.config import ConfigError, RunPlan, to_dict
 from paratrain.data import GlobalBatchLoader, TokenSource, load_source
 from paratrain.hybrid import Engine, NonFiniteError, StepStats, parallelize
@@ -142,6 +143,8 @@ class Trainer:
                 except NonFiniteError as error:  # read before the update (--nan-policy skip, fp16)
                     raise self._stopped(error.step, str(error)) from None
                 self.step += 1
+                if self.step == start_step + 1 or train.check_collectives:  # did every rank issue the same?
+                    check_collective_order(self.ctx.mesh, self.ctx.device, keep_checking=train.check_collectives)
                 unread.append((self.step, lr, pending))
                 last = self.step == train.steps
                 validating = bool(train.eval_every and self.step % train.eval_every == 0) or last

@@ -17,7 +17,8 @@ STEPS = 10
 def test_compiled_blocks_match_eager_on_one_process(recompute):
     eager = reference_run(STEPS, recompute=recompute)
     compiled = tiny_run(dp=None, micro_batch=None, steps=STEPS, recompute=recompute, compile=True)
-    # measured: loss 2.4e-8, grad norm 1.5e-7 (inductor, avx2)
+    # measured (inductor vs eager, tiny GPT, 10 steps, each recompute mode): loss 9.0e-8 (avx2 and default
+    # eager kernels alike), grad norm 6.4e-8 (avx2) / 9.7e-8 (default)
     within(rel_diff(compiled["losses"], eager["losses"]), 1e-6, "compiled loss")
     within(rel_diff(compiled["grad_norms"], eager["grad_norms"]), 1e-5, "compiled grad norm")
 

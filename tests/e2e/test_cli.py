@@ -253,3 +253,22 @@ def test_default_demo_learns(tmp_path):
     assert val[-1] < 0.45 * val[0], val  # ~5.3 -> ~1.7 here
     assert "sample:" in out.stdout and "validation loss:" in out.stdout
     assert elapsed < 300, f"the demo took {elapsed:.0f}s"  # about 100s on 2 cores
+
+
+def test_plan_auto_calibrates_chooses_and_launches_the_layout(tmp_path):
+    """--plan auto needs this machine's profile; with it, the planner's layout (pins kept) is what every
+    worker runs: the JSON log's memory record is dp 1 x tp 2's."""
+    env_home = {"HOME": str(tmp_path)}
+    refused = subprocess.run([sys.executable, "-m", "paratrain", "train", "--plan", "auto", *SMALL, "--steps", "1"],
+                             capture_output=True, text=True, timeout=120, env={**os.environ, **env_home})
+    assert refused.returncode == 2 and "paratrain plan --calibrate" in refused.stderr
+    calibrated = subprocess.run([sys.executable, "-m", "paratrain", "plan", "--calibrate"], capture_output=True,
+                                text=True, timeout=120, env={**os.environ, **env_home})
+    assert calibrated.returncode == 0, calibrated.stderr
+    log = tmp_path / "log.jsonl"
+    run = subprocess.run([sys.executable, "-m", "paratrain", "train", "--plan", "auto", "--tp", "2", *SMALL,
+                          "--steps", "2", "--log-json", str(log)], capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", **env_home})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert re.search(r"--plan auto on 2 x cpu: dp 1 x tp 2 x pp 1, ZeRO \d, micro-batch \d+", run.stderr)
+    assert sorted(losses(log)) == [1, 2]

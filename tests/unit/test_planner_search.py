@@ -108,3 +108,25 @@ def test_calibrate_writes_the_cpu_profile(tmp_path, capsys, monkeypatch):
     assert profile.name == "cpu" and 1e8 < profile.peak_flops < 1e13 and 0 < profile.efficiency <= 1
     assert profile.intra_node_bw > 1e6 and 0 < profile.latency_s < 0.1 and profile.overhead_s >= 0
     assert json.loads(capsys.readouterr().out)["name"] == "cpu"
+
+
+def test_plan_auto_takes_the_fastest_fitting_layout_and_keeps_pins():
+    from dataclasses import replace
+
+    from paratrain.config import build_run_config
+    from paratrain.planner.auto import as_flags, choose_layout
+
+    config = build_run_config(None, {"model.preset": "gpt2", "data.global_batch": 64, "train.precision": "bf16"})
+    h100 = hardware("h100-80gb")
+    chosen, text = choose_layout(config, world_size=8, hw=h100, pins={}, seq_len=1024)
+    best = search(preset("gpt2"), 8, h100, global_batch=64, seq_len=1024, precision="bf16")["candidates"][0]["layout"]
+    assert (chosen.parallel.dp, chosen.parallel.tp, chosen.parallel.pp, chosen.parallel.zero,
+            chosen.data.micro_batch, chosen.train.recompute) == (best["dp"], best["tp"], best["pp"], best["zero"],
+                                                                 best["micro_batch"], best["recompute"])
+    assert text.startswith("--plan auto on 8 x h100-80gb: ") and "runner-up" in text
+    pinned, _ = choose_layout(config, world_size=8, hw=h100, pins={"tp": 2, "recompute": "full"}, seq_len=1024)
+    assert pinned.parallel.tp == 2 and pinned.train.recompute == "full"
+    flags = as_flags(pinned)
+    assert flags[flags.index("--tp") + 1] == "2" and flags[flags.index("--recompute") + 1] == "full"
+    with pytest.raises(ConfigError, match="none of .* layouts fits 1.0 GB per process"):
+        choose_layout(config, world_size=1, hw=replace(h100, memory_bytes=1e9), pins={}, seq_len=1024)

@@ -1,0 +1,107 @@
+"""`paratrain train --plan auto`: the planner picks the layout for the processes at hand.
+
+Before launch, on the launching process: the device's profile (a CUDA card by its name, the CPU by
+its calibrated profile, `paratrain plan --calibrate`), the layouts of the world size that
+paratrain's rules accept, ranked by predicted step time among those predicted to fit; the best one
+becomes the run's dp, tp, pp, virtual stages, ZeRO stage, micro-batch, recomputation, sequence
+parallelism and schedule, and the launcher hands it to the workers as explicit flags, so every rank
+runs exactly the printed layout. Axes given on the command line are pins the search keeps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from paratrain.config.errors import ConfigError
+from paratrain.config.run import RunConfig
+from paratrain.planner.hardware import Hardware, hardware
+from paratrain.planner.search import search
+
+PINNABLE = {"dp": "dp", "tp": "tp", "pp": "pp", "virtual_stages": "virtual_stages", "zero": "zero",
+            "micro_batch": "micro_batch", "recompute": "recompute", "sequence_parallel": "sequence_parallel",
+            "schedule": "schedule"}
+"""Layout fields -> the `paratrain train` argument (argparse dest) that pins each."""
+
+_GPUS = [("H200", "h200"), ("H100", "h100-80gb"), ("A100", None)]
+
+
+def device_hardware(device: str, *, processes: int, available_bytes: float | None) -> Hardware:
+    """The profile of this node's device: a known GPU by its name, or the calibrated CPU profile with
+    the memory available now shared by `processes` processes."""
+    if device == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name(0)
+        memory = torch.cuda.get_device_properties(0).total_memory
+        for key, profile in _GPUS:
+            if key in name:
+                return hardware(profile or ("a100-80gb" if memory > 50e9 else "a100-40gb"))
+        raise ConfigError(f"--plan auto has no profile for {name!r}: give the layout (--dp/--tp/--pp ...), "
+                          "comparing candidates with `paratrain plan --hardware FILE.json`")
+    profile = hardware("cpu")
+    if available_bytes is not None:
+        profile = dataclasses.replace(profile, memory_bytes=available_bytes / processes)
+    return profile
+
+
+def choose_layout(config: RunConfig, *, world_size: int, hw: Hardware, pins: dict[str, Any],
+                  seq_len: int) -> tuple[RunConfig, str]:
+    """The run with the best predicted layout of `world_size` ranks filled in, and what to print."""
+    from paratrain.config.model import preset
+
+    model = preset(config.model.preset, **config.model.overrides)
+    unknown = sorted(set(pins) - set(PINNABLE))
+    if unknown:
+        raise ConfigError(f"--plan auto cannot pin {unknown}: it chooses {sorted(PINNABLE)}")
+    result = search(model, world_size, hw, global_batch=config.data.global_batch, seq_len=seq_len,
+                    precision=config.train.precision, pins=pins)
+    fitting = [r for r in result["candidates"] if r["fits"]]
+    if not fitting:
+        reason = (f"none of {len(result['candidates'])} layouts fits {hw.memory_bytes / 1e9:.1f} GB per process"
+                  if result["candidates"] else
+                  f"paratrain's rules refuse all {len(result['rejected'])} layouts; the first: "
+                  + (result["rejected"][0]["reason"] if result["rejected"] else "none"))
+        raise ConfigError(f"--plan auto found no layout for {config.model.preset} on {world_size} processes "
+                          f"(global batch {config.data.global_batch}{', pins ' + str(pins) if pins else ''}): "
+                          f"{reason}; use more processes, a smaller --global-batch or model, or `paratrain plan`")
+    best = fitting[0]
+    layout = best["layout"]
+    parallel = dataclasses.replace(config.parallel, dp=layout["dp"], tp=layout["tp"], pp=layout["pp"],
+                                   virtual_stages=layout["virtual_stages"], zero=layout["zero"],
+                                   sequence_parallel=layout["sequence_parallel"], schedule=layout["schedule"])
+    chosen = dataclasses.replace(config, parallel=parallel,
+                                 data=dataclasses.replace(config.data, micro_batch=layout["micro_batch"]),
+                                 train=dataclasses.replace(config.train, recompute=layout["recompute"]))
+    text = (f"--plan auto on {world_size} x {hw.name}: {describe(layout)}, predicted {best['step_time_s']:.3g} s "
+            f"per step, peak {best['memory']['peak'] / 1e9:.2f} GB of {hw.memory_bytes / 1e9:.1f} GB "
+            f"({len(fitting)} of {len(result['candidates'])} layouts fit)")
+    if len(fitting) > 1:
+        runner = fitting[1]
+        text += (f"; runner-up {describe(runner['layout'])}: {runner['step_time_s'] / best['step_time_s']:.2f}x "
+                 "the step time")
+    return chosen, text
+
+
+def describe(layout: dict[str, Any]) -> str:
+    text = f"dp {layout['dp']} x tp {layout['tp']} x pp {layout['pp']}"
+    if layout["pp"] > 1:
+        text += f" ({layout['schedule']}" + (f", {layout['virtual_stages']} chunks)" if layout["virtual_stages"] > 1 else ")")
+    text += f", ZeRO {layout['zero']}, micro-batch {layout['micro_batch']}"
+    if layout["recompute"] != "none":
+        text += f", {layout['recompute']} recompute"
+    if layout["sequence_parallel"]:
+        text += ", sequence parallel"
+    return text
+
+
+def as_flags(config: RunConfig) -> list[str]:
+    """The chosen layout as `paratrain train` flags, for the workers' command line."""
+    parallel = config.parallel
+    flags = ["--dp", str(parallel.dp), "--tp", str(parallel.tp), "--pp", str(parallel.pp),
+             "--virtual-stages", str(parallel.virtual_stages), "--zero", str(parallel.zero),
+             "--schedule", parallel.schedule, "--micro-batch", str(config.data.micro_batch),
+             "--recompute", config.train.recompute]
+    if parallel.sequence_parallel:
+        flags.append("--sequence-parallel")
+    return flags
