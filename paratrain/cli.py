@@ -114,6 +114,14 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--keep-params", dest="reshard_after_forward", action="store_false", default=None,
                        help="ZeRO-3: keep a unit's gathered parameters from forward to backward")
     commands.add_parser("presets", help="list the model presets and their sizes")
+    inspect = commands.add_parser("inspect", help="verify a checkpoint and list what it holds")
+    inspect.add_argument("checkpoint", help="a folder written by --save (its latest checkpoint), or one step_* folder")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    export = commands.add_parser("export", help="write a checkpoint's model tensors to one plain safetensors file")
+    export.add_argument("checkpoint", help="a folder written by --save (its latest checkpoint), or one step_* folder")
+    export.add_argument("out", help="the .safetensors file to write")
+    export.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"),
+                        help="cast floating tensors to this dtype (default: as saved)")
     from paratrain.planner.command import add_arguments
 
     add_arguments(commands.add_parser("plan", help="predict per-device memory and step time of layouts, best first"))
@@ -239,6 +247,25 @@ def _worker(config: Any) -> int:
     return 0  # not reached: leave() exits the process
 
 
+def _checkpoint_tool(args: argparse.Namespace) -> int:
+    import json
+
+    from paratrain.checkpoint import CheckpointError
+    from paratrain.checkpoint.tools import describe_checkpoint, export_model, format_description
+
+    try:
+        if args.command == "export":
+            done = export_model(args.checkpoint, args.out, dtype=args.dtype)
+            print(f"wrote {done['out']}: {done['tensors']} tensors, {done['bytes'] / 2**20:.1f} MiB")
+            return 0
+        record = describe_checkpoint(args.checkpoint)
+    except (FileNotFoundError, CheckpointError) as error:
+        print(f"paratrain {args.command}: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(record) if args.json else format_description(record))
+    return 0
+
+
 def _presets() -> int:
     print(f"{'preset':<12} {'params':>10} {'layers':>6} {'d_model':>7} {'heads':>5} {'seq':>5} {'vocab':>6}")
     for name, config in PRESETS.items():
@@ -257,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             from paratrain.planner.command import run
 
             return run(args)
+        if args.command in ("inspect", "export"):
+            return _checkpoint_tool(args)
         return _presets()
     except ConfigError as error:
         print(f"paratrain: invalid configuration: {error}", file=sys.stderr)
