@@ -272,3 +272,45 @@ def test_plan_auto_calibrates_chooses_and_launches_the_layout(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert re.search(r"--plan auto on 2 x cpu: dp 1 x tp 2 x pp 1, ZeRO \d, micro-batch \d+", run.stderr)
     assert sorted(losses(log)) == [1, 2]
+
+
+LAUNCHED_FLAGS = ["--dp", "--tp", "--pp", "--zero", "--micro-batch", "--global-batch", "--precision", "--schedule",
+                  "--virtual-stages", "--grad-clip", "--lr", "--warmup", "--bucket-mb", "--offload", "--log-every",
+                  "--grad-reduce", "--nan-policy"]
+"""Flags a sampled combination may set when launched (not the ones that pick nodes, files or faults)."""
+
+
+def test_a_sample_of_random_accepted_flag_combinations_trains(tmp_path):
+    """The launched half of tests/unit/test_random_flags.py: combinations the checks accept, started for
+    real on the tiny model; every one trains (none dies in a worker with a traceback)."""
+    from paratrain.cli import _parser, prepare_launch, run_config_from_args
+    from paratrain.config import ConfigError
+    from tests.unit.test_random_flags import FLOATS, INTS, STRINGS
+
+    rng, parser, launched = random.Random(11), _parser(), 0
+    base = ["--device", "cpu", "--model", "tiny", "--seq-len", "32", "--steps", "2", "--eval-every", "0",
+            "--sample-tokens", "0", "--no-progress", "--nproc", "2"]
+    while launched < 3:
+        argv = []
+        for flag in rng.sample(LAUNCHED_FLAGS, rng.randint(2, 5)):
+            kind = _TRAIN_FLAGS_KINDS[flag]
+            value = rng.choice(STRINGS[flag] if flag in STRINGS else INTS if kind is int else FLOATS)
+            argv.append(f"{flag}={value}")
+        argv += rng.sample(["--recompute", "--recompute=selective", "--sequence-parallel", "--check-collectives"],
+                           rng.randint(0, 2))
+        try:
+            prepare_launch(run_config_from_args(parser.parse_args(["train", *base, *argv])), gpus=0)
+        except ConfigError:
+            continue
+        run = paratrain("train", *base, *argv)
+        assert run.returncode == 0 and "Traceback" not in run.stderr, f"{' '.join(argv)}\n{run.stderr[-3000:]}"
+        launched += 1
+
+
+def _flag_kinds() -> dict[str, type]:
+    from paratrain.cli import _TRAIN_FLAGS
+
+    return {flag: kind for flag, (_, kind, _) in _TRAIN_FLAGS.items()}
+
+
+_TRAIN_FLAGS_KINDS = _flag_kinds()

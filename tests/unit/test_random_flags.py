@@ -16,14 +16,16 @@ INTS = [-1, 0, 1, 2, 3, 4, 8, 16, 64, 10**9]
 FLOATS = [math.nan, math.inf, -math.inf, -1.0, 0.0, 1e-12, 1e-3, 0.5, 1.0, 3.0, 1e9]
 STRINGS = {
     "--device": ["cpu", "auto", "cuda", "gpu"], "--schedule": ["gpipe", "1f1b", "interleaved", "zero-bubble", "pipedream"],
-    "--offload": ["none", "optimizer", "disk"], "--grad-reduce": ["auto", "reduce_scatter", "all_reduce", "ring"],
+    "--offload": ["none", "optimizer", "activations", "optimizer,activations", "disk"], "--grad-reduce": ["auto", "reduce_scatter", "all_reduce", "ring"],
     "--model": ["tiny", "small", "gpt2", "gpt3-175b", "nano"], "--data": ["builtin", "/nonexistent/corpus.txt"],
     "--precision": ["fp32", "bf16", "fp16", "fp8"], "--rdzv-backend": ["static", "c10d", "etcd"],
     "--rdzv-endpoint": ["", "127.0.0.1:29500"], "--rdzv-id": ["job"], "--save": ["", "/tmp/paratrain-flags"],
     "--resume": ["", "/nonexistent/ckpt"], "--log-json": ["", "/tmp/paratrain-flags/log.jsonl"],
     "--fail-at": ["", "1:3", "x", "1:2:3"], "--pp-split": ["2", "1,3", "3,1", "0"],
+    "--nan-policy": ["stop", "skip", "never"],
 }
-SWITCHES = ["--recompute", "--sequence-parallel", "--no-progress", "--keep-params", "--no-memory-check"]
+SWITCHES = ["--recompute", "--recompute=selective", "--sequence-parallel", "--no-progress", "--keep-params",
+            "--no-memory-check", "--compile", "--check-collectives"]
 
 
 def _combo(rng: random.Random) -> list[str]:
