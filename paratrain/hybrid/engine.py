@@ -1,6 +1,7 @@
 """Engine: one training step of a parallelized model, from this rank's share of the global batch.
 
-    loss = engine.train_step(batch, loss_fn)
+    loss = engine.train_step(batch, loss_fn)          # reads the loss back (a host sync on a GPU)
+    pending = engine.step(batch, loss_fn)             # queues the step; pending.stats() reads it later
 
 `batch` is this rank's share of the global batch (global_batch / dp samples); the engine cuts it
 into micro-batches and accumulates. `loss_fn(model, micro_batch)` returns (sum of per-token losses,
@@ -12,8 +13,6 @@ micro-batch size or on how many tokens each micro-batch holds.
 from __future__ import annotations
 
 import contextlib
-import math
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence, Union
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 
 from paratrain.comm import NormPart, all_reduce, divide_and_clip_, global_grad_norm
 from paratrain.hybrid.state import load_model_state, model_state
+from paratrain.hybrid.step import NonFiniteWatch, PendingStep, StepStats
 from paratrain.memory import LossScaler, autocast
 from paratrain.models.dropout import KeyedDropout
 from paratrain.pipeline.runtime import PipelineExecutor
@@ -68,128 +68,6 @@ class GradientStrategy(Protocol):
     def load_model_state(self, state: Mapping[str, torch.Tensor]) -> frozenset[str]:
         """Load what model_state() gives; returns the names it loaded."""
         ...
-
-
-@dataclass(frozen=True)
-class StepStats:
-    loss: float
-    """Mean loss per token over the global batch."""
-    grad_norm: float
-    """Global gradient norm before clipping."""
-    tokens: int
-    """Tokens (loss terms) in the global batch."""
-    micro_batches: int
-    loss_scale: float | None = None
-    """fp16: the loss scale this step used."""
-    skipped: bool = False
-    """No rank updated: fp16 gradients overflowed on some rank, or (on_non_finite="skip") the loss or
-    the gradient norm was not finite."""
-    non_finite: bool = False
-    """Skipped because the loss or the gradient norm was nan or inf (on_non_finite="skip")."""
-    non_finite_ranks: tuple[int, ...] = ()
-    """Then: the ranks whose own loss was nan or inf (under pp: every stage of the pipeline that
-    computed it); empty when only the gradients were."""
-
-
-class NonFiniteError(FloatingPointError):
-    """The global loss or gradient norm of a step is nan or inf (outside fp16's scaled skip). Raised on
-    every rank alike: both values are the same on every rank."""
-
-    def __init__(self, loss: float, grad_norm: float, ranks: tuple[int, ...], *, step: int) -> None:
-        self.loss, self.grad_norm, self.ranks, self.step = loss, grad_norm, ranks, step
-        where = (f"the loss of rank(s) {list(ranks)}' own samples was not finite" if ranks else
-                 "every rank's own loss was finite: the gradients (or their sum over ranks) were not")
-        super().__init__(f"the loss ({loss}) or gradient norm ({grad_norm}) of step {step} is not finite; {where}")
-
-
-class PendingStep:
-    """A step's statistics while they are still on the device (Engine.step). stats() reads them once
-    (a host synchronisation) and caches the result; under on_non_finite="raise" it raises
-    NonFiniteError for the first non-finite step since the engine last checked (collective)."""
-
-    def __init__(self, engine: Engine, number: int, micro_batches: int, totals: torch.Tensor,
-                 local_loss: torch.Tensor) -> None:
-        self.engine, self.number, self.micro_batches = engine, number, micro_batches
-        self.totals = totals
-        """[loss sum, token count] over the global batch, float64."""
-        self.local_loss = local_loss
-        self.grad_norm: torch.Tensor | None = None
-        self.loss_scale: float | None = None
-        self.skipped = self.non_finite = False
-        self._stats: StepStats | None = None
-
-    @property
-    def ready(self) -> bool:
-        """Whether stats() has been read already (it costs nothing more then)."""
-        return self._stats is not None
-
-    @property
-    def loss(self) -> torch.Tensor:
-        """The mean loss per token, on the device (reading it is a host synchronisation)."""
-        return self.totals[0] / self.totals[1]
-
-    def stats(self, *, check: bool = True) -> StepStats:
-        """Read the step's values (the first call waits for the device); also sets engine.last.
-        check: raise NonFiniteError first if any step since the last check was not finite."""
-        watched = self.engine._watch.take() if check else None
-        if self._stats is None or watched is not None:  # one read from the device for both
-            norm = self.grad_norm if self.grad_norm is not None else self.totals[0] * float("nan")
-            parts = [torch.stack([self.totals[0], self.totals[1], norm.double()])]
-            values = torch.cat(parts + ([watched] if watched is not None else [])).tolist()
-            if watched is not None:
-                self.engine._watch.judge(values[3:])
-        if self._stats is None:
-            loss_sum, tokens, norm_value = values[:3]
-            if tokens <= 0:
-                raise ValueError("the global batch holds no tokens to learn from (every target ignored)")
-            loss, ranks = loss_sum / tokens, ()
-            judged = self.grad_norm is not None  # not an fp16 overflow, skipped before any norm
-            if judged and not (math.isfinite(loss) and math.isfinite(norm_value)):
-                ranks = self.engine.non_finite_ranks(self.local_loss)  # collective; all ranks are here
-                if self.engine.on_non_finite == "raise":
-                    raise NonFiniteError(loss, norm_value, ranks, step=self.number)
-                self.skipped = self.non_finite = True
-            self._stats = StepStats(loss=loss, grad_norm=norm_value, tokens=int(tokens),
-                                    micro_batches=self.micro_batches, loss_scale=self.loss_scale,
-                                    skipped=self.skipped, non_finite=self.non_finite, non_finite_ranks=ranks)
-        self.engine.last = self._stats
-        return self._stats
-
-
-class _NonFiniteWatch:
-    """Under on_non_finite="raise", without a host read per step: the first step since the last check
-    whose loss or gradient norm is not finite, kept on the device, read by check()."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.first: torch.Tensor | None = None
-        """[step number (0: none), loss, grad norm, this rank's own loss], float64."""
-
-    def see(self, step: PendingStep) -> None:
-        assert step.grad_norm is not None
-        loss, norm = step.loss, step.grad_norm.double()
-        bad = ~(torch.isfinite(loss) & torch.isfinite(norm))
-        record = torch.stack([torch.full_like(loss, float(step.number)), loss, norm, step.local_loss])
-        if self.first is None:
-            self.first = torch.zeros(4, dtype=torch.float64, device=loss.device)
-        self.first = torch.where(bad & (self.first[0] == 0), record, self.first)
-
-    def take(self) -> torch.Tensor | None:
-        """The record so far (None: no step since the last take), forgotten here."""
-        first, self.first = self.first, None
-        return first
-
-    def check(self) -> None:
-        first = self.take()
-        if first is not None:
-            self.judge(first.tolist())
-
-    def judge(self, record: list[float]) -> None:
-        """Raise NonFiniteError if `record` (what take() gave, read) names a step."""
-        number, loss, norm, local_loss = record
-        if number:
-            ranks = self.engine.non_finite_ranks(torch.tensor(local_loss))
-            raise NonFiniteError(loss, norm, ranks, step=int(number))
 
 
 def split_batch(batch: Batch, micro_batch: int) -> list[Any]:
@@ -245,7 +123,8 @@ class Engine:
         self.grad_clip = grad_clip
         self.last: StepStats | None = None
         """The statistics of the newest step read back (PendingStep.stats())."""
-        self._watch = _NonFiniteWatch(self)
+        self.watch = NonFiniteWatch(self)
+        """Non-finite steps not yet read back (on_non_finite="raise")."""
         self._optimizer_state = optimizer_state
         self._load_optimizer_state = load_optimizer_state
         self._dp_group = ctx.mesh.groups.get("dp")
@@ -322,7 +201,7 @@ class Engine:
                 self.grads.after_step()
                 return pending
         else:
-            self._watch.see(pending)
+            self.watch.see(pending)
         divide_and_clip_(grads, divisor, pending.grad_norm, self.grad_clip)
         self.grads.before_optimizer_step()
         self.optimizer.step()
@@ -334,7 +213,7 @@ class Engine:
     def check(self) -> None:
         """Raise NonFiniteError if a step since the last check had a loss or gradient norm that was not
         finite (on_non_finite="raise"; one read from the device; collective: call it on every rank)."""
-        self._watch.check()
+        self.watch.check()
 
     def non_finite_ranks(self, local_loss: torch.Tensor) -> tuple[int, ...]:
         """The ranks whose own loss (before the sum over ranks) is nan or inf: a flag per rank of the

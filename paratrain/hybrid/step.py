@@ -1,0 +1,135 @@
+"""What a training step returns: its statistics (StepStats), read back from the device only when
+asked (PendingStep), and the watch that finds a non-finite step between reads (NonFiniteWatch)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from paratrain.hybrid.engine import Engine
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float
+    """Mean loss per token over the global batch."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    tokens: int
+    """Tokens (loss terms) in the global batch."""
+    micro_batches: int
+    loss_scale: float | None = None
+    """fp16: the loss scale this step used."""
+    skipped: bool = False
+    """No rank updated: fp16 gradients overflowed on some rank, or (on_non_finite="skip") the loss or
+    the gradient norm was not finite."""
+    non_finite: bool = False
+    """Skipped because the loss or the gradient norm was nan or inf (on_non_finite="skip")."""
+    non_finite_ranks: tuple[int, ...] = ()
+    """Then: the ranks whose own loss was nan or inf (under pp: every stage of the pipeline that
+    computed it); empty when only the gradients were."""
+
+
+class NonFiniteError(FloatingPointError):
+    """The global loss or gradient norm of a step is nan or inf (outside fp16's scaled skip). Raised on
+    every rank alike: both values are the same on every rank."""
+
+    def __init__(self, loss: float, grad_norm: float, ranks: tuple[int, ...], *, step: int) -> None:
+        self.loss, self.grad_norm, self.ranks, self.step = loss, grad_norm, ranks, step
+        where = (f"the loss of rank(s) {list(ranks)}' own samples was not finite" if ranks else
+                 "every rank's own loss was finite: the gradients (or their sum over ranks) were not")
+        super().__init__(f"the loss ({loss}) or gradient norm ({grad_norm}) of step {step} is not finite; {where}")
+
+
+class PendingStep:
+    """A step's statistics while they are still on the device (Engine.step). stats() reads them once
+    (a host synchronisation) and caches the result; under on_non_finite="raise" it raises
+    NonFiniteError for the first non-finite step since the engine last checked (collective)."""
+
+    def __init__(self, engine: Engine, number: int, micro_batches: int, totals: torch.Tensor,
+                 local_loss: torch.Tensor) -> None:
+        self.engine, self.number, self.micro_batches = engine, number, micro_batches
+        self.totals = totals
+        """[loss sum, token count] over the global batch, float64."""
+        self.local_loss = local_loss
+        self.grad_norm: torch.Tensor | None = None
+        self.loss_scale: float | None = None
+        self.skipped = self.non_finite = False
+        self._stats: StepStats | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether stats() has been read already (it costs nothing more then)."""
+        return self._stats is not None
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """The mean loss per token, on the device (reading it is a host synchronisation)."""
+        return self.totals[0] / self.totals[1]
+
+    def stats(self, *, check: bool = True) -> StepStats:
+        """Read the step's values (the first call waits for the device); also sets engine.last.
+        check: raise NonFiniteError first if any step since the last check was not finite."""
+        watched = self.engine.watch.take() if check else None
+        if self._stats is None or watched is not None:  # one read from the device for both
+            norm = self.grad_norm if self.grad_norm is not None else self.totals[0] * float("nan")
+            parts = [torch.stack([self.totals[0], self.totals[1], norm.double()])]
+            values = torch.cat(parts + ([watched] if watched is not None else [])).tolist()
+            if watched is not None:
+                self.engine.watch.judge(values[3:])
+        if self._stats is None:
+            loss_sum, tokens, norm_value = values[:3]
+            if tokens <= 0:
+                raise ValueError("the global batch holds no tokens to learn from (every target ignored)")
+            loss, ranks = loss_sum / tokens, ()
+            judged = self.grad_norm is not None  # not an fp16 overflow, skipped before any norm
+            if judged and not (math.isfinite(loss) and math.isfinite(norm_value)):
+                ranks = self.engine.non_finite_ranks(self.local_loss)  # collective; all ranks are here
+                if self.engine.on_non_finite == "raise":
+                    raise NonFiniteError(loss, norm_value, ranks, step=self.number)
+                self.skipped = self.non_finite = True
+            self._stats = StepStats(loss=loss, grad_norm=norm_value, tokens=int(tokens),
+                                    micro_batches=self.micro_batches, loss_scale=self.loss_scale,
+                                    skipped=self.skipped, non_finite=self.non_finite, non_finite_ranks=ranks)
+        self.engine.last = self._stats
+        return self._stats
+
+
+class NonFiniteWatch:
+    """Under on_non_finite="raise", without a host read per step: the first step since the last check
+    whose loss or gradient norm is not finite, kept on the device, read by check()."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.first: torch.Tensor | None = None
+        """[step number (0: none), loss, grad norm, this rank's own loss], float64."""
+
+    def see(self, step: PendingStep) -> None:
+        assert step.grad_norm is not None
+        loss, norm = step.loss, step.grad_norm.double()
+        bad = ~(torch.isfinite(loss) & torch.isfinite(norm))
+        record = torch.stack([torch.full_like(loss, float(step.number)), loss, norm, step.local_loss])
+        if self.first is None:
+            self.first = torch.zeros(4, dtype=torch.float64, device=loss.device)
+        self.first = torch.where(bad & (self.first[0] == 0), record, self.first)
+
+    def take(self) -> torch.Tensor | None:
+        """The record so far (None: no step since the last take), forgotten here."""
+        first, self.first = self.first, None
+        return first
+
+    def check(self) -> None:
+        first = self.take()
+        if first is not None:
+            self.judge(first.tolist())
+
+    def judge(self, record: list[float]) -> None:
+        """Raise NonFiniteError if `record` (what take() gave, read) names a step."""
+        number, loss, norm, local_loss = record
+        if number:
+            ranks = self.engine.non_finite_ranks(torch.tensor(local_loss))
+            raise NonFiniteError(loss, norm, ranks, step=int(number))
