@@ -35,10 +35,10 @@ class JobFailed(RuntimeError):
     """The root cause first (the rank that failed first and how), then what that did to the others,
     then the hang report: ranks that never entered a collective their peers waited in."""
 
-    def __init__(self, failures: list[RankFailure], hangs: list[str] | None = None) -> None:
+    def __init__(self, failures: list[RankFailure], hangs: list[str] | None = None, *, reason: str = "") -> None:
         self.failures, self.hangs = failures, hangs or []
         if not failures:
-            super().__init__("job failed")
+            super().__init__(reason or "job failed")
             return
         first, rest = failures[0], failures[1:]
         text = f"rank {first.rank} {first.how}: {first.message}"
@@ -63,10 +63,12 @@ def launch(launch_cfg: LaunchSection, argv: list[str]) -> None:
     new rendezvous (torch's own in-place restart of the workers failed here: the restarted gloo
     workers' process group could not connect, "Connection refused", torch 2.13) and `--attempt K`:
     the workers resume from the newest checkpoint under --save that verifies. The failure of each
-    attempt is reported as it happens."""
+    attempt is reported as it happens. Across nodes every node's launcher does the same: attempt K
+    meets on the endpoint's port + K (run id suffixed -K), so that no node joins the store of an
+    earlier attempt that node 0 has not yet closed.
     for attempt in range(launch_cfg.max_restarts + 1):
         try:
-            _launch_once(launch_cfg, [*argv, "--attempt", str(attempt)] if attempt else argv)
+            _launch_once(launch_cfg, [*argv, "--attempt", str(attempt)] if attempt else argv, attempt=attempt)
             return
         except JobFailed as failure:
             if attempt == launch_cfg.max_restarts:
@@ -76,7 +78,8 @@ def launch(launch_cfg: LaunchSection, argv: list[str]) -> None:
                   file=sys.stderr, flush=True)
 
 
-def _launch_once(launch_cfg: LaunchSection, argv: list[str]) -> None:
+def _launch_once(launch_cfg: LaunchSection, argv: list[str], *, attempt: int = 0) -> None:
+    import torch.distributed
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -87,6 +90,9 @@ def _launch_once(launch_cfg: LaunchSection, argv: list[str]) -> None:
         backend, endpoint, run_id, rdzv_configs = "c10d", "localhost:0", str(uuid.uuid4()), {}
     else:
         backend, endpoint, run_id = launch_cfg.rdzv_backend, launch_cfg.rdzv_endpoint, launch_cfg.rdzv_id
+        if attempt:  # a fresh rendezvous per attempt: the last one's store may still be up on node 0
+            host, _, port = endpoint.rpartition(":")
+            endpoint, run_id = f"{host}:{int(port) + attempt}", f"{run_id}-{attempt}"
         rdzv_configs = {"rank": launch_cfg.node_rank} if backend == "static" else {}
     rdzv_configs["timeout"] = int(launch_cfg.timeout_s)
     config = LaunchConfig(
@@ -100,6 +106,12 @@ def _launch_once(launch_cfg: LaunchSection, argv: list[str]) -> None:
         elastic_launch(config, sys.executable)("-m", "paratrain", *argv, "--flight-dir", flight)
     except ChildFailedError as error:
         raise JobFailed(_failures(error), hang_report(flight)) from None
+    except torch.distributed.DistError as error:  # the nodes never met: no worker started
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise JobFailed([], reason=(
+            f"the rendezvous of {launch_cfg.nnodes} nodes at {endpoint} failed: {first}. Every node must be "
+            f"started with the same --nnodes and --rdzv-endpoint and its own --node-rank, within --timeout "
+            f"({launch_cfg.timeout_s:g} s) of each other")) from None
     finally:
         shutil.rmtree(flight, ignore_errors=True)
 

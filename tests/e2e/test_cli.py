@@ -231,6 +231,45 @@ def test_two_launcher_nodes_train_together(tmp_path, how):
         assert four[step] == pytest.approx(one[step], rel=1e-5)
 
 
+def test_a_rank_killed_on_one_of_two_nodes_restarts_both(tmp_path):
+    """Two launcher agents on 127.0.0.1 (2 processes each, --max-restarts 1): rank 3, on node 1, is
+    killed at step 6; both nodes' launchers relaunch (attempt 1 meets on the endpoint's port + 1, away
+    from attempt 0's store), resume from step 4 and finish; the log holds each step once, and the
+    losses are those of one uninterrupted process (dp 4 = one process, up to float32 rounding)."""
+    port = free_port()
+    common = ["train", "--nproc", "2", *SMALL, "--steps", "7", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--save", str(tmp_path / "ckpt"), "--save-every", "4", "--max-restarts", "1", "--fail-at", "3:6:kill"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    started = time.monotonic()
+    nodes = [subprocess.Popen([sys.executable, "-m", "paratrain", *common, "--node-rank", str(rank),
+                               "--log-json", str(tmp_path / f"node{rank}.jsonl")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    elapsed = time.monotonic() - started
+    for node, (_, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err[-3000:]
+    assert "attempt 0 failed: rank 3 died of SIGKILL" in outputs[1][1]
+    assert "restarting (1 of 1)" in outputs[0][1]
+    steps = [r["step"] for r in records(tmp_path / "node0.jsonl") if "loss" in r]
+    assert steps == list(range(1, 8))
+    single = paratrain("train", "--nproc", "1", *SMALL, "--steps", "7", "--log-json", str(tmp_path / "one.jsonl"))
+    assert single.returncode == 0, single.stderr
+    one = losses(tmp_path / "one.jsonl")
+    for step, loss in losses(tmp_path / "node0.jsonl").items():
+        assert loss == pytest.approx(one[step], rel=1e-5), step
+    print(f"\ntwo nodes, rank 3 killed at step 6: {elapsed:.1f} s to the end, relaunch included")
+
+
+def test_a_node_that_never_comes_is_reported_without_a_traceback():
+    """Node 0 of 2 alone, --timeout 3: the launcher says the rendezvous failed and what every node
+    needs, and exits 1 (torch's store error used to surface as a raw traceback)."""
+    out = paratrain("train", "--nproc", "1", *SMALL, "--steps", "1", "--nnodes", "2", "--node-rank", "0",
+                    "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--timeout", "3", timeout=120)
+    assert out.returncode == 1
+    assert "the rendezvous of 2 nodes at 127.0.0.1:" in out.stderr and "--node-rank" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_started_by_external_torchrun(tmp_path):
     log = tmp_path / "log.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
