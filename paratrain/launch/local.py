@@ -65,7 +65,7 @@ def launch(launch_cfg: LaunchSection, argv: list[str]) -> None:
     the workers resume from the newest checkpoint under --save that verifies. The failure of each
     attempt is reported as it happens. Across nodes every node's launcher does the same: attempt K
     meets on the endpoint's port + K (run id suffixed -K), so that no node joins the store of an
-    earlier attempt that node 0 has not yet closed.
+    earlier attempt that node 0 has not yet closed."""
     for attempt in range(launch_cfg.max_restarts + 1):
         try:
             _launch_once(launch_cfg, [*argv, "--attempt", str(attempt)] if attempt else argv, attempt=attempt)
