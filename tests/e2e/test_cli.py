@@ -196,7 +196,7 @@ def test_a_killed_rank_is_restarted_and_the_run_continues_exactly(tmp_path, layo
           f"uninterrupted, {restarted_s:.1f} s with the kill, the relaunch and {step - 5} step(s) run again)")
 
 
-@pytest.mark.parametrize("how", ["flags", "slurm"])
+@pytest.mark.parametrize("how", ["slurm"])  # two nodes told by flags: test_a_rank_killed_on_one_of_two_nodes_...
 def test_two_launcher_nodes_train_together(tmp_path, how):
     """Two launcher agents on 127.0.0.1, 2 processes each: told by flags, or by SLURM's variables as
     `srun --nodes 2 --ntasks-per-node 1 paratrain train --nproc 2` sets them (the same command on both)."""
@@ -320,8 +320,10 @@ LAUNCHED_FLAGS = ["--dp", "--tp", "--pp", "--zero", "--micro-batch", "--global-b
 
 
 def test_a_sample_of_random_accepted_flag_combinations_trains(tmp_path):
-    """The launched half of tests/unit/test_random_flags.py: combinations the checks accept, started for
-    real on the tiny model; every one trains (none dies in a worker with a traceback)."""
+    """The launched half of tests/unit/test_random_flags.py: a combination the checks accept, started for
+    real on the tiny model, trains (no worker dies with a traceback). One per suite run to keep the
+    suite short; the seed decides which (11: ZeRO-2 with optimizer offload, full recompute, the
+    collective check every step)."""
     from paratrain.cli import _parser, prepare_launch, run_config_from_args
     from paratrain.config import ConfigError
     from tests.unit.test_random_flags import FLOATS, INTS, STRINGS
@@ -329,7 +331,7 @@ def test_a_sample_of_random_accepted_flag_combinations_trains(tmp_path):
     rng, parser, launched = random.Random(11), _parser(), 0
     base = ["--device", "cpu", "--model", "tiny", "--seq-len", "32", "--steps", "2", "--eval-every", "0",
             "--sample-tokens", "0", "--no-progress", "--nproc", "2"]
-    while launched < 3:
+    while launched < 1:
         argv = []
         for flag in rng.sample(LAUNCHED_FLAGS, rng.randint(2, 5)):
             kind = _TRAIN_FLAGS_KINDS[flag]
