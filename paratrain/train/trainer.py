@@ -126,9 +126,9 @@ class Trainer:
             # The starting point, so the log shows how far validation loss came down.
             result.val_losses[0] = self.validate()
             json_log.write({"step": 0, "val_loss": result.val_losses[0]})
-        # Steps are queued without reading anything back (Engine.step); their losses are read once
-        # per log interval (or when a step must be looked at: validation, checkpoint, the last one),
-        # and the interval's time is spread over its steps.
+        # Steps are queued without reading anything back (Engine.step); their values are read at the
+        # end of each log interval (or when a step must be looked at: validation, checkpoint, the last
+        # one), and the interval's time is spread over its steps.
         unread: list[tuple[int, float, Any]] = []  # (step, lr, PendingStep) since the last read
         interval_start = time.perf_counter()
         try:
@@ -154,16 +154,14 @@ class Trainer:
                 if not (self.step % train.log_every == 0 or validating or saving or pending.ready
                         or self.step == start_step + 1):
                     continue
-                try:
-                    losses = torch.stack([p.loss for _, _, p in unread]).tolist()  # one read for the interval
-                    for (_, _, p) in unread:
-                        p.stats()
+                try:  # the first read waits for the device; the interval's other steps are done by then
+                    read = [p.stats() for _, _, p in unread]
                 except NonFiniteError as error:
                     raise self._stopped(error.step, str(error)) from None
                 step_time = (time.perf_counter() - interval_start) / len(unread)
-                for (number, step_lr, p), loss in zip(unread, losses):
-                    result.losses[number] = loss
-                    record = self._record(number, step_lr, p.stats(), step_time, flops_per_token, peak)
+                for (number, step_lr, _), stats in zip(unread, read):
+                    result.losses[number] = stats.loss
+                    record = self._record(number, step_lr, stats, step_time, flops_per_token, peak)
                     if number == self.step:
                         if validating:
                             record["val_loss"] = result.val_losses[self.step] = self.validate()
@@ -172,7 +170,7 @@ class Trainer:
                         if self.step == start_step + 1:  # optimizer state exists now: what this rank holds
                             json_log.write({"step": self.step, "memory": self.memory_record()})
                         if bar is not None:
-                            postfix = {"loss": f"{loss:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
+                            postfix = {"loss": f"{stats.loss:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
                             if "val_loss" in record:
                                 postfix["val"] = f"{record['val_loss']:.3f}"
                             bar.set_postfix(postfix, refresh=False)
