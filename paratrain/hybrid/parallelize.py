@@ -17,10 +17,12 @@ from paratrain.comm.roles import GradRoles
 from paratrain.data_parallel import GradSync
 from paratrain.hybrid.compile import compile_blocks
 from paratrain.hybrid.engine import Engine, GradientStrategy
+from paratrain.hybrid.materialize import Inits, Source, is_meta, materialize, whole_shapes
 from paratrain.hybrid.state import load_optimizer_state, optimizer_state
 from paratrain.memory import (LOW_DTYPES, PRECISIONS, RECOMPUTE_MODES, LossScaler, apply_activation_offload,
                               apply_recompute)
 from paratrain.models import GPT
+from paratrain.models.init import ParamInit
 from paratrain.pipeline.runtime import LossOnOutput, PipelineExecutor
 from paratrain.pipeline.stages import StageModel, chunk_ranges, model_layers
 from paratrain.sharding import WrapPolicy, ZeroSync
@@ -37,7 +39,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                 reshard_after_forward: bool | None = None, loss_scale: float | None = None,
                 tp_plan: Mapping[str, str] | None = None, seed: int = 0,
                 pipeline_loss: PipelineLoss | None = None, on_non_finite: str = "raise",
-                compile: bool | str = False) -> Engine:
+                compile: bool | str = False, init: Source | Mapping[str, ParamInit] | None = None) -> Engine:
     """Apply the layout of `ctx` to `model` and return an Engine that trains it.
 
     optimizer: builds the optimizer from the parameter list (called once, after the layout is applied).
@@ -68,12 +70,23 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         backend, e.g. 'aot_eager'), after tensor parallelism and recomputation, as torchtitan does:
         each block's forward is compiled in place, so names, ZeRO-3's gathers and the pipeline see the
         same modules. Collectives and keyed dropout run eagerly between the compiled pieces.
+    init: for a model built on the meta device (build_gpt(..., device="meta"), or any model built
+        under `with torch.device("meta")`): where its values come from. None: the model's own
+        `param_inits()` (name -> paratrain.models.init.ParamInit, for every parameter and buffer);
+        a mapping of the same; or a paratrain.hybrid.materialize Source such as FromRank0 (world rank 0
+        built the model whole). The layout is applied to shapes, then each rank allocates and fills only
+        its pieces (paratrain.hybrid.materialize), bit for bit what a whole build would give them.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if micro_batch is not None and micro_batch < 1:
         raise ValueError(f"micro_batch must be >= 1 or None, got {micro_batch}")
     is_gpt = isinstance(model, GPT)
+    meta = is_meta(model)
+    if init is not None and not meta:
+        raise ValueError("init= is for a model built on the meta device; this model already holds its values")
+    whole = whole_shapes(model) if meta else {}
+    source = _source(model, init) if meta else None
     # 1. Pipeline: this rank keeps the layers of its chunks, under their names in the whole model.
     pp_group = ctx.mesh.groups.get("pp")
     stage: StageModel | None = None
@@ -83,8 +96,9 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         ranges = chunk_ranges(layers, pp_group.size * v, ctx.config.pp_split or None)
         stage = StageModel(model, layers, ranges, [pp_group.index + k * pp_group.size for k in range(v)])
         model = stage
-    # 2. Place the model on this rank's device.
-    model.to(ctx.device)
+    # 2. Place the model on this rank's device (a meta model is materialised below, piece by piece).
+    if not meta:
+        model.to(ctx.device)
     # 3. Tensor parallelism: planned modules replaced by slices of themselves, by name.
     tp: TensorParallelLayout | None = None
     tp_group = ctx.mesh.groups.get("tp")
@@ -104,9 +118,19 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         compile_blocks(model, backend="inductor" if compile is True else compile, required=stage is None)
     if "activations" in ctx.config.offloaded:
         apply_activation_offload(model, required=stage is None)
-    # 5. Data parallelism: same weights everywhere, gradients summed over the dp group in buckets.
+    # 5. A meta model: this rank's tensors allocated and filled (ZeRO's flat groups once they exist).
+    place = functools.partial(materialize, model, source, whole, device=ctx.device,  # type: ignore[arg-type]
+                              tied=stage.tied if stage is not None else None,
+                              split_dims=tp.split_dims if tp is not None else None,
+                              tp_index=tp_group.index if tp_group is not None else 0,
+                              tp_parts=tp_group.size if tp_group is not None else 1)
+    if meta and ctx.config.zero == 0:
+        place()
+        if tp is not None:
+            tp.register_grad_hooks(model)
+    # 6. Data parallelism: same weights everywhere, gradients summed over the dp group in buckets.
     dp_group = ctx.mesh.groups.get("dp")
-    if dp_group is not None and sync_initial_weights:
+    if dp_group is not None and sync_initial_weights and not meta:
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 broadcast(tensor.data, dp_group)
@@ -120,23 +144,28 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                       tied=ctx.mesh.groups.get("tied") if tied else None, tied_ids=frozenset(map(id, tied)),
                       norm_skip=frozenset(id(p) for p in tied if stage is not None and stage.tied))
     if ctx.config.zero == 0:
-        # 6a. Plain DP: .grad are bucket views, summed over dp; the optimizer keeps full state.
+        # 7a. Plain DP: .grad are bucket views, summed over dp; the optimizer keeps full state.
         grads = GradSync(params, dp_group, bucket_bytes=bucket_bytes, roles=roles)
         save_state = functools.partial(optimizer_state, opt, names)
         load_state = functools.partial(load_optimizer_state, opt, names=names)
     else:
-        # 6b. ZeRO-1/2/3: flat groups padded to the shard group; the optimizer is re-pointed at this
+        # 7b. ZeRO-1/2/3: flat groups padded to the shard group; the optimizer is re-pointed at this
         # rank's shard of each, so its state exists for 1/shard of the parameters only.
         zero = ZeroSync(params, opt, names, ctx.mesh, stage=ctx.config.zero, bucket_bytes=bucket_bytes,
                         reduce_op=_grad_reduce(ctx), model=model, wrap=wrap,
                         reshard_after_forward=(ctx.config.reshard_after_forward if reshard_after_forward is None
                                                else reshard_after_forward),
                         offload="optimizer" in ctx.config.offloaded,
-                        param_dtype=LOW_DTYPES.get(precision), roles=roles, deferred=stage is not None)
+                        param_dtype=LOW_DTYPES.get(precision), roles=roles, deferred=stage is not None,
+                        device=ctx.device)
+        if meta:
+            place(groups=zero.groups)
+            if tp is not None:
+                tp.register_grad_hooks(model)
         grads, save_state, load_state = zero, zero.optimizer_state, zero.load_optimizer_state
-    # 7. fp16: dynamic loss scaling, its overflow decision shared by all ranks.
+    # 8. fp16: dynamic loss scaling, its overflow decision shared by all ranks.
     scaler = LossScaler(scale=loss_scale) if precision == "fp16" else None
-    # 8. Pipeline: the executor that runs the schedule's actions on this rank.
+    # 9. Pipeline: the executor that runs the schedule's actions on this rank.
     executor = None
     if stage is not None:
         assert pp_group is not None
@@ -148,6 +177,18 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     return Engine(model, ctx, opt, grads, micro_batch=micro_batch, precision=precision, grad_clip=grad_clip,
                   optimizer_state=save_state, load_optimizer_state=load_state, scaler=scaler, tp=tp, seed=seed,
                   pipeline=executor, on_non_finite=on_non_finite)
+
+
+def _source(model: nn.Module, init: Source | Mapping[str, ParamInit] | None) -> Source:
+    if init is None:
+        param_inits = getattr(model, "param_inits", None)
+        if param_inits is None:
+            raise ValueError(f"a {type(model).__name__} built on the meta device needs its values: give it a "
+                             "param_inits() method (name -> paratrain.models.init.ParamInit), pass init={name: "
+                             "ParamInit}, or build it whole on world rank 0 and pass init=FromRank0(model or None, "
+                             "ctx.mesh, ctx.device)")
+        return Inits(param_inits())
+    return Inits(init) if isinstance(init, Mapping) else init
 
 
 def _gpt_chunk_loss(stage: StageModel, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

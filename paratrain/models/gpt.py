@@ -37,7 +37,7 @@ from torch import nn
 
 from paratrain.config.model import ModelConfig
 from paratrain.models.dropout import KeyedDropout
-from paratrain.models.init import keyed_normal_
+from paratrain.models.init import Constant, Given, KeyedNormal, ParamInit, init_tensor_
 from paratrain.models.loss import chunked_cross_entropy
 
 IGNORE_INDEX = -100
@@ -172,10 +172,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, *, init_seed: int = 0) -> None:
+        """init_seed: what param_inits() keys the weights by (build_gpt passes its seed)."""
         super().__init__()
         config.validate()
         self.config = config
+        self.init_seed = init_seed
         self.tok_emb = nn.Embedding(config.padded_vocab, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
@@ -198,18 +200,33 @@ class GPT(nn.Module):
             x = block(x, cos, sin)
         return self.head(self.norm(x))
 
+    def param_inits(self, seed: int | None = None) -> dict[str, ParamInit]:
+        """How to initialise every tensor, by name (each stored tensor once; non-persistent buffers too),
+        keyed by `seed` (None: init_seed), layout-free (paratrain.models.init): GPT-2's N(0, 0.02),
+        residual output projections scaled by 1/sqrt(2 * n_layer) (Radford et al. 2019, section 2.3),
+        norms at 1. parallelize reads this to materialise only a rank's pieces of a model built on the
+        meta device."""
+        seed = self.init_seed if seed is None else seed
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        inits: dict[str, ParamInit] = {}
+        for name, _ in self.named_parameters():
+            if name.endswith("norm.weight"):
+                inits[name] = Constant(1.0)
+            elif name.endswith(("attn.out.weight", "mlp.down.weight")):
+                inits[name] = KeyedNormal(seed, name, residual_std)
+            else:
+                inits[name] = KeyedNormal(seed, name, 0.02)
+        cos, sin = rope_tables(self.config.seq_len, self.config.head_dim, self.config.rope_theta)
+        inits["rope_cos"], inits["rope_sin"] = Given(cos), Given(sin)
+        return inits
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Layout-free init (see paratrain.models.init): GPT-2's N(0, 0.02), residual output
-        projections scaled by 1/sqrt(2 * n_layer) (Radford et al. 2019, section 2.3), norms at 1."""
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        """Fill every parameter from param_inits(seed), on the model's device (not on the meta device:
+        parallelize materialises such a model piece by piece)."""
+        inits = self.param_inits(seed)
         for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith(("attn.out.weight", "mlp.down.weight")):
-                keyed_normal_(param, seed=seed, name=name, std=residual_std)
-            else:
-                keyed_normal_(param, seed=seed, name=name, std=0.02)
+            init_tensor_(param, inits[name])
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.8,
@@ -251,7 +268,12 @@ def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple
 
 def build_gpt(config: ModelConfig, *, seed: int, device: torch.device | str = "cpu",
               dtype: torch.dtype = torch.float32) -> GPT:
-    """A GPT with layout-free weights, on `device` in `dtype`."""
-    model = GPT(config)
+    """A GPT with layout-free weights, on `device` in `dtype`. device "meta": shapes only, nothing
+    allocated or initialised; parallelize then materialises each rank's pieces from param_inits(seed)
+    (the same numbers as a full build, bit for bit)."""
+    if torch.device(device).type == "meta":
+        with torch.device("meta"):
+            return GPT(config, init_seed=seed).to(dtype=dtype)
+    model = GPT(config, init_seed=seed)
     model.init_weights(seed)
     return model.to(device=device, dtype=dtype)

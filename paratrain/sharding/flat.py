@@ -21,15 +21,20 @@ from torch import nn
 class FlatGroup:
     def __init__(self, index: int, params: list[nn.Parameter], *, shards: int, shard_index: int,
                  optimizer_group: int, persistent: bool = True, master_device: torch.device | None = None,
-                 param_dtype: torch.dtype | None = None) -> None:
+                 param_dtype: torch.dtype | None = None, device: torch.device | None = None) -> None:
         """persistent False (ZeRO-3): param_flat's storage is freed, and `shard` keeps this rank's
         slice in storage of its own; the gatherer refills param_flat before the parameters are used.
         master_device: keep the optimizer's copy of the shard there (offload to the CPU).
-        param_dtype: store the parameters in this dtype (bf16 / fp16), the masters in theirs."""
+        param_dtype: store the parameters in this dtype (bf16 / fp16), the masters in theirs.
+        device: where the buffers live when the parameters are on the meta device (shapes only): then
+        nothing is copied, the storage this rank keeps (param_flat when persistent, else shard, and a
+        separate master) is allocated but not initialised, padding aside, and `materialized` is False
+        until paratrain.hybrid.materialize fills it."""
         self.index = index
         self.params = params
         self.optimizer_group = optimizer_group
         """Index of the optimizer param group all these parameters belong to."""
+        self.shapes = [param.shape for param in params]
         self.offsets: list[int] = []
         total = 0
         for param in params:
@@ -40,20 +45,38 @@ class FlatGroup:
         self.shard_numel = self.padded // shards
         self.lo = shard_index * self.shard_numel
         self.hi = self.lo + self.shard_numel
-        master_dtype, device = params[0].dtype, params[0].device
+        master_dtype = params[0].dtype
+        self.materialized = not params[0].is_meta
+        if not self.materialized and device is None:
+            raise ValueError("FlatGroup of meta parameters needs device= (where its buffers are allocated)")
+        device = params[0].device if self.materialized else device
         dtype = param_dtype or master_dtype
+        own_master = master_device is not None or dtype != master_dtype
         with torch.no_grad():
-            exact = self.flatten([p.detach() for p in params])  # in the parameters' own dtype
-            self.param_flat = exact.to(dtype)
+            if self.materialized:
+                exact = self.flatten([p.detach() for p in params])  # in the parameters' own dtype
+                self.param_flat = exact.to(dtype)
+            else:  # untouched pages: a ZeRO-3 group's full buffer is freed below before it costs memory
+                self.param_flat = torch.empty(self.padded, dtype=dtype, device=device)
+                self.param_flat[self.numel:].zero_()
+                for param in params:  # a real (empty) tensor first: .data cannot move a meta parameter
+                    torch.utils.swap_tensors(param, nn.Parameter(torch.empty(0, dtype=dtype, device=device),
+                                                                 requires_grad=param.requires_grad))
             for param, view in zip(params, self.views(self.param_flat)):
                 param.data = view
         shard = self.param_flat[self.lo: self.hi]
-        self.shard = shard if persistent else shard.clone()
+        if persistent:
+            self.shard = shard
+        else:
+            self.shard = shard.clone() if self.materialized else torch.zeros_like(shard)
         """This rank's slice of the parameters on their device: a view of param_flat when
         persistent, storage of its own otherwise (what the all-gather of ZeRO-3 reads)."""
-        own_master = master_device is not None or dtype != master_dtype
-        exact_shard = exact[self.lo: self.hi]
-        self.master = nn.Parameter(exact_shard.to(master_device or device, copy=True) if own_master else self.shard)
+        if not self.materialized:
+            self.master = nn.Parameter(torch.zeros(self.shard_numel, dtype=master_dtype, device=master_device or device)
+                                       if own_master else self.shard)
+        else:
+            exact_shard = exact[self.lo: self.hi]
+            self.master = nn.Parameter(exact_shard.to(master_device or device, copy=True) if own_master else self.shard)
         """What the optimizer updates: `shard` itself, or a copy of it of its own: in float32 when
         the parameters are stored in a low precision (initialised from the exact values, not from
         the rounded ones), on master_device when offloaded. push_master() copies it back."""
@@ -90,7 +113,7 @@ class FlatGroup:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's region of a [padded] buffer, shaped like the parameter."""
-        return [flat[o: o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
+        return [flat[o: o + shape.numel()].view(shape) for o, shape in zip(self.offsets, self.shapes)]
 
     def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.lo: self.hi]

@@ -103,7 +103,7 @@ class ZeroSync:
                  mesh: Mesh, *, stage: int, bucket_bytes: int, reduce_op: str, model: nn.Module | None = None,
                  wrap: WrapPolicy = None, reshard_after_forward: bool = True, offload: bool = False,
                  param_dtype: torch.dtype | None = None, roles: GradRoles = GradRoles(),
-                 deferred: bool = False) -> None:
+                 deferred: bool = False, device: torch.device | None = None) -> None:
         """model, wrap, reshard_after_forward: stage 3 only (see paratrain.sharding.gather).
         offload: the optimizer's masters and state live in CPU memory and the update runs there
         (ZeRO-Offload, Ren et al. 2021); the device keeps only its working copy of the shard.
@@ -113,7 +113,8 @@ class ZeroSync:
         parameters of different roles never share a flat group.
         deferred: reduce once per step, after the last backward (pipeline schedules interleave the
         micro-batches' backwards); stage 2 then keeps full gradients during the step and only the
-        shards between steps."""
+        shards between steps.
+        device: where the flat buffers go when the parameters are on the meta device (FlatGroup)."""
         self.roles = roles
         self.deferred = deferred
         if deferred and stage == 3:
@@ -141,7 +142,7 @@ class ZeroSync:
         if stage < 3:
             planned = plan_buckets(params, cap_bytes=bucket_bytes, key=lambda p: (group_of[id(p)], roles.bucket_key(p)))
             self.groups = [FlatGroup(i, ps, shards=shards, shard_index=shard_index, master_device=master_device,
-                                     param_dtype=param_dtype, optimizer_group=group_of[id(ps[0])])
+                                     param_dtype=param_dtype, optimizer_group=group_of[id(ps[0])], device=device)
                            for i, ps in enumerate(planned)]
         else:
             if model is None:
@@ -156,7 +157,7 @@ class ZeroSync:
                 for (gi, _), ps in by_group.items():
                     unit.groups.append(FlatGroup(len(self.groups), ps, shards=shards, shard_index=shard_index,
                                                  optimizer_group=gi, persistent=False, master_device=master_device,
-                                                 param_dtype=param_dtype))
+                                                 param_dtype=param_dtype, device=device))
                     self.groups.append(unit.groups[-1])
             self.gatherer = ParamGatherer(root, units, self.shard_group, reshard_after_forward=reshard_after_forward)
             self._unit_of = {g.index: u for u in [root, *units] for g in u.groups}
@@ -167,15 +168,18 @@ class ZeroSync:
             param_group["params"] = [g.master for g in self.groups if g.optimizer_group == gi]
         optimizer.state.clear()
 
+        # Gradient buffers are zeroed by the first begin_step, not here: on a CPU their pages then cost
+        # nothing until training starts (building a large model holds only its parameter shards).
         self.grad_flats: list[torch.Tensor | None] = [None] * len(self.groups)
         self.grad_shards: list[torch.Tensor] = []
+        self._grads_zeroed = False
         for g in self.groups:
             if stage == 1:
-                self.grad_flats[g.index] = torch.zeros(g.padded, dtype=g.param_flat.dtype, device=g.param_flat.device)
+                self.grad_flats[g.index] = torch.empty(g.padded, dtype=g.param_flat.dtype, device=g.param_flat.device)
             if stage == 1 and reduce_op == "all_reduce":
                 shard = g.shard_of(self.grad_flats[g.index])  # type: ignore[arg-type]
             else:
-                shard = torch.zeros(g.shard_numel, dtype=g.param_flat.dtype, device=g.param_flat.device)
+                shard = torch.empty(g.shard_numel, dtype=g.param_flat.dtype, device=g.param_flat.device)
             self.grad_shards.append(shard)
             if not g.own_master:
                 g.master.grad = shard
@@ -189,6 +193,10 @@ class ZeroSync:
 
     # ---- backward -------------------------------------------------------------------------
     def begin_step(self) -> None:
+        if not self._grads_zeroed:
+            for buffer in [*self.grad_shards, *(f for f in self.grad_flats if f is not None)]:
+                buffer.zero_()
+            self._grads_zeroed = True
         if self.stage == 1:
             for g in self.groups:
                 flat = self.grad_flats[g.index]

@@ -90,6 +90,15 @@ class TensorParallelLayout:
         part = tensor.shape[dim] // self.group.size
         return tensor.narrow(dim, self.group.index * part, part).clone()
 
+    def register_grad_hooks(self, model: nn.Module) -> None:
+        """Under sequence parallelism, sum each replicated parameter's gradient over tp as autograd
+        produces it. apply_tensor_parallel does this itself, unless the model is on the meta device:
+        then call it once the parameters are materialised (a hook does not survive materialisation)."""
+        if self.sequence_parallel:
+            for param in model.parameters():
+                if param.requires_grad and id(param) not in self.split_ids:
+                    param.register_hook(_sum_over_tp(self.group))
+
     def gather_full(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every split tensor of a name-keyed state made whole (collective over tp; name order)."""
         return {name: self.full(name, state[name]) for name in sorted(state)}
@@ -169,10 +178,8 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
         if id(param) in split:
             layout.split_dims[pname] = split[id(param)]
     layout.split_ids = frozenset(split)
-    if sequence_parallel:
-        for param in model.parameters():
-            if param.requires_grad and id(param) not in split:
-                param.register_hook(_sum_over_tp(group))
+    if not any(p.is_meta for p in model.parameters()):
+        layout.register_grad_hooks(model)
     return layout
 
 

@@ -63,7 +63,8 @@ class Trainer:
         self.log = get_logger(ctx.rank)
         self.source = load_source(config.data.source, val_fraction=config.data.val_fraction)
         check_data(plan, self.source)
-        self.model: GPT = build_gpt(plan.model, seed=config.seed)
+        # Built on the meta device: parallelize allocates and initialises only this rank's pieces.
+        self.model: GPT = build_gpt(plan.model, seed=config.seed, device="meta")
         self.engine: Engine = parallelize(
             self.model, ctx, optimizer=adamw_factory(self.model, config.optim),
             micro_batch=plan.batch.micro_batch, precision=config.train.precision,
