@@ -80,7 +80,9 @@ _TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--nan-policy": ("train.nan_policy", str, "a nan or inf loss or gradient norm: stop (default: name the step, "
                      "ranks and newest checkpoint) or skip the update"),
     "--nan-skips": ("train.nan_skips", int, "with --nan-policy skip: the most steps to skip before stopping (default 10)"),
-    "--fail-at": ("train.fail_at", str, "fault injection for tests: RANK:STEP raises on that rank at that step, RANK:STEP:kill SIGKILLs it"),
+    "--fail-at": ("train.fail_at", str, "fault injection for tests: RANK:STEP raises on that rank at that step, "
+                  "RANK:STEP:kill SIGKILLs it, RANK:STEP:hang hangs it, RANK:STEP:kill-saving SIGKILLs it while "
+                  "saving step STEP"),
 }
 
 

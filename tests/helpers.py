@@ -37,10 +37,13 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
              dropout: float = 0.0, start: dict[str, Any] | None = None, start_step: int = 0,
              return_state: bool = False, pp: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
              pp_split: tuple[int, ...] = (), n_layer: int = 4, warmup: int = WARMUP,
-             compile: bool | str = False) -> dict[str, Any]:
+             compile: bool | str = False, save_sharded: str | None = None, load_sharded: str | None = None,
+             precision: str = "fp32") -> dict[str, Any]:
     """Train the tiny GPT `steps` steps on the built-in corpus under a layout; per-step losses and
     grad norms, and the final full state. dp None: the single-process reference (no process group).
-    start, start_step: resume from a full state (engine.state_dict()) taken after start_step steps."""
+    start, start_step: resume from a full state (engine.state_dict()) taken after start_step steps.
+    save_sharded / load_sharded: a root to write a sharded checkpoint into at the end / read the newest
+    one from first (paratrain.checkpoint.sharded; start_step must then be the step it was saved at)."""
     torch.manual_seed(12345)  # must not matter: init and data order are keyed
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dp, tp=tp, sequence_parallel=sequence_parallel, pp=pp,
                                                   schedule=schedule, virtual_stages=virtual_stages, pp_split=pp_split,
@@ -51,12 +54,23 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
     engine = paratrain.parallelize(
         model, ctx, optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.1),
         micro_batch=micro_batch, grad_clip=grad_clip, recompute=recompute, seed=seed, compile=compile,
+        precision=precision,
     )
     source = load_source("builtin")
     loader = GlobalBatchLoader(source.train, seq_len=TINY.seq_len, global_batch=global_batch,
                                dp=ctx.mesh.degree("dp"), dp_index=ctx.mesh.index("dp"), seed=seed)
+    bytes_read = None
     if start is not None:
         engine.load_state_dict(start)
+        loader.load_state_dict({"epoch": 0, "cursor": start_step * global_batch})
+    if load_sharded is not None:
+        from paratrain.checkpoint import resolve_checkpoint, verify_checkpoint
+        from paratrain.checkpoint.sharded import load_sharded as load
+
+        folder = resolve_checkpoint(load_sharded)
+        meta = verify_checkpoint(folder)
+        assert meta["step"] == start_step
+        bytes_read = load(folder, meta, engine).bytes_read
         loader.load_state_dict({"epoch": 0, "cursor": start_step * global_batch})
     losses, norms = [], []
     for step in range(start_step, start_step + steps):
@@ -64,6 +78,10 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
         losses.append(engine.train_step(loader.next(), lm_loss))
         assert engine.last is not None
         norms.append(engine.last.grad_norm)
+    if save_sharded is not None:
+        from paratrain.checkpoint.sharded import save_sharded as save
+
+        save(save_sharded, start_step + steps, engine, {})
     state = engine.state_dict()
     optimizer = {f"{name}::{key}": value.clone() for name, values in state["optimizer"]["state"].items()
                  for key, value in values.items() if isinstance(value, torch.Tensor)}
@@ -72,7 +90,7 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
             "local": {} if engine.grads.params_sharded else {n: p.detach().clone()
                                                              for n, p in engine.model.named_parameters()},
             "model": {k: v.clone() for k, v in state["model"].items()}, "optimizer": optimizer,
-            "memory": engine.memory_report(),
+            "memory": engine.memory_report(), "bytes_read": bytes_read,
             "launched_during_backward": getattr(engine.grads, "launched_during_backward", None),
             "buckets": len(getattr(engine.grads, "buckets", getattr(engine.grads, "groups", []))),
             "timeline": engine.pipeline.times if engine.pipeline is not None else None}

@@ -1,7 +1,10 @@
-"""Layout-free checkpoints: full tensors by name in safetensors, the rest in JSON, written atomically."""
+"""Layout-free checkpoints: tensors by whole-model name in safetensors, the rest in JSON, written atomically.
+Sharded (format 2, sharded.py): every rank writes its own pieces and reads back only what its layout
+keeps; whole (format 1, io.py): one rank writes the gathered model."""
 
 from paratrain.checkpoint.io import (
     FORMAT,
+    SHARDED_FORMAT,
     CheckpointError,
     load_checkpoint,
     newest_verified,
@@ -9,6 +12,7 @@ from paratrain.checkpoint.io import (
     save_checkpoint,
     verify_checkpoint,
 )
+from paratrain.checkpoint.sharded import CheckpointReader, load_sharded, save_sharded
 
-__all__ = ["FORMAT", "CheckpointError", "load_checkpoint", "newest_verified", "resolve_checkpoint", "save_checkpoint",
-           "verify_checkpoint"]
+__all__ = ["FORMAT", "SHARDED_FORMAT", "CheckpointError", "CheckpointReader", "load_checkpoint", "load_sharded",
+           "newest_verified", "resolve_checkpoint", "save_checkpoint", "save_sharded", "verify_checkpoint"]

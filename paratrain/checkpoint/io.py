@@ -26,6 +26,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 FORMAT = "paratrain-checkpoint/1"
+SHARDED_FORMAT = "paratrain-checkpoint/2"
+"""paratrain.checkpoint.sharded: one file per rank, an index in meta.json."""
 _SEP = "::"
 
 
@@ -110,6 +112,12 @@ def save_checkpoint(root: str | Path, step: int, engine_state: dict[str, Any], m
     if "loss_scaler" in engine_state:
         document["loss_scaler"] = engine_state["loss_scaler"]
     _fsync_write(tmp / "meta.json", json.dumps(document, indent=1, sort_keys=True))
+    return _publish(root, tmp, name, keep_last=keep_last)
+
+
+def _publish(root: Path, tmp: Path, name: str, *, keep_last: int) -> Path:
+    """Rename a complete, fsynced checkpoint folder `tmp` to root/name, then point `latest` at it
+    (atomically, the renames fsynced), then apply keep_last."""
     final = root / name
     if final.exists():  # re-saving the same step: move the old one aside first
         trash = root / f".old-{name}-{os.getpid()}"
@@ -160,8 +168,11 @@ def _verified_meta(folder: Path) -> dict[str, Any]:
         meta = json.loads((folder / "meta.json").read_text())
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{folder / 'meta.json'} cannot be read: {error}") from None
+    if meta.get("format") == SHARDED_FORMAT:
+        _verify_sharded(folder, meta)
+        return meta
     if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{folder} has format {meta.get('format')!r}, expected {FORMAT!r}")
+        raise CheckpointError(f"{folder} has format {meta.get('format')!r}, expected {FORMAT!r} or {SHARDED_FORMAT!r}")
     for file_name in _TENSOR_FILES:
         path = folder / file_name
         if not path.is_file():
@@ -185,6 +196,40 @@ def _verified_meta(folder: Path) -> dict[str, Any]:
         if wrong:
             raise CheckpointError(f"{path}: tensors {wrong[:4]} differ from the index in meta.json (shape or dtype)")
     return meta
+
+
+def _verify_sharded(folder: Path, meta: dict[str, Any]) -> None:
+    """A sharded checkpoint (paratrain.checkpoint.sharded): every rank file present with its size and
+    SHA-256, every indexed piece in its file with its length and dtype, every tensor covered whole."""
+    headers: dict[str, dict[str, tuple[list[int], str]]] = {}
+    for file_name, expected in meta.get("files", {}).items():
+        path = folder / file_name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing")
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{path} has {size} bytes, {expected['bytes']} were written (cut short or replaced)")
+        if _digest(path) != expected["sha256"]:
+            raise CheckpointError(f"{path} does not match the SHA-256 written with it (corrupted)")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                headers[file_name] = {k: (list(f.get_slice(k).get_shape()), _dtype_name(f.get_slice(k).get_dtype()))
+                                      for k in f.keys()}
+        except SafetensorError as error:
+            raise CheckpointError(f"{path} is not a readable safetensors file: {error}") from None
+    for key, entry in meta.get("tensors", {}).items():
+        total = 0
+        for piece in entry["pieces"]:
+            found = headers.get(piece["file"], {}).get(key)
+            if found != ([piece["hi"] - piece["lo"]], entry["dtype"]):
+                raise CheckpointError(f"{folder / piece['file']}: piece of {key} is {found}, the index says "
+                                      f"{[piece['hi'] - piece['lo']]} {entry['dtype']}")
+            total += piece["hi"] - piece["lo"]
+        numel = 1
+        for size in entry["shape"]:
+            numel *= size
+        if total != numel:
+            raise CheckpointError(f"{folder}: the pieces of {key} hold {total} of its {numel} elements")
 
 
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",

@@ -9,6 +9,7 @@ loader and RNG positions stay behind.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from paratrain.checkpoint.io import resolve_checkpoint, verify_checkpoint
+from paratrain.checkpoint.io import SHARDED_FORMAT, resolve_checkpoint, verify_checkpoint
+from paratrain.checkpoint.sharded import CheckpointReader
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 _BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
@@ -24,12 +26,19 @@ _BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "
 
 
 def describe_checkpoint(path: str | Path) -> dict[str, Any]:
-    """What a checkpoint holds (verified first): {"folder", "step", "world_size", "layout", "model",
-    "tensors": {file: [{"name", "shape", "dtype", "bytes"}]}, "params"} (params: model elements)."""
+    """What a checkpoint holds (verified first): {"folder", "step", "world_size", "format", "files"
+    (name -> bytes), "layout", "model", "tensors": {file: [{"name", "shape", "dtype", "bytes"}]}, "params"}
+    (params: model elements). A sharded checkpoint's logical tensors are listed under
+    "model.safetensors" and "optimizer.safetensors", the files of a whole one."""
     folder = resolve_checkpoint(path)
     meta = verify_checkpoint(folder)
     config = meta.get("config", {})
     tensors: dict[str, list[dict[str, Any]]] = {}
+    if meta.get("format") == SHARDED_FORMAT:  # one index of logical tensors: shown as the files of format 1
+        whole: dict[str, dict[str, list[Any]]] = {"model.safetensors": {}, "optimizer.safetensors": {}}
+        for key, entry in meta["tensors"].items():
+            whole["optimizer.safetensors" if "::" in key else "model.safetensors"][key] = [entry["shape"], entry["dtype"]]
+        meta = {**meta, "tensors": whole}
     for file_name, index in meta.get("tensors", {}).items():
         rows = []
         for name, (shape, dtype) in sorted(index.items()):
@@ -40,6 +49,7 @@ def describe_checkpoint(path: str | Path) -> dict[str, Any]:
         tensors[file_name] = rows
     model_rows = tensors.get("model.safetensors", [])
     return {"folder": str(folder), "step": meta.get("step"), "world_size": meta.get("world_size"),
+            "format": meta.get("format"), "files": {k: v["bytes"] for k, v in meta.get("files", {}).items()},
             "layout": config.get("parallel", {}), "model": config.get("model", {}), "tensors": tensors,
             "params": sum(r["bytes"] // max(_BYTES.get(r["dtype"], 1), 1) for r in model_rows)}
 
@@ -55,6 +65,9 @@ def format_description(record: dict[str, Any]) -> str:
              f"{axes or 'one process'}{''.join(', ' + e for e in extras if e)}",
              f"model {model.get('preset', '?')}{' ' + str(model['overrides']) if model.get('overrides') else ''}: "
              f"{record['params']:,} parameters (loads under any layout)"]
+    if record.get("format") == SHARDED_FORMAT:
+        lines.append(f"sharded: {len(record['files'])} rank files, {sum(record['files'].values()) / 2**20:.1f} MiB "
+                     "(below: the logical tensors they hold pieces of)")
     for file_name, rows in record["tensors"].items():
         total = sum(r["bytes"] for r in rows)
         lines.append(f"{file_name}: {len(rows)} tensors, {total / 2**20:.1f} MiB")
@@ -72,12 +85,19 @@ def export_model(path: str | Path, out: str | Path, *, dtype: str | None = None)
     folder = resolve_checkpoint(path)
     meta = verify_checkpoint(folder)
     tensors = {}
-    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-        for name in f.keys():
-            tensor = f.get_tensor(name)
-            if dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(DTYPES[dtype])
-            tensors[name] = tensor.contiguous()
+    if meta.get("format") == SHARDED_FORMAT:  # each tensor assembled from its pieces
+        reader = CheckpointReader(folder, meta)
+        for name in sorted(k for k in meta["tensors"] if "::" not in k):
+            saved = reader.open(name)
+            tensor = saved.values(saved.shape, 0, math.prod(saved.shape)).view(saved.shape)
+            tensors[name] = tensor.to(DTYPES[dtype]) if dtype is not None and tensor.is_floating_point() else tensor
+    else:
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                if dtype is not None and tensor.is_floating_point():
+                    tensor = tensor.to(DTYPES[dtype])
+                tensors[name] = tensor.contiguous()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out), metadata={"format": "pt", "source": str(folder), "step": str(meta.get("step"))})

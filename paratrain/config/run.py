@@ -93,7 +93,8 @@ class TrainSection:
     """With nan_policy 'skip': the most non-finite steps a run may skip before it stops."""
     fail_at: str = ""
     """Fault injection for testing crash handling: 'RANK:STEP' makes that rank raise at that step,
-    'RANK:STEP:kill' kill itself with SIGKILL, 'RANK:STEP:hang' stop answering."""
+    'RANK:STEP:kill' kill itself with SIGKILL, 'RANK:STEP:hang' stop answering, 'RANK:STEP:kill-saving'
+    SIGKILL itself while saving the checkpoint of STEP (its own file written, the checkpoint unpublished)."""
 
 
 @dataclass

@@ -278,7 +278,9 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
     if train.fail_at:
         parts = train.fail_at.split(":")
         if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[:2]) or parts[2:] not in ([], ["kill"],
-                                                                                                     ["hang"]):
-            raise ConfigError(f"train.fail_at must be 'RANK:STEP' (raise), 'RANK:STEP:kill' (SIGKILL) or "
-                              f"'RANK:STEP:hang' (stop answering), e.g. '1:3', got {train.fail_at!r}")
+                                                                                                     ["hang"],
+                                                                                                     ["kill-saving"]):
+            raise ConfigError(f"train.fail_at must be 'RANK:STEP' (raise), 'RANK:STEP:kill' (SIGKILL), "
+                              f"'RANK:STEP:hang' (stop answering) or 'RANK:STEP:kill-saving' (SIGKILL while saving "
+                              f"the checkpoint of STEP), e.g. '1:3', got {train.fail_at!r}")
     return RunPlan(config=config, model=model, parallel=parallel, batch=batch, seq_len=seq_len)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm import NormPart, all_reduce, divide_and_clip_, global_grad_norm
+from paratrain.hybrid.pieces import Pieces, whole_shapes
 from paratrain.hybrid.state import load_model_state, model_state
 from paratrain.hybrid.step import NonFiniteWatch, PendingStep, StepStats
 from paratrain.memory import LossScaler, autocast
@@ -27,6 +28,7 @@ from paratrain.models.dropout import KeyedDropout
 from paratrain.pipeline.runtime import PipelineExecutor
 from paratrain.pipeline.stages import gather_stages, stage_part
 from paratrain.rng import DropoutStream
+from paratrain.sharding.flat import FlatGroup
 from paratrain.tensor_parallel import TensorParallelLayout
 from paratrain.topology import Context
 
@@ -109,7 +111,8 @@ class Engine:
                  optimizer_state: Callable[[], dict[str, Any]],
                  load_optimizer_state: Callable[[Mapping[str, Any]], None],
                  scaler: LossScaler | None = None, tp: TensorParallelLayout | None = None,
-                 seed: int = 0, pipeline: PipelineExecutor | None = None, on_non_finite: str = "raise") -> None:
+                 seed: int = 0, pipeline: PipelineExecutor | None = None, on_non_finite: str = "raise",
+                 pieces: Pieces | None = None) -> None:
         if on_non_finite not in ("raise", "skip"):
             raise ValueError(f"on_non_finite must be 'raise' or 'skip', got {on_non_finite!r}")
         self.on_non_finite = on_non_finite
@@ -133,6 +136,8 @@ class Engine:
         self.tp = tp
         """Tensor parallelism: which parameters are split (checkpoints hold them whole)."""
         self.pipeline = pipeline
+        self.pieces = pieces if pieces is not None else Pieces(whole_shapes(model))
+        """How this rank's tensors map to the whole model's (sharded checkpoints read and write by it)."""
         """Pipeline parallelism: runs the schedule over this rank's stage (None without pp)."""
         self._pp_group = ctx.mesh.groups.get("pp")
         self._agree = [g for g in (self._dp_group, ctx.mesh.groups.get("tp"), self._pp_group) if g is not None]
@@ -341,6 +346,11 @@ class Engine:
         return {name: {key: convert(name, value) if isinstance(value, torch.Tensor) and value.dim() > 0 else value
                        for key, value in sorted(state[name].items())}
                 for name in sorted(state)}
+
+    @property
+    def flat_groups(self) -> list[FlatGroup]:
+        """ZeRO's flat groups (empty under plain data parallelism)."""
+        return list(getattr(self.grads, "groups", []))
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer state (steady state,

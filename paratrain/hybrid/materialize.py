@@ -22,7 +22,6 @@ ranks keep their pieces of it).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Mapping, Protocol, Sequence
 
@@ -30,13 +29,10 @@ import torch
 from torch import nn
 
 from paratrain.comm import broadcast
+from paratrain.hybrid.pieces import Pieces, Run, fill
 from paratrain.models.init import Given, ParamInit
 from paratrain.sharding.flat import FlatGroup
 from paratrain.topology import Mesh
-
-CHUNK = 1 << 22
-"""Elements filled per copy: what a fill holds besides its target (16 MiB of float32)."""
-
 
 class Source(Protocol):
     def open(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> ParamInit:
@@ -83,118 +79,24 @@ class FromRank0:
         return Given(tensor)
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Where a local tensor's elements come from: tensor `name` of the whole model (shape `shape`,
-    dtype `dtype`), or its slice `index` of `parts` along dim `dim`."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    split: tuple[int, int, int] | None = None
-    """(dim, index, parts), or None for the whole tensor."""
-
-    def values(self, init: ParamInit, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of the flattened local tensor, in `dtype`, on the CPU."""
-        if self.split is None:
-            return init.values(self.shape, lo, hi).to(self.dtype)
-        dim, index, parts = self.split
-        outer, size, inner = math.prod(self.shape[:dim]), self.shape[dim], math.prod(self.shape[dim + 1:])
-        part = size // parts
-        if outer == 1:  # a slice along the first dim that has more than one row: one contiguous range
-            offset = index * part * inner
-            return init.values(self.shape, lo + offset, hi + offset).to(self.dtype)
-        local_row, full_row = part * inner, size * inner
-        step = max(1, CHUNK // full_row)  # whole rows of the full tensor drawn at a time
-        pieces = []
-        first, end = lo // local_row, -(-hi // local_row)
-        for start in range(first, end, step):
-            stop = min(start + step, end)
-            rows = init.values(self.shape, start * full_row, stop * full_row).view(stop - start, size, inner)
-            local = rows[:, index * part: (index + 1) * part].reshape(-1)
-            base = start * local_row
-            pieces.append(local[max(lo - base, 0): hi - base])
-        return torch.cat(pieces).to(self.dtype) if pieces else torch.empty(0, dtype=self.dtype)
-
-
 def is_meta(model: nn.Module) -> bool:
     """Whether any parameter or buffer of `model` is on the meta device (shapes only)."""
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
-def whole_shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every stored tensor of the whole model (parameters once, buffers), by name: what a Source is
-    asked for, taken before the layout is applied."""
-    seen: set[int] = set()
-    shapes = {}
-    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            shapes[name] = (tuple(tensor.shape), tensor.dtype)
-    return shapes
-
-
-@dataclass
-class _Write:
-    target: torch.Tensor
-    """1-D, a region of the storage this rank keeps."""
-    piece: Piece
-    lo: int
-    """Local element of the piece that lands at target[0]."""
-
-
 @torch.no_grad()
-def materialize(model: nn.Module, source: Source, whole: Mapping[str, tuple[tuple[int, ...], torch.dtype]], *,
-                device: torch.device, groups: Sequence[FlatGroup] = (), tied: Mapping[str, str] | None = None,
-                split_dims: Mapping[str, int] | None = None, tp_index: int = 0, tp_parts: int = 1) -> None:
+def materialize(model: nn.Module, source: Source, pieces: Pieces, *, device: torch.device,
+                groups: Sequence[FlatGroup] = ()) -> None:
     """Allocate and fill every meta tensor of `model` (the layout already applied) on `device`.
 
-    whole: whole_shapes() of the model before the layout. groups: ZeRO flat groups built on meta
-    parameters (their storage exists, unfilled). tied: a pipeline stage's copy name -> the name it
-    copies. split_dims: tensor-parallel parameter name -> split dim, over tp_parts ranks, this one
-    tp_index. Every rank calls this (a Source may be collective)."""
-    tied, split_dims = tied or {}, split_dims or {}
-    names = {id(p): n for n, p in model.named_parameters()}
-
-    def piece(local_name: str) -> Piece:
-        name = tied.get(local_name, local_name)
-        if name not in whole:
-            raise KeyError(f"{local_name!r} is not a tensor of the model the layout was applied to")
-        shape, dtype = whole[name]
-        dim = split_dims.get(local_name)
-        return Piece(name, shape, dtype, None if dim is None else (dim, tp_index, tp_parts))
-
-    writes: dict[str, list[_Write]] = {}
-
-    def add(target: torch.Tensor, p: Piece, lo: int) -> None:
-        if target.numel():
-            writes.setdefault(p.name, []).append(_Write(target, p, lo))
-
-    in_groups = set()
-    for g in groups:
-        if g.materialized:
-            continue
-        targets = [(g.param_flat, 0)] if g.persistent else [(g.shard, g.lo)]
-        if g.own_master:
-            targets.append((g.master.data, g.lo))
-        for param, offset in zip(g.params, g.offsets):
-            in_groups.add(id(param))
-            for target, start in targets:  # this param's elements inside [start, start + len(target))
-                lo, hi = max(offset, start), min(offset + param.numel(), start + target.numel())
-                if lo < hi:
-                    add(target[lo - start: hi - start], piece(names[id(param)]), lo - offset)
-    plain: list[tuple[torch.Tensor, torch.Tensor]] = []  # (meta tensor, its new storage)
-    seen: set[int] = set()
-    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
-        if tensor.is_meta and id(tensor) not in in_groups and id(tensor) not in seen:
-            seen.add(id(tensor))
-            new = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-            plain.append((tensor, new))
-            add(new.view(-1), piece(name), 0)
-    for name in sorted(whole):  # the same order on every rank
-        shape, dtype = whole[name]
-        _fill(source.open(name, shape, dtype), writes.pop(name, []))
-    assert not writes, f"pieces of no tensor of the whole model: {sorted(writes)[:4]}"
+    pieces: how this rank's tensors map to the whole model's (whole_shapes() of the model before the
+    layout, tied copies, tensor-parallel splits). groups: ZeRO flat groups built on meta parameters
+    (their storage exists, unfilled). Every rank calls this (a Source may be collective)."""
+    plain, by_name = _allocate(pieces.storage(model, groups, meta_only=True), device)
+    for name in sorted(pieces.whole):  # the same order on every rank
+        shape, dtype = pieces.whole[name]
+        fill(source.open(name, shape, dtype), by_name.pop(name, []))
+    assert not by_name, f"pieces of no tensor of the whole model: {sorted(by_name)[:4]}"
     for g in groups:
         g.materialized = True
     for tensor, new in plain:
@@ -205,10 +107,17 @@ def materialize(model: nn.Module, source: Source, whole: Mapping[str, tuple[tupl
         raise RuntimeError(f"still on the meta device after materialising: {left[:6]}")
 
 
-def _fill(init: ParamInit, writes: list[_Write]) -> None:
-    """Each write's target from its piece of `init`, CHUNK elements at a time (the views it takes die
-    here: a tensor is swapped into place only when nothing else refers to it)."""
-    for write in writes:
-        for k in range(0, write.target.numel(), CHUNK):
-            part = write.target[k: k + CHUNK]
-            part.copy_(write.piece.values(init, write.lo + k, write.lo + k + part.numel()))
+def _allocate(runs: list[Run], device: torch.device) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                                              dict[str, list[Run]]]:
+    """Storage for each whole meta tensor (returned as (meta tensor, new storage), swapped into place
+    once filled) and the runs to fill, by whole-model name. Its own frame: no view of the new storage
+    outlives the fill (a tensor is swapped only when nothing else refers to it)."""
+    plain: list[tuple[torch.Tensor, torch.Tensor]] = []
+    by_name: dict[str, list[Run]] = {}
+    for run in runs:
+        if run.target.is_meta:
+            new = torch.empty(run.target.shape, dtype=run.target.dtype, device=device)
+            plain.append((run.target, new))
+            run = Run(new.view(-1), run.piece, run.lo)
+        by_name.setdefault(run.piece.name, []).append(run)
+    return plain, by_name

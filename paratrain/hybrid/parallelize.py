@@ -17,7 +17,8 @@ from paratrain.comm.roles import GradRoles
 from paratrain.data_parallel import GradSync
 from paratrain.hybrid.compile import compile_blocks
 from paratrain.hybrid.engine import Engine, GradientStrategy
-from paratrain.hybrid.materialize import Inits, Source, is_meta, materialize, whole_shapes
+from paratrain.hybrid.materialize import Inits, Source, is_meta, materialize
+from paratrain.hybrid.pieces import Pieces, whole_shapes
 from paratrain.hybrid.state import load_optimizer_state, optimizer_state
 from paratrain.memory import (LOW_DTYPES, PRECISIONS, RECOMPUTE_MODES, LossScaler, apply_activation_offload,
                               apply_recompute)
@@ -85,7 +86,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     meta = is_meta(model)
     if init is not None and not meta:
         raise ValueError("init= is for a model built on the meta device; this model already holds its values")
-    whole = whole_shapes(model) if meta else {}
+    whole = whole_shapes(model)
     source = _source(model, init) if meta else None
     # 1. Pipeline: this rank keeps the layers of its chunks, under their names in the whole model.
     pp_group = ctx.mesh.groups.get("pp")
@@ -119,11 +120,11 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     if "activations" in ctx.config.offloaded:
         apply_activation_offload(model, required=stage is None)
     # 5. A meta model: this rank's tensors allocated and filled (ZeRO's flat groups once they exist).
-    place = functools.partial(materialize, model, source, whole, device=ctx.device,  # type: ignore[arg-type]
-                              tied=stage.tied if stage is not None else None,
-                              split_dims=tp.split_dims if tp is not None else None,
-                              tp_index=tp_group.index if tp_group is not None else 0,
-                              tp_parts=tp_group.size if tp_group is not None else 1)
+    pieces = Pieces(whole, tied=stage.tied if stage is not None else {},
+                    split_dims=tp.split_dims if tp is not None else {},
+                    tp_index=tp_group.index if tp_group is not None else 0,
+                    tp_parts=tp_group.size if tp_group is not None else 1)
+    place = functools.partial(materialize, model, source, pieces, device=ctx.device)  # type: ignore[arg-type]
     if meta and ctx.config.zero == 0:
         place()
         if tp is not None:
@@ -176,7 +177,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                                     loss=chunk_loss, device=ctx.device)
     return Engine(model, ctx, opt, grads, micro_batch=micro_batch, precision=precision, grad_clip=grad_clip,
                   optimizer_state=save_state, load_optimizer_state=load_state, scaler=scaler, tp=tp, seed=seed,
-                  pipeline=executor, on_non_finite=on_non_finite)
+                  pipeline=executor, on_non_finite=on_non_finite, pieces=pieces)
 
 
 def _source(model: nn.Module, init: Source | Mapping[str, ParamInit] | None) -> Source:

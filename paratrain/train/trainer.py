@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from paratrain.checkpoint import load_checkpoint, newest_verified, resolve_checkpoint, save_checkpoint
+from paratrain.checkpoint import (SHARDED_FORMAT, load_checkpoint, load_sharded, newest_verified, resolve_checkpoint,
+                                  save_sharded, verify_checkpoint)
 from paratrain.comm.order import check_collective_order
 from paratrain.config import ConfigError, RunPlan, to_dict
 from paratrain.data import GlobalBatchLoader, TokenSource, load_source
@@ -91,22 +91,25 @@ class Trainer:
                               self.plan.config.train.save)
                 return
             path = str(newest)
-        state, meta = load_checkpoint(path)
-        self.engine.load_state_dict(state)
+        folder = resolve_checkpoint(path)
+        meta = verify_checkpoint(folder)
+        if meta["format"] == SHARDED_FORMAT:  # each rank reads only the pieces its layout keeps
+            load_sharded(folder, meta, self.engine)
+        else:  # a whole-model checkpoint (format 1, before sharded saves): every rank reads it all
+            state, meta = load_checkpoint(folder)
+            self.engine.load_state_dict(state)
         self.train_loader.load_state_dict(meta["loader"])
         self.step = int(meta["step"])
         self.log.info("resumed from %s at step %d", path, self.step)
 
     def save(self) -> None:
         root = self.plan.config.train.save
-        state = self.engine.state_dict()  # collective under sharding: every rank gathers
+        meta = {"config": to_dict(self.plan.config), "loader": self.train_loader.state_dict()}
+        # collective: every rank writes its own pieces; rank 0 publishes the index once all are on disk
+        folder = save_sharded(root, self.step, self.engine, meta, keep_last=self.plan.config.train.keep_last,
+                              before_publish=self._maybe_fail_saving)
         if self.ctx.is_main:
-            meta = {"config": to_dict(self.plan.config), "loader": self.train_loader.state_dict(),
-                    "world_size": self.ctx.world_size}
-            folder = save_checkpoint(root, self.step, state, meta, keep_last=self.plan.config.train.keep_last)
             self.log.info("saved checkpoint %s", folder)
-        if dist.is_initialized():
-            dist.barrier()
 
     def validate(self) -> float:
         self.val_loader.load_state_dict({"epoch": 0, "cursor": 0})
@@ -242,9 +245,19 @@ class Trainer:
             record["cuda_peak_allocated"] = torch.cuda.max_memory_allocated(self.ctx.device)
         return record
 
+    def _maybe_fail_saving(self) -> None:
+        """'RANK:STEP:kill-saving': SIGKILL while saving step STEP, this rank's file written, the
+        checkpoint not yet published."""
+        if self.plan.config.train.fail_at and self.attempt == 0:
+            rank, step, *how = self.plan.config.train.fail_at.split(":")
+            if how == ["kill-saving"] and int(rank) == self.ctx.rank and int(step) == self.step:
+                os.kill(os.getpid(), signal.SIGKILL)
+
     def _maybe_fail(self) -> None:
         if self.plan.config.train.fail_at:
             rank, step, *how = self.plan.config.train.fail_at.split(":")
+            if how == ["kill-saving"]:
+                return
             if int(rank) == self.ctx.rank and int(step) == self.step + 1 and self.attempt == 0:
                 if how == ["kill"]:  # as the out-of-memory killer or `kill -9` would
                     os.kill(os.getpid(), signal.SIGKILL)

@@ -167,33 +167,39 @@ def test_a_rank_that_stops_answering_is_found_by_the_hang_report():
     assert elapsed < 60, elapsed  # the timeout and a few seconds, not the launcher's 30 s grace
 
 
-@pytest.mark.parametrize("layout", [["--nproc", "2"], ["--nproc", "4", "--dp", "2", "--tp", "2"]], ids=["dp2", "dp2xtp2"])
+@pytest.mark.parametrize("layout", [["--nproc", "2"], ["--nproc", "4", "--dp", "2", "--tp", "2", "--zero", "1"]],
+                         ids=["dp2", "dp2xtp2-zero1-killed-while-saving"])
 def test_a_killed_rank_is_restarted_and_the_run_continues_exactly(tmp_path, layout):
-    """kill -9 of a random rank at a random step after the checkpoint of step 4 (--save-every 4), with
-    --max-restarts 1: the job is launched again from step 4, finishes, its per-step losses are those of
-    an uninterrupted run, and its log holds each step once (the steps after 4 ran twice)."""
+    """dp2: kill -9 of a random rank at a random step after the checkpoint of step 4 (--save-every 4);
+    dp2 x tp2: kill -9 of a random rank while the checkpoint of step 8 is being written (its own file on
+    disk, the checkpoint not published), so step 4's stays `latest`. With --max-restarts 1 the job is
+    launched again from step 4, finishes, its per-step losses are those of an uninterrupted run, and its
+    log holds each step once (the steps after 4 ran twice)."""
     world = int(layout[1])
     rng = random.Random(world)
     rank, step = rng.randrange(world), rng.randrange(5, 8)
-    common = ["train", *layout, *SMALL, "--steps", "7"]
+    fault = f"{rank}:{step}:kill" if world == 2 else f"{rank}:8:kill-saving"
+    steps = 7 if world == 2 else 9
+    common = ["train", *layout, *SMALL, "--steps", str(steps)]
     started = time.monotonic()
     plain = paratrain(*common, "--log-json", str(tmp_path / "plain.jsonl"))
     plain_s = time.monotonic() - started
     assert plain.returncode == 0, plain.stderr
     started = time.monotonic()
     out = paratrain(*common, "--log-json", str(tmp_path / "restarted.jsonl"), "--save", str(tmp_path / "ckpt"),
-                    "--save-every", "4", "--keep-last", "1", "--max-restarts", "1", "--fail-at", f"{rank}:{step}:kill")
+                    "--save-every", "4", "--keep-last", "1", "--max-restarts", "1", "--fail-at", fault)
     restarted_s = time.monotonic() - started
     assert out.returncode == 0, out.stderr
-    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_00000007"]  # --keep-last 1
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", f"step_{steps:08d}"]  # --keep-last 1
     assert f"attempt 0 failed: rank {rank} died of SIGKILL" in out.stderr
-    steps = [r["step"] for r in records(tmp_path / "restarted.jsonl") if "loss" in r]
-    assert steps == list(range(1, 8))
+    assert "resumed from" in out.stderr and "step_00000004 at step 4" in out.stderr
+    logged = [r["step"] for r in records(tmp_path / "restarted.jsonl") if "loss" in r]
+    assert logged == list(range(1, steps + 1))
     expected = losses(tmp_path / "plain.jsonl")
     for n, loss in losses(tmp_path / "restarted.jsonl").items():
         assert loss == pytest.approx(expected[n], rel=1e-6), n
-    print(f"\n{layout}: rank {rank} killed at step {step}; restart cost {restarted_s - plain_s:.1f} s ({plain_s:.1f} s "
-          f"uninterrupted, {restarted_s:.1f} s with the kill, the relaunch and {step - 5} step(s) run again)")
+    print(f"\n{layout}: fault {fault}; restart cost {restarted_s - plain_s:.1f} s ({plain_s:.1f} s uninterrupted, "
+          f"{restarted_s:.1f} s with the kill, the relaunch and the steps after 4 run again)")
 
 
 @pytest.mark.parametrize("how", ["slurm"])  # two nodes told by flags: test_a_rank_killed_on_one_of_two_nodes_...

@@ -85,3 +85,46 @@ def test_keep_last_deletes_only_older_complete_checkpoints(tmp_path):
         save_checkpoint(tmp_path, step, _state(), {}, keep_last=2)
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000004", "step_00000005"]
     assert resolve_checkpoint(tmp_path).name == "step_00000005"
+
+
+def test_a_sharded_checkpoint_round_trips_and_refuses_damage(tmp_path):
+    """One process: save_sharded / load_sharded restore the model, the optimizer state, the dropout
+    step; a damaged rank file or an index that does not cover a tensor is named."""
+    import paratrain
+    from paratrain.checkpoint import CheckpointError, load_sharded, save_sharded, verify_checkpoint
+    from paratrain.config import preset
+
+    def engine():
+        model = paratrain.build_gpt(preset("tiny", seq_len=16), seed=1, device="meta")
+        return paratrain.parallelize(model, paratrain.init(device="cpu"), optimizer=lambda ps: torch.optim.AdamW(ps))
+
+    first, second = engine(), engine()
+    batch = (torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16)))
+    for _ in range(2):
+        first.train_step(batch, paratrain.lm_loss)
+    folder = save_sharded(tmp_path, 2, first, {"loader": {}}, keep_last=1)
+    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "rank-00000.safetensors"]
+    meta = verify_checkpoint(folder)
+    load_sharded(folder, meta, second)
+    assert second.dropout.step == 2
+    whole_first, whole_second = first.state_dict(), second.state_dict()
+    for name, tensor in whole_first["model"].items():
+        assert torch.equal(tensor, whole_second["model"][name]), name
+    for name, values in whole_first["optimizer"]["state"].items():
+        for key, value in values.items():
+            assert torch.equal(value, whole_second["optimizer"]["state"][name][key]), (name, key)
+    assert first.train_step(batch, paratrain.lm_loss) == second.train_step(batch, paratrain.lm_loss)
+
+    rank_file = folder / "rank-00000.safetensors"
+    data = bytearray(rank_file.read_bytes())
+    data[-1] ^= 0xFF
+    rank_file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="rank-00000.safetensors does not match the SHA-256"):
+        verify_checkpoint(folder)
+    data[-1] ^= 0xFF
+    rank_file.write_bytes(bytes(data))
+    index = json.loads((folder / "meta.json").read_text())
+    index["tensors"]["norm.weight"]["shape"] = [128]  # more elements than its pieces hold
+    (folder / "meta.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="the pieces of norm.weight hold 64 of its 128 elements"):
+        verify_checkpoint(folder)

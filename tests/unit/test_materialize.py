@@ -9,7 +9,7 @@ from torch import nn
 
 import paratrain
 from paratrain.config import preset
-from paratrain.hybrid.materialize import Piece
+from paratrain.hybrid.pieces import Piece
 from paratrain.models.init import BLOCK, Constant, KeyedNormal
 from paratrain.sharding.flat import FlatGroup
 

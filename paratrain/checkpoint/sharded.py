@@ -1,0 +1,299 @@
+"""Sharded checkpoints: every rank writes its own pieces; loading under any layout reads only its own.
+
+    DIR/latest                             name of the newest complete checkpoint
+    DIR/step_00000100/rank-00003.safetensors   rank 3's pieces, 1-D, keyed by whole-model name
+                                           ("blocks.0.mlp.up.weight", "blocks.0.mlp.up.weight::exp_avg")
+    DIR/step_00000100/meta.json            step, run config, loader, dropout step, loss scale, optimizer
+                                           hyper-parameters and scalar state; every file's size and
+                                           SHA-256; the index: every logical tensor's whole shape and
+                                           dtype and which file holds which slice of it
+
+A piece is a slice of a whole tensor (whole, or part `index` of `parts` along `dim`: tensor
+parallelism) and a range [lo, hi) of that slice's flattened elements (a ZeRO shard cuts through
+tensors). Model values are the exact ones (ZeRO's float32 masters); optimizer state tensors shaped
+like a parameter are pieces the same way. Replicas are written once: the first data-parallel replica,
+the first tensor-parallel rank of a replicated tensor, the first end of a pipeline's tied weight.
+
+Save (collective; the folder must be on a filesystem every rank sees): every rank writes and fsyncs
+its file into one temporary folder, then sends its index (sizes, SHA-256, pieces; no tensor) to rank
+0, which writes meta.json, renames the folder into place and then moves `latest`. A crash before that
+leaves the previous checkpoint as `latest`, complete. Load: each rank asks the index, for every
+tensor piece it keeps under its own layout, which saved pieces overlap it and reads only those
+elements (paratrain.hybrid.pieces maps both sides); nothing is unpickled, no rank assembles the whole
+model unless its own layout keeps it whole.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from paratrain.checkpoint.io import SHARDED_FORMAT as FORMAT
+from paratrain.checkpoint.io import CheckpointError, _digest, _fsync_file, _fsync_write, _publish
+from paratrain.hybrid.pieces import Owned, Piece, Run, fill
+
+_SEP = "::"
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16,
+                                                      torch.int64, torch.int32, torch.uint8, torch.bool)}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _gather(obj: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _writes(engine: Any, owned: Owned) -> bool:
+    """Whether this rank writes `owned` (one copy of every replica)."""
+    mesh = engine.ctx.mesh
+    replica = mesh.index("dp_replicate") if engine.flat_groups else mesh.index("dp")
+    if replica != 0 or owned.local_name in engine.pieces.tied:
+        return False
+    return owned.piece.split is not None or engine.pieces.tp_index == 0
+
+
+def _scalar(value: Any, where: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.dim() > 0:
+            raise CheckpointError(f"{where}: optimizer state of shape {tuple(value.shape)} is neither per element "
+                                  "nor a scalar; sharded checkpoints support element-wise optimizers (SGD, Adam, ...)")
+        return {"tensor": value.item(), "dtype": _dtype_name(value.dtype)}
+    return value
+
+
+def _unscalar(value: Any) -> Any:
+    """A saved scalar back; a tensor one on the CPU, where torch's optimizers keep their step counts."""
+    if isinstance(value, dict) and set(value) == {"tensor", "dtype"}:
+        return torch.tensor(value["tensor"], dtype=_DTYPES[value["dtype"]])
+    return value
+
+
+def _local_state(engine: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+    """(tensors to write, their index entries, scalar optimizer state by name, optimizer groups)."""
+    tensors: dict[str, torch.Tensor] = {}
+    index: dict[str, Any] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    state = engine.optimizer.state
+    owners = engine.pieces.owners(engine.model, engine.flat_groups)
+    for owned in owners:
+        if not _writes(engine, owned):
+            continue
+        name = owned.piece.name
+        entries = [(name, owned.owner)]
+        for key, value in state.get(owned.owner, {}).items():
+            if isinstance(value, torch.Tensor) and value.shape == owned.owner.shape and value.dim() > 0:
+                entries.append((f"{name}{_SEP}{key}", value))
+            else:
+                scalars.setdefault(name, {})[key] = _scalar(value, name)
+        for key, tensor in entries:
+            if key in tensors:
+                raise CheckpointError(f"two pieces of {key} on one rank")
+            tensors[key] = tensor.detach().reshape(-1)[owned.offset: owned.offset + owned.length].to("cpu").contiguous()
+            index[key] = {"shape": list(owned.piece.shape), "dtype": _dtype_name(tensor.dtype),
+                          "split": list(owned.piece.split) if owned.piece.split else None,
+                          "lo": owned.lo, "hi": owned.lo + owned.length}
+    names: dict[int, set[str]] = {}
+    for owned in owners:
+        names.setdefault(id(owned.owner), set()).add(owned.piece.name)
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": sorted(set().union(*(names.get(id(p), set()) for p in g["params"])))}
+              for g in engine.optimizer.param_groups]
+    return tensors, index, scalars, groups
+
+
+def save_sharded(root: str | Path, step: int, engine: Any, meta: dict[str, Any], *, keep_last: int = 0,
+                 before_publish: Callable[[], None] | None = None) -> Path:
+    """Write one sharded checkpoint of `engine` (an Engine) under `root` and point `latest` at it;
+    returns its folder. Collective: every rank calls it. meta: JSON-able extras (rank 0's are kept).
+    keep_last: then delete all but the newest this many step_* folders (0: keep every one).
+    before_publish: called on every rank once its own file is on disk (the trainer's fault injection)."""
+    root = Path(root)
+    name = f"step_{step:08d}"
+    tmp = root / f".tmp-{name}"
+    rank = engine.ctx.rank
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # a save of this step that died before it was published
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    _barrier()
+    tensors, index, scalars, groups = _local_state(engine)
+    file_name = f"rank-{rank:05d}.safetensors"
+    files = {}
+    if tensors:
+        save_file(tensors, str(tmp / file_name))
+        _fsync_file(tmp / file_name)
+        files[file_name] = {"bytes": (tmp / file_name).stat().st_size, "sha256": _digest(tmp / file_name)}
+        for entry in index.values():
+            entry["file"] = file_name
+    if before_publish is not None:
+        before_publish()
+    parts = _gather((files, index, scalars, groups))
+    if rank == 0:
+        document = {"format": FORMAT, "step": step, "world_size": engine.ctx.world_size, **meta,
+                    "rng": {"dropout_step": engine.dropout.step}, "files": {}, "tensors": {},
+                    "optimizer": {"param_groups": _merge_groups([p[3] for p in parts]), "scalars": {}}}
+        if engine.scaler is not None:
+            document["loss_scaler"] = engine.scaler.state_dict()
+        for part_files, part_index, part_scalars, _ in parts:
+            document["files"].update(part_files)
+            document["optimizer"]["scalars"].update(part_scalars)
+            for key, entry in part_index.items():
+                whole = document["tensors"].setdefault(key, {"shape": entry["shape"], "dtype": entry["dtype"],
+                                                              "pieces": []})
+                whole["pieces"].append({k: entry[k] for k in ("file", "split", "lo", "hi")})
+        _fsync_write(tmp / "meta.json", json.dumps(document, indent=1, sort_keys=True))
+        _publish(root, tmp, name, keep_last=keep_last)
+    _barrier()
+    return root / name
+
+
+def _merge_groups(per_rank: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Optimizer param groups of every rank, merged by their settings (pipeline stages each hold some)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for groups in per_rank:
+        for g in groups:
+            settings = {k: v for k, v in g.items() if k != "params"}
+            entry = merged.setdefault(repr(sorted(settings.items())), {**settings, "params": []})
+            entry["params"] = sorted(set(entry["params"]) | set(g["params"]))
+    return list(merged.values())
+
+
+class SavedTensor:
+    """Values of one logical tensor of a sharded checkpoint, read from the pieces that overlap a request."""
+
+    def __init__(self, reader: CheckpointReader, key: str) -> None:
+        entry = reader.index[key]
+        self.reader, self.key = reader, key
+        self.shape = tuple(entry["shape"])
+        self.dtype = _DTYPES[entry["dtype"]]
+        self.pieces = [(Piece(key, self.shape, self.dtype, tuple(p["split"]) if p["split"] else None), p)
+                       for p in entry["pieces"]]
+
+    def values(self, shape: Sequence[int], lo: int, hi: int) -> torch.Tensor:
+        if tuple(shape) != self.shape:
+            raise CheckpointError(f"{self.key}: the checkpoint holds shape {self.shape}, the model {tuple(shape)}")
+        out = torch.empty(hi - lo, dtype=self.dtype)
+        covered = 0
+        for piece, saved in self.pieces:
+            a, b = self._overlap(piece, saved, lo, hi)
+            # (slice element, whole element, length) of every run trimmed to whole elements [lo, hi)
+            runs = [(local + max(whole, lo) - whole, max(whole, lo), min(whole + n, hi) - max(whole, lo))
+                    for local, whole, n in piece.runs(a, b) if whole < hi and whole + n > lo]
+            if not runs:
+                continue
+            first, last = runs[0][0], runs[-1][0] + runs[-1][2]  # read only what the runs span
+            data = self.reader.read(saved["file"], self.key, first - saved["lo"], last - saved["lo"])
+            for local, whole, n in runs:
+                out[whole - lo: whole - lo + n] = data[local - first: local - first + n]
+                covered += n
+        if covered != hi - lo:
+            raise CheckpointError(f"{self.key}: the checkpoint's pieces cover {covered} of elements [{lo}, {hi}) "
+                                  "(pieces missing or overlapping)")
+        return out
+
+    @staticmethod
+    def _overlap(piece: Piece, saved: dict[str, Any], lo: int, hi: int) -> tuple[int, int]:
+        """The saved piece's slice elements that can fall in whole elements [lo, hi): within the rows
+        [lo, hi) spans when the slice is split along an inner dim, all of [saved lo, saved hi) otherwise."""
+        a, b = saved["lo"], saved["hi"]
+        if piece.split is None:
+            return max(a, lo), min(b, hi)
+        dim, _, parts = piece.split
+        size = piece.shape[dim]
+        inner = 1
+        for extent in piece.shape[dim + 1:]:
+            inner *= extent
+        local_row, whole_row = size // parts * inner, size * inner
+        return max(a, lo // whole_row * local_row), min(b, -(-hi // whole_row) * local_row)
+
+
+class CheckpointReader:
+    """A paratrain.hybrid.materialize Source over a sharded checkpoint: open(name) gives the tensor's
+    values by range, read from the files that hold them (each file opened once, read by slices)."""
+
+    def __init__(self, folder: Path, meta: dict[str, Any]) -> None:
+        self.folder, self.index = folder, meta["tensors"]
+        self._files: dict[str, Any] = {}
+        self.bytes_read = 0
+        """Bytes of tensor data this reader has read (what a layout needs, not the whole checkpoint)."""
+
+    def open(self, name: str, shape: Sequence[int] | None = None, dtype: torch.dtype | None = None) -> SavedTensor:
+        if name not in self.index:
+            raise CheckpointError(f"{self.folder} holds no tensor {name!r} (it has {len(self.index)}: a checkpoint "
+                                  "of another model?)")
+        return SavedTensor(self, name)
+
+    def read(self, file_name: str, key: str, lo: int, hi: int) -> torch.Tensor:
+        handle = self._files.get(file_name)
+        if handle is None:
+            handle = self._files[file_name] = safe_open(str(self.folder / file_name), framework="pt")
+        data = handle.get_slice(key)[lo:hi]
+        self.bytes_read += data.numel() * data.element_size()
+        return data
+
+
+@torch.no_grad()
+def load_sharded(folder: Path, meta: dict[str, Any], engine: Any) -> CheckpointReader:
+    """Set `engine`'s model, optimizer state, dropout step and loss scale from the verified sharded
+    checkpoint in `folder` (meta: its meta.json), reading only this rank's pieces; returns the reader
+    (bytes_read says how much was read)."""
+    reader = CheckpointReader(folder, meta)
+    model, groups, pieces = engine.model, engine.flat_groups, engine.pieces
+    by_name: dict[str, list[Run]] = {}
+    for run in pieces.storage(model, groups, buffers=False):
+        by_name.setdefault(run.piece.name, []).append(run)
+    for name, runs in sorted(by_name.items()):
+        fill(reader.open(name), runs)
+    state = engine.optimizer.state
+    state.clear()
+    scalars = meta["optimizer"]["scalars"]
+    for owned in pieces.owners(model, groups):
+        name = owned.piece.name
+        own = state.setdefault(owned.owner, {})
+        prefix = f"{name}{_SEP}"
+        for key in [k for k in reader.index if k.startswith(prefix)]:
+            entry = reader.index[key]
+            field = key[len(prefix):]
+            if field not in own:
+                own[field] = torch.zeros(owned.owner.shape, dtype=_DTYPES[entry["dtype"]], device=owned.owner.device)
+            target = own[field].view(-1)[owned.offset: owned.offset + owned.length]
+            piece = Piece(key, owned.piece.shape, _DTYPES[entry["dtype"]], owned.piece.split)
+            fill(reader.open(key), [Run(target, piece, owned.lo)])
+        for field, value in scalars.get(name, {}).items():
+            own[field] = _unscalar(value)
+        if not own:
+            del state[owned.owner]
+    names = {}
+    for owned in pieces.owners(model, groups):
+        names.setdefault(id(owned.owner), set()).add(owned.piece.name)
+    for group in engine.optimizer.param_groups:
+        mine = set().union(*(names.get(id(p), set()) for p in group["params"]))
+        saved = [g for g in meta["optimizer"]["param_groups"] if mine & set(g["params"])]
+        if len(saved) != 1:
+            raise CheckpointError(f"{folder}: an optimizer group of {len(mine)} parameters matches {len(saved)} saved "
+                                  "groups (a checkpoint of another model or optimizer?)")
+        group.update({k: v for k, v in saved[0].items() if k != "params"})
+    if engine.scaler is not None and "loss_scaler" in meta:
+        engine.scaler.load_state_dict(meta["loss_scaler"])
+    engine.dropout.step = int(meta.get("rng", {}).get("dropout_step", 0))
+    engine.grads.begin_step()
+    return reader
