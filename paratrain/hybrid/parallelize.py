@@ -124,7 +124,10 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                     split_dims=tp.split_dims if tp is not None else {},
                     tp_index=tp_group.index if tp_group is not None else 0,
                     tp_parts=tp_group.size if tp_group is not None else 1)
-    place = functools.partial(materialize, model, source, pieces, device=ctx.device)  # type: ignore[arg-type]
+    if ctx.device.type == "meta":  # a dry run (paratrain.planner.dryrun): shapes only, nothing to fill
+        place = functools.partial(lambda groups=(): None)
+    else:
+        place = functools.partial(materialize, model, source, pieces, device=ctx.device)  # type: ignore[arg-type]
     if meta and ctx.config.zero == 0:
         place()
         if tp is not None:
@@ -173,8 +176,15 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         if pipeline_loss is None and not is_gpt:
             raise ValueError("pp > 1 on a model other than the GPT needs pipeline_loss=(output, targets) -> (sum, count)")
         chunk_loss = _gpt_chunk_loss if pipeline_loss is None else _wrap_loss(pipeline_loss)
+        boundary = None
+        if ctx.device.type == "meta" and is_gpt:  # a dry run: the residual stream between stages
+            assert isinstance(model, StageModel)
+            dtype = LOW_DTYPES.get(precision, torch.float32) if ctx.config.zero else torch.float32
+            split = tp_group.size if tp_group is not None and ctx.config.sequence_parallel else 1
+            d_model = whole["tok_emb.weight"][0][1]
+            boundary = functools.partial(_gpt_boundary, split=split, d_model=d_model, dtype=dtype)
         executor = PipelineExecutor(stage, pp_group, schedule=ctx.config.schedule, chunks=ctx.config.virtual_stages,
-                                    loss=chunk_loss, device=ctx.device)
+                                    loss=chunk_loss, device=ctx.device, boundary_shape=boundary)
     return Engine(model, ctx, opt, grads, micro_batch=micro_batch, precision=precision, grad_clip=grad_clip,
                   optimizer_state=save_state, load_optimizer_state=load_state, scaler=scaler, tp=tp, seed=seed,
                   pipeline=executor, on_non_finite=on_non_finite, pieces=pieces)
@@ -190,6 +200,12 @@ def _source(model: nn.Module, init: Source | Mapping[str, ParamInit] | None) -> 
                              "ctx.mesh, ctx.device)")
         return Inits(param_inits())
     return Inits(init) if isinstance(init, Mapping) else init
+
+
+def _gpt_boundary(tokens: torch.Size, *, split: int, d_model: int, dtype: torch.dtype) -> tuple[torch.Size, torch.dtype]:
+    """The GPT's activation between pipeline stages for micro-batch tokens [rows, seq]: the residual
+    stream [rows, seq / split, d_model] (split: tp under sequence parallelism)."""
+    return torch.Size((tokens[0], tokens[1] // split, d_model)), dtype
 
 
 def _gpt_chunk_loss(stage: StageModel, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,8 +24,9 @@ LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast(precision: str, device: torch.device) -> ContextManager[object]:
-    """bf16 / fp16: matmuls in the low dtype under torch.autocast (CPU and CUDA); fp32: nothing."""
-    if precision == "fp32":
+    """bf16 / fp16: matmuls in the low dtype under torch.autocast (CPU and CUDA); fp32: nothing, nor on
+    the meta device (a dry run: shapes only, which autocast does not serve)."""
+    if precision == "fp32" or (device.type == "meta" and precision in LOW_DTYPES):
         return contextlib.nullcontext()
     if precision in LOW_DTYPES:
         return torch.autocast(device_type=device.type, dtype=LOW_DTYPES[precision])

@@ -103,8 +103,12 @@ class _Step:
 
 class PipelineExecutor:
     def __init__(self, stage: StageModel, group: AxisGroup, *, schedule: str, chunks: int,
-                 loss: LossOnOutput, device: torch.device) -> None:
+                 loss: LossOnOutput, device: torch.device,
+                 boundary_shape: Callable[[torch.Size], tuple[torch.Size, torch.dtype]] | None = None) -> None:
+        """boundary_shape: on the meta device (a dry run), the activation every chunk sends for a
+        micro-batch of the given input shape; elsewhere a header message tells it (None)."""
         self.stage, self.group, self.schedule, self.chunks = stage, group, schedule, chunks
+        self.boundary_shape = boundary_shape
         self.loss, self.device = loss, device
         self.stages, self.rank = group.size, group.index
         self.last_chunk = self.stages * chunks - 1
@@ -158,6 +162,9 @@ class PipelineExecutor:
         step = _Step(receives=[a for a in prog if a.kind.startswith("RECV")])
         # boundaries whose activation shape is known from an earlier step with micro-batches of this shape
         self._input_key = (tuple(micro_batches[0][0].shape), micro_batches[0][0].dtype, train)
+        if self.boundary_shape is not None:  # shapes only (a dry run): no header can be read, none is sent
+            for chunk in range(self.last_chunk):
+                self._boundary_shapes[(chunk, self._input_key)] = self.boundary_shape(micro_batches[0][0].shape)
         for (chunk, input_key), known in self._boundary_shapes.items():
             if input_key == self._input_key:
                 if chunk in self.stage.chunks:

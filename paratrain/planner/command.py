@@ -2,6 +2,8 @@
 
     paratrain plan --model gpt3-175b --gpus 1024 --hardware a100-80gb --global-batch 1536
     paratrain plan --model gpt3-xl --gpus 8 --hardware h100-80gb --global-batch 512 --tp 2 --json
+    paratrain plan --model gpt3-175b --gpus 1024 --dp 16 --tp 8 --pp 8 --zero 1 --sequence-parallel \
+        --global-batch 16 --dry-run --rank 1000       # rank 1000 built and stepped on shapes only
 """
 
 from __future__ import annotations
@@ -47,6 +49,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, type=int, help=f"pin {field}")
     parser.add_argument("--recompute", choices=("none", "selective", "full"), help="pin recomputation")
     parser.add_argument("--sequence-parallel", action="store_true", default=None, help="pin sequence parallelism on")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="build rank --rank of the pinned layout (--gpus ranks; --dp/--tp/--pp/--zero/--micro-batch) "
+                             "on the meta device with a fake process group, run one step on shapes only, and report its "
+                             "model-state bytes, collectives and pipeline actions against the planner's")
+    parser.add_argument("--rank", type=int, default=0, help="with --dry-run: the rank to build (default 0)")
+    parser.add_argument("--schedule", default="1f1b", help="with --dry-run: the pipeline schedule")
+    parser.add_argument("--grad-reduce", default="reduce_scatter", choices=("reduce_scatter", "all_reduce"),
+                        help="with --dry-run: ZeRO's gradient reduction (default NCCL's, reduce_scatter)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--gpus ({devices}) and --global-batch ({args.global_batch}) must be >= 1")
     pins: dict[str, Any] = {field: getattr(args, flag[2:].replace("-", "_")) for flag, field in _PINS.items()
                             if getattr(args, flag[2:].replace("-", "_")) is not None}
+    if args.dry_run:
+        return _dry_run(args, model, devices, pins)
     if args.recompute is not None:
         pins["recompute"] = args.recompute
     if args.sequence_parallel:
@@ -85,6 +97,23 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(_table(record, args.top, tokens=args.tokens))
     return 0
+
+
+def _dry_run(args: argparse.Namespace, model: Any, devices: int, pins: dict[str, Any]) -> int:
+    from paratrain.config.parallel import ParallelConfig
+    from paratrain.planner.dryrun import dry_run, format_dry_run
+
+    micro_batch = pins.pop("micro_batch", 1)
+    parallel = ParallelConfig(**pins, sequence_parallel=bool(args.sequence_parallel), schedule=args.schedule,
+                              grad_reduce=args.grad_reduce)
+    if args.seq_len:
+        from dataclasses import replace
+
+        model = replace(model, seq_len=args.seq_len)
+    run = dry_run(model, parallel, rank=args.rank, world_size=devices, global_batch=args.global_batch,
+                  micro_batch=micro_batch, precision=args.precision, recompute=args.recompute or "none")
+    print(json.dumps(run.to_dict()) if args.json else format_dry_run(run))
+    return 0 if run.exact else 1
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -80,6 +80,7 @@ class FlatGroup:
         """What the optimizer updates: `shard` itself, or a copy of it of its own: in float32 when
         the parameters are stored in a low precision (initialised from the exact values, not from
         the rounded ones), on master_device when offloaded. push_master() copies it back."""
+        self._own_master = own_master
         self.persistent = persistent
         self._full_bytes = self.param_flat.untyped_storage().nbytes()
         if not persistent:
@@ -103,7 +104,7 @@ class FlatGroup:
     @property
     def own_master(self) -> bool:
         """The master is a separate tensor (float32 masters, or offloaded), not the shard itself."""
-        return self.master.data_ptr() != self.shard.data_ptr()
+        return self._own_master
 
     @torch.no_grad()
     def push_master(self) -> None:

@@ -341,7 +341,7 @@ class ZeroSync:
         grads = sum(f.numel() * f.element_size() for f in self.grad_flats if f is not None)
         for g, shard in zip(self.groups, self.grad_shards):
             flat = self.grad_flats[g.index]
-            if flat is None or shard.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+            if flat is None or shard._base is not flat:  # a buffer of its own (meta tensors have no pointers)
                 grads += shard.numel() * shard.element_size()
         masters = sum(g.master.numel() * g.master.element_size() for g in self.groups if g.own_master)
         return {"params": params, "grads": grads, "masters": masters}

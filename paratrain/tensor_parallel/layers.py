@@ -57,7 +57,8 @@ class _GatheredLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: AxisGroup,
                 dim: int) -> torch.Tensor:
         ctx.input_dtype = x.dtype
-        if torch.is_autocast_enabled(x.device.type):  # gather (and keep) the input in the compute dtype
+        # gather (and keep) the input in the compute dtype (a dry run's meta tensors have no autocast)
+        if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.dim, ctx.bias_dtype = group, dim, bias.dtype if bias is not None else None

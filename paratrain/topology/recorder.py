@@ -27,6 +27,8 @@ class Entry:
     dtype: str
     state: str = "entered"
     """'entered', 'done' (completed on this rank) or 'failed'."""
+    order: int = 0
+    """Its place among every collective this rank issued, on any group (1, 2, ...)."""
 
 
 class FlightRecorder:
@@ -34,6 +36,7 @@ class FlightRecorder:
         self.rank = rank
         self.entries: deque[Entry] = deque(maxlen=keep)
         self._seq: dict[tuple[str, tuple[int, ...]], int] = {}
+        self._count = 0
         self.window: dict[tuple[str, tuple[int, ...]], list[Entry]] | None = {}
         """Every collective since the last collective-order check, per group (paratrain.comm.order);
         None once checks stop (the window would otherwise grow for the whole run)."""
@@ -41,7 +44,9 @@ class FlightRecorder:
     def enter(self, op: str, axis: str, ranks: tuple[int, ...], tensor: torch.Tensor) -> Entry:
         key = (axis, ranks)
         self._seq[key] = self._seq.get(key, 0) + 1
-        entry = Entry(axis, ranks, self._seq[key], op, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+        self._count += 1
+        entry = Entry(axis, ranks, self._seq[key], op, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."),
+                      order=self._count)
         self.entries.append(entry)
         if self.window is not None:
             self.window.setdefault(key, []).append(entry)
