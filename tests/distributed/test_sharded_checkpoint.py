@@ -24,8 +24,7 @@ def _job(**kwargs) -> dict:
     return tiny_run(dtype="float64", dropout=0.1, **kwargs)
 
 
-SAVED = {  # 4 ranks each: tensor slices, ZeRO shards cutting through tensors, pipeline stages
-    "dp2-tp2-zero1": dict(dp=2, tp=2, zero=1, micro_batch=4),
+SAVED = {  # 4 ranks each: ZeRO shards cutting through tensors; tensor slices and pipeline stages
     "dp4-zero3": dict(dp=4, zero=3, micro_batch=4),
     "tp2-pp2-sp": dict(dp=1, tp=2, pp=2, sequence_parallel=True, micro_batch=4),
 }
@@ -35,8 +34,7 @@ LOADED = {
     "dp4-zero3": dict(dp=4, zero=3, micro_batch=4),
 }
 
-LOADS = {"dp2-tp2-zero1": ["pp2-dp2-interleaved", "dp4-zero3"], "dp4-zero3": ["tp4-sp", "pp2-dp2-interleaved"],
-         "tp2-pp2-sp": ["dp4-zero3", "tp4-sp"]}
+LOADS = {"dp4-zero3": ["tp4-sp", "pp2-dp2-interleaved"], "tp2-pp2-sp": ["dp4-zero3", "tp4-sp"]}
 
 
 @pytest.mark.parametrize("saved", list(SAVED))

@@ -16,7 +16,6 @@ GRID = [  # (model, world, rank, layout, global batch, micro-batch, precision)
     ("tiny", 8, 5, dict(dp=2, tp=2, pp=2, zero=1, sequence_parallel=True, schedule="interleaved", virtual_stages=2),
      8, 2, "fp32"),
     ("tiny", 4, 3, dict(dp=4, zero=3, grad_reduce="reduce_scatter"), 16, 2, "bf16"),
-    ("tiny", 4, 2, dict(dp=4, zero=2), 16, 2, "fp32"),
     ("gpt3-175b", 1024, 1000, dict(dp=16, tp=8, pp=8, zero=1, sequence_parallel=True, grad_reduce="reduce_scatter"),
      16, 1, "bf16"),
     ("gpt3-175b", 1024, 3, dict(dp=16, tp=8, pp=8, zero=1, sequence_parallel=True), 16, 1, "bf16"),
