@@ -53,11 +53,9 @@ def materialize_job(*, precision: str = "fp32", fallback: bool = False, **layout
 
 
 @pytest.mark.parametrize("layout", [
-    dict(dp=2, tp=2, sequence_parallel=True),  # plain DP over tp slices; SP's replicated-gradient hooks
     dict(dp=4, zero=3, precision="bf16"),  # shards in bf16 and float32 masters of a freed flat
-    dict(dp=2, tp=2, zero=3),
     dict(dp=2, pp=2, zero=1, precision="bf16"),  # the head's tied copy on the last stage
-    dict(tp=2, pp=2, schedule="interleaved", virtual_stages=2, sequence_parallel=True),
+    dict(tp=2, pp=2, schedule="interleaved", virtual_stages=2, sequence_parallel=True),  # SP's gradient hooks
     dict(dp=4, zero=2, offload="optimizer"),  # masters on the CPU, apart from the shard
     dict(tp=2, pp=2, fallback=True),  # FromRank0: broadcast along each axis
 ], ids=lambda layout: "-".join(f"{k}{v}" for k, v in layout.items()))

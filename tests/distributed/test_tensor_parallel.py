@@ -79,12 +79,12 @@ def _half_job(**kwargs) -> dict:
 
 
 def test_checkpoint_moves_between_tp_and_dp(pools):
-    """A tp = 2 state is whole tensors by name: dp = 2, and dp 2 x tp 2 with ZeRO-2 and sequence
-    parallelism, continue from it as the single process would."""
+    """A tp = 2 state is whole tensors by name: dp 2 x tp 2 with ZeRO-2 and sequence parallelism
+    continues from it as the single process would."""
     ref = reference("float64")
     first = pools(2).run(_half_job, dp=1, tp=2, micro_batch=4, dtype="float64")[0]["state"]
     assert first["model"]["tok_emb.weight"].shape == (256, 64)  # whole, not a tp slice
-    for layout in ({"dp": 2}, {"dp": 2, "tp": 2, "zero": 2, "sequence_parallel": True}):
+    for layout in ({"dp": 2, "tp": 2, "zero": 2, "sequence_parallel": True},):
         world = layout["dp"] * layout.get("tp", 1)
         got = pools(world).run(_half_job, micro_batch=4, dtype="float64", start=first, start_step=STEPS // 2,
                                **layout)
