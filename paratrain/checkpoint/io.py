@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -180,17 +181,7 @@ def _verified_meta(folder: Path) -> dict[str, Any]:
         expected = meta.get("files", {}).get(file_name)
         if expected is None:  # written before checksums were kept: its headers are all there is to check
             continue
-        size = path.stat().st_size
-        if size != expected["bytes"]:
-            raise CheckpointError(f"{path} has {size} bytes, {expected['bytes']} were written (cut short or replaced)")
-        if _digest(path) != expected["sha256"]:
-            raise CheckpointError(f"{path} does not match the SHA-256 written with it (corrupted)")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                slices = {k: f.get_slice(k) for k in f.keys()}
-                found = {k: [list(s.get_shape()), _dtype_name(s.get_dtype())] for k, s in slices.items()}
-        except SafetensorError as error:
-            raise CheckpointError(f"{path} is not a readable safetensors file: {error}") from None
+        found = _checked_file(path, expected)
         index = meta.get("tensors", {}).get(file_name, {})
         wrong = sorted(k for k in set(index) | set(found) if index.get(k) != found.get(k))
         if wrong:
@@ -198,36 +189,40 @@ def _verified_meta(folder: Path) -> dict[str, Any]:
     return meta
 
 
+def _checked_file(path: Path, expected: dict[str, Any]) -> dict[str, list[Any]]:
+    """The [shape, dtype] of every tensor in the safetensors file `path`, once its size and SHA-256
+    are those written with it (meta.json's `expected`)."""
+    size = path.stat().st_size
+    if size != expected["bytes"]:
+        raise CheckpointError(f"{path} has {size} bytes, {expected['bytes']} were written (cut short or replaced)")
+    if _digest(path) != expected["sha256"]:
+        raise CheckpointError(f"{path} does not match the SHA-256 written with it (corrupted)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            slices = {k: f.get_slice(k) for k in f.keys()}
+            return {k: [list(s.get_shape()), _dtype_name(s.get_dtype())] for k, s in slices.items()}
+    except SafetensorError as error:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {error}") from None
+
+
 def _verify_sharded(folder: Path, meta: dict[str, Any]) -> None:
     """A sharded checkpoint (paratrain.checkpoint.sharded): every rank file present with its size and
     SHA-256, every indexed piece in its file with its length and dtype, every tensor covered whole."""
-    headers: dict[str, dict[str, tuple[list[int], str]]] = {}
+    headers: dict[str, dict[str, list[Any]]] = {}
     for file_name, expected in meta.get("files", {}).items():
         path = folder / file_name
         if not path.is_file():
             raise CheckpointError(f"{path} is missing")
-        size = path.stat().st_size
-        if size != expected["bytes"]:
-            raise CheckpointError(f"{path} has {size} bytes, {expected['bytes']} were written (cut short or replaced)")
-        if _digest(path) != expected["sha256"]:
-            raise CheckpointError(f"{path} does not match the SHA-256 written with it (corrupted)")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                headers[file_name] = {k: (list(f.get_slice(k).get_shape()), _dtype_name(f.get_slice(k).get_dtype()))
-                                      for k in f.keys()}
-        except SafetensorError as error:
-            raise CheckpointError(f"{path} is not a readable safetensors file: {error}") from None
+        headers[file_name] = _checked_file(path, expected)
     for key, entry in meta.get("tensors", {}).items():
         total = 0
         for piece in entry["pieces"]:
             found = headers.get(piece["file"], {}).get(key)
-            if found != ([piece["hi"] - piece["lo"]], entry["dtype"]):
+            if found != [[piece["hi"] - piece["lo"]], entry["dtype"]]:
                 raise CheckpointError(f"{folder / piece['file']}: piece of {key} is {found}, the index says "
                                       f"{[piece['hi'] - piece['lo']]} {entry['dtype']}")
             total += piece["hi"] - piece["lo"]
-        numel = 1
-        for size in entry["shape"]:
-            numel *= size
+        numel = math.prod(entry["shape"])
         if total != numel:
             raise CheckpointError(f"{folder}: the pieces of {key} hold {total} of its {numel} elements")
 

@@ -26,6 +26,7 @@ model unless its own layout keeps it whole.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -218,10 +219,7 @@ class SavedTensor:
         if piece.split is None:
             return max(a, lo), min(b, hi)
         dim, _, parts = piece.split
-        size = piece.shape[dim]
-        inner = 1
-        for extent in piece.shape[dim + 1:]:
-            inner *= extent
+        size, inner = piece.shape[dim], math.prod(piece.shape[dim + 1:])
         local_row, whole_row = size // parts * inner, size * inner
         return max(a, lo // whole_row * local_row), min(b, -(-hi // whole_row) * local_row)
 
