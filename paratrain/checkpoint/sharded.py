@@ -264,7 +264,8 @@ def load_sharded(folder: Path, meta: dict[str, Any], engine: Any) -> CheckpointR
     state = engine.optimizer.state
     state.clear()
     scalars = meta["optimizer"]["scalars"]
-    for owned in pieces.owners(model, groups):
+    owners = pieces.owners(model, groups)
+    for owned in owners:
         name = owned.piece.name
         own = state.setdefault(owned.owner, {})
         prefix = f"{name}{_SEP}"
@@ -281,7 +282,7 @@ def load_sharded(folder: Path, meta: dict[str, Any], engine: Any) -> CheckpointR
         if not own:
             del state[owned.owner]
     names = {}
-    for owned in pieces.owners(model, groups):
+    for owned in owners:
         names.setdefault(id(owned.owner), set()).add(owned.piece.name)
     for group in engine.optimizer.param_groups:
         mine = set().union(*(names.get(id(p), set()) for p in group["params"]))
