@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from paratrain.comm.collectives import all_gather_async, all_reduce, reduce_scatter_async
+from paratrain.eager import eager
 from paratrain.topology.mesh import AxisGroup
 
 
@@ -87,7 +88,7 @@ class _Region(torch.autograd.Function):
         return ctx.backward_action(grad, ctx.group, ctx.dim), None, None, None, None
 
 
-@torch.compiler.disable  # collectives run eagerly: torch.compile breaks its graph here
+@eager  # collectives run eagerly: torch.compile breaks its graph here
 def _region(x: torch.Tensor, group: AxisGroup, dim: int, forward: _Action, backward: _Action) -> torch.Tensor:
     return _Region.apply(x, group, dim, forward, backward)
 

@@ -44,13 +44,19 @@ def batch_layout(global_batch: int, micro_batch: int, dp: int) -> BatchLayout:
     if micro < 1:
         raise ConfigError(f"micro_batch must be >= 1, got {micro_batch}")
     if per_rank % micro:
-        choices = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+        choices = _divisors(per_rank)
         raise ConfigError(
             f"accumulation = global_batch / (micro_batch x dp) = {global_batch} / ({micro} x {dp}) "
             f"= {global_batch / (micro * dp):g} is not an integer: choose micro_batch in {choices}, "
             f"or global_batch a multiple of {micro * dp}"
         )
     return BatchLayout(global_batch=global_batch, micro_batch=micro, dp=dp)
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of n in increasing order, in O(sqrt n) (a global batch may be 10**9)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 @dataclass(frozen=True)

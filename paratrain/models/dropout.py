@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.eager import eager
 from paratrain.rng import DropoutStream, hashed_uniform
 
 
@@ -43,7 +44,7 @@ class KeyedDropout(nn.Module):
             return F.dropout(x, self.p, training=True)
         return self._keyed(x)
 
-    @torch.compiler.disable  # its key changes every step: compiled, it would be a new graph per step
+    @eager  # its key changes every step: compiled, it would be a new graph per step
     def _keyed(self, x: torch.Tensor) -> torch.Tensor:
         assert self.stream is not None
         keep = hashed_uniform(self.stream.key(self.key_name), self._global_index(x)) >= self.p

@@ -34,6 +34,7 @@ from paratrain.comm.regions import (
     reduce_scatter_to_sequence_region,
     scatter_to_tp_region,
 )
+from paratrain.eager import eager
 from paratrain.topology.mesh import AxisGroup
 
 
@@ -81,7 +82,7 @@ class _GatheredLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None
 
 
-@torch.compiler.disable  # collectives run eagerly: torch.compile breaks its graph here
+@eager  # collectives run eagerly: torch.compile breaks its graph here
 def _gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: AxisGroup,
                      dim: int) -> torch.Tensor:
     return _GatheredLinear.apply(x, weight, bias, group, dim)

@@ -28,8 +28,9 @@ def _job(dp: int, micro_batch: int, dtype: str) -> dict:
     return tiny_run(dp=dp, micro_batch=micro_batch, steps=STEPS, dtype=dtype)
 
 
-@pytest.mark.parametrize("dp", [1, 2, 4])
-@pytest.mark.parametrize("accumulation", [1, 2, 4])
+# the dp x accumulation grid {1,2,4}^2 measured (docs/testing.md); kept here: the cells that add a case
+# (the others repeat one: dp 1 x 1 is the reference, float64 below covers 4 x 2)
+@pytest.mark.parametrize("dp,accumulation", [(1, 4), (2, 1), (2, 2), (4, 1), (4, 4)])
 def test_loss_matches_single_process_fp32(pools, dp, accumulation):
     global_batch = 16
     micro = global_batch // (dp * accumulation)
