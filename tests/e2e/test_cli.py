@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
@@ -131,7 +132,7 @@ def test_tensor_parallel_run_samples_on_every_tp_rank(tmp_path):
     assert "sample:" in out.stdout
 
 
-def test_pipeline_run_resumes_on_one_process(tmp_path):
+def test_pipeline_run_resumes_on_one_process(tmp_path, capsys):
     """dp 2 x pp 2, interleaved over 2 chunks per rank, ZeRO-1; its checkpoint is the whole model."""
     log = tmp_path / "log.jsonl"
     out = paratrain("train", "--nproc", "4", "--dp", "2", "--pp", "2", "--schedule", "interleaved",
@@ -139,8 +140,8 @@ def test_pipeline_run_resumes_on_one_process(tmp_path):
                     "--save", str(tmp_path / "ckpt"), "--save-every", "2")
     assert out.returncode == 0, out.stderr
     resumes_on_one_process(tmp_path, log)
-    out = paratrain("train", "--nproc", "4", "--pp", "4", "--schedule", "interleaved", *SMALL)
-    assert out.returncode == 2 and "needs --virtual-stages >= 2" in out.stderr
+    assert main(["train", "--nproc", "4", "--pp", "4", "--schedule", "interleaved", *SMALL]) == 2
+    assert "needs --virtual-stages >= 2" in capsys.readouterr().err
 
 
 def test_crashing_rank_fails_the_job_with_its_error():
@@ -275,13 +276,14 @@ def test_default_demo_learns(tmp_path):
     assert elapsed < 300, f"the demo took {elapsed:.0f}s"  # about 100s on 2 cores
 
 
-def test_plan_auto_calibrates_chooses_and_launches_the_layout(tmp_path):
+def test_plan_auto_calibrates_chooses_and_launches_the_layout(tmp_path, capsys, monkeypatch):
     """--plan auto needs this machine's profile; with it, the planner's layout (pins kept) is what every
     worker runs: the JSON log's memory record is dp 1 x tp 2's."""
     env_home = {"HOME": str(tmp_path)}
-    refused = subprocess.run([sys.executable, "-m", "paratrain", "train", "--plan", "auto", *SMALL, "--steps", "1"],
-                             capture_output=True, text=True, timeout=120, env={**os.environ, **env_home})
-    assert refused.returncode == 2 and "paratrain plan --calibrate" in refused.stderr
+    hardware = importlib.import_module("paratrain.planner.hardware")  # the module, not the function
+    monkeypatch.setattr(hardware, "CPU_PROFILE", tmp_path / ".cache" / "paratrain" / "cpu.json")  # none yet
+    assert main(["train", "--plan", "auto", *SMALL, "--steps", "1"]) == 2
+    assert "paratrain plan --calibrate" in capsys.readouterr().err
     calibrated = subprocess.run([sys.executable, "-m", "paratrain", "plan", "--calibrate"], capture_output=True,
                                 text=True, timeout=120, env={**os.environ, **env_home})
     assert calibrated.returncode == 0, calibrated.stderr
