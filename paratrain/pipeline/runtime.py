@@ -61,7 +61,7 @@ _ENGINE = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined
 
 @dataclass(frozen=True)
 class StepTimes:
-    """Seconds this rank spent in the last step: computing (F, B, I, W) and in all."""
+    """Seconds this rank spent in the last step: computing (F, B, I, W) and in all; bytes it sent."""
 
     compute: float = 0.0
     total: float = 0.0
@@ -73,6 +73,8 @@ class StepTimes:
     """(kind, chunk, micro-batch, start, end) in seconds from the step's start: every compute action,
     and every wait for a receive ("WAIT_F" / "WAIT_B", "WAIT_HEADER" for a boundary's shape): the
     step's timeline on this rank."""
+    sent_bytes: int = 0
+    """Point-to-point bytes this rank sent (activations, gradients and shape headers)."""
 
 
 @dataclass
@@ -115,6 +117,7 @@ class PipelineExecutor:
         self.times = StepTimes()
         self._events: list[tuple[str, int, int, float, float]] = []
         self._started = 0.0
+        self._sent = 0
         self._grouped = dist.get_backend(group.pg) == "nccl"
         self._boundary_shapes: dict[tuple[int, tuple[Any, ...]], tuple[torch.Size, torch.dtype]] = {}
         """(sending chunk, micro-batch input shape, dtype, train) -> that chunk's output shape and dtype:
@@ -176,6 +179,7 @@ class PipelineExecutor:
         by_kind: dict[str, list[float]] = {}
         self._events = []
         self._started = started
+        self._sent = 0
         peak = 0
         i = 0
         while i < len(prog):
@@ -215,7 +219,7 @@ class PipelineExecutor:
             work.wait()
         self.times = StepTimes(compute=compute, total=time.perf_counter() - started,
                                by_kind=tuple((k, sum(v), len(v)) for k, v in sorted(by_kind.items())),
-                               peak_in_flight=peak, events=tuple(self._events))
+                               peak_in_flight=peak, events=tuple(self._events), sent_bytes=self._sent)
         return totals
 
     # ---- compute ----------------------------------------------------------------------------
@@ -361,6 +365,7 @@ class PipelineExecutor:
 
     def _post(self, ops: list[_Op]) -> list[dist.Work]:
         pg = self.group.pg
+        self._sent += sum(tensor.numel() * tensor.element_size() for send, tensor, _ in ops if send)
         if self._grouped:
             return dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, tensor,
                                                       self.group.ranks[to], pg) for send, tensor, to in ops])

@@ -1,7 +1,9 @@
-"""Bytes one rank moves per step over the data-parallel axis for gradients and parameters, exactly as
-paratrain issues them, counted the way the ZeRO paper does (paratrain.comm.volume: an all-reduce of n
-bytes moves 2n, a reduce-scatter whose input is n bytes or an all-gather whose output is n moves n).
+"""Bytes one rank moves in one training step, by axis and operation, exactly as paratrain issues
+them, counted the way the ZeRO paper does (paratrain.comm.volume: an all-reduce of n bytes moves 2n,
+a reduce-scatter whose input is n bytes or an all-gather whose output is n moves n; a pipeline send
+of n bytes moves n).
 
+Data parallelism (`data_parallel_volume`), gradients and parameters:
     zero 0    one all-reduce of every gradient bucket per step (accumulation syncs the last
               micro-batch only), float32 gradients
     zero 1    each flat group (padded) reduced once per step (all-reduce on gloo, reduce-scatter on
@@ -12,23 +14,86 @@ bytes moves 2n, a reduce-scatter whose input is n bytes or an all-gather whose o
               its backward (once when parameters stay from forward to backward), the root's (embedding,
               final norm, head) once per micro-batch
 
-`paratrain plan --dry-run` runs a step on the meta device and checks its recorded collectives
-against this (tests/unit/test_dryrun.py, up to 1,024 ranks). Tensor- and pipeline-parallel traffic,
-and the few scalars a step reduces (the loss, the gradient norm), are not modelled here.
+Tensor parallelism (`tensor_parallel_calls`), per micro-batch, A = micro-batch x seq x d_model:
+    without sequence parallelism (Megatron): per block an all-reduce of A after attention and after
+              the MLP, and one of each column input's gradient in backward (4); the vocab-parallel
+              embedding's output (first stage), the head's input gradient (last stage)
+    with it (Korthikanti et al.): per block, forward: the column inputs all-gathered (2), the row
+              outputs reduce-scattered (2); backward: the column inputs all-gathered again (only the
+              sequence slice is kept), the row output gradients all-gathered, the column input
+              gradients reduce-scattered (4 all-gathers, 2 reduce-scatters); the embedding's output
+              reduce-scattered (its gradient all-gathered), the head a gathered column; and every
+              replicated weight's gradient ([d_model]: the two norms per block, the final norm)
+              summed over tp as backward produces it
+    full recompute runs a block's forward again in backward, up to the last tensor backward needs
+              (torch.utils.checkpoint stops early): one row output's all-reduce (reduce-scatter) and,
+              with sequence parallelism, both column gathers; selective recompute moves nothing more
+    the vocab-parallel loss (last stage): three all-reduces of [micro-batch x seq] in float32
+    zero-bubble splits backward into I (input gradients) and W (weight gradients), and W repeats
+              tensor-parallel traffic on every stage but the first (whose I has nothing to do): with
+              recompute, W walks the chunk's whole backward again (a recomputed block's forward
+              too); without it, each module's own weight-gradient pass, which moves nothing without
+              sequence parallelism and, with it, what the gathered columns' and the rows' backward
+              move (4 all-gathers and 2 reduce-scatters per block, the head's gather and scatter)
+Pipeline: each micro-batch's activation [micro-batch, seq (/ tp under sequence parallelism), d_model]
+    sent forward from every chunk but the last, its gradient backward from every chunk but the first;
+    the tied embedding's gradient (its shard under ZeRO) all-reduced between the first and last stage.
+Scalars: the loss's (sum, count) in float64 over dp and over pp; the gradient norm's sums of squares
+    (one float32 per part of the norm, a part being the parameters that add up over the same axes:
+    tensor-parallel slices and replicated weights) over the ZeRO shard group, tp and pp.
+
+The dtypes are the engine's on the meta device, which runs no autocast: activations in the stored
+parameters' dtype (16 bits under ZeRO with bf16, float32 otherwise). Under zero 0 with bf16 a real
+run's autocast moves the row outputs in bf16: the float32 counted here is then an upper bound.
+`paratrain plan --dry-run` runs a step on the meta device and checks its recorded collectives and
+pipeline sends against `step_volume`, byte for byte (tests/unit/test_dryrun.py, up to 1,024 ranks).
 """
 
 from __future__ import annotations
 
+from collections import Counter
+
 from paratrain.config.model import ModelConfig
-from paratrain.planner.layout import Layout, rank_params
+from paratrain.planner.layout import Layout, chunk_layers, rank_params
 from paratrain.planner.memory import BYTES, flat_groups
+
+_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "send": 1}
+
+Call = tuple[str, str, int, int]
+"""(axis, op, elements of the full tensor (all-reduce buffer, reduce-scatter input, all-gather
+output, message), bytes per element)."""
+
+
+def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches: int, precision: str = "fp32",
+                bucket_mb: float = 25.0, grad_reduce: str = "all_reduce", reshard_after_forward: bool = True,
+                pp_split: tuple[int, ...] = ()) -> dict[str, dict[str, int]]:
+    """{axis: {op: bytes}} pipeline rank `stage` moves in one step of `micro_batches` micro-batches
+    (every dp and tp rank of a stage moves the same): axes "dp", "tp", "pp" (its op "send": the
+    point-to-point messages) and "tied" (the embedding shared by the first and last stage)."""
+    volume: dict[str, dict[str, int]] = {}
+    dp_volume = data_parallel_volume(model, layout, stage=stage, micro_batches=micro_batches, precision=precision,
+                                     bucket_mb=bucket_mb, grad_reduce=grad_reduce,
+                                     reshard_after_forward=reshard_after_forward, pp_split=pp_split)
+    if any(dp_volume.values()):
+        volume["dp"] = {op: n for op, n in dp_volume.items() if n}
+    calls = Counter(tensor_parallel_calls(model, layout, stage=stage, precision=precision, pp_split=pp_split))
+    calls = Counter({call: n * micro_batches for call, n in calls.items()})
+    calls.update(step_calls(model, layout, stage=stage, precision=precision, bucket_mb=bucket_mb, pp_split=pp_split))
+    for (axis, op, numel, size), n in calls.items():
+        ops = volume.setdefault(axis, {})
+        ops[op] = ops.get(op, 0) + n * _FACTOR[op] * numel * size
+    sent = pipeline_sends(model, layout, stage=stage, micro_batches=micro_batches, precision=precision,
+                          pp_split=pp_split)
+    if sent:
+        volume.setdefault("pp", {})["send"] = sent
+    return volume
 
 
 def data_parallel_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches: int,
                          precision: str = "fp32", bucket_mb: float = 25.0, grad_reduce: str = "all_reduce",
                          reshard_after_forward: bool = True, pp_split: tuple[int, ...] = ()) -> dict[str, int]:
-    """{"all_reduce", "reduce_scatter", "all_gather"} bytes pipeline rank `stage` moves over dp in
-    one step of `micro_batches` micro-batches (ZeRO-paper counting; zeros when dp is 1)."""
+    """{"all_reduce", "reduce_scatter", "all_gather"} bytes of gradients and parameters pipeline rank
+    `stage` moves over dp in one step of `micro_batches` micro-batches (zeros when dp is 1)."""
     volume = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
     if layout.dp == 1:
         return volume
@@ -55,6 +120,83 @@ def data_parallel_volume(model: ModelConfig, layout: Layout, *, stage: int, micr
         volume["all_gather"] = micro_batches * elsize * (per_block * sum(g.padded for g in blocks)
                                                          + sum(g.padded for g in roots))
     return volume
+
+
+def tensor_parallel_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str = "fp32",
+                          pp_split: tuple[int, ...] = ()) -> list[Call]:
+    """The tp collectives of one micro-batch on pipeline rank `stage` (empty when tp is 1)."""
+    if layout.tp == 1:
+        return []
+    blocks, first, last = _held(model, layout, stage, pp_split)
+    act = _activation_bytes(layout, precision)
+    full = layout.micro_batch * model.seq_len * model.d_model
+    tokens = layout.micro_batch * model.seq_len
+    again = blocks if layout.recompute == "full" else 0
+    # zero-bubble's W: the backward's traffic once more (stage 0's I does nothing, its W is the backward)
+    repeat = layout.schedule == "zero-bubble" and stage > 0
+    calls: list[Call] = []
+    if layout.sequence_parallel:
+        w_gather, w_scatter = (4 * blocks + last + 2 * again, 2 * blocks + last + again) if repeat else (0, 0)
+        calls += [("tp", "all_gather", full, act)] * (6 * blocks + 2 * again + first + 2 * last + w_gather)
+        calls += [("tp", "reduce_scatter", full, act)] * (4 * blocks + again + first + last + w_scatter)
+        calls += [("tp", "all_reduce", model.d_model, act)] * (2 * blocks + last)
+    else:
+        w_reduce = 2 * blocks + last + again if repeat and layout.recompute != "none" else 0
+        calls += [("tp", "all_reduce", full, act)] * (4 * blocks + again + first + last + w_reduce)
+    calls += [("tp", "all_reduce", tokens, 4)] * (3 * last)
+    return calls
+
+
+def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str = "fp32", bucket_mb: float = 25.0,
+               pp_split: tuple[int, ...] = ()) -> list[Call]:
+    """The collectives of a step that are not per micro-batch and not dp's gradient and parameter
+    traffic: the tied embedding's gradient and the scalars (loss totals, gradient-norm sums)."""
+    calls: list[Call] = []
+    _, first, last = _held(model, layout, stage, pp_split)
+    if model.tie_embeddings and layout.pp > 1 and (first or last):
+        params = [p for p in rank_params(model, layout, stage, pp_split) if p.tied]
+        if layout.zero:
+            (group,) = [g for g in flat_groups(params, zero=layout.zero, shards=layout.shards,
+                                               bucket_bytes=int(bucket_mb * 2**20))]
+            calls.append(("tied", "all_reduce", group.shard_numel, BYTES[precision]))
+        else:
+            calls.append(("tied", "all_reduce", params[0].numel, 4))
+    parts = 2 if layout.tp > 1 else 1  # tp slices and replicated weights sum over different axes
+    if layout.dp > 1:
+        calls.append(("dp", "all_reduce", 2, 8))
+        if layout.zero:
+            calls += [("dp", "all_reduce", 1, 4)] * parts
+    if layout.tp > 1:
+        calls.append(("tp", "all_reduce", 1, 4))
+    if layout.pp > 1:
+        calls.append(("pp", "all_reduce", 2, 8))
+        calls += [("pp", "all_reduce", 1, 4)] * parts
+    return calls
+
+
+def pipeline_sends(model: ModelConfig, layout: Layout, *, stage: int, micro_batches: int, precision: str = "fp32",
+                   pp_split: tuple[int, ...] = ()) -> int:
+    """Bytes pipeline rank `stage` sends in one step: activations forward, their gradients backward."""
+    if layout.pp == 1:
+        return 0
+    chunks = layout.pp * layout.virtual_stages
+    mine = [c for c in range(chunks) if c % layout.pp == stage]
+    messages = sum((c < chunks - 1) + (c > 0) for c in mine) * micro_batches
+    split = layout.tp if layout.sequence_parallel else 1
+    return messages * layout.micro_batch * (model.seq_len // split) * model.d_model * _activation_bytes(layout, precision)
+
+
+def _held(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...]) -> tuple[int, bool, bool]:
+    """(blocks, holds the embedding, holds the final norm and head) on pipeline rank `stage`."""
+    ranges = chunk_layers(model, layout, pp_split)
+    mine = [c for c in range(len(ranges)) if c % layout.pp == stage]
+    layers = {i for c in mine for i in range(*ranges[c])}
+    return len(layers & set(range(1, model.n_layer + 1))), 0 in layers, model.n_layer + 1 in layers
+
+
+def _activation_bytes(layout: Layout, precision: str) -> int:
+    """The residual stream's element: 16 bits when ZeRO stores the parameters so, else float32."""
+    return BYTES[precision] if layout.zero else 4
 
 
 def _root_groups(params: list) -> int:

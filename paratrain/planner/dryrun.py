@@ -6,9 +6,10 @@ The layout is built for rank R of the whole world in this one process: a fake pr
 engine on meta tensors (forward, backward, gradient reduction, the optimizer). What comes out is what
 rank R would hold and do: its parameter, gradient and optimizer bytes (engine.memory_report), every
 collective it issued in order (axis, group size, operation, shape, dtype, bytes moved, counted as the
-ZeRO paper does) and its pipeline actions. Model-state bytes are compared with the planner's
-model_state_bytes and the data-parallel volume with paratrain.planner.comm, exactly. GPT-3 175B as
-dp16 x tp8 x pp8 on 1,024 ranks runs here in about 5 s per rank.
+ZeRO paper does), the bytes it sent to its pipeline neighbours, and its pipeline actions. Model-state
+bytes are compared with the planner's model_state_bytes, and the step's communication volume, by axis
+and operation, with paratrain.planner.comm.step_volume: both exactly. GPT-3 175B as dp16 x tp8 x pp8
+on 1,024 ranks runs here in about 5 s per rank.
 """
 
 from __future__ import annotations
@@ -25,12 +26,11 @@ import torch.distributed as dist
 from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import ParallelConfig
 from paratrain.config.run import OptimSection
-from paratrain.planner.comm import data_parallel_volume
+from paratrain.planner.comm import step_volume
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import model_state_bytes
 
 _FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "broadcast": 1}
-_DATA_PARALLEL = ("dp", "dp_shard", "dp_replicate")
 
 
 @dataclass
@@ -54,16 +54,18 @@ class DryRun:
     predicted_memory: dict[str, int]
     """The planner's model_state_bytes for this rank's pipeline stage."""
     collectives: list[Collective] = field(default_factory=list)
-    data_parallel_volume: dict[str, int] = field(default_factory=dict)
-    """Bytes of the gradient and parameter collectives over dp (tensors of more than 2 elements)."""
-    predicted_volume: dict[str, int] = field(default_factory=dict)
+    volume: dict[str, dict[str, int]] = field(default_factory=dict)
+    """{axis: {op: bytes}} of the step: every collective, and the pipeline's sends (pp, "send")."""
+    predicted_volume: dict[str, dict[str, int]] = field(default_factory=dict)
+    """The planner's paratrain.planner.comm.step_volume for this rank."""
     actions: list[str] = field(default_factory=list)
     """This rank's pipeline program for the step (empty without pp)."""
     seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
 
     @property
     def exact(self) -> bool:
-        return self.memory == self.predicted_memory and self.data_parallel_volume == self.predicted_volume
+        return self.memory == self.predicted_memory and self.volume == self.predicted_volume
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "exact": self.exact}
@@ -82,6 +84,10 @@ def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_si
         raise RuntimeError("a dry run needs a process without a process group (it creates a fake one)")
     if not 0 <= rank < world_size:
         raise ValueError(f"--rank must be in [0, {world_size}), got {rank}")
+    if precision == "fp16":
+        raise ValueError("fp16 cannot be dry-run: its loss scale is read from the device at the first step, and a "
+                         "dry run has no values; dry-run bf16, which moves the same bytes (fp16 adds one 4-byte "
+                         "overflow flag per axis)")
     started = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
@@ -103,25 +109,31 @@ def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_si
         layout = Layout(dp=dp, tp=ctx.mesh.degree("tp"), pp=ctx.mesh.degree("pp"),
                         virtual_stages=ctx.config.virtual_stages, zero=ctx.config.zero,
                         shard_group=ctx.config.shard_group, micro_batch=micro_batch,
-                        sequence_parallel=ctx.config.sequence_parallel, schedule=ctx.config.schedule)
+                        sequence_parallel=ctx.config.sequence_parallel, schedule=ctx.config.schedule,
+                        recompute=recompute)
         grad_reduce = "reduce_scatter" if ctx.config.grad_reduce == "reduce_scatter" else "all_reduce"
         predicted_memory = model_state_bytes(model, layout, precision=precision, stage=stage,
                                              bucket_mb=ctx.config.bucket_mb, grad_reduce=grad_reduce,
                                              pp_split=tuple(ctx.config.pp_split))
-        predicted_volume = data_parallel_volume(
+        predicted_volume = step_volume(
             model, layout, stage=stage, micro_batches=rows // micro_batch, precision=precision,
             bucket_mb=ctx.config.bucket_mb, grad_reduce=grad_reduce,
             reshard_after_forward=ctx.config.reshard_after_forward, pp_split=tuple(ctx.config.pp_split))
-        volume = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
+        volume: dict[str, dict[str, int]] = {}
         for c in collectives:
-            if c.axis in _DATA_PARALLEL and c.op in volume and math.prod(c.shape) > 2:
-                volume[c.op] += c.bytes
+            ops = volume.setdefault(c.axis, {})
+            ops[c.op] = ops.get(c.op, 0) + c.bytes
         actions = []
         if engine.pipeline is not None:
             actions = [f"{a.kind} chunk {a.chunk} mb {a.mb}" for a in engine.pipeline.program(rows // micro_batch)]
+            volume.setdefault("pp", {})["send"] = engine.pipeline.times.sent_bytes
+        notes = []
+        if precision != "fp32" and not ctx.config.zero:
+            notes.append(f"zero 0 with {precision}: the meta device runs no autocast, so activations are counted in "
+                         f"float32; a real run's autocast moves the row outputs in {precision} (less)")
         coords = {axis: ctx.mesh.index(axis) for axis in ("dp", "tp", "pp")}
         return DryRun(rank, world_size, coords, engine.memory_report(), predicted_memory, collectives, volume,
-                      predicted_volume, actions, time.perf_counter() - started)
+                      predicted_volume, actions, time.perf_counter() - started, notes)
     finally:
         dist.destroy_process_group()
 
@@ -142,10 +154,13 @@ def format_dry_run(run: DryRun, *, limit: int = 40) -> str:
         got, want = run.memory.get(key, 0), run.predicted_memory.get(key, 0)
         lines.append(f"  {key:<10} {got / gib:10.3f} GiB  {got:>16,} bytes  planner {want:>16,}"
                      + ("  (equal)" if got == want else "  DIFFERS"))
-    lines.append(f"collectives: {len(run.collectives)} in this step; data-parallel gradient and parameter volume:")
-    for op in ("all_reduce", "reduce_scatter", "all_gather"):
-        got, want = run.data_parallel_volume.get(op, 0), run.predicted_volume.get(op, 0)
-        lines.append(f"  {op:<15} {got:>16,} bytes  planner {want:>16,}" + ("  (equal)" if got == want else "  DIFFERS"))
+    lines.append(f"collectives: {len(run.collectives)} in this step; bytes moved (ZeRO-paper counting):")
+    for axis in sorted(run.volume.keys() | run.predicted_volume.keys()):
+        got_ops, want_ops = run.volume.get(axis, {}), run.predicted_volume.get(axis, {})
+        for op in sorted(got_ops.keys() | want_ops.keys()):
+            got, want = got_ops.get(op, 0), want_ops.get(op, 0)
+            lines.append(f"  {axis:<5} {op:<15} {got:>16,} bytes  planner {want:>16,}"
+                         + ("  (equal)" if got == want else "  DIFFERS"))
     for c in run.collectives[:limit]:
         lines.append(f"  {c.axis:<12} x{c.group_size:<4} {c.op:<15} {str(c.shape):<22} {c.dtype:<9} {c.bytes:>14,} B")
     if len(run.collectives) > limit:
@@ -153,4 +168,5 @@ def format_dry_run(run: DryRun, *, limit: int = 40) -> str:
     if run.actions:
         lines.append(f"pipeline actions ({len(run.actions)}): " + "; ".join(run.actions[:12])
                      + (" ..." if len(run.actions) > 12 else ""))
+    lines += [f"note: {note}" for note in run.notes]
     return "\n".join(lines)

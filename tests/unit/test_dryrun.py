@@ -1,9 +1,11 @@
 """Dry runs: one rank of layouts up to 1,024 ranks, built and stepped on the meta device with a fake
-process group, holds exactly the model-state bytes the planner predicts and moves exactly the
-data-parallel gradient and parameter bytes it predicts."""
+process group, holds exactly the model-state bytes the planner predicts and moves exactly the bytes it
+predicts, by axis and operation: dp's gradients and parameters, tp's activations, loss vectors and norm
+gradients, the pipeline's sends, the tied embedding's gradient and the step's scalars."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,28 +14,40 @@ from paratrain.cli import main
 from paratrain.config import ParallelConfig, preset
 from paratrain.planner.dryrun import dry_run
 
-GRID = [  # (model, world, rank, layout, global batch, micro-batch, precision)
+SHORT = preset("tiny", seq_len=48)  # seq x micro-batch != d_model: the loss's vectors and the norms' differ
+UNTIED = dataclasses.replace(preset("tiny", n_layer=8), tie_embeddings=False)
+GRID = [  # (model, world, rank, layout, global batch, micro-batch, precision, recompute)
     ("tiny", 8, 5, dict(dp=2, tp=2, pp=2, zero=1, sequence_parallel=True, schedule="interleaved", virtual_stages=2),
-     8, 2, "fp32"),
-    ("tiny", 4, 3, dict(dp=4, zero=3, grad_reduce="reduce_scatter"), 16, 2, "bf16"),
+     8, 2, "fp32", "none"),
+    (SHORT, 2, 1, dict(tp=2, sequence_parallel=True), 4, 2, "fp32", "full"),
+    (SHORT, 4, 3, dict(dp=2, tp=2, zero=3), 8, 2, "bf16", "full"),
+    (UNTIED, 16, 8, dict(dp=2, tp=2, pp=4, zero=2, schedule="zero-bubble"), 8, 1, "fp32", "selective"),
+    ("tiny", 4, 3, dict(dp=4, zero=3, grad_reduce="reduce_scatter"), 16, 2, "bf16", "none"),
     ("gpt3-175b", 1024, 1000, dict(dp=16, tp=8, pp=8, zero=1, sequence_parallel=True, grad_reduce="reduce_scatter"),
-     16, 1, "bf16"),
-    ("gpt3-175b", 1024, 3, dict(dp=16, tp=8, pp=8, zero=1, sequence_parallel=True), 16, 1, "bf16"),
-    ("gpt3-6.7b", 1024, 777, dict(dp=128, tp=8, zero=3, grad_reduce="reduce_scatter"), 128, 1, "bf16"),
-    ("gpt3-13b", 512, 300, dict(dp=8, tp=8, pp=8, zero=2), 16, 1, "fp32"),
+     16, 1, "bf16", "none"),
+    ("gpt3-175b", 1024, 3, dict(dp=16, tp=8, pp=8, zero=1, sequence_parallel=True), 16, 1, "bf16", "full"),
+    ("gpt3-6.7b", 1024, 777, dict(dp=128, tp=8, zero=3, grad_reduce="reduce_scatter"), 128, 1, "bf16", "none"),
+    ("gpt3-13b", 512, 300, dict(dp=8, tp=8, pp=8, zero=2), 16, 1, "fp32", "none"),
 ]
 
 
-@pytest.mark.parametrize("model,world,rank,layout,global_batch,micro_batch,precision", GRID,
-                         ids=[f"{g[0]}-{g[1]}ranks-rank{g[2]}" for g in GRID])
-def test_a_dry_run_equals_the_planner_exactly(model, world, rank, layout, global_batch, micro_batch, precision):
-    run = dry_run(preset(model), ParallelConfig(**layout), rank=rank, world_size=world, global_batch=global_batch,
-                  micro_batch=micro_batch, precision=precision)
+def _id(g: tuple) -> str:
+    name = g[0] if isinstance(g[0], str) else f"tiny-{g[0].n_layer}x{g[0].seq_len}{'' if g[0].tie_embeddings else '-untied'}"
+    return f"{name}-{g[1]}ranks-rank{g[2]}" + ("" if g[7] == "none" else f"-{g[7]}")
+
+
+@pytest.mark.parametrize("model,world,rank,layout,global_batch,micro_batch,precision,recompute", GRID,
+                         ids=[_id(g) for g in GRID])
+def test_a_dry_run_equals_the_planner_exactly(model, world, rank, layout, global_batch, micro_batch, precision,
+                                              recompute):
+    run = dry_run(preset(model) if isinstance(model, str) else model, ParallelConfig(**layout), rank=rank,
+                  world_size=world, global_batch=global_batch, micro_batch=micro_batch, precision=precision,
+                  recompute=recompute)
     assert run.memory == run.predicted_memory
-    assert run.data_parallel_volume == run.predicted_volume
-    assert sum(run.data_parallel_volume.values()) > 0 and run.collectives
-    assert bool(run.actions) == (layout.get("pp", 1) > 1)
-    assert {c.axis for c in run.collectives} >= {"dp"} | ({"tp"} if layout.get("tp", 1) > 1 else set())
+    assert run.volume == run.predicted_volume
+    axes = {"tp": layout.get("tp", 1), "pp": layout.get("pp", 1), "dp": layout.get("dp", 1)}
+    assert set(run.volume) - {"tied"} == {axis for axis, degree in axes.items() if degree > 1}
+    assert bool(run.actions) == (layout.get("pp", 1) > 1) == ("send" in run.volume.get("pp", {}))
 
 
 def test_the_command_reports_a_rank_of_1024(capsys):
@@ -44,3 +58,5 @@ def test_the_command_reports_a_rank_of_1024(capsys):
     assert record["actions"][:2] == ["RECV_F chunk 7 mb 0", "F chunk 7 mb 0"]
     with pytest.raises(ValueError, match="--rank must be in"):
         dry_run(preset("tiny"), ParallelConfig(dp=2), rank=2, world_size=2, global_batch=2)
+    with pytest.raises(ValueError, match="fp16 cannot be dry-run"):
+        dry_run(preset("tiny"), ParallelConfig(dp=2), rank=0, world_size=2, global_batch=2, precision="fp16")
