@@ -34,20 +34,20 @@ def check_memory(plan: RunPlan, *, device: str, available_bytes: float, processe
     predicted = memory(plan.model, layout_of(plan), global_batch=plan.batch.global_batch, seq=plan.seq_len,
                        precision=plan.config.train.precision, bucket_mb=parallel.bucket_mb, grad_reduce=grad_reduce,
                        pp_split=tuple(parallel.pp_split))
-    # every rank still builds the whole model in float32 before it keeps its shard, slice or stage
-    build = 4.0 * plan.model.num_params()
+    # the trainer builds on the meta device and materialises only this rank's pieces: nothing bigger
+    # than the training state is ever held (docs/scale.md)
     per_process = available_bytes / (processes if device == "cpu" else 1)
-    need = max(predicted["peak"], build) + RUNTIME_BYTES[device]
+    need = predicted["peak"] + RUNTIME_BYTES[device]
     if need > per_process:
         where = "GPU memory" if device == "cuda" else f"available CPU memory shared by {processes} processes"
         parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in predicted.items() if k != "peak")
         raise ConfigError(
-            f"the layout is predicted to need {need / 1e9:.2f} GB per process (training: {parts} GB; building: "
-            f"the whole model in float32, {build / 1e9:.2f} GB; + {RUNTIME_BYTES[device] / 1e9:.1f} GB runtime), "
+            f"the layout is predicted to need {need / 1e9:.2f} GB per process (training: {parts} GB; "
+            f"+ {RUNTIME_BYTES[device] / 1e9:.1f} GB runtime), "
             f"but each has {per_process / 1e9:.2f} GB of {where}: shard more (--zero 3, or more ranks), recompute "
             "(--recompute), a smaller --micro-batch or model, or compare layouts with `paratrain plan`; "
             "--no-memory-check launches anyway")
-    return {**predicted, "build": build}
+    return predicted
 
 
 def available_memory(device: str) -> float | None:

@@ -71,8 +71,8 @@ def test_command_line_json(capsys):
 
 
 def test_train_refuses_a_layout_that_does_not_fit():
-    """The check `paratrain train` runs before launch: the planner's peak (or the float32 build of the
-    whole model, which every rank still does) against the memory one process may use."""
+    """The check `paratrain train` runs before launch: the planner's peak against the memory one process
+    may use (the model is built on the meta device: no whole float32 copy to allow for)."""
     from paratrain.config import build_run_config, check_run
     from paratrain.planner.check import check_memory
 
@@ -82,7 +82,7 @@ def test_train_refuses_a_layout_that_does_not_fit():
                                           r"CPU memory shared by 2 processes: shard more"):
         check_memory(plan, device="cpu", available_bytes=8e9, processes=2)
     predicted = check_memory(plan, device="cpu", available_bytes=64e9, processes=2)
-    assert predicted["build"] == 4 * plan.model.num_params() and predicted["peak"] > predicted["build"]
+    assert "build" not in predicted and predicted["peak"] < 32e9
     with pytest.raises(ConfigError, match="of GPU memory"):
         check_memory(plan, device="cuda", available_bytes=4e9, processes=1)
 
