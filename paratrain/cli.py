@@ -172,8 +172,8 @@ def prepare_launch(config: Any, *, gpus: int) -> Any:
     elif config.train.resume:
         from paratrain.checkpoint import CheckpointError, resolve_checkpoint, verify_checkpoint
 
-        try:
-            verify_checkpoint(resolve_checkpoint(config.train.resume))
+        try:  # sizes, headers and index here; the workers share out the SHA-256s (verify_shared)
+            verify_checkpoint(resolve_checkpoint(config.train.resume), hashed=())
         except FileNotFoundError as error:
             raise ConfigError(f"train.resume: {error}: give a folder written by --save (its latest checkpoint is "
                               "taken) or one of its step_* folders") from None

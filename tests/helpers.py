@@ -64,11 +64,11 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
         engine.load_state_dict(start)
         loader.load_state_dict({"epoch": 0, "cursor": start_step * global_batch})
     if load_sharded is not None:
-        from paratrain.checkpoint import resolve_checkpoint, verify_checkpoint
+        from paratrain.checkpoint import resolve_checkpoint, verify_shared
         from paratrain.checkpoint.sharded import load_sharded as load
 
         folder = resolve_checkpoint(load_sharded)
-        meta = verify_checkpoint(folder)
+        meta = verify_shared(folder)  # as the trainer: each rank hashes a share of the files
         assert meta["step"] == start_step
         bytes_read = load(folder, meta, engine).bytes_read
         loader.load_state_dict({"epoch": 0, "cursor": start_step * global_batch})

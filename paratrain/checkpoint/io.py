@@ -20,7 +20,7 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -149,14 +149,18 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise FileNotFoundError(f"{str(path)!r} is neither a checkpoint folder (meta.json) nor a root with a 'latest' file")
 
 
-def verify_checkpoint(folder: str | Path) -> dict[str, Any]:
+def verify_checkpoint(folder: str | Path, *, hashed: Collection[str] | None = None, hint: bool = True) -> dict[str, Any]:
     """Check one checkpoint folder against its meta.json (files present, sizes, SHA-256, each tensor's
     shape and dtype); returns the meta, or raises CheckpointError naming the file and the newest
-    older checkpoint of the same root that verifies."""
+    older checkpoint of the same root that verifies. hashed: the files whose SHA-256 is checked (None:
+    all; the rest get every other check: paratrain.checkpoint.sharded.verify_shared splits hashing
+    over ranks). hint: name the newest older checkpoint that verifies (False: only the error)."""
     folder = Path(folder)
     try:
-        meta = _verified_meta(folder)
+        meta = _verified_meta(folder, hashed)
     except CheckpointError as error:
+        if not hint:
+            raise
         older = newest_verified(folder.parent, before=folder.name)
         hint = (f"the newest older checkpoint that verifies is {older} (--resume {older})" if older else
                 "no older checkpoint in this folder verifies")
@@ -164,13 +168,13 @@ def verify_checkpoint(folder: str | Path) -> dict[str, Any]:
     return meta
 
 
-def _verified_meta(folder: Path) -> dict[str, Any]:
+def _verified_meta(folder: Path, hashed: Collection[str] | None = None) -> dict[str, Any]:
     try:
         meta = json.loads((folder / "meta.json").read_text())
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{folder / 'meta.json'} cannot be read: {error}") from None
     if meta.get("format") == SHARDED_FORMAT:
-        _verify_sharded(folder, meta)
+        _verify_sharded(folder, meta, hashed)
         return meta
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{folder} has format {meta.get('format')!r}, expected {FORMAT!r} or {SHARDED_FORMAT!r}")
@@ -181,7 +185,7 @@ def _verified_meta(folder: Path) -> dict[str, Any]:
         expected = meta.get("files", {}).get(file_name)
         if expected is None:  # written before checksums were kept: its headers are all there is to check
             continue
-        found = _checked_file(path, expected)
+        found = _checked_file(path, expected, digest=hashed is None or file_name in hashed)
         index = meta.get("tensors", {}).get(file_name, {})
         wrong = sorted(k for k in set(index) | set(found) if index.get(k) != found.get(k))
         if wrong:
@@ -189,13 +193,13 @@ def _verified_meta(folder: Path) -> dict[str, Any]:
     return meta
 
 
-def _checked_file(path: Path, expected: dict[str, Any]) -> dict[str, list[Any]]:
-    """The [shape, dtype] of every tensor in the safetensors file `path`, once its size and SHA-256
-    are those written with it (meta.json's `expected`)."""
+def _checked_file(path: Path, expected: dict[str, Any], *, digest: bool = True) -> dict[str, list[Any]]:
+    """The [shape, dtype] of every tensor in the safetensors file `path`, once its size and (digest)
+    SHA-256 are those written with it (meta.json's `expected`)."""
     size = path.stat().st_size
     if size != expected["bytes"]:
         raise CheckpointError(f"{path} has {size} bytes, {expected['bytes']} were written (cut short or replaced)")
-    if _digest(path) != expected["sha256"]:
+    if digest and not digest_matches(path, expected):
         raise CheckpointError(f"{path} does not match the SHA-256 written with it (corrupted)")
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -205,15 +209,21 @@ def _checked_file(path: Path, expected: dict[str, Any]) -> dict[str, list[Any]]:
         raise CheckpointError(f"{path} is not a readable safetensors file: {error}") from None
 
 
-def _verify_sharded(folder: Path, meta: dict[str, Any]) -> None:
+def digest_matches(path: Path, expected: dict[str, Any]) -> bool:
+    """Whether the file's SHA-256 is the one written with it (meta.json's files entry)."""
+    return _digest(path) == expected["sha256"]
+
+
+def _verify_sharded(folder: Path, meta: dict[str, Any], hashed: Collection[str] | None = None) -> None:
     """A sharded checkpoint (paratrain.checkpoint.sharded): every rank file present with its size and
-    SHA-256, every indexed piece in its file with its length and dtype, every tensor covered whole."""
+    SHA-256 (of the `hashed` files; None: all), every indexed piece in its file with its length and
+    dtype, every tensor covered whole."""
     headers: dict[str, dict[str, list[Any]]] = {}
     for file_name, expected in meta.get("files", {}).items():
         path = folder / file_name
         if not path.is_file():
             raise CheckpointError(f"{path} is missing")
-        headers[file_name] = _checked_file(path, expected)
+        headers[file_name] = _checked_file(path, expected, digest=hashed is None or file_name in hashed)
     for key, entry in meta.get("tensors", {}).items():
         total = 0
         for piece in entry["pieces"]:

@@ -37,7 +37,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from paratrain.checkpoint.io import SHARDED_FORMAT as FORMAT
-from paratrain.checkpoint.io import CheckpointError, _digest, _fsync_file, _fsync_write, _publish
+from paratrain.checkpoint.io import (
+    CheckpointError,
+    _digest,
+    _fsync_file,
+    _fsync_write,
+    _publish,
+    digest_matches,
+    newest_verified,
+    verify_checkpoint,
+)
 from paratrain.hybrid.pieces import Owned, Piece, Run, fill
 
 _SEP = "::"
@@ -250,6 +259,46 @@ class CheckpointReader:
 
 
 @torch.no_grad()
+def verify_shared(folder: str | Path, *, hint: bool = True) -> dict[str, Any]:
+    """verify_checkpoint with the hashing shared out (collective over the world; alone, all of it):
+    every rank checks every file's size, tensor headers and the index, and the SHA-256 of every
+    world-size-th file from its rank on; the ranks then agree, so every rank returns the meta or
+    raises the same CheckpointError, naming the file and the rank that found it. Before a load, each
+    rank so reads its own pieces plus about 1 / world of the checkpoint, not all of it. hint: name
+    the newest older checkpoint that verifies."""
+    folder = Path(folder)
+    meta = verify_checkpoint(folder, hashed=(), hint=hint)
+    files = sorted(meta.get("files", {}))
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    share = files[rank::dist.get_world_size()] if dist.is_available() and dist.is_initialized() else files
+    bad = next((name for name in share if not digest_matches(folder / name, meta["files"][name])), None)
+    found = [(r, name) for r, name in enumerate(_gather(bad)) if name is not None]
+    if found:
+        r, name = found[0]
+        message = f"{folder / name} does not match the SHA-256 written with it (corrupted; found by rank {r})"
+        if hint:
+            older = newest_verified(folder.parent, before=folder.name)
+            message += (f"; the newest older checkpoint that verifies is {older} (--resume {older})" if older else
+                        "; no older checkpoint in this folder verifies")
+        raise CheckpointError(message)
+    return meta
+
+
+def newest_shared(root: str | Path) -> Path | None:
+    """The newest step_* checkpoint under root that verify_shared accepts (collective: every rank
+    walks the same folders and agrees on each), or None."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    for folder in sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True):
+        try:
+            verify_shared(folder, hint=False)
+        except CheckpointError:
+            continue
+        return folder
+    return None
+
+
 def load_sharded(folder: Path, meta: dict[str, Any], engine: Any) -> CheckpointReader:
     """Set `engine`'s model, optimizer state, dropout step and loss scale from the verified sharded
     checkpoint in `folder` (meta: its meta.json), reading only this rank's pieces; returns the reader

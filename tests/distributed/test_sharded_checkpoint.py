@@ -24,6 +24,16 @@ def _job(**kwargs) -> dict:
     return tiny_run(dtype="float64", dropout=0.1, **kwargs)
 
 
+def _verify(folder: str) -> str | None:
+    from paratrain.checkpoint import CheckpointError, verify_shared
+
+    try:
+        verify_shared(folder)
+    except CheckpointError as error:
+        return str(error)
+    return None
+
+
 SAVED = {  # 4 ranks each: ZeRO shards cutting through tensors; tensor slices and pipeline stages
     "dp4-zero3": dict(dp=4, zero=3, micro_batch=4),
     "tp2-pp2-sp": dict(dp=1, tp=2, pp=2, sequence_parallel=True, micro_batch=4),
@@ -55,3 +65,11 @@ def test_sharded_checkpoint_continues_under_other_layouts(pools, tmp_path, saved
     single = tiny_run(dp=None, micro_batch=None, steps=STEPS // 2, start_step=STEPS // 2, load_sharded=root,
                       dtype="float64", dropout=0.1)
     within(rel_diff(single["losses"], ref), 1e-12, f"loss, saved {saved}, loaded in one process (float64)")
+    if saved == "dp4-zero3":  # one byte of rank 2's file flipped, its size kept: only its hasher sees it,
+        cut = tmp_path / "ckpt" / "step_00000003" / "rank-00002.safetensors"  # and every rank says so
+        data = bytearray(cut.read_bytes())
+        data[-9] ^= 0xFF
+        cut.write_bytes(bytes(data))
+        errors = pools(4).run(_verify, str(tmp_path / "ckpt" / "step_00000003"))
+        assert len(set(errors)) == 1 and "rank-00002.safetensors does not match the SHA-256" in errors[0], errors
+        assert "found by rank 2" in errors[0] and "no older checkpoint in this folder verifies" in errors[0]
