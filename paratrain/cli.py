@@ -41,6 +41,8 @@ _TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
                  "a GPU is visible; then nproc defaults to the GPU count)"),
     "--max-restarts": ("launch.max_restarts", int, "restart the workers this many times when a rank fails, "
                        "resuming from the newest verified checkpoint under --save"),
+    "--min-nodes": ("launch.min_nodes", int, "with --max-restarts and --rdzv-backend c10d: a restart goes on with at "
+                    "least this many nodes if others do not come back (dp recomputed, global batch kept)"),
     "--timeout": ("launch.timeout_s", float, "seconds a collective may wait before the job fails"),
     "--dp": ("parallel.dp", int, "data-parallel degree (default: world size / (tp x pp))"),
     "--tp": ("parallel.tp", int, "tensor-parallel degree: layers split over tp ranks (divides heads, ff and padded vocab)"),
@@ -82,7 +84,7 @@ _TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--nan-skips": ("train.nan_skips", int, "with --nan-policy skip: the most steps to skip before stopping (default 10)"),
     "--fail-at": ("train.fail_at", str, "fault injection for tests: RANK:STEP raises on that rank at that step, "
                   "RANK:STEP:kill SIGKILLs it, RANK:STEP:hang hangs it, RANK:STEP:kill-saving SIGKILLs it while "
-                  "saving step STEP"),
+                  "saving step STEP, RANK:STEP:kill-node SIGKILLs its node (launcher and workers)"),
 }
 
 
@@ -158,6 +160,12 @@ def prepare_launch(config: Any, *, gpus: int) -> Any:
     world_size = launch_world_size(config, gpus=gpus)
     config.launch.nproc = world_size // config.launch.nnodes
     plan = check_run(config, world_size)
+    for nodes in range(config.launch.min_nodes or config.launch.nnodes, config.launch.nnodes):
+        try:  # a relaunch that goes on with fewer nodes (--min-nodes) must have a valid layout too
+            check_run(config, config.launch.nproc * nodes)
+        except ConfigError as error:
+            raise ConfigError(f"with {nodes} of {config.launch.nnodes} nodes (--min-nodes "
+                              f"{config.launch.min_nodes}): {error}") from None
     from paratrain.data import load_source
     from paratrain.train import check_data
 

@@ -94,7 +94,8 @@ class TrainSection:
     fail_at: str = ""
     """Fault injection for testing crash handling: 'RANK:STEP' makes that rank raise at that step,
     'RANK:STEP:kill' kill itself with SIGKILL, 'RANK:STEP:hang' stop answering, 'RANK:STEP:kill-saving'
-    SIGKILL itself while saving the checkpoint of STEP (its own file written, the checkpoint unpublished)."""
+    SIGKILL itself while saving the checkpoint of STEP (its own file written, the checkpoint unpublished),
+    'RANK:STEP:kill-node' SIGKILL its whole node: its launcher and every worker of it (Linux)."""
 
 
 @dataclass
@@ -114,6 +115,11 @@ class LaunchSection:
     max_restarts: int = 0
     """Launch the job again this many times when a rank fails; it resumes from the newest
     checkpoint under train.save that verifies (so train.save is needed)."""
+    min_nodes: int = 0
+    """With max_restarts and the c10d rendezvous: a relaunch may go on with as few as this many nodes
+    when some do not come back (0: all nnodes, always). dp is recomputed from the nodes that meet and
+    the global batch is kept (accumulation grows); every node count from min_nodes to nnodes is
+    checked before launch."""
     flight_dir: str = ""
     """Set by the launcher (--flight-dir): where each worker leaves its flight recorder (its last
     collectives) and its stack when it fails or is stopped, for the launcher's hang report."""

@@ -122,6 +122,25 @@ def launch_world_size(config: RunConfig, *, gpus: int) -> int:
     return per_node * launch.nnodes
 
 
+def check_min_nodes(config: RunConfig) -> None:
+    """--min-nodes: a relaunch may meet with fewer nodes, so dp must follow the world and every world
+    from min_nodes to nnodes nodes must be a valid layout (checked by the caller, prepare_launch)."""
+    launch = config.launch
+    if not 1 <= launch.min_nodes <= launch.nnodes:
+        raise ConfigError(f"min_nodes ({launch.min_nodes}) must be in 1..nnodes ({launch.nnodes}): the fewest nodes a "
+                          "relaunch may go on with")
+    if launch.min_nodes < launch.nnodes:
+        if launch.rdzv_backend != "c10d":
+            raise ConfigError(f"--min-nodes {launch.min_nodes} < --nnodes {launch.nnodes} needs --rdzv-backend c10d: "
+                              "the static rendezvous has fixed node ranks and waits for every node")
+        if not launch.max_restarts:
+            raise ConfigError(f"--min-nodes {launch.min_nodes} takes effect when the job is relaunched: give "
+                              "--max-restarts N (and --save DIR)")
+        if config.parallel.dp is not None:
+            raise ConfigError(f"--min-nodes {launch.min_nodes} recomputes dp from the nodes that meet: drop --dp "
+                              f"{config.parallel.dp} (dp = processes / (tp x pp))")
+
+
 def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len: int) -> None:
     """tp splits attention heads, the MLP's hidden width and the padded vocabulary; sequence
     parallelism splits the sequence. Each must divide evenly."""
@@ -232,6 +251,8 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
         raise ConfigError(f"rdzv_backend must be 'static' or 'c10d', got {launch.rdzv_backend!r}")
     if launch.max_restarts < 0:
         raise ConfigError(f"launch.max_restarts must be >= 0, got {launch.max_restarts}")
+    if launch.min_nodes:
+        check_min_nodes(config)
     if launch.max_restarts and not config.train.save:
         raise ConfigError(f"--max-restarts {launch.max_restarts} restarts failed workers from the newest verified "
                           "checkpoint under --save: give --save DIR (and --save-every N, how far a restart goes back)")
@@ -283,10 +304,10 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
         raise ConfigError(f"train.log_every must be >= 1, got {train.log_every}")
     if train.fail_at:
         parts = train.fail_at.split(":")
-        if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[:2]) or parts[2:] not in ([], ["kill"],
-                                                                                                     ["hang"],
-                                                                                                     ["kill-saving"]):
+        if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[:2]) or parts[2:] not in (
+                [], ["kill"], ["hang"], ["kill-saving"], ["kill-node"]):
             raise ConfigError(f"train.fail_at must be 'RANK:STEP' (raise), 'RANK:STEP:kill' (SIGKILL), "
-                              f"'RANK:STEP:hang' (stop answering) or 'RANK:STEP:kill-saving' (SIGKILL while saving "
-                              f"the checkpoint of STEP), e.g. '1:3', got {train.fail_at!r}")
+                              f"'RANK:STEP:hang' (stop answering), 'RANK:STEP:kill-saving' (SIGKILL while saving "
+                              f"the checkpoint of STEP) or 'RANK:STEP:kill-node' (SIGKILL its launcher and every "
+                              f"worker of its node), e.g. '1:3', got {train.fail_at!r}")
     return RunPlan(config=config, model=model, parallel=parallel, batch=batch, seq_len=seq_len)

@@ -35,13 +35,18 @@ class JobFailed(RuntimeError):
     """The root cause first (the rank that failed first and how), then what that did to the others,
     then the hang report: ranks that never entered a collective their peers waited in."""
 
-    def __init__(self, failures: list[RankFailure], hangs: list[str] | None = None, *, reason: str = "") -> None:
+    def __init__(self, failures: list[RankFailure], hangs: list[str] | None = None, *, reason: str = "",
+                 other_nodes: bool = False) -> None:
+        """other_nodes: the job spans nodes, so a cause may lie outside this node's failures."""
         self.failures, self.hangs = failures, hangs or []
         if not failures:
             super().__init__(reason or "job failed")
             return
         first, rest = failures[0], failures[1:]
         text = f"rank {first.rank} {first.how}: {first.message}"
+        if other_nodes and all("CollectiveError" in f.message or f.how.startswith("was stopped") for f in failures):
+            text = ("no rank of this node failed first: its collectives lost a peer, so the cause is on another "
+                    "node (its launcher's output says what; a node killed whole says nothing)\n" + text)
         if rest:
             then = "; ".join(f"rank {f.rank} {f.how}: {_short(f.message)}" for f in rest[:3])
             more = f"; and {len(rest) - 3} more" if len(rest) > 3 else ""
@@ -56,6 +61,10 @@ def _short(message: str, limit: int = 160) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+LAST_CALL_S = 5
+"""With --min-nodes, how long a relaunch's rendezvous waits for more nodes once it has the fewest."""
+
+
 def launch(launch_cfg: LaunchSection, argv: list[str]) -> None:
     """Run `python -m paratrain *argv` on nproc local processes (this node's share of the job).
 
@@ -65,7 +74,9 @@ def launch(launch_cfg: LaunchSection, argv: list[str]) -> None:
     the workers resume from the newest checkpoint under --save that verifies. The failure of each
     attempt is reported as it happens. Across nodes every node's launcher does the same: attempt K
     meets on the endpoint's port + K (run id suffixed -K), so that no node joins the store of an
-    earlier attempt that node 0 has not yet closed."""
+    earlier attempt that node 0 has not yet closed. With min_nodes (c10d), a relaunch waits for every
+    node until the rendezvous has min_nodes, then LAST_CALL_S more, and goes on with those that came:
+    the workers see the smaller world, dp follows it, and they resume from the checkpoint as ever."""
     for attempt in range(launch_cfg.max_restarts + 1):
         try:
             _launch_once(launch_cfg, [*argv, "--attempt", str(attempt)] if attempt else argv, attempt=attempt)
@@ -81,6 +92,7 @@ def launch(launch_cfg: LaunchSection, argv: list[str]) -> None:
 def _launch_once(launch_cfg: LaunchSection, argv: list[str], *, attempt: int = 0) -> None:
     import torch.distributed
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from paratrain.launch.worker import threads_per_rank
@@ -95,8 +107,12 @@ def _launch_once(launch_cfg: LaunchSection, argv: list[str], *, attempt: int = 0
             endpoint, run_id = f"{host}:{int(port) + attempt}", f"{run_id}-{attempt}"
         rdzv_configs = {"rank": launch_cfg.node_rank} if backend == "static" else {}
     rdzv_configs["timeout"] = int(launch_cfg.timeout_s)
+    min_nodes = launch_cfg.nnodes  # the first launch waits for every node
+    if attempt and launch_cfg.min_nodes and launch_cfg.min_nodes < launch_cfg.nnodes:
+        min_nodes = launch_cfg.min_nodes
+        rdzv_configs["last_call_timeout"] = LAST_CALL_S
     config = LaunchConfig(
-        min_nodes=launch_cfg.nnodes, max_nodes=launch_cfg.nnodes, nproc_per_node=launch_cfg.nproc,
+        min_nodes=min_nodes, max_nodes=launch_cfg.nnodes, nproc_per_node=launch_cfg.nproc,
         run_id=run_id, rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs,
         max_restarts=0, monitor_interval=0.1, start_method="spawn",
     )
@@ -105,7 +121,11 @@ def _launch_once(launch_cfg: LaunchSection, argv: list[str], *, attempt: int = 0
     try:
         elastic_launch(config, sys.executable)("-m", "paratrain", *argv, "--flight-dir", flight)
     except ChildFailedError as error:
-        raise JobFailed(_failures(error), hang_report(flight)) from None
+        raise JobFailed(_failures(error), hang_report(flight), other_nodes=not single_node) from None
+    except RendezvousConnectionError as error:  # the agent that hosted the store is gone (its node was lost)
+        raise JobFailed([], reason=(
+            f"this node lost the rendezvous store at {endpoint} ({_short(str(error))}): the node that hosted it "
+            "was lost or cut off")) from None
     except torch.distributed.DistError as error:  # the nodes never met: no worker started
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise JobFailed([], reason=(

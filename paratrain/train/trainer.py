@@ -11,6 +11,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -101,7 +102,8 @@ class Trainer:
             self.engine.load_state_dict(state)
         self.train_loader.load_state_dict(meta["loader"])
         self.step = int(meta["step"])
-        self.log.info("resumed from %s at step %d", path, self.step)
+        self.log.info("resumed from %s at step %d on world %d (dp %d)", path, self.step, self.ctx.world_size,
+                      self.ctx.mesh.degree("dp"))
 
     def save(self) -> None:
         root = self.plan.config.train.save
@@ -262,6 +264,8 @@ class Trainer:
             if int(rank) == self.ctx.rank and int(step) == self.step + 1 and self.attempt == 0:
                 if how == ["kill"]:  # as the out-of-memory killer or `kill -9` would
                     os.kill(os.getpid(), signal.SIGKILL)
+                if how == ["kill-node"]:  # a node lost whole: its launcher, its other workers, this one
+                    _kill_node()
                 while how == ["hang"]:  # a rank that stops answering: its peers time out in a collective
                     time.sleep(1.0)
                 raise RuntimeError(f"injected fault (train.fail_at) on rank {rank} at step {step}")
@@ -283,3 +287,22 @@ class Trainer:
         out = self.model.generate(ids, length, generator=generator, pad_to=split)
         self.model.train()
         return self.source.decode(out[0].tolist())
+
+
+def _kill_node() -> None:
+    """SIGKILL this worker's launcher (its parent), its sibling workers, then itself (Linux /proc)."""
+    launcher = os.getppid()
+    victims = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) == launcher and int(stat.parent.name) != os.getpid():  # fields[1]: the parent's pid
+            victims.append(int(stat.parent.name))
+    for pid in [launcher, *victims]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)

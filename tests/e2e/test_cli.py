@@ -242,6 +242,37 @@ def test_a_rank_killed_on_one_of_two_nodes_restarts_both(tmp_path, uninterrupted
     print(f"\ntwo nodes, rank 3 killed at step 6: {elapsed:.1f} s to the end, relaunch included")
 
 
+def test_a_lost_node_is_left_behind_with_min_nodes(tmp_path, uninterrupted):
+    """Two launcher agents on 127.0.0.1 (c10d, 2 processes each, --max-restarts 1 --min-nodes 1): at step
+    6 the node of rank 2 is killed whole (its launcher and both workers, SIGKILL). The other node's
+    launcher relaunches, waits for the lost node up to the last call, goes on alone as dp 2 (the global
+    batch kept: accumulation doubles), resumes from step 4 and finishes; its log holds each step once
+    and the losses are one uninterrupted process's, up to float32 rounding."""
+    port = free_port()
+    common = ["train", "--nproc", "2", *SMALL, "--steps", str(RESTART_STEPS), "--nnodes", "2", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--min-nodes", "1", "--save", str(tmp_path / "ckpt"),
+              "--save-every", "4", "--max-restarts", "1", "--fail-at", "2:6:kill-node"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    started = time.monotonic()
+    nodes = [subprocess.Popen([sys.executable, "-m", "paratrain", *common, "--log-json", str(tmp_path / f"node{i}.jsonl")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+             for i in (0, 1)]
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    elapsed = time.monotonic() - started
+    codes = sorted(node.returncode for node in nodes)
+    assert codes == [-9, 0], [(node.returncode, err[-2000:]) for node, (_, err) in zip(nodes, outputs)]
+    survivor = [i for i, node in enumerate(nodes) if node.returncode == 0][0]
+    err = outputs[survivor][1]
+    assert "attempt 0 failed" in err and "restarting (1 of 1)" in err, err[-3000:]
+    assert "resumed from" in err and "step_00000004 at step 4" in err, err[-3000:]
+    assert "on world 2 (dp 2)" in err, err[-3000:]
+    rows = [r for r in records(tmp_path / f"node{survivor}.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, RESTART_STEPS + 1))
+    for row in rows:
+        assert row["loss"] == pytest.approx(uninterrupted[row["step"]], rel=1e-5), row["step"]
+    print(f"\ntwo nodes, one killed whole at step 6, the other went on alone: {elapsed:.1f} s to the end")
+
+
 def test_a_node_that_never_comes_is_reported_without_a_traceback():
     """Node 0 of 2 alone, --timeout 3: the launcher says the rendezvous failed and what every node
     needs, and exits 1 (torch's store error used to surface as a raw traceback)."""

@@ -91,6 +91,12 @@ def test_tensor_parallel_rules(overrides, world, needle):
     ({"launch.node_rank": 3}, 2, r"node_rank \(3\) must be in 0..0"),
     ({"parallel.dp": 4}, 2, "must equal the world size"),
     ({"train.fail_at": "x"}, 2, "RANK:STEP"),
+    ({"launch.nnodes": 2, "launch.min_nodes": 3, "launch.rdzv_endpoint": "h:1"}, 4, r"min_nodes \(3\) must be in 1..nnodes"),
+    ({"launch.nnodes": 2, "launch.min_nodes": 1, "launch.rdzv_endpoint": "h:1"}, 4, "needs --rdzv-backend c10d"),
+    ({"launch.nnodes": 2, "launch.min_nodes": 1, "launch.rdzv_endpoint": "h:1", "launch.rdzv_backend": "c10d"}, 4,
+     "give --max-restarts"),
+    ({"launch.nnodes": 2, "launch.min_nodes": 1, "launch.rdzv_endpoint": "h:1", "launch.rdzv_backend": "c10d",
+      "launch.max_restarts": 1, "train.save": "/tmp/ckpt", "parallel.dp": 4}, 4, "drop --dp 4"),
 ])
 def test_run_rules(overrides, world, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -191,3 +197,16 @@ def test_bad_toml(tmp_path):
         load_toml(tmp_path / "bad.toml")
     with pytest.raises(ConfigError, match="does not exist"):
         load_toml(tmp_path / "missing.toml")
+
+
+def test_every_node_count_down_to_min_nodes_is_checked_before_launch(capsys):
+    """3 processes per node and tp 2: 2 nodes make dp 3, but one node alone (3 processes) cannot hold tp
+    2, so --min-nodes 1 is refused before anything starts; --min-nodes 2 is not."""
+    from paratrain.cli import _parser, prepare_launch, run_config_from_args
+
+    flags = ["train", "--device", "cpu", "--nproc", "3", "--nnodes", "2", "--tp", "2", "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", "127.0.0.1:1", "--max-restarts", "1", "--save", "/tmp/paratrain-min-nodes",
+             "--global-batch", "12", "--no-memory-check"]
+    with pytest.raises(ConfigError, match=r"with 1 of 2 nodes \(--min-nodes 1\): tp x pp = 2 x 1 = 2 must divide"):
+        prepare_launch(run_config_from_args(_parser().parse_args([*flags, "--min-nodes", "1"])), gpus=0)
+    assert prepare_launch(run_config_from_args(_parser().parse_args([*flags, "--min-nodes", "2"])), gpus=0)
