@@ -217,7 +217,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         train_on_this_rank(plan)
         return 0
     try:
-        launch(config.launch, argv)
+        launch(config.launch, argv, shared=config.train.save or None)
     except JobFailed as failure:
         print(f"paratrain: {failure}", file=sys.stderr)
         return 1

@@ -10,8 +10,10 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 from paratrain.config.run import LaunchSection
 from paratrain.topology.recorder import hang_report
@@ -65,7 +67,12 @@ LAST_CALL_S = 5
 """With --min-nodes, how long a relaunch's rendezvous waits for more nodes once it has the fewest."""
 
 
-def launch(launch_cfg: LaunchSection, argv: list[str]) -> None:
+RECORDS_WAIT_S = 5.0
+"""Across nodes: how long a failed node's launcher waits for the other nodes' ranks to leave their
+flight records in the shared folder before it writes its hang report."""
+
+
+def launch(launch_cfg: LaunchSection, argv: list[str], *, shared: str | None = None) -> None:
     """Run `python -m paratrain *argv` on nproc local processes (this node's share of the job).
 
     With max_restarts N, a failed job is launched again, up to N times, each time as a new job with a
@@ -76,10 +83,15 @@ def launch(launch_cfg: LaunchSection, argv: list[str]) -> None:
     meets on the endpoint's port + K (run id suffixed -K), so that no node joins the store of an
     earlier attempt that node 0 has not yet closed. With min_nodes (c10d), a relaunch waits for every
     node until the rendezvous has min_nodes, then LAST_CALL_S more, and goes on with those that came:
-    the workers see the smaller world, dp follows it, and they resume from the checkpoint as ever."""
+    the workers see the smaller world, dp follows it, and they resume from the checkpoint as ever.
+
+    shared: a folder every node sees (the run's --save), where across nodes each rank leaves its flight
+    record (SHARED/flight/attempt-K/rankN.json), so that every node's hang report covers the ranks of
+    every node; None (or one node): a local temporary folder."""
     for attempt in range(launch_cfg.max_restarts + 1):
         try:
-            _launch_once(launch_cfg, [*argv, "--attempt", str(attempt)] if attempt else argv, attempt=attempt)
+            _launch_once(launch_cfg, [*argv, "--attempt", str(attempt)] if attempt else argv, attempt=attempt,
+                         shared=shared)
             return
         except JobFailed as failure:
             if attempt == launch_cfg.max_restarts:
@@ -89,7 +101,7 @@ def launch(launch_cfg: LaunchSection, argv: list[str]) -> None:
                   file=sys.stderr, flush=True)
 
 
-def _launch_once(launch_cfg: LaunchSection, argv: list[str], *, attempt: int = 0) -> None:
+def _launch_once(launch_cfg: LaunchSection, argv: list[str], *, attempt: int = 0, shared: str | None = None) -> None:
     import torch.distributed
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError
@@ -117,11 +129,19 @@ def _launch_once(launch_cfg: LaunchSection, argv: list[str], *, attempt: int = 0
         max_restarts=0, monitor_interval=0.1, start_method="spawn",
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(launch_cfg.nproc)))
-    flight = tempfile.mkdtemp(prefix="paratrain-flight-")  # this node's workers' records, read on failure
+    if shared and not single_node:  # every node's records in one folder: each report covers every rank
+        flight = str(Path(shared) / "flight" / f"attempt-{attempt}")
+        Path(flight).mkdir(parents=True, exist_ok=True)
+        for stale in Path(flight).glob("rank*.json"):  # an earlier run's: no worker of this one has started
+            stale.unlink(missing_ok=True)
+    else:
+        flight = tempfile.mkdtemp(prefix="paratrain-flight-")  # this node's workers' records, read on failure
     try:
         elastic_launch(config, sys.executable)("-m", "paratrain", *argv, "--flight-dir", flight)
     except ChildFailedError as error:
-        raise JobFailed(_failures(error), hang_report(flight), other_nodes=not single_node) from None
+        if not single_node:
+            _wait_for_records(flight, launch_cfg.nproc * min_nodes)
+        raise JobFailed(_failures(error), hang_report(flight, partial=not single_node and not shared), other_nodes=not single_node) from None
     except RendezvousConnectionError as error:  # the agent that hosted the store is gone (its node was lost)
         raise JobFailed([], reason=(
             f"this node lost the rendezvous store at {endpoint} ({_short(str(error))}): the node that hosted it "
@@ -133,7 +153,16 @@ def _launch_once(launch_cfg: LaunchSection, argv: list[str], *, attempt: int = 0
             f"started with the same --nnodes and --rdzv-endpoint and its own --node-rank, within --timeout "
             f"({launch_cfg.timeout_s:g} s) of each other")) from None
     finally:
-        shutil.rmtree(flight, ignore_errors=True)
+        if not (shared and not single_node):
+            shutil.rmtree(flight, ignore_errors=True)
+
+
+def _wait_for_records(folder: str, ranks: int) -> None:
+    """Until `ranks` flight records are in `folder` (the other nodes' ranks fail or are stopped about
+    when this node's do) or RECORDS_WAIT_S has passed."""
+    deadline = time.monotonic() + RECORDS_WAIT_S
+    while len(list(Path(folder).glob("rank*.json"))) < ranks and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _failures(error: object) -> list[RankFailure]:

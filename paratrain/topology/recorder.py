@@ -64,9 +64,11 @@ class FlightRecorder:
         path.write_text(json.dumps(self.to_dict(stack)))
 
 
-def hang_report(folder: str | Path) -> list[str]:
+def hang_report(folder: str | Path, *, partial: bool = False) -> list[str]:
     """Lines naming, for each collective some rank failed in, the ranks of its group that never
-    entered it (and the last collective they finished there, and their stack), from the ranks' records."""
+    entered it (and the last collective they finished there, and their stack), from the ranks' records.
+    partial: the folder holds only this node's ranks of a multi-node job (a rank without a record may
+    be on another node)."""
     records = {}
     for path in Path(folder).glob("rank*.json"):
         try:
@@ -89,7 +91,9 @@ def hang_report(folder: str | Path) -> list[str]:
                 if other == rank:
                     continue
                 if other not in records:
-                    lines.append(f"rank {other} left no record of {where}: stopped, or stuck outside Python")
+                    lines.append(f"rank {other} left no record of {where}: stopped, or stuck outside Python"
+                                 + (", or on another node (records are shared across nodes through --save)"
+                                    if partial else ""))
                     continue
                 mine = [e for e in records[other]["entries"] if (e["axis"], tuple(e["ranks"])) == key[:2]]
                 if mine and mine[-1]["seq"] >= entry["seq"]:

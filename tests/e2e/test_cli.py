@@ -173,6 +173,31 @@ def test_a_rank_that_stops_answering_is_found_by_the_hang_report():
     assert elapsed < 60, elapsed  # the timeout and a few seconds, not the launcher's 30 s grace
 
 
+def test_a_rank_hung_on_another_node_is_found_by_every_node(tmp_path):
+    """Two launcher agents on 127.0.0.1 (2 processes each, --timeout 5), rank 3 (node 1) stops answering
+    at step 3: every rank leaves its flight record in the shared --save folder, so node 0's launcher,
+    whose own ranks only timed out, names rank 3, the collective it never entered and its stack."""
+    port = free_port()
+    common = ["train", "--nproc", "2", *SMALL, "--steps", "5", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--timeout", "5", "--save", str(tmp_path / "ckpt"), "--fail-at", "3:3:hang"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    started = time.monotonic()
+    nodes = [subprocess.Popen([sys.executable, "-m", "paratrain", *common, "--node-rank", str(rank)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    elapsed = time.monotonic() - started
+    assert [node.returncode for node in nodes] == [1, 1]
+    final = outputs[0][1][outputs[0][1].rindex("paratrain: "):]
+    assert "no rank of this node failed first" in final, final
+    assert re.search(r"hang report: rank 3 never entered all_reduce #\d+ on the dp group \(ranks \[0, 1, 2, 3\]\)",
+                     final), final
+    assert "in _maybe_fail" in final  # where rank 3 was, seen from node 0
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "flight" / "attempt-0").iterdir()) == [
+        f"rank{r}.json" for r in range(4)]
+    assert elapsed < 60, elapsed
+    print(f"\nrank 3 hung on node 1: both nodes reported it {elapsed:.1f} s after the start")
+
+
 RESTART_STEPS = 9
 
 
