@@ -6,6 +6,7 @@ it trains instead of launching. A job started by an external torchrun takes the 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -87,18 +88,58 @@ def launch(launch_cfg: LaunchSection, argv: list[str], *, shared: str | None = N
 
     shared: a folder every node sees (the run's --save), where across nodes each rank leaves its flight
     record (SHARED/flight/attempt-K/rankN.json), so that every node's hang report covers the ranks of
-    every node; None (or one node): a local temporary folder."""
-    for attempt in range(launch_cfg.max_restarts + 1):
-        try:
-            _launch_once(launch_cfg, [*argv, "--attempt", str(attempt)] if attempt else argv, attempt=attempt,
-                         shared=shared)
-            return
-        except JobFailed as failure:
-            if attempt == launch_cfg.max_restarts:
-                raise
-            print(f"paratrain: attempt {attempt} failed: {failure}\nparatrain: restarting "
-                  f"({attempt + 1} of {launch_cfg.max_restarts}) from the newest verified checkpoint",
-                  file=sys.stderr, flush=True)
+    every node, and the launchers keep the job's live attempt (SHARED/flight/live.json): a node lost
+    whole and started again with the same command reads it and rejoins that attempt's rendezvous,
+    where the other nodes wait for it (up to --timeout); the file goes when the job ends. None (or one
+    node): a local temporary folder, and no rejoining."""
+    live = Path(shared) / "flight" / "live.json" if shared and launch_cfg.nnodes > 1 else None
+    first = _live_attempt(live, launch_cfg) if live is not None else 0
+    try:
+        for attempt in range(first, launch_cfg.max_restarts + 1):
+            if live is not None:  # replaced whole: a node reading it never sees half of it
+                live.parent.mkdir(parents=True, exist_ok=True)
+                draft = live.with_name(f"live.{os.getpid()}.tmp")
+                draft.write_text(json.dumps({"rdzv_endpoint": launch_cfg.rdzv_endpoint,
+                                             "rdzv_id": launch_cfg.rdzv_id, "attempt": attempt}))
+                os.replace(draft, live)
+            try:
+                _launch_once(launch_cfg, [*argv, "--attempt", str(attempt)] if attempt else argv, attempt=attempt,
+                             shared=shared)
+                return
+            except JobFailed as failure:
+                if attempt == launch_cfg.max_restarts:
+                    raise
+                print(f"paratrain: attempt {attempt} failed: {failure}\nparatrain: restarting "
+                      f"({attempt + 1} of {launch_cfg.max_restarts}) from the newest verified checkpoint",
+                      file=sys.stderr, flush=True)
+    finally:
+        if live is not None:
+            live.unlink(missing_ok=True)
+
+
+def _live_attempt(live: Path, launch_cfg: LaunchSection) -> int:
+    """The attempt a job with this endpoint and id is running (its live.json), or 0: where a node
+    started again after it was lost rejoins."""
+    try:
+        record = json.loads(live.read_text())
+    except (OSError, ValueError):
+        return 0
+    if (record.get("rdzv_endpoint"), record.get("rdzv_id")) != (launch_cfg.rdzv_endpoint, launch_cfg.rdzv_id):
+        return 0
+    attempt = int(record.get("attempt", 0))
+    if attempt > launch_cfg.max_restarts:
+        raise JobFailed([], reason=(
+            f"{live} says the job runs attempt {attempt}, beyond --max-restarts {launch_cfg.max_restarts}: give "
+            f"--max-restarts {attempt} or more to rejoin it, or delete {live} if no job runs"))
+    if attempt and launch_cfg.min_nodes and launch_cfg.min_nodes < launch_cfg.nnodes:
+        raise JobFailed([], reason=(
+            f"the job at {launch_cfg.rdzv_endpoint} runs attempt {attempt} and may have gone on without this node "
+            f"(--min-nodes {launch_cfg.min_nodes}); joining a running job is not supported: this node joins at the "
+            f"job's next relaunch, or start the job again once it ends (delete {live} if no job runs)"))
+    if attempt:
+        print(f"paratrain: rejoining attempt {attempt} of the job at {launch_cfg.rdzv_endpoint} ({live}; delete it "
+              "if that job is no longer running)", file=sys.stderr, flush=True)
+    return attempt
 
 
 def _launch_once(launch_cfg: LaunchSection, argv: list[str], *, attempt: int = 0, shared: str | None = None) -> None:

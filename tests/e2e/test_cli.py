@@ -267,6 +267,44 @@ def test_a_rank_killed_on_one_of_two_nodes_restarts_both(tmp_path, uninterrupted
     print(f"\ntwo nodes, rank 3 killed at step 6: {elapsed:.1f} s to the end, relaunch included")
 
 
+def test_a_node_killed_whole_and_started_again_rejoins(tmp_path, uninterrupted):
+    """Two launcher agents on 127.0.0.1 (2 processes each, --max-restarts 1): at step 6 node 1 is killed
+    whole (its launcher and workers). Node 0 relaunches and waits for it; node 1, started again with the
+    same command, reads the job's live attempt from the shared --save folder and rejoins it. Both resume
+    from step 4 and finish: each step logged once, the losses one uninterrupted process's."""
+    port = free_port()
+    common = ["train", "--nproc", "2", *SMALL, "--steps", str(RESTART_STEPS), "--nnodes", "2",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--save", str(tmp_path / "ckpt"), "--save-every", "4",
+              "--max-restarts", "1", "--fail-at", "2:6:kill-node"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def node(rank: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "paratrain", *common, "--node-rank", str(rank),
+                                 "--log-json", str(tmp_path / f"node{rank}.jsonl")], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+
+    started = time.monotonic()
+    node0, node1 = node(0), node(1)
+    assert node1.wait(timeout=240) == -9  # killed whole at step 6
+    live = tmp_path / "ckpt" / "flight" / "live.json"
+    deadline = time.monotonic() + 60
+    while json.loads(live.read_text())["attempt"] != 1:  # node 0 has seen the failure and relaunched
+        assert time.monotonic() < deadline, live.read_text()
+        time.sleep(0.1)
+    again = node(1)  # started again by hand (or by the cluster's scheduler)
+    (_, err0), (_, err1) = node0.communicate(timeout=240), again.communicate(timeout=240)
+    elapsed = time.monotonic() - started
+    assert (node0.returncode, again.returncode) == (0, 0), (err0[-2000:], err1[-2000:])
+    assert "rejoining attempt 1 of the job" in err1 and "restarting (1 of 1)" in err0
+    assert "resumed from" in err0 and "step_00000004 at step 4 on world 4 (dp 4)" in err0, err0[-2000:]
+    rows = [r for r in records(tmp_path / "node0.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, RESTART_STEPS + 1))
+    for row in rows:
+        assert row["loss"] == pytest.approx(uninterrupted[row["step"]], rel=1e-5), row["step"]
+    assert not (tmp_path / "ckpt" / "flight" / "live.json").exists()  # the job ended
+    print(f"\nnode 1 killed whole at step 6 and started again: {elapsed:.1f} s to the end")
+
+
 def test_a_lost_node_is_left_behind_with_min_nodes(tmp_path, uninterrupted):
     """Two launcher agents on 127.0.0.1 (c10d, 2 processes each, --max-restarts 1 --min-nodes 1): at step
     6 the node of rank 2 is killed whole (its launcher and both workers, SIGKILL). The other node's
