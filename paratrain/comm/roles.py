@@ -48,9 +48,17 @@ class GradRoles:
         up over them), given the axes the strategy shards it over; None: not counted on this rank."""
         if id(param) in self.norm_skip:
             return None
-        axes = sharded
-        if self.tp is not None and id(param) in self.tp_split:
-            axes += (self.tp,)
-        if self.pp is not None:
-            axes += (self.pp,)
-        return axes
+        return self._axes(sharded, split=self.tp is not None and id(param) in self.tp_split)
+
+    def norm_part_axes(self, sharded: tuple[AxisGroup, ...] = ()) -> list[tuple[AxisGroup, ...]]:
+        """The axes of every part of the norm, in one order on every rank: tp slices first, then
+        replicas. Every rank reduces every part, holding gradients of it or not: a pipeline stage with
+        only the embedding (tp slices) or only the final norm and head (a replica and a skipped tied
+        copy) must issue the same collectives as the others, in the same order."""
+        if self.tp is None:
+            return [self._axes(sharded, split=False)]
+        return [self._axes(sharded, split=True), self._axes(sharded, split=False)]
+
+    def _axes(self, sharded: tuple[AxisGroup, ...], *, split: bool) -> tuple[AxisGroup, ...]:
+        tp = (self.tp,) if split and self.tp is not None else ()
+        return sharded + tp + ((self.pp,) if self.pp is not None else ())

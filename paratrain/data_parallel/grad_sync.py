@@ -70,7 +70,7 @@ class GradSync:
 
     def norm_parts(self) -> list[NormPart]:
         """Every dp rank holds every reduced gradient; tp slices and pipeline stages add up."""
-        parts: dict[tuple[AxisGroup, ...], list[torch.Tensor]] = {}
+        parts: dict[tuple[AxisGroup, ...], list[torch.Tensor]] = {axes: [] for axes in self.roles.norm_part_axes()}
         for bucket in self.buckets:
             axes = self.roles.norm_axes(bucket.params[0])
             if axes is not None:

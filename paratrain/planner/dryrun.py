@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import ParallelConfig
 from paratrain.config.run import OptimSection
@@ -83,9 +84,9 @@ def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_si
     if dist.is_initialized():
         raise RuntimeError("a dry run needs a process without a process group (it creates a fake one)")
     if not 0 <= rank < world_size:
-        raise ValueError(f"--rank must be in [0, {world_size}), got {rank}")
+        raise ConfigError(f"--rank must be in [0, {world_size}), got {rank}")
     if precision == "fp16":
-        raise ValueError("fp16 cannot be dry-run: its loss scale is read from the device at the first step, and a "
+        raise ConfigError("fp16 cannot be dry-run: its loss scale is read from the device at the first step, and a "
                          "dry run has no values; dry-run bf16, which moves the same bytes (fp16 adds one 4-byte "
                          "overflow flag per axis)")
     started = time.perf_counter()
@@ -93,6 +94,9 @@ def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_si
     try:
         ctx = dataclasses.replace(paratrain.init(device="cpu", config=parallel), device=torch.device("meta"))
         dp = ctx.mesh.degree("dp")
+        if ctx.config.zero and ctx.config.shard_group not in (None, dp):
+            raise ConfigError(f"--shard-group {ctx.config.shard_group}: the planner's volume model does not cover "
+                              f"hierarchical sharding (shard group < dp = {dp}) yet, so a dry run cannot check it")
         if global_batch % (dp * micro_batch):
             raise ValueError(f"global batch {global_batch} must be a multiple of dp x micro-batch ({dp} x {micro_batch})")
         gpt = paratrain.build_gpt(model, seed=0, device="meta")

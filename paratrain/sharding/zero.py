@@ -304,7 +304,7 @@ class ZeroSync:
     def norm_parts(self) -> list[NormPart]:
         """Shards add up over the shard group; tp slices and pipeline stages add up too."""
         shard = (self.shard_group,) if self.shard_group is not None else ()
-        parts: dict[tuple[AxisGroup, ...], list[torch.Tensor]] = {}
+        parts: dict[tuple[AxisGroup, ...], list[torch.Tensor]] = {axes: [] for axes in self.roles.norm_part_axes(shard)}
         for g in self.groups:
             axes = self.roles.norm_axes(g.params[0], shard)
             if axes is not None:

@@ -57,6 +57,17 @@ def test_3d_hybrid_matches_single_process(pools, zero, sequence_parallel, recomp
     assert_matches_reference(got, ref)
 
 
+def test_a_stage_of_only_the_head_reduces_the_norm_alike(pools):
+    """tp 2 x pp 2 cut after the last block (pp_split 5): stage 1 holds only the final norm (a replica)
+    and the tied head's copy (counted by stage 0), no tp slice. It used to reduce one part of the
+    gradient norm over pp where stage 0 reduced two, pairing the wrong collectives; every stage now
+    reduces both parts, in one order, and the run is the single process's (float64)."""
+    got = pools(4).run(_job, dp=1, tp=2, pp=2, pp_split=(5,), micro_batch=4, dtype="float64")
+    ref = reference("float64")
+    within(rel_diff(got[0]["losses"], ref["losses"]), 1e-13, "loss (float64)")
+    within(rel_diff(got[0]["grad_norms"], ref["grad_norms"]), 1e-12, "grad norm (float64)")
+
+
 def _half_job(**kwargs) -> dict:
     return tiny_run(steps=STEPS // 2, return_state=True, **kwargs)
 

@@ -22,6 +22,11 @@ GRID = [  # (model, world, rank, layout, global batch, micro-batch, precision, r
     (SHORT, 2, 1, dict(tp=2, sequence_parallel=True), 4, 2, "fp32", "full"),
     (SHORT, 4, 3, dict(dp=2, tp=2, zero=3), 8, 2, "bf16", "full"),
     (UNTIED, 16, 8, dict(dp=2, tp=2, pp=4, zero=2, schedule="zero-bubble"), 8, 1, "fp32", "selective"),
+    # a last stage of only the final norm and the (tied) head, a first of only the embedding: every
+    # stage still reduces both parts of the gradient norm (tp slices, replicas), in the same order
+    ("tiny", 4, 2, dict(tp=2, pp=2, pp_split=(5,)), 4, 1, "fp32", "none"),
+    ("tiny", 4, 0, dict(tp=2, pp=2, pp_split=(1,), sequence_parallel=True, schedule="zero-bubble"), 4, 1, "fp32",
+     "full"),
     ("tiny", 4, 3, dict(dp=4, zero=3, grad_reduce="reduce_scatter"), 16, 2, "bf16", "none"),
     ("gpt3-175b", 1024, 1000, dict(dp=16, tp=8, pp=8, zero=1, sequence_parallel=True, grad_reduce="reduce_scatter"),
      16, 1, "bf16", "none"),
@@ -60,3 +65,5 @@ def test_the_command_reports_a_rank_of_1024(capsys):
         dry_run(preset("tiny"), ParallelConfig(dp=2), rank=2, world_size=2, global_batch=2)
     with pytest.raises(ValueError, match="fp16 cannot be dry-run"):
         dry_run(preset("tiny"), ParallelConfig(dp=2), rank=0, world_size=2, global_batch=2, precision="fp16")
+    with pytest.raises(ValueError, match="does not cover hierarchical sharding"):
+        dry_run(preset("tiny"), ParallelConfig(dp=4, zero=3, shard_group=2), rank=0, world_size=4, global_batch=4)
