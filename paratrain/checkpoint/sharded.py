@@ -262,20 +262,27 @@ class CheckpointReader:
 def verify_shared(folder: str | Path, *, hint: bool = True) -> dict[str, Any]:
     """verify_checkpoint with the hashing shared out (collective over the world; alone, all of it):
     every rank checks every file's size, tensor headers and the index, and the SHA-256 of every
-    world-size-th file from its rank on; the ranks then agree, so every rank returns the meta or
-    raises the same CheckpointError, naming the file and the rank that found it. Before a load, each
-    rank so reads its own pieces plus about 1 / world of the checkpoint, not all of it. hint: name
-    the newest older checkpoint that verifies."""
+    world-size-th file from its rank on; then the ranks exchange what they found (one gather, reached
+    whatever happened locally), so every rank returns the meta or raises the same CheckpointError,
+    naming the file (and, for a bad SHA-256, the rank that found it). Before a load, each rank so reads
+    its own pieces plus about 1 / world of the checkpoint, not all of it. hint: name the newest older
+    checkpoint that verifies."""
     folder = Path(folder)
-    meta = verify_checkpoint(folder, hashed=(), hint=hint)
-    files = sorted(meta.get("files", {}))
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    share = files[rank::dist.get_world_size()] if dist.is_available() and dist.is_initialized() else files
-    bad = next((name for name in share if not digest_matches(folder / name, meta["files"][name])), None)
-    found = [(r, name) for r, name in enumerate(_gather(bad)) if name is not None]
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    problem: str | None = None
+    meta: dict[str, Any] = {}
+    try:
+        meta = verify_checkpoint(folder, hashed=(), hint=False)
+        files = sorted(meta.get("files", {}))
+        bad = next((name for name in files[rank::world] if not digest_matches(folder / name, meta["files"][name])), None)
+        if bad is not None:
+            problem = f"{folder / bad} does not match the SHA-256 written with it (corrupted; found by rank {rank})"
+    except (CheckpointError, OSError) as error:  # told to every rank below, never raised alone
+        problem = str(error)
+    found = [p for p in _gather(problem) if p is not None]
     if found:
-        r, name = found[0]
-        message = f"{folder / name} does not match the SHA-256 written with it (corrupted; found by rank {r})"
+        message = found[0]
         if hint:
             older = newest_verified(folder.parent, before=folder.name)
             message += (f"; the newest older checkpoint that verifies is {older} (--resume {older})" if older else
@@ -284,18 +291,16 @@ def verify_shared(folder: str | Path, *, hint: bool = True) -> dict[str, Any]:
     return meta
 
 
-def newest_shared(root: str | Path) -> Path | None:
-    """The newest step_* checkpoint under root that verify_shared accepts (collective: every rank
-    walks the same folders and agrees on each), or None."""
+def newest_shared(root: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest step_* checkpoint under root that verify_shared accepts, with its meta, or None
+    (collective: every rank walks rank 0's list of folders and agrees on each)."""
     root = Path(root)
-    if not root.is_dir():
-        return None
-    for folder in sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True):
+    names = sorted((p.name for p in root.glob("step_*") if p.is_dir()), reverse=True) if root.is_dir() else []
+    for name in _gather(names)[0]:
         try:
-            verify_shared(folder, hint=False)
+            return root / name, verify_shared(root / name, hint=False)
         except CheckpointError:
             continue
-        return folder
     return None
 
 

@@ -92,9 +92,10 @@ class Trainer:
                 self.log.info("--resume auto: no checkpoint under %s verifies; starting at step 0",
                               self.plan.config.train.save)
                 return
-            path = str(newest)
-        folder = resolve_checkpoint(path)
-        meta = verify_shared(folder)
+            folder, meta = newest
+        else:
+            folder = resolve_checkpoint(path)
+            meta = verify_shared(folder)
         if meta["format"] == SHARDED_FORMAT:  # each rank reads only the pieces its layout keeps
             load_sharded(folder, meta, self.engine)
         else:  # a whole-model checkpoint (format 1, before sharded saves): every rank reads it all
@@ -102,7 +103,7 @@ class Trainer:
             self.engine.load_state_dict(state)
         self.train_loader.load_state_dict(meta["loader"])
         self.step = int(meta["step"])
-        self.log.info("resumed from %s at step %d on world %d (dp %d)", path, self.step, self.ctx.world_size,
+        self.log.info("resumed from %s at step %d on world %d (dp %d)", folder, self.step, self.ctx.world_size,
                       self.ctx.mesh.degree("dp"))
 
     def save(self) -> None:
@@ -303,6 +304,6 @@ def _kill_node() -> None:
     for pid in [launcher, *victims]:
         try:
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):  # gone already, or not ours to kill
             pass
     os.kill(os.getpid(), signal.SIGKILL)
