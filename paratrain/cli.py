@@ -160,9 +160,10 @@ def prepare_launch(config: Any, *, gpus: int) -> Any:
     world_size = launch_world_size(config, gpus=gpus)
     config.launch.nproc = world_size // config.launch.nnodes
     plan = check_run(config, world_size)
+    fewer = {}  # a relaunch that goes on with fewer nodes (--min-nodes) must have a valid layout too
     for nodes in range(config.launch.min_nodes or config.launch.nnodes, config.launch.nnodes):
-        try:  # a relaunch that goes on with fewer nodes (--min-nodes) must have a valid layout too
-            check_run(config, config.launch.nproc * nodes)
+        try:
+            fewer[nodes] = check_run(config, config.launch.nproc * nodes)
         except ConfigError as error:
             raise ConfigError(f"with {nodes} of {config.launch.nnodes} nodes (--min-nodes "
                               f"{config.launch.min_nodes}): {error}") from None
@@ -195,6 +196,12 @@ def prepare_launch(config: Any, *, gpus: int) -> Any:
         available = available_memory(device)
         if available is not None:
             check_memory(plan, device=device, available_bytes=available, processes=config.launch.nproc)
+            for nodes, smaller in fewer.items():  # less dp: larger ZeRO shards, more accumulation
+                try:
+                    check_memory(smaller, device=device, available_bytes=available, processes=config.launch.nproc)
+                except ConfigError as error:
+                    raise ConfigError(f"with {nodes} of {config.launch.nnodes} nodes (--min-nodes "
+                                      f"{config.launch.min_nodes}): {error}") from None
     return plan
 
 

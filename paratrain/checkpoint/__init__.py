@@ -15,5 +15,5 @@ from paratrain.checkpoint.io import (
 from paratrain.checkpoint.sharded import CheckpointReader, load_sharded, newest_shared, save_sharded, verify_shared
 
 __all__ = ["FORMAT", "SHARDED_FORMAT", "CheckpointError", "CheckpointReader", "load_checkpoint", "load_sharded",
-           "newest_shared", "newest_verified", "resolve_checkpoint", "save_checkpoint", "save_sharded", "verify_checkpoint",
-           "verify_shared"]
+           "newest_shared", "newest_verified", "resolve_checkpoint", "save_checkpoint", "save_sharded",
+           "verify_checkpoint", "verify_shared"]

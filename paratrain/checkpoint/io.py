@@ -149,7 +149,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise FileNotFoundError(f"{str(path)!r} is neither a checkpoint folder (meta.json) nor a root with a 'latest' file")
 
 
-def verify_checkpoint(folder: str | Path, *, hashed: Collection[str] | None = None, hint: bool = True) -> dict[str, Any]:
+def verify_checkpoint(folder: str | Path, *, hashed: Collection[str] | None = None,
+                      hint: bool = True) -> dict[str, Any]:
     """Check one checkpoint folder against its meta.json (files present, sizes, SHA-256, each tensor's
     shape and dtype); returns the meta, or raises CheckpointError naming the file and the newest
     older checkpoint of the same root that verifies. hashed: the files whose SHA-256 is checked (None:

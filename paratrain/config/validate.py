@@ -310,4 +310,8 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
                               f"'RANK:STEP:hang' (stop answering), 'RANK:STEP:kill-saving' (SIGKILL while saving "
                               f"the checkpoint of STEP) or 'RANK:STEP:kill-node' (SIGKILL its launcher and every "
                               f"worker of its node), e.g. '1:3', got {train.fail_at!r}")
+        if parts[2:] == ["kill-node"] and world_size == 1:
+            raise ConfigError("train.fail_at 'RANK:STEP:kill-node' kills the launcher of the rank's node and its "
+                              "workers: one process runs without a launcher (it would kill what started it); use "
+                              "--nproc 2 or more")
     return RunPlan(config=config, model=model, parallel=parallel, batch=batch, seq_len=seq_len)

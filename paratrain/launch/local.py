@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -68,6 +69,11 @@ LAST_CALL_S = 5
 """With --min-nodes, how long a relaunch's rendezvous waits for more nodes once it has the fewest."""
 
 
+LIVE_REFRESH_S = 5.0
+LIVE_STALE_S = 30.0
+"""A running job's launchers touch SAVE/flight/live.json every LIVE_REFRESH_S; a node started again
+rejoins the attempt it names only if it was touched within LIVE_STALE_S."""
+
 RECORDS_WAIT_S = 5.0
 """Across nodes: how long a failed node's launcher waits for the other nodes' ranks to leave their
 flight records in the shared folder before it writes its hang report."""
@@ -94,6 +100,9 @@ def launch(launch_cfg: LaunchSection, argv: list[str], *, shared: str | None = N
     node): a local temporary folder, and no rejoining."""
     live = Path(shared) / "flight" / "live.json" if shared and launch_cfg.nnodes > 1 else None
     first = _live_attempt(live, launch_cfg) if live is not None else 0
+    alive = threading.Event()
+    if live is not None:  # refreshed while this launcher runs: a file nobody refreshes is a dead job's
+        threading.Thread(target=_refresh, args=(live, alive), daemon=True).start()
     try:
         for attempt in range(first, launch_cfg.max_restarts + 1):
             if live is not None:  # replaced whole: a node reading it never sees half of it
@@ -113,8 +122,17 @@ def launch(launch_cfg: LaunchSection, argv: list[str], *, shared: str | None = N
                       f"({attempt + 1} of {launch_cfg.max_restarts}) from the newest verified checkpoint",
                       file=sys.stderr, flush=True)
     finally:
+        alive.set()
         if live is not None:
             live.unlink(missing_ok=True)
+
+
+def _refresh(live: Path, done: threading.Event) -> None:
+    while not done.wait(LIVE_REFRESH_S):
+        try:
+            os.utime(live)
+        except OSError:
+            pass
 
 
 def _live_attempt(live: Path, launch_cfg: LaunchSection) -> int:
@@ -122,7 +140,12 @@ def _live_attempt(live: Path, launch_cfg: LaunchSection) -> int:
     started again after it was lost rejoins."""
     try:
         record = json.loads(live.read_text())
+        age = time.time() - live.stat().st_mtime
     except (OSError, ValueError):
+        return 0
+    if age > LIVE_STALE_S:  # a job killed whole on every node: no launcher refreshes it
+        print(f"paratrain: {live} was last refreshed {age:.0f} s ago: its job is gone; starting afresh",
+              file=sys.stderr, flush=True)
         return 0
     if (record.get("rdzv_endpoint"), record.get("rdzv_id")) != (launch_cfg.rdzv_endpoint, launch_cfg.rdzv_id):
         return 0
@@ -181,8 +204,9 @@ def _launch_once(launch_cfg: LaunchSection, argv: list[str], *, attempt: int = 0
         elastic_launch(config, sys.executable)("-m", "paratrain", *argv, "--flight-dir", flight)
     except ChildFailedError as error:
         if not single_node:
-            _wait_for_records(flight, launch_cfg.nproc * min_nodes)
-        raise JobFailed(_failures(error), hang_report(flight, partial=not single_node and not shared), other_nodes=not single_node) from None
+            _wait_for_records(flight, launch_cfg.nproc * launch_cfg.nnodes)  # fewer (--min-nodes): 5 s at most
+        report = hang_report(flight, partial=not single_node and not shared)
+        raise JobFailed(_failures(error), report, other_nodes=not single_node) from None
     except RendezvousConnectionError as error:  # the agent that hosted the store is gone (its node was lost)
         raise JobFailed([], reason=(
             f"this node lost the rendezvous store at {endpoint} ({_short(str(error))}): the node that hosted it "

@@ -183,7 +183,8 @@ def pipeline_sends(model: ModelConfig, layout: Layout, *, stage: int, micro_batc
     mine = [c for c in range(chunks) if c % layout.pp == stage]
     messages = sum((c < chunks - 1) + (c > 0) for c in mine) * micro_batches
     split = layout.tp if layout.sequence_parallel else 1
-    return messages * layout.micro_batch * (model.seq_len // split) * model.d_model * _activation_bytes(layout, precision)
+    message = layout.micro_batch * (model.seq_len // split) * model.d_model * _activation_bytes(layout, precision)
+    return messages * message
 
 
 def _held(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...]) -> tuple[int, bool, bool]:

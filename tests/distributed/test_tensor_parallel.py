@@ -74,23 +74,6 @@ def test_dropout_is_layout_free(pools):
         within(rel_diff(got[0]["losses"], ref["losses"][:steps]), 1e-12, f"loss (float64) {(dp, tp, sp)}")
 
 
-def _half_job(**kwargs) -> dict:
-    return tiny_run(steps=STEPS // 2, return_state=True, **kwargs)
-
-
-def test_checkpoint_moves_between_tp_and_dp(pools):
-    """A tp = 2 state is whole tensors by name: dp 2 x tp 2 with ZeRO-2 and sequence parallelism
-    continues from it as the single process would."""
-    ref = reference("float64")
-    first = pools(2).run(_half_job, dp=1, tp=2, micro_batch=4, dtype="float64")[0]["state"]
-    assert first["model"]["tok_emb.weight"].shape == (256, 64)  # whole, not a tp slice
-    for layout in ({"dp": 2, "tp": 2, "zero": 2, "sequence_parallel": True},):
-        world = layout["dp"] * layout.get("tp", 1)
-        got = pools(world).run(_half_job, micro_batch=4, dtype="float64", start=first, start_step=STEPS // 2,
-                               **layout)
-        within(rel_diff(got[0]["losses"], ref["losses"][STEPS // 2:]), 1e-12, f"loss (float64) {layout}")
-
-
 def _mlp_job(dp: int | None, tp: int) -> dict:
     """Any model of nn.Linear given a plan: an MLP regression in float64, 5 SGD-momentum steps."""
     import paratrain

@@ -241,45 +241,21 @@ def test_a_killed_rank_is_restarted_and_the_run_continues_exactly(tmp_path, layo
           f"losses within {worst:.1e} of one process's")
 
 
-def test_a_rank_killed_on_one_of_two_nodes_restarts_both(tmp_path, uninterrupted):
-    """Two launcher agents on 127.0.0.1 (2 processes each, --max-restarts 1): rank 3, on node 1, is
-    killed at step 6; both nodes' launchers relaunch (attempt 1 meets on the endpoint's port + 1, away
-    from attempt 0's store), resume from step 4 and finish; the log holds each step once, and the
-    losses are those of one uninterrupted process (dp 4 = one process, up to float32 rounding)."""
-    port = free_port()
-    common = ["train", "--nproc", "2", *SMALL, "--steps", str(RESTART_STEPS), "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
-              "--save", str(tmp_path / "ckpt"), "--save-every", "4", "--max-restarts", "1", "--fail-at", "3:6:kill"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    started = time.monotonic()
-    nodes = [subprocess.Popen([sys.executable, "-m", "paratrain", *common, "--node-rank", str(rank),
-                               "--log-json", str(tmp_path / f"node{rank}.jsonl")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
-    outputs = [node.communicate(timeout=240) for node in nodes]
-    elapsed = time.monotonic() - started
-    for node, (_, err) in zip(nodes, outputs):
-        assert node.returncode == 0, err[-3000:]
-    assert "attempt 0 failed: rank 3 died of SIGKILL" in outputs[1][1]
-    assert "restarting (1 of 1)" in outputs[0][1]
-    steps = [r["step"] for r in records(tmp_path / "node0.jsonl") if "loss" in r]
-    assert steps == list(range(1, RESTART_STEPS + 1))
-    for step, loss in losses(tmp_path / "node0.jsonl").items():
-        assert loss == pytest.approx(uninterrupted[step], rel=1e-5), step
-    print(f"\ntwo nodes, rank 3 killed at step 6: {elapsed:.1f} s to the end, relaunch included")
-
-
 def test_a_node_killed_whole_and_started_again_rejoins(tmp_path, uninterrupted):
-    """Two launcher agents on 127.0.0.1 (2 processes each, --max-restarts 1): at step 6 node 1 is killed
-    whole (its launcher and workers). Node 0 relaunches and waits for it; node 1, started again with the
-    same command, reads the job's live attempt from the shared --save folder and rejoins it. Both resume
-    from step 4 and finish: each step logged once, the losses one uninterrupted process's."""
+    """Two launcher agents on 127.0.0.1 started as `srun` starts them (SLURM's variables give the node
+    count, each node's rank and the rendezvous; 2 processes each, --max-restarts 1): at step 6 node 1 is
+    killed whole (its launcher and workers). Node 0 relaunches and waits for it; node 1, started again
+    with the same command, reads the job's live attempt from the shared --save folder and rejoins it.
+    Both resume from step 4 and finish: each step logged once, the losses one uninterrupted process's."""
     port = free_port()
-    common = ["train", "--nproc", "2", *SMALL, "--steps", str(RESTART_STEPS), "--nnodes", "2",
-              "--rdzv-endpoint", f"127.0.0.1:{port}", "--save", str(tmp_path / "ckpt"), "--save-every", "4",
-              "--max-restarts", "1", "--fail-at", "2:6:kill-node"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    common = ["train", "--nproc", "2", *SMALL, "--steps", str(RESTART_STEPS), "--save", str(tmp_path / "ckpt"),
+              "--save-every", "4", "--max-restarts", "1", "--fail-at", "2:6:kill-node"]
+    slurm = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_NNODES": "2", "SLURM_NTASKS": "2",
+             "SLURM_JOB_NODELIST": "127.0.0.1", "MASTER_PORT": str(port)}
 
     def node(rank: int) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "paratrain", *common, "--node-rank", str(rank),
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **slurm, "SLURM_NODEID": str(rank)}
+        return subprocess.Popen([sys.executable, "-m", "paratrain", *common,
                                  "--log-json", str(tmp_path / f"node{rank}.jsonl")], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
 
@@ -295,7 +271,7 @@ def test_a_node_killed_whole_and_started_again_rejoins(tmp_path, uninterrupted):
     (_, err0), (_, err1) = node0.communicate(timeout=240), again.communicate(timeout=240)
     elapsed = time.monotonic() - started
     assert (node0.returncode, again.returncode) == (0, 0), (err0[-2000:], err1[-2000:])
-    assert "rejoining attempt 1 of the job" in err1 and "restarting (1 of 1)" in err0
+    assert "rejoining attempt 1 of the job at 127.0.0.1:" in err1 and "restarting (1 of 1)" in err0
     assert "resumed from" in err0 and "step_00000004 at step 4 on world 4 (dp 4)" in err0, err0[-2000:]
     rows = [r for r in records(tmp_path / "node0.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == list(range(1, RESTART_STEPS + 1))
