@@ -13,6 +13,10 @@ Data parallelism (`data_parallel_volume`), gradients and parameters:
     zero 3    reduced after every micro-batch; a block's group gathered for its forward and again for
               its backward (once when parameters stay from forward to backward), the root's (embedding,
               final norm, head) once per micro-batch
+    hierarchical sharding (MiCS / HSDP: ZeRO within shard groups of S < dp ranks, the dp / S groups
+              replicas of each other): the gathers and reduce-scatters stay within the shard group
+              (axis dp_shard), each reduced shard is then all-reduced across the replicas
+              (dp_replicate); an all-reduce reduction is one all-reduce over the whole of dp
 
 Tensor parallelism (`tensor_parallel_calls`), per micro-batch, A = micro-batch x seq x d_model:
     without sequence parallelism (Megatron): per block an all-reduce of A after attention and after
@@ -70,12 +74,9 @@ def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches
     """{axis: {op: bytes}} pipeline rank `stage` moves in one step of `micro_batches` micro-batches
     (every dp and tp rank of a stage moves the same): axes "dp", "tp", "pp" (its op "send": the
     point-to-point messages) and "tied" (the embedding shared by the first and last stage)."""
-    volume: dict[str, dict[str, int]] = {}
-    dp_volume = data_parallel_volume(model, layout, stage=stage, micro_batches=micro_batches, precision=precision,
-                                     bucket_mb=bucket_mb, grad_reduce=grad_reduce,
-                                     reshard_after_forward=reshard_after_forward, pp_split=pp_split)
-    if any(dp_volume.values()):
-        volume["dp"] = {op: n for op, n in dp_volume.items() if n}
+    volume = data_parallel_volume(model, layout, stage=stage, micro_batches=micro_batches, precision=precision,
+                                  bucket_mb=bucket_mb, grad_reduce=grad_reduce,
+                                  reshard_after_forward=reshard_after_forward, pp_split=pp_split)
     calls = Counter(tensor_parallel_calls(model, layout, stage=stage, precision=precision, pp_split=pp_split))
     calls = Counter({call: n * micro_batches for call, n in calls.items()})
     calls.update(step_calls(model, layout, stage=stage, precision=precision, bucket_mb=bucket_mb, pp_split=pp_split))
@@ -91,34 +92,46 @@ def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches
 
 def data_parallel_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches: int,
                          precision: str = "fp32", bucket_mb: float = 25.0, grad_reduce: str = "all_reduce",
-                         reshard_after_forward: bool = True, pp_split: tuple[int, ...] = ()) -> dict[str, int]:
-    """{"all_reduce", "reduce_scatter", "all_gather"} bytes of gradients and parameters pipeline rank
-    `stage` moves over dp in one step of `micro_batches` micro-batches (zeros when dp is 1)."""
-    volume = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
+                         reshard_after_forward: bool = True,
+                         pp_split: tuple[int, ...] = ()) -> dict[str, dict[str, int]]:
+    """{axis: {op: bytes}} of the gradients and parameters pipeline rank `stage` moves over dp in one
+    step of `micro_batches` micro-batches (empty when dp is 1). Axis "dp"; with hierarchical sharding
+    (ZeRO over shard groups of S < dp ranks): "dp_shard" for the reduce-scatters and the gathers
+    within a shard group, "dp_replicate" for the all-reduce of each shard across the dp / S copies
+    (an all-reduce reduction stays one all-reduce over dp)."""
     if layout.dp == 1:
-        return volume
-    if layout.shard_group not in (None, layout.dp) and layout.zero:
-        raise NotImplementedError("the volume of hierarchical sharding (shard_group < dp) is not modelled")
+        return {}
+    volume: dict[str, dict[str, int]] = {}
+
+    def add(axis: str, op: str, n: int) -> None:
+        volume.setdefault(axis, {})[op] = volume.get(axis, {}).get(op, 0) + n
+
     params = rank_params(model, layout, stage, pp_split)
     if layout.zero == 0:
-        volume["all_reduce"] = 2 * 4 * sum(p.numel for p in params)
+        add("dp", "all_reduce", 2 * 4 * sum(p.numel for p in params))
         return volume
+    if layout.shard_group == 1:
+        raise NotImplementedError("the volume of ZeRO with shard groups of one rank (replicated state) is not modelled")
+    hierarchical = layout.shard_group not in (None, layout.dp)
+    shard_axis = "dp_shard" if hierarchical else "dp"
     elsize = BYTES[precision]
     groups = flat_groups(params, zero=layout.zero, shards=layout.shards, bucket_bytes=int(bucket_mb * 2**20))
     reductions = 1 if layout.zero == 1 or layout.pp > 1 else micro_batches
     for g in groups:
         if grad_reduce == "reduce_scatter":
-            volume["reduce_scatter"] += reductions * elsize * g.padded
+            add(shard_axis, "reduce_scatter", reductions * elsize * g.padded)
+            if hierarchical:
+                add("dp_replicate", "all_reduce", reductions * 2 * elsize * g.shard_numel)
         else:
-            volume["all_reduce"] += reductions * 2 * elsize * g.padded
+            add("dp", "all_reduce", reductions * 2 * elsize * g.padded)
     if layout.zero < 3:
-        volume["all_gather"] = elsize * sum(g.padded for g in groups)
+        add(shard_axis, "all_gather", elsize * sum(g.padded for g in groups))
     else:  # flat_groups lists the blocks' groups first, the root's last
         root = _root_groups(params)
         blocks, roots = groups[:len(groups) - root], groups[len(groups) - root:]
         per_block = 2 if reshard_after_forward else 1
-        volume["all_gather"] = micro_batches * elsize * (per_block * sum(g.padded for g in blocks)
-                                                         + sum(g.padded for g in roots))
+        add(shard_axis, "all_gather", micro_batches * elsize * (per_block * sum(g.padded for g in blocks)
+                                                                + sum(g.padded for g in roots)))
     return volume
 
 
@@ -164,8 +177,9 @@ def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str
     parts = 2 if layout.tp > 1 else 1  # tp slices and replicated weights sum over different axes
     if layout.dp > 1:
         calls.append(("dp", "all_reduce", 2, 8))
-        if layout.zero:
-            calls += [("dp", "all_reduce", 1, 4)] * parts
+        if layout.zero:  # the norm's squares add up over the ranks that hold different shards
+            shard_axis = "dp_shard" if layout.shard_group not in (None, layout.dp) else "dp"
+            calls += [(shard_axis, "all_reduce", 1, 4)] * parts
     if layout.tp > 1:
         calls.append(("tp", "all_reduce", 1, 4))
     if layout.pp > 1:

@@ -94,9 +94,9 @@ def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_si
     try:
         ctx = dataclasses.replace(paratrain.init(device="cpu", config=parallel), device=torch.device("meta"))
         dp = ctx.mesh.degree("dp")
-        if ctx.config.zero and ctx.config.shard_group not in (None, dp):
-            raise ConfigError(f"--shard-group {ctx.config.shard_group}: the planner's volume model does not cover "
-                              f"hierarchical sharding (shard group < dp = {dp}) yet, so a dry run cannot check it")
+        if ctx.config.zero and ctx.config.shard_group == 1:
+            raise ConfigError("shard_group 1 (ZeRO with replicated state): the planner's volume model does not "
+                              "cover it, so a dry run cannot check it; use zero 0, or a shard group of 2 or more")
         if global_batch % (dp * micro_batch):
             raise ValueError(f"global batch {global_batch} must be a multiple of dp x micro-batch ({dp} x {micro_batch})")
         gpt = paratrain.build_gpt(model, seed=0, device="meta")

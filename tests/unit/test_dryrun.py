@@ -28,6 +28,11 @@ GRID = [  # (model, world, rank, layout, global batch, micro-batch, precision, r
     ("tiny", 4, 0, dict(tp=2, pp=2, pp_split=(1,), sequence_parallel=True, schedule="zero-bubble"), 4, 1, "fp32",
      "full"),
     ("tiny", 4, 3, dict(dp=4, zero=3, grad_reduce="reduce_scatter"), 16, 2, "bf16", "none"),
+    # hierarchical sharding: ZeRO within shard groups of 2, their copies all-reduced
+    ("tiny", 8, 5, dict(dp=4, tp=2, zero=2, shard_group=2, grad_reduce="reduce_scatter", sequence_parallel=True),
+     8, 1, "bf16", "none"),
+    ("tiny", 4, 2, dict(dp=4, zero=3, shard_group=2), 8, 1, "fp32", "none"),
+    ("tiny", 8, 7, dict(dp=4, pp=2, zero=1, shard_group=2, grad_reduce="reduce_scatter"), 8, 1, "fp32", "none"),
     ("gpt3-175b", 1024, 1000, dict(dp=16, tp=8, pp=8, zero=1, sequence_parallel=True, grad_reduce="reduce_scatter"),
      16, 1, "bf16", "none"),
     ("gpt3-175b", 1024, 3, dict(dp=16, tp=8, pp=8, zero=1, sequence_parallel=True), 16, 1, "bf16", "full"),
@@ -51,7 +56,8 @@ def test_a_dry_run_equals_the_planner_exactly(model, world, rank, layout, global
     assert run.memory == run.predicted_memory
     assert run.volume == run.predicted_volume
     axes = {"tp": layout.get("tp", 1), "pp": layout.get("pp", 1), "dp": layout.get("dp", 1)}
-    assert set(run.volume) - {"tied"} == {axis for axis, degree in axes.items() if degree > 1}
+    hierarchical = {"dp_shard", "dp_replicate"} if layout.get("shard_group") else set()
+    assert set(run.volume) - {"tied"} - hierarchical == {axis for axis, degree in axes.items() if degree > 1}
     assert bool(run.actions) == (layout.get("pp", 1) > 1) == ("send" in run.volume.get("pp", {}))
 
 
@@ -65,5 +71,5 @@ def test_the_command_reports_a_rank_of_1024(capsys):
         dry_run(preset("tiny"), ParallelConfig(dp=2), rank=2, world_size=2, global_batch=2)
     with pytest.raises(ValueError, match="fp16 cannot be dry-run"):
         dry_run(preset("tiny"), ParallelConfig(dp=2), rank=0, world_size=2, global_batch=2, precision="fp16")
-    with pytest.raises(ValueError, match="does not cover hierarchical sharding"):
-        dry_run(preset("tiny"), ParallelConfig(dp=4, zero=3, shard_group=2), rank=0, world_size=4, global_batch=4)
+    with pytest.raises(ValueError, match="shard_group 1 .* does not"):
+        dry_run(preset("tiny"), ParallelConfig(dp=4, zero=3, shard_group=1), rank=0, world_size=4, global_batch=4)
