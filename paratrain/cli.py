@@ -109,6 +109,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     train.add_argument("--attempt", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     train.add_argument("--flight-dir", default=None, help=argparse.SUPPRESS)  # set by the launcher
+    train.add_argument("--smp", metavar="JSON", default=None,
+                       help="SageMaker model-parallel keys (the estimator's parameters dict, or its whole "
+                            "distribution dict) as inline JSON or a JSON file; flags given explicitly win "
+                            "(docs/sagemaker.md)")
     train.add_argument("--plan", choices=("auto",), default=None,
                        help="auto: the planner picks the layout (dp, tp, pp, ZeRO, micro-batch, recompute, sequence "
                             "parallelism) for the processes at hand and prints why; layout flags given are kept "
@@ -137,6 +141,10 @@ def run_config_from_args(args: argparse.Namespace) -> Any:
     from paratrain.launch.slurm import slurm_overrides
 
     overrides: dict[str, Any] = slurm_overrides(os.environ)  # under srun; flags below win
+    if getattr(args, "smp", None):  # SageMaker model-parallel keys; explicit flags below win
+        from paratrain.config.sagemaker import read_smp, smp_overrides
+
+        overrides.update(smp_overrides(read_smp(args.smp)))
     paths = {flag.lstrip("-").replace("-", "_"): path for flag, (path, _, _) in _TRAIN_FLAGS.items()}
     for attribute, path in {**paths, **_OTHER_ARGS}.items():
         value = getattr(args, attribute)

@@ -30,9 +30,19 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 def build_run_config(table: Mapping[str, Any] | None = None,
                      overrides: Mapping[str, Any] | None = None) -> RunConfig:
-    """Defaults, then a TOML-shaped table, then dotted overrides; unknown keys are errors."""
+    """Defaults, then a TOML-shaped table (its [smp] table of SageMaker model-parallel keys first:
+    paratrain.config.sagemaker), then dotted overrides; unknown keys are errors."""
     config = RunConfig()
-    for section, value in (table or {}).items():
+    table = dict(table or {})
+    if "smp" in table:
+        from paratrain.config.sagemaker import smp_overrides
+
+        smp = table.pop("smp")
+        if not isinstance(smp, Mapping):
+            raise ConfigError("[smp] must be a table of SageMaker model-parallel keys")
+        for path, item in smp_overrides(smp).items():
+            config = _set(config, path, item)
+    for section, value in table.items():
         if isinstance(value, Mapping) and section != "model":
             for key, item in value.items():
                 config = _set(config, f"{section}.{key}", item)

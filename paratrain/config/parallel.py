@@ -35,7 +35,7 @@ class ParallelConfig:
     0 the embedding, 1 .. n_layer the blocks, n_layer + 1 the final norm and head)."""
     microbatches: int = 0
     """Micro-batches per pipeline step (SMP's spelling): must equal global_batch / (micro_batch x dp);
-    0: whatever that is."""
+    0: whatever that is. Without a micro_batch, it sets micro_batch = global_batch / (dp x this)."""
     ep: int = 1
     """Expert-parallel degree, a divisor of dp (not yet supported above 1)."""
     zero: int = 0

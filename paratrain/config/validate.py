@@ -278,7 +278,10 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {data.val_fraction}")
     check_tensor_parallel(model, parallel, seq_len)
     assert parallel.dp is not None
-    batch = batch_layout(data.global_batch, data.micro_batch, parallel.dp)
+    micro_batch = data.micro_batch
+    if not micro_batch and parallel.microbatches and data.global_batch % (parallel.dp * parallel.microbatches) == 0:
+        micro_batch = data.global_batch // (parallel.dp * parallel.microbatches)  # SMP's way: say the count
+    batch = batch_layout(data.global_batch, micro_batch, parallel.dp)
     check_pipeline(model, parallel, batch)
     optim, train = config.optim, config.train
     if optim.lr <= 0:
