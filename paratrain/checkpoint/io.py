@@ -162,11 +162,15 @@ def verify_checkpoint(folder: str | Path, *, hashed: Collection[str] | None = No
     except CheckpointError as error:
         if not hint:
             raise
-        older = newest_verified(folder.parent, before=folder.name)
-        hint = (f"the newest older checkpoint that verifies is {older} (--resume {older})" if older else
-                "no older checkpoint in this folder verifies")
-        raise CheckpointError(f"{error}; {hint}") from None
+        raise CheckpointError(f"{error}; {older_hint(folder)}") from None
     return meta
+
+
+def older_hint(folder: Path) -> str:
+    """Where to resume from instead of `folder`: the newest older checkpoint of its root that verifies."""
+    older = newest_verified(folder.parent, before=folder.name)
+    return (f"the newest older checkpoint that verifies is {older} (--resume {older})" if older else
+            "no older checkpoint in this folder verifies")
 
 
 def _verified_meta(folder: Path, hashed: Collection[str] | None = None) -> dict[str, Any]:

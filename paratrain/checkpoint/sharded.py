@@ -44,7 +44,7 @@ from paratrain.checkpoint.io import (
     _fsync_write,
     _publish,
     digest_matches,
-    newest_verified,
+    older_hint,
     verify_checkpoint,
 )
 from paratrain.hybrid.pieces import Owned, Piece, Run, fill
@@ -282,12 +282,7 @@ def verify_shared(folder: str | Path, *, hint: bool = True) -> dict[str, Any]:
         problem = str(error)
     found = [p for p in _gather(problem) if p is not None]
     if found:
-        message = found[0]
-        if hint:
-            older = newest_verified(folder.parent, before=folder.name)
-            message += (f"; the newest older checkpoint that verifies is {older} (--resume {older})" if older else
-                        "; no older checkpoint in this folder verifies")
-        raise CheckpointError(message)
+        raise CheckpointError(f"{found[0]}; {older_hint(folder)}" if hint else found[0])
     return meta
 
 
