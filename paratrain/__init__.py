@@ -4,9 +4,14 @@
     engine = paratrain.parallelize(model, ctx, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
     loss = engine.train_step(batch, loss_fn)     # this rank's share of the global batch
     state = engine.state_dict()                  # full, layout-free
+
+or, in the shape Lightning users know (paratrain.fit):
+
+    paratrain.Trainer(devices=4, strategy="zero2", max_steps=100, global_batch=32).fit(model, loss_fn, dataset)
 """
 
 from paratrain.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
+from paratrain.fit import Callback, FitResult, Trainer
 from paratrain.hybrid import Engine, parallelize
 from paratrain.models import GPT, build_gpt, lm_loss
 from paratrain.topology import Context, init
@@ -14,6 +19,6 @@ from paratrain.topology import Context, init
 __version__ = "0.1.0"
 
 __all__ = [
-    "GPT", "ConfigError", "Context", "Engine", "ModelConfig", "ParallelConfig", "RunConfig",
-    "build_gpt", "init", "lm_loss", "parallelize",
+    "GPT", "Callback", "ConfigError", "Context", "Engine", "FitResult", "ModelConfig", "ParallelConfig", "RunConfig",
+    "Trainer", "build_gpt", "init", "lm_loss", "parallelize",
 ]

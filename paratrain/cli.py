@@ -78,6 +78,8 @@ _TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--resume": ("train.resume", str, "resume from this checkpoint folder (verified first), or auto: the newest "
                  "checkpoint under --save that verifies (none: start at step 0)"),
     "--log-json": ("train.log_json", str, "write one JSON object per step to this file"),
+    "--tensorboard": ("train.tensorboard", str, "write TensorBoard scalars (loss, val loss, lr, grad norm, tokens/s, "
+                                                "MFU, memory) to this folder (needs paratrain[viz])"),
     "--sample-tokens": ("train.sample_tokens", int, "length of the text sample printed at the end"),
     "--nan-policy": ("train.nan_policy", str, "a nan or inf loss or gradient norm: stop (default: name the step, "
                      "ranks and newest checkpoint) or skip the update"),
@@ -183,6 +185,12 @@ def prepare_launch(config: Any, *, gpus: int) -> Any:
     except (FileNotFoundError, ValueError) as error:
         raise ConfigError(f"data.source {config.data.source!r}: {error}") from None
     check_data(plan, source)
+    if config.train.tensorboard:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError(f"--tensorboard {config.train.tensorboard}: the tensorboard package is not installed: "
+                              "pip install 'paratrain[viz]' (or tensorboard), or drop --tensorboard")
     if config.train.resume == "auto":
         if not config.train.save:
             raise ConfigError("--resume auto takes the newest verified checkpoint under --save: give --save DIR")

@@ -82,6 +82,8 @@ class TrainSection:
     checkpoint under `save` that verifies (none: start at step 0)."""
     log_json: str = ""
     """Write one JSON object per optimizer step to this path (rank 0)."""
+    tensorboard: str = ""
+    """Write the same records as TensorBoard scalars to this folder (rank 0; needs paratrain[viz])."""
     sample_tokens: int = 200
     """Length of the text sample generated at the end; 0 skips it."""
     progress: bool = True

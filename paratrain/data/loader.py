@@ -1,22 +1,28 @@
-"""The global-batch loader: a layout-free sample order, each dp rank reading its slice.
+"""The global-batch loaders: a layout-free sample order, each dp rank reading its slice.
 
-Samples are windows of seq_len + 1 tokens, sample i = tokens[i * S : i * S + S + 1] (input the first
-S, target the last S). Each epoch visits the samples in a permutation seeded by (seed, epoch) only.
-Global batch b of an epoch is the G samples perm[b * G : (b + 1) * G]; dp rank r reads rows
-[r * G / dp, (r + 1) * G / dp) of it. So the set of samples in every optimizer step is the same for
-any dp degree and micro-batch size; only who computes which row changes. An epoch's tail of fewer
-than G samples is skipped (as drop_last), the same way in every layout.
+GlobalOrder is the order: each epoch visits sample indices 0 .. N-1 in a permutation seeded by
+(seed, epoch) only. Global batch b of an epoch is the G samples perm[b * G : (b + 1) * G]; dp rank
+r reads rows [r * G / dp, (r + 1) * G / dp) of it. So the set of samples in every optimizer step is
+the same for any dp degree and micro-batch size; only who computes which row changes. An epoch's
+tail of fewer than G samples is skipped (as drop_last), the same way in every layout. Its state is
+(epoch, cursor): saved with a checkpoint, it makes a resumed run read exactly the batches an
+uninterrupted run would have read.
 
-State is (epoch, cursor): saved with a checkpoint, it makes a resumed run read exactly the batches
-an uninterrupted run would have read.
+Two loaders read samples in that order:
+- GlobalBatchLoader: windows of seq_len + 1 tokens of a flat token array, sample i =
+  tokens[i * S : i * S + S + 1] (input the first S, target the last S);
+- DatasetLoader: the items of any map-style dataset (len() and [i]), stacked by torch's
+  default_collate (tensors, numbers, and tuples or dicts of them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch.utils.data import default_collate
 
 from paratrain.rng import keyed_generator
 
@@ -28,23 +34,21 @@ class LoaderState:
     """Samples of this epoch's permutation already handed out (a multiple of global_batch)."""
 
 
-class GlobalBatchLoader:
-    def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, dp: int, dp_index: int,
-                 seed: int, shuffle: bool = True) -> None:
+class GlobalOrder:
+    """Which sample indices each dp rank reads at each step (see the module docstring)."""
+
+    def __init__(self, num_samples: int, *, global_batch: int, dp: int, dp_index: int, seed: int,
+                 shuffle: bool = True, what: str = "the data") -> None:
         if global_batch % dp:
             raise ValueError(f"global_batch ({global_batch}) must be divisible by dp ({dp})")
-        self.tokens = tokens
-        self.seq_len = seq_len
+        if num_samples < global_batch:
+            raise ValueError(f"{what} holds {num_samples} samples, fewer than one global batch ({global_batch}): "
+                             "use more data or a smaller global batch")
+        self.num_samples = num_samples
         self.global_batch = global_batch
         self.dp, self.dp_index = dp, dp_index
         self.seed = seed
         self.shuffle = shuffle
-        self.num_samples = (len(tokens) - 1) // seq_len
-        if self.num_samples < global_batch:
-            raise ValueError(
-                f"the data holds {self.num_samples} samples of {seq_len + 1} tokens, fewer than one "
-                f"global batch ({global_batch}): use more data, a shorter seq_len or a smaller global batch"
-            )
         self.state = LoaderState()
         self._order: torch.Tensor | None = None
         self._order_epoch = -1
@@ -70,8 +74,8 @@ class GlobalBatchLoader:
         order = self._epoch_order(self.state.epoch)
         return order[self.state.cursor: self.state.cursor + self.global_batch].tolist()
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's rows of the next global batch: inputs[G/dp, S] and targets[G/dp, S], int64."""
+    def next_indices(self) -> list[int]:
+        """This rank's sample indices of the next global batch; moves the cursor on."""
         indices = self.global_indices()
         per_rank = self.global_batch // self.dp
         mine = indices[self.dp_index * per_rank: (self.dp_index + 1) * per_rank]
@@ -79,7 +83,37 @@ class GlobalBatchLoader:
         if self.state.cursor + self.global_batch > self.num_samples:
             self.state = LoaderState(epoch=self.state.epoch + 1, cursor=0)
         self.last_indices = mine
-        return self.gather(mine)
+        return mine
+
+    def rewind(self) -> None:
+        """Back to the first batch of epoch 0 (validation reads the same batches every time)."""
+        self.state = LoaderState()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.state.epoch, "cursor": self.state.cursor, "global_batch": self.global_batch,
+                "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for key in ("global_batch", "seed"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(
+                    f"the checkpoint's loader has {key}={state[key]}, this run {key}={getattr(self, key)}: "
+                    "a resumed run must keep the global batch and seed to read the same samples"
+                )
+        self.state = LoaderState(epoch=int(state["epoch"]), cursor=int(state["cursor"]))
+
+
+class GlobalBatchLoader(GlobalOrder):
+    def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, dp: int, dp_index: int,
+                 seed: int, shuffle: bool = True) -> None:
+        self.tokens = tokens
+        self.seq_len = seq_len
+        super().__init__((len(tokens) - 1) // seq_len, global_batch=global_batch, dp=dp, dp_index=dp_index,
+                         seed=seed, shuffle=shuffle, what=f"the data (in samples of {seq_len + 1} tokens)")
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of the next global batch: inputs[G/dp, S] and targets[G/dp, S], int64."""
+        return self.gather(self.next_indices())
 
     def gather(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         starts = np.asarray(indices, dtype=np.int64) * self.seq_len
@@ -89,14 +123,32 @@ class GlobalBatchLoader:
         return data[:, :-1], data[:, 1:]
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.state.epoch, "cursor": self.state.cursor, "global_batch": self.global_batch,
-                "seq_len": self.seq_len, "seed": self.seed}
+        return {**super().state_dict(), "seq_len": self.seq_len}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        for key in ("global_batch", "seq_len", "seed"):
-            if key in state and state[key] != getattr(self, key):
-                raise ValueError(
-                    f"the checkpoint's loader has {key}={state[key]}, this run {key}={getattr(self, key)}: "
-                    "a resumed run must keep the global batch, sequence length and seed to read the same samples"
-                )
-        self.state = LoaderState(epoch=int(state["epoch"]), cursor=int(state["cursor"]))
+        if "seq_len" in state and state["seq_len"] != self.seq_len:
+            raise ValueError(
+                f"the checkpoint's loader has seq_len={state['seq_len']}, this run seq_len={self.seq_len}: "
+                "a resumed run must keep the global batch, sequence length and seed to read the same samples"
+            )
+        super().load_state_dict(state)
+
+
+class MapDataset(Protocol):
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int) -> Any: ...
+
+
+class DatasetLoader(GlobalOrder):
+    def __init__(self, dataset: MapDataset, *, global_batch: int, dp: int, dp_index: int, seed: int,
+                 shuffle: bool = True) -> None:
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise TypeError(f"a dataset must be map-style (len() and [index]), got {type(dataset).__name__}: "
+                            "wrap an iterable in a list, or give a torch.utils.data.TensorDataset")
+        self.dataset = dataset
+        super().__init__(len(dataset), global_batch=global_batch, dp=dp, dp_index=dp_index, seed=seed,
+                         shuffle=shuffle, what=f"the dataset ({type(dataset).__name__})")
+
+    def next(self) -> Any:
+        """This rank's rows of the next global batch, its items stacked by default_collate."""
+        return default_collate([self.dataset[i] for i in self.next_indices()])

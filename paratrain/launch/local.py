@@ -16,6 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from paratrain.config.run import LaunchSection
 from paratrain.topology.recorder import hang_report
@@ -165,13 +166,9 @@ def _live_attempt(live: Path, launch_cfg: LaunchSection) -> int:
     return attempt
 
 
-def _launch_once(launch_cfg: LaunchSection, argv: list[str], *, attempt: int = 0, shared: str | None = None) -> None:
-    import torch.distributed
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from paratrain.launch.worker import threads_per_rank
+def _elastic_config(launch_cfg: LaunchSection, attempt: int) -> tuple[Any, str]:
+    """torch's elastic LaunchConfig for this node's share of attempt `attempt`, and its endpoint."""
+    from torch.distributed.launcher.api import LaunchConfig
 
     single_node = launch_cfg.nnodes == 1
     if single_node:  # torchrun --standalone: a private rendezvous on a free local port
@@ -187,12 +184,37 @@ def _launch_once(launch_cfg: LaunchSection, argv: list[str], *, attempt: int = 0
     if attempt and launch_cfg.min_nodes and launch_cfg.min_nodes < launch_cfg.nnodes:
         min_nodes = launch_cfg.min_nodes
         rdzv_configs["last_call_timeout"] = LAST_CALL_S
-    config = LaunchConfig(
+    from paratrain.launch.worker import threads_per_rank
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(launch_cfg.nproc)))
+    return LaunchConfig(
         min_nodes=min_nodes, max_nodes=launch_cfg.nnodes, nproc_per_node=launch_cfg.nproc,
         run_id=run_id, rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs,
         max_restarts=0, monitor_interval=0.1, start_method="spawn",
-    )
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(launch_cfg.nproc)))
+    ), endpoint
+
+
+def launch_script(launch_cfg: LaunchSection, script: list[str]) -> None:
+    """Run `python *script` (a script and its arguments) on nproc local processes, once: how
+    paratrain.Trainer starts its own workers when run as a plain script. Raises JobFailed."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    config, _ = _elastic_config(launch_cfg, 0)
+    try:
+        elastic_launch(config, sys.executable)(*script)
+    except ChildFailedError as error:
+        raise JobFailed(_failures(error)) from None
+
+
+def _launch_once(launch_cfg: LaunchSection, argv: list[str], *, attempt: int = 0, shared: str | None = None) -> None:
+    import torch.distributed
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+    from torch.distributed.launcher.api import elastic_launch
+
+    single_node = launch_cfg.nnodes == 1
+    config, endpoint = _elastic_config(launch_cfg, attempt)
     if shared and not single_node:  # every node's records in one folder: each report covers every rank
         flight = str(Path(shared) / "flight" / f"attempt-{attempt}")
         Path(flight).mkdir(parents=True, exist_ok=True)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import torch
+
+from paratrain.hybrid.step import StepStats
 
 # Dense bf16 tensor-core peak, FLOP/s, from the vendors' data sheets (without sparsity).
 PEAK_BF16_FLOPS = {
@@ -38,6 +40,44 @@ def mfu(tokens_per_s: float, flops_per_token: float, world_size: int, peak: floa
     if peak is None:
         return None
     return tokens_per_s * flops_per_token / (peak * world_size)
+
+
+def step_record(step: int, lr: float, stats: StepStats, step_time: float, *, world_size: int,
+                flops_per_token: float | None = None, peak: float | None = None) -> dict[str, Any]:
+    """The JSON record of one optimizer step, as `--log-json` and paratrain.Trainer write it."""
+    tokens_per_s = stats.tokens / step_time
+    record: dict[str, Any] = {"step": step, "loss": stats.loss, "grad_norm": stats.grad_norm, "lr": lr,
+                              "tokens": stats.tokens, "step_time": step_time, "tokens_per_s": tokens_per_s}
+    if stats.loss_scale is not None:
+        record["loss_scale"] = stats.loss_scale
+    if stats.skipped:
+        record["skipped"] = True
+    if stats.non_finite:
+        record["non_finite_ranks"] = list(stats.non_finite_ranks)
+    utilisation = mfu(tokens_per_s, flops_per_token, world_size, peak) if flops_per_token else None
+    if utilisation is not None:
+        record["mfu"] = utilisation
+    return record
+
+
+class RecordLog(Protocol):
+    def write(self, record: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+class Records:
+    """Every per-step record to each of several logs (the JSON lines, TensorBoard)."""
+
+    def __init__(self, *logs: RecordLog | None) -> None:
+        self.logs = [log for log in logs if log is not None]
+
+    def write(self, record: dict[str, Any]) -> None:
+        for log in self.logs:
+            log.write(record)
+
+    def close(self) -> None:
+        for log in self.logs:
+            log.close()
 
 
 class JsonLog:

@@ -25,9 +25,10 @@ from paratrain.hybrid import Engine, NonFiniteError, StepStats, parallelize
 from paratrain.models import GPT, build_gpt, lm_loss
 from paratrain.topology import Context
 from paratrain.train.log import get_logger
-from paratrain.train.metrics import JsonLog, mfu, peak_flops
+from paratrain.train.metrics import JsonLog, Records, peak_flops, step_record
 from paratrain.train.optim import adamw_factory
 from paratrain.train.schedule import lr_at
+from paratrain.train.tensorboard import TensorBoardLog
 
 
 @dataclass
@@ -124,8 +125,10 @@ class Trainer:
     def fit(self) -> TrainResult:
         config, train = self.plan.config, self.plan.config.train
         result = TrainResult()
-        json_log = JsonLog(train.log_json if self.ctx.is_main else None, append=self.step > 0,
-                           keep_until=(self.step if self.step > 0 else -1) if self.attempt > 0 else None)
+        json_log = Records(
+            JsonLog(train.log_json if self.ctx.is_main else None, append=self.step > 0,
+                    keep_until=(self.step if self.step > 0 else -1) if self.attempt > 0 else None),
+            TensorBoardLog(train.tensorboard, resumed_at=self.step) if train.tensorboard and self.ctx.is_main else None)
         flops_per_token = self.plan.model.flops_per_token(self.plan.seq_len)
         peak = peak_flops(self.ctx.device)
         bar = self._progress_bar()
@@ -205,13 +208,9 @@ class Trainer:
                 peak: float | None) -> dict[str, Any]:
         """The JSON record of one step (warning once on rank 0 about a skipped update)."""
         train = self.plan.config.train
-        tokens_per_s = stats.tokens / step_time
-        record: dict[str, Any] = {"step": step, "loss": stats.loss, "grad_norm": stats.grad_norm, "lr": lr,
-                                  "tokens": stats.tokens, "step_time": step_time, "tokens_per_s": tokens_per_s}
-        if stats.loss_scale is not None:
-            record["loss_scale"] = stats.loss_scale
+        record = step_record(step, lr, stats, step_time, world_size=self.ctx.world_size,
+                             flops_per_token=flops_per_token, peak=peak)
         if stats.non_finite:  # skipped by --nan-policy skip
-            record.update(skipped=True, non_finite_ranks=list(stats.non_finite_ranks))
             self.non_finite_skips += 1
             if self.non_finite_skips > train.nan_skips:
                 raise self._stopped(step, f"{self.non_finite_skips} non-finite steps skipped, more than "
@@ -221,13 +220,9 @@ class Trainer:
                                  "(%d of at most %d)", step, stats.loss, stats.grad_norm,
                                  self.non_finite_skips, train.nan_skips)
         elif stats.skipped:
-            record["skipped"] = True
             if self.ctx.is_main:  # every rank took the same decision: say it once
                 self.log.warning("step %d: fp16 gradients overflowed (loss scale %g); update skipped on "
                                  "every rank", step, stats.loss_scale)
-        utilisation = mfu(tokens_per_s, flops_per_token, self.ctx.world_size, peak)
-        if utilisation is not None:
-            record["mfu"] = utilisation
         return record
 
     def _stopped(self, step: int, why: str) -> FloatingPointError:

@@ -1,0 +1,360 @@
+"""paratrain.Trainer: the training loop in the shape Lightning users know, on paratrain's engine.
+
+    torch.manual_seed(0)
+    model = build_my_model()
+    trainer = paratrain.Trainer(devices=4, strategy="zero2", max_steps=200, global_batch=64, lr=1e-3)
+    result = trainer.fit(model, loss_fn, train_data, val_data)
+
+Lightning's `Trainer(num_nodes, devices, strategy="ddp")` maps onto `Trainer(num_nodes, devices,
+strategy)`; the differences that matter (docs/lightning.md): the batch is the *global* batch, cut
+over the ranks by a layout-free sample order, so the same seed gives the same per-step losses for
+any `devices` and strategy; and `loss_fn(model, batch)` returns the loss of its batch, as a mean over
+the batch's samples or as (sum of per-sample losses, count).
+
+Processes. Run as a plain script (`python train.py`) with devices x num_nodes > 1, fit launches that
+many worker processes that run the same script again (torch's elastic launcher, as torchrun): each
+builds the same model, reaches fit, and trains its part. When they are done, the launching process
+loads the trained weights into `model` and returns rank 0's FitResult; the workers leave at the end
+of fit, so the code after fit runs once, in the launching process. Under an external launcher
+(torchrun, SLURM's srun through torchrun), fit trains on the process it is called in and returns there,
+on every rank; `trainer.engine` then holds this rank's part of the model (`trainer.engine.state_dict()`
+gathers it whole).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from paratrain.checkpoint import load_sharded, newest_shared, resolve_checkpoint, save_sharded, verify_shared
+from paratrain.config import ConfigError, ParallelConfig
+from paratrain.config.run import LaunchSection, OptimSection
+from paratrain.config.validate import DEVICES, batch_layout
+from paratrain.data import DatasetLoader
+from paratrain.data.loader import MapDataset
+from paratrain.fit.callbacks import Callback
+from paratrain.hybrid import Engine, parallelize
+from paratrain.hybrid.engine import Batch, _rows
+from paratrain.hybrid.parallelize import OptimizerFactory, PipelineLoss
+from paratrain.memory import PRECISIONS
+from paratrain.topology import Context, init
+from paratrain.train.metrics import JsonLog, Records, step_record
+from paratrain.train.optim import adamw_factory
+from paratrain.train.schedule import lr_at
+from paratrain.train.tensorboard import TensorBoardLog
+
+UserLoss = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, torch.Tensor | int]"]
+
+STRATEGIES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "tp": None, "3d": None}
+"""Strategy names and their ZeRO stage (tp and 3d: tensor and pipeline degrees from tp= and pp=)."""
+
+HANDOFF_ENV = "PARATRAIN_FIT_HANDOFF"
+"""Set by a launching Trainer for its workers: the folder where rank 0 of each node leaves the result
+and the trained weights."""
+
+
+@dataclass
+class FitResult:
+    losses: dict[int, float] = field(default_factory=dict)
+    """Global-batch training loss by step (1-based)."""
+    val_losses: dict[int, float] = field(default_factory=dict)
+    """Validation loss by step (0: before training)."""
+    wall_s: float = 0.0
+    """Seconds from the first step to the end of the last, on rank 0."""
+
+
+def strategy_config(strategy: str | ParallelConfig, *, devices: int, tp: int | None, pp: int | None) -> ParallelConfig:
+    """The ParallelConfig of a Lightning-style strategy name (or the given ParallelConfig)."""
+    if isinstance(strategy, ParallelConfig):
+        if tp is not None or pp is not None:
+            raise ConfigError("tp= and pp= go with strategy='tp' or '3d'; a ParallelConfig carries its own degrees")
+        return strategy
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}, or a paratrain.ParallelConfig")
+    if strategy == "tp":
+        if pp is not None:
+            raise ConfigError("strategy='tp' splits layers over tp ranks; pp= needs strategy='3d'")
+        return ParallelConfig(tp=tp or devices)  # by default every device of a node; dp across nodes
+    if strategy == "3d":
+        if tp is None or pp is None:
+            raise ConfigError(f"strategy='3d' needs the tensor and pipeline degrees: give tp= and pp= (tp={tp}, "
+                              f"pp={pp}); dp is what the devices leave")
+        return ParallelConfig(tp=tp, pp=pp)
+    if tp is not None or pp is not None:
+        raise ConfigError(f"strategy={strategy!r} is data parallel; tp= and pp= need strategy='tp' or '3d'")
+    return ParallelConfig(zero=STRATEGIES[strategy] or 0)
+
+
+class Trainer:
+    def __init__(self, *, devices: int = 1, num_nodes: int = 1, strategy: str | ParallelConfig = "ddp",
+                 tp: int | None = None, pp: int | None = None, max_steps: int, global_batch: int,
+                 micro_batch: int | None = None, lr: float = 1e-3, lr_schedule: str = "constant",
+                 warmup_steps: int = 0, min_lr_ratio: float = 0.1, weight_decay: float = 0.0,
+                 optimizer: OptimizerFactory | None = None, grad_clip: float = 0.0, precision: str = "fp32",
+                 recompute: bool | str = False, seed: int = 0, val_every: int = 0, val_batches: int = 0,
+                 save: str | None = None, save_every: int = 0, keep_last: int = 0, resume: str | None = None,
+                 log_json: str | None = None, tensorboard: str | None = None, callbacks: Sequence[Callback] = (),
+                 accelerator: str = "cpu", tp_plan: Mapping[str, str] | None = None,
+                 pipeline_loss: PipelineLoss | None = None, wrap: Any = None, node_rank: int | None = None,
+                 master: str | None = None, timeout_s: float = 300.0) -> None:
+        """devices: processes per node; num_nodes: nodes (their launchers meet at `master`, host:port,
+        default $MASTER_ADDR:$MASTER_PORT, with node_rank default $NODE_RANK, as Lightning reads them).
+        strategy: 'ddp', 'zero1' / 'zero2' / 'zero3' ('fsdp' = zero3), 'tp' (tp= devices by default),
+            '3d' (tp= and pp= given, dp the rest), or a paratrain.ParallelConfig.
+        max_steps, global_batch (samples per optimizer step, whatever the layout), micro_batch (samples
+            per forward on one rank; None: its whole share).
+        lr: the peak learning rate, set on every parameter group at every step; lr_schedule 'constant'
+            or 'cosine' (down to lr x min_lr_ratio at the last step), after warmup_steps of linear warmup.
+        optimizer: a factory params -> torch.optim.Optimizer; None: AdamW (betas 0.9, 0.999) with
+            weight_decay on matrices only.
+        precision: 'fp32', 'bf16' or 'fp16'; recompute as parallelize's.
+        val_every: validate every this many steps (and at step 0 and the end, when val_data is given);
+            val_batches: global batches per validation (0: the whole validation set).
+        save: a folder for sharded checkpoints, the CLI's (`paratrain inspect` reads them), written every
+            save_every steps (0: at the end only), keeping the newest keep_last (0: all); resume: a
+            checkpoint folder or root, or 'auto' (the newest under save that verifies, if any).
+        log_json: the CLI's per-step JSON records; tensorboard: the same as TensorBoard scalars.
+        accelerator: 'cpu' (gloo), 'cuda' (NCCL, one GPU per process) or 'auto'.
+        tp_plan, pipeline_loss, wrap: as parallelize's, for tensor / pipeline parallelism and ZeRO-3 units.
+        """
+        if devices < 1 or num_nodes < 1:
+            raise ConfigError(f"devices and num_nodes must be >= 1, got devices={devices}, num_nodes={num_nodes}")
+        if max_steps < 1:
+            raise ConfigError(f"max_steps must be >= 1, got {max_steps}")
+        if precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if lr_schedule not in ("constant", "cosine"):
+            raise ConfigError(f"lr_schedule must be 'constant' or 'cosine', got {lr_schedule!r}")
+        if accelerator not in DEVICES:
+            raise ConfigError(f"accelerator must be one of {', '.join(DEVICES)}, got {accelerator!r}")
+        if resume == "auto" and not save:
+            raise ConfigError("resume='auto' takes the newest verified checkpoint under save: give save=")
+        self.world_size = devices * num_nodes
+        self.parallel = strategy_config(strategy, devices=devices, tp=tp, pp=pp).resolved(self.world_size)
+        self.batch = batch_layout(global_batch, micro_batch or 0, self.parallel.dp or 1)
+        self.devices, self.num_nodes = devices, num_nodes
+        self.max_steps, self.lr, self.lr_schedule = max_steps, lr, lr_schedule
+        self.warmup_steps, self.min_lr_ratio, self.weight_decay = warmup_steps, min_lr_ratio, weight_decay
+        self.optimizer, self.grad_clip, self.precision, self.recompute = optimizer, grad_clip, precision, recompute
+        self.seed, self.val_every, self.val_batches = seed, val_every, val_batches
+        self.save, self.save_every, self.keep_last, self.resume = save, save_every, keep_last, resume
+        self.log_json, self.tensorboard, self.callbacks = log_json, tensorboard, list(callbacks)
+        self.accelerator, self.tp_plan, self.pipeline_loss, self.wrap = accelerator, tp_plan, pipeline_loss, wrap
+        self.node_rank = int(os.environ.get("NODE_RANK", "0")) if node_rank is None else node_rank
+        self.master = master or (f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '29500')}"
+                                 if "MASTER_ADDR" in os.environ else "")
+        if num_nodes > 1 and not self.master:
+            raise ConfigError(f"num_nodes={num_nodes}: the nodes' launchers meet at node 0: give master='host:port' "
+                              "(or set MASTER_ADDR and MASTER_PORT) and node_rank (or NODE_RANK) on every node")
+        self.timeout_s = timeout_s
+        self.ctx: Context | None = None
+        self.engine: Engine | None = None
+        self.step = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 of the job (True before fit has started one)."""
+        return self.ctx is None or self.ctx.is_main
+
+    def fit(self, model: nn.Module, loss_fn: UserLoss, train_data: MapDataset,
+            val_data: MapDataset | None = None) -> FitResult:
+        """Train `model` for max_steps on `train_data` (any map-style dataset: len() and [i], items
+        stacked by torch's default_collate). loss_fn(model, batch) returns the batch's loss: a scalar
+        (taken as the mean over the batch's samples) or (sum of per-sample or per-token losses, count);
+        under pp the loss is pipeline_loss on the last stage and loss_fn is not called."""
+        from paratrain.launch import launched_by_torchrun
+
+        for name, data in (("train_data", train_data), ("val_data", val_data)):
+            if data is not None and len(data) < self.batch.global_batch:
+                raise ConfigError(f"{name} holds {len(data)} samples, fewer than one global batch "
+                                  f"({self.batch.global_batch}): lower global_batch or give more data")
+        if launched_by_torchrun():
+            world = int(os.environ["WORLD_SIZE"])
+            if world != self.world_size:
+                raise ConfigError(f"this process was launched into a job of {world} processes, and the Trainer asks "
+                                  f"for devices x num_nodes = {self.devices} x {self.num_nodes} = {self.world_size}: "
+                                  "make them agree")
+            return self._fit_here(model, loss_fn, train_data, val_data)
+        if self.world_size == 1:
+            return self._fit_here(model, loss_fn, train_data, val_data)
+        return self._launch(model)
+
+    # --- the launching process ---
+
+    def _launch(self, model: nn.Module) -> FitResult:
+        from safetensors.torch import load_file
+
+        from paratrain.launch import launch_script
+
+        command = _this_program()
+        if command is None:
+            raise RuntimeError(
+                f"paratrain.Trainer(devices={self.devices}, num_nodes={self.num_nodes}) starts its workers by running "
+                f"this program again, and there is no script to run (an interactive session or python -c): put the "
+                f"code in a script and run `python script.py`, or launch it with "
+                f"`torchrun --nproc-per-node {self.devices} script.py`")
+        handoff = tempfile.mkdtemp(prefix="paratrain-fit-")
+        launch_cfg = LaunchSection(nproc=self.devices, nnodes=self.num_nodes, node_rank=self.node_rank,
+                                   rdzv_endpoint=self.master, device=self.accelerator, timeout_s=self.timeout_s)
+        os.environ[HANDOFF_ENV] = handoff
+        try:
+            launch_script(launch_cfg, command)
+            result = FitResult(**_int_keys(json.loads((Path(handoff) / "result.json").read_text())))
+            model.load_state_dict(load_file(str(Path(handoff) / "model.safetensors")))
+        finally:
+            os.environ.pop(HANDOFF_ENV, None)
+            for part in Path(handoff).glob("*"):
+                part.unlink()
+            Path(handoff).rmdir()
+        return result
+
+    # --- a rank of the job ---
+
+    def _fit_here(self, model: nn.Module, loss_fn: UserLoss, train_data: MapDataset,
+                  val_data: MapDataset | None) -> FitResult:
+        from paratrain.launch.worker import threads_per_rank
+
+        if HANDOFF_ENV in os.environ:
+            torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        ctx = self.ctx = init(self.parallel, device=self.accelerator, timeout=timedelta(seconds=self.timeout_s))
+        dp, dp_index = ctx.mesh.degree("dp"), ctx.mesh.index("dp")
+        loader = DatasetLoader(train_data, global_batch=self.batch.global_batch, dp=dp, dp_index=dp_index,
+                               seed=self.seed)
+        val_loader = None if val_data is None else DatasetLoader(
+            val_data, global_batch=self.batch.global_batch, dp=dp, dp_index=dp_index, seed=self.seed, shuffle=False)
+        optimizer = self.optimizer or adamw_factory(model, OptimSection(
+            lr=self.lr, weight_decay=self.weight_decay, beta1=0.9, beta2=0.999))
+        engine = self.engine = parallelize(
+            model, ctx, optimizer=optimizer, micro_batch=self.batch.micro_batch, precision=self.precision,
+            grad_clip=self.grad_clip, recompute=self.recompute, seed=self.seed, tp_plan=self.tp_plan,
+            pipeline_loss=self.pipeline_loss, wrap=self.wrap)
+        self._resume(engine, loader)
+        batch_loss = _batch_loss(loss_fn)
+        logs = Records(JsonLog(self.log_json if ctx.is_main else None, append=self.step > 0),
+                       TensorBoardLog(self.tensorboard, resumed_at=self.step) if self.tensorboard and ctx.is_main else None)
+        result = FitResult()
+        for callback in self.callbacks:
+            callback.on_fit_start(self)
+        try:
+            if val_loader is not None and self.step == 0:
+                result.val_losses[0] = self._validate(engine, val_loader, batch_loss)
+                logs.write({"step": 0, "val_loss": result.val_losses[0]})
+            start = time.perf_counter()
+            while self.step < self.max_steps:
+                lr = self._lr_at(self.step)
+                engine.set_lr(lr)
+                began = time.perf_counter()
+                stats = engine.step(loader.next(), batch_loss, wait=True).stats()
+                self.step += 1
+                record = step_record(self.step, lr, stats, time.perf_counter() - began, world_size=ctx.world_size)
+                result.losses[self.step] = stats.loss
+                last = self.step == self.max_steps
+                if val_loader is not None and (last or (self.val_every and self.step % self.val_every == 0)):
+                    record["val_loss"] = result.val_losses[self.step] = self._validate(engine, val_loader, batch_loss)
+                logs.write(record)
+                if self.step == 1:
+                    logs.write({"step": 1, "memory": engine.memory_report()})
+                for callback in self.callbacks:
+                    callback.on_train_step_end(self, record)
+                if self.save and (last or (self.save_every and self.step % self.save_every == 0)):
+                    save_sharded(self.save, self.step, engine, {"loader": loader.state_dict(), "trainer": "paratrain.Trainer"},
+                                 keep_last=self.keep_last)
+            result.wall_s = time.perf_counter() - start
+        finally:
+            logs.close()
+        for callback in self.callbacks:
+            callback.on_fit_end(self, result)
+        handoff = os.environ.get(HANDOFF_ENV)
+        if handoff:  # launched by a Trainer: hand the result and the weights over, and leave
+            self._hand_over(Path(handoff), engine, result)
+        return result
+
+    def _resume(self, engine: Engine, loader: DatasetLoader) -> None:
+        if not self.resume:
+            return
+        if self.resume == "auto":
+            assert self.save is not None
+            newest = newest_shared(self.save)
+            if newest is None:
+                return
+            folder, meta = newest
+        else:
+            folder = resolve_checkpoint(self.resume)
+            meta = verify_shared(folder)
+        load_sharded(folder, meta, engine)
+        loader.load_state_dict(meta["loader"])
+        self.step = int(meta["step"])
+
+    def _lr_at(self, step: int) -> float:
+        if self.lr_schedule == "cosine":
+            return lr_at(step, total_steps=self.max_steps, peak=self.lr, warmup_steps=self.warmup_steps,
+                         min_ratio=self.min_lr_ratio)
+        return self.lr * min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps else self.lr
+
+    def _validate(self, engine: Engine, loader: DatasetLoader, batch_loss: Callable[..., Any]) -> float:
+        """Mean of the global batches' mean losses, over the first val_batches batches (or all)."""
+        loader.rewind()
+        batches = min(self.val_batches or loader.batches_per_epoch, loader.batches_per_epoch)
+        losses = [engine.eval_loss(loader.next(), batch_loss) for _ in range(batches)]
+        value = sum(losses) / len(losses)
+        for callback in self.callbacks:
+            callback.on_validation_end(self, self.step, value)
+        return value
+
+    def _hand_over(self, folder: Path, engine: Engine, result: FitResult) -> None:
+        from safetensors.torch import save_file
+
+        from paratrain.launch import leave
+
+        model = engine.state_dict()["model"]  # collective: every rank gathers the whole model
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            save_file({name: tensor.detach().cpu().clone().contiguous() for name, tensor in model.items()},
+                      str(folder / "model.safetensors"))
+            (folder / "result.json").write_text(json.dumps(asdict(result)))
+        leave()  # the code after fit runs in the launching process only
+
+
+def _batch_loss(loss_fn: UserLoss) -> Callable[[nn.Module, Batch], tuple[torch.Tensor, torch.Tensor | int]]:
+    """The engine's loss contract from the user's: a scalar is the mean over the batch's samples."""
+
+    def batch_loss(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | int]:
+        value = loss_fn(model, batch)
+        if isinstance(value, tuple):
+            return value
+        if not (isinstance(value, torch.Tensor) and value.dim() == 0):
+            raise TypeError(f"loss_fn(model, batch) must return a scalar tensor (the mean over the batch's samples) "
+                            f"or (sum, count), got {type(value).__name__}"
+                            + (f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""))
+        rows = _rows(batch)
+        return value * rows, rows
+
+    return batch_loss
+
+
+def _this_program() -> list[str] | None:
+    """The arguments after `python` that run this program again: `-m package.module ARGS` when it was
+    started with -m (as Lightning does), `SCRIPT ARGS` otherwise; None without a script."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        module = spec.name[: -len(".__main__")] if spec.name.endswith(".__main__") else spec.name
+        return ["-m", module, *sys.argv[1:]]
+    script = sys.argv[0] if sys.argv else ""
+    if not script or not Path(script).is_file():
+        return None
+    return [script, *sys.argv[1:]]
+
+
+def _int_keys(result: dict[str, Any]) -> dict[str, Any]:
+    """JSON turned the step numbers into strings; turn them back."""
+    return {key: {int(k): v for k, v in value.items()} if isinstance(value, dict) else value
+            for key, value in result.items()}

@@ -1,0 +1,123 @@
+"""paratrain.Trainer: Lightning's shape (devices, strategy, fit) with paratrain's promise: the same
+per-step losses, validation losses and trained weights for any device count and strategy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import paratrain
+from paratrain.config import ConfigError, ParallelConfig
+from paratrain.fit import Callback, strategy_config
+from tests.fit import fit_script
+from tests.helpers import max_state_diff, rel_diff
+from tests.margins import within
+
+SCRIPT = Path(fit_script.__file__)
+
+
+def in_process(**options: object) -> tuple[paratrain.FitResult, torch.nn.Module]:
+    model, train, val = fit_script.build()
+    trainer = paratrain.Trainer(max_steps=6, global_batch=16, micro_batch=4, lr=0.05, val_every=3, **options)
+    return trainer.fit(model, fit_script.loss_fn, train, val), model
+
+
+def as_script(tmp_path: Path, devices: int, strategy: str) -> dict:
+    out = tmp_path / f"{devices}-{strategy}.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), str(devices), strategy, str(out)], capture_output=True,
+                          text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = out.read_text().splitlines()
+    assert len(lines) == 1, "the code after fit ran in the workers too"
+    return json.loads(lines[0])
+
+
+@pytest.mark.e2e
+def test_same_losses_and_weights_for_any_devices_and_strategy(tmp_path):
+    """The script launches its own 2 processes; the launching process gets the trained weights."""
+    result, model = in_process()
+    reference = {"losses": list(result.losses.values()), "val": list(result.val_losses.values()),
+                 "model": {k: v for k, v in model.state_dict().items()}}
+    assert sorted(result.val_losses) == [0, 3, 6] and len(result.losses) == 6
+    for devices, strategy in ((2, "zero3"), (2, "tp")):
+        got = as_script(tmp_path, devices, strategy)
+        within(rel_diff(list(got["losses"].values()), reference["losses"]), 1e-12, f"loss {strategy} (float64)")
+        within(rel_diff(list(got["val_losses"].values()), reference["val"]), 1e-12, f"val loss {strategy} (float64)")
+        weights = {k: torch.tensor(v, dtype=torch.float64) for k, v in got["model"].items()}
+        within(max_state_diff(weights, reference["model"]), 1e-12, f"trained weights {strategy} (float64)")
+
+
+def test_resume_continues_exactly(tmp_path):
+    whole, _ = in_process()
+    model, train, val = fit_script.build()
+    paratrain.Trainer(max_steps=3, global_batch=16, micro_batch=4, lr=0.05, save=str(tmp_path / "ckpt")).fit(
+        model, fit_script.loss_fn, train)
+    resumed, _ = in_process(save=str(tmp_path / "ckpt"), resume="auto")
+    assert {s: resumed.losses[s] for s in (4, 5, 6)} == {s: whole.losses[s] for s in (4, 5, 6)}
+    assert 3 not in resumed.losses
+
+
+def test_callbacks_logs_and_tensorboard(tmp_path):
+    seen: list[tuple[str, int]] = []
+
+    class Collect(Callback):
+        def on_fit_start(self, trainer):
+            seen.append(("start", trainer.step))
+
+        def on_train_step_end(self, trainer, record):
+            seen.append(("step", record["step"]))
+
+        def on_validation_end(self, trainer, step, val_loss):
+            seen.append(("val", step))
+
+        def on_fit_end(self, trainer, result):
+            seen.append(("end", len(result.losses)))
+
+    result, _ = in_process(callbacks=[Collect(), paratrain.fit.PrintProgress(every=3)],
+                           log_json=str(tmp_path / "log.jsonl"), tensorboard=str(tmp_path / "tb"))
+    assert seen == [("start", 0), ("val", 0), ("step", 1), ("step", 2), ("val", 3), ("step", 3), ("step", 4),
+                    ("step", 5), ("val", 6), ("step", 6), ("end", 6)]
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in records if "loss" in r] == list(result.losses.values())
+    assert any("memory" in r for r in records)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(list(result.losses.values()))
+    assert [e.step for e in events.Scalars("val/loss")] == [0, 3, 6]
+    assert {"train/lr", "train/grad_norm", "perf/tokens_per_s"} <= set(events.Tags()["scalars"])
+
+
+def test_strategies_map_to_layouts():
+    assert strategy_config("ddp", devices=4, tp=None, pp=None) == ParallelConfig()
+    assert strategy_config("fsdp", devices=4, tp=None, pp=None) == ParallelConfig(zero=3)
+    assert strategy_config("zero2", devices=4, tp=None, pp=None) == ParallelConfig(zero=2)
+    assert strategy_config("tp", devices=4, tp=None, pp=None) == ParallelConfig(tp=4)
+    assert strategy_config("3d", devices=8, tp=2, pp=2) == ParallelConfig(tp=2, pp=2)
+    with pytest.raises(ConfigError, match="needs the tensor and pipeline degrees"):
+        strategy_config("3d", devices=8, tp=2, pp=None)
+    with pytest.raises(ConfigError, match="is not one of ddp"):
+        strategy_config("deepspeed", devices=2, tp=None, pp=None)
+    with pytest.raises(ConfigError, match="data parallel; tp= and pp= need"):
+        strategy_config("zero1", devices=2, tp=2, pp=None)
+
+
+def test_bad_settings_are_refused_with_the_rule():
+    with pytest.raises(ConfigError, match="must be divisible by dp"):
+        paratrain.Trainer(devices=4, max_steps=1, global_batch=6)
+    with pytest.raises(ConfigError, match="micro_batch in"):
+        paratrain.Trainer(devices=2, max_steps=1, global_batch=8, micro_batch=3)
+    with pytest.raises(ConfigError, match="master='host:port'"):
+        paratrain.Trainer(devices=2, num_nodes=2, max_steps=1, global_batch=8)
+    model, train, _ = fit_script.build()
+    with pytest.raises(ConfigError, match="fewer than one global batch"):
+        paratrain.Trainer(max_steps=1, global_batch=128).fit(model, fit_script.loss_fn, train)
+    with pytest.raises(TypeError, match="must return a scalar tensor"):
+        paratrain.Trainer(max_steps=1, global_batch=16).fit(model, lambda m, b: m(b[0]), train)
