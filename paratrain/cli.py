@@ -134,6 +134,15 @@ def _parser() -> argparse.ArgumentParser:
                         help="cast floating tensors to this dtype (default: as saved)")
     from paratrain.planner.command import add_arguments
 
+    plot = commands.add_parser("plot", help="draw the loss curves of runs (--log-json files) on one figure")
+    plot.add_argument("runs", nargs="+", metavar="RUN.jsonl", help="files written by --log-json")
+    plot.add_argument("-o", "--out", default="curves.png", help="the picture to write (default curves.png)")
+    plot.add_argument("--labels", help="comma-separated names of the runs (default: the file names)")
+    plot.add_argument("--log-y", action="store_true", help="a logarithmic loss axis")
+    from paratrain.scaling import add_arguments as scaling_arguments
+
+    scaling_arguments(commands.add_parser(
+        "scaling", help="accuracy and wall time against processes: fixed device batch, fixed global batch, scaled lr"))
     add_arguments(commands.add_parser("plan", help="predict per-device memory and step time of layouts, best first"))
     return parser
 
@@ -317,12 +326,27 @@ def main(argv: list[str] | None = None) -> int:
             from paratrain.planner.command import run
 
             return run(args)
+        if args.command == "plot":
+            from paratrain.plot import plot_runs
+
+            labels = args.labels.split(",") if args.labels else None
+            print(f"wrote {plot_runs(args.runs, args.out, labels=labels, log_y=args.log_y)}")
+            return 0
+        if args.command == "scaling":
+            from paratrain.scaling import run as scaling
+
+            return scaling(args)
         if args.command in ("inspect", "export"):
             return _checkpoint_tool(args)
         return _presets()
     except ConfigError as error:
         print(f"paratrain: invalid configuration: {error}", file=sys.stderr)
         return 2
+    except (FileNotFoundError, ValueError) as error:  # paratrain plot's inputs
+        if args.command != "plot":
+            raise
+        print(f"paratrain plot: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
