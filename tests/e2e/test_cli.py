@@ -92,7 +92,8 @@ def test_invalid_config_is_refused_before_launch(capsys):
 def test_train_log_save_resume(tmp_path):
     log = tmp_path / "log.jsonl"
     out = paratrain("train", "--dp", "2", *SMALL, "--steps", "4", "--log-json", str(log),  # 2 processes
-                    "--save", str(tmp_path / "ckpt"), "--save-every", "2", "--recompute", "--zero", "2")
+                    "--save", str(tmp_path / "ckpt"), "--save-every", "2", "--recompute", "--zero", "2",
+                    "--tensorboard", str(tmp_path / "tb"))
     assert out.returncode == 0, out.stderr
     rows = records(log)
     assert rows[0] == {"step": 0, "val_loss": rows[0]["val_loss"]}
@@ -115,12 +116,21 @@ def test_train_log_save_resume(tmp_path):
     # steps 3-4 match the 2-process run
     log2 = tmp_path / "log2.jsonl"
     out = paratrain("train", "--nproc", "1", *SMALL, "--steps", "4", "--log-json", str(log2),
-                    "--resume", "auto", "--save", str(tmp_path / "ckpt"))
+                    "--resume", "auto", "--save", str(tmp_path / "ckpt"), "--tensorboard", str(tmp_path / "tb"))
     assert out.returncode == 0, out.stderr
     resumed, first = losses(log2), losses(log)
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
         assert resumed[step] == pytest.approx(first[step], rel=1e-5)
+    # TensorBoard: the same scalars; the resumed run replaced the first run's steps 3-4 (each step once)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    scalars = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
+    assert scalars == pytest.approx({**{s: first[s] for s in (1, 2)}, **{s: resumed[s] for s in (3, 4)}})
+    assert {"val/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "memory/params_mib"} <= set(events.Tags()["scalars"])
 
 
 def test_tensor_parallel_run_samples_on_every_tp_rank(tmp_path):

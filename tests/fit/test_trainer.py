@@ -121,3 +121,26 @@ def test_bad_settings_are_refused_with_the_rule():
         paratrain.Trainer(max_steps=1, global_batch=128).fit(model, fit_script.loss_fn, train)
     with pytest.raises(TypeError, match="must return a scalar tensor"):
         paratrain.Trainer(max_steps=1, global_batch=16).fit(model, lambda m, b: m(b[0]), train)
+
+
+@pytest.mark.e2e
+def test_two_nodes_each_launching_its_worker(tmp_path):
+    """num_nodes=2 on 127.0.0.1 (MASTER_ADDR, MASTER_PORT, NODE_RANK as Lightning reads them): both
+    launching processes get the result and the trained weights; the losses are one process's."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    nodes = [subprocess.Popen([sys.executable, str(SCRIPT), "1", "ddp", str(tmp_path / f"node{rank}.json"), "num_nodes=2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port), "NODE_RANK": str(rank)}) for rank in (0, 1)]
+    for node in nodes:
+        _, err = node.communicate(timeout=240)
+        assert node.returncode == 0, err[-3000:]
+    reference, _ = in_process()
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"node{rank}.json").read_text())
+        within(rel_diff(list(got["losses"].values()), list(reference.losses.values())), 1e-12,
+               "loss, 2 nodes x 1 device (float64)")
