@@ -38,21 +38,23 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
              return_state: bool = False, pp: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
              pp_split: tuple[int, ...] = (), n_layer: int = 4, warmup: int = WARMUP,
              compile: bool | str = False, save_sharded: str | None = None, load_sharded: str | None = None,
-             precision: str = "fp32") -> dict[str, Any]:
+             precision: str = "fp32", model: str = "tiny", overrides: tuple[tuple[str, Any], ...] = ()) -> dict[str, Any]:
     """Train the tiny GPT `steps` steps on the built-in corpus under a layout; per-step losses and
     grad norms, and the final full state. dp None: the single-process reference (no process group).
     start, start_step: resume from a full state (engine.state_dict()) taken after start_step steps.
     save_sharded / load_sharded: a root to write a sharded checkpoint into at the end / read the newest
-    one from first (paratrain.checkpoint.sharded; start_step must then be the step it was saved at)."""
+    one from first (paratrain.checkpoint.sharded; start_step must then be the step it was saved at).
+    model, overrides: another preset (tiny-moe) and ModelConfig fields to change, as (name, value) pairs."""
     torch.manual_seed(12345)  # must not matter: init and data order are keyed
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dp, tp=tp, sequence_parallel=sequence_parallel, pp=pp,
                                                   schedule=schedule, virtual_stages=virtual_stages, pp_split=pp_split,
                                                   bucket_mb=bucket_mb, zero=zero, shard_group=shard_group,
                                                   grad_reduce=grad_reduce, offload=offload))
-    config = preset("tiny", seq_len=32, dropout=dropout, n_layer=n_layer) if dropout or n_layer != 4 else TINY
-    model = paratrain.build_gpt(config, seed=seed, dtype=getattr(torch, dtype))
+    config = (preset(model, seq_len=32, dropout=dropout, n_layer=n_layer, **dict(overrides))
+              if dropout or n_layer != 4 or model != "tiny" or overrides else TINY)
+    gpt = paratrain.build_gpt(config, seed=seed, dtype=getattr(torch, dtype))
     engine = paratrain.parallelize(
-        model, ctx, optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.1),
+        gpt, ctx, optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.1),
         micro_batch=micro_batch, grad_clip=grad_clip, recompute=recompute, seed=seed, compile=compile,
         precision=precision,
     )
@@ -72,12 +74,13 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
         assert meta["step"] == start_step
         bytes_read = load(folder, meta, engine).bytes_read
         loader.load_state_dict({"epoch": 0, "cursor": start_step * global_batch})
-    losses, norms = [], []
+    losses, norms, routing = [], [], []
     for step in range(start_step, start_step + steps):
         engine.set_lr(lr_at(step, lr, warmup))
         losses.append(engine.train_step(loader.next(), lm_loss))
         assert engine.last is not None
         norms.append(engine.last.grad_norm)
+        routing.append(engine.last.moe)
     if save_sharded is not None:
         from paratrain.checkpoint.sharded import save_sharded as save
 
@@ -85,7 +88,7 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
     state = engine.state_dict()
     optimizer = {f"{name}::{key}": value.clone() for name, values in state["optimizer"]["state"].items()
                  for key, value in values.items() if isinstance(value, torch.Tensor)}
-    return {"losses": losses, "grad_norms": norms, "state": state if return_state else None,
+    return {"losses": losses, "grad_norms": norms, "routing": routing, "state": state if return_state else None,
             # this rank's own tensors (ZeRO-3 frees them between steps: none then)
             "local": {} if engine.grads.params_sharded else {n: p.detach().clone()
                                                              for n, p in engine.model.named_parameters()},

@@ -41,6 +41,23 @@ class ModelConfig:
     """Epsilon of RMSNorm."""
     rope_theta: float = 10000.0
     """Base of the rotary position embedding frequencies."""
+    n_experts: int = 0
+    """Mixture-of-Experts (paratrain.models.moe): experts per MoE layer; 0: every MLP dense."""
+    top_k: int = 1
+    """Experts each token is routed to (1: Switch, 2: GShard / Mixtral)."""
+    moe_every: int = 1
+    """Block i has a MoE layer instead of its MLP when (i + 1) % moe_every == 0 (2: every other block)."""
+    d_expert: int = 0
+    """Hidden width of each expert; 0: ff_dim."""
+    shared_expert: bool = False
+    """A dense MLP (width ff_dim) beside the experts in every MoE layer, on every token."""
+    capacity_factor: float = 0.0
+    """Assignments an expert takes from one sequence: ceil(this x seq x top_k / n_experts); the rest
+    are dropped (the token keeps its residual). 0: dropless."""
+    aux_loss_coef: float = 0.01
+    """Weight of the Switch load-balancing loss (per sequence, averaged over sequences)."""
+    z_loss_coef: float = 0.001
+    """Weight of the router z-loss (per token, averaged over tokens)."""
 
     @property
     def ff_dim(self) -> int:
@@ -50,6 +67,18 @@ class ModelConfig:
     def padded_vocab(self) -> int:
         """vocab_size rounded up to a multiple of vocab_multiple (50257 -> 50304 at 128)."""
         return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    @property
+    def expert_dim(self) -> int:
+        return self.d_expert or self.ff_dim
+
+    def is_moe(self, block: int) -> bool:
+        """Whether block `block` (0-based) has a MoE layer instead of its MLP."""
+        return self.n_experts > 0 and (block + 1) % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.is_moe(i) for i in range(self.n_layer))
 
     @property
     def head_dim(self) -> int:
@@ -75,23 +104,55 @@ class ModelConfig:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.d_ff < 0:
             raise ConfigError(f"model.d_ff must be >= 0 (0: 4 x d_model), got {self.d_ff}")
+        if self.n_experts < 0 or self.n_experts == 1:
+            raise ConfigError(f"model.n_experts must be 0 (dense) or >= 2, got {self.n_experts}")
+        if self.n_experts:
+            if not 1 <= self.top_k <= min(2, self.n_experts):
+                raise ConfigError(f"model.top_k must be 1 or 2 (and at most n_experts = {self.n_experts}), got {self.top_k}")
+            if self.moe_every < 1 or self.moe_every > self.n_layer:
+                raise ConfigError(f"model.moe_every must be in 1 .. n_layer ({self.n_layer}), got {self.moe_every}: "
+                                  "block i has a MoE layer when (i + 1) % moe_every == 0")
+            if self.d_expert < 0:
+                raise ConfigError(f"model.d_expert must be >= 0 (0: ff_dim), got {self.d_expert}")
+            for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
+                value = getattr(self, name)
+                if not (math.isfinite(value) and value >= 0):
+                    raise ConfigError(f"model.{name} must be a finite number >= 0, got {value}")
+            if 0 < self.capacity_factor * self.seq_len * self.top_k < self.n_experts:
+                raise ConfigError(
+                    f"model.capacity_factor {self.capacity_factor:g}: ceil({self.capacity_factor:g} x seq_len "
+                    f"{self.seq_len} x top_k {self.top_k} / n_experts {self.n_experts}) gives every expert a single "
+                    "slot at most; use a capacity_factor of at least 1, or 0 (dropless)")
         for name in ("norm_eps", "rope_theta"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"model.{name} must be a finite number > 0, got {value}")
 
     def num_params(self) -> int:
-        """Parameter count (tied head counted once), from the shapes alone."""
+        """Parameter count (tied head counted once; every expert), from the shapes alone."""
         d, f, v = self.d_model, self.ff_dim, self.padded_vocab
         per_block = 3 * d * d + d * d + d * f + f * d + 2 * d  # qkv, out, up, down, 2 norms
         head = 0 if self.tie_embeddings else v * d
-        return v * d + self.n_layer * per_block + d + head
+        moe = self.moe_layers * (self._moe_params(self.n_experts) - 2 * d * f)  # a MoE layer instead of an MLP
+        return v * d + self.n_layer * per_block + d + head + moe
+
+    def _moe_params(self, experts: int) -> int:
+        """Parameters of one MoE layer counting `experts` experts (router, experts, shared expert)."""
+        d = self.d_model
+        return d * self.n_experts + experts * 2 * d * self.expert_dim + (2 * d * self.ff_dim if self.shared_expert else 0)
+
+    def active_params(self) -> int:
+        """Parameters a token runs through: top_k experts of each MoE layer (num_params when dense)."""
+        if not self.n_experts:
+            return self.num_params()
+        return self.num_params() - self.moe_layers * (self._moe_params(self.n_experts) - self._moe_params(self.top_k))
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token: 6N for the matmuls plus 12 * L * d * S for attention scores
-        (PaLM, Chowdhery et al. 2022, appendix B). N excludes the embedding lookup."""
+        (PaLM, Chowdhery et al. 2022, appendix B). N excludes the embedding lookup; with experts, N counts
+        the top_k experts a token runs through (active_params)."""
         s = seq_len or self.seq_len
-        n = self.num_params() - self.padded_vocab * self.d_model
+        n = self.active_params() - self.padded_vocab * self.d_model
         if self.tie_embeddings:  # the tied head is still a matmul
             n += self.padded_vocab * self.d_model
         return 6.0 * n + 12.0 * self.n_layer * self.d_model * s
@@ -115,6 +176,17 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt3-6.7b": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=2048, n_layer=32, n_head=32, d_model=4096),
     "gpt3-13b": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=2048, n_layer=40, n_head=40, d_model=5120),
     "gpt3-175b": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=2048, n_layer=96, n_head=96, d_model=12288),
+    # Mixture-of-Experts. tiny-moe: the tests' (4 experts, top-2, every other block, a shared expert).
+    # switch-base-8: Switch Transformer's base shape with 8 experts (Fedus et al. 2021, table 9: d_model 768,
+    # d_ff 3072, 12 heads, experts every other layer, top-1, capacity 1.25), as a decoder on GPT-2's
+    # vocabulary. mixtral-shape: Mixtral 8x7B's widths (Jiang et al. 2024: d_model 4096, 32 layers, 32 heads,
+    # 8 experts of 14336, top-2, dropless) with this GPT's attention and vocabulary (no GQA): for the planner.
+    "tiny-moe": ModelConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=64, n_experts=4, top_k=2,
+                            moe_every=2, d_expert=128, shared_expert=True),
+    "switch-base-8": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=1024, n_layer=12, n_head=12, d_model=768,
+                                 n_experts=8, top_k=1, moe_every=2, capacity_factor=1.25),
+    "mixtral-shape": ModelConfig(vocab_size=32000, vocab_multiple=128, seq_len=4096, n_layer=32, n_head=32,
+                                 d_model=4096, n_experts=8, top_k=2, d_expert=14336),
 }
 
 

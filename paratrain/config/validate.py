@@ -177,6 +177,24 @@ def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len:
         )
 
 
+def check_experts(model: ModelConfig, parallel: ParallelConfig, config: RunConfig) -> None:
+    """Mixture-of-Experts with the layout and the run's settings."""
+    if not model.n_experts:
+        if parallel.ep > 1:
+            raise ConfigError(f"ep={parallel.ep} divides the experts of a Mixture-of-Experts model among ranks, and "
+                              f"this model is dense: give --experts N (a multiple of {parallel.ep}) or drop --ep")
+        return
+    if model.n_experts % parallel.ep:
+        choices = [e for e in range(1, model.n_experts + 1) if model.n_experts % e == 0]
+        raise ConfigError(f"ep ({parallel.ep}) must divide the experts ({model.n_experts}): choose ep in {choices}")
+    if parallel.sequence_parallel:
+        raise ConfigError("sequence parallelism splits each sequence over the tp ranks, and a MoE layer routes whole "
+                          "sequences (capacity and the balancing loss are per sequence): drop --sequence-parallel")
+    if config.train.compile:
+        raise ConfigError("--compile with Mixture-of-Experts layers is not supported yet (routing makes shapes that "
+                          "depend on the data): drop --compile")
+
+
 def check_pipeline(model: ModelConfig, parallel: ParallelConfig, batch: BatchLayout) -> None:
     """pp x virtual_stages chunks of at least one layer each; the schedule runs with the micro-batch
     count that the batch layout gives (the accumulation steps are the pipeline's micro-batches)."""
@@ -277,6 +295,7 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
     if not 0.0 < data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {data.val_fraction}")
     check_tensor_parallel(model, parallel, seq_len)
+    check_experts(model, parallel, config)
     assert parallel.dp is not None
     micro_batch = data.micro_batch
     if not micro_batch and parallel.microbatches and data.global_batch % (parallel.dp * parallel.microbatches) == 0:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm import NormPart, all_reduce, divide_and_clip_, global_grad_norm
+from paratrain.hybrid.experts import attach_router_log, routing_totals
 from paratrain.hybrid.pieces import Pieces, whole_shapes
 from paratrain.hybrid.state import load_model_state, model_state
 from paratrain.hybrid.step import NonFiniteWatch, PendingStep, StepStats
@@ -147,6 +148,8 @@ class Engine:
         for name, module in model.named_modules():
             if isinstance(module, KeyedDropout):
                 module.attach(self.dropout, name)
+        self.router_log = attach_router_log(model)
+        """The MoE layers' auxiliary losses and routing counts of the step in progress (None: no MoE layer)."""
 
     def train_step(self, batch: Batch, loss_fn: LossFn) -> float:
         """Forward, backward and update on this rank's share of one global batch; returns its loss
@@ -168,6 +171,8 @@ class Engine:
         micro_batches = split_batch(batch, self.micro_batch or rows)
         first_row = self.ctx.mesh.index("dp") * rows  # this rank's rows of the global batch
         self.grads.begin_step()
+        if self.router_log is not None:
+            self.router_log.reset()
         # Accumulate (loss sum, token count) in float64 so the reported loss is exact to print.
         totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         if self.pipeline is not None:
@@ -177,16 +182,23 @@ class Engine:
                 self.grads.sync = i == len(micro_batches) - 1  # communicate on the last only
                 self.dropout.row_offset = first_row + i * _rows(micro)
                 loss_sum, count = self._forward(to_device(micro, self.ctx.device), loss_fn)
-                (loss_sum * self._loss_scale(count) if self.scaler else loss_sum).backward()
+                scale = self._loss_scale(count) if self.scaler else 1.0
+                if self.router_log is not None:  # the MoE layers' auxiliary terms get the loss sum's gradient
+                    self.router_log.grad_scale = scale
+                (loss_sum * scale if self.scaler else loss_sum).backward()
                 self.grads.end_backward()
                 totals[0] += loss_sum.detach().double()
                 totals[1] += count
+            if self.router_log is not None and self.router_log.aux_sum is not None:
+                totals[0] += self.router_log.aux_sum  # the auxiliary losses belong to the step's loss
         self.grads.finish()
         local_loss = totals[0].clone()  # this rank's own, to name it if the step is not finite
         if self._dp_group is not None:
             all_reduce(totals, self._dp_group)
         self.dropout.step += 1
         pending = PendingStep(self, self.dropout.step, len(micro_batches), totals, local_loss)
+        if self.router_log is not None:
+            pending.routing = routing_totals(self.router_log, self.ctx.device, self._dp_group, self._pp_group)
         grads = self.grads.owned_grads()
         scale = self.scaler.scale if self.scaler and self.scaler.scale else 1.0
         if self.scaler is not None:
@@ -286,9 +298,13 @@ class Engine:
         # loss: only the last stage ever knows the loss's own count, and every stage needs the scale.
         scale = self._loss_scale(pairs[0][1].numel()) if self.scaler and train else 1.0
         self.grads.sync = False  # the schedule interleaves micro-batches: reduce once, in finish()
+        if self.router_log is not None:
+            self.router_log.grad_scale = scale
         with contextlib.nullcontext() if train else torch.no_grad():
             totals = self.pipeline.run(pairs, dropout=self.dropout, first_row=first_row, loss_scale=scale,
                                        train=train, forward_context=lambda: autocast(self.precision, self.ctx.device))
+        if train and self.router_log is not None and self.router_log.aux_sum is not None:
+            totals[0] += self.router_log.aux_sum  # this stage's MoE layers' auxiliary losses
         assert self._pp_group is not None
         all_reduce(totals, self._pp_group)  # only the last stage computed them
         return totals

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from paratrain.hybrid.experts import routing_stats
+
 if TYPE_CHECKING:
     from paratrain.hybrid.engine import Engine
 
@@ -32,6 +34,9 @@ class StepStats:
     non_finite_ranks: tuple[int, ...] = ()
     """Then: the ranks whose own loss was nan or inf (under pp: every stage of the pipeline that
     computed it); empty when only the gradients were."""
+    moe: dict[str, float] | None = None
+    """With MoE layers: their auxiliary losses per token, dropped fraction and assignments per expert
+    (paratrain.hybrid.experts.routing_stats)."""
 
 
 class NonFiniteError(FloatingPointError):
@@ -59,6 +64,8 @@ class PendingStep:
         self.grad_norm: torch.Tensor | None = None
         self.loss_scale: float | None = None
         self.skipped = self.non_finite = False
+        self.routing: torch.Tensor | None = None
+        """MoE layers: the step's routing totals over the job (paratrain.hybrid.experts)."""
         self._stats: StepStats | None = None
 
     @property
@@ -78,11 +85,14 @@ class PendingStep:
         if self._stats is None or watched is not None:  # one read from the device for both
             norm = self.grad_norm if self.grad_norm is not None else self.totals[0] * float("nan")
             parts = [torch.stack([self.totals[0], self.totals[1], norm.double()])]
-            values = torch.cat(parts + ([watched] if watched is not None else [])).tolist()
+            routed = 0 if self.routing is None else self.routing.numel()
+            values = torch.cat(parts + ([self.routing] if self.routing is not None else [])
+                               + ([watched] if watched is not None else [])).tolist()
             if watched is not None:
-                self.engine.watch.judge(values[3:])
+                self.engine.watch.judge(values[3 + routed:])
         if self._stats is None:
             loss_sum, tokens, norm_value = values[:3]
+            moe = routing_stats(values[3:3 + routed], tokens) if routed and tokens > 0 else None
             if tokens <= 0:
                 raise ValueError("the global batch holds no tokens to learn from (every target ignored)")
             loss, ranks = loss_sum / tokens, ()
@@ -94,7 +104,7 @@ class PendingStep:
                 self.skipped = self.non_finite = True
             self._stats = StepStats(loss=loss, grad_norm=norm_value, tokens=int(tokens),
                                     micro_batches=self.micro_batches, loss_scale=self.loss_scale,
-                                    skipped=self.skipped, non_finite=self.non_finite, non_finite_ranks=ranks)
+                                    skipped=self.skipped, non_finite=self.non_finite, non_finite_ranks=ranks, moe=moe)
         self.engine.last = self._stats
         return self._stats
 

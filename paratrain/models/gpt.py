@@ -15,6 +15,8 @@ part of the contract:
     blocks.{i}.mlp.up            Linear D -> F
     blocks.{i}.mlp.down          Linear F -> D
     blocks.{i}.mlp.dropout       KeyedDropout [B, S, D]
+    blocks.{i}.moe               MoE instead of mlp in the blocks ModelConfig.is_moe names (router,
+                                 experts.up [E, F, D], experts.down [E, D, F], shared: paratrain.models.moe)
     norm                         RMSNorm[D]
     head                         Linear D -> Vp (its weight is tok_emb's when tied)
     output                       VocabOutput: the loss over the real vocabulary (models/loss.py,
@@ -39,6 +41,7 @@ from paratrain.config.model import ModelConfig
 from paratrain.models.dropout import KeyedDropout
 from paratrain.models.init import Constant, Given, KeyedNormal, ParamInit, init_tensor_
 from paratrain.models.loss import chunked_cross_entropy
+from paratrain.models.moe import MoE, RouterLog
 
 IGNORE_INDEX = -100
 
@@ -159,16 +162,23 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, *, moe: bool = False) -> None:
+        """moe: a Mixture-of-Experts layer (`moe`, paratrain.models.moe) instead of the MLP (`mlp`)."""
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn = Attention(config)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.mlp = MLP(config)
+        self.has_moe = moe
+        if moe:
+            self.moe = MoE(config.d_model, n_experts=config.n_experts, top_k=config.top_k, d_ff=config.expert_dim,
+                           capacity_factor=config.capacity_factor, aux_coef=config.aux_loss_coef,
+                           z_coef=config.z_loss_coef, shared=MLP(config) if config.shared_expert else None)
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + (self.moe if self.has_moe else self.mlp)(self.mlp_norm(x))
 
 
 class GPT(nn.Module):
@@ -179,12 +189,18 @@ class GPT(nn.Module):
         self.config = config
         self.init_seed = init_seed
         self.tok_emb = nn.Embedding(config.padded_vocab, config.d_model)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, moe=config.is_moe(i)) for i in range(config.n_layer))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.head = nn.Linear(config.d_model, config.padded_vocab, bias=False)
         self.output = VocabOutput(config.vocab_size)
         if config.tie_embeddings:
             self.head.weight = self.tok_emb.weight
+        self.router_log = RouterLog()
+        """The auxiliary losses and expert counts of the MoE layers, when the model runs without an engine
+        (the loss sum lacks router_log.aux_sum; their gradient is in the backward already)."""
+        for name, module in self.named_modules():
+            if isinstance(module, MoE):
+                module.attach(self.router_log, name)
         cos, sin = rope_tables(config.seq_len, config.head_dim, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -212,7 +228,7 @@ class GPT(nn.Module):
         for name, _ in self.named_parameters():
             if name.endswith("norm.weight"):
                 inits[name] = Constant(1.0)
-            elif name.endswith(("attn.out.weight", "mlp.down.weight")):
+            elif name.endswith(("attn.out.weight", "mlp.down.weight", "moe.experts.down", "shared.down.weight")):
                 inits[name] = KeyedNormal(seed, name, residual_std)
             else:
                 inits[name] = KeyedNormal(seed, name, 0.02)

@@ -16,6 +16,7 @@ from typing import Any
 from paratrain.config.errors import ConfigError
 from paratrain.config.run import RunConfig
 from paratrain.planner.hardware import Hardware, hardware
+from paratrain.planner.memory import refuse_experts
 from paratrain.planner.search import search
 
 PINNABLE = {"dp": "dp", "tp": "tp", "pp": "pp", "virtual_stages": "virtual_stages", "zero": "zero",
@@ -51,6 +52,7 @@ def choose_layout(config: RunConfig, *, world_size: int, hw: Hardware, pins: dic
     from paratrain.config.model import preset
 
     model = preset(config.model.preset, **config.model.overrides)
+    refuse_experts(model, "--plan auto")
     unknown = sorted(set(pins) - set(PINNABLE))
     if unknown:
         raise ConfigError(f"--plan auto cannot pin {unknown}: it chooses {sorted(PINNABLE)}")

@@ -15,6 +15,7 @@ from typing import Any
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import PRESETS, preset
 from paratrain.planner.hardware import CPU_PROFILE, PROFILES, hardware
+from paratrain.planner.memory import refuse_experts
 from paratrain.planner.search import search
 from paratrain.planner.textbook import training_days
 
@@ -65,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if args.global_batch is None:
         raise ConfigError("paratrain plan needs --global-batch (samples per optimizer step)")
     model = preset(args.model)
+    refuse_experts(model, "paratrain plan")
     hw = hardware(args.hardware, peak_flops=args.peak_tflops and args.peak_tflops * 1e12,
                   memory_bytes=args.memory_gb and args.memory_gb * 1e9,
                   intra_node_bw=args.intra_node_gbps and args.intra_node_gbps * 1e9,

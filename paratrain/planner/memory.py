@@ -26,6 +26,15 @@ from paratrain.config.model import ModelConfig
 from paratrain.pipeline.schedules import Action, compute_order
 from paratrain.planner.layout import Layout, RankParam, chunk_layers, meta_tensors, rank_params
 
+
+def refuse_experts(model: ModelConfig, what: str) -> None:
+    """The planner models dense GPTs: a Mixture-of-Experts model is refused by name, not mispredicted."""
+    if model.n_experts:
+        from paratrain.config.errors import ConfigError
+
+        raise ConfigError(f"{what}: the planner does not model Mixture-of-Experts layers yet (n_experts="
+                          f"{model.n_experts}); choose the layout by hand (--dp, --tp, --pp, --ep, --zero)")
+
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 """Bytes of one element stored in each precision."""
 MASTER_BYTES = 4

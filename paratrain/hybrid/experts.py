@@ -1,0 +1,73 @@
+"""The engine's side of Mixture-of-Experts layers: their auxiliary losses in the step's loss, and the
+step's routing statistics over the whole job.
+
+The MoE layers of this rank's model write to the engine's RouterLog (paratrain.models.moe). Per
+step the engine resets it, sets the gradient scale the auxiliary terms receive in backward, and adds
+this rank's auxiliary sum to its loss sum before the sums are reduced, so the reported loss is
+(cross-entropy + auxiliary terms) over the global batch's tokens, whatever the layout.
+
+Statistics (--log-json): the load-balancing and z-loss terms per token, the fraction of assignments
+dropped by capacity, and the assignments per (layer, expert) over the global batch: min, max and
+coefficient of variation (std / mean; 0 when perfectly balanced). Summed over dp (each dp rank routed
+its own tokens), then combined over pp (each stage holds its own layers); tp ranks hold the same.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.comm import all_reduce
+from paratrain.models.moe import MoE, RouterLog
+from paratrain.topology.mesh import AxisGroup
+
+MOE_KEYS = ("moe_balance_loss", "moe_z_loss", "moe_dropped_fraction", "expert_tokens_min", "expert_tokens_max",
+            "expert_tokens_cv")
+
+
+def attach_router_log(model: nn.Module) -> RouterLog | None:
+    """One RouterLog for every MoE layer of `model` (under its name), or None without MoE layers."""
+    layers = [(name, module) for name, module in model.named_modules() if isinstance(module, MoE)]
+    if not layers:
+        return None
+    log = RouterLog()
+    for name, module in layers:
+        module.attach(log, name)
+    return log
+
+
+def routing_totals(log: RouterLog, device: torch.device, dp: AxisGroup | None, pp: AxisGroup | None) -> torch.Tensor:
+    """[balance sum, z sum, dropped, assigned, count sum, count sum of squares, (layer, expert) slots,
+    max count, -min count] of the step, over the job (collective over dp and pp)."""
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    sums = torch.stack([log.balance_sum if log.balance_sum is not None else zero,
+                        log.z_sum if log.z_sum is not None else zero,
+                        log.dropped if log.dropped is not None else zero,
+                        zero + float(log.assigned or 0)])
+    counts = (torch.stack([log.expert_tokens[name] for name in sorted(log.expert_tokens)])
+              if log.expert_tokens else torch.zeros(0, 1, dtype=torch.float64, device=device))
+    if dp is not None:
+        all_reduce(sums, dp)
+        all_reduce(counts, dp)
+    spread = torch.stack([counts.sum(), counts.pow(2).sum(), zero + counts.numel()])
+    extremes = (torch.stack([counts.max(), -counts.min()]) if counts.numel()
+                else torch.full((2,), -math.inf, dtype=torch.float64, device=device))
+    if pp is not None:  # each stage its own layers
+        all_reduce(sums, pp)
+        all_reduce(spread, pp)
+        all_reduce(extremes, pp, op=dist.ReduceOp.MAX)
+    return torch.cat([sums, spread, extremes])
+
+
+def routing_stats(values: list[float], tokens: float) -> dict[str, float]:
+    """The JSON record's MoE entries from routing_totals (read) and the global batch's token count."""
+    balance, z, dropped, assigned, total, squares, slots, top, neg_bottom = values
+    mean = total / slots if slots else 0.0
+    variance = max(squares / slots - mean * mean, 0.0) if slots else 0.0
+    return {"moe_balance_loss": balance / tokens, "moe_z_loss": z / tokens,
+            "moe_dropped_fraction": dropped / assigned if assigned else 0.0,
+            "expert_tokens_min": -neg_bottom, "expert_tokens_max": top,
+            "expert_tokens_cv": math.sqrt(variance) / mean if mean else 0.0}

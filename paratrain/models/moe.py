@@ -1,0 +1,229 @@
+"""Mixture-of-Experts MLP for the reference GPT: a softmax top-k router, E expert MLPs, the Switch
+load-balancing loss and the router z-loss, a per-sequence capacity or none (dropless).
+
+Names (the contract strategies read, as in gpt.py):
+
+    blocks.{i}.moe.router        Linear D -> E (no bias), computed in float32 at least
+    blocks.{i}.moe.experts.up    Parameter[E, F, D]  (expert e's up projection is up[e], as nn.Linear's weight)
+    blocks.{i}.moe.experts.down  Parameter[E, D, F]
+    blocks.{i}.moe.shared        MLP (up, down), on every token, when the model has a shared expert
+
+Routing. probs = softmax(x Wr^T) over the E experts; each token goes to its top_k experts, weighted
+by their probabilities (renormalised over the k when k > 1, as Mixtral does). The k outputs of a
+token are summed in the order of its choices, so the sum is the same wherever the experts ran.
+
+Capacity, per sequence. With capacity_factor c > 0, expert e takes at most C = ceil(c * S * k / E)
+of the S * k assignments of one sequence: first choices before second ones, each in sequence order
+(GShard's priority); an assignment past C is dropped (its token keeps only the residual, and the
+shared expert). Counted per sequence, which tokens are dropped depends on nothing but the sequence,
+so it is the same under any dp, accumulation or expert-parallel layout (DeepSpeed and Megatron count
+capacity per rank's micro-batch: then the drops change with the layout). c = 0: dropless.
+
+Auxiliary losses, additive over sequences and tokens so that the global batch's value does not depend
+on how it is cut. Switch load balancing (Fedus et al. 2021, eq. 4), per sequence b:
+aux_b = E * sum_e f_be * P_be, f_be the fraction of b's assignments routed to e (before capacity),
+P_be the mean router probability of e over b's tokens; router z-loss (Zoph et al. 2022, ST-MoE,
+eq. 5): z_t = logsumexp(router logits of token t)^2. Their terms enter the loss *sum* as
+aux_coef * S * aux_b per sequence and z_coef * z_t per token; the engine divides the sum by the
+global batch's token count, so they weigh as a mean over sequences and over tokens.
+
+The gradient of those terms is injected at the layer (AddToLoss), not carried to the loss function:
+the layer's output passes through unchanged and, in backward, the terms receive the gradient the loss
+sum's backward starts with (RouterLog.grad_scale: 1, or fp16's loss scale). So a MoE layer on any
+pipeline stage trains with its auxiliary losses though only the last stage computes the loss. Their
+values go to the RouterLog the layer is attached to (the engine's, which adds them to the step's loss
+and reports tokens per expert and drops; or the model's own, for use without an engine).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.models.loss import compute_dtype
+
+
+@dataclass
+class RouterLog:
+    """What the MoE layers attached to it add up between resets (training forwards only; a
+    recomputation in backward adds nothing)."""
+
+    grad_scale: float = 1.0
+    """The gradient the loss sum's backward starts with: the auxiliary terms receive it."""
+    aux_sum: torch.Tensor | None = None
+    """Sum of every auxiliary term (float64, detached): what the loss sum lacks."""
+    balance_sum: torch.Tensor | None = None
+    """aux_coef * S * aux_b summed over sequences and layers."""
+    z_sum: torch.Tensor | None = None
+    """z_coef * z_t summed over tokens and layers."""
+    expert_tokens: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Layer name -> assignments each expert received (after capacity), [E], float64."""
+    dropped: torch.Tensor | None = None
+    """Assignments dropped by capacity."""
+    assigned: torch.Tensor | None = None
+    """Assignments made (tokens x top_k)."""
+
+    def reset(self) -> None:
+        self.aux_sum = self.balance_sum = self.z_sum = self.dropped = self.assigned = None
+        self.expert_tokens = {}
+
+    def add(self, name: str, balance: torch.Tensor, z: torch.Tensor, tokens: torch.Tensor, dropped: torch.Tensor,
+            assigned: int) -> None:
+        balance, z = balance.detach().double(), z.detach().double()
+        self.balance_sum = balance if self.balance_sum is None else self.balance_sum + balance
+        self.z_sum = z if self.z_sum is None else self.z_sum + z
+        self.aux_sum = balance + z if self.aux_sum is None else self.aux_sum + balance + z
+        tokens = tokens.detach().double()
+        self.expert_tokens[name] = tokens if name not in self.expert_tokens else self.expert_tokens[name] + tokens
+        dropped = dropped.detach().double()
+        self.dropped = dropped if self.dropped is None else self.dropped + dropped
+        self.assigned = (self.assigned or 0) + assigned
+
+
+class AddToLoss(torch.autograd.Function):
+    """y = x in forward; in backward, `terms` (a scalar that belongs to the loss sum) gets log.grad_scale."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, terms: torch.Tensor, log: RouterLog) -> torch.Tensor:  # type: ignore[override]
+        ctx.log, ctx.dtype = log, terms.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+        return grad, torch.tensor(ctx.log.grad_scale, dtype=ctx.dtype, device=grad.device), None
+
+
+def capacity(capacity_factor: float, seq_len: int, top_k: int, n_experts: int) -> int:
+    """Assignments one expert takes from one sequence; 0 for dropless."""
+    return math.ceil(capacity_factor * seq_len * top_k / n_experts) if capacity_factor > 0 else 0
+
+
+def within_capacity(expert: torch.Tensor, n_experts: int, limit: int) -> torch.Tensor:
+    """keep[B, S, k]: assignment (b, s, j) is among the first `limit` of its expert in sequence b, in
+    the order all first choices by position, then all second choices (every one kept when limit is 0)."""
+    if limit <= 0:
+        return torch.ones_like(expert, dtype=torch.bool)
+    batch, seq, k = expert.shape
+    ordered = expert.transpose(1, 2).reshape(batch, k * seq)  # choice-major, then position
+    onehot = F.one_hot(ordered, n_experts)
+    position = (onehot.cumsum(dim=1) * onehot).sum(-1) - 1  # place of each assignment in its expert's queue
+    return (position < limit).reshape(batch, k, seq).transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One MoE layer's routing of a micro-batch of [B, S] tokens."""
+
+    gate: torch.Tensor
+    """[B, S, k] weights of the chosen experts (autograd to the router)."""
+    expert: torch.Tensor
+    """[B, S, k] expert ids."""
+    keep: torch.Tensor
+    """[B, S, k] False where capacity dropped the assignment."""
+    balance: torch.Tensor
+    """aux_coef * sum_b S * aux_b (scalar, autograd to the router)."""
+    z: torch.Tensor
+    """z_coef * sum_t z_t (scalar)."""
+
+
+class Router(nn.Module):
+    def __init__(self, d_model: int, n_experts: int, top_k: int, *, capacity_factor: float, aux_coef: float,
+                 z_coef: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, d_model))
+        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
+        self.aux_coef, self.z_coef = aux_coef, z_coef
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        batch, seq, _ = x.shape
+        logits = F.linear(x.to(compute_dtype(x.dtype)), self.weight.to(compute_dtype(x.dtype)))  # [B, S, E], float32 at least (also under autocast)
+        probs = torch.softmax(logits, dim=-1)
+        gate, expert = torch.topk(probs, self.top_k, dim=-1)
+        if self.top_k > 1:
+            gate = gate / gate.sum(dim=-1, keepdim=True)
+        keep = within_capacity(expert, self.n_experts, capacity(self.capacity_factor, seq, self.top_k, self.n_experts))
+        routed = F.one_hot(expert, self.n_experts).sum(dim=2).to(probs.dtype)  # [B, S, E] assignments per token
+        fraction = routed.sum(dim=1) / (seq * self.top_k)  # f[B, E]
+        mean_prob = probs.mean(dim=1)  # P[B, E]
+        per_sequence = self.n_experts * (fraction * mean_prob).sum(dim=-1)  # aux_b
+        balance = self.aux_coef * seq * per_sequence.sum()
+        z = self.z_coef * torch.logsumexp(logits, dim=-1).pow(2).sum()
+        return Routing(gate, expert, keep, balance, z)
+
+
+class Experts(nn.Module):
+    """E expert MLPs (GELU) as two stacked weights; runs rows already grouped by expert."""
+
+    def __init__(self, n_experts: int, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.up = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
+        self.down = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """rows[N, D] grouped by this module's experts (counts[e] rows for expert e) -> [N, D]."""
+        outputs = []
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                chunk = rows[start: start + n]
+                hidden = F.gelu(F.linear(chunk, self.up[e]), approximate="tanh")
+                outputs.append(F.linear(hidden, self.down[e]))
+            start += n
+        return torch.cat(outputs) if outputs else rows.new_zeros(0, rows.shape[-1])
+
+
+ExpertRunner = Callable[[torch.Tensor, torch.Tensor, "Experts"], torch.Tensor]
+"""run(rows[N, D], expert_ids[N], experts) -> outputs[N, D]: where the experts run (here, or over ep ranks)."""
+
+
+def run_here(rows: torch.Tensor, expert_ids: torch.Tensor, experts: Experts) -> torch.Tensor:
+    """Every expert on this process: rows grouped by expert (stable), run, put back in place."""
+    order = torch.argsort(expert_ids, stable=True)
+    counts = torch.bincount(expert_ids, minlength=experts.up.shape[0]).tolist()
+    out = experts(rows[order], counts)
+    return torch.empty_like(out).index_copy_(0, order, out)
+
+
+class MoE(nn.Module):
+    def __init__(self, d_model: int, *, n_experts: int, top_k: int, d_ff: int, capacity_factor: float,
+                 aux_coef: float, z_coef: float, shared: nn.Module | None = None) -> None:
+        super().__init__()
+        self.router = Router(d_model, n_experts, top_k, capacity_factor=capacity_factor, aux_coef=aux_coef,
+                             z_coef=z_coef)
+        self.experts = Experts(n_experts, d_model, d_ff)
+        self.shared = shared
+        self.log = RouterLog()
+        """Where this layer's auxiliary losses and counts go (the engine attaches its own)."""
+        self.log_name = ""
+        self.run_experts: ExpertRunner = run_here
+        """Expert parallelism replaces it with a runner that sends rows to the ranks holding their experts."""
+
+    def attach(self, log: RouterLog, name: str) -> None:
+        self.log, self.log_name = log, name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, d = x.shape
+        k = self.router.top_k
+        routing = self.router(x)
+        kept = routing.keep.reshape(-1)
+        assignments = torch.nonzero(kept).squeeze(1)  # (token, choice) pairs that run, token-major
+        rows = x.reshape(-1, d)[assignments // k]
+        per_assignment = x.new_zeros(batch * seq * k, d)
+        if assignments.numel():
+            out = self.run_experts(rows, routing.expert.reshape(-1)[assignments], self.experts)
+            per_assignment = per_assignment.index_copy(0, assignments, out)
+        weights = (routing.gate * routing.keep).to(x.dtype).unsqueeze(-1)
+        y = (per_assignment.view(batch, seq, k, d) * weights).sum(dim=2)  # the k outputs, in choice order
+        if self.shared is not None:
+            y = y + self.shared(x)
+        if self.training and torch._C._current_graph_task_id() == -1:  # not a recomputation in backward
+            tokens = torch.bincount(routing.expert.reshape(-1)[assignments], minlength=self.experts.up.shape[0])
+            self.log.add(self.log_name, routing.balance, routing.z, tokens, (~kept).sum(), kept.numel())
+        if not torch.is_grad_enabled():
+            return y
+        return AddToLoss.apply(y, routing.balance + routing.z, self.log)
