@@ -73,11 +73,13 @@ def _barrier() -> None:
 
 def _writes(engine: Any, owned: Owned) -> bool:
     """Whether this rank writes `owned` (one copy of every replica)."""
-    mesh = engine.ctx.mesh
-    replica = mesh.index("dp_replicate") if engine.flat_groups else mesh.index("dp")
-    if replica != 0 or owned.local_name in engine.pieces.tied:
+    mesh, axis = engine.ctx.mesh, engine.pieces.split_axis.get(owned.local_name)
+    if owned.local_name in engine.pieces.tied:
         return False
-    return owned.piece.split is not None or engine.pieces.tp_index == 0
+    if axis == "ep":  # an expert slice: replicated over the ranks holding the same experts, and over tp
+        return mesh.index("edp") == 0 and mesh.index("tp") == 0
+    replica = mesh.index("dp_replicate") if engine.flat_groups else mesh.index("dp")
+    return replica == 0 and (axis == "tp" or mesh.index("tp") == 0)
 
 
 def _scalar(value: Any, where: str) -> Any:

@@ -116,3 +116,16 @@ def all_gather_async(output: torch.Tensor, shard: torch.Tensor, group: AxisGroup
         raise _fail("all_gather", group, shard, error, entry) from error
     assert work is not None
     return Pending("all_gather", group, shard, work, entry)
+
+
+def all_to_all(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup, *, output_splits: list[int],
+               input_splits: list[int]) -> None:
+    """Rows [sum(input_splits[:j]), ... + input_splits[j]) of `tensor` go to the group's j-th rank;
+    `output` receives, in group order, output_splits[j] rows from the j-th rank."""
+    entry = _enter("all_to_all", group, tensor)
+    try:
+        dist.all_to_all_single(output, tensor, output_split_sizes=output_splits, input_split_sizes=input_splits,
+                               group=group.pg)
+    except RuntimeError as error:
+        raise _fail("all_to_all", group, tensor, error, entry) from error
+    _close(entry, "done")

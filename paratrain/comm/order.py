@@ -4,7 +4,8 @@ Collectives match by position: the k-th call on a group meets the k-th call of e
 ranks that issue them in different orders usually hang, but not always: an all-reduce of [2, 3] on
 one rank and of [3, 2] on the other moves the same bytes and returns garbage without an error. So
 at the first step of a run (every step with --check-collectives) each group's ranks exchange a
-digest of the sequence of (operation, shape, dtype) they issued on it since the last check; on a
+digest of the sequence of (operation, shape, dtype) they issued on it since the last check (an
+all-to-all's rows excepted: each rank sends its own number); on a
 mismatch they find the first position where they differ, and every rank raises
 CollectiveOrderError naming it and what each rank issued there.
 """
@@ -28,11 +29,17 @@ def _describe(entry: Entry | None) -> str:
     return "nothing" if entry is None else f"{entry.op} {list(entry.shape)} {entry.dtype}"
 
 
+def _signature(entry: Entry) -> str:
+    """What must agree across the group: an all-to-all's row count is each rank's own (uneven splits)."""
+    shape = ["rows", *entry.shape[1:]] if entry.op == "all_to_all" else list(entry.shape)
+    return f"{entry.op} {shape} {entry.dtype}"
+
+
 def _digest(entries: list[Entry]) -> list[int]:
-    """A running CRC-32 over the descriptions: position k's value covers positions 0..k."""
+    """A running CRC-32 over the signatures: position k's value covers positions 0..k."""
     running, out = 0, []
     for entry in entries:
-        running = zlib.crc32(_describe(entry).encode(), running)
+        running = zlib.crc32(_signature(entry).encode(), running)
         out.append(running)
     return out
 

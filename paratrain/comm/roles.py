@@ -8,7 +8,9 @@ add three facts about each parameter, which it needs for the norm and for one ex
 - on a pipeline stage: other stages hold other parameters (norms add up over pp);
 - tied across stages (the GPT's embedding on the first stage and its head copy on the last): the
   two gradients are summed over the `tied` group after the dp reduction, and only one end counts in
-  the norm.
+  the norm;
+- an expert of a MoE layer under expert parallelism: reduced over `edp` (the dp ranks holding the
+  same experts) instead of dp, and its squares add up over `ep` (the other ranks hold other experts).
 
 Strategies keep parameters of different roles in different buckets / flat groups, so each bucket
 has one role.
@@ -35,10 +37,20 @@ class GradRoles:
     """id() of this rank's end of a tied weight."""
     norm_skip: frozenset[int] = frozenset()
     """id() of parameters another rank counts in the norm (the last stage's tied copy)."""
+    ep: AxisGroup | None = None
+    edp: AxisGroup | None = None
+    """The ranks holding the same experts (None: dp = ep, no one else holds them)."""
+    expert_ids: frozenset[int] = frozenset()
+    """id() of expert weights sliced over ep."""
 
-    def bucket_key(self, param: torch.Tensor) -> tuple[bool, bool, bool]:
+    def bucket_key(self, param: torch.Tensor) -> tuple[bool, bool, bool, bool]:
         """Parameters with different keys never share a bucket or flat group."""
-        return id(param) in self.tp_split, id(param) in self.tied_ids, id(param) in self.norm_skip
+        return (id(param) in self.tp_split, id(param) in self.tied_ids, id(param) in self.norm_skip,
+                id(param) in self.expert_ids)
+
+    def reduce_group(self, param: torch.Tensor, dp: AxisGroup | None) -> AxisGroup | None:
+        """The group this parameter's gradient is summed over: dp, or edp for an expert."""
+        return self.edp if id(param) in self.expert_ids else dp
 
     def is_tied(self, param: torch.Tensor) -> bool:
         return id(param) in self.tied_ids
@@ -48,16 +60,22 @@ class GradRoles:
         up over them), given the axes the strategy shards it over; None: not counted on this rank."""
         if id(param) in self.norm_skip:
             return None
+        if id(param) in self.expert_ids:
+            return self._expert_axes(sharded)
         return self._axes(sharded, split=self.tp is not None and id(param) in self.tp_split)
 
     def norm_part_axes(self, sharded: tuple[AxisGroup, ...] = ()) -> list[tuple[AxisGroup, ...]]:
         """The axes of every part of the norm, in one order on every rank: tp slices first, then
-        replicas. Every rank reduces every part, holding gradients of it or not: a pipeline stage with
+        replicas, then experts. Every rank reduces every part, holding gradients of it or not: a pipeline stage with
         only the embedding (tp slices) or only the final norm and head (a replica and a skipped tied
         copy) must issue the same collectives as the others, in the same order."""
-        if self.tp is None:
-            return [self._axes(sharded, split=False)]
-        return [self._axes(sharded, split=True), self._axes(sharded, split=False)]
+        parts = [self._axes(sharded, split=False)] if self.tp is None else [self._axes(sharded, split=True),
+                                                                            self._axes(sharded, split=False)]
+        return parts + ([self._expert_axes(sharded)] if self.ep is not None else [])
+
+    def _expert_axes(self, sharded: tuple[AxisGroup, ...]) -> tuple[AxisGroup, ...]:
+        assert self.ep is not None
+        return sharded + (self.ep,) + ((self.pp,) if self.pp is not None else ())
 
     def _axes(self, sharded: tuple[AxisGroup, ...], *, split: bool) -> tuple[AxisGroup, ...]:
         tp = (self.tp,) if split and self.tp is not None else ()

@@ -2,7 +2,7 @@
 
 An all-reduce of n bytes moves 2n per rank (a reduce-scatter and an all-gather, as ring and
 NCCL implementations do); a reduce-scatter whose input is n bytes, or an all-gather whose output is
-n bytes, moves n. So plain data parallelism moves 2 psi per step, ZeRO-1/2 2 psi (reduce-scatter
+n bytes, moves n; an all-to-all moves its input (what this rank sends, its own rows included). So plain data parallelism moves 2 psi per step, ZeRO-1/2 2 psi (reduce-scatter
 psi + all-gather psi), ZeRO-3 3 psi (all-gather in forward and in backward, reduce-scatter).
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
+_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "all_to_all": 1}
 
 
 @dataclass
@@ -39,7 +39,7 @@ _KIND = {  # c10d (torch.distributed's calls) and _c10d_functional (DTensor, fun
              "_allgather_base_": "all_gather", "allgather_": "all_gather",
              "allgather_into_tensor_coalesced_": "all_gather",
              "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-             "reduce_scatter_tensor_coalesced_": "reduce_scatter"},
+             "reduce_scatter_tensor_coalesced_": "reduce_scatter", "alltoall_base_": "all_to_all"},
     "_c10d_functional": {"all_reduce": "all_reduce", "all_reduce_": "all_reduce",
                          "all_reduce_coalesced": "all_reduce", "all_gather_into_tensor": "all_gather",
                          "all_gather_into_tensor_coalesced": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
@@ -69,7 +69,8 @@ class CollectiveCounter(TorchDispatchMode):
         if kind is not None:
             tensors = [t for a in (*args, out) for t in (a if isinstance(a, (list, tuple)) else [a])
                        if isinstance(t, torch.Tensor)]
-            full = max(tensors, key=lambda t: t.numel())  # all-reduce buffer, gather output, scatter input
+            # all-reduce buffer, gather output, scatter input; all-to-all: its input (args: output, input, ...)
+            full = args[1] if kind == "all_to_all" else max(tensors, key=lambda t: t.numel())
             self.calls.append((kind, full.numel()))
             self.volume.add(kind, full)
         return out

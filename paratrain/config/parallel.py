@@ -7,9 +7,7 @@ from dataclasses import dataclass, replace
 from paratrain.config.errors import ConfigError
 
 # Strategies whose issues have not landed yet; a degree above 1 is refused with this note.
-_NOT_YET = {
-    "ep": "expert parallelism",
-}
+_NOT_YET: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -37,7 +35,9 @@ class ParallelConfig:
     """Micro-batches per pipeline step (SMP's spelling): must equal global_batch / (micro_batch x dp);
     0: whatever that is. Without a micro_batch, it sets micro_batch = global_batch / (dp x this)."""
     ep: int = 1
-    """Expert-parallel degree, a divisor of dp (not yet supported above 1)."""
+    """Expert-parallel degree, a divisor of dp: each group of ep consecutive dp ranks divides a MoE
+    layer's experts among them and exchanges tokens by all-to-all; the dp / ep ranks holding the same
+    experts reduce their gradients (ep folds into dp, as in DeepSpeed and Megatron)."""
     zero: int = 0
     """ZeRO stage over dp: 0 plain data parallelism; 1 shards optimizer state; 2 also gradients;
     3 also parameters (gathered around each wrapped module when it runs)."""
@@ -134,7 +134,12 @@ class ParallelConfig:
                     f"shard_group ({self.shard_group}) must divide dp ({dp}): choose shard_group in {choices}"
                 )
         if dp % self.ep:
-            raise ConfigError(f"ep ({self.ep}) must divide dp ({dp})")
+            choices = [e for e in range(1, dp + 1) if dp % e == 0]
+            raise ConfigError(f"ep ({self.ep}) must divide dp ({dp}): expert parallelism divides the experts among "
+                              f"dp ranks; choose ep in {choices}")
+        if self.ep > 1 and self.zero:
+            raise ConfigError(f"zero {self.zero} with ep {self.ep}: sharding the expert parameters over their own "
+                              "replicas is not supported yet; use zero 0 with expert parallelism")
         return replace(self, dp=dp)
 
     @property

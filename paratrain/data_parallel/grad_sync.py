@@ -124,7 +124,10 @@ class GradSync:
         assert self.group is not None
         if self._next == 0:
             self._first_launch = time.perf_counter()
-        self._pending.append(all_reduce_async(self.buckets[index].buffer, self.group))
+        bucket = self.buckets[index]
+        group = self.roles.reduce_group(bucket.params[0], self.group)  # dp; edp for experts
+        if group is not None:  # None: experts no other rank holds (ep = dp)
+            self._pending.append(all_reduce_async(bucket.buffer, group))
         self._next += 1
 
     def _finish_backward(self) -> None:

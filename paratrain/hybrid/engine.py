@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm import NormPart, all_reduce, divide_and_clip_, global_grad_norm
+from paratrain.expert_parallel import ExpertLayout
 from paratrain.hybrid.experts import attach_router_log, routing_totals
 from paratrain.hybrid.pieces import Pieces, whole_shapes
 from paratrain.hybrid.state import load_model_state, model_state
@@ -113,7 +114,7 @@ class Engine:
                  load_optimizer_state: Callable[[Mapping[str, Any]], None],
                  scaler: LossScaler | None = None, tp: TensorParallelLayout | None = None,
                  seed: int = 0, pipeline: PipelineExecutor | None = None, on_non_finite: str = "raise",
-                 pieces: Pieces | None = None) -> None:
+                 pieces: Pieces | None = None, experts: ExpertLayout | None = None) -> None:
         if on_non_finite not in ("raise", "skip"):
             raise ValueError(f"on_non_finite must be 'raise' or 'skip', got {on_non_finite!r}")
         self.on_non_finite = on_non_finite
@@ -137,6 +138,8 @@ class Engine:
         self.tp = tp
         """Tensor parallelism: which parameters are split (checkpoints hold them whole)."""
         self.pipeline = pipeline
+        self.experts = experts
+        """Expert parallelism: which expert weights this rank holds a slice of (checkpoints hold them whole)."""
         self.pieces = pieces if pieces is not None else Pieces(whole_shapes(model))
         """How this rank's tensors map to the whole model's (sharded checkpoints read and write by it)."""
         """Pipeline parallelism: runs the schedule over this rank's stage (None without pp)."""
@@ -332,6 +335,9 @@ class Engine:
         if self.tp is not None:  # tensor-parallel slices -> whole tensors (collective over tp)
             model = self.tp.gather_full(model)
             optimizer = {**optimizer, "state": self._per_element_state(optimizer["state"], self.tp.full)}
+        if self.experts is not None:  # this rank's experts -> every expert (collective over ep)
+            model = self.experts.gather_full(model)
+            optimizer = {**optimizer, "state": self._per_element_state(optimizer["state"], self.experts.full)}
         if self._pp_group is not None:  # every stage's part -> the whole model (collective over pp)
             model, optimizer = gather_stages(self.model, model, optimizer, self._pp_group)
         state: dict[str, Any] = {"model": model, "optimizer": optimizer, "rng": {"dropout_step": self.dropout.step}}
@@ -346,6 +352,9 @@ class Engine:
         if self.tp is not None:  # whole tensors -> this rank's slices
             model = self.tp.local_slices(model)
             optimizer = {**optimizer, "state": self._per_element_state(optimizer["state"], self.tp.local)}
+        if self.experts is not None:  # every expert -> this rank's
+            model = self.experts.local_slices(model)
+            optimizer = {**optimizer, "state": self._per_element_state(optimizer["state"], self.experts.local)}
         loaded = self.grads.load_model_state(model)
         load_model_state(self.model, model, skip=loaded)
         self._load_optimizer_state(optimizer)

@@ -125,18 +125,17 @@ class Pieces:
     """Every stored tensor of the whole model: name -> (shape, dtype), taken before the layout."""
     tied: Mapping[str, str] = field(default_factory=dict)
     """A pipeline stage's copy name -> the name of the tensor it copies."""
-    split_dims: Mapping[str, int] = field(default_factory=dict)
-    """Tensor-parallel parameter name -> the dim split over tp."""
-    tp_index: int = 0
-    tp_parts: int = 1
+    splits: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)
+    """Local parameter name -> (dim, index, parts): the slice it is of its whole tensor."""
+    split_axis: Mapping[str, str] = field(default_factory=dict)
+    """Local parameter name -> the axis it is split over ("tp": a tensor-parallel slice, "ep": experts)."""
 
     def piece(self, local_name: str) -> Piece:
         name = self.tied.get(local_name, local_name)
         if name not in self.whole:
             raise KeyError(f"{local_name!r} is not a tensor of the model the layout was applied to")
         shape, dtype = self.whole[name]
-        dim = self.split_dims.get(local_name)
-        return Piece(name, shape, dtype, None if dim is None else (dim, self.tp_index, self.tp_parts))
+        return Piece(name, shape, dtype, self.splits.get(local_name))
 
     def storage(self, model: nn.Module, groups: Sequence[FlatGroup], *, meta_only: bool = False,
                 buffers: bool = True) -> list[Run]:

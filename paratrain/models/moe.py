@@ -184,7 +184,7 @@ ExpertRunner = Callable[[torch.Tensor, torch.Tensor, "Experts"], torch.Tensor]
 def run_here(rows: torch.Tensor, expert_ids: torch.Tensor, experts: Experts) -> torch.Tensor:
     """Every expert on this process: rows grouped by expert (stable), run, put back in place."""
     order = torch.argsort(expert_ids, stable=True)
-    counts = torch.bincount(expert_ids, minlength=experts.up.shape[0]).tolist()
+    counts = torch.bincount(expert_ids, minlength=experts.up.shape[0]).tolist()  # every expert is here
     out = experts(rows[order], counts)
     return torch.empty_like(out).index_copy_(0, order, out)
 
@@ -222,7 +222,7 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(x)
         if self.training and torch._C._current_graph_task_id() == -1:  # not a recomputation in backward
-            tokens = torch.bincount(routing.expert.reshape(-1)[assignments], minlength=self.experts.up.shape[0])
+            tokens = torch.bincount(routing.expert.reshape(-1)[assignments], minlength=self.router.n_experts)
             self.log.add(self.log_name, routing.balance, routing.z, tokens, (~kept).sum(), kept.numel())
         if not torch.is_grad_enabled():
             return y

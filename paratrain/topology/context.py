@@ -73,7 +73,8 @@ def init(config: ParallelConfig | None = None, *, device: str = "auto",
     resolved = config.resolved(world_size)
     dims = ParallelDims.from_config(config, world_size)
     shard_group = (resolved.shard_group or resolved.dp) if resolved.zero else None
-    mesh = Mesh.build(dims, rank, timeout=timeout, shard_group=shard_group) if world_size > 1 else Mesh.single()
+    mesh = (Mesh.build(dims, rank, timeout=timeout, shard_group=shard_group, ep=resolved.ep) if world_size > 1
+            else Mesh.single())
     if kind == "cuda":
         on = torch.device("cuda", torch.cuda.current_device() if backend == "nccl" else 0)
     else:

@@ -15,6 +15,10 @@ from paratrain.topology.recorder import FlightRecorder
 from paratrain.topology.dims import AXES, ParallelDims
 
 
+SUB_AXES = ("dp_shard", "dp_replicate", "ep", "edp", "tied")
+"""Groups inside the dp axis (or across pp's ends) whose degree is their group's size, 1 without one."""
+
+
 @dataclass(frozen=True)
 class AxisGroup:
     """This rank's group along one axis: what a collective needs, and what an error should name."""
@@ -46,11 +50,13 @@ class Mesh:
 
     @classmethod
     def build(cls, dims: ParallelDims, rank: int, *, timeout: timedelta | None = None,
-              shard_group: int | None = None) -> Mesh:
+              shard_group: int | None = None, ep: int = 1) -> Mesh:
         """Create every axis's groups. Collective: every rank of the world must call it with the
         same arguments, because torch's new_group is collective over the whole world.
 
         pp > 1 adds "tied": the first and last pipeline stage of each (dp, tp) position.
+        ep E > 1 adds the dp sub-axes of expert parallelism: "ep" (E consecutive dp ranks dividing the
+        experts among them) and, when E < dp, "edp" (dp / E ranks holding the same experts).
         shard_group S (1 < S < dp) adds the dp sub-axes of hierarchical sharding: "dp_shard"
         (S ranks sharing one copy of the state) and "dp_replicate" (dp / S ranks holding the same
         shard). S = dp makes "dp_shard" the dp group itself; S = 1 or None adds nothing.
@@ -75,6 +81,13 @@ class Mesh:
             add("dp_replicate", replicas)
         elif shard_group == dims.dp and "dp" in groups:
             groups["dp_shard"] = groups["dp"]
+        if ep > 1:
+            experts, replicas = dims.dp_split(ep)
+            if ep == dims.dp:
+                groups["ep"] = groups["dp"]
+            else:
+                add("ep", experts)
+                add("edp", replicas)
         return cls(dims=dims, rank=rank, groups=groups, recorder=recorder)
 
     @classmethod
@@ -82,13 +95,13 @@ class Mesh:
         return cls(dims=ParallelDims(dp=1), rank=0, groups={})
 
     def degree(self, axis: str) -> int:
-        if axis in ("dp_shard", "dp_replicate", "tied"):
+        if axis in SUB_AXES:
             return self.groups[axis].size if axis in self.groups else 1
         return self.dims.degree(axis)
 
     def index(self, axis: str) -> int:
         """This rank's coordinate along `axis`."""
-        if axis in ("dp_shard", "dp_replicate", "tied"):
+        if axis in SUB_AXES:
             return self.groups[axis].index if axis in self.groups else 0
         return self.dims.coords(self.rank)[axis]
 
