@@ -15,6 +15,7 @@ from torch import nn
 from paratrain.comm import broadcast
 from paratrain.comm.roles import GradRoles
 from paratrain.data_parallel import GradSync
+from paratrain.expert_parallel import ExpertLayout, apply_expert_parallel
 from paratrain.hybrid.compile import compile_blocks
 from paratrain.hybrid.engine import Engine, GradientStrategy
 from paratrain.hybrid.materialize import Inits, Source, is_meta, materialize
@@ -25,7 +26,7 @@ from paratrain.memory import (LOW_DTYPES, PRECISIONS, RECOMPUTE_MODES, LossScale
 from paratrain.models import GPT
 from paratrain.models.init import ParamInit
 from paratrain.pipeline.runtime import LossOnOutput, PipelineExecutor
-from paratrain.pipeline.stages import StageModel, chunk_ranges, model_layers
+from paratrain.pipeline.stages import Layer, StageModel, chunk_ranges, model_layers
 from paratrain.sharding import WrapPolicy, ZeroSync
 from paratrain.tensor_parallel import GPT_PLAN, TensorParallelLayout, apply_tensor_parallel
 from paratrain.topology import Context
@@ -40,7 +41,8 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                 reshard_after_forward: bool | None = None, loss_scale: float | None = None,
                 tp_plan: Mapping[str, str] | None = None, seed: int = 0,
                 pipeline_loss: PipelineLoss | None = None, on_non_finite: str = "raise",
-                compile: bool | str = False, init: Source | Mapping[str, ParamInit] | None = None) -> Engine:
+                compile: bool | str = False, init: Source | Mapping[str, ParamInit] | None = None,
+                layers: Callable[[nn.Module], list[Layer]] | None = None) -> Engine:
     """Apply the layout of `ctx` to `model` and return an Engine that trains it.
 
     optimizer: builds the optimizer from the parameter list (called once, after the layout is applied).
@@ -77,6 +79,10 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         a mapping of the same; or a paratrain.hybrid.materialize Source such as FromRank0 (world rank 0
         built the model whole). The layout is applied to shapes, then each rank allocates and fills only
         its pieces (paratrain.hybrid.materialize), bit for bit what a whole build would give them.
+    layers: with pp > 1, model -> its ordered pipeline layers (paratrain.pipeline.stages.Layer: modules
+        by their names in the whole model, and a function that runs them), which the stages are cut
+        from; e.g. paratrain.models.hf.llama_layers. None: paratrain.pipeline.stages.model_layers (the
+        GPT, or an nn.Sequential's children).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -92,10 +98,10 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     pp_group = ctx.mesh.groups.get("pp")
     stage: StageModel | None = None
     if pp_group is not None:
-        layers = model_layers(model)
+        cut = (model_layers if layers is None else layers)(model)
         v = ctx.config.virtual_stages
-        ranges = chunk_ranges(layers, pp_group.size * v, ctx.config.pp_split or None)
-        stage = StageModel(model, layers, ranges, [pp_group.index + k * pp_group.size for k in range(v)])
+        ranges = chunk_ranges(cut, pp_group.size * v, ctx.config.pp_split or None)
+        stage = StageModel(model, cut, ranges, [pp_group.index + k * pp_group.size for k in range(v)])
         model = stage
     # 2. Place the model on this rank's device (a meta model is materialised below, piece by piece).
     if not meta:
@@ -109,6 +115,11 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                              "pass tp_plan={module name: style} (see paratrain.tensor_parallel.STYLES)")
         tp = apply_tensor_parallel(model, GPT_PLAN if tp_plan is None else tp_plan, tp_group,
                                    sequence_parallel=ctx.config.sequence_parallel, allow_missing=stage is not None)
+    # 3b. Expert parallelism: each ep rank keeps its share of every MoE layer's experts.
+    experts: ExpertLayout | None = None
+    ep_group = ctx.mesh.groups.get("ep")
+    if ep_group is not None:
+        experts = apply_expert_parallel(model, ep_group)
     # 4. By module name: recompute (activation checkpointing); compile each block (its forward, with
     # the recomputation inside); offload each block's saved activations (around the compiled forward).
     if recompute is True:
@@ -120,10 +131,14 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     if "activations" in ctx.config.offloaded:
         apply_activation_offload(model, required=stage is None)
     # 5. A meta model: this rank's tensors allocated and filled (ZeRO's flat groups once they exist).
-    pieces = Pieces(whole, tied=stage.tied if stage is not None else {},
-                    split_dims=tp.split_dims if tp is not None else {},
-                    tp_index=tp_group.index if tp_group is not None else 0,
-                    tp_parts=tp_group.size if tp_group is not None else 1)
+    splits: dict[str, tuple[int, int, int]] = {}
+    if tp is not None and tp_group is not None:
+        splits = {name: (dim, tp_group.index, tp_group.size) for name, dim in tp.split_dims.items()}
+    axis = dict.fromkeys(splits, "tp")
+    if experts is not None:
+        splits.update(experts.splits)
+        axis.update(dict.fromkeys(experts.splits, "ep"))
+    pieces = Pieces(whole, tied=stage.tied if stage is not None else {}, splits=splits, split_axis=axis)
     if ctx.device.type == "meta":  # a dry run (paratrain.planner.dryrun): shapes only, nothing to fill
         place = functools.partial(lambda groups=(): None)
     else:
@@ -135,9 +150,14 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     # 6. Data parallelism: same weights everywhere, gradients summed over the dp group in buckets.
     dp_group = ctx.mesh.groups.get("dp")
     if dp_group is not None and sync_initial_weights and not meta:
+        expert_ids = experts.ids if experts is not None else frozenset()
+        edp_group = ctx.mesh.groups.get("edp")
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
-                broadcast(tensor.data, dp_group)
+                if id(tensor) not in expert_ids:
+                    broadcast(tensor.data, dp_group)
+                elif edp_group is not None:  # the other ep ranks hold other experts
+                    broadcast(tensor.data, edp_group)
     params = [p for p in model.parameters() if p.requires_grad]
     names = {id(p): n for n, p in model.named_parameters()}
     bucket_bytes = int(ctx.config.bucket_mb * 2**20)
@@ -146,7 +166,9 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     tied = [p for n, p in model.named_parameters() if stage is not None and n == stage.tied_name]
     roles = GradRoles(tp=tp_group, tp_split=tp.split_ids if tp is not None else frozenset(), pp=pp_group,
                       tied=ctx.mesh.groups.get("tied") if tied else None, tied_ids=frozenset(map(id, tied)),
-                      norm_skip=frozenset(id(p) for p in tied if stage is not None and stage.tied))
+                      norm_skip=frozenset(id(p) for p in tied if stage is not None and stage.tied),
+                      ep=ep_group, edp=ctx.mesh.groups.get("edp"),
+                      expert_ids=experts.ids if experts is not None else frozenset())
     if ctx.config.zero == 0:
         # 7a. Plain DP: .grad are bucket views, summed over dp; the optimizer keeps full state.
         grads = GradSync(params, dp_group, bucket_bytes=bucket_bytes, roles=roles)
@@ -187,7 +209,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                                     loss=chunk_loss, device=ctx.device, boundary_shape=boundary)
     return Engine(model, ctx, opt, grads, micro_batch=micro_batch, precision=precision, grad_clip=grad_clip,
                   optimizer_state=save_state, load_optimizer_state=load_state, scaler=scaler, tp=tp, seed=seed,
-                  pipeline=executor, on_non_finite=on_non_finite, pieces=pieces)
+                  pipeline=executor, on_non_finite=on_non_finite, pieces=pieces, experts=experts)
 
 
 def _source(model: nn.Module, init: Source | Mapping[str, ParamInit] | None) -> Source:

@@ -86,7 +86,8 @@ def model_layers(model: nn.Module) -> list[Layer]:
     if isinstance(model, nn.Sequential):
         return sequential_layers(model)
     raise TypeError(f"pipeline parallelism splits a paratrain GPT or an nn.Sequential, not a {type(model).__name__}: "
-                    "express the model as nn.Sequential of its layers")
+                    "express the model as nn.Sequential of its layers, or pass parallelize(..., layers=model -> "
+                    "list[Layer]) (paratrain.models.hf.llama_layers for HF Llama / Mistral)")
 
 
 def balanced_split(costs: Sequence[float], parts: int) -> list[int]:
