@@ -174,7 +174,9 @@ class Experts(nn.Module):
                 hidden = F.gelu(F.linear(chunk, self.up[e]), approximate="tanh")
                 outputs.append(F.linear(hidden, self.down[e]))
             start += n
-        return torch.cat(outputs) if outputs else rows.new_zeros(0, rows.shape[-1])
+        # No rows: an empty result still attached to `rows`, so that backward reaches (and, under expert
+        # parallelism, every rank runs) the all-to-all that brought them
+        return torch.cat(outputs) if outputs else rows[:0]
 
 
 ExpertRunner = Callable[[torch.Tensor, torch.Tensor, "Experts"], torch.Tensor]
@@ -213,10 +215,9 @@ class MoE(nn.Module):
         kept = routing.keep.reshape(-1)
         assignments = torch.nonzero(kept).squeeze(1)  # (token, choice) pairs that run, token-major
         rows = x.reshape(-1, d)[assignments // k]
-        per_assignment = x.new_zeros(batch * seq * k, d)
-        if assignments.numel():
-            out = self.run_experts(rows, routing.expert.reshape(-1)[assignments], self.experts)
-            per_assignment = per_assignment.index_copy(0, assignments, out)
+        # Always run, even with no rows: under expert parallelism every rank must enter the all-to-alls.
+        out = self.run_experts(rows, routing.expert.reshape(-1)[assignments], self.experts)
+        per_assignment = x.new_zeros(batch * seq * k, d).index_copy(0, assignments, out)
         weights = (routing.gate * routing.keep).to(x.dtype).unsqueeze(-1)
         y = (per_assignment.view(batch, seq, k, d) * weights).sum(dim=2)  # the k outputs, in choice order
         if self.shared is not None:

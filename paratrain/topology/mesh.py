@@ -81,12 +81,11 @@ class Mesh:
             add("dp_replicate", replicas)
         elif shard_group == dims.dp and "dp" in groups:
             groups["dp_shard"] = groups["dp"]
-        if ep > 1:
+        if ep > 1:  # a process group of its own even when ep = dp: the all-to-alls in backward must not
+            # interleave with the gradient all-reduces that GradSync starts on dp meanwhile
             experts, replicas = dims.dp_split(ep)
-            if ep == dims.dp:
-                groups["ep"] = groups["dp"]
-            else:
-                add("ep", experts)
+            add("ep", experts)
+            if ep < dims.dp:
                 add("edp", replicas)
         return cls(dims=dims, rank=rank, groups=groups, recorder=recorder)
 

@@ -123,3 +123,39 @@ def test_checkpoints_resume_across_ep_degrees(pools, tmp_path):
     losses = first[0]["losses"] + second[0]["losses"] + third["losses"]
     within(rel_diff(losses, ref["losses"]), 1e-12, "MoE loss resumed ep 4 -> 2 -> 1 (float64)")
     within(max_state_diff(third["model"], ref["model"]), 1e-12, "MoE weights resumed ep 4 -> 2 -> 1 (float64)")
+
+
+def _starved_job(ep: int) -> dict:
+    """Top-1 over 4 experts with router rows w0 = w1 = 0 and w3 = -w2: every token goes to expert 2 or 3,
+    so under ep 2 rank 0's experts receive nothing (its all-to-alls must still run, forward and back)."""
+    import torch
+    import torch.distributed as dist
+
+    import paratrain
+    from paratrain.config import preset
+    from paratrain.data import GlobalBatchLoader, load_source
+    from paratrain.models import lm_loss
+
+    ctx = paratrain.init(paratrain.ParallelConfig(ep=ep), device="cpu")
+    model = paratrain.build_gpt(preset("tiny-moe", seq_len=32, top_k=1), seed=7, dtype=torch.float64)
+    with torch.no_grad():
+        for block in (model.blocks[1], model.blocks[3]):
+            weight = block.moe.router.weight
+            weight[0].zero_()
+            weight[1].zero_()
+            weight[3].copy_(-weight[2])
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), micro_batch=2)
+    loader = GlobalBatchLoader(load_source("builtin").train, seq_len=32, global_batch=8, dp=ctx.mesh.degree("dp"),
+                               dp_index=ctx.mesh.index("dp"), seed=7)
+    losses, routing = [], []
+    for _ in range(2):
+        losses.append(engine.train_step(loader.next(), lm_loss))
+        routing.append(engine.last.moe)
+    return {"losses": losses, "routing": routing, "rank": dist.get_rank() if dist.is_initialized() else 0}
+
+
+def test_a_rank_whose_experts_get_no_tokens_still_exchanges(pools):
+    got = pools(2).run(_starved_job, 2)
+    ref = _starved_job(1)
+    assert ref["routing"][0]["expert_tokens_min"] == 0  # experts 0 and 1 idle
+    within(rel_diff(got[0]["losses"], ref["losses"]), 1e-12, "MoE loss with idle experts under ep 2 (float64)")

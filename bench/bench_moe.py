@@ -1,0 +1,164 @@
+"""Mixture-of-Experts: the MoE GPT on one process, dp 2 (experts replicated), ep 2 and ep 4; and one MoE
+layer, paratrain's against DeepSpeed's (deepspeed.moe.layer.MoE) at the same shapes, when installed.
+
+    python bench/bench_moe.py                          # about 3 minutes on 2 cores
+    python bench/bench_moe.py --steps 4 --only paratrain-ep2 deepspeed-layer-ep2
+
+DeepSpeed is optional; to include it: DS_BUILD_OPS=0 pip install -c constraints.txt --no-build-isolation
+deepspeed==0.19.8.
+
+Model contenders train the same MoE GPT (4 blocks, d_model 256, 8 experts of width 512 in every
+block, top-2, dropless, seq 128, global batch 8, AdamW) from the same weights, each in fresh
+processes. Reported for rank 0: median step time, the share of it spent in the all-to-alls (timed
+around paratrain.comm.all_to_all, counts exchange included), the bytes of parameters + gradients +
+optimizer state the rank holds, and the all-to-all bytes of one step (CollectiveCounter).
+
+Layer contenders run forward + backward of one MoE layer on 1024 tokens of width 256 per rank, 8
+experts (two-layer MLPs of width 512), top-2, no capacity limit, over ep ranks: paratrain's MoE
+with AllToAllExperts, and DeepSpeed's MoE (drop_tokens=False, its gating normalising the top-2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.world import run_world, without_missing  # noqa: E402
+
+MODEL = dict(vocab_size=256, seq_len=128, n_layer=4, n_head=8, d_model=256, n_experts=8, top_k=2, d_expert=512)
+GLOBAL_BATCH = 8
+TOKENS, WIDTH, EXPERTS, HIDDEN = 1024, 256, 8, 512
+CONTENDERS = ["paratrain-1proc", "paratrain-dp2", "paratrain-ep2", "paratrain-ep4", "paratrain-layer-ep2",
+              "deepspeed-layer-ep2"]
+
+
+def _timed_all_to_all() -> list[float]:
+    """Wrap the all-to-all expert parallelism calls with a clock; returns the list the seconds go to."""
+    from paratrain.expert_parallel import layout
+
+    spent: list[float] = []
+    inner = layout.all_to_all
+
+    def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
+        began = time.perf_counter()
+        inner(*args, **kwargs)
+        spent.append(time.perf_counter() - began)
+
+    layout.all_to_all = timed
+    return spent
+
+
+def _model(name: str, steps: int) -> dict:
+    import torch
+
+    import paratrain
+    from paratrain.comm import CollectiveCounter
+    from paratrain.config import ModelConfig
+    from paratrain.data import GlobalBatchLoader, load_source
+    from paratrain.models import lm_loss
+
+    ep = {"paratrain-ep2": 2, "paratrain-ep4": 4}.get(name, 1)
+    spent = _timed_all_to_all()
+    ctx = paratrain.init(paratrain.ParallelConfig(ep=ep), device="cpu")
+    model = paratrain.build_gpt(ModelConfig(**MODEL), seed=0)
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
+    loader = GlobalBatchLoader(load_source("builtin").train, seq_len=MODEL["seq_len"], global_batch=GLOBAL_BATCH,
+                               dp=ctx.mesh.degree("dp"), dp_index=ctx.mesh.index("dp"), seed=0)
+    times, shares = [], []
+    for step in range(steps + 1):
+        batch = loader.next()
+        spent.clear()
+        if step == 1:
+            with CollectiveCounter() as counter:
+                engine.train_step(batch, lm_loss)
+            continue
+        began = time.perf_counter()
+        engine.train_step(batch, lm_loss)
+        elapsed = time.perf_counter() - began
+        if step:
+            times.append(elapsed)
+            shares.append(sum(spent) / elapsed)
+    memory = engine.memory_report()
+    return {"step_s": statistics.median(times), "all_to_all_share": statistics.median(shares),
+            "state_mb": (memory["params"] + memory["grads"] + memory["optimizer"]) / 2**20,
+            "all_to_all_mb": counter.volume.bytes.get("all_to_all", 0) / 2**20, "world": ctx.world_size}
+
+
+def _layer(name: str, steps: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    torch.manual_seed(dist.get_rank())
+    x = torch.randn(1, TOKENS, WIDTH, requires_grad=True)
+    if name.startswith("deepspeed"):
+        import deepspeed
+        from deepspeed.moe.layer import MoE as DeepSpeedMoE
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        expert = torch.nn.Sequential(torch.nn.Linear(WIDTH, HIDDEN), torch.nn.GELU(), torch.nn.Linear(HIDDEN, WIDTH))
+        layer = DeepSpeedMoE(WIDTH, expert, num_experts=EXPERTS, ep_size=dist.get_world_size(), k=2,
+                             drop_tokens=False)
+        layer.set_deepspeed_parallelism()
+        run = lambda: layer(x)[0]  # noqa: E731  (output, aux loss, counts)
+    else:
+        from paratrain.expert_parallel import AllToAllExperts
+        from paratrain.models.moe import MoE
+        from paratrain.topology import init
+
+        ctx = init(__import__("paratrain").ParallelConfig(ep=dist.get_world_size()), device="cpu")
+        layer = MoE(WIDTH, n_experts=EXPERTS, top_k=2, d_ff=HIDDEN, capacity_factor=0.0, aux_coef=0.01, z_coef=0.001)
+        local = EXPERTS // dist.get_world_size()
+        for attr in ("up", "down"):
+            whole = getattr(layer.experts, attr)
+            torch.nn.init.normal_(whole, std=0.02)
+            setattr(layer.experts, attr, torch.nn.Parameter(whole.detach()[:local].clone()))
+        torch.nn.init.normal_(layer.router.weight, std=0.02)
+        layer.run_experts = AllToAllExperts(ctx.mesh.group("ep"), EXPERTS)
+        run = lambda: layer(x)  # noqa: E731
+    spent = _timed_all_to_all()
+    times, shares = [], []
+    for step in range(steps + 1):
+        spent.clear()
+        began = time.perf_counter()
+        run().float().pow(2).mean().backward()
+        elapsed = time.perf_counter() - began
+        if step:
+            times.append(elapsed)
+            shares.append(sum(spent) / elapsed)
+    return {"step_s": statistics.median(times), "all_to_all_share": statistics.median(shares) if spent else None,
+            "world": dist.get_world_size()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--only", nargs="*", choices=CONTENDERS)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    contenders = without_missing(args.only or CONTENDERS)
+    results = {}
+    for name in contenders:
+        world = 1 if name == "paratrain-1proc" else int(name[-1])
+        fn = _layer if "layer" in name else _model
+        results[name] = run_world(world, fn, name, args.steps)
+        print(f"{name:>22}: {json.dumps(results[name])}", flush=True)
+    base = results.get("paratrain-1proc")
+    if base:
+        for name in ("paratrain-dp2", "paratrain-ep2", "paratrain-ep4"):
+            if name in results:
+                print(f"{name} step time / one process: {results[name]['step_s'] / base['step_s']:.2f}")
+    if "paratrain-layer-ep2" in results and "deepspeed-layer-ep2" in results:
+        ratio = results["deepspeed-layer-ep2"]["step_s"] / results["paratrain-layer-ep2"]["step_s"]
+        print(f"MoE layer at ep 2, DeepSpeed / paratrain step time: {ratio:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
