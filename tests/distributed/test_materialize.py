@@ -25,8 +25,9 @@ def _pieces(engine: paratrain.Engine) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in held.items()}
 
 
-def _build(ctx: paratrain.Context, device: str, precision: str, fallback: bool = False) -> paratrain.Engine:
-    config = paratrain.config.preset("tiny", seq_len=32, dropout=0.1)
+def _build(ctx: paratrain.Context, device: str, precision: str, fallback: bool = False,
+           model_name: str = "tiny") -> paratrain.Engine:
+    config = paratrain.config.preset(model_name, seq_len=32, dropout=0.1)
     init = None
     if fallback:  # a model without param_inits: world rank 0 builds it whole, the others on meta
         whole = paratrain.build_gpt(config, seed=3) if ctx.rank == 0 else None
@@ -36,9 +37,9 @@ def _build(ctx: paratrain.Context, device: str, precision: str, fallback: bool =
                                  precision=precision, seed=3, init=init)
 
 
-def materialize_job(*, precision: str = "fp32", fallback: bool = False, **layout) -> dict:
+def materialize_job(*, precision: str = "fp32", fallback: bool = False, model: str = "tiny", **layout) -> dict:
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(bucket_mb=0.05, **layout))
-    whole, meta = _build(ctx, "cpu", precision), _build(ctx, "meta", precision, fallback)
+    whole, meta = _build(ctx, "cpu", precision, model_name=model), _build(ctx, "meta", precision, fallback, model)
     expected, got = _pieces(whole), _pieces(meta)
     assert sorted(got) == sorted(expected), (sorted(got), sorted(expected))
     differ = [k for k in expected if not (expected[k].dtype == got[k].dtype and torch.equal(expected[k], got[k]))]
@@ -58,6 +59,7 @@ def materialize_job(*, precision: str = "fp32", fallback: bool = False, **layout
     dict(tp=2, pp=2, schedule="interleaved", virtual_stages=2, sequence_parallel=True),  # SP's gradient hooks
     dict(dp=4, zero=2, offload="optimizer"),  # masters on the CPU, apart from the shard
     dict(tp=2, pp=2, fallback=True),  # FromRank0: broadcast along each axis
+    dict(dp=2, ep=2, tp=2, model="tiny-moe"),  # each ep rank fills its experts' slice
 ], ids=lambda layout: "-".join(f"{k}{v}" for k, v in layout.items()))
 def test_meta_build_holds_the_whole_builds_pieces_bitwise(pools, layout):
     results = pools(4).run(materialize_job, **layout)
