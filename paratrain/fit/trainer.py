@@ -47,6 +47,7 @@ from paratrain.hybrid import Engine, parallelize
 from paratrain.hybrid.engine import Batch, _rows
 from paratrain.hybrid.parallelize import OptimizerFactory, PipelineLoss
 from paratrain.memory import PRECISIONS
+from paratrain.pipeline.stages import Layer
 from paratrain.topology import Context, init
 from paratrain.train.metrics import JsonLog, Records, step_record
 from paratrain.train.optim import adamw_factory
@@ -105,7 +106,8 @@ class Trainer:
                  save: str | None = None, save_every: int = 0, keep_last: int = 0, resume: str | None = None,
                  log_json: str | None = None, tensorboard: str | None = None, callbacks: Sequence[Callback] = (),
                  accelerator: str = "cpu", tp_plan: Mapping[str, str] | None = None,
-                 pipeline_loss: PipelineLoss | None = None, wrap: Any = None, node_rank: int | None = None,
+                 pipeline_loss: PipelineLoss | None = None, wrap: Any = None,
+                 layers: Callable[[nn.Module], list[Layer]] | None = None, node_rank: int | None = None,
                  master: str | None = None, timeout_s: float = 300.0) -> None:
         """devices: processes per node; num_nodes: nodes (their launchers meet at `master`, host:port,
         default $MASTER_ADDR:$MASTER_PORT, with node_rank default $NODE_RANK, as Lightning reads them).
@@ -125,7 +127,8 @@ class Trainer:
             checkpoint folder or root, or 'auto' (the newest under save that verifies, if any).
         log_json: the CLI's per-step JSON records; tensorboard: the same as TensorBoard scalars.
         accelerator: 'cpu' (gloo), 'cuda' (NCCL, one GPU per process) or 'auto'.
-        tp_plan, pipeline_loss, wrap: as parallelize's, for tensor / pipeline parallelism and ZeRO-3 units.
+        tp_plan, pipeline_loss, wrap, layers: as parallelize's, for tensor / pipeline parallelism and ZeRO-3
+            units (paratrain.models.hf has them for Hugging Face Llama / Mistral).
         """
         if devices < 1 or num_nodes < 1:
             raise ConfigError(f"devices and num_nodes must be >= 1, got devices={devices}, num_nodes={num_nodes}")
@@ -150,6 +153,7 @@ class Trainer:
         self.save, self.save_every, self.keep_last, self.resume = save, save_every, keep_last, resume
         self.log_json, self.tensorboard, self.callbacks = log_json, tensorboard, list(callbacks)
         self.accelerator, self.tp_plan, self.pipeline_loss, self.wrap = accelerator, tp_plan, pipeline_loss, wrap
+        self.layers = layers
         self.node_rank = int(os.environ.get("NODE_RANK", "0")) if node_rank is None else node_rank
         self.master = master or (f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '29500')}"
                                  if "MASTER_ADDR" in os.environ else "")
@@ -237,7 +241,7 @@ class Trainer:
         engine = self.engine = parallelize(
             model, ctx, optimizer=optimizer, micro_batch=self.batch.micro_batch, precision=self.precision,
             grad_clip=self.grad_clip, recompute=self.recompute, seed=self.seed, tp_plan=self.tp_plan,
-            pipeline_loss=self.pipeline_loss, wrap=self.wrap)
+            pipeline_loss=self.pipeline_loss, wrap=self.wrap, layers=self.layers)
         self._resume(engine, loader)
         batch_loss = _batch_loss(loss_fn)
         logs = Records(JsonLog(self.log_json if ctx.is_main else None, append=self.step > 0),

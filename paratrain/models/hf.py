@@ -1,0 +1,172 @@
+"""Hugging Face causal LMs (transformers' LlamaForCausalLM and MistralForCausalLM) under paratrain.
+
+    pip install 'paratrain[hf]'
+    from paratrain.models.hf import LLAMA_TP_PLAN, LLAMA_WRAP, check_llama_tp, llama_layers, llama_loss
+
+The model stays HF's own module; strategies read it by module name, as they read the GPT. The names
+are the contract (the same in both classes):
+
+    model.embed_tokens                         Embedding[V, D]
+    model.layers.{i}.input_layernorm           RMSNorm[D]
+    model.layers.{i}.self_attn.q_proj          Linear D -> H * hd       (H: num_attention_heads)
+    model.layers.{i}.self_attn.k_proj / v_proj Linear D -> KV * hd      (KV: num_key_value_heads)
+    model.layers.{i}.self_attn.o_proj          Linear H * hd -> D
+    model.layers.{i}.post_attention_layernorm  RMSNorm[D]
+    model.layers.{i}.mlp.gate_proj / up_proj   Linear D -> F
+    model.layers.{i}.mlp.down_proj             Linear F -> D
+    model.norm                                 RMSNorm[D]
+    model.rotary_emb                           cos/sin from position ids (buffers only, no parameters)
+    lm_head                                    Linear D -> V
+
+Batch convention: (input_ids[B, S], labels[B, S]), labels already aligned to the outputs:
+labels[b, t] is the token position t must predict (the next one), -100 where nothing is predicted.
+It is paratrain's own (GlobalBatchLoader: windows of S + 1 tokens, inputs the first S, labels the
+last S), so no loss shifts anything and a pipeline's last stage computes the loss from its logits
+alone. HF's `model(input_ids=ids, labels=ids)` shifts inside instead; the same tokens in this
+convention are input_ids = ids[:, :-1], labels = ids[:, 1:] (the test checks both losses agree).
+
+transformers is imported inside functions only: `import paratrain` never imports it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from paratrain.config.errors import ConfigError
+from paratrain.models.gpt import VocabOutput
+from paratrain.pipeline.stages import Layer, Run
+
+LLAMA_TP_PLAN: dict[str, str] = {
+    # q[B, S, D] @ Wq[D, H/tp * hd] -> [B, S, H/tp * hd]: whole heads, since HF views the projection as
+    # [B, S, -1, hd] (the local head count is inferred) and repeats k/v by H / KV, a ratio tp keeps
+    # when both H and KV are divisible by tp (check_llama_tp).
+    "self_attn.q_proj": "column",
+    "self_attn.k_proj": "column",
+    "self_attn.v_proj": "column",
+    "self_attn.o_proj": "row",  # [B, S, H/tp * hd] @ Wo[H/tp * hd, D] -> partial [B, S, D], summed over tp
+    "mlp.gate_proj": "column",  # silu(gate) * up is element-wise, so both split alike along F
+    "mlp.up_proj": "column",
+    "mlp.down_proj": "row",
+    "lm_head": "column_gather",  # W[V/tp, D] per rank, logits all-gathered to [B, S, V]
+}
+"""The Megatron layout of HF Llama / Mistral: one all-reduce per attention and per MLP, each way.
+
+The vocabulary ends are not vocab-parallel as the GPT's are: paratrain's "vocab_output" style reads
+split logits through paratrain's VocabOutput module, which HF's model has not (its logits leave
+through lm_head, and any loss then wants them whole). So lm_head is "column_gather" (its weight
+split, the logits gathered: every tp rank holds the [B, S, V] logits and computes the same loss, as
+HF's own tp plan does, "colwise_gather_output"), and model.embed_tokens stays replicated (as in HF's
+plan; paratrain's vocab-parallel embedding also refuses the padding_idx HF builds from
+pad_token_id). Sequence parallelism is not supported (check_llama_tp says why)."""
+
+LLAMA_WRAP = r"model\.layers\.\d+"
+"""ZeRO-3 units: each decoder layer (parallelize's `wrap=`); the root unit holds the embedding, the
+final norm and lm_head."""
+
+_TYPES = ("llama", "mistral")
+
+
+def check_llama_tp(config: Any, tp: int, *, sequence_parallel: bool = False) -> None:
+    """Raise ConfigError unless LLAMA_TP_PLAN applies to a model of this HF config at this tp degree."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    ffn, vocab = config.intermediate_size, config.vocab_size
+    fits = [t for t in range(1, math.gcd(heads, kv, ffn) + 1) if math.gcd(heads, kv, ffn) % t == 0]
+    if heads % tp or kv % tp:
+        raise ConfigError(f"tensor parallelism splits attention by whole heads: num_attention_heads ({heads}) and "
+                          f"num_key_value_heads ({kv}) must both be divisible by tp ({tp}); use tp in {fits}")
+    if ffn % tp:
+        raise ConfigError(f"the MLP splits along intermediate_size ({ffn}), which must be divisible by tp ({tp}); "
+                          f"use tp in {fits}")
+    if vocab % tp:
+        raise ConfigError(f"lm_head splits along vocab_size ({vocab}), which must be divisible by tp ({tp}): pad the "
+                          f"vocabulary (model.resize_token_embeddings(..., pad_to_multiple_of={tp})), or drop "
+                          "'lm_head' from the plan to keep it replicated")
+    if sequence_parallel:
+        raise ConfigError("sequence parallelism does not apply to HF Llama / Mistral: their attention reshapes each "
+                          "projection with the sequence length of its input, which sequence parallelism splits "
+                          "while the projections gather it, and their embedding is replicated; set "
+                          "sequence_parallel=False")
+
+
+def llama_pipeline_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of token cross-entropies, number of labels that are not -100) from logits[B, S, V] and
+    labels[B, S] aligned to them (no shift): parallelize's `pipeline_loss=` under pp.
+
+    In float32 at least, by row chunks (paratrain.models.loss: bf16 logits never upcast whole)."""
+    return VocabOutput(logits.shape[-1]).loss(logits, labels)
+
+
+def llama_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's loss_fn for an HF causal LM: batch (input_ids, labels) in the module's convention;
+    the same numbers as llama_pipeline_loss on the last pipeline stage."""
+    input_ids, labels = batch
+    logits = model(input_ids=input_ids, use_cache=False).logits  # no KV cache in training
+    return llama_pipeline_loss(logits, labels)
+
+
+def llama_layers(model: nn.Module) -> list[Layer]:
+    """An HF Llama / Mistral causal LM as pipeline layers (parallelize's `layers=`):
+
+        model.embed_tokens | model.layers.0 | ... | model.layers.{L-1} | model.norm + lm_head
+
+    Each decoder layer runs as LlamaModel.forward runs it for a batch without padding or cache:
+    position ids 0 .. S-1, HF's causal mask (sliding-window for Mistral) and rotary cos/sin from
+    model.model.rotary_emb. Between stages travels only the hidden state [B, S, D]."""
+    config = model.config
+    if config.model_type not in _TYPES:
+        raise ConfigError(f"llama_layers cuts {' or '.join(_TYPES)} models (its layers run as theirs do), not "
+                          f"model_type {config.model_type!r}: express the model as nn.Sequential of its layers")
+    base = model.model
+    if model.lm_head.weight is base.embed_tokens.weight:
+        raise ConfigError("lm_head is tied to model.embed_tokens (tie_word_embeddings=True), and pipeline stages "
+                          "put the two on different ranks, where the tie would silently break: untie them "
+                          "(build with tie_word_embeddings=False, or model.lm_head.weight = "
+                          "nn.Parameter(model.lm_head.weight.detach().clone())), or train with pp = 1")
+    d, v = config.hidden_size, config.vocab_size
+    layers = [Layer("model.embed_tokens", {"model.embed_tokens": base.embed_tokens}, _embed, 2.0 * d)]
+    for i, block in enumerate(base.layers[: config.num_hidden_layers]):
+        name = f"model.layers.{i}"
+        # model.rotary_emb rides along with every decoder layer, under its own name: the StageModel of
+        # any rank holding a layer then holds it once (one module, registered once per name), so cos/sin
+        # come from HF's own code (its rope type and scaling), move with the stage (.to(device)), and stay
+        # out of checkpoints (non-persistent buffers, no parameters).
+        # Cost: forward FLOPs per token of the layer's matmuls (2 per weight); attention scores are the
+        # same for every layer, so leaving them out shifts only the balance against the two ends.
+        matmuls = sum(p.numel() for p in block.parameters() if p.dim() == 2)
+        layers.append(Layer(name, {name: block, "model.rotary_emb": base.rotary_emb},
+                            _decoder_runner(name, config), 2.0 * matmuls))
+    layers.append(Layer("lm_head", {"model.norm": base.norm, "lm_head": model.lm_head}, _head, 2.0 * d * v))
+    return layers
+
+
+def _embed(stage: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    return stage.get_submodule("model.embed_tokens")(input_ids)  # [B, S] -> [B, S, D]
+
+
+def _head(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return stage.get_submodule("lm_head")(stage.get_submodule("model.norm")(x))  # [B, S, D] -> [B, S, V]
+
+
+def _decoder_runner(name: str, config: Any) -> Run:
+    def run(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # [1, S]: 0 .. S-1
+        mask = _causal_mask(config, x, positions)  # None under sdpa (it is causal by itself)
+        cos_sin = stage.get_submodule("model.rotary_emb")(x, position_ids=positions)  # 2 x [1, S, hd]
+        out = stage.get_submodule(name)(x, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin)
+        return out[0] if isinstance(out, tuple) else out  # [B, S, D] (older transformers return a tuple)
+
+    return run
+
+
+def _causal_mask(config: Any, x: torch.Tensor, positions: torch.Tensor) -> Any:
+    """The mask LlamaModel / MistralModel.forward builds for inputs without padding or cache."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    sliding = config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None
+    build = create_sliding_window_causal_mask if sliding else create_causal_mask
+    return build(config=config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=positions)
