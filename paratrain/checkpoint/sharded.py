@@ -76,8 +76,8 @@ def _writes(engine: Any, owned: Owned) -> bool:
     mesh, axis = engine.ctx.mesh, engine.pieces.split_axis.get(owned.local_name)
     if owned.local_name in engine.pieces.tied:
         return False
-    if axis == "ep":  # an expert slice: replicated over the ranks holding the same experts, and over tp
-        return mesh.index("edp") == 0 and mesh.index("tp") == 0
+    if axis == "ep":  # an expert slice: on the ranks holding the same experts (ZeRO: a shard each), and over tp
+        return (bool(engine.flat_groups) or mesh.index("edp") == 0) and mesh.index("tp") == 0
     replica = mesh.index("dp_replicate") if engine.flat_groups else mesh.index("dp")
     return replica == 0 and (axis == "tp" or mesh.index("tp") == 0)
 

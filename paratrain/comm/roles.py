@@ -64,14 +64,17 @@ class GradRoles:
             return self._expert_axes(sharded)
         return self._axes(sharded, split=self.tp is not None and id(param) in self.tp_split)
 
-    def norm_part_axes(self, sharded: tuple[AxisGroup, ...] = ()) -> list[tuple[AxisGroup, ...]]:
+    def norm_part_axes(self, sharded: tuple[AxisGroup, ...] = (),
+                       expert_sharded: tuple[AxisGroup, ...] | None = None) -> list[tuple[AxisGroup, ...]]:
         """The axes of every part of the norm, in one order on every rank: tp slices first, then
         replicas, then experts. Every rank reduces every part, holding gradients of it or not: a pipeline stage with
         only the embedding (tp slices) or only the final norm and head (a replica and a skipped tied
-        copy) must issue the same collectives as the others, in the same order."""
+        copy) must issue the same collectives as the others, in the same order. expert_sharded: the
+        axes experts are sharded over, when not `sharded` (ZeRO shards them over edp)."""
         parts = [self._axes(sharded, split=False)] if self.tp is None else [self._axes(sharded, split=True),
                                                                             self._axes(sharded, split=False)]
-        return parts + ([self._expert_axes(sharded)] if self.ep is not None else [])
+        experts = sharded if expert_sharded is None else expert_sharded
+        return parts + ([self._expert_axes(experts)] if self.ep is not None else [])
 
     def _expert_axes(self, sharded: tuple[AxisGroup, ...]) -> tuple[AxisGroup, ...]:
         assert self.ep is not None

@@ -17,6 +17,9 @@ stage 2: a parameter's gradient is copied into its group's buffer as soon as it 
 stage 3: as stage 2, and parameters are sharded too (P_os+g+p): flat groups follow units (wrapped
     modules, see gather.py), whose full parameters are gathered just before use and freed after.
 
+Expert parallelism: an expert's flat groups reduce and shard over edp (the ranks holding the same
+experts), the rest over dp (ShardAxes).
+
 Hierarchical sharding (MiCS, Zhang et al. 2022; torch's HSDP): with a shard group of S < dp ranks,
 a shard's gradient is summed over all dp ranks (reduce-scatter in the shard group, then all-reduce
 of the shard across the dp / S replicas; or one all-reduce over dp), and the all-gather of
@@ -88,6 +91,26 @@ def _units(model: nn.Module, params: list[nn.Parameter],
     return root, units, members
 
 
+@dataclass(frozen=True)
+class ShardAxes:
+    """The groups one flat group moves over: `reduce` sums its whole buffer (all-reduce), `shard`
+    splits it (reduce-scatter, all-gather), `replicate` links the ranks holding the same shard (MiCS).
+    Dense parameters: dp, dp_shard, dp_replicate; experts under expert parallelism: edp, edp, none
+    (their replicas are the edp ranks, and each shards its experts over them)."""
+
+    reduce: AxisGroup | None
+    shard: AxisGroup | None
+    replicate: AxisGroup | None = None
+
+    @property
+    def parts(self) -> int:
+        return self.shard.size if self.shard is not None else 1
+
+    @property
+    def index(self) -> int:
+        return self.shard.index if self.shard is not None else 0
+
+
 @dataclass
 class _InFlight:
     group: FlatGroup
@@ -128,10 +151,17 @@ class ZeroSync:
         self.optimizer = optimizer
         self.names = names
         self.reduce_op = reduce_op
-        self.dp_group: AxisGroup | None = mesh.groups.get("dp")
-        self.shard_group: AxisGroup | None = mesh.groups.get("dp_shard")
-        self.replicate_group: AxisGroup | None = mesh.groups.get("dp_replicate")
-        shards, shard_index = mesh.degree("dp_shard"), mesh.index("dp_shard")
+        self.dense = ShardAxes(mesh.groups.get("dp"), mesh.groups.get("dp_shard"), mesh.groups.get("dp_replicate"))
+        self.shard_group = self.dense.shard
+        """The dense parameters' shard group (ZeRO-3 gathers over it)."""
+        edp = mesh.groups.get("edp")
+        self.experts = ShardAxes(edp, edp)
+        if stage == 3 and roles.expert_ids:
+            raise ValueError("ZeRO-3 gathers every unit over one shard group, and expert weights shard over their "
+                             "own (edp): use zero 1 or 2 with expert parallelism")
+
+        def axes(param: nn.Parameter) -> ShardAxes:
+            return self.experts if id(param) in roles.expert_ids else self.dense
 
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         missing = [names[id(p)] for p in params if id(p) not in group_of]
@@ -141,8 +171,9 @@ class ZeroSync:
         master_device = torch.device("cpu") if offload else None
         if stage < 3:
             planned = plan_buckets(params, cap_bytes=bucket_bytes, key=lambda p: (group_of[id(p)], roles.bucket_key(p)))
-            self.groups = [FlatGroup(i, ps, shards=shards, shard_index=shard_index, master_device=master_device,
-                                     param_dtype=param_dtype, optimizer_group=group_of[id(ps[0])], device=device)
+            self.groups = [FlatGroup(i, ps, shards=axes(ps[0]).parts, shard_index=axes(ps[0]).index,
+                                     master_device=master_device, param_dtype=param_dtype,
+                                     optimizer_group=group_of[id(ps[0])], device=device)
                            for i, ps in enumerate(planned)]
         else:
             if model is None:
@@ -155,13 +186,16 @@ class ZeroSync:
                 for param in members[id(unit)]:
                     by_group.setdefault((group_of[id(param)], roles.bucket_key(param)), []).append(param)
                 for (gi, _), ps in by_group.items():
-                    unit.groups.append(FlatGroup(len(self.groups), ps, shards=shards, shard_index=shard_index,
+                    unit.groups.append(FlatGroup(len(self.groups), ps, shards=self.dense.parts,
+                                                 shard_index=self.dense.index,
                                                  optimizer_group=gi, persistent=False, master_device=master_device,
                                                  param_dtype=param_dtype, device=device))
                     self.groups.append(unit.groups[-1])
             self.gatherer = ParamGatherer(root, units, self.shard_group, reshard_after_forward=reshard_after_forward)
             self._unit_of = {g.index: u for u in [root, *units] for g in u.groups}
         self._group_of = {id(p): g for g in self.groups for p in g.params}
+        self._axes = [axes(g.params[0]) for g in self.groups]
+        """Each flat group's ShardAxes, by index."""
         self._position = {id(p): i for g in self.groups for i, p in enumerate(g.params)}
         # The optimizer now updates the shards; its per-parameter state starts empty.
         for gi, param_group in enumerate(optimizer.param_groups):
@@ -240,14 +274,15 @@ class ZeroSync:
         if self.stage >= 2:
             self.grad_flats[index] = None  # the next micro-batch starts a fresh buffer
         shard = pending = None
+        axes = self._axes[index]
         if self.reduce_op == "all_reduce":
-            if self.dp_group is not None:
-                pending = all_reduce_async(flat, self.dp_group)
-        elif self.shard_group is not None:
+            if axes.reduce is not None:
+                pending = all_reduce_async(flat, axes.reduce)
+        elif axes.shard is not None:
             shard = torch.empty(group.shard_numel, dtype=flat.dtype, device=flat.device)
-            pending = reduce_scatter_async(shard, flat, self.shard_group)
-        elif self.dp_group is not None:  # shard group of 1 (S = 1): plain all-reduce of the shard
-            pending = all_reduce_async(flat, self.dp_group)
+            pending = reduce_scatter_async(shard, flat, axes.shard)
+        elif axes.reduce is not None:  # shard group of 1 (S = 1): plain all-reduce of the shard
+            pending = all_reduce_async(flat, axes.reduce)
         self._in_flight.append(_InFlight(group, flat, shard, pending))
         self._next += 1
         if self.gatherer is not None:  # every gradient of the unit is in: its parameters can go
@@ -265,8 +300,9 @@ class ZeroSync:
             if item.pending is not None:
                 item.pending.wait()
             if item.shard is not None:
-                if self.replicate_group is not None:  # MiCS: the shard's sum over the other replicas
-                    all_reduce(item.shard, self.replicate_group)
+                replicate = self._axes[item.group.index].replicate
+                if replicate is not None:  # MiCS: the shard's sum over the other replicas
+                    all_reduce(item.shard, replicate)
                 summed = item.shard
             else:
                 summed = item.group.shard_of(item.flat)
@@ -302,11 +338,14 @@ class ZeroSync:
         return self.grad_shards
 
     def norm_parts(self) -> list[NormPart]:
-        """Shards add up over the shard group; tp slices and pipeline stages add up too."""
-        shard = (self.shard_group,) if self.shard_group is not None else ()
-        parts: dict[tuple[AxisGroup, ...], list[torch.Tensor]] = {axes: [] for axes in self.roles.norm_part_axes(shard)}
+        """Shards add up over their shard group; tp slices, experts over ep and pipeline stages add up too."""
+        def sharded(axes: ShardAxes) -> tuple[AxisGroup, ...]:
+            return (axes.shard,) if axes.shard is not None else ()
+
+        parts: dict[tuple[AxisGroup, ...], list[torch.Tensor]] = {
+            axes: [] for axes in self.roles.norm_part_axes(sharded(self.dense), expert_sharded=sharded(self.experts))}
         for g in self.groups:
-            axes = self.roles.norm_axes(g.params[0], shard)
+            axes = self.roles.norm_axes(g.params[0], sharded(self._axes[g.index]))
             if axes is not None:
                 parts.setdefault(axes, []).append(self.grad_shards[g.index])
         return [NormPart(grads, axes) for axes, grads in parts.items()]
@@ -321,8 +360,9 @@ class ZeroSync:
         """All-gather the updated shards into full parameters (ZeRO-3: at next use); zero the gradients."""
         for g in self.groups:
             g.push_master()
-        if self.shard_group is not None and self.stage < 3:
-            gathers = [all_gather_async(g.param_flat, g.shard.clone(), self.shard_group) for g in self.groups]
+        if self.stage < 3:
+            gathers = [all_gather_async(g.param_flat, g.shard.clone(), self._axes[g.index].shard)
+                       for g in self.groups if self._axes[g.index].shard is not None]
             for pending in gathers:
                 pending.wait()
         for shard in self.grad_shards:
@@ -378,8 +418,9 @@ class ZeroSync:
     def _gather(self, shard: torch.Tensor, g: FlatGroup) -> torch.Tensor:
         """[padded] concatenation of every shard-group rank's `shard` (a copy when unsharded)."""
         full = torch.empty(g.padded, dtype=shard.dtype, device=shard.device)
-        if self.shard_group is not None:
-            all_gather_async(full, shard.contiguous(), self.shard_group).wait()
+        group = self._axes[g.index].shard
+        if group is not None:
+            all_gather_async(full, shard.contiguous(), group).wait()
         else:
             full.copy_(shard)
         return full

@@ -59,7 +59,9 @@ def test_float32_dp_by_tp_with_zero1(pools):
     dict(dp=4, ep=2, micro_batch=4),            # dp 2 x ep 2: each expert on two ranks (edp)
     dict(dp=2, ep=2, tp=2, micro_batch=8),      # experts over ep, attention over tp
     dict(dp=2, ep=2, pp=2, micro_batch=2),      # a MoE layer on each stage
-], ids=["ep2", "ep4", "dp2xep2", "ep2xtp2", "ep2xpp2"])
+    dict(dp=4, ep=2, zero=2, micro_batch=2),    # experts sharded over their replicas (edp), the rest over dp
+    dict(dp=2, ep=2, zero=1, micro_batch=4),    # ep = dp: experts unsharded, the rest sharded
+], ids=["ep2", "ep4", "dp2xep2", "ep2xtp2", "ep2xpp2", "dp2xep2-zero2", "ep2-zero1"])
 def test_expert_parallel_equals_the_single_process(pools, layout):
     world = layout["dp"] * layout.get("tp", 1) * layout.get("pp", 1)
     got = pools(world).run(_job, dtype="float64", **layout)
@@ -110,19 +112,20 @@ def test_all_to_all_moves_what_the_formula_says(pools):
 
 
 def test_checkpoints_resume_across_ep_degrees(pools, tmp_path):
-    """Experts saved under their whole names: ep 4 (steps 1-2) -> ep 2 (steps 3-5) -> one process (6-8),
-    each segment resumed from the last one's sharded checkpoint, equal the uninterrupted run."""
+    """Experts saved under their whole names: ep 4 (steps 1-2) -> ep 2 on dp 4 with ZeRO-2, each expert's
+    state sharded over its two replicas (steps 3-5) -> one process (6-8), each segment resumed from the
+    last one's sharded checkpoint, equal the uninterrupted run."""
     ref = reference("float64")
     first = pools(4).run(_job, dtype="float64", dp=4, ep=4, micro_batch=2, steps=2, save_sharded=str(tmp_path / "a"))
-    second = pools(2).run(_job, dtype="float64", dp=2, ep=2, micro_batch=2, steps=3, start_step=2,
+    second = pools(4).run(_job, dtype="float64", dp=4, ep=2, zero=2, micro_batch=2, steps=3, start_step=2,
                           load_sharded=str(tmp_path / "a"), save_sharded=str(tmp_path / "b"))
     from tests.helpers import tiny_run
 
     third = tiny_run(dp=None, micro_batch=None, steps=3, start_step=5, dtype="float64", model="tiny-moe",
                      overrides=MOE, load_sharded=str(tmp_path / "b"))
     losses = first[0]["losses"] + second[0]["losses"] + third["losses"]
-    within(rel_diff(losses, ref["losses"]), 1e-12, "MoE loss resumed ep 4 -> 2 -> 1 (float64)")
-    within(max_state_diff(third["model"], ref["model"]), 1e-12, "MoE weights resumed ep 4 -> 2 -> 1 (float64)")
+    within(rel_diff(losses, ref["losses"]), 1e-12, "MoE loss resumed ep 4 -> ep 2 ZeRO-2 -> 1 (float64)")
+    within(max_state_diff(third["model"], ref["model"]), 1e-12, "MoE weights resumed ep 4 -> ep 2 ZeRO-2 -> 1 (float64)")
 
 
 def _starved_job(ep: int) -> dict:
