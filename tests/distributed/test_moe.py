@@ -37,8 +37,17 @@ def same_routing(got: dict, ref: dict) -> None:
     dict(dp=2, micro_batch=8, zero=3),
     dict(dp=1, tp=2, micro_batch=8),                    # attention split, experts replicated over tp
     dict(dp=1, pp=2, micro_batch=2),                    # a MoE layer on each stage
-], ids=["dp2-accum", "zero2-recompute", "zero3", "tp2", "pp2"])
+    dict(dp=2, ep=2, micro_batch=2),                    # experts 0-1 on one rank, 2-3 on the other
+    dict(dp=4, ep=4, micro_batch=4),                    # one expert per rank
+    dict(dp=4, ep=2, micro_batch=4),                    # dp 2 x ep 2: each expert on two ranks (edp)
+    dict(dp=2, ep=2, tp=2, micro_batch=8),              # experts over ep, attention over tp
+    dict(dp=2, ep=2, pp=2, micro_batch=2),              # a MoE layer on each stage
+    dict(dp=4, ep=2, zero=2, micro_batch=2),            # experts sharded over their replicas (edp), the rest over dp
+    dict(dp=2, ep=2, zero=1, micro_batch=4),            # ep = dp: experts unsharded, the rest sharded
+], ids=["dp2-accum", "zero2-recompute", "zero3", "tp2", "pp2", "ep2", "ep4", "dp2xep2", "ep2xtp2", "ep2xpp2",
+        "dp2xep2-zero2", "ep2-zero1"])
 def test_float64_layouts_equal_the_single_process(pools, layout):
+    """Measured (AMD EPYC; avx2 and default kernels): loss <= 3.5e-16, grad norm <= 1.1e-15, weights <= 1.1e-14."""
     world = layout["dp"] * layout.get("tp", 1) * layout.get("pp", 1)
     got = pools(world).run(_job, dtype="float64", **layout)
     ref = reference("float64")
@@ -51,25 +60,6 @@ def test_float64_layouts_equal_the_single_process(pools, layout):
 def test_float32_dp_by_tp_with_zero1(pools):
     got = pools(4).run(_job, dp=2, tp=2, zero=1, micro_batch=4)
     assert_matches_reference(got, reference())
-
-
-@pytest.mark.parametrize("layout", [
-    dict(dp=2, ep=2, micro_batch=2),            # experts 0-1 on one rank, 2-3 on the other
-    dict(dp=4, ep=4, micro_batch=4),            # one expert per rank
-    dict(dp=4, ep=2, micro_batch=4),            # dp 2 x ep 2: each expert on two ranks (edp)
-    dict(dp=2, ep=2, tp=2, micro_batch=8),      # experts over ep, attention over tp
-    dict(dp=2, ep=2, pp=2, micro_batch=2),      # a MoE layer on each stage
-    dict(dp=4, ep=2, zero=2, micro_batch=2),    # experts sharded over their replicas (edp), the rest over dp
-    dict(dp=2, ep=2, zero=1, micro_batch=4),    # ep = dp: experts unsharded, the rest sharded
-], ids=["ep2", "ep4", "dp2xep2", "ep2xtp2", "ep2xpp2", "dp2xep2-zero2", "ep2-zero1"])
-def test_expert_parallel_equals_the_single_process(pools, layout):
-    world = layout["dp"] * layout.get("tp", 1) * layout.get("pp", 1)
-    got = pools(world).run(_job, dtype="float64", **layout)
-    ref = reference("float64")
-    within(rel_diff(got[0]["losses"], ref["losses"]), 1e-12, "MoE loss under ep (float64)")
-    within(rel_diff(got[0]["grad_norms"], ref["grad_norms"]), 1e-12, "MoE grad norm under ep (float64)")
-    within(max_state_diff(got[0]["model"], ref["model"]), 1e-12, "MoE weights under ep (float64)")
-    same_routing(got[0], ref)
 
 
 def _all_to_all_bytes(micro_batch: int) -> dict:
