@@ -32,20 +32,17 @@ def same_routing(got: dict, ref: dict) -> None:
 
 
 @pytest.mark.parametrize("layout", [
-    dict(dp=2, micro_batch=2),                          # dp 2 and accumulation 4
     dict(dp=2, micro_batch=4, zero=2, recompute=True),  # ZeRO-2, blocks recomputed
     dict(dp=2, micro_batch=8, zero=3),
     dict(dp=1, tp=2, micro_batch=8),                    # attention split, experts replicated over tp
     dict(dp=1, pp=2, micro_batch=2),                    # a MoE layer on each stage
-    dict(dp=2, ep=2, micro_batch=2),                    # experts 0-1 on one rank, 2-3 on the other
+    dict(dp=2, ep=2, micro_batch=2),                    # experts 0-1 on one rank, 2-3 on the other; accumulation 2
     dict(dp=4, ep=4, micro_batch=4),                    # one expert per rank
     dict(dp=4, ep=2, micro_batch=4),                    # dp 2 x ep 2: each expert on two ranks (edp)
     dict(dp=2, ep=2, tp=2, micro_batch=8),              # experts over ep, attention over tp
     dict(dp=2, ep=2, pp=2, micro_batch=2),              # a MoE layer on each stage
     dict(dp=4, ep=2, zero=2, micro_batch=2),            # experts sharded over their replicas (edp), the rest over dp
-    dict(dp=2, ep=2, zero=1, micro_batch=4),            # ep = dp: experts unsharded, the rest sharded
-], ids=["dp2-accum", "zero2-recompute", "zero3", "tp2", "pp2", "ep2", "ep4", "dp2xep2", "ep2xtp2", "ep2xpp2",
-        "dp2xep2-zero2", "ep2-zero1"])
+], ids=["zero2-recompute", "zero3", "tp2", "pp2", "ep2", "ep4", "dp2xep2", "ep2xtp2", "ep2xpp2", "dp2xep2-zero2"])
 def test_float64_layouts_equal_the_single_process(pools, layout):
     """Measured (AMD EPYC; avx2 and default kernels): loss <= 3.5e-16, grad norm <= 1.1e-15, weights <= 1.1e-14."""
     world = layout["dp"] * layout.get("tp", 1) * layout.get("pp", 1)
@@ -55,11 +52,6 @@ def test_float64_layouts_equal_the_single_process(pools, layout):
     within(rel_diff(got[0]["grad_norms"], ref["grad_norms"]), 1e-12, "MoE grad norm (float64)")
     within(max_state_diff(got[0]["model"], ref["model"]), 1e-12, "MoE weights (float64)")
     same_routing(got[0], ref)
-
-
-def test_float32_dp_by_tp_with_zero1(pools):
-    got = pools(4).run(_job, dp=2, tp=2, zero=1, micro_batch=4)
-    assert_matches_reference(got, reference())
 
 
 def _all_to_all_bytes(micro_batch: int) -> dict:
@@ -152,3 +144,28 @@ def test_a_rank_whose_experts_get_no_tokens_still_exchanges(pools):
     ref = _starved_job(1)
     assert ref["routing"][0]["expert_tokens_min"] == 0  # experts 0 and 1 idle
     within(rel_diff(got[0]["losses"], ref["losses"]), 1e-12, "MoE loss with idle experts under ep 2 (float64)")
+
+
+DROPLESS = (("capacity_factor", 0.0),)
+
+
+def _dropless_job(**kwargs) -> dict:
+    return ranked_run(steps=STEPS, model="tiny-moe", overrides=DROPLESS, **kwargs)
+
+
+@pytest.mark.parametrize("precision,layout", [
+    ("fp32", dict(dp=2, ep=2, tp=2, micro_batch=4)),  # float32: the parity suite's bounds
+    ("bf16", dict(dp=2, ep=2, zero=1, micro_batch=4)),  # bf16 storage, float32 masters; ep = dp: experts unsharded
+], ids=["float32-ep2xtp2", "bf16-ep2-zero1"])
+def test_dropless_under_ep_in_float32_and_bf16(pools, precision, layout):
+    """Dropless routing (the default), against the single process in the same precision."""
+    world = layout["dp"] * layout.get("tp", 1)
+    got = pools(world).run(_dropless_job, precision=precision, **layout)
+    ref = reference_run(STEPS, model="tiny-moe", overrides=DROPLESS, precision=precision, zero=layout.get("zero", 0))
+    assert ref["routing"][0]["moe_dropped_fraction"] == 0.0
+    if precision == "fp32":
+        assert_matches_reference(got, ref)
+    else:  # 16-bit sums over 2 ranks round differently from one's (2^-8 per rounding); the recipe does not amplify it
+        assert got[0]["routing"][0]["moe_dropped_fraction"] == 0.0
+        for result in got:
+            within(rel_diff(result["losses"], ref["losses"]), 2e-3, "MoE loss (bf16)")  # measured 8.7e-5
