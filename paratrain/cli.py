@@ -321,10 +321,12 @@ def _checkpoint_tool(args: argparse.Namespace) -> int:
 
 
 def _presets() -> int:
-    print(f"{'preset':<12} {'params':>10} {'layers':>6} {'d_model':>7} {'heads':>5} {'seq':>5} {'vocab':>6}")
+    print(f"{'preset':<14} {'params':>10} {'layers':>6} {'d_model':>7} {'heads':>5} {'seq':>5} {'vocab':>6}  experts")
     for name, config in PRESETS.items():
-        print(f"{name:<12} {config.num_params() / 1e6:>9.1f}M {config.n_layer:>6} {config.d_model:>7} "
-              f"{config.n_head:>5} {config.seq_len:>5} {config.vocab_size:>6}")
+        experts = (f"{config.n_experts} x top-{config.top_k}, {config.active_params() / 1e6:.1f}M active"
+                   if config.n_experts else "-")
+        print(f"{name:<14} {config.num_params() / 1e6:>9.1f}M {config.n_layer:>6} {config.d_model:>7} "
+              f"{config.n_head:>5} {config.seq_len:>5} {config.vocab_size:>6}  {experts}")
     return 0
 
 
