@@ -107,19 +107,15 @@ def _layer(name: str, steps: int) -> dict:
         layer.set_deepspeed_parallelism()
         run = lambda: layer(x)[0]  # noqa: E731  (output, aux loss, counts)
     else:
-        from paratrain.expert_parallel import AllToAllExperts
+        from paratrain.expert_parallel import apply_expert_parallel
         from paratrain.models.moe import MoE
         from paratrain.topology import init
 
         ctx = init(__import__("paratrain").ParallelConfig(ep=dist.get_world_size()), device="cpu")
         layer = MoE(WIDTH, n_experts=EXPERTS, top_k=2, d_ff=HIDDEN, capacity_factor=0.0, aux_coef=0.01, z_coef=0.001)
-        local = EXPERTS // dist.get_world_size()
-        for attr in ("up", "down"):
-            whole = getattr(layer.experts, attr)
-            torch.nn.init.normal_(whole, std=0.02)
-            setattr(layer.experts, attr, torch.nn.Parameter(whole.detach()[:local].clone()))
-        torch.nn.init.normal_(layer.router.weight, std=0.02)
-        layer.run_experts = AllToAllExperts(ctx.mesh.group("ep"), EXPERTS)
+        for param in layer.parameters():
+            torch.nn.init.normal_(param, std=0.02)
+        apply_expert_parallel(layer, ctx.mesh.group("ep"))  # this rank's experts, AllToAllExperts
         run = lambda: layer(x)  # noqa: E731
     spent = _timed_all_to_all()
     times, shares = [], []

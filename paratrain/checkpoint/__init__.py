@@ -12,8 +12,9 @@ from paratrain.checkpoint.io import (
     save_checkpoint,
     verify_checkpoint,
 )
-from paratrain.checkpoint.sharded import CheckpointReader, load_sharded, newest_shared, save_sharded, verify_shared
+from paratrain.checkpoint.sharded import (CheckpointReader, checkpoint_to_resume, load_sharded, newest_shared, save_sharded,
+                                         verify_shared)
 
-__all__ = ["FORMAT", "SHARDED_FORMAT", "CheckpointError", "CheckpointReader", "load_checkpoint", "load_sharded",
+__all__ = ["FORMAT", "SHARDED_FORMAT", "CheckpointError", "CheckpointReader", "checkpoint_to_resume", "load_checkpoint", "load_sharded",
            "newest_shared", "newest_verified", "resolve_checkpoint", "save_checkpoint", "save_sharded",
            "verify_checkpoint", "verify_shared"]

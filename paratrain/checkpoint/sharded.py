@@ -45,6 +45,7 @@ from paratrain.checkpoint.io import (
     _publish,
     digest_matches,
     older_hint,
+    resolve_checkpoint,
     verify_checkpoint,
 )
 from paratrain.hybrid.pieces import Owned, Piece, Run, fill
@@ -347,3 +348,12 @@ def load_sharded(folder: Path, meta: dict[str, Any], engine: Any) -> CheckpointR
     engine.dropout.step = int(meta.get("rng", {}).get("dropout_step", 0))
     engine.grads.begin_step()
     return reader
+
+
+def checkpoint_to_resume(resume: str, save: str | None) -> tuple[Path, dict[str, Any]] | None:
+    """What a run resumes from (collective): 'auto', the newest verified step under `save` (None when
+    none verifies); otherwise the checkpoint folder, or root, `resume` names, verified."""
+    if resume == "auto":
+        return newest_shared(save or "")
+    folder = resolve_checkpoint(resume)
+    return folder, verify_shared(folder)

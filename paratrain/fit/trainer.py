@@ -36,7 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from paratrain.checkpoint import load_sharded, newest_shared, resolve_checkpoint, save_sharded, verify_shared
+from paratrain.checkpoint import checkpoint_to_resume, load_sharded, save_sharded
 from paratrain.config import ConfigError, ParallelConfig
 from paratrain.config.run import LaunchSection, OptimSection
 from paratrain.config.validate import DEVICES, batch_layout
@@ -284,26 +284,17 @@ class Trainer:
         return result
 
     def _resume(self, engine: Engine, loader: DatasetLoader) -> None:
-        if not self.resume:
-            return
-        if self.resume == "auto":
-            assert self.save is not None
-            newest = newest_shared(self.save)
-            if newest is None:
-                return
-            folder, meta = newest
-        else:
-            folder = resolve_checkpoint(self.resume)
-            meta = verify_shared(folder)
-        load_sharded(folder, meta, engine)
-        loader.load_state_dict(meta["loader"])
-        self.step = int(meta["step"])
+        found = checkpoint_to_resume(self.resume, self.save) if self.resume else None
+        if found is not None:
+            folder, meta = found
+            load_sharded(folder, meta, engine)
+            loader.load_state_dict(meta["loader"])
+            self.step = int(meta["step"])
 
     def _lr_at(self, step: int) -> float:
-        if self.lr_schedule == "cosine":
-            return lr_at(step, total_steps=self.max_steps, peak=self.lr, warmup_steps=self.warmup_steps,
-                         min_ratio=self.min_lr_ratio)
-        return self.lr * min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps else self.lr
+        """Warmup, then cosine down to lr x min_lr_ratio, or (constant) a cosine with nothing to decay."""
+        return lr_at(step, total_steps=self.max_steps, peak=self.lr, warmup_steps=self.warmup_steps,
+                     min_ratio=self.min_lr_ratio if self.lr_schedule == "cosine" else 1.0)
 
     def _validate(self, engine: Engine, loader: DatasetLoader, batch_loss: Callable[..., Any]) -> float:
         """Mean of the global batches' mean losses, over the first val_batches batches (or all)."""

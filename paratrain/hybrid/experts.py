@@ -49,15 +49,17 @@ def routing_totals(log: RouterLog, device: torch.device, dp: AxisGroup | None, p
                         zero + float(log.assigned or 0)])
     counts = (torch.stack([log.expert_tokens[name] for name in sorted(log.expert_tokens)])
               if log.expert_tokens else torch.zeros(0, 1, dtype=torch.float64, device=device))
-    if dp is not None:
-        all_reduce(sums, dp)
-        all_reduce(counts, dp)
+    if dp is not None:  # one all-reduce: the sums, then the counts
+        both = torch.cat([sums, counts.reshape(-1)])
+        all_reduce(both, dp)
+        sums, counts = both[:4], both[4:].view_as(counts)
     spread = torch.stack([counts.sum(), counts.pow(2).sum(), zero + counts.numel()])
     extremes = (torch.stack([counts.max(), -counts.min()]) if counts.numel()
                 else torch.full((2,), -math.inf, dtype=torch.float64, device=device))
-    if pp is not None:  # each stage its own layers
-        all_reduce(sums, pp)
-        all_reduce(spread, pp)
+    if pp is not None:  # each stage its own layers: one sum, one max
+        added = torch.cat([sums, spread])
+        all_reduce(added, pp)
+        sums, spread = added[:4], added[4:]
         all_reduce(extremes, pp, op=dist.ReduceOp.MAX)
     return torch.cat([sums, spread, extremes])
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from paratrain.checkpoint import (SHARDED_FORMAT, load_checkpoint, load_sharded, newest_shared, resolve_checkpoint,
-                                  save_sharded, verify_shared)
+from paratrain.checkpoint import (SHARDED_FORMAT, checkpoint_to_resume, load_checkpoint, load_sharded,
+                                  resolve_checkpoint, save_sharded)
 from paratrain.comm.order import check_collective_order
 from paratrain.config import ConfigError, RunPlan, to_dict
 from paratrain.data import GlobalBatchLoader, TokenSource, load_source
@@ -87,16 +87,12 @@ class Trainer:
 
     def _resume(self, path: str) -> None:
         # verified with the hashing shared out over the ranks, who agree on the verdict
-        if path == "auto":  # the newest checkpoint under --save that verifies, if any
-            newest = newest_shared(self.plan.config.train.save)
-            if newest is None:
-                self.log.info("--resume auto: no checkpoint under %s verifies; starting at step 0",
-                              self.plan.config.train.save)
-                return
-            folder, meta = newest
-        else:
-            folder = resolve_checkpoint(path)
-            meta = verify_shared(folder)
+        found = checkpoint_to_resume(path, self.plan.config.train.save)
+        if found is None:
+            self.log.info("--resume auto: no checkpoint under %s verifies; starting at step 0",
+                          self.plan.config.train.save)
+            return
+        folder, meta = found
         if meta["format"] == SHARDED_FORMAT:  # each rank reads only the pieces its layout keeps
             load_sharded(folder, meta, self.engine)
         else:  # a whole-model checkpoint (format 1, before sharded saves): every rank reads it all
