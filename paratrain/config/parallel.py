@@ -137,9 +137,6 @@ class ParallelConfig:
             choices = [e for e in range(1, dp + 1) if dp % e == 0]
             raise ConfigError(f"ep ({self.ep}) must divide dp ({dp}): expert parallelism divides the experts among "
                               f"dp ranks; choose ep in {choices}")
-        if self.ep > 1 and self.zero == 3:
-            raise ConfigError(f"zero 3 with ep {self.ep}: ZeRO-3 gathers each unit over one shard group, and expert "
-                              "weights shard over their own replicas (edp): use zero 1 or 2 with expert parallelism")
         return replace(self, dp=dp)
 
     @property

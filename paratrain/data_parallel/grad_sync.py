@@ -26,8 +26,7 @@ from torch import nn
 from paratrain.comm.buckets import Bucket, build_buckets
 from paratrain.comm.collectives import Pending, all_reduce, all_reduce_async
 from paratrain.comm.norms import NormPart
-from paratrain.comm.roles import GradRoles
-from paratrain.topology.mesh import AxisGroup
+from paratrain.comm.placement import Placements
 
 
 @dataclass(frozen=True)
@@ -42,13 +41,13 @@ class SyncTimes:
 
 
 class GradSync:
-    def __init__(self, params: list[nn.Parameter], group: AxisGroup | None, *, bucket_bytes: int,
-                 roles: GradRoles = GradRoles()) -> None:
-        """`group` None (degree 1): buckets hold the gradients, but nothing is ever sent.
-        roles: what tensor and pipeline parallelism say about each parameter (paratrain.comm.roles)."""
-        self.group = group
-        self.roles = roles
-        self.buckets: list[Bucket] = build_buckets(params, cap_bytes=bucket_bytes, key=roles.bucket_key)
+    def __init__(self, params: list[nn.Parameter], placements: Placements, *, bucket_bytes: int) -> None:
+        """placements: where each parameter's gradient is reduced and how it counts in the norm
+        (paratrain.comm.placement); a bucket holds parameters of one placement. Nothing is ever sent
+        when no parameter has a group to reduce over (a single process)."""
+        self.placements = placements
+        self.buckets: list[Bucket] = build_buckets(params, cap_bytes=bucket_bytes, key=placements)
+        self.communicates = any(k.reduce is not None or k.tied is not None for k in placements.kinds)
         self.sync = True
         self._bucket_of = {id(p): b.index for b in self.buckets for p in b.params}
         self._ready = [0] * len(self.buckets)
@@ -60,7 +59,7 @@ class GradSync:
         self.times = SyncTimes()
         """The last synced backward's communication timeline (bench/bench_dp.py reads it)."""
         self._first_launch = self._backward_end = 0.0
-        if group is not None:
+        if self.communicates:
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                            for b in self.buckets for p in b.params]
 
@@ -69,13 +68,8 @@ class GradSync:
         return [b.buffer for b in self.buckets]
 
     def norm_parts(self) -> list[NormPart]:
-        """Every dp rank holds every reduced gradient; tp slices and pipeline stages add up."""
-        parts: dict[tuple[AxisGroup, ...], list[torch.Tensor]] = {axes: [] for axes in self.roles.norm_part_axes()}
-        for bucket in self.buckets:
-            axes = self.roles.norm_axes(bucket.params[0])
-            if axes is not None:
-                parts.setdefault(axes, []).append(bucket.buffer)
-        return [NormPart(grads, axes) for axes, grads in parts.items()]
+        """Every replica holds the whole reduced gradient; pieces split over other axes add up."""
+        return self.placements.norm_parts(((b.params[0], b.buffer) for b in self.buckets), sharded=False)
 
     def begin_step(self) -> None:
         """Before the first micro-batch: .grad must be the bucket views (again, if someone reset them)."""
@@ -121,12 +115,11 @@ class GradSync:
             self.launched_during_backward += 1
 
     def _launch(self, index: int) -> None:
-        assert self.group is not None
         if self._next == 0:
             self._first_launch = time.perf_counter()
         bucket = self.buckets[index]
-        group = self.roles.reduce_group(bucket.params[0], self.group)  # dp; edp for experts
-        if group is not None:  # None: experts no other rank holds (ep = dp)
+        group = self.placements(bucket.params[0]).reduce
+        if group is not None:  # None: no other rank holds it (experts under ep = dp)
             self._pending.append(all_reduce_async(bucket.buffer, group))
         self._next += 1
 
@@ -137,7 +130,7 @@ class GradSync:
 
     def finish(self) -> None:
         """Block until every bucket of this step is reduced; then reset for the next step."""
-        if self.group is not None and self._next < len(self.buckets):
+        if self.communicates and self._next < len(self.buckets):
             # A synced backward that produced no gradient at all still has to meet its peers.
             self._finish_backward()
         for pending in self._pending:
@@ -145,10 +138,10 @@ class GradSync:
         if self._pending:
             self.times = SyncTimes(self._first_launch, self._backward_end, time.perf_counter())
         self._pending.clear()
-        if self.roles.tied is not None:  # a weight tied across stages: sum its two ends' gradients
-            for bucket in self.buckets:
-                if self.roles.is_tied(bucket.params[0]):
-                    all_reduce(bucket.buffer, self.roles.tied)
+        for bucket in self.buckets:  # a weight tied across stages: sum its two ends' gradients
+            tied = self.placements(bucket.params[0]).tied
+            if tied is not None:
+                all_reduce(bucket.buffer, tied)
         self._ready = [0] * len(self.buckets)
         self._next = 0
         self._finish_queued = False

@@ -22,6 +22,7 @@ The gradient norm adds the experts' squares over ep (each rank holds other exper
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from paratrain.comm import all_to_all
+from paratrain.comm.placement import Placement
 from paratrain.comm.regions import all_gather_along
 from paratrain.models.moe import Experts, MoE
 from paratrain.topology.mesh import AxisGroup
@@ -99,6 +101,11 @@ class ExpertLayout:
     """id() of the same parameters."""
     splits: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     """name -> (dim, index, parts) of each slice (paratrain.hybrid.pieces.Piece.split)."""
+
+    def placement(self, dense: Placement, edp: AxisGroup | None) -> Placement:
+        """Where the experts' gradients go, from the dense parameters' placement: summed and ZeRO-sharded
+        over edp (the ranks holding the same experts; None when ep = dp), their norm adding up over ep too."""
+        return dataclasses.replace(dense, reduce=edp, shard=edp, replicate=None).split_over(self.group)
 
     def full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The whole tensor of `name` (or state shaped like it) from this rank's experts (collective over ep)."""

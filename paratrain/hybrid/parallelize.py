@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from paratrain.comm import broadcast
-from paratrain.comm.roles import GradRoles
+from paratrain.comm.placement import Placement, Placements
 from paratrain.data_parallel import GradSync
 from paratrain.expert_parallel import ExpertLayout, apply_expert_parallel
 from paratrain.hybrid.compile import compile_blocks
@@ -147,31 +147,26 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         place()
         if tp is not None:
             tp.register_grad_hooks(model)
-    # 6. Data parallelism: same weights everywhere, gradients summed over the dp group in buckets.
-    dp_group = ctx.mesh.groups.get("dp")
-    if dp_group is not None and sync_initial_weights and not meta:
-        expert_ids = experts.ids if experts is not None else frozenset()
-        edp_group = ctx.mesh.groups.get("edp")
+    # 6. Where each parameter's gradient is reduced, sharded and counted in the norm: replicated over dp
+    # on its pipeline stage, unless a strategy above placed it otherwise (tp slices, ep's experts, ties).
+    placements = _placements(model, ctx, tp, experts, stage)
+    # Same weights on every replica, gradients summed over the replicas in buckets.
+    if sync_initial_weights and not meta:
         with torch.no_grad():
-            for tensor in [*model.parameters(), *model.buffers()]:
-                if id(tensor) not in expert_ids:
-                    broadcast(tensor.data, dp_group)
-                elif edp_group is not None:  # the other ep ranks hold other experts
-                    broadcast(tensor.data, edp_group)
+            for tensor in model.parameters():
+                if placements(tensor).reduce is not None:
+                    broadcast(tensor.data, placements(tensor).reduce)
+            for tensor in model.buffers():
+                if placements.default.reduce is not None:
+                    broadcast(tensor, placements.default.reduce)
     params = [p for p in model.parameters() if p.requires_grad]
     names = {id(p): n for n, p in model.named_parameters()}
     bucket_bytes = int(ctx.config.bucket_mb * 2**20)
     opt = optimizer(params)
     grads: GradientStrategy
-    tied = [p for n, p in model.named_parameters() if stage is not None and n == stage.tied_name]
-    roles = GradRoles(tp=tp_group, tp_split=tp.split_ids if tp is not None else frozenset(), pp=pp_group,
-                      tied=ctx.mesh.groups.get("tied") if tied else None, tied_ids=frozenset(map(id, tied)),
-                      norm_skip=frozenset(id(p) for p in tied if stage is not None and stage.tied),
-                      ep=ep_group, edp=ctx.mesh.groups.get("edp"),
-                      expert_ids=experts.ids if experts is not None else frozenset())
     if ctx.config.zero == 0:
         # 7a. Plain DP: .grad are bucket views, summed over dp; the optimizer keeps full state.
-        grads = GradSync(params, dp_group, bucket_bytes=bucket_bytes, roles=roles)
+        grads = GradSync(params, placements, bucket_bytes=bucket_bytes)
         save_state = functools.partial(optimizer_state, opt, names)
         load_state = functools.partial(load_optimizer_state, opt, names=names)
     else:
@@ -182,7 +177,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                         reshard_after_forward=(ctx.config.reshard_after_forward if reshard_after_forward is None
                                                else reshard_after_forward),
                         offload="optimizer" in ctx.config.offloaded,
-                        param_dtype=LOW_DTYPES.get(precision), roles=roles, deferred=stage is not None,
+                        param_dtype=LOW_DTYPES.get(precision), placements=placements, deferred=stage is not None,
                         device=ctx.device)
         if meta:
             place(groups=zero.groups)
@@ -210,6 +205,20 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     return Engine(model, ctx, opt, grads, micro_batch=micro_batch, precision=precision, grad_clip=grad_clip,
                   optimizer_state=save_state, load_optimizer_state=load_state, scaler=scaler, tp=tp, seed=seed,
                   pipeline=executor, on_non_finite=on_non_finite, pieces=pieces, experts=experts)
+
+
+def _placements(model: nn.Module, ctx: Context, tp: TensorParallelLayout | None, experts: ExpertLayout | None,
+                stage: StageModel | None) -> Placements:
+    dense = Placement.data_parallel(ctx.mesh)
+    kinds: list[tuple[Placement, frozenset[int]]] = []
+    if tp is not None:
+        kinds.append((dense.split_over(ctx.mesh.group("tp")), tp.split_ids))
+    if experts is not None:
+        kinds.append((experts.placement(dense, ctx.mesh.groups.get("edp")), experts.ids))
+    placements = Placements(dense, kinds)
+    if stage is not None and stage.tied_name is not None:  # the last stage's copy counts in the norm once
+        placements.tie(model.get_parameter(stage.tied_name), ctx.mesh.groups.get("tied"), counted=not stage.tied)
+    return placements
 
 
 def _source(model: nn.Module, init: Source | Mapping[str, ParamInit] | None) -> Source:

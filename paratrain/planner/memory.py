@@ -59,7 +59,7 @@ def _optimizer_group(param: RankParam) -> int:
 
 
 def _role(param: RankParam) -> tuple[bool, bool, bool]:
-    """paratrain.comm.roles.GradRoles.bucket_key: parameters of different roles never share a group."""
+    """ZeroSync keys flat groups by paratrain.comm.placement.Placement: different placements never share one."""
     return param.tp_split, param.tied, param.norm_skip
 
 

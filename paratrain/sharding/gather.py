@@ -17,7 +17,7 @@ the order the units were registered in for a model built like the reference GPT.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -39,12 +39,15 @@ class Unit:
 
 
 class ParamGatherer:
-    def __init__(self, root: Unit, units: list[Unit], shard_group: AxisGroup | None, *,
+    def __init__(self, root: Unit, units: list[Unit], shard_groups: Sequence[AxisGroup | None], *,
                  reshard_after_forward: bool) -> None:
+        """shard_groups: by FlatGroup index, the group each flat group's shards are spread over (None:
+        unsharded); a unit may hold groups of different ones (a MoE block: experts over edp, the rest
+        over dp)."""
         self.root = root
         self.units = units
         """Wrapped units in forward order."""
-        self.shard_group = shard_group
+        self.shard_groups = shard_groups
         self.reshard_after_forward = reshard_after_forward
         self._hooks: list[Any] = []
         for position, unit in enumerate(units):
@@ -62,8 +65,9 @@ class ParamGatherer:
         if unit.state == "free":
             for group in unit.groups:
                 group.allocate()
-                if self.shard_group is not None:
-                    unit.pending.append(all_gather_async(group.param_flat, group.shard, self.shard_group))
+                shard_group = self.shard_groups[group.index]
+                if shard_group is not None:
+                    unit.pending.append(all_gather_async(group.param_flat, group.shard, shard_group))
                 else:
                     group.shard_of(group.param_flat).copy_(group.shard)
             unit.state = "gathering"

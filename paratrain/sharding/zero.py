@@ -17,8 +17,9 @@ stage 2: a parameter's gradient is copied into its group's buffer as soon as it 
 stage 3: as stage 2, and parameters are sharded too (P_os+g+p): flat groups follow units (wrapped
     modules, see gather.py), whose full parameters are gathered just before use and freed after.
 
-Expert parallelism: an expert's flat groups reduce and shard over edp (the ranks holding the same
-experts), the rest over dp (ShardAxes).
+Each flat group reduces, shards and counts in the norm over the groups of its parameters' Placement
+(paratrain.comm.placement): dp, dp_shard and dp_replicate for most; edp for experts under expert
+parallelism (the ranks holding the same experts).
 
 Hierarchical sharding (MiCS, Zhang et al. 2022; torch's HSDP): with a shard group of S < dp ranks,
 a shard's gradient is summed over all dp ranks (reduce-scatter in the shard group, then all-reduce
@@ -51,10 +52,10 @@ from paratrain.comm import (
     plan_buckets,
     reduce_scatter_async,
 )
-from paratrain.comm.roles import GradRoles
+from paratrain.comm.placement import Placement, Placements
 from paratrain.sharding.flat import FlatGroup
 from paratrain.sharding.gather import ParamGatherer, Unit
-from paratrain.topology import AxisGroup, Mesh
+from paratrain.topology import Mesh
 
 
 WrapPolicy = Union[str, type, tuple[type, ...], None]
@@ -91,26 +92,6 @@ def _units(model: nn.Module, params: list[nn.Parameter],
     return root, units, members
 
 
-@dataclass(frozen=True)
-class ShardAxes:
-    """The groups one flat group moves over: `reduce` sums its whole buffer (all-reduce), `shard`
-    splits it (reduce-scatter, all-gather), `replicate` links the ranks holding the same shard (MiCS).
-    Dense parameters: dp, dp_shard, dp_replicate; experts under expert parallelism: edp, edp, none
-    (their replicas are the edp ranks, and each shards its experts over them)."""
-
-    reduce: AxisGroup | None
-    shard: AxisGroup | None
-    replicate: AxisGroup | None = None
-
-    @property
-    def parts(self) -> int:
-        return self.shard.size if self.shard is not None else 1
-
-    @property
-    def index(self) -> int:
-        return self.shard.index if self.shard is not None else 0
-
-
 @dataclass
 class _InFlight:
     group: FlatGroup
@@ -125,20 +106,22 @@ class ZeroSync:
     def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, names: dict[int, str],
                  mesh: Mesh, *, stage: int, bucket_bytes: int, reduce_op: str, model: nn.Module | None = None,
                  wrap: WrapPolicy = None, reshard_after_forward: bool = True, offload: bool = False,
-                 param_dtype: torch.dtype | None = None, roles: GradRoles = GradRoles(),
+                 param_dtype: torch.dtype | None = None, placements: Placements | None = None,
                  deferred: bool = False, device: torch.device | None = None) -> None:
         """model, wrap, reshard_after_forward: stage 3 only (see paratrain.sharding.gather).
         offload: the optimizer's masters and state live in CPU memory and the update runs there
         (ZeRO-Offload, Ren et al. 2021); the device keeps only its working copy of the shard.
         param_dtype: store parameters and gradients in this dtype (bf16 / fp16); the optimizer's
         masters stay in the parameters' original dtype (float32).
-        roles: what tensor and pipeline parallelism say about each parameter (paratrain.comm.roles);
-        parameters of different roles never share a flat group.
+        placements: where each parameter's gradient is reduced and sharded, and how it counts in the
+        norm (paratrain.comm.placement); a flat group holds parameters of one placement. None: every
+        parameter replicated over the mesh's dp, sharded over dp_shard (Placement.data_parallel).
         deferred: reduce once per step, after the last backward (pipeline schedules interleave the
         micro-batches' backwards); stage 2 then keeps full gradients during the step and only the
         shards between steps.
         device: where the flat buffers go when the parameters are on the meta device (FlatGroup)."""
-        self.roles = roles
+        self.placements = placements = placements if placements is not None else Placements(
+            Placement.data_parallel(mesh))
         self.deferred = deferred
         if deferred and stage == 3:
             raise ValueError("ZeRO-3 gathers parameters around each module's forward and backward, which a "
@@ -151,17 +134,8 @@ class ZeroSync:
         self.optimizer = optimizer
         self.names = names
         self.reduce_op = reduce_op
-        self.dense = ShardAxes(mesh.groups.get("dp"), mesh.groups.get("dp_shard"), mesh.groups.get("dp_replicate"))
-        self.shard_group = self.dense.shard
-        """The dense parameters' shard group (ZeRO-3 gathers over it)."""
-        edp = mesh.groups.get("edp")
-        self.experts = ShardAxes(edp, edp)
-        if stage == 3 and roles.expert_ids:
-            raise ValueError("ZeRO-3 gathers every unit over one shard group, and expert weights shard over their "
-                             "own (edp): use zero 1 or 2 with expert parallelism")
-
-        def axes(param: nn.Parameter) -> ShardAxes:
-            return self.experts if id(param) in roles.expert_ids else self.dense
+        self.shard_group = placements.default.shard
+        """The shard group of the parameters replicated over dp."""
 
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         missing = [names[id(p)] for p in params if id(p) not in group_of]
@@ -170,8 +144,8 @@ class ZeroSync:
         self.gatherer: ParamGatherer | None = None
         master_device = torch.device("cpu") if offload else None
         if stage < 3:
-            planned = plan_buckets(params, cap_bytes=bucket_bytes, key=lambda p: (group_of[id(p)], roles.bucket_key(p)))
-            self.groups = [FlatGroup(i, ps, shards=axes(ps[0]).parts, shard_index=axes(ps[0]).index,
+            planned = plan_buckets(params, cap_bytes=bucket_bytes, key=lambda p: (group_of[id(p)], placements(p)))
+            self.groups = [FlatGroup(i, ps, shards=placements(ps[0]).shards, shard_index=placements(ps[0]).shard_index,
                                      master_device=master_device, param_dtype=param_dtype,
                                      optimizer_group=group_of[id(ps[0])], device=device)
                            for i, ps in enumerate(planned)]
@@ -182,20 +156,21 @@ class ZeroSync:
             # Gradients complete in backward order: units reversed, the root (embedding) last.
             self.groups = []
             for unit in [*reversed(units), root]:
-                by_group: dict[tuple[int, tuple[bool, ...]], list[nn.Parameter]] = {}
+                by_group: dict[tuple[int, Placement], list[nn.Parameter]] = {}
                 for param in members[id(unit)]:
-                    by_group.setdefault((group_of[id(param)], roles.bucket_key(param)), []).append(param)
-                for (gi, _), ps in by_group.items():
-                    unit.groups.append(FlatGroup(len(self.groups), ps, shards=self.dense.parts,
-                                                 shard_index=self.dense.index,
+                    by_group.setdefault((group_of[id(param)], placements(param)), []).append(param)
+                for (gi, placement), ps in by_group.items():
+                    unit.groups.append(FlatGroup(len(self.groups), ps, shards=placement.shards,
+                                                 shard_index=placement.shard_index,
                                                  optimizer_group=gi, persistent=False, master_device=master_device,
                                                  param_dtype=param_dtype, device=device))
                     self.groups.append(unit.groups[-1])
-            self.gatherer = ParamGatherer(root, units, self.shard_group, reshard_after_forward=reshard_after_forward)
+            self.gatherer = ParamGatherer(root, units, [placements(g.params[0]).shard for g in self.groups],
+                                          reshard_after_forward=reshard_after_forward)
             self._unit_of = {g.index: u for u in [root, *units] for g in u.groups}
         self._group_of = {id(p): g for g in self.groups for p in g.params}
-        self._axes = [axes(g.params[0]) for g in self.groups]
-        """Each flat group's ShardAxes, by index."""
+        self._placement = [placements(g.params[0]) for g in self.groups]
+        """Each flat group's Placement, by index."""
         self._position = {id(p): i for g in self.groups for i, p in enumerate(g.params)}
         # The optimizer now updates the shards; its per-parameter state starts empty.
         for gi, param_group in enumerate(optimizer.param_groups):
@@ -274,7 +249,7 @@ class ZeroSync:
         if self.stage >= 2:
             self.grad_flats[index] = None  # the next micro-batch starts a fresh buffer
         shard = pending = None
-        axes = self._axes[index]
+        axes = self._placement[index]
         if self.reduce_op == "all_reduce":
             if axes.reduce is not None:
                 pending = all_reduce_async(flat, axes.reduce)
@@ -300,7 +275,7 @@ class ZeroSync:
             if item.pending is not None:
                 item.pending.wait()
             if item.shard is not None:
-                replicate = self._axes[item.group.index].replicate
+                replicate = self._placement[item.group.index].replicate
                 if replicate is not None:  # MiCS: the shard's sum over the other replicas
                     all_reduce(item.shard, replicate)
                 summed = item.shard
@@ -328,27 +303,19 @@ class ZeroSync:
                 self._launch_rest()
             self._complete()
         # (stages 2-3 otherwise: end_backward already reduced every micro-batch)
-        if self.roles.tied is not None:  # a weight tied across stages: sum its two ends' shards
-            for g in self.groups:
-                if self.roles.is_tied(g.params[0]):
-                    all_reduce(self.grad_shards[g.index], self.roles.tied)
+        for g in self.groups:  # a weight tied across stages: sum its two ends' shards
+            tied = self._placement[g.index].tied
+            if tied is not None:
+                all_reduce(self.grad_shards[g.index], tied)
 
     # ---- after backward -------------------------------------------------------------------
     def owned_grads(self) -> list[torch.Tensor]:
         return self.grad_shards
 
     def norm_parts(self) -> list[NormPart]:
-        """Shards add up over their shard group; tp slices, experts over ep and pipeline stages add up too."""
-        def sharded(axes: ShardAxes) -> tuple[AxisGroup, ...]:
-            return (axes.shard,) if axes.shard is not None else ()
-
-        parts: dict[tuple[AxisGroup, ...], list[torch.Tensor]] = {
-            axes: [] for axes in self.roles.norm_part_axes(sharded(self.dense), expert_sharded=sharded(self.experts))}
-        for g in self.groups:
-            axes = self.roles.norm_axes(g.params[0], sharded(self._axes[g.index]))
-            if axes is not None:
-                parts.setdefault(axes, []).append(self.grad_shards[g.index])
-        return [NormPart(grads, axes) for axes, grads in parts.items()]
+        """Shards add up over their shard group, pieces over the axes that split them."""
+        return self.placements.norm_parts(((g.params[0], self.grad_shards[g.index]) for g in self.groups),
+                                          sharded=True)
 
     def before_optimizer_step(self) -> None:
         """Separate masters (float32, or offloaded): hand them the reduced, scaled, clipped shards."""
@@ -361,8 +328,8 @@ class ZeroSync:
         for g in self.groups:
             g.push_master()
         if self.stage < 3:
-            gathers = [all_gather_async(g.param_flat, g.shard.clone(), self._axes[g.index].shard)
-                       for g in self.groups if self._axes[g.index].shard is not None]
+            gathers = [all_gather_async(g.param_flat, g.shard.clone(), self._placement[g.index].shard)
+                       for g in self.groups if self._placement[g.index].shard is not None]
             for pending in gathers:
                 pending.wait()
         for shard in self.grad_shards:
@@ -418,7 +385,7 @@ class ZeroSync:
     def _gather(self, shard: torch.Tensor, g: FlatGroup) -> torch.Tensor:
         """[padded] concatenation of every shard-group rank's `shard` (a copy when unsharded)."""
         full = torch.empty(g.padded, dtype=shard.dtype, device=shard.device)
-        group = self._axes[g.index].shard
+        group = self._placement[g.index].shard
         if group is not None:
             all_gather_async(full, shard.contiguous(), group).wait()
         else:

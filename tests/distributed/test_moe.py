@@ -33,7 +33,7 @@ def same_routing(got: dict, ref: dict) -> None:
 
 @pytest.mark.parametrize("layout", [
     dict(dp=2, micro_batch=4, zero=2, recompute=True),  # ZeRO-2, blocks recomputed
-    dict(dp=2, micro_batch=8, zero=3),
+    dict(dp=2, ep=2, micro_batch=8, zero=3),            # ZeRO-3 units gather dense weights over dp, experts unsharded
     dict(dp=1, tp=2, micro_batch=8),                    # attention split, experts replicated over tp
     dict(dp=1, pp=2, micro_batch=2),                    # a MoE layer on each stage
     dict(dp=2, ep=2, micro_batch=2),                    # experts 0-1 on one rank, 2-3 on the other; accumulation 2
@@ -41,8 +41,8 @@ def same_routing(got: dict, ref: dict) -> None:
     dict(dp=4, ep=2, micro_batch=4),                    # dp 2 x ep 2: each expert on two ranks (edp)
     dict(dp=2, ep=2, tp=2, micro_batch=8),              # experts over ep, attention over tp
     dict(dp=2, ep=2, pp=2, micro_batch=2),              # a MoE layer on each stage
-    dict(dp=4, ep=2, zero=2, micro_batch=2),            # experts sharded over their replicas (edp), the rest over dp
-], ids=["zero2-recompute", "zero3", "tp2", "pp2", "ep2", "ep4", "dp2xep2", "ep2xtp2", "ep2xpp2", "dp2xep2-zero2"])
+    dict(dp=4, ep=2, zero=3, micro_batch=2),            # experts sharded and gathered over edp, the rest over dp
+], ids=["zero2-recompute", "ep2-zero3", "tp2", "pp2", "ep2", "ep4", "dp2xep2", "ep2xtp2", "ep2xpp2", "dp2xep2-zero3"])
 def test_float64_layouts_equal_the_single_process(pools, layout):
     """Measured (AMD EPYC; avx2 and default kernels): loss <= 3.5e-16, grad norm <= 1.1e-15, weights <= 1.1e-14."""
     world = layout["dp"] * layout.get("tp", 1) * layout.get("pp", 1)

@@ -24,7 +24,6 @@ def test_dp_fills_the_world():
     (ParallelConfig(virtual_stages=2), 4, "virtual_stages and pp_split cut the model into pipeline stages, and pp is 1"),
     (ParallelConfig(ep=3), 4, "ep (3) must divide dp (4): expert parallelism divides the experts among dp ranks; "
                               "choose ep in [1, 2, 4]"),
-    (ParallelConfig(ep=2, zero=3), 4, "zero 3 with ep 2: ZeRO-3 gathers each unit over one shard group"),
     (ParallelConfig(dp=4, shard_group=2), 4, "needs a ZeRO stage"),
     (ParallelConfig(dp=4, zero=1, shard_group=3), 4, "shard_group (3) must divide dp (4): choose shard_group in [1, 2, 4]"),
     (ParallelConfig(zero=1, grad_reduce="ring"), 4, "grad_reduce must be"),

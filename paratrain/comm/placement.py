@@ -1,0 +1,104 @@
+"""Where each parameter's gradient lives on the mesh: the data a gradient strategy works from.
+
+A gradient strategy (GradSync, ZeroSync) needs four facts about each parameter, and nothing else
+about the layout:
+
+- `reduce`: the ranks holding replicas of it, over which its gradient is summed (dp; for an expert
+  under expert parallelism, edp: the dp ranks holding the same experts);
+- `shard`, `replicate`: the ranks ZeRO splits its flat group over, and the ranks holding the same
+  shard when that split is smaller than `reduce` (MiCS / HSDP);
+- `split`: the ranks holding *different* pieces of it, so the squares of the gradient norm add up
+  over them (tp for a tensor-parallel slice, ep for experts, pp for every pipeline stage);
+- `tied`, `counted`: a weight tied across pipeline stages is summed over the `tied` group after the
+  reduction, and only one of its ends counts in the norm.
+
+Strategies that lay the model out give their parameters a Placement (tp splits, ep slices, pp ties);
+parameters of different placements never share a bucket or flat group, so each bucket has one.
+A new axis (context parallelism, say) is a new Placement: the strategies need no new case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from paratrain.comm.norms import NormPart
+from paratrain.topology.mesh import AxisGroup, Mesh
+
+
+@dataclass(frozen=True)
+class Placement:
+    reduce: AxisGroup | None = None
+    """The ranks holding a replica: its gradient is summed over them (None: no other rank holds one)."""
+    shard: AxisGroup | None = None
+    """ZeRO: the ranks its flat group is split over (None: unsplit)."""
+    replicate: AxisGroup | None = None
+    """ZeRO with a split smaller than `reduce`: the ranks holding the same shard."""
+    split: tuple[AxisGroup, ...] = ()
+    """The ranks holding different pieces of it: its gradient norm's squares add up over them."""
+    tied: AxisGroup | None = None
+    """Summed over this group after the reduction (the other end of a weight tied across stages)."""
+    counted: bool = True
+    """False: another rank counts it in the gradient norm."""
+
+    @classmethod
+    def data_parallel(cls, mesh: Mesh) -> Placement:
+        """A parameter replicated over dp (sharded over dp_shard under ZeRO), on one pipeline stage."""
+        pp = mesh.groups.get("pp")
+        return cls(reduce=mesh.groups.get("dp"), shard=mesh.groups.get("dp_shard"),
+                   replicate=mesh.groups.get("dp_replicate"), split=(pp,) if pp is not None else ())
+
+    def split_over(self, group: AxisGroup) -> Placement:
+        """The same, and other ranks of `group` hold other pieces of it."""
+        return dataclasses.replace(self, split=(group, *self.split))
+
+    def norm_axes(self, *, sharded: bool) -> tuple[AxisGroup, ...]:
+        """The axes its norm's squares add up over; sharded: the strategy holds only its shard."""
+        return ((self.shard,) if sharded and self.shard is not None else ()) + self.split
+
+    @property
+    def shards(self) -> int:
+        return self.shard.size if self.shard is not None else 1
+
+    @property
+    def shard_index(self) -> int:
+        return self.shard.index if self.shard is not None else 0
+
+
+class Placements:
+    """Each parameter's Placement (by id(), `default` for the others), and every kind of placement the
+    layout has, in one order on every rank, whether this rank holds parameters of it or not."""
+
+    def __init__(self, default: Placement = Placement(),
+                 kinds: Iterable[tuple[Placement, Iterable[int]]] = ()) -> None:
+        """kinds: (placement, ids of the parameters placed so), one per strategy that places some."""
+        self.default = default
+        self._of: dict[int, Placement] = {}
+        self.kinds: list[Placement] = [default]
+        for placement, ids in kinds:
+            self.kinds.append(placement)
+            self._of.update(dict.fromkeys(ids, placement))
+
+    def __call__(self, param: torch.Tensor) -> Placement:
+        return self._of.get(id(param), self.default)
+
+    def tie(self, param: torch.Tensor, group: AxisGroup | None, *, counted: bool) -> None:
+        """`param` is one end of a weight tied across stages over `group`; counted: this end is the one
+        the gradient norm counts. The tied placement's norm axes are its untied one's."""
+        self._of[id(param)] = dataclasses.replace(self(param), tied=group, counted=counted)
+
+    def norm_parts(self, grads: Iterable[tuple[torch.Tensor, torch.Tensor]], *, sharded: bool) -> list[NormPart]:
+        """The gradient norm's parts from (a parameter, the gradient buffer holding it) of each bucket or
+        flat group; sharded: the buffers are ZeRO shards. Every kind's part is there, in one order on
+        every rank, holding gradients of it or not: a pipeline stage with only the embedding, or only
+        the final norm and a skipped tied head, issues the same collectives as the others."""
+        parts: dict[tuple[AxisGroup, ...], list[torch.Tensor]] = {
+            k.norm_axes(sharded=sharded): [] for k in self.kinds}
+        for param, grad in grads:
+            placement = self(param)
+            if placement.counted:
+                parts.setdefault(placement.norm_axes(sharded=sharded), []).append(grad)
+        return [NormPart(buffers, axes) for axes, buffers in parts.items()]
