@@ -222,10 +222,7 @@ def prepare_launch(config: Any, *, gpus: int) -> Any:
                               "taken) or one of its step_* folders") from None
         except CheckpointError as error:
             raise ConfigError(f"train.resume: {error}") from None
-    if config.launch.memory_check and plan.model.n_experts:
-        print("paratrain: no memory check before launch: the planner does not model Mixture-of-Experts layers yet",
-              file=sys.stderr)
-    elif config.launch.memory_check:
+    if config.launch.memory_check:
         from paratrain.config import resolve_device
         from paratrain.planner.check import available_memory, check_memory
 

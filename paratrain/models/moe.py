@@ -37,6 +37,7 @@ and reports tokens per expert and drops; or the model's own, for use without an 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -140,8 +141,12 @@ class Router(nn.Module):
         self.aux_coef, self.z_coef = aux_coef, z_coef
 
     def forward(self, x: torch.Tensor) -> Routing:
+        with _no_autocast(x.device):  # routing in float32 at least, also under mixed precision
+            return self._route(x)
+
+    def _route(self, x: torch.Tensor) -> Routing:
         batch, seq, _ = x.shape
-        logits = F.linear(x.to(compute_dtype(x.dtype)), self.weight.to(compute_dtype(x.dtype)))  # [B, S, E], float32 at least (also under autocast)
+        logits = F.linear(x.to(compute_dtype(x.dtype)), self.weight.to(compute_dtype(x.dtype)))  # [B, S, E]
         probs = torch.softmax(logits, dim=-1)
         gate, expert = torch.topk(probs, self.top_k, dim=-1)
         if self.top_k > 1:
@@ -154,6 +159,12 @@ class Router(nn.Module):
         balance = self.aux_coef * seq * per_sequence.sum()
         z = self.z_coef * torch.logsumexp(logits, dim=-1).pow(2).sum()
         return Routing(gate, expert, keep, balance, z)
+
+
+def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 class Experts(nn.Module):

@@ -16,12 +16,11 @@ from typing import Any
 from paratrain.config.errors import ConfigError
 from paratrain.config.run import RunConfig
 from paratrain.planner.hardware import Hardware, hardware
-from paratrain.planner.memory import refuse_experts
 from paratrain.planner.search import search
 
 PINNABLE = {"dp": "dp", "tp": "tp", "pp": "pp", "virtual_stages": "virtual_stages", "zero": "zero",
             "micro_batch": "micro_batch", "recompute": "recompute", "sequence_parallel": "sequence_parallel",
-            "schedule": "schedule"}
+            "schedule": "schedule", "ep": "ep"}
 """Layout fields -> the `paratrain train` argument (argparse dest) that pins each."""
 
 _GPUS = [("H200", "h200"), ("H100", "h100-80gb"), ("A100", None)]
@@ -52,7 +51,6 @@ def choose_layout(config: RunConfig, *, world_size: int, hw: Hardware, pins: dic
     from paratrain.config.model import preset
 
     model = preset(config.model.preset, **config.model.overrides)
-    refuse_experts(model, "--plan auto")
     unknown = sorted(set(pins) - set(PINNABLE))
     if unknown:
         raise ConfigError(f"--plan auto cannot pin {unknown}: it chooses {sorted(PINNABLE)}")
@@ -71,7 +69,8 @@ def choose_layout(config: RunConfig, *, world_size: int, hw: Hardware, pins: dic
     layout = best["layout"]
     parallel = dataclasses.replace(config.parallel, dp=layout["dp"], tp=layout["tp"], pp=layout["pp"],
                                    virtual_stages=layout["virtual_stages"], zero=layout["zero"],
-                                   sequence_parallel=layout["sequence_parallel"], schedule=layout["schedule"])
+                                   sequence_parallel=layout["sequence_parallel"], schedule=layout["schedule"],
+                                   ep=layout["ep"])
     chosen = dataclasses.replace(config, parallel=parallel,
                                  data=dataclasses.replace(config.data, micro_batch=layout["micro_batch"]),
                                  train=dataclasses.replace(config.train, recompute=layout["recompute"]))
@@ -89,6 +88,8 @@ def describe(layout: dict[str, Any]) -> str:
     text = f"dp {layout['dp']} x tp {layout['tp']} x pp {layout['pp']}"
     if layout["pp"] > 1:
         text += f" ({layout['schedule']}" + (f", {layout['virtual_stages']} chunks)" if layout["virtual_stages"] > 1 else ")")
+    if layout.get("ep", 1) > 1:
+        text += f", ep {layout['ep']}"
     text += f", ZeRO {layout['zero']}, micro-batch {layout['micro_batch']}"
     if layout["recompute"] != "none":
         text += f", {layout['recompute']} recompute"
@@ -103,7 +104,7 @@ def as_flags(config: RunConfig) -> list[str]:
     flags = ["--dp", str(parallel.dp), "--tp", str(parallel.tp), "--pp", str(parallel.pp),
              "--virtual-stages", str(parallel.virtual_stages), "--zero", str(parallel.zero),
              "--schedule", parallel.schedule, "--micro-batch", str(config.data.micro_batch),
-             "--recompute", config.train.recompute]
+             "--recompute", config.train.recompute, "--ep", str(parallel.ep)]
     if parallel.sequence_parallel:
         flags.append("--sequence-parallel")
     return flags

@@ -21,7 +21,7 @@ def layout_of(plan: RunPlan) -> Layout:
                   zero=parallel.zero, shard_group=parallel.shard_group, micro_batch=plan.batch.micro_batch,
                   recompute=plan.config.train.recompute,
                   sequence_parallel=parallel.sequence_parallel, schedule=parallel.schedule,
-                  offload="optimizer" in parallel.offloaded)
+                  offload="optimizer" in parallel.offloaded, ep=parallel.ep)
 
 
 def check_memory(plan: RunPlan, *, device: str, available_bytes: float, processes: int) -> dict[str, float]:

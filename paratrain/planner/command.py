@@ -15,12 +15,11 @@ from typing import Any
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import PRESETS, preset
 from paratrain.planner.hardware import CPU_PROFILE, PROFILES, hardware
-from paratrain.planner.memory import refuse_experts
 from paratrain.planner.search import search
 from paratrain.planner.textbook import training_days
 
 _PINS = {"--dp": "dp", "--tp": "tp", "--pp": "pp", "--virtual-stages": "virtual_stages", "--zero": "zero",
-         "--micro-batch": "micro_batch"}
+         "--micro-batch": "micro_batch", "--ep": "ep"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +65,6 @@ def run(args: argparse.Namespace) -> int:
     if args.global_batch is None:
         raise ConfigError("paratrain plan needs --global-batch (samples per optimizer step)")
     model = preset(args.model)
-    refuse_experts(model, "paratrain plan")
     hw = hardware(args.hardware, peak_flops=args.peak_tflops and args.peak_tflops * 1e12,
                   memory_bytes=args.memory_gb and args.memory_gb * 1e9,
                   intra_node_bw=args.intra_node_gbps and args.intra_node_gbps * 1e9,
@@ -140,6 +138,8 @@ def _layout_text(layout: dict[str, Any]) -> str:
     text = f"dp{layout['dp']} tp{layout['tp']} pp{layout['pp']}"
     if layout["virtual_stages"] > 1:
         text += f"x{layout['virtual_stages']}"
+    if layout["ep"] > 1:
+        text += f" ep{layout['ep']}"
     text += f" z{layout['zero']} mb{layout['micro_batch']}"
     if layout["recompute"] != "none":
         text += " rc" if layout["recompute"] == "full" else " rc-sel"

@@ -85,6 +85,9 @@ def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_si
         raise RuntimeError("a dry run needs a process without a process group (it creates a fake one)")
     if not 0 <= rank < world_size:
         raise ConfigError(f"--rank must be in [0, {world_size}), got {rank}")
+    if model.n_experts:
+        raise ConfigError("a Mixture-of-Experts model cannot be dry-run: its all-to-alls send as many rows as the "
+                          "router sends each expert, which shapes alone do not say; plan it without --dry-run")
     if precision == "fp16":
         raise ConfigError("fp16 cannot be dry-run: its loss scale is read from the device at the first step, and a "
                          "dry run has no values; dry-run bf16, which moves the same bytes (fp16 adds one 4-byte "

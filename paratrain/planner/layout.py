@@ -34,6 +34,8 @@ class Layout:
     schedule: str = "1f1b"
     offload: bool = False
     """ZeRO's optimizer state and fp32 masters in CPU memory."""
+    ep: int = 1
+    """Expert parallelism: each MoE layer's experts divided among ep consecutive dp ranks."""
 
     @property
     def world_size(self) -> int:
@@ -43,6 +45,11 @@ class Layout:
     def shards(self) -> int:
         """Ranks one copy of ZeRO's state is split over."""
         return (self.shard_group or self.dp) if self.zero else 1
+
+    @property
+    def expert_shards(self) -> int:
+        """Ranks ZeRO splits the experts' state over: the dp / ep ranks holding the same experts (edp)."""
+        return self.dp // self.ep if self.zero else 1
 
     def to_dict(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in _LAYOUT_FIELDS}  # flat, no deep copy: the search calls it often
@@ -63,6 +70,8 @@ class RankParam:
     """This rank's end of a weight tied across pipeline stages."""
     norm_skip: bool = False
     """Counted in the norm by another rank (the last stage's tied copy)."""
+    expert: bool = False
+    """Stacked expert weights of a MoE layer (this rank's E / ep experts), reduced and sharded over edp."""
 
     @property
     def numel(self) -> int:
@@ -100,13 +109,14 @@ def _chunk_layers(model: ModelConfig, parts: int, pp_split: tuple[int, ...]) -> 
 def rank_params(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...] = ()) -> list[RankParam]:
     """The parameters pipeline rank `stage` holds, in the engine's order (the model's registration
     order), with tensor parallelism's slices (GPT_PLAN: qkv, up and head split by rows, out and down
-    by columns, the embedding by vocabulary rows; norms replicated)."""
-    return list(_rank_params(model, layout.tp, layout.pp, layout.virtual_stages, stage, tuple(pp_split)))
+    by columns, the embedding by vocabulary rows; norms and MoE layers replicated) and expert
+    parallelism's (each rank E / ep experts of every MoE layer)."""
+    return list(_rank_params(model, layout.tp, layout.pp, layout.virtual_stages, stage, tuple(pp_split), layout.ep))
 
 
 @functools.lru_cache(maxsize=4096)
 def _rank_params(model: ModelConfig, t: int, pp: int, v_stages: int, stage: int,
-                 pp_split: tuple[int, ...]) -> tuple[RankParam, ...]:
+                 pp_split: tuple[int, ...], ep: int = 1) -> tuple[RankParam, ...]:
     d, f, v = model.d_model, model.ff_dim, model.padded_vocab
     ranges = _chunk_layers(model, pp * v_stages, pp_split)
     mine = [c for c in range(len(ranges)) if c % pp == stage]
@@ -122,9 +132,19 @@ def _rank_params(model: ModelConfig, t: int, pp: int, v_stages: int, stage: int,
             params += [RankParam(f"{b}.attn_norm.weight", (d,), False),
                        RankParam(f"{b}.attn.qkv.weight", (3 * d // t, d), split),
                        RankParam(f"{b}.attn.out.weight", (d, d // t), split),
-                       RankParam(f"{b}.mlp_norm.weight", (d,), False),
-                       RankParam(f"{b}.mlp.up.weight", (f // t, d), split),
-                       RankParam(f"{b}.mlp.down.weight", (d, f // t), split)]
+                       RankParam(f"{b}.mlp_norm.weight", (d,), False)]
+            if not model.is_moe(i):
+                params += [RankParam(f"{b}.mlp.up.weight", (f // t, d), split),
+                           RankParam(f"{b}.mlp.down.weight", (d, f // t), split)]
+                continue
+            # a MoE layer (paratrain.models.moe): replicated over tp, its experts sliced over ep
+            e, fe = model.n_experts // ep, model.expert_dim
+            params += [RankParam(f"{b}.moe.router.weight", (model.n_experts, d), False),
+                       RankParam(f"{b}.moe.experts.up", (e, fe, d), False, expert=True),
+                       RankParam(f"{b}.moe.experts.down", (e, d, fe), False, expert=True)]
+            if model.shared_expert:
+                params += [RankParam(f"{b}.moe.shared.up.weight", (f, d), False),
+                           RankParam(f"{b}.moe.shared.down.weight", (d, f), False)]
     if model.n_layer + 1 in layers:
         params.append(RankParam("norm.weight", (d,), False))
         if not model.tie_embeddings:

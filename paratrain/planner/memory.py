@@ -27,13 +27,10 @@ from paratrain.pipeline.schedules import Action, compute_order
 from paratrain.planner.layout import Layout, RankParam, chunk_layers, meta_tensors, rank_params
 
 
-def refuse_experts(model: ModelConfig, what: str) -> None:
-    """The planner models dense GPTs: a Mixture-of-Experts model is refused by name, not mispredicted."""
-    if model.n_experts:
-        from paratrain.config.errors import ConfigError
-
-        raise ConfigError(f"{what}: the planner does not model Mixture-of-Experts layers yet (n_experts="
-                          f"{model.n_experts}); choose the layout by hand (--dp, --tp, --pp, --ep, --zero)")
+def moe_layer_params(model: ModelConfig, ep: int) -> int:
+    """Elements of one MoE layer on a rank: the router, its E / ep experts, the shared expert."""
+    return (model.n_experts * model.d_model + model.n_experts // ep * 2 * model.d_model * model.expert_dim
+            + (2 * model.d_model * model.ff_dim if model.shared_expert else 0))
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 """Bytes of one element stored in each precision."""
@@ -58,13 +55,14 @@ def _optimizer_group(param: RankParam) -> int:
     return 0 if len(param.shape) >= 2 else 1
 
 
-def _role(param: RankParam) -> tuple[bool, bool, bool]:
+def _role(param: RankParam) -> tuple[bool, bool, bool, bool]:
     """ZeroSync keys flat groups by paratrain.comm.placement.Placement: different placements never share one."""
-    return param.tp_split, param.tied, param.norm_skip
+    return param.tp_split, param.tied, param.norm_skip, param.expert
 
 
-def flat_groups(params: list[RankParam], *, zero: int, shards: int, bucket_bytes: int) -> list[FlatPlan]:
-    """ZeroSync's flat groups for these parameters, in its order."""
+def flat_groups(params: list[RankParam], *, zero: int, shards: int, bucket_bytes: int,
+                expert_shards: int = 1) -> list[FlatPlan]:
+    """ZeroSync's flat groups for these parameters, in its order; experts' split over expert_shards."""
     present = sorted({_optimizer_group(p) for p in params})
     group_of = {id(p): present.index(_optimizer_group(p)) for p in params}  # empty groups are dropped
     if zero < 3:
@@ -72,7 +70,7 @@ def flat_groups(params: list[RankParam], *, zero: int, shards: int, bucket_bytes
         by_id = {id(t): p for t, p in zip(tensors, params)}
         planned = plan_buckets(tensors, cap_bytes=bucket_bytes,
                                key=lambda t: (group_of[id(by_id[id(t)])], _role(by_id[id(t)])))
-        sizes = [sum(t.numel() for t in group) for group in planned]
+        sizes = [(sum(t.numel() for t in group), by_id[id(group[0])].expert) for group in planned]
     else:
         units: dict[str, list[RankParam]] = {}
         for p in params:
@@ -84,24 +82,28 @@ def flat_groups(params: list[RankParam], *, zero: int, shards: int, bucket_bytes
             for p in units[unit]:
                 key = (group_of[id(p)], _role(p))
                 by_key[key] = by_key.get(key, 0) + p.numel
-            sizes += list(by_key.values())
-    return [FlatPlan(math.ceil(n / shards) * shards, shards) for n in sizes]
+            sizes += [(n, role[-1]) for (_, role), n in by_key.items()]  # type: ignore[index]
+    plans = []
+    for n, expert in sizes:
+        parts = expert_shards if expert else shards
+        plans.append(FlatPlan(math.ceil(n / parts) * parts, parts))
+    return plans
 
 
 @functools.lru_cache(maxsize=8192)
 def _sharded_totals(model: ModelConfig, tp: int, pp: int, virtual_stages: int, stage: int, pp_split: tuple[int, ...],
-                    zero: int, shards: int, bucket_bytes: int) -> tuple[int, int, int]:
+                    ep: int, zero: int, shards: int, expert_shards: int, bucket_bytes: int) -> tuple[int, int, int]:
     """(padded elements, shard elements, flat groups) of a stage's ZeRO flat groups."""
-    params = rank_params(model, Layout(tp=tp, pp=pp, virtual_stages=virtual_stages), stage, pp_split)
-    groups = flat_groups(params, zero=zero, shards=shards, bucket_bytes=bucket_bytes)
+    params = rank_params(model, Layout(tp=tp, pp=pp, virtual_stages=virtual_stages, ep=ep), stage, pp_split)
+    groups = flat_groups(params, zero=zero, shards=shards, bucket_bytes=bucket_bytes, expert_shards=expert_shards)
     return sum(g.padded for g in groups), sum(g.shard_numel for g in groups), len(groups)
 
 
 @functools.lru_cache(maxsize=8192)
 def _plain_totals(model: ModelConfig, tp: int, pp: int, virtual_stages: int, stage: int,
-                  pp_split: tuple[int, ...]) -> tuple[int, int]:
+                  pp_split: tuple[int, ...], ep: int) -> tuple[int, int]:
     """(elements, tensors) a stage holds."""
-    params = rank_params(model, Layout(tp=tp, pp=pp, virtual_stages=virtual_stages), stage, pp_split)
+    params = rank_params(model, Layout(tp=tp, pp=pp, virtual_stages=virtual_stages, ep=ep), stage, pp_split)
     return sum(p.numel for p in params), len(params)
 
 
@@ -114,13 +116,14 @@ def model_state_bytes(model: ModelConfig, layout: Layout, *, precision: str = "f
     precision: under ZeRO, bf16 / fp16 store parameters and gradients in 16 bits with fp32 masters;
     under zero 0 they are autocast over fp32 storage. grad_reduce: ZeRO's reduction primitive
     ("all_reduce": gloo's choice; "reduce_scatter": NCCL's)."""
-    shape = (model, layout.tp, layout.pp, layout.virtual_stages, stage, tuple(pp_split))
+    shape = (model, layout.tp, layout.pp, layout.virtual_stages, stage, tuple(pp_split), layout.ep)
     if layout.zero == 0:
         numel, tensors = _plain_totals(*shape)
         return {"params": 4 * numel, "grads": 4 * numel,
                 "optimizer": 2 * MASTER_BYTES * numel + STEP_BYTES * tensors}
     elsize = BYTES[precision]
-    padded, shard, groups = _sharded_totals(*shape, layout.zero, layout.shards, int(bucket_mb * 2**20))
+    padded, shard, groups = _sharded_totals(*shape, layout.zero, layout.shards, layout.expert_shards,
+                                            int(bucket_mb * 2**20))
     param_bytes = elsize * (shard if layout.zero == 3 else padded)
     if layout.zero == 1:
         separate_shards = grad_reduce == "reduce_scatter"
@@ -164,9 +167,10 @@ def _norm_and_column_input(tokens: float, d: int, mode: str) -> float:
 
 
 def block_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, tp: int = 1,
-                           sequence_parallel: bool = False, mode: str = "fp32", recompute: str = "none") -> float:
+                           sequence_parallel: bool = False, mode: str = "fp32", recompute: str = "none",
+                           moe: bool = False, ep: int = 1) -> float:
     """Bytes one transformer block keeps for backward, per micro-batch (rope tables excluded: they are
-    one storage for the whole model, see rope_bytes)."""
+    one storage for the whole model, see rope_bytes); moe: a block with a MoE layer for its MLP."""
     b, s, d, f, h, t = micro_batch, seq, model.d_model, model.ff_dim, model.n_head, tp
     n = b * s
     q = t if sequence_parallel else 1
@@ -176,7 +180,7 @@ def block_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, tp
     if recompute not in ("none", "selective"):
         raise ValueError(f"recompute must be 'none', 'full' or 'selective', got {recompute!r}")
     act = 4 if mode == "fp32" else 2
-    norms = 2 * _norm_and_column_input(n / q, d, mode)
+    norms = _norm_and_column_input(n / q, d, mode)
     # qkv output (3), rotated q and k (2), attention output (1), and its [B, S, D] copy that `out` keeps
     # (1; a view, not a copy, when a rank holds one head), + the softmax's log-sum-exp in float32.
     # Selective recompute keeps the core's inputs (q, k, v: counted) and drops what the fused kernel
@@ -186,16 +190,57 @@ def block_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, tp
         attention = 6 * n * d / t * act
     else:
         attention = (6 + copy) * n * d / t * act + b * (h // t) * s * 4
-    mlp = 2 * n * f / t * act  # up's output (GELU's input) and GELU's output (down's input)
+    if moe:  # the MoE layer keeps its own copies of the normed input (moe_activation_bytes)
+        norms += _norm_and_column_input(n / q, d, mode) - n / q * d * (4 if mode == "fp32" else 2)
+        mlp = moe_activation_bytes(model, micro_batch=b, seq=s, mode=mode, ep=ep)
+    else:
+        norms += _norm_and_column_input(n / q, d, mode)
+        mlp = 2 * n * f / t * act  # up's output (GELU's input) and GELU's output (down's input)
     casts = 0.0
     if mode != "fp32":  # each apply_rope keeps 16-bit copies of the float32 cos and sin tables
         casts += 4 * s * (model.head_dim // 2) * 2
     if mode == "autocast":  # and autocast keeps a 16-bit copy of every weight it casts: under sequence
         # parallelism the column layers (qkv, up) cast inside their own autograd function and keep the
         # float32 weight, so only the row layers' (out, down) copies are kept
-        column = 0 if sequence_parallel else 3 * d * d + d * f
-        casts += 2 * (column + d * d + d * f) / t
+        mlp_weights = 0 if moe else d * f  # (a MoE layer counts its own)
+        column = 0 if sequence_parallel else 3 * d * d + mlp_weights
+        casts += 2 * (column + d * d + mlp_weights) / t
     return norms + attention + mlp + casts
+
+
+def moe_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, mode: str = "fp32",
+                         ep: int = 1) -> float:
+    """Bytes a MoE layer (paratrain.models.moe, replicated over tp) keeps for backward, per micro-batch,
+    its input included, when no assignment is dropped (dropless, or no expert over its capacity): an
+    upper bound with a capacity. Under expert parallelism each rank is taken to receive as many rows
+    as it sends (a balanced router; a skewed one receives more) and to run each of its experts."""
+    b, s, d, e, k, fe, f = micro_batch, seq, model.d_model, model.n_experts, model.top_k, model.expert_dim, model.ff_dim
+    n = b * s
+    rows = n * k  # assignments that run
+    res = 2 if mode == "low" else 4  # the residual stream's element
+    mm = 4 if mode == "fp32" else 2  # a matmul's output element
+    # router, in float32 (also under autocast): its input (the normed x itself; with 16-bit storage a
+    # float32 copy, and one of its weight), logits (logsumexp's input) and probabilities (softmax's
+    # output), the log-sum-exp, the top-k's indices, and with k > 1 its values and their sum; f of the
+    # balance loss per sequence
+    router = 4 * n * d + (4 * e * d if mode == "low" else 0)
+    router += 8 * n * e + 4 * n + 8 * n * k + ((n * k + n) * 4 if k > 1 else 0) + 4 * b * e
+    # dispatch: the token of each assignment, the order grouping rows by expert (and, under ep, the order
+    # grouping what arrived by expert), each assignment's place; the rows the experts read, their
+    # hidden activations (GELU's input and output), and under autocast each expert's weight copies
+    dispatch = 8 * rows * (3 + (1 if ep > 1 else 0)) + rows * d * mm + 2 * rows * fe * mm
+    if mode == "autocast":
+        dispatch += 2 * (e // ep) * fe * d * 2
+    # combine: the experts' outputs put back in place (each index_copy keeps its source: under ep the
+    # outputs by source rank and by assignment after the return trip; the layer's, in the residual's
+    # dtype), the capacity mask (bool), the gates times it, the k outputs of each token
+    combine = (2 if ep > 1 else 1) * rows * d * mm + rows * d * res + n * k + n * k * res + n * k * d * res
+    shared = 0.0
+    if model.shared_expert:  # a dense MLP: its input (fp32: the router's; else a 16-bit one), GELU's
+        shared = (0 if mode == "fp32" else n * d * 2) + 2 * n * f * mm  # input and output
+        if mode == "autocast":
+            shared += 2 * 2 * d * f
+    return router + dispatch + combine + shared
 
 
 def rope_bytes(model: ModelConfig, *, seq: int, mode: str, recompute: str = "none") -> float:
@@ -239,7 +284,7 @@ def chunk_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode
     """Bytes one micro-batch leaves saved in each pipeline chunk (its layers' terms)."""
     # dp and ZeRO change nothing here: cached on what does (the search asks for many dp x ZeRO at once)
     essential = Layout(tp=layout.tp, pp=layout.pp, virtual_stages=layout.virtual_stages, micro_batch=layout.micro_batch,
-                       recompute=layout.recompute, sequence_parallel=layout.sequence_parallel)
+                       recompute=layout.recompute, sequence_parallel=layout.sequence_parallel, ep=layout.ep)
     return list(_chunk_sizes(model, essential, seq, mode, pp_split))
 
 
@@ -248,12 +293,15 @@ def _chunk_sizes(model: ModelConfig, layout: Layout, seq: int, mode: str, pp_spl
     kwargs = dict(micro_batch=layout.micro_batch, seq=seq, tp=layout.tp)
     block = block_activation_bytes(model, sequence_parallel=layout.sequence_parallel, mode=mode,
                                    recompute=layout.recompute, **kwargs)
+    moe_block = block_activation_bytes(model, sequence_parallel=layout.sequence_parallel, mode=mode,
+                                       recompute=layout.recompute, moe=True, ep=layout.ep, **kwargs)
     head = head_activation_bytes(model, sequence_parallel=layout.sequence_parallel, mode=mode, **kwargs)
     embedding = embedding_activation_bytes(**kwargs)
     sizes = []
     for start, end in chunk_layers(model, layout, pp_split):
-        blocks = len(range(max(start, 1), min(end, model.n_layer + 1)))
-        sizes.append(blocks * block + (embedding if start == 0 else 0.0) + (head if end == model.n_layer + 2 else 0.0))
+        held = range(max(start, 1), min(end, model.n_layer + 1))  # GPT layer i + 1 is block i
+        moe = sum(model.is_moe(i - 1) for i in held)
+        sizes.append((len(held) - moe) * block + moe * moe_block + (embedding if start == 0 else 0.0) + (head if end == model.n_layer + 2 else 0.0))
     return tuple(sizes)
 
 

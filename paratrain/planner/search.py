@@ -10,11 +10,12 @@ from typing import Any
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import ParallelConfig
-from paratrain.config.validate import batch_layout, check_pipeline, check_tensor_parallel
+from paratrain.config.run import RunConfig
+from paratrain.config.validate import batch_layout, check_experts, check_pipeline, check_tensor_parallel
 from paratrain.models.loss import CHUNK_BYTES
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
-from paratrain.planner.memory import BYTES, activation_bytes, model_state_bytes, storage_mode
+from paratrain.planner.memory import BYTES, activation_bytes, model_state_bytes, moe_layer_params, storage_mode
 from paratrain.planner.timing import step_time
 
 def check_layout(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int) -> None:
@@ -22,10 +23,12 @@ def check_layout(model: ModelConfig, layout: Layout, *, global_batch: int, seq: 
     parallel = ParallelConfig(dp=layout.dp, tp=layout.tp, pp=layout.pp, virtual_stages=layout.virtual_stages,
                               zero=layout.zero, shard_group=layout.shard_group, schedule=layout.schedule,
                               sequence_parallel=layout.sequence_parallel,
-                              offload="optimizer" if layout.offload else "none").resolved(layout.world_size)
+                              offload="optimizer" if layout.offload else "none",
+                              ep=layout.ep).resolved(layout.world_size)
     if layout.recompute not in ("none", "full", "selective"):
         raise ConfigError(f"recompute must be 'none', 'full' or 'selective', got {layout.recompute!r}")
     check_tensor_parallel(model, parallel, seq)
+    check_experts(model, parallel, RunConfig())
     batch = batch_layout(global_batch, layout.micro_batch, layout.dp)
     check_pipeline(model, parallel, batch)
 
@@ -54,8 +57,10 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, p
         if stage == layout.pp - 1:  # the logits' gradient (compute dtype) and the loss's float32 chunks
             logits = tokens * model.padded_vocab / layout.tp
             other += logits * act + min(2 * CHUNK_BYTES, 2 * 4 * logits)
-        if layout.zero == 3:
-            unit = (4 * model.d_model ** 2 + 2 * model.d_model * model.ff_dim) / layout.tp
+        if layout.zero == 3:  # the largest block, gathered, and the next one prefetched
+            unit = 4 * model.d_model ** 2 / layout.tp + max(
+                2 * model.d_model * model.ff_dim / layout.tp,
+                moe_layer_params(model, layout.ep) if model.n_experts else 0)
             other += 2 * unit * BYTES[precision if mode == "low" else "fp32"]
         record = {**{k: float(v) for k, v in states.items()}, "activations": activations, "other": other}
         record["peak"] = sum(record.values())
@@ -84,7 +89,8 @@ def candidates(model: ModelConfig, devices: int, hardware: Hardware, *, global_b
                pins: dict[str, Any] | None = None) -> list[Layout]:
     """Every layout of `devices` ranks the search considers: tp within a node, pp up to the layers,
     1 or 2 virtual stages, ZeRO 0-3 over all of dp, power-of-two micro-batches, no / selective / full recompute,
-    sequence parallelism with tp; `pins` fixes any field."""
+    sequence parallelism with tp, and for a MoE model every ep dividing both dp and the experts; `pins`
+    fixes any field."""
     pins = pins or {}
     out = []
     for tp in _divisors(devices):
@@ -98,10 +104,12 @@ def candidates(model: ModelConfig, devices: int, hardware: Hardware, *, global_b
                 continue
             per_rank = global_batch // dp
             micro = [m for m in (1, 2, 4, 8, 16, 32) if per_rank % m == 0]
-            for v, zero, mb, recompute, sp in itertools.product(
-                    (1, 2) if pp > 1 else (1,), (0, 1, 2, 3), micro, ("none", "selective", "full"), (False, True) if tp > 1 else (False,)):
+            eps = [e for e in _divisors(dp) if model.n_experts % e == 0] if model.n_experts else [1]
+            for v, zero, mb, recompute, sp, ep in itertools.product(
+                    (1, 2) if pp > 1 else (1,), (0, 1, 2, 3), micro, ("none", "selective", "full"),
+                    (False, True) if tp > 1 else (False,), eps):
                 layout = Layout(dp=dp, tp=tp, pp=pp, virtual_stages=v, zero=zero, micro_batch=mb, recompute=recompute,
-                                sequence_parallel=sp, schedule="interleaved" if v > 1 else "1f1b")
+                                sequence_parallel=sp, schedule="interleaved" if v > 1 else "1f1b", ep=ep)
                 if pins:
                     layout = replace(layout, **{k: pins[k] for k in pins if k in layout.to_dict()})
                     if layout.world_size != devices:

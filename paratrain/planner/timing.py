@@ -12,6 +12,8 @@ Korthikanti et al. 2022, section 4), each term named so that a measurement can b
                the pipelined time
     pp         an activation forward and a gradient backward per micro-batch and stage boundary; the
                steady state hides them, the fill and drain do not: 2 (p - 1) transfers exposed
+    ep         per MoE layer and micro-batch 4 all-to-alls of the routed rows (b s k h): on the
+               critical path; MoE layers are replicated over tp, so their compute is not divided by tp
     dp         gradient reduction (zero 0: all-reduce; ZeRO: reduce-scatter + all-gather; ZeRO-3 also
                gathers parameters for every forward and backward), overlapped with the last
                micro-batch's backward (not under pp: the reduction follows the schedule)
@@ -38,7 +40,7 @@ class StepTime:
     compute_s: float
     """Compute of the busiest stage, bubble excluded."""
     comm_s: float
-    """Communication on the critical path: tp, the exposed part of dp, pp's fill and drain."""
+    """Communication on the critical path: tp, ep's all-to-alls, the exposed part of dp, pp's fill and drain."""
     bubble: float
     """The schedule's idle share of the pipelined part."""
     tokens_per_s: float
@@ -73,6 +75,14 @@ def _stages(model: ModelConfig, pp: int, v: int) -> tuple[float, int, int]:
     return share, blocks, numel
 
 
+def _moe_active_params(model: ModelConfig) -> int:
+    """Parameters of one MoE layer a token runs through: the router, top_k experts, the shared expert."""
+    if not model.n_experts:
+        return 0
+    return (model.n_experts * model.d_model + model.top_k * 2 * model.d_model * model.expert_dim
+            + (2 * model.d_model * model.ff_dim if model.shared_expert else 0))
+
+
 def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch: int, seq: int,
               precision: str = "bf16", grad_reduce: str = "reduce_scatter") -> StepTime:
     dp, tp, pp, v = layout.dp, layout.tp, layout.pp, layout.virtual_stages
@@ -84,7 +94,10 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
         hardware_flops += 4.0 * model.n_layer * model.d_model * seq * tokens
     share, blocks_here, numel = _stages(model, pp, v)
     rate = hw.peak_flops * hw.efficiency
-    compute = hardware_flops * share / (dp * tp) / rate + hw.overhead_s * blocks_here * m
+    # MoE layers are replicated over tp: every tp rank runs them whole (ep divides the rows, not the work)
+    moe_flops = 6.0 * model.moe_layers * _moe_active_params(model) * tokens
+    moe_flops *= hardware_flops / model_flops
+    compute = ((hardware_flops - moe_flops) / (dp * tp) + moe_flops / dp) * share / rate + hw.overhead_s * blocks_here * m
     act = BYTES[precision]
     # tensor parallelism, on the critical path, per block and micro-batch: 4 all-reduces of b s h; with
     # sequence parallelism 4 all-gathers and 4 reduce-scatters (each half an all-reduce's traffic)
@@ -95,6 +108,14 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     else:
         per_block = 4 * _bus_time(tp_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=2)
     tp_time = m * blocks_here * per_block
+    # expert parallelism, on the critical path, per MoE layer and micro-batch: the rows to the experts and
+    # back, forward and backward (4 all-to-alls of micro-batch x seq x top_k rows; a share (ep - 1) / ep
+    # leaves the rank), over the link its ep ranks (consecutive in dp) span
+    if layout.ep > 1:
+        rows_bytes = layout.micro_batch * seq * model.top_k * model.d_model * act
+        moe_here = round(model.moe_layers * blocks_here / model.n_layer)
+        tp_time += m * moe_here * 4 * _bus_time(rows_bytes, layout.ep, _bandwidth(hw, tp * layout.ep), hw.latency_s,
+                                                 factor=1)
     bubble = bubble_fraction(layout.schedule if pp > 1 else "1f1b", pp, m, v) if pp > 1 else 0.0
     pipelined = (compute + tp_time) / (1.0 - bubble)
     # pipeline: the fill and drain expose 2 (p - 1) transfers of an activation (or its gradient)

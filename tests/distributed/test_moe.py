@@ -168,4 +168,4 @@ def test_dropless_under_ep_in_float32_and_bf16(pools, precision, layout):
     else:  # 16-bit sums over 2 ranks round differently from one's (2^-8 per rounding); the recipe does not amplify it
         assert got[0]["routing"][0]["moe_dropped_fraction"] == 0.0
         for result in got:
-            within(rel_diff(result["losses"], ref["losses"]), 2e-3, "MoE loss (bf16)")  # measured 8.7e-5
+            within(rel_diff(result["losses"], ref["losses"]), 2e-3, "MoE loss (bf16)")  # measured 3.4e-5 (avx2), 2.9e-5 (default)

@@ -6,13 +6,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from paratrain.config import preset
 from tests.helpers import TINY
+
+MOE = preset("tiny-moe", vocab_size=TINY.vocab_size, seq_len=TINY.seq_len)
+DROPLESS = preset("tiny-moe", capacity_factor=0.0, vocab_size=TINY.vocab_size, seq_len=TINY.seq_len)
 from tests.margins import within
 
 BUCKET_MB = 0.05  # several flat groups, each padded: the planner must count every pad
 
 
-def _report(layout: dict, precision: str) -> dict:
+def _report(layout: dict, precision: str, model: str = "tiny") -> dict:
     import paratrain
     from paratrain.config.run import OptimSection
     from paratrain.train.optim import adamw_factory
@@ -20,9 +24,9 @@ def _report(layout: dict, precision: str) -> dict:
     config = paratrain.ParallelConfig(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], zero=layout["zero"],
                                       shard_group=layout["shard_group"], virtual_stages=layout["virtual_stages"],
                                       schedule=layout["schedule"], offload="optimizer" if layout["offload"] else "none",
-                                      bucket_mb=BUCKET_MB)
+                                      bucket_mb=BUCKET_MB, ep=layout["ep"])
     ctx = paratrain.init(device="cpu", config=config)
-    model = paratrain.build_gpt(TINY, seed=0)
+    model = paratrain.build_gpt(TINY if model == "tiny" else MOE, seed=0)
     engine = paratrain.parallelize(model, ctx, optimizer=adamw_factory(model, OptimSection()), micro_batch=1,
                                    precision=precision)
     rows = 8 // ctx.mesh.degree("dp")
@@ -38,7 +42,11 @@ CASES = {
           dict(dp=1, tp=2), dict(dp=1, tp=2, zero=1), dict(dp=1, pp=2), dict(dp=1, pp=2, zero=1)],
     4: [dict(dp=4, zero=1, shard_group=2), dict(dp=4, zero=3, shard_group=2), dict(dp=2, tp=2, zero=2),
         dict(dp=2, pp=2, zero=2), dict(dp=2, pp=2, schedule="interleaved", virtual_stages=2, zero=1),
-        dict(dp=2, tp=2, zero=3, precision="bf16")],
+        dict(dp=2, tp=2, zero=3, precision="bf16"),
+        # Mixture-of-Experts (tiny-moe): experts sliced over ep, sharded over edp (dp / ep)
+        dict(model="tiny-moe", dp=4, ep=2), dict(model="tiny-moe", dp=4, ep=2, zero=1, precision="bf16"),
+        dict(model="tiny-moe", dp=4, ep=4, zero=2), dict(model="tiny-moe", dp=2, ep=2, tp=2, zero=3),
+        dict(model="tiny-moe", dp=2, ep=2, pp=2, zero=1)],
 }
 
 
@@ -50,9 +58,11 @@ def test_model_states_equal_the_engines_report(pools, world):
     for case in CASES[world]:
         case = dict(case)
         precision = case.pop("precision", "fp32")
+        model = case.pop("model", "tiny")
         layout = Layout(**case)
-        for got in pools(world).run(_report, layout.to_dict(), precision):
-            expected = model_state_bytes(TINY, layout, precision=precision, stage=got["stage"], bucket_mb=BUCKET_MB)
+        for got in pools(world).run(_report, layout.to_dict(), precision, model):
+            expected = model_state_bytes(TINY if model == "tiny" else MOE, layout, precision=precision,
+                                         stage=got["stage"], bucket_mb=BUCKET_MB)
             assert got["report"] == expected, (case, precision, got["rank"])
 
 
@@ -86,6 +96,36 @@ def test_tensor_parallel_activations_equal_what_autograd_keeps(pools, world):
                 expected = activation_bytes(TINY, layout, seq=TINY.seq_len, mode=storage_mode(precision, zero))
                 for got in pools(world).run(_tp_activations, sp, precision, zero, recompute):
                     assert got == expected, (sp, precision, zero, recompute, got, expected)
+
+
+def _expert_parallel_activations(precision: str, zero: int) -> int:
+    import paratrain
+    from paratrain.memory import autocast
+    from paratrain.memory.activations import saved_activations
+
+    world = dist.get_world_size()
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=world, ep=world, zero=zero))
+    model = paratrain.build_gpt(DROPLESS, seed=0)
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), precision=precision)
+    x = torch.randint(0, 256, (2, DROPLESS.seq_len + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
+    with saved_activations(engine.model) as saved, autocast(precision, ctx.device):
+        paratrain.lm_loss(engine.model, (x[:, :-1], x[:, 1:]))
+    return saved.bytes
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_activations_sum_to_the_prediction(pools, world):
+    """ep 2 and 4, dropless: a rank keeps the rows it received, which routing decides; the planner counts
+    as many as it sent, so over the ep group (every row is received somewhere) the sums are equal, to the
+    byte (each rank alone differs by what its experts received more or less than it sent)."""
+    from paratrain.planner.layout import Layout
+    from paratrain.planner.memory import activation_bytes, storage_mode
+
+    for precision, zero in (("fp32", 0), ("bf16", 1)):
+        layout = Layout(dp=world, ep=world, micro_batch=2, zero=zero)
+        expected = activation_bytes(DROPLESS, layout, seq=DROPLESS.seq_len, mode=storage_mode(precision, zero))
+        got = pools(world).run(_expert_parallel_activations, precision, zero)
+        assert sum(got) == world * expected, (precision, got, expected)
 
 
 def _pipeline_peak(schedule: str, virtual_stages: int) -> dict:

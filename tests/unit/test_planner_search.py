@@ -134,3 +134,19 @@ def test_plan_auto_takes_the_fastest_fitting_layout_and_keeps_pins():
     assert flags[flags.index("--tp") + 1] == "2" and flags[flags.index("--recompute") + 1] == "full"
     with pytest.raises(ConfigError, match="none of .* layouts fits 1.0 GB per process"):
         choose_layout(config, world_size=1, hw=replace(h100, memory_bytes=1e9), pins={}, seq_len=1024)
+
+
+def test_mixture_of_experts_layouts(capsys):
+    """A MoE model: the search tries every ep dividing dp and the experts, refuses what paratrain refuses
+    (sequence parallelism), and expert parallelism divides the experts' state; a dry run is refused."""
+    model = preset("switch-base-8")
+    result = search(model, 8, hardware("h100-80gb"), global_batch=64, pins={"tp": 2})
+    assert {r["layout"]["ep"] for r in result["candidates"]} == {1, 2, 4}
+    assert any("a MoE layer routes whole sequences" in r["reason"] for r in result["rejected"])
+    one, four = (estimate(model, Layout(dp=4, ep=ep, zero=1), hardware("h100-80gb"), global_batch=64)
+                 for ep in (1, 4))
+    experts = model.moe_layers * model.n_experts * 2 * model.d_model * model.expert_dim
+    assert one["memory"]["params"] - four["memory"]["params"] == 2 * experts * 3 / 4  # bf16, 3/4 of them gone
+    assert four["comm_s"] > one["comm_s"]  # the all-to-alls
+    assert main(["plan", "--model", "tiny-moe", "--gpus", "2", "--global-batch", "8", "--dry-run"]) == 2
+    assert "cannot be dry-run" in capsys.readouterr().err
