@@ -169,22 +169,8 @@ def test_a_killed_rank_is_named_first():
     assert "then: rank 0" in final
 
 
-def test_a_rank_that_stops_answering_is_found_by_the_hang_report():
-    """Rank 1 stops answering at step 3 (--timeout 5): rank 0 times out in the gradients' all-reduce, and
-    the last words say rank 1 never entered it, the last collective it finished there, and its stack."""
-    started = time.monotonic()
-    out = paratrain("train", "--nproc", "2", *SMALL, "--steps", "5", "--timeout", "5", "--fail-at", "1:3:hang")
-    elapsed = time.monotonic() - started
-    assert out.returncode == 1
-    report = out.stderr[out.stderr.index("hang report: "):]
-    assert re.match(r"hang report: rank 1 never entered all_reduce #(\d+) on the dp group \(ranks \[0, 1\]\), where "
-                    r"rank 0 waited; its last collective there is #\d+ \(all_reduce, done\); its stack:", report), report
-    assert "in _maybe_fail" in report  # where rank 1 was
-    assert elapsed < 60, elapsed  # the timeout and a few seconds, not the launcher's 30 s grace
-
-
 def test_a_rank_hung_on_another_node_is_found_by_every_node(tmp_path):
-    """Two launcher agents on 127.0.0.1 (2 processes each, --timeout 5), rank 3 (node 1) stops answering
+    """The hang report (which also serves one node): two launcher agents on 127.0.0.1 (2 processes each, --timeout 5), rank 3 (node 1) stops answering
     at step 3: every rank leaves its flight record in the shared --save folder, so node 0's launcher,
     whose own ranks only timed out, names rank 3, the collective it never entered and its stack."""
     port = free_port()
@@ -199,7 +185,8 @@ def test_a_rank_hung_on_another_node_is_found_by_every_node(tmp_path):
     assert [node.returncode for node in nodes] == [1, 1]
     final = outputs[0][1][outputs[0][1].rindex("paratrain: "):]
     assert "no rank of this node failed first" in final, final
-    assert re.search(r"hang report: rank 3 never entered all_reduce #\d+ on the dp group \(ranks \[0, 1, 2, 3\]\)",
+    assert re.search(r"hang report: rank 3 never entered all_reduce #\d+ on the dp group \(ranks \[0, 1, 2, 3\]\), "
+                     r"where rank \d waited; its last collective there is #\d+ \(all_reduce, done\); its stack:",
                      final), final
     assert "in _maybe_fail" in final  # where rank 3 was, seen from node 0
     assert sorted(p.name for p in (tmp_path / "ckpt" / "flight" / "attempt-0").iterdir()) == [
