@@ -30,8 +30,7 @@ def _replicas_identical(got: list[dict], tp: int) -> None:
                     assert torch.equal(value, other["local"][name]), name
 
 
-@pytest.mark.parametrize("dp,tp,sequence_parallel", [(1, 2, False), (1, 2, True), (2, 2, False), (2, 2, True),
-                                                     (1, 4, True)])
+@pytest.mark.parametrize("dp,tp,sequence_parallel", [(1, 2, False), (1, 2, True), (2, 2, True), (1, 4, True)])
 def test_tp_matches_single_process(pools, dp, tp, sequence_parallel):
     got = pools(dp * tp).run(_job, dp=dp, tp=tp, sequence_parallel=sequence_parallel, micro_batch=4)
     ref = reference()
@@ -91,7 +90,7 @@ def _mlp_job(dp: int | None, tp: int) -> dict:
 
 def test_plan_applies_to_any_linear_model(pools):
     ref = _mlp_job(None, 1)
-    for dp, tp in ((1, 2), (2, 2)):
+    for dp, tp in ((2, 2),):
         got = pools(dp * tp).run(_mlp_job, dp, tp)[0]
         within(rel_diff(got["losses"], ref["losses"]), 1e-12, "loss (float64)")
         within(max_state_diff(got["model"], ref["model"]), 1e-12, "weights (float64)")
