@@ -50,7 +50,7 @@ def test_loss_matches_single_process_fp32(pools, dp, accumulation):
     within(max_state_diff(got[0]["model"], ref["model"]), 1e-4, "weights")
 
 
-@pytest.mark.parametrize("dp,accumulation", [(2, 2), (4, 1), (4, 2)])
+@pytest.mark.parametrize("dp,accumulation", [(2, 2), (4, 2)])  # (4, 1): float32 above
 def test_loss_matches_single_process_fp64(pools, dp, accumulation):
     micro = 16 // (dp * accumulation)
     ref = reference("float64")
