@@ -10,7 +10,6 @@ from typing import Any
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import ParallelConfig
-from paratrain.config.run import RunConfig
 from paratrain.config.validate import batch_layout, check_experts, check_pipeline, check_tensor_parallel
 from paratrain.models.loss import CHUNK_BYTES
 from paratrain.planner.hardware import Hardware
@@ -28,7 +27,7 @@ def check_layout(model: ModelConfig, layout: Layout, *, global_batch: int, seq: 
     if layout.recompute not in ("none", "full", "selective"):
         raise ConfigError(f"recompute must be 'none', 'full' or 'selective', got {layout.recompute!r}")
     check_tensor_parallel(model, parallel, seq)
-    check_experts(model, parallel, RunConfig())
+    check_experts(model, parallel)
     batch = batch_layout(global_batch, layout.micro_batch, layout.dp)
     check_pipeline(model, parallel, batch)
 

@@ -1,7 +1,7 @@
 """Sharded data parallelism: ZeRO-1/2/3 and hierarchical (MiCS / HSDP) shard groups, one model of sharding."""
 
 from paratrain.sharding.flat import FlatGroup
-from paratrain.sharding.gather import ParamGatherer, Unit
-from paratrain.sharding.zero import WrapPolicy, ZeroSync
+from paratrain.sharding.gather import ParamGatherer, Unit, WrapPolicy
+from paratrain.sharding.zero import ZeroSync
 
 __all__ = ["FlatGroup", "ParamGatherer", "Unit", "WrapPolicy", "ZeroSync"]

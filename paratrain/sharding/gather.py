@@ -16,8 +16,9 @@ the order the units were registered in for a model built like the reference GPT.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
 import torch
 from torch import nn
@@ -36,6 +37,40 @@ class Unit:
     state: str = "free"
     """'free', 'gathering' (all-gather in flight) or 'ready'."""
     pending: list[Pending] = field(default_factory=list)
+
+
+WrapPolicy = Union[str, type, tuple[type, ...], None]
+"""ZeRO-3 units: a regex of module names, module class(es), or None (GPT blocks: "blocks\\.\\d+")."""
+
+
+def units_of(model: nn.Module, params: list[nn.Parameter],
+             wrap: WrapPolicy) -> tuple[Unit, list[Unit], dict[int, list[nn.Parameter]]]:
+    """The root unit, the wrapped units in forward (registration) order, and each unit's trainable
+    parameters (keyed by id(unit)). A parameter belongs to a wrapped unit when every module that
+    owns it lies inside that unit; a weight shared across units (tied) goes to the root."""
+    policy = wrap if wrap is not None else r"blocks\.\d+"
+    units: list[Unit] = []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(u.name + ".") for u in units):
+            continue  # the outermost match wins
+        if re.fullmatch(policy, name) if isinstance(policy, str) else isinstance(module, policy):
+            units.append(Unit(name, module))
+    root = Unit("", model)
+    owners: dict[int, set[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), set()).add(name)
+
+    def unit_of(param: nn.Parameter) -> Unit:
+        for unit in units:
+            if all(o == unit.name or o.startswith(unit.name + ".") for o in owners[id(param)]):
+                return unit
+        return root
+
+    members: dict[int, list[nn.Parameter]] = {id(u): [] for u in [root, *units]}
+    for param in params:
+        members[id(unit_of(param))].append(param)
+    return root, units, members
 
 
 class ParamGatherer:

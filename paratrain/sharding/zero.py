@@ -36,9 +36,8 @@ only on that element's state, since flat shards cut through parameters.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Union
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -54,42 +53,8 @@ from paratrain.comm import (
 )
 from paratrain.comm.placement import Placement, Placements
 from paratrain.sharding.flat import FlatGroup
-from paratrain.sharding.gather import ParamGatherer, Unit
+from paratrain.sharding.gather import ParamGatherer, WrapPolicy, units_of
 from paratrain.topology import Mesh
-
-
-WrapPolicy = Union[str, type, tuple[type, ...], None]
-"""ZeRO-3 units: a regex of module names, module class(es), or None (GPT blocks: "blocks\\.\\d+")."""
-
-
-def _units(model: nn.Module, params: list[nn.Parameter],
-           wrap: WrapPolicy) -> tuple[Unit, list[Unit], dict[int, list[nn.Parameter]]]:
-    """The root unit, the wrapped units in forward (registration) order, and each unit's trainable
-    parameters (keyed by id(unit)). A parameter belongs to a wrapped unit when every module that
-    owns it lies inside that unit; a weight shared across units (tied) goes to the root."""
-    policy = wrap if wrap is not None else r"blocks\.\d+"
-    units: list[Unit] = []
-    for name, module in model.named_modules():
-        if not name or any(name.startswith(u.name + ".") for u in units):
-            continue  # the outermost match wins
-        if re.fullmatch(policy, name) if isinstance(policy, str) else isinstance(module, policy):
-            units.append(Unit(name, module))
-    root = Unit("", model)
-    owners: dict[int, set[str]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        for param in module.parameters(recurse=False):
-            owners.setdefault(id(param), set()).add(name)
-
-    def unit_of(param: nn.Parameter) -> Unit:
-        for unit in units:
-            if all(o == unit.name or o.startswith(unit.name + ".") for o in owners[id(param)]):
-                return unit
-        return root
-
-    members: dict[int, list[nn.Parameter]] = {id(u): [] for u in [root, *units]}
-    for param in params:
-        members[id(unit_of(param))].append(param)
-    return root, units, members
 
 
 @dataclass
@@ -152,7 +117,7 @@ class ZeroSync:
         else:
             if model is None:
                 raise ValueError("ZeRO-3 needs the model, to gather parameters around its modules")
-            root, units, members = _units(model, params, wrap)
+            root, units, members = units_of(model, params, wrap)
             # Gradients complete in backward order: units reversed, the root (embedding) last.
             self.groups = []
             for unit in [*reversed(units), root]:
