@@ -133,10 +133,10 @@ class ModelConfig:
         d, f, v = self.d_model, self.ff_dim, self.padded_vocab
         per_block = 3 * d * d + d * d + d * f + f * d + 2 * d  # qkv, out, up, down, 2 norms
         head = 0 if self.tie_embeddings else v * d
-        moe = self.moe_layers * (self._moe_params(self.n_experts) - 2 * d * f)  # a MoE layer instead of an MLP
+        moe = self.moe_layers * (self.moe_layer_params(self.n_experts) - 2 * d * f)  # a MoE layer instead of an MLP
         return v * d + self.n_layer * per_block + d + head + moe
 
-    def _moe_params(self, experts: int) -> int:
+    def moe_layer_params(self, experts: int) -> int:
         """Parameters of one MoE layer counting `experts` experts (router, experts, shared expert)."""
         d = self.d_model
         return d * self.n_experts + experts * 2 * d * self.expert_dim + (2 * d * self.ff_dim if self.shared_expert else 0)
@@ -145,7 +145,7 @@ class ModelConfig:
         """Parameters a token runs through: top_k experts of each MoE layer (num_params when dense)."""
         if not self.n_experts:
             return self.num_params()
-        return self.num_params() - self.moe_layers * (self._moe_params(self.n_experts) - self._moe_params(self.top_k))
+        return self.num_params() - self.moe_layers * (self.moe_layer_params(self.n_experts) - self.moe_layer_params(self.top_k))
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token: 6N for the matmuls plus 12 * L * d * S for attention scores

@@ -154,8 +154,9 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     if sync_initial_weights and not meta:
         with torch.no_grad():
             for tensor in model.parameters():
-                if placements(tensor).reduce is not None:
-                    broadcast(tensor.data, placements(tensor).reduce)
+                replicas = placements(tensor).reduce
+                if replicas is not None:
+                    broadcast(tensor.data, replicas)
             for tensor in model.buffers():
                 if placements.default.reduce is not None:
                     broadcast(tensor, placements.default.reduce)
@@ -172,7 +173,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     else:
         # 7b. ZeRO-1/2/3: flat groups padded to the shard group; the optimizer is re-pointed at this
         # rank's shard of each, so its state exists for 1/shard of the parameters only.
-        zero = ZeroSync(params, opt, names, ctx.mesh, stage=ctx.config.zero, bucket_bytes=bucket_bytes,
+        zero = ZeroSync(params, opt, names, stage=ctx.config.zero, bucket_bytes=bucket_bytes,
                         reduce_op=_grad_reduce(ctx), model=model, wrap=wrap,
                         reshard_after_forward=(ctx.config.reshard_after_forward if reshard_after_forward is None
                                                else reshard_after_forward),

@@ -27,11 +27,6 @@ from paratrain.pipeline.schedules import Action, compute_order
 from paratrain.planner.layout import Layout, RankParam, chunk_layers, meta_tensors, rank_params
 
 
-def moe_layer_params(model: ModelConfig, ep: int) -> int:
-    """Elements of one MoE layer on a rank: the router, its E / ep experts, the shared expert."""
-    return (model.n_experts * model.d_model + model.n_experts // ep * 2 * model.d_model * model.expert_dim
-            + (2 * model.d_model * model.ff_dim if model.shared_expert else 0))
-
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 """Bytes of one element stored in each precision."""
 MASTER_BYTES = 4
@@ -78,11 +73,11 @@ def flat_groups(params: list[RankParam], *, zero: int, shards: int, bucket_bytes
         blocks = [u for u in units if u]
         sizes = []
         for unit in [*reversed(blocks), *([""] if "" in units else [])]:
-            by_key: dict[tuple[object, ...], int] = {}
+            by_key: dict[tuple[int, tuple[bool, bool, bool, bool]], int] = {}
             for p in units[unit]:
                 key = (group_of[id(p)], _role(p))
                 by_key[key] = by_key.get(key, 0) + p.numel
-            sizes += [(n, role[-1]) for (_, role), n in by_key.items()]  # type: ignore[index]
+            sizes += [(n, role[3]) for (_, role), n in by_key.items()]  # role[3]: an expert group
     plans = []
     for n, expert in sizes:
         parts = expert_shards if expert else shards
@@ -301,7 +296,8 @@ def _chunk_sizes(model: ModelConfig, layout: Layout, seq: int, mode: str, pp_spl
     for start, end in chunk_layers(model, layout, pp_split):
         held = range(max(start, 1), min(end, model.n_layer + 1))  # GPT layer i + 1 is block i
         moe = sum(model.is_moe(i - 1) for i in held)
-        sizes.append((len(held) - moe) * block + moe * moe_block + (embedding if start == 0 else 0.0) + (head if end == model.n_layer + 2 else 0.0))
+        ends = (embedding if start == 0 else 0.0) + (head if end == model.n_layer + 2 else 0.0)
+        sizes.append((len(held) - moe) * block + moe * moe_block + ends)
     return tuple(sizes)
 
 

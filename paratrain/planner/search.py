@@ -14,7 +14,7 @@ from paratrain.config.validate import batch_layout, check_experts, check_pipelin
 from paratrain.models.loss import CHUNK_BYTES
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
-from paratrain.planner.memory import BYTES, activation_bytes, model_state_bytes, moe_layer_params, storage_mode
+from paratrain.planner.memory import BYTES, activation_bytes, model_state_bytes, storage_mode
 from paratrain.planner.timing import step_time
 
 def check_layout(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int) -> None:
@@ -59,7 +59,7 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, p
         if layout.zero == 3:  # the largest block, gathered, and the next one prefetched
             unit = 4 * model.d_model ** 2 / layout.tp + max(
                 2 * model.d_model * model.ff_dim / layout.tp,
-                moe_layer_params(model, layout.ep) if model.n_experts else 0)
+                model.moe_layer_params(model.n_experts // layout.ep) if model.n_experts else 0)
             other += 2 * unit * BYTES[precision if mode == "low" else "fp32"]
         record = {**{k: float(v) for k, v in states.items()}, "activations": activations, "other": other}
         record["peak"] = sum(record.values())

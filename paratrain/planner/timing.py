@@ -75,14 +75,6 @@ def _stages(model: ModelConfig, pp: int, v: int) -> tuple[float, int, int]:
     return share, blocks, numel
 
 
-def _moe_active_params(model: ModelConfig) -> int:
-    """Parameters of one MoE layer a token runs through: the router, top_k experts, the shared expert."""
-    if not model.n_experts:
-        return 0
-    return (model.n_experts * model.d_model + model.top_k * 2 * model.d_model * model.expert_dim
-            + (2 * model.d_model * model.ff_dim if model.shared_expert else 0))
-
-
 def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch: int, seq: int,
               precision: str = "bf16", grad_reduce: str = "reduce_scatter") -> StepTime:
     dp, tp, pp, v = layout.dp, layout.tp, layout.pp, layout.virtual_stages
@@ -95,9 +87,10 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     share, blocks_here, numel = _stages(model, pp, v)
     rate = hw.peak_flops * hw.efficiency
     # MoE layers are replicated over tp: every tp rank runs them whole (ep divides the rows, not the work)
-    moe_flops = 6.0 * model.moe_layers * _moe_active_params(model) * tokens
+    moe_flops = 6.0 * model.moe_layers * model.moe_layer_params(model.top_k) * tokens
     moe_flops *= hardware_flops / model_flops
-    compute = ((hardware_flops - moe_flops) / (dp * tp) + moe_flops / dp) * share / rate + hw.overhead_s * blocks_here * m
+    per_rank = (hardware_flops - moe_flops) / (dp * tp) + moe_flops / dp
+    compute = per_rank * share / rate + hw.overhead_s * blocks_here * m
     act = BYTES[precision]
     # tensor parallelism, on the critical path, per block and micro-batch: 4 all-reduces of b s h; with
     # sequence parallelism 4 all-gathers and 4 reduce-scatters (each half an all-reduce's traffic)
@@ -111,13 +104,14 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     # expert parallelism, on the critical path, per MoE layer and micro-batch: the rows to the experts and
     # back, forward and backward (4 all-to-alls of micro-batch x seq x top_k rows; a share (ep - 1) / ep
     # leaves the rank), over the link its ep ranks (consecutive in dp) span
+    ep_time = 0.0
     if layout.ep > 1:
         rows_bytes = layout.micro_batch * seq * model.top_k * model.d_model * act
         moe_here = round(model.moe_layers * blocks_here / model.n_layer)
-        tp_time += m * moe_here * 4 * _bus_time(rows_bytes, layout.ep, _bandwidth(hw, tp * layout.ep), hw.latency_s,
-                                                 factor=1)
+        ep_time = m * moe_here * 4 * _bus_time(rows_bytes, layout.ep, _bandwidth(hw, tp * layout.ep), hw.latency_s,
+                                               factor=1)
     bubble = bubble_fraction(layout.schedule if pp > 1 else "1f1b", pp, m, v) if pp > 1 else 0.0
-    pipelined = (compute + tp_time) / (1.0 - bubble)
+    pipelined = (compute + tp_time + ep_time) / (1.0 - bubble)
     # pipeline: the fill and drain expose 2 (p - 1) transfers of an activation (or its gradient)
     pp_time = 2 * (pp - 1) * (hw.latency_s + tp_bytes / tp / _bandwidth(hw, dp * tp * pp)) if pp > 1 else 0.0
     # data parallelism over dp ranks (ZeRO: its shard group), on this rank's parameters
@@ -136,5 +130,5 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
         overlap = compute  # prefetched gathers run under the compute of every micro-batch
     dp_exposed = max(0.0, dp_time - overlap)
     step = pipelined + pp_time + dp_exposed
-    return StepTime(step_s=step, compute_s=compute, comm_s=tp_time + pp_time + dp_exposed, bubble=bubble,
+    return StepTime(step_s=step, compute_s=compute, comm_s=tp_time + ep_time + pp_time + dp_exposed, bubble=bubble,
                     tokens_per_s=tokens / step, mfu=model_flops / step / (layout.world_size * hw.peak_flops))

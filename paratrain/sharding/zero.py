@@ -54,7 +54,6 @@ from paratrain.comm import (
 from paratrain.comm.placement import Placement, Placements
 from paratrain.sharding.flat import FlatGroup
 from paratrain.sharding.gather import ParamGatherer, WrapPolicy, units_of
-from paratrain.topology import Mesh
 
 
 @dataclass
@@ -69,9 +68,9 @@ class _InFlight:
 
 class ZeroSync:
     def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, names: dict[int, str],
-                 mesh: Mesh, *, stage: int, bucket_bytes: int, reduce_op: str, model: nn.Module | None = None,
+                 *, stage: int, bucket_bytes: int, reduce_op: str, model: nn.Module | None = None,
                  wrap: WrapPolicy = None, reshard_after_forward: bool = True, offload: bool = False,
-                 param_dtype: torch.dtype | None = None, placements: Placements | None = None,
+                 param_dtype: torch.dtype | None = None, placements: Placements,
                  deferred: bool = False, device: torch.device | None = None) -> None:
         """model, wrap, reshard_after_forward: stage 3 only (see paratrain.sharding.gather).
         offload: the optimizer's masters and state live in CPU memory and the update runs there
@@ -79,14 +78,13 @@ class ZeroSync:
         param_dtype: store parameters and gradients in this dtype (bf16 / fp16); the optimizer's
         masters stay in the parameters' original dtype (float32).
         placements: where each parameter's gradient is reduced and sharded, and how it counts in the
-        norm (paratrain.comm.placement); a flat group holds parameters of one placement. None: every
-        parameter replicated over the mesh's dp, sharded over dp_shard (Placement.data_parallel).
+        norm (paratrain.comm.placement: Placements(Placement.data_parallel(mesh)) when every parameter
+        is replicated over dp); a flat group holds parameters of one placement.
         deferred: reduce once per step, after the last backward (pipeline schedules interleave the
         micro-batches' backwards); stage 2 then keeps full gradients during the step and only the
         shards between steps.
         device: where the flat buffers go when the parameters are on the meta device (FlatGroup)."""
-        self.placements = placements = placements if placements is not None else Placements(
-            Placement.data_parallel(mesh))
+        self.placements = placements
         self.deferred = deferred
         if deferred and stage == 3:
             raise ValueError("ZeRO-3 gathers parameters around each module's forward and backward, which a "
@@ -99,9 +97,6 @@ class ZeroSync:
         self.optimizer = optimizer
         self.names = names
         self.reduce_op = reduce_op
-        self.shard_group = placements.default.shard
-        """The shard group of the parameters replicated over dp."""
-
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         missing = [names[id(p)] for p in params if id(p) not in group_of]
         if missing:
@@ -214,15 +209,15 @@ class ZeroSync:
         if self.stage >= 2:
             self.grad_flats[index] = None  # the next micro-batch starts a fresh buffer
         shard = pending = None
-        axes = self._placement[index]
+        placement = self._placement[index]
         if self.reduce_op == "all_reduce":
-            if axes.reduce is not None:
-                pending = all_reduce_async(flat, axes.reduce)
-        elif axes.shard is not None:
+            if placement.reduce is not None:
+                pending = all_reduce_async(flat, placement.reduce)
+        elif placement.shard is not None:
             shard = torch.empty(group.shard_numel, dtype=flat.dtype, device=flat.device)
-            pending = reduce_scatter_async(shard, flat, axes.shard)
-        elif axes.reduce is not None:  # shard group of 1 (S = 1): plain all-reduce of the shard
-            pending = all_reduce_async(flat, axes.reduce)
+            pending = reduce_scatter_async(shard, flat, placement.shard)
+        elif placement.reduce is not None:  # shard group of 1 (S = 1): plain all-reduce of the shard
+            pending = all_reduce_async(flat, placement.reduce)
         self._in_flight.append(_InFlight(group, flat, shard, pending))
         self._next += 1
         if self.gatherer is not None:  # every gradient of the unit is in: its parameters can go
