@@ -196,7 +196,7 @@ class Trainer:
     # --- the launching process ---
 
     def _launch(self, model: nn.Module) -> FitResult:
-        from safetensors.torch import load_file
+        from safetensors.torch import load_model
 
         from paratrain.launch import launch_script
 
@@ -214,7 +214,9 @@ class Trainer:
         try:
             launch_script(launch_cfg, command)
             result = FitResult(**_int_keys(json.loads((Path(handoff) / "result.json").read_text())))
-            model.load_state_dict(load_file(str(Path(handoff) / "model.safetensors")))
+            # Tied weights were written once, under their first name: safetensors' load_model restores every
+            # alias of a shared tensor, and still refuses a missing or unexpected name.
+            load_model(model, str(Path(handoff) / "model.safetensors"))
         finally:
             os.environ.pop(HANDOFF_ENV, None)
             for part in Path(handoff).glob("*"):

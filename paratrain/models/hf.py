@@ -41,6 +41,10 @@ from paratrain.models.gpt import VocabOutput
 from paratrain.pipeline.stages import Layer, Run
 
 LLAMA_TP_PLAN: dict[str, str] = {
+    # Both vocabulary ends split along the vocabulary (dim 0 of their weights), so a tied model
+    # (tie_word_embeddings=True: one Parameter for both) stays tied: ids outside a rank's rows read
+    # zeros, and the rows are summed over tp.
+    "embed_tokens": "embedding",
     # q[B, S, D] @ Wq[D, H/tp * hd] -> [B, S, H/tp * hd]: whole heads, since HF views the projection as
     # [B, S, -1, hd] (the local head count is inferred) and repeats k/v by H / KV, a ratio tp keeps
     # when both H and KV are divisible by tp (check_llama_tp).
@@ -53,15 +57,16 @@ LLAMA_TP_PLAN: dict[str, str] = {
     "mlp.down_proj": "row",
     "lm_head": "column_gather",  # W[V/tp, D] per rank, logits all-gathered to [B, S, V]
 }
-"""The Megatron layout of HF Llama / Mistral: one all-reduce per attention and per MLP, each way.
+"""The Megatron layout of HF Llama / Mistral: one all-reduce per attention and per MLP, each way,
+and one for the embedding.
 
-The vocabulary ends are not vocab-parallel as the GPT's are: paratrain's "vocab_output" style reads
-split logits through paratrain's VocabOutput module, which HF's model has not (its logits leave
-through lm_head, and any loss then wants them whole). So lm_head is "column_gather" (its weight
-split, the logits gathered: every tp rank holds the [B, S, V] logits and computes the same loss, as
-HF's own tp plan does, "colwise_gather_output"), and model.embed_tokens stays replicated (as in HF's
-plan; paratrain's vocab-parallel embedding also refuses the padding_idx HF builds from
-pad_token_id). Sequence parallelism is not supported (check_llama_tp says why)."""
+The output end is not vocab-parallel as the GPT's is: paratrain's "vocab_output" style reads split
+logits through paratrain's VocabOutput module, which HF's model has not (its logits leave through
+lm_head, and any loss then wants them whole). So lm_head is "column_gather" (its weight split, the
+logits gathered: every tp rank holds the [B, S, V] logits and computes the same loss, as HF's own tp
+plan does, "colwise_gather_output"). model.embed_tokens is vocab-parallel ("embedding": its rows
+split alike), which keeps a tied head tied; its padding row, if any, keeps a zero gradient on the
+rank that holds it. Sequence parallelism is not supported (check_llama_tp says why)."""
 
 LLAMA_WRAP = r"model\.layers\.\d+"
 """ZeRO-3 units: each decoder layer (parallelize's `wrap=`); the root unit holds the embedding, the
@@ -83,9 +88,10 @@ def check_llama_tp(config: Any, tp: int, *, sequence_parallel: bool = False) -> 
         raise ConfigError(f"the MLP splits along intermediate_size ({ffn}), which must be divisible by tp ({tp}); "
                           f"use tp in {fits}")
     if vocab % tp:
-        raise ConfigError(f"lm_head splits along vocab_size ({vocab}), which must be divisible by tp ({tp}): pad the "
-                          f"vocabulary (model.resize_token_embeddings(..., pad_to_multiple_of={tp})), or drop "
-                          "'lm_head' from the plan to keep it replicated")
+        raise ConfigError(f"model.embed_tokens and lm_head split along vocab_size ({vocab}), which must be divisible "
+                          f"by tp ({tp}): pad the vocabulary (model.resize_token_embeddings(..., "
+                          f"pad_to_multiple_of={tp})), or drop 'embed_tokens' and 'lm_head' from the plan to keep "
+                          "them replicated")
     if sequence_parallel:
         raise ConfigError("sequence parallelism does not apply to HF Llama / Mistral: their attention reshapes each "
                           "projection with the sequence length of its input, which sequence parallelism splits "
@@ -116,17 +122,14 @@ def llama_layers(model: nn.Module) -> list[Layer]:
 
     Each decoder layer runs as LlamaModel.forward runs it for a batch without padding or cache:
     position ids 0 .. S-1, HF's causal mask (sliding-window for Mistral) and rotary cos/sin from
-    model.model.rotary_emb. Between stages travels only the hidden state [B, S, D]."""
+    model.model.rotary_emb. Between stages travels only the hidden state [B, S, D]. A tied lm_head
+    (tie_word_embeddings=True) on another stage than model.embed_tokens is kept tied by the stages
+    (paratrain.pipeline.stages: a copy whose gradient is summed with the embedding's)."""
     config = model.config
     if config.model_type not in _TYPES:
         raise ConfigError(f"llama_layers cuts {' or '.join(_TYPES)} models (its layers run as theirs do), not "
                           f"model_type {config.model_type!r}: express the model as nn.Sequential of its layers")
     base = model.model
-    if model.lm_head.weight is base.embed_tokens.weight:
-        raise ConfigError("lm_head is tied to model.embed_tokens (tie_word_embeddings=True), and pipeline stages "
-                          "put the two on different ranks, where the tie would silently break: untie them "
-                          "(build with tie_word_embeddings=False, or model.lm_head.weight = "
-                          "nn.Parameter(model.lm_head.weight.detach().clone())), or train with pp = 1")
     d, v = config.hidden_size, config.vocab_size
     layers = [Layer("model.embed_tokens", {"model.embed_tokens": base.embed_tokens}, _embed, 2.0 * d)]
     for i, block in enumerate(base.layers[: config.num_hidden_layers]):

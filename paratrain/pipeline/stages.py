@@ -12,10 +12,11 @@ chunks under the names the whole model gives them ("blocks.5.mlp.up.weight" on w
 block 5), so checkpoints, tensor-parallel plans, recompute patterns and ZeRO all work on it as on
 the whole model.
 
-A weight tied across the first and last layers (the GPT's embedding and head) becomes two
-parameters when those layers land on different ranks: the last one's copy starts equal, and the
-gradient strategies sum the two gradients over the ranks holding them ("tied group"), so both stay
-equal; checkpoints hold it once, under the first name.
+A weight tied across the first and last stage (found by identity: the GPT's or a Hugging Face
+model's embedding and head, any user's shared tensor) becomes two parameters when its ends land on
+different ranks: the copy starts equal, and the gradient strategies sum the two gradients over the
+ranks holding them ("tied group"), so both stay equal; checkpoints hold it once, under its first
+name. A tie between other stages is refused before anything runs.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 
 from paratrain.config.errors import ConfigError
 from paratrain.models.gpt import GPT
+from paratrain.models.ties import tied_parameters
 from paratrain.topology.mesh import AxisGroup
 
 Run = Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -154,19 +156,55 @@ class StageModel(nn.Module):
         """Name of a tied copy on this rank -> the name the checkpoint keeps it under."""
         self.tied_name: str | None = None
         """This rank's end of a weight tied across stages: its gradient is summed with the other end's."""
-        if isinstance(model, GPT) and model.config.tie_embeddings and self.first_chunk != self.last_chunk:
-            if self.last_chunk:
-                self.head.weight = nn.Parameter(model.tok_emb.weight.detach().clone())
-                self.tied["head.weight"] = "tok_emb.weight"
-                self.tied_name = "head.weight"
-            else:
-                self.tied_name = "tok_emb.weight"
+        pp = len(ranges) // len(chunks)
+        own = {name for name, _ in self.named_parameters(remove_duplicate=False)}
+        for names in _ties_across_ranks(model, layers, ranges, pp):
+            here = [name for name in names if name in own]
+            if not here:
+                continue
+            if names[0] in here:  # the first end: the checkpoint's name, counted in the norm
+                self.tied_name = names[0]
+                continue
+            copy = nn.Parameter(model.get_parameter(names[0]).detach().clone())
+            for name in here:  # every alias of it on this stage shares the one copy
+                module_name, _, attr = name.rpartition(".")
+                setattr(self.get_submodule(module_name) if module_name else self, attr, copy)
+                self.tied[name] = names[0]
+            self.tied_name = here[0]
 
     def run_chunk(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
         start, end = self.ranges[chunk]
         for layer in self.layers[start:end]:
             x = layer.run(self, x)
         return x
+
+
+def _ties_across_ranks(model: nn.Module, layers: list[Layer], ranges: list[tuple[int, int]],
+                       pp: int) -> list[tuple[str, ...]]:
+    """The tied weights of `model` whose ends lie on different pipeline ranks (chunk c on rank c % pp);
+    refused unless their ranks are the first and the last, which the mesh's "tied" group joins."""
+    rank_of: dict[str, int] = {}
+    for chunk, (start, end) in enumerate(ranges):
+        for layer in layers[start:end]:
+            for module_name in layer.modules:
+                rank_of[module_name] = chunk % pp
+    across = []
+    for names in tied_parameters(model):
+        ranks = {rank for name in names for module_name, rank in rank_of.items()
+                 if name.startswith(module_name + ".")}
+        if len(ranks) < 2:
+            continue
+        if ranks != {0, pp - 1}:
+            raise ConfigError(f"{' and '.join(names)} are one tied parameter, and the pipeline cut puts its ends on "
+                              f"ranks {sorted(ranks)} of {pp}: a weight can be tied across stages only between the "
+                              "first and the last (an embedding and its head); cut the stages so that its ends share "
+                              "a stage, or untie it")
+        across.append(names)
+    if len(across) > 1:
+        raise ConfigError(f"{len(across)} weights are tied across pipeline stages ({across}): paratrain keeps one "
+                          "(the embedding and its head); untie the others or cut the stages so that their ends "
+                          "share a stage")
+    return across
 
 
 def _register(root: nn.Module, dotted: str, module: nn.Module) -> None:

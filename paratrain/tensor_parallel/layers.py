@@ -137,11 +137,15 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(_slice(full.weight, 0, group, "vocab-parallel embedding"))
         self.vocab_start = group.index * self.weight.shape[0]
         self.vocab_end = self.vocab_start + self.weight.shape[0]
+        pad = full.padding_idx
+        self.padding_idx = pad - self.vocab_start if pad is not None and self.vocab_start <= pad < self.vocab_end else None
+        """The padding row (its gradient stays zero), when it lies in this rank's slice of the vocabulary."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
-        rows = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        # outside ids read row 0 and are masked to zero (so is their gradient), padding row or not
+        rows = F.embedding(local, self.weight, self.padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:  # each rank keeps the sum for its slice of the sequence
             return reduce_scatter_to_sequence_region(rows, self.group, self.sequence_dim)
         return reduce_from_tp_region(rows, self.group)

@@ -16,7 +16,9 @@ A plan key names modules by suffix ("attn.qkv" matches "blocks.3.attn.qkv") or b
 
 Every split parameter is a slice of the full, layout-free one, so tp = 1 and tp = N start from the
 same numbers; a weight shared by two modules (a tied embedding and head) stays one parameter when
-both split it the same way. Everything not named stays replicated on every tp rank.
+both split it the same way, and a plan that splits one end and not the other (or splits them
+differently) is refused before anything runs: training would silently untie them. Everything not
+named stays replicated on every tp rank.
 
 Sequence parallelism (Korthikanti et al. 2022): the split layers all-gather their input along the
 sequence and reduce-scatter their output, so whatever runs between them (norms, dropout, residual
@@ -38,6 +40,7 @@ from paratrain.comm.collectives import all_reduce
 from paratrain.comm.regions import all_gather_along
 from paratrain.models.dropout import KeyedDropout
 from paratrain.models.gpt import VocabOutput
+from paratrain.models.ties import broken_ties, tied_parameters
 from paratrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from paratrain.tensor_parallel.loss import VocabParallelOutput
 from paratrain.topology.mesh import AxisGroup
@@ -146,6 +149,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
                           sequence_parallel: bool = False, allow_missing: bool = False) -> TensorParallelLayout:
     """Replace the planned modules of `model` in place by their tensor-parallel versions."""
     resolved = resolve_plan(model, plan, allow_missing=allow_missing)
+    ties = tied_parameters(model)
     split: dict[int, int] = {}  # id(new parameter) -> split dim
     sliced: dict[int, nn.Parameter] = {}  # id(full parameter) -> its slice here (ties stay ties)
     for name, style in resolved.items():
@@ -163,9 +167,8 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
                 continue
             shared = sliced.get(id(full))
             if shared is not None:
-                if shared.shape != new.shape or split.get(id(shared)) != dim:
-                    raise ValueError(f"{name}.{attr} is shared with another planned module that splits it "
-                                     "differently: tied weights must use styles that split the same dim")
+                if shared.shape != new.shape or split.get(id(shared), -1) != dim:
+                    raise ValueError(_untie_message(model, resolved, ties, f"{name}.{attr}"))
                 setattr(replacement, attr, shared)
                 continue
             sliced[id(full)] = new
@@ -173,6 +176,9 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
                 split[id(new)] = dim
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, replacement)
+    broken = broken_ties(model, ties)
+    if broken:
+        raise ValueError(_untie_message(model, resolved, ties, broken[0][0]))
     layout = TensorParallelLayout(group, sequence_parallel)
     for pname, param in model.named_parameters():
         if id(param) in split:
@@ -181,6 +187,37 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
     if not any(p.is_meta for p in model.parameters()):
         layout.register_grad_hooks(model)
     return layout
+
+
+_SPLIT_DIMS = {"column": 0, "column_gather": 0, "row": 1, "embedding": 0}
+"""The weight dim each style splits."""
+
+
+def _untie_message(model: nn.Module, resolved: Mapping[str, str], ties: list[tuple[str, ...]], name: str) -> str:
+    """Why a plan would untie the weight `name` is one end of, and the plan entries that keep it tied."""
+    group = next(g for g in ties if name in g)
+    ends = []
+    for end in group:
+        module_name = end.rpartition(".")[0]
+        style = resolved.get(module_name)
+        ends.append(f"{module_name} ({'not in the plan' if style is None else repr(style)}"
+                    f"{'' if style is None else f', dim {_SPLIT_DIMS.get(style)}'})")
+    dims = {_SPLIT_DIMS.get(resolved.get(end.rpartition(".")[0], ""), -1) for end in group} - {-1}
+    dim = dims.pop() if len(dims) == 1 else None
+    fixes = []
+    for end in group:
+        module_name = end.rpartition(".")[0]
+        if module_name not in resolved and dim is not None:
+            module = model.get_submodule(module_name) if module_name else model
+            style = {(True, 0): "embedding", (False, 0): "column", (False, 1): "row"}.get(
+                (isinstance(module, nn.Embedding), dim))
+            if style is not None:
+                fixes.append(f"{module_name!r}: {style!r}")
+    fix = (f"add {{{', '.join(fixes)}}} to the plan (it splits the same dim of the weight), " if fixes
+           else "give every end a style that splits the same dim of the weight, ")
+    return (f"{' and '.join(group)} are one tied parameter, and the tensor-parallel plan would split its ends "
+            f"differently: {'; '.join(ends)}. Training would silently untie them (each end then learns apart). "
+            f"{fix}drop the ends from the plan to keep the weight replicated, or untie the weights in the model")
 
 
 def _build(module: nn.Module, name: str, style: str, group: AxisGroup,
@@ -198,8 +235,9 @@ def _build(module: nn.Module, name: str, style: str, group: AxisGroup,
     if style == "embedding":
         _expect(module, nn.Embedding, name, style)
         assert isinstance(module, nn.Embedding)
-        if module.padding_idx is not None or module.max_norm is not None:
-            raise ValueError(f"{name}: vocab-parallel embedding supports neither padding_idx nor max_norm")
+        if module.max_norm is not None:
+            raise ValueError(f"{name}: vocab-parallel embedding does not support max_norm (it renormalises rows "
+                             "that other tp ranks hold); drop the entry to keep the embedding replicated")
         return VocabParallelEmbedding(module, group, sequence_parallel=sequence_parallel), {"weight": 0}
     _expect(module, VocabOutput, name, style)
     assert isinstance(module, VocabOutput)

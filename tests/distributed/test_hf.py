@@ -27,7 +27,12 @@ def build(kind: str = "llama") -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "mistral":  # a window shorter than the sequence, so the sliding mask matters
         return MistralForCausalLM(MistralConfig(**shape, sliding_window=6)).double()
-    return LlamaForCausalLM(LlamaConfig(**shape)).double()
+    # "llama-tied": lm_head.weight is model.embed_tokens.weight (one Parameter), as in most small
+    # published checkpoints; its embedding has a padding row, as a pad_token_id gives
+    tied = kind == "llama-tied"
+    model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=tied, pad_token_id=3 if tied else None)).double()
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    return model
 
 
 def batch(step: int, dp: int = 1, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,6 +99,14 @@ def _job(kind: str, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: in
     return {"losses": losses, "grad_norms": norms, "model": engine.state_dict()["model"]}
 
 
+def _tied_state(kind: str, state: dict) -> dict:
+    """The plain model's state_dict holds a tied weight under both names; paratrain's under its first."""
+    if kind == "llama-tied":
+        assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
+        return {k: v for k, v in state.items() if k != "lm_head.weight"}
+    return state
+
+
 # Bounds: the worst measured value (AMD EPYC, 2 cores, torch 2.13 CPU, gloo, transformers 5.23; native
 # and ATEN_CPU_CAPABILITY=default kernels, reference at 1 and 2 threads), per case:
 #                 loss     grad norm  weights (max abs)
@@ -102,6 +115,9 @@ def _job(kind: str, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: in
 #   llama-pp2     2.1e-16  4.9e-16    2.2e-16
 #   mistral-tp2   4.3e-16  4.8e-16    1.5e-16
 #   mistral-pp2   4.3e-16  9.9e-16    1.4e-16
+#   tied-tp2      TIEDTP2
+#   tied-pp2      TIEDPP2
+#   tied-dp2tp2z1 TIEDDPTP
 # The oracle backpropagates the loss *sum* and divides the gradients by the token count, as the engine
 # does, rather than backpropagating the mean: HF's RMSNorm computes in float32 even in a float64
 # model (forward and backward), so the gradient's scale changes float32 roundings, and a mean-loss
@@ -113,11 +129,17 @@ def _job(kind: str, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: in
     ("llama", dict(pp=2, micro_batch=2)),  # 1F1B over 4 micro-batches
     ("mistral", dict(tp=2)),
     ("mistral", dict(pp=2, micro_batch=4)),  # the sliding-window mask rebuilt on each stage
-], ids=["llama-zero3", "llama-tp2", "llama-pp2", "mistral-tp2", "mistral-pp2"])
+    # a tied head: both vocabulary ends split alike under tp, a copy summed with the embedding under pp
+    ("llama-tied", dict(tp=2, micro_batch=4)),
+    ("llama-tied", dict(pp=2, micro_batch=2)),
+    ("llama-tied", dict(dp=2, tp=2, zero=1, micro_batch=2)),  # on 4 ranks, last: one pool start
+], ids=["llama-zero3", "llama-tp2", "llama-pp2", "mistral-tp2", "mistral-pp2", "tied-tp2", "tied-pp2",
+        "tied-dp2tp2z1"])
 def test_layout_trains_as_plain_pytorch(pools, kind, layout):
-    """Per-step losses and gradient norms, and the whole final model by name, against plain PyTorch."""
-    got = pools(2).run(_job, kind, **layout)
-    ref = plain(kind)
+    """Per-step losses and gradient norms, and the whole final model by name, against plain PyTorch;
+    a tied weight stays one tensor, under its first name."""
+    got = pools(layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)).run(_job, kind, **layout)
+    ref = dict(plain(kind), model=_tied_state(kind, plain(kind)["model"]))
     for rank in got:
         within(rel_diff(rank["losses"], ref["losses"]), 1e-12, "loss (float64)")  # measured <= 4.3e-16
         within(rel_diff(rank["grad_norms"], ref["grad_norms"]), 1e-12, "grad norm (float64)")  # <= 9.9e-16

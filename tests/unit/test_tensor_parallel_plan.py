@@ -64,3 +64,46 @@ def test_split_dropout_draws_the_slice_of_the_full_mask(dim):
     assert torch.equal(full(x[:2]), expected[2:])
     stream.step = 6
     assert not torch.equal(full(x[:2]), expected[2:])  # a new step, a new mask
+
+
+class _Tied(torch.nn.Module):
+    """A tiny language model whose head is its embedding (one Parameter under two names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(8, 4)
+        self.mid = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 8, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_a_plan_that_would_untie_a_weight_is_refused_with_the_fix():
+    from paratrain.models.ties import tied_parameters
+
+    assert tied_parameters(_Tied()) == [("emb.weight", "head.weight")]
+    single = AxisGroup("tp", (0,), 0, None)  # type: ignore[arg-type]  # never communicates here
+    with pytest.raises(ValueError, match=r"emb.weight and head.weight are one tied parameter.*emb \(not in the plan\); "
+                                         r"head \('column', dim 0\).*add \{'emb': 'embedding'\} to the plan"):
+        apply_tensor_parallel(_Tied(), {"head": "column"}, single)
+    with pytest.raises(ValueError, match=r"one tied parameter.*head \('row', dim 1\)"):
+        apply_tensor_parallel(_Tied(), {"emb": "embedding", "head": "row"}, single)
+    model = _Tied()
+    apply_tensor_parallel(model, {"emb": "embedding", "head": "column"}, single)  # split alike: kept
+    assert model.head.weight is model.emb.weight
+
+
+def test_a_tie_between_middle_pipeline_stages_is_refused():
+    from paratrain.config import ConfigError
+    from paratrain.pipeline.stages import StageModel, chunk_ranges, sequential_layers
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(4)))
+    model[2].weight = model[1].weight
+    layers = sequential_layers(model)
+    with pytest.raises(ConfigError, match=r"1.weight and 2.weight are one tied parameter.*ranks \[1, 2\] of 4"):
+        StageModel(model, layers, chunk_ranges(layers, 4), [0])
+    end = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    end[2].weight = end[0].weight  # first and last stage: kept by a copy on the last
+    layers = sequential_layers(end)
+    last = StageModel(end, layers, chunk_ranges(layers, 2, [2]), [1])
+    assert last.tied == {"2.weight": "0.weight"} and last.tied_name == "2.weight"
+    assert torch.equal(last.get_parameter("2.weight"), end[0].weight)
