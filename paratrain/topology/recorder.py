@@ -64,11 +64,47 @@ class FlightRecorder:
         path.write_text(json.dumps(self.to_dict(stack)))
 
 
+@dataclass(frozen=True)
+class Absent:
+    """A rank of a group that never entered a collective another rank of that group failed in (or, with
+    no record of its own, is not known to have): what the hang report names, and what the launcher
+    names first when that rank had to be stopped (paratrain.launch.local)."""
+
+    rank: int
+    op: str
+    seq: int
+    axis: str
+    ranks: tuple[int, ...]
+    waiter: int
+    """The rank that failed in it (the lowest whose record says so)."""
+    last: str | None
+    """Its last collective on that group ("#36 (all_reduce, done)", or "none"); None: it left no record."""
+    stack: str = ""
+
+    @property
+    def where(self) -> str:
+        return f"{self.op} #{self.seq} on the {self.axis} group (ranks {list(self.ranks)})"
+
+    def line(self, *, partial: bool = False) -> str:
+        """Its line of the hang report (partial: as in `hang_report`)."""
+        if self.last is None:
+            return (f"rank {self.rank} left no record of {self.where}: stopped, or stuck outside Python"
+                    + (", or on another node (records are shared across nodes through --save)" if partial else ""))
+        return (f"rank {self.rank} never entered {self.where}, where rank {self.waiter} waited; its last collective "
+                f"there is {self.last}" + (f"; its stack:\n{self.stack}" if self.stack else ""))
+
+
 def hang_report(folder: str | Path, *, partial: bool = False) -> list[str]:
     """Lines naming, for each collective some rank failed in, the ranks of its group that never
     entered it (and the last collective they finished there, and their stack), from the ranks' records.
     partial: the folder holds only this node's ranks of a multi-node job (a rank without a record may
     be on another node)."""
+    return [absent.line(partial=partial) for absent in absent_ranks(folder)]
+
+
+def absent_ranks(folder: str | Path) -> list[Absent]:
+    """For each collective some rank failed in (by that rank, then its order), the ranks of its group
+    that never entered it or left no record, from the ranks' records in `folder`."""
     records = {}
     for path in Path(folder).glob("rank*.json"):
         try:
@@ -76,7 +112,7 @@ def hang_report(folder: str | Path, *, partial: bool = False) -> list[str]:
         except ValueError:
             continue
         records[int(data["rank"])] = data
-    lines: list[str] = []
+    absent: list[Absent] = []
     seen: set[tuple[str, tuple[int, ...], int]] = set()
     for rank in sorted(records):
         for entry in records[rank]["entries"]:
@@ -86,20 +122,17 @@ def hang_report(folder: str | Path, *, partial: bool = False) -> list[str]:
             if key in seen:
                 continue
             seen.add(key)
-            where = f"{entry['op']} #{entry['seq']} on the {entry['axis']} group (ranks {list(ranks)})"
             for other in ranks:
                 if other == rank:
                     continue
-                if other not in records:
-                    lines.append(f"rank {other} left no record of {where}: stopped, or stuck outside Python"
-                                 + (", or on another node (records are shared across nodes through --save)"
-                                    if partial else ""))
-                    continue
-                mine = [e for e in records[other]["entries"] if (e["axis"], tuple(e["ranks"])) == key[:2]]
-                if mine and mine[-1]["seq"] >= entry["seq"]:
-                    continue  # it got there too
-                last = f"#{mine[-1]['seq']} ({mine[-1]['op']}, {mine[-1]['state']})" if mine else "none"
-                stack = records[other].get("stack", "").strip("\n")
-                lines.append(f"rank {other} never entered {where}, where rank {rank} waited; its last collective "
-                             f"there is {last}" + (f"; its stack:\n{stack}" if stack else ""))
-    return lines
+                last: str | None = None
+                stack = ""
+                if other in records:
+                    mine = [e for e in records[other]["entries"] if (e["axis"], tuple(e["ranks"])) == key[:2]]
+                    if mine and mine[-1]["seq"] >= entry["seq"]:
+                        continue  # it got there too
+                    last = f"#{mine[-1]['seq']} ({mine[-1]['op']}, {mine[-1]['state']})" if mine else "none"
+                    stack = records[other].get("stack", "").strip("\n")
+                absent.append(Absent(rank=other, op=entry["op"], seq=entry["seq"], axis=entry["axis"], ranks=ranks,
+                                     waiter=rank, last=last, stack=stack))
+    return absent

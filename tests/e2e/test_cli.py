@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -171,6 +172,58 @@ def test_a_rank_hung_on_another_node_is_found_by_every_node(tmp_path):
         f"rank{r}.json" for r in range(4)]
     assert elapsed < 60, elapsed
     print(f"\nrank 3 hung on node 1: both nodes reported it {elapsed:.1f} s after the start")
+
+
+def _worker_pid(launcher: subprocess.Popen, rank: int) -> int:
+    """The pid of the launcher's worker of global rank `rank` (from /proc: its parent and its RANK)."""
+    for folder in Path("/proc").iterdir():
+        try:
+            stat = (folder / "stat").read_text()
+            environ = (folder / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue  # not a process, or gone
+        if int(stat.rpartition(")")[2].split()[1]) == launcher.pid and f"RANK={rank}".encode() in environ:
+            return int(folder.name)
+    raise AssertionError(f"no worker of rank {rank} under the launcher {launcher.pid}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the worker's pid through /proc (Linux)")
+def test_a_stopped_rank_is_named_as_the_hang_within_seconds_of_the_timeout(tmp_path):
+    """SIGSTOP of rank 1 once training runs, --timeout 5: rank 0 times out in its all-reduce, the launcher
+    SIGKILLs rank 1 a few seconds after its SIGTERM (not torch's 30 s: the job used to end 37 s after the
+    stop), and the last words name the hang, not the launcher's own kill."""
+    log = tmp_path / "log.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen([sys.executable, "-m", "paratrain", "train", "--nproc", "2", *SMALL, "--steps", "100000",
+                                 "--timeout", "5", "--log-json", str(log)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
+    pid = 0
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and len([r for r in log.read_text().splitlines() if '"loss"' in r]) >= 2):
+            if launcher.poll() is not None:
+                raise AssertionError(launcher.communicate()[1][-3000:])
+            assert time.monotonic() < deadline, "no step logged within 120 s"
+            time.sleep(0.1)
+        pid = _worker_pid(launcher, 1)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err = launcher.communicate(timeout=120)
+        elapsed = time.monotonic() - stopped
+    finally:
+        launcher.kill()
+        if pid:
+            try:
+                os.kill(pid, signal.SIGKILL)  # the launcher's job; here only if the launcher did not do it
+            except ProcessLookupError:
+                pass
+    assert launcher.returncode == 1, err[-3000:]
+    final = err[err.rindex("paratrain: "):]
+    assert re.match(r"paratrain: rank 1 stopped responding: it never took part in all_reduce #\d+ on the dp group "
+                    r"\(ranks \[0, 1\]\), where rank 0 waited; .*it was stopped \(SIGSTOP, or a debugger\)", final), final
+    assert "then: rank 0 raised: CollectiveError" in final and "killed from outside" not in final
+    assert elapsed < 5 + 10, elapsed
+    print(f"\nrank 1 SIGSTOPped with --timeout 5: the job ended {elapsed:.1f} s after the stop")
 
 
 RESTART_STEPS = 9
