@@ -107,7 +107,8 @@ class Trainer:
                  log_json: str | None = None, tensorboard: str | None = None, callbacks: Sequence[Callback] = (),
                  accelerator: str = "cpu", tp_plan: Mapping[str, str] | None = None,
                  pipeline_loss: PipelineLoss | None = None, wrap: Any = None,
-                 layers: Callable[[nn.Module], list[Layer]] | None = None, node_rank: int | None = None,
+                 layers: Callable[[nn.Module], list[Layer]] | None = None, batch_norm: str = "sync",
+                 buffers: Mapping[str, str] | None = None, node_rank: int | None = None,
                  master: str | None = None, timeout_s: float = 300.0) -> None:
         """devices: processes per node; num_nodes: nodes (their launchers meet at `master`, host:port,
         default $MASTER_ADDR:$MASTER_PORT, with node_rank default $NODE_RANK, as Lightning reads them).
@@ -129,6 +130,10 @@ class Trainer:
         accelerator: 'cpu' (gloo), 'cuda' (NCCL, one GPU per process) or 'auto'.
         tp_plan, pipeline_loss, wrap, layers: as parallelize's, for tensor / pipeline parallelism and ZeRO-3
             units (paratrain.models.hf has them for Hugging Face Llama / Mistral).
+        batch_norm: 'sync' (BatchNorm statistics over every dp rank's samples: devices=N trains as one
+            device with N x the micro-batch; needs one micro-batch per step under dp > 1) or 'local'
+            (each rank's own, as DDP: the losses then depend on devices); buffers: buffer name -> 'rank0',
+            'sum' or 'mean', how a buffer that forward changes is kept equal over dp (as parallelize's).
         """
         if devices < 1 or num_nodes < 1:
             raise ConfigError(f"devices and num_nodes must be >= 1, got devices={devices}, num_nodes={num_nodes}")
@@ -153,7 +158,7 @@ class Trainer:
         self.save, self.save_every, self.keep_last, self.resume = save, save_every, keep_last, resume
         self.log_json, self.tensorboard, self.callbacks = log_json, tensorboard, list(callbacks)
         self.accelerator, self.tp_plan, self.pipeline_loss, self.wrap = accelerator, tp_plan, pipeline_loss, wrap
-        self.layers = layers
+        self.layers, self.batch_norm, self.buffers = layers, batch_norm, dict(buffers or {})
         self.node_rank = int(os.environ.get("NODE_RANK", "0")) if node_rank is None else node_rank
         self.master = master or (f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '29500')}"
                                  if "MASTER_ADDR" in os.environ else "")
@@ -176,8 +181,18 @@ class Trainer:
         stacked by torch's default_collate). loss_fn(model, batch) returns the batch's loss: a scalar
         (taken as the mean over the batch's samples) or (sum of per-sample or per-token losses, count);
         under pp the loss is pipeline_loss on the last stage and loss_fn is not called."""
+        from paratrain.data_parallel import batch_norms
         from paratrain.launch import launched_by_torchrun
 
+        norms = batch_norms(model)
+        if norms and self.batch_norm == "sync" and (self.parallel.dp or 1) > 1 and self.batch.accumulation > 1:
+            raise ConfigError(
+                f"BatchNorm ({', '.join(norms[:3])}) normalises over the samples of one forward: with dp = "
+                f"{self.parallel.dp} and accumulation {self.batch.accumulation} (micro_batch {self.batch.micro_batch}), "
+                "the ranks' k-th micro-batches together are no micro-batch of one device, so the losses would depend "
+                f"on devices. Leave micro_batch out (or set it to global_batch / dp = "
+                f"{self.batch.global_batch // self.parallel.dp}): devices={self.parallel.dp} then trains as one device "
+                f"with micro_batch={self.batch.global_batch}; or batch_norm='local' (per-rank statistics, as DDP)")
         for name, data in (("train_data", train_data), ("val_data", val_data)):
             if data is not None and len(data) < self.batch.global_batch:
                 raise ConfigError(f"{name} holds {len(data)} samples, fewer than one global batch "
@@ -243,7 +258,8 @@ class Trainer:
         engine = self.engine = parallelize(
             model, ctx, optimizer=optimizer, micro_batch=self.batch.micro_batch, precision=self.precision,
             grad_clip=self.grad_clip, recompute=self.recompute, seed=self.seed, tp_plan=self.tp_plan,
-            pipeline_loss=self.pipeline_loss, wrap=self.wrap, layers=self.layers)
+            pipeline_loss=self.pipeline_loss, wrap=self.wrap, layers=self.layers, batch_norm=self.batch_norm,
+            buffers=self.buffers)
         self._resume(engine, loader)
         batch_loss = _batch_loss(loss_fn)
         logs = Records(JsonLog(self.log_json if ctx.is_main else None, append=self.step > 0),

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm import NormPart, all_reduce, divide_and_clip_, global_grad_norm
+from paratrain.data_parallel import BufferSync
 from paratrain.expert_parallel import ExpertLayout
 from paratrain.hybrid.experts import attach_router_log, routing_totals
 from paratrain.hybrid.pieces import Pieces, whole_shapes
@@ -114,7 +115,8 @@ class Engine:
                  load_optimizer_state: Callable[[Mapping[str, Any]], None],
                  scaler: LossScaler | None = None, tp: TensorParallelLayout | None = None,
                  seed: int = 0, pipeline: PipelineExecutor | None = None, on_non_finite: str = "raise",
-                 pieces: Pieces | None = None, experts: ExpertLayout | None = None) -> None:
+                 pieces: Pieces | None = None, experts: ExpertLayout | None = None,
+                 buffers: BufferSync | None = None) -> None:
         if on_non_finite not in ("raise", "skip"):
             raise ValueError(f"on_non_finite must be 'raise' or 'skip', got {on_non_finite!r}")
         self.on_non_finite = on_non_finite
@@ -151,6 +153,8 @@ class Engine:
         for name, module in model.named_modules():
             if isinstance(module, KeyedDropout):
                 module.attach(self.dropout, name)
+        self.buffers = buffers
+        """Under dp > 1: buffers that forward changes, kept equal over dp after each step (None: dp = 1)."""
         self.router_log = attach_router_log(model)
         """The MoE layers' auxiliary losses and routing counts of the step in progress (None: no MoE layer)."""
 
@@ -173,6 +177,9 @@ class Engine:
         rows = _rows(batch)
         micro_batches = split_batch(batch, self.micro_batch or rows)
         first_row = self.ctx.mesh.index("dp") * rows  # this rank's rows of the global batch
+        if self.buffers is not None:
+            self.buffers.check_micro_batches(len(micro_batches), rows)
+            self.buffers.begin_step()
         self.grads.begin_step()
         if self.router_log is not None:
             self.router_log.reset()
@@ -198,6 +205,8 @@ class Engine:
         local_loss = totals[0].clone()  # this rank's own, to name it if the step is not finite
         if self._dp_group is not None:
             all_reduce(totals, self._dp_group)
+        if self.buffers is not None:
+            self.buffers.end_step()
         self.dropout.step += 1
         pending = PendingStep(self, self.dropout.step, len(micro_batches), totals, local_loss)
         if self.router_log is not None:

@@ -7,6 +7,7 @@ step that does nothing. Later strategies (tensor, pipeline, sharding) slot into 
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Callable, Mapping
 
 import torch
@@ -14,7 +15,9 @@ from torch import nn
 
 from paratrain.comm import broadcast
 from paratrain.comm.placement import Placement, Placements
-from paratrain.data_parallel import GradSync
+from paratrain.config.errors import ConfigError
+from paratrain.data_parallel import (BATCH_NORM_MODES, BufferSync, GradSync, apply_synced_batch_norm, batch_norms,
+                                     buffer_rules)
 from paratrain.expert_parallel import ExpertLayout, apply_expert_parallel
 from paratrain.hybrid.compile import compile_blocks
 from paratrain.hybrid.engine import Engine, GradientStrategy
@@ -42,7 +45,8 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                 tp_plan: Mapping[str, str] | None = None, seed: int = 0,
                 pipeline_loss: PipelineLoss | None = None, on_non_finite: str = "raise",
                 compile: bool | str = False, init: Source | Mapping[str, ParamInit] | None = None,
-                layers: Callable[[nn.Module], list[Layer]] | None = None) -> Engine:
+                layers: Callable[[nn.Module], list[Layer]] | None = None, batch_norm: str = "sync",
+                buffers: Mapping[str, str] | None = None) -> Engine:
     """Apply the layout of `ctx` to `model` and return an Engine that trains it.
 
     optimizer: builds the optimizer from the parameter list (called once, after the layout is applied).
@@ -83,11 +87,20 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         by their names in the whole model, and a function that runs them), which the stages are cut
         from; e.g. paratrain.models.hf.llama_layers. None: paratrain.pipeline.stages.model_layers (the
         GPT, or an nn.Sequential's children).
+    batch_norm: under dp > 1, 'sync' takes every BatchNorm's statistics over the forward's samples on
+        every dp rank, as one process with dp x the micro-batch would (layout-free; needs one
+        micro-batch per step, refused otherwise); 'local' keeps each rank's own (DDP's default: the
+        loss then depends on dp). paratrain.data_parallel.batch_norm.
+    buffers: under dp > 1, buffer name or glob -> 'rank0' | 'sum' | 'mean': how a persistent buffer
+        that forward changes is kept equal over the dp ranks after each step (default 'rank0', with
+        a warning naming the buffer). paratrain.data_parallel.buffers.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if micro_batch is not None and micro_batch < 1:
         raise ValueError(f"micro_batch must be >= 1 or None, got {micro_batch}")
+    if batch_norm not in BATCH_NORM_MODES:
+        raise ValueError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {batch_norm!r}")
     is_gpt = isinstance(model, GPT)
     meta = is_meta(model)
     if init is not None and not meta:
@@ -106,6 +119,21 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     # 2. Place the model on this rank's device (a meta model is materialised below, piece by piece).
     if not meta:
         model.to(ctx.device)
+    # 2b. Batch statistics: every BatchNorm normalises over the forward's samples on all dp ranks.
+    dp_group = ctx.mesh.groups.get("dp")
+    norms = batch_norms(model)
+    if norms and ctx.config.sequence_parallel:
+        raise ConfigError(f"the model has BatchNorm ({', '.join(norms[:3])}), and sequence parallelism splits the "
+                          "activations between tensor-parallel layers along the sequence, so a BatchNorm there would "
+                          "normalise over a slice of each sample: set sequence_parallel=False")
+    synced: tuple[str, ...] = ()
+    if dp_group is not None and norms:
+        if batch_norm == "sync":
+            synced = tuple(apply_synced_batch_norm(model, dp_group))
+        else:
+            warnings.warn(f"batch_norm='local': BatchNorm ({', '.join(norms[:3])}) normalises over each rank's own "
+                          f"micro-batch, so the loss depends on dp ({dp_group.size}); batch_norm='sync' does not",
+                          stacklevel=2)
     # 3. Tensor parallelism: planned modules replaced by slices of themselves, by name.
     tp: TensorParallelLayout | None = None
     tp_group = ctx.mesh.groups.get("tp")
@@ -160,6 +188,10 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
             for tensor in model.buffers():
                 if placements.default.reduce is not None:
                     broadcast(tensor, placements.default.reduce)
+    # Buffers that forward changes (BatchNorm's under 'local', a user's counter) kept equal over dp.
+    buffer_rules(model, buffers or {})  # refused alike on every layout
+    buffer_sync = None if dp_group is None else BufferSync(model, dp_group, buffers or {}, device=ctx.device,
+                                                           synced_batch_norms=synced)
     params = [p for p in model.parameters() if p.requires_grad]
     names = {id(p): n for n, p in model.named_parameters()}
     bucket_bytes = int(ctx.config.bucket_mb * 2**20)
@@ -205,7 +237,8 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                                     loss=chunk_loss, device=ctx.device, boundary_shape=boundary)
     return Engine(model, ctx, opt, grads, micro_batch=micro_batch, precision=precision, grad_clip=grad_clip,
                   optimizer_state=save_state, load_optimizer_state=load_state, scaler=scaler, tp=tp, seed=seed,
-                  pipeline=executor, on_non_finite=on_non_finite, pieces=pieces, experts=experts)
+                  pipeline=executor, on_non_finite=on_non_finite, pieces=pieces, experts=experts,
+                  buffers=buffer_sync)
 
 
 def _placements(model: nn.Module, ctx: Context, tp: TensorParallelLayout | None, experts: ExpertLayout | None,

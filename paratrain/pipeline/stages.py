@@ -165,7 +165,8 @@ class StageModel(nn.Module):
             if names[0] in here:  # the first end: the checkpoint's name, counted in the norm
                 self.tied_name = names[0]
                 continue
-            copy = nn.Parameter(model.get_parameter(names[0]).detach().clone())
+            source = model.get_parameter(names[0])
+            copy = nn.Parameter(source.detach().clone(), requires_grad=source.requires_grad)
             for name in here:  # every alias of it on this stage shares the one copy
                 module_name, _, attr = name.rpartition(".")
                 setattr(self.get_submodule(module_name) if module_name else self, attr, copy)

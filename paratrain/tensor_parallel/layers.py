@@ -46,6 +46,11 @@ def _slice(tensor: torch.Tensor, dim: int, group: AxisGroup, what: str) -> torch
     return tensor.detach().narrow(dim, group.index * part, part).clone()
 
 
+def _parameter(full: torch.Tensor, value: torch.Tensor) -> nn.Parameter:
+    """`value` (a slice or copy of the parameter `full`) as a parameter that trains, or stays frozen, as `full` does."""
+    return nn.Parameter(value, requires_grad=full.requires_grad)
+
+
 class _GatheredLinear(torch.autograd.Function):
     """y = all_gather_seq(x) @ W^T + b that saves this rank's slice of x, not the gathered input.
 
@@ -94,8 +99,9 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.group, self.gather_output = group, gather_output
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
-        self.weight = nn.Parameter(_slice(full.weight, 0, group, "column-parallel weight"))
-        self.bias = nn.Parameter(_slice(full.bias, 0, group, "column-parallel bias")) if full.bias is not None else None
+        self.weight = _parameter(full.weight, _slice(full.weight, 0, group, "column-parallel weight"))
+        self.bias = (_parameter(full.bias, _slice(full.bias, 0, group, "column-parallel bias"))
+                     if full.bias is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -111,11 +117,11 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.group, self.input_is_parallel = group, input_is_parallel
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
-        self.weight = nn.Parameter(_slice(full.weight, 1, group, "row-parallel weight"))
+        self.weight = _parameter(full.weight, _slice(full.weight, 1, group, "row-parallel weight"))
         # Replicated on every tp rank, added once after the sum. With sequence parallelism each rank
         # adds it to its slice of the sequence only, so its gradient is partial: whoever applies
         # sequence parallelism must sum such gradients over tp before the update (as for norms).
-        self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
+        self.bias = _parameter(full.bias, full.bias.detach().clone()) if full.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -134,7 +140,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.group = group
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
-        self.weight = nn.Parameter(_slice(full.weight, 0, group, "vocab-parallel embedding"))
+        self.weight = _parameter(full.weight, _slice(full.weight, 0, group, "vocab-parallel embedding"))
         self.vocab_start = group.index * self.weight.shape[0]
         self.vocab_end = self.vocab_start + self.weight.shape[0]
         pad = full.padding_idx
