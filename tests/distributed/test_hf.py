@@ -115,9 +115,9 @@ def _tied_state(kind: str, state: dict) -> dict:
 #   llama-pp2     2.1e-16  4.9e-16    2.2e-16
 #   mistral-tp2   4.3e-16  4.8e-16    1.5e-16
 #   mistral-pp2   4.3e-16  9.9e-16    1.4e-16
-#   tied-tp2      TIEDTP2
-#   tied-pp2      TIEDPP2
-#   tied-dp2tp2z1 TIEDDPTP
+#   tied-tp2      2.1e-16  4.5e-16    2.2e-16
+#   tied-pp2      4.3e-16  4.5e-16    1.5e-16
+#   tied-dp2tp2z1 2.1e-16  3.7e-16    2.2e-16
 # The oracle backpropagates the loss *sum* and divides the gradients by the token count, as the engine
 # does, rather than backpropagating the mean: HF's RMSNorm computes in float32 even in a float64
 # model (forward and backward), so the gradient's scale changes float32 roundings, and a mean-loss
