@@ -24,12 +24,15 @@ they are identical on every rank and equal the single process's. Evaluation uses
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from paratrain.comm.regions import gather_from_sequence_region
+from paratrain.config.errors import ConfigError
 from paratrain.topology.mesh import AxisGroup
 
 BATCH_NORM_MODES = ("sync", "local")
@@ -37,21 +40,13 @@ BATCH_NORM_MODES = ("sync", "local")
 (each rank its own, as DDP without SyncBatchNorm: the loss then depends on dp)."""
 
 
-class SyncedBatchNorm(nn.Module):
-    """A BatchNorm1d/2d/3d (or torch's SyncBatchNorm) whose batch statistics cover every rank of `group`.
+class SyncedBatchNorm(_BatchNorm):
+    """The forward of a BatchNorm1d/2d/3d (or torch's SyncBatchNorm) whose batch statistics cover every
+    rank of `group`. synced_batch_norm() makes one from a module: an instance of a subclass of the
+    module's own class (isinstance(m, nn.BatchNorm2d) still holds, for code that freezes BatchNorms),
+    with the module's parameters, buffers, hooks and training flag."""
 
-    It adopts the module's own parameters and buffers under the same names, so optimizers, checkpoints
-    and ZeRO see the same tensors."""
-
-    def __init__(self, full: _BatchNorm, group: AxisGroup) -> None:
-        super().__init__()
-        self.group = group
-        self.num_features, self.eps, self.momentum = full.num_features, full.eps, full.momentum
-        self.register_parameter("weight", full.weight)
-        self.register_parameter("bias", full.bias)
-        self.register_buffer("running_mean", full.running_mean)
-        self.register_buffer("running_var", full.running_var)
-        self.register_buffer("num_batches_tracked", full.num_batches_tracked)
+    group: AxisGroup
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training and self.running_mean is not None:
@@ -59,12 +54,13 @@ class SyncedBatchNorm(nn.Module):
         dims = [0, *range(2, x.dim())]  # every dim but the channels
         shape = [1, -1] + [1] * (x.dim() - 2)
         xs = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # statistics in float32 at least
-        n_local = x.numel() // x.shape[1]
+        channels = x.shape[1]
         mean_local = xs.mean(dims)  # [C]
         m2_local = (xs - mean_local.view(shape)).pow(2).sum(dims)  # [C]
-        count = torch.full((1,), float(n_local), dtype=xs.dtype, device=x.device)
+        count = torch.full((1,), float(x.numel() // channels), dtype=xs.dtype, device=x.device)
+        # all-gather forward, reduce-scatter backward: the sequence region's pair of actions, over dp
         rows = gather_from_sequence_region(torch.cat([count, mean_local, m2_local]).unsqueeze(0), self.group, 0)
-        counts, means, m2s = rows[:, :1].detach(), rows[:, 1: 1 + x.shape[1]], rows[:, 1 + x.shape[1]:]  # [dp, 1], [dp, C] x 2
+        counts, means, m2s = rows[:, :1].detach(), rows[:, 1: 1 + channels], rows[:, 1 + channels:]  # [dp, 1|C|C]
         n = counts.sum()  # on the device: nothing is read back
         mean = (counts * means).sum(0) / n
         var = (m2s.sum(0) + (counts * (means - mean).pow(2)).sum(0)) / n  # biased: what normalises
@@ -79,24 +75,59 @@ class SyncedBatchNorm(nn.Module):
     def _update_running(self, mean: torch.Tensor, var: torch.Tensor, n: torch.Tensor) -> None:
         """As torch's BatchNorm: momentum, or a cumulative average (momentum None); unbiased variance."""
         assert self.running_mean is not None and self.running_var is not None
+        assert self.num_batches_tracked is not None
         self.num_batches_tracked.add_(1)
-        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        factor: float | torch.Tensor = (1.0 / self.num_batches_tracked if self.momentum is None  # no host read
+                                        else self.momentum)
         unbiased = var * (n / (n - 1).clamp(min=1))
-        self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
-        self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+        self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype) * factor)
+        self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype) * factor)
+
+
+_SYNCED: dict[type, type] = {}
+
+
+def synced_batch_norm(module: _BatchNorm, group: AxisGroup) -> SyncedBatchNorm:
+    """`module` as a SyncedBatchNorm over `group`: a new instance of SyncedBatchNorm and the module's own
+    class, holding the module's parameters, buffers, hooks and training flag (the module itself is left
+    as it was)."""
+    cls = type(module)
+    if cls not in _SYNCED:
+        name = f"Synced{cls.__name__}"
+        _SYNCED[cls] = type(name, (SyncedBatchNorm, cls), {"__module__": __name__, "__qualname__": name})
+        globals().setdefault(name, _SYNCED[cls])  # importable by name, so a model holding one pickles
+    synced = _SYNCED[cls].__new__(_SYNCED[cls])
+    synced.__dict__.update({k: (dict(v) if isinstance(v, dict) else v) for k, v in module.__dict__.items()})
+    synced.group = group
+    return synced
 
 
 def batch_norms(model: nn.Module) -> list[str]:
-    """Names of the model's BatchNorm modules (BatchNorm1d/2d/3d, SyncBatchNorm, or already synced)."""
-    return [name for name, m in model.named_modules() if isinstance(m, (_BatchNorm, SyncedBatchNorm))]
+    """Names of the model's BatchNorm modules (BatchNorm1d/2d/3d, SyncBatchNorm, synced or not)."""
+    return [name for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
 
 
 def apply_synced_batch_norm(model: nn.Module, group: AxisGroup) -> list[str]:
     """Replace every BatchNorm of `model` in place by a SyncedBatchNorm over `group`; returns their names."""
-    names = [name for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
+    names = [name for name, m in model.named_modules() if isinstance(m, _BatchNorm)
+             and not isinstance(m, SyncedBatchNorm)]
     for name in names:
         module = model.get_submodule(name)
         assert isinstance(module, _BatchNorm)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, SyncedBatchNorm(module, group))
+        model.set_submodule(name, synced_batch_norm(module, group))
     return names
+
+
+def check_accumulation(norms: Sequence[str], *, dp: int, accumulation: int, micro_batch: int) -> None:
+    """Refuse synced batch statistics that no single process would take: dp > 1 ranks that each cut their
+    share of the global batch into several micro-batches (their k-th micro-batches together are no
+    contiguous part of the global batch, which a single process's micro-batch is)."""
+    if dp > 1 and accumulation > 1 and norms:
+        names = ", ".join(norms[:3]) + (", ..." if len(norms) > 3 else "")
+        raise ConfigError(
+            f"BatchNorm ({names}) normalises over the samples of one forward: with dp = {dp} and accumulation "
+            f"{accumulation} (micro-batches of {micro_batch} rows per rank), the ranks' k-th micro-batches together "
+            "are no micro-batch of a single process (each rank holds a contiguous slice of the global batch), so "
+            f"the loss would depend on the layout. Use one micro-batch per step (micro_batch = global_batch / dp = "
+            f"{micro_batch * accumulation}): the dp ranks then train as one process with micro-batches of the "
+            "global batch; or batch_norm='local' for per-rank statistics (DDP's default: not layout-free)")

@@ -27,7 +27,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -36,11 +35,11 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from paratrain.checkpoint import checkpoint_to_resume, load_sharded, save_sharded
 from paratrain.config import ConfigError, ParallelConfig
 from paratrain.config.run import LaunchSection, OptimSection
 from paratrain.config.validate import DEVICES, batch_layout
 from paratrain.data import DatasetLoader
+from paratrain.data_parallel import BATCH_NORM_MODES
 from paratrain.data.loader import MapDataset
 from paratrain.fit.callbacks import Callback
 from paratrain.hybrid import Engine, parallelize
@@ -49,10 +48,8 @@ from paratrain.hybrid.parallelize import OptimizerFactory, PipelineLoss
 from paratrain.memory import PRECISIONS
 from paratrain.pipeline.stages import Layer
 from paratrain.topology import Context, init
-from paratrain.train.metrics import JsonLog, Records, step_record
+from paratrain.train.loop import Hook, LoopSettings, TrainLoop
 from paratrain.train.optim import adamw_factory
-from paratrain.train.schedule import lr_at
-from paratrain.train.tensorboard import TensorBoardLog
 
 UserLoss = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, torch.Tensor | int]"]
 
@@ -63,11 +60,16 @@ HANDOFF_ENV = "PARATRAIN_FIT_HANDOFF"
 """Set by a launching Trainer for its workers: the folder where rank 0 of each node leaves the result
 and the trained weights."""
 
+ATTEMPT_ENV = "PARATRAIN_FIT_ATTEMPT"
+"""Set by a launching Trainer for its workers: 0, or how many times it relaunched the job (max_restarts):
+above 0 they resume from the newest checkpoint under save= that verifies."""
+
 
 @dataclass
 class FitResult:
     losses: dict[int, float] = field(default_factory=dict)
-    """Global-batch training loss by step (1-based)."""
+    """Global-batch training loss by step (1-based): the steps this fit ran (after a resume or a
+    relaunch, those after the checkpoint; log_json= keeps every step once)."""
     val_losses: dict[int, float] = field(default_factory=dict)
     """Validation loss by step (0: before training)."""
     wall_s: float = 0.0
@@ -108,8 +110,9 @@ class Trainer:
                  accelerator: str = "cpu", tp_plan: Mapping[str, str] | None = None,
                  pipeline_loss: PipelineLoss | None = None, wrap: Any = None,
                  layers: Callable[[nn.Module], list[Layer]] | None = None, batch_norm: str = "sync",
-                 buffers: Mapping[str, str] | None = None, node_rank: int | None = None,
-                 master: str | None = None, timeout_s: float = 300.0) -> None:
+                 buffers: Mapping[str, str] | None = None, nan_policy: str = "stop", nan_skips: int = 10,
+                 max_restarts: int = 0, node_rank: int | None = None, master: str | None = None,
+                 timeout_s: float = 300.0) -> None:
         """devices: processes per node; num_nodes: nodes (their launchers meet at `master`, host:port,
         default $MASTER_ADDR:$MASTER_PORT, with node_rank default $NODE_RANK, as Lightning reads them).
         strategy: 'ddp', 'zero1' / 'zero2' / 'zero3' ('fsdp' = zero3), 'tp' (tp= devices by default),
@@ -134,6 +137,10 @@ class Trainer:
             device with N x the micro-batch; needs one micro-batch per step under dp > 1) or 'local'
             (each rank's own, as DDP: the losses then depend on devices); buffers: buffer name -> 'rank0',
             'sum' or 'mean', how a buffer that forward changes is kept equal over dp (as parallelize's).
+        nan_policy: a step whose loss or gradient norm is nan or inf: 'stop' the run (naming the step and the
+            newest checkpoint) or 'skip' its update on every rank, at most nan_skips times.
+        max_restarts: when a worker fails, launch the job again this many times, resuming from the newest
+            checkpoint under save= that verifies (needs save=; a launching Trainer only, not under torchrun).
         """
         if devices < 1 or num_nodes < 1:
             raise ConfigError(f"devices and num_nodes must be >= 1, got devices={devices}, num_nodes={num_nodes}")
@@ -147,6 +154,13 @@ class Trainer:
             raise ConfigError(f"accelerator must be one of {', '.join(DEVICES)}, got {accelerator!r}")
         if resume == "auto" and not save:
             raise ConfigError("resume='auto' takes the newest verified checkpoint under save: give save=")
+        if batch_norm not in BATCH_NORM_MODES:
+            raise ConfigError(f"batch_norm must be one of {', '.join(BATCH_NORM_MODES)}, got {batch_norm!r}")
+        if nan_policy not in ("stop", "skip") or nan_skips < 0:
+            raise ConfigError(f"nan_policy must be 'stop' or 'skip' and nan_skips >= 0, got {nan_policy!r}, {nan_skips}")
+        if max_restarts < 0 or (max_restarts and not save):
+            raise ConfigError(f"max_restarts={max_restarts}: a relaunch resumes from the newest checkpoint under save=, "
+                              "so give save= (and save_every= to lose fewer steps), or max_restarts=0")
         self.world_size = devices * num_nodes
         self.parallel = strategy_config(strategy, devices=devices, tp=tp, pp=pp).resolved(self.world_size)
         self.batch = batch_layout(global_batch, micro_batch or 0, self.parallel.dp or 1)
@@ -159,6 +173,7 @@ class Trainer:
         self.log_json, self.tensorboard, self.callbacks = log_json, tensorboard, list(callbacks)
         self.accelerator, self.tp_plan, self.pipeline_loss, self.wrap = accelerator, tp_plan, pipeline_loss, wrap
         self.layers, self.batch_norm, self.buffers = layers, batch_norm, dict(buffers or {})
+        self.nan_policy, self.nan_skips, self.max_restarts = nan_policy, nan_skips, max_restarts
         self.node_rank = int(os.environ.get("NODE_RANK", "0")) if node_rank is None else node_rank
         self.master = master or (f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '29500')}"
                                  if "MASTER_ADDR" in os.environ else "")
@@ -168,7 +183,7 @@ class Trainer:
         self.timeout_s = timeout_s
         self.ctx: Context | None = None
         self.engine: Engine | None = None
-        self.step = 0
+        self.loop: TrainLoop | None = None
 
     @property
     def is_main(self) -> bool:
@@ -181,18 +196,13 @@ class Trainer:
         stacked by torch's default_collate). loss_fn(model, batch) returns the batch's loss: a scalar
         (taken as the mean over the batch's samples) or (sum of per-sample or per-token losses, count);
         under pp the loss is pipeline_loss on the last stage and loss_fn is not called."""
-        from paratrain.data_parallel import batch_norms
+        from paratrain.data_parallel import batch_norms, buffer_rules, check_accumulation
         from paratrain.launch import launched_by_torchrun
 
-        norms = batch_norms(model)
-        if norms and self.batch_norm == "sync" and (self.parallel.dp or 1) > 1 and self.batch.accumulation > 1:
-            raise ConfigError(
-                f"BatchNorm ({', '.join(norms[:3])}) normalises over the samples of one forward: with dp = "
-                f"{self.parallel.dp} and accumulation {self.batch.accumulation} (micro_batch {self.batch.micro_batch}), "
-                "the ranks' k-th micro-batches together are no micro-batch of one device, so the losses would depend "
-                f"on devices. Leave micro_batch out (or set it to global_batch / dp = "
-                f"{self.batch.global_batch // self.parallel.dp}): devices={self.parallel.dp} then trains as one device "
-                f"with micro_batch={self.batch.global_batch}; or batch_norm='local' (per-rank statistics, as DDP)")
+        buffer_rules(model, self.buffers)  # before any process starts
+        if self.batch_norm == "sync" and self.parallel.pp == 1:  # under pp the engine refuses it at its first step
+            check_accumulation(batch_norms(model), dp=self.parallel.dp or 1, accumulation=self.batch.accumulation,
+                               micro_batch=self.batch.micro_batch)
         for name, data in (("train_data", train_data), ("val_data", val_data)):
             if data is not None and len(data) < self.batch.global_batch:
                 raise ConfigError(f"{name} holds {len(data)} samples, fewer than one global batch "
@@ -213,7 +223,7 @@ class Trainer:
     def _launch(self, model: nn.Module) -> FitResult:
         from safetensors.torch import load_model
 
-        from paratrain.launch import launch_script
+        from paratrain.launch import JobFailed, launch_script
 
         command = _this_program()
         if command is None:
@@ -227,13 +237,23 @@ class Trainer:
                                    rdzv_endpoint=self.master, device=self.accelerator, timeout_s=self.timeout_s)
         os.environ[HANDOFF_ENV] = handoff
         try:
-            launch_script(launch_cfg, command)
+            for attempt in range(self.max_restarts + 1):
+                os.environ[ATTEMPT_ENV] = str(attempt)
+                try:
+                    launch_script(launch_cfg, command, attempt=attempt)
+                    break
+                except JobFailed as error:
+                    if attempt == self.max_restarts:
+                        raise
+                    print(f"paratrain.Trainer: {error}\nrelaunching (restart {attempt + 1} of {self.max_restarts}) "
+                          f"from the newest checkpoint under {self.save}", file=sys.stderr, flush=True)
             result = FitResult(**_int_keys(json.loads((Path(handoff) / "result.json").read_text())))
             # Tied weights were written once, under their first name: safetensors' load_model restores every
             # alias of a shared tensor, and still refuses a missing or unexpected name.
             load_model(model, str(Path(handoff) / "model.safetensors"))
         finally:
             os.environ.pop(HANDOFF_ENV, None)
+            os.environ.pop(ATTEMPT_ENV, None)
             for part in Path(handoff).glob("*"):
                 part.unlink()
             Path(handoff).rmdir()
@@ -259,41 +279,21 @@ class Trainer:
             model, ctx, optimizer=optimizer, micro_batch=self.batch.micro_batch, precision=self.precision,
             grad_clip=self.grad_clip, recompute=self.recompute, seed=self.seed, tp_plan=self.tp_plan,
             pipeline_loss=self.pipeline_loss, wrap=self.wrap, layers=self.layers, batch_norm=self.batch_norm,
-            buffers=self.buffers)
-        self._resume(engine, loader)
-        batch_loss = _batch_loss(loss_fn)
-        logs = Records(JsonLog(self.log_json if ctx.is_main else None, append=self.step > 0),
-                       TensorBoardLog(self.tensorboard, resumed_at=self.step) if self.tensorboard and ctx.is_main else None)
-        result = FitResult()
-        for callback in self.callbacks:
-            callback.on_fit_start(self)
-        try:
-            if val_loader is not None and self.step == 0:
-                result.val_losses[0] = self._validate(engine, val_loader, batch_loss)
-                logs.write({"step": 0, "val_loss": result.val_losses[0]})
-            start = time.perf_counter()
-            while self.step < self.max_steps:
-                lr = self._lr_at(self.step)
-                engine.set_lr(lr)
-                began = time.perf_counter()
-                stats = engine.step(loader.next(), batch_loss, wait=True).stats()
-                self.step += 1
-                record = step_record(self.step, lr, stats, time.perf_counter() - began, world_size=ctx.world_size)
-                result.losses[self.step] = stats.loss
-                last = self.step == self.max_steps
-                if val_loader is not None and (last or (self.val_every and self.step % self.val_every == 0)):
-                    record["val_loss"] = result.val_losses[self.step] = self._validate(engine, val_loader, batch_loss)
-                logs.write(record)
-                if self.step == 1:
-                    logs.write({"step": 1, "memory": engine.memory_report()})
-                for callback in self.callbacks:
-                    callback.on_train_step_end(self, record)
-                if self.save and (last or (self.save_every and self.step % self.save_every == 0)):
-                    save_sharded(self.save, self.step, engine, {"loader": loader.state_dict(), "trainer": "paratrain.Trainer"},
-                                 keep_last=self.keep_last)
-            result.wall_s = time.perf_counter() - start
-        finally:
-            logs.close()
+            buffers=self.buffers, on_non_finite="skip" if self.nan_policy == "skip" else "raise")
+        settings = LoopSettings(
+            steps=self.max_steps, lr=self.lr, warmup_steps=self.warmup_steps,
+            min_lr_ratio=self.min_lr_ratio if self.lr_schedule == "cosine" else 1.0, eval_every=self.val_every,
+            eval_batches=self.val_batches, save=self.save or "", save_every=self.save_every, keep_last=self.keep_last,
+            nan_skips=self.nan_skips, log_json=self.log_json or "", tensorboard=self.tensorboard or "")
+        attempt = int(os.environ.get(ATTEMPT_ENV, "0"))
+        self.loop = TrainLoop(engine, ctx, _batch_loss(loss_fn), loader, val_loader, settings,
+                              hooks=[_Callbacks(self, self.callbacks)],
+                              checkpoint_meta={"trainer": "paratrain.Trainer"}, attempt=attempt)
+        resume = "auto" if attempt > 0 else self.resume
+        if resume:
+            self.loop.resume(resume)
+        done = self.loop.run()
+        result = FitResult(losses=done.losses, val_losses=done.val_losses, wall_s=done.wall_s)
         for callback in self.callbacks:
             callback.on_fit_end(self, result)
         handoff = os.environ.get(HANDOFF_ENV)
@@ -301,28 +301,10 @@ class Trainer:
             self._hand_over(Path(handoff), engine, result)
         return result
 
-    def _resume(self, engine: Engine, loader: DatasetLoader) -> None:
-        found = checkpoint_to_resume(self.resume, self.save) if self.resume else None
-        if found is not None:
-            folder, meta = found
-            load_sharded(folder, meta, engine)
-            loader.load_state_dict(meta["loader"])
-            self.step = int(meta["step"])
-
-    def _lr_at(self, step: int) -> float:
-        """Warmup, then cosine down to lr x min_lr_ratio, or (constant) a cosine with nothing to decay."""
-        return lr_at(step, total_steps=self.max_steps, peak=self.lr, warmup_steps=self.warmup_steps,
-                     min_ratio=self.min_lr_ratio if self.lr_schedule == "cosine" else 1.0)
-
-    def _validate(self, engine: Engine, loader: DatasetLoader, batch_loss: Callable[..., Any]) -> float:
-        """Mean of the global batches' mean losses, over the first val_batches batches (or all)."""
-        loader.rewind()
-        batches = min(self.val_batches or loader.batches_per_epoch, loader.batches_per_epoch)
-        losses = [engine.eval_loss(loader.next(), batch_loss) for _ in range(batches)]
-        value = sum(losses) / len(losses)
-        for callback in self.callbacks:
-            callback.on_validation_end(self, self.step, value)
-        return value
+    @property
+    def step(self) -> int:
+        """Optimizer steps done (0 before fit)."""
+        return self.loop.step if self.loop is not None else 0
 
     def _hand_over(self, folder: Path, engine: Engine, result: FitResult) -> None:
         from safetensors.torch import save_file
@@ -335,6 +317,25 @@ class Trainer:
                       str(folder / "model.safetensors"))
             (folder / "result.json").write_text(json.dumps(asdict(result)))
         leave()  # the code after fit runs in the launching process only
+
+
+class _Callbacks(Hook):
+    """The user's Callbacks (called with the Trainer, as Lightning's are) as hooks of the loop."""
+
+    def __init__(self, trainer: Trainer, callbacks: Sequence[Callback]) -> None:
+        self.trainer, self.callbacks = trainer, callbacks
+
+    def on_start(self, loop: TrainLoop) -> None:
+        for callback in self.callbacks:
+            callback.on_fit_start(self.trainer)
+
+    def on_step_end(self, loop: TrainLoop, record: dict[str, Any]) -> None:
+        for callback in self.callbacks:
+            callback.on_train_step_end(self.trainer, record)
+
+    def on_validation_end(self, loop: TrainLoop, step: int, val_loss: float) -> None:
+        for callback in self.callbacks:
+            callback.on_validation_end(self.trainer, step, val_loss)
 
 
 def _batch_loss(loss_fn: UserLoss) -> Callable[[nn.Module, Batch], tuple[torch.Tensor, torch.Tensor | int]]:

@@ -31,7 +31,7 @@ from paratrain.models.init import ParamInit
 from paratrain.pipeline.runtime import LossOnOutput, PipelineExecutor
 from paratrain.pipeline.stages import Layer, StageModel, chunk_ranges, model_layers
 from paratrain.sharding import WrapPolicy, ZeroSync
-from paratrain.tensor_parallel import GPT_PLAN, TensorParallelLayout, apply_tensor_parallel
+from paratrain.tensor_parallel import GPT_PLAN, TensorParallelLayout, apply_tensor_parallel, check_ties
 from paratrain.topology import Context
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -107,6 +107,15 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         raise ValueError("init= is for a model built on the meta device; this model already holds its values")
     whole = whole_shapes(model)
     source = _source(model, init) if meta else None
+    tp_group = ctx.mesh.groups.get("tp")
+    if tp_group is not None:
+        if tp_plan is None and not is_gpt:
+            raise ValueError(f"tp = {tp_group.size} needs a tensor-parallel plan for a {type(model).__name__}: "
+                             "pass tp_plan={module name: style} (see paratrain.tensor_parallel.STYLES)")
+        tp_plan = GPT_PLAN if tp_plan is None else tp_plan
+        check_ties(model, tp_plan)  # on the whole model: a pipeline stage may hold one end of a tie only
+    # Buffer rules and the batch statistics' rule, checked on the whole model too (refused alike on every rank).
+    buffer_rules(model, buffers or {})
     # 1. Pipeline: this rank keeps the layers of its chunks, under their names in the whole model.
     pp_group = ctx.mesh.groups.get("pp")
     stage: StageModel | None = None
@@ -127,22 +136,20 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                           "activations between tensor-parallel layers along the sequence, so a BatchNorm there would "
                           "normalise over a slice of each sample: set sequence_parallel=False")
     synced: tuple[str, ...] = ()
+    local: tuple[str, ...] = ()
     if dp_group is not None and norms:
         if batch_norm == "sync":
             synced = tuple(apply_synced_batch_norm(model, dp_group))
         else:
+            local = tuple(norms)
             warnings.warn(f"batch_norm='local': BatchNorm ({', '.join(norms[:3])}) normalises over each rank's own "
-                          f"micro-batch, so the loss depends on dp ({dp_group.size}); batch_norm='sync' does not",
-                          stacklevel=2)
+                          f"micro-batch, so the loss depends on dp ({dp_group.size}); batch_norm='sync' does not. "
+                          "Their running statistics keep dp rank 0's (DDP's broadcast_buffers)", stacklevel=2)
     # 3. Tensor parallelism: planned modules replaced by slices of themselves, by name.
     tp: TensorParallelLayout | None = None
-    tp_group = ctx.mesh.groups.get("tp")
-    if tp_group is not None:
-        if tp_plan is None and not is_gpt:
-            raise ValueError(f"tp = {tp_group.size} needs a tensor-parallel plan for a {type(model).__name__}: "
-                             "pass tp_plan={module name: style} (see paratrain.tensor_parallel.STYLES)")
-        tp = apply_tensor_parallel(model, GPT_PLAN if tp_plan is None else tp_plan, tp_group,
-                                   sequence_parallel=ctx.config.sequence_parallel, allow_missing=stage is not None)
+    if tp_group is not None and tp_plan is not None:
+        tp = apply_tensor_parallel(model, tp_plan, tp_group, sequence_parallel=ctx.config.sequence_parallel,
+                                   allow_missing=stage is not None)
     # 3b. Expert parallelism: each ep rank keeps its share of every MoE layer's experts.
     experts: ExpertLayout | None = None
     ep_group = ctx.mesh.groups.get("ep")
@@ -189,9 +196,8 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                 if placements.default.reduce is not None:
                     broadcast(tensor, placements.default.reduce)
     # Buffers that forward changes (BatchNorm's under 'local', a user's counter) kept equal over dp.
-    buffer_rules(model, buffers or {})  # refused alike on every layout
     buffer_sync = None if dp_group is None else BufferSync(model, dp_group, buffers or {}, device=ctx.device,
-                                                           synced_batch_norms=synced)
+                                                           synced_batch_norms=synced, local_batch_norms=local)
     params = [p for p in model.parameters() if p.requires_grad]
     names = {id(p): n for n, p in model.named_parameters()}
     bucket_bytes = int(ctx.config.bucket_mb * 2**20)

@@ -75,8 +75,11 @@ def _stop(handlers: Mapping[int, SubprocessHandler], grace_s: float) -> dict[int
         except subprocess.TimeoutExpired:
             stopped[rank] = _process_state(handler.proc.pid)
             _signal(handler, signal.SIGKILL)
-            try:  # bounded, as torch's: a process in uninterruptible sleep outlives SIGKILL for a while
-                handler.proc.wait(grace_s)
+    deadline = time.monotonic() + grace_s  # bounded, as torch's: one in uninterruptible sleep outlives SIGKILL a while
+    for rank, state in stopped.items():
+        if state:
+            try:
+                handlers[rank].proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
     return stopped

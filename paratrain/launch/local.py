@@ -208,12 +208,13 @@ def _elastic_config(launch_cfg: LaunchSection, attempt: int) -> tuple[Any, str]:
     ), endpoint
 
 
-def launch_script(launch_cfg: LaunchSection, script: list[str]) -> None:
+def launch_script(launch_cfg: LaunchSection, script: list[str], *, attempt: int = 0) -> None:
     """Run `python *script` (a script and its arguments) on nproc local processes, once: how
-    paratrain.Trainer starts its own workers when run as a plain script. Raises JobFailed."""
+    paratrain.Trainer starts its own workers when run as a plain script. attempt K > 0: a relaunch,
+    meeting on a fresh rendezvous (as `paratrain train`'s). Raises JobFailed."""
     from paratrain.launch.agent import WorkersFailed, run_workers
 
-    config, _ = _elastic_config(launch_cfg, 0)
+    config, _ = _elastic_config(launch_cfg, attempt)
     try:
         run_workers(config, script, grace_s=SHUTDOWN_GRACE_S)
     except WorkersFailed as error:

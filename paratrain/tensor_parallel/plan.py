@@ -29,7 +29,6 @@ produces it, before it accumulates, so every gradient strategy downstream sees t
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -41,6 +40,7 @@ from paratrain.comm.regions import all_gather_along
 from paratrain.models.dropout import KeyedDropout
 from paratrain.models.gpt import VocabOutput
 from paratrain.models.ties import broken_ties, tied_parameters
+from paratrain.names import name_matches
 from paratrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from paratrain.tensor_parallel.loss import VocabParallelOutput
 from paratrain.topology.mesh import AxisGroup
@@ -111,12 +111,6 @@ class TensorParallelLayout:
         return {name: self.local(name, tensor) for name, tensor in state.items()}
 
 
-def _matches(key: str, name: str) -> bool:
-    if any(c in key for c in "*?["):
-        return fnmatch.fnmatchcase(name, key)
-    return name == key or name.endswith("." + key)
-
-
 def resolve_plan(model: nn.Module, plan: Mapping[str, str], *, allow_missing: bool = False) -> dict[str, str]:
     """Module name -> style, every plan key matched to at least one module (unless allow_missing: a
     pipeline stage holds only some of the model's modules), no module matched twice."""
@@ -126,7 +120,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, str], *, allow_missing: bo
     resolved: dict[str, str] = {}
     names = [n for n, _ in model.named_modules() if n]
     for key, style in plan.items():
-        hits = [n for n in names if _matches(key, n)]
+        hits = [n for n in names if name_matches(key, n)]
         if not hits and not allow_missing:
             raise ValueError(f"tensor-parallel plan entry {key!r} matches no module of the model "
                              f"(its modules include {names[:8]}); fix the name or drop the entry")
@@ -148,6 +142,7 @@ def _expect(module: nn.Module, kind: type | tuple[type, ...], name: str, style: 
 def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: AxisGroup, *,
                           sequence_parallel: bool = False, allow_missing: bool = False) -> TensorParallelLayout:
     """Replace the planned modules of `model` in place by their tensor-parallel versions."""
+    check_ties(model, plan, allow_missing=allow_missing)
     resolved = resolve_plan(model, plan, allow_missing=allow_missing)
     ties = tied_parameters(model)
     split: dict[int, int] = {}  # id(new parameter) -> split dim
@@ -189,8 +184,27 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
     return layout
 
 
-_SPLIT_DIMS = {"column": 0, "column_gather": 0, "row": 1, "embedding": 0}
-"""The weight dim each style splits."""
+_SPLIT_DIMS = {"column": {"weight": 0, "bias": 0}, "column_gather": {"weight": 0, "bias": 0},
+               "row": {"weight": 1, "bias": -1}, "embedding": {"weight": 0}}
+"""The dim of each parameter a style splits (-1: replicated); parameters of unplanned modules are replicated."""
+
+
+def _split_dim(resolved: Mapping[str, str], name: str) -> int:
+    module_name, _, attr = name.rpartition(".")
+    return _SPLIT_DIMS.get(resolved.get(module_name, ""), {}).get(attr, -1)
+
+
+def check_ties(model: nn.Module, plan: Mapping[str, str], *, allow_missing: bool = False) -> None:
+    """Refuse a plan that would split the ends of a tied parameter differently (one end split, the other
+    not, or along other dims). Call it on the whole model: once a pipeline has cut it, each stage may hold
+    one end only, and the tie is no longer visible there."""
+    ties = tied_parameters(model)
+    if not ties:
+        return
+    resolved = resolve_plan(model, plan, allow_missing=allow_missing)
+    for group in ties:
+        if len({_split_dim(resolved, name) for name in group}) > 1:
+            raise ValueError(_untie_message(model, resolved, ties, group[0]))
 
 
 def _untie_message(model: nn.Module, resolved: Mapping[str, str], ties: list[tuple[str, ...]], name: str) -> str:
@@ -201,8 +215,8 @@ def _untie_message(model: nn.Module, resolved: Mapping[str, str], ties: list[tup
         module_name = end.rpartition(".")[0]
         style = resolved.get(module_name)
         ends.append(f"{module_name} ({'not in the plan' if style is None else repr(style)}"
-                    f"{'' if style is None else f', dim {_SPLIT_DIMS.get(style)}'})")
-    dims = {_SPLIT_DIMS.get(resolved.get(end.rpartition(".")[0], ""), -1) for end in group} - {-1}
+                    f"{'' if style is None else f', dim {_split_dim(resolved, end)}'})")
+    dims = {_split_dim(resolved, end) for end in group} - {-1}
     dim = dims.pop() if len(dims) == 1 else None
     fixes = []
     for end in group:
@@ -216,7 +230,7 @@ def _untie_message(model: nn.Module, resolved: Mapping[str, str], ties: list[tup
     fix = (f"add {{{', '.join(fixes)}}} to the plan (it splits the same dim of the weight), " if fixes
            else "give every end a style that splits the same dim of the weight, ")
     return (f"{' and '.join(group)} are one tied parameter, and the tensor-parallel plan would split its ends "
-            f"differently: {'; '.join(ends)}. Training would silently untie them (each end then learns apart). "
+            f"differently: {'; '.join(ends)}. Training would silently untie them (each end then learns apart): "
             f"{fix}drop the ends from the plan to keep the weight replicated, or untie the weights in the model")
 
 

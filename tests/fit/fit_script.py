@@ -28,9 +28,27 @@ def loss_fn(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
     return nn.functional.cross_entropy(model(batch[0]), batch[1])
 
 
+class FailOnce(paratrain.fit.Callback):
+    """Rank 1 raises after step `step` in the first launch only (a relaunch runs clean): a worker that fails."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_step_end(self, trainer: paratrain.Trainer, record: dict) -> None:
+        import os
+
+        from paratrain.fit.trainer import ATTEMPT_ENV
+
+        first = os.environ.get(ATTEMPT_ENV, "0") == "0"
+        if first and record["step"] == self.step and trainer.ctx is not None and trainer.ctx.rank == 1:
+            raise RuntimeError(f"injected failure after step {self.step}")
+
+
 def main() -> None:
     devices, strategy, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     options = {key: json.loads(value) for key, value in (arg.split("=", 1) for arg in sys.argv[4:])}
+    if "fail_once_after" in options:
+        options["callbacks"] = [FailOnce(options.pop("fail_once_after"))]
     model, train, val = build()
     trainer = paratrain.Trainer(devices=devices, strategy=strategy, max_steps=6, global_batch=16, micro_batch=4,
                                 lr=0.05, val_every=3, tp_plan=TP_PLAN if strategy == "tp" else None, **options)

@@ -28,10 +28,10 @@ def in_process(**options: object) -> tuple[paratrain.FitResult, torch.nn.Module]
     return trainer.fit(model, fit_script.loss_fn, train, val), model
 
 
-def as_script(tmp_path: Path, devices: int, strategy: str) -> dict:
+def as_script(tmp_path: Path, devices: int, strategy: str, *options: str) -> dict:
     out = tmp_path / f"{devices}-{strategy}.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), str(devices), strategy, str(out)], capture_output=True,
-                          text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run([sys.executable, str(SCRIPT), str(devices), strategy, str(out), *options],
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     lines = out.read_text().splitlines()
     assert len(lines) == 1, "the code after fit ran in the workers too"
@@ -51,6 +51,24 @@ def test_same_losses_and_weights_for_any_devices_and_strategy(tmp_path):
         within(rel_diff(list(got["val_losses"].values()), reference["val"]), 1e-12, f"val loss {strategy} (float64)")
         weights = {k: torch.tensor(v, dtype=torch.float64) for k, v in got["model"].items()}
         within(max_state_diff(weights, reference["model"]), 1e-12, f"trained weights {strategy} (float64)")
+
+
+@pytest.mark.e2e
+def test_a_failed_worker_is_relaunched_and_the_fit_continues_exactly(tmp_path):
+    """max_restarts: rank 1 fails at the end of step 4 of 6 in the first launch, before that step's
+    checkpoint; the job is launched again, resumes from the checkpoint of step 2 and ends with one
+    process's losses and weights (float64)."""
+    result, model = in_process()
+    ckpt = json.dumps(str(tmp_path / "ckpt"))
+    got = as_script(tmp_path, 2, "ddp", f"save={ckpt}", "save_every=2", "max_restarts=1", "fail_once_after=4",
+                    f"log_json={json.dumps(str(tmp_path / 'log.jsonl'))}")
+    assert sorted(int(s) for s in got["losses"]) == [3, 4, 5, 6]  # the relaunch's steps
+    within(rel_diff(list(got["losses"].values()), [result.losses[s] for s in (3, 4, 5, 6)]), 1e-12,
+           "loss after the relaunch (float64)")
+    weights = {k: torch.tensor(v, dtype=torch.float64) for k, v in got["model"].items()}
+    within(max_state_diff(weights, model.state_dict()), 1e-12, "weights after the relaunch (float64)")
+    steps = [r["step"] for r in map(json.loads, (tmp_path / "log.jsonl").read_text().splitlines()) if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]  # each step logged once across both launches
 
 
 def test_resume_continues_exactly(tmp_path):

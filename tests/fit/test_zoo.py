@@ -55,12 +55,13 @@ def test_batch_norm_statistics_cover_the_global_batch(pools):
         assert torch.equal(got[0]["model"][name], got[1]["model"][name])
     within(max_state_diff(got[0]["model"], one_device("bn-cnn")["model"]), 1e-12, "BatchNorm running statistics")
     with pytest.raises(ConfigError, match=r"BatchNorm \(stem.1, block.1, block.4\) normalises over the samples of one "
-                                          r"forward: with dp = 2 and accumulation 2.*micro_batch=8"):
+                                          r"forward: with dp = 2 and accumulation 2 \(micro-batches of 2 rows per rank\)"
+                                          r".*micro_batch = global_batch / dp = 4"):
         zoo.train("bn-cnn", devices=2, strategy="ddp", micro_batch=2)
     local = pools(2).run(zoo.train, "bn-cnn", devices=2, strategy="ddp", batch_norm="local")
     assert rel_diff(local[0]["losses"], one_device("bn-cnn")["losses"]) > 1e-6
     for message in pools(2).run(_engine_with_accumulation):  # the lower-level API refuses it at the first step
-        assert "with dp = 2 and 2 micro-batches of 2 rows per rank" in message
+        assert "with dp = 2 and accumulation 2 (micro-batches of 2 rows per rank)" in message
 
 
 def _engine_with_accumulation() -> str:
@@ -84,6 +85,45 @@ def test_a_buffer_changed_in_forward_is_named_and_kept_equal(pools):
     assert "buffer(s) ['seen'] change in forward" in got[0]["warning"] and "'sum'" in got[0]["warning"]
     with pytest.raises(ValueError, match=r"buffer rule key\(s\) \['sean'\] match no persistent buffer"):
         zoo.train("counter", devices=1, strategy="ddp", buffers={"sean": "sum"})
+
+
+class _Styles(torch.nn.Module):
+    """Buffers changed in forward the other ways: a reassigned counter, an EMA through .data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4).double()
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(8, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count = self.count + x.shape[0]  # a new tensor each forward
+        self.ema.data.mul_(0.5).add_(x.mean(0), alpha=0.5)  # .data: no version bump
+        return self.lin(x)
+
+
+def _buffer_styles(dp: int) -> dict:
+    """Two steps of 8 rows, micro-batches of 2 (accumulation): buffers summed / averaged over the ranks."""
+    import paratrain
+
+    ctx = paratrain.init(paratrain.ParallelConfig(dp=dp), device="cpu")
+    torch.manual_seed(0)
+    engine = paratrain.parallelize(_Styles(), ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), micro_batch=2,
+                                   buffers={"count": "sum", "ema": "mean"})
+    x = torch.randn(16, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    rows = 8 // dp
+    for step in range(2):
+        batch = x[step * 8 + ctx.mesh.index("dp") * rows: step * 8 + (ctx.mesh.index("dp") + 1) * rows]
+        engine.train_step(batch, lambda model, b: (model(b).pow(2).sum(), b.shape[0]))
+    return {"count": int(engine.model.count), "ema": engine.model.ema.clone()}
+
+
+def test_reassigned_and_data_changed_buffers_are_found_and_kept_equal(pools):
+    """A buffer replaced by a new tensor in every forward, and one changed through .data (no version
+    counter), are both found in the first step; 'sum' counts what one process counts, 'mean' averages."""
+    got = pools(2).run(_buffer_styles, 2)
+    assert got[0]["count"] == got[1]["count"] == 16  # one process's count: every sample of both steps
+    assert torch.equal(got[0]["ema"], got[1]["ema"])
 
 
 def _counter_default() -> dict:

@@ -92,6 +92,18 @@ def test_a_plan_that_would_untie_a_weight_is_refused_with_the_fix():
     assert model.head.weight is model.emb.weight
 
 
+def test_a_tie_split_by_pipeline_stages_is_checked_on_the_whole_model():
+    """Once a pipeline cut puts each end on its own stage, no stage sees the tie: parallelize checks the
+    plan on the whole model first (check_ties)."""
+    from paratrain.tensor_parallel import check_ties
+
+    end = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    end[2].weight = end[0].weight
+    with pytest.raises(ValueError, match=r"0.weight and 2.weight are one tied parameter.*add \{'0': 'column'\}"):
+        check_ties(end, {"2": "column"})
+    check_ties(end, {"0": "column", "2": "column"})  # split alike: kept
+
+
 def test_a_tie_between_middle_pipeline_stages_is_refused():
     from paratrain.config import ConfigError
     from paratrain.pipeline.stages import StageModel, chunk_ranges, sequential_layers
