@@ -6,7 +6,7 @@
 
 Both contenders train the same GPT (bf16 autocast over float32 weights, fused AdamW, clip 1.0, one
 process) on the same batches with the same micro-batching and the same loss (the chunked
-cross-entropy of paratrain.models.loss), so the ratio engine / plain is what the engine adds: its
+cross-entropy of paratrain.nn.loss), so the ratio engine / plain is what the engine adds: its
 gradient buckets, its global-batch token normalisation, its norm and clip, its non-finite watch.
 Each configuration runs `--warmup` steps (compilation happens there), then `--steps` timed steps
 with nothing read back, closed by one synchronisation; the plain loop likewise.

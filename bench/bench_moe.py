@@ -108,7 +108,7 @@ def _layer(name: str, steps: int) -> dict:
         run = lambda: layer(x)[0]  # noqa: E731  (output, aux loss, counts)
     else:
         from paratrain.expert_parallel import apply_expert_parallel
-        from paratrain.models.moe import MoE
+        from paratrain.nn.moe import MoE
         from paratrain.topology import init
 
         ctx = init(__import__("paratrain").ParallelConfig(ep=dist.get_world_size()), device="cpu")

@@ -42,7 +42,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """Base of the rotary position embedding frequencies."""
     n_experts: int = 0
-    """Mixture-of-Experts (paratrain.models.moe): experts per MoE layer; 0: every MLP dense."""
+    """Mixture-of-Experts (paratrain.nn.moe): experts per MoE layer; 0: every MLP dense."""
     top_k: int = 1
     """Experts each token is routed to (1: Switch, 2: GShard / Mixtral)."""
     moe_every: int = 1

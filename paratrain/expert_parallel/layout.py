@@ -1,7 +1,7 @@
 """Expert parallelism on the ep axis (a sub-axis of dp).
 
 Within each group of ep consecutive dp ranks, rank i keeps experts [i E/ep, (i + 1) E/ep) of every
-MoE layer: the stacked expert weights (paratrain.models.moe.Experts) sliced along dim 0, under their
+MoE layer: the stacked expert weights (paratrain.nn.moe.Experts) sliced along dim 0, under their
 whole names. Everything else, the router included, stays replicated and data-parallel over dp, and
 every rank routes its own tokens. Then each MoE layer (AllToAllExperts):
 
@@ -13,7 +13,7 @@ every rank routes its own tokens. Then each MoE layer (AllToAllExperts):
 
 Backward runs the two row all-to-alls the other way (AllToAll's autograd). A row's output does not
 depend on where its expert ran, and the layer adds a token's k outputs in the order of its choices:
-the model is the single-process one (paratrain.models.moe), whatever ep.
+the model is the single-process one (paratrain.nn.moe), whatever ep.
 
 Gradients: an expert's gradient sums over the tokens of its ep group (the all-to-all brought them);
 the dp / ep ranks holding the same experts (the "edp" group) sum it over the rest of the global batch.
@@ -32,7 +32,7 @@ from torch import nn
 from paratrain.comm import all_to_all
 from paratrain.comm.placement import Placement
 from paratrain.comm.regions import all_gather_along
-from paratrain.models.moe import Experts, MoE
+from paratrain.nn.moe import Experts, MoE
 from paratrain.topology.mesh import AxisGroup
 
 

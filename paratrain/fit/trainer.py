@@ -46,7 +46,7 @@ from paratrain.hybrid import Engine, parallelize
 from paratrain.hybrid.engine import Batch, _rows
 from paratrain.hybrid.parallelize import OptimizerFactory, PipelineLoss
 from paratrain.memory import PRECISIONS
-from paratrain.pipeline.stages import Layer
+from paratrain.models.recipe import Layer, Recipe
 from paratrain.topology import Context, init
 from paratrain.train.loop import Hook, LoopSettings, TrainLoop
 from paratrain.train.optim import adamw_factory
@@ -109,7 +109,8 @@ class Trainer:
                  log_json: str | None = None, tensorboard: str | None = None, callbacks: Sequence[Callback] = (),
                  accelerator: str = "cpu", tp_plan: Mapping[str, str] | None = None,
                  pipeline_loss: PipelineLoss | None = None, wrap: Any = None,
-                 layers: Callable[[nn.Module], list[Layer]] | None = None, batch_norm: str = "sync",
+                 layers: Callable[[nn.Module], list[Layer]] | None = None, recipe: Recipe | None = None,
+                 batch_norm: str = "sync",
                  buffers: Mapping[str, str] | None = None, nan_policy: str = "stop", nan_skips: int = 10,
                  max_restarts: int = 0, node_rank: int | None = None, master: str | None = None,
                  timeout_s: float = 300.0) -> None:
@@ -132,7 +133,8 @@ class Trainer:
         log_json: the CLI's per-step JSON records; tensorboard: the same as TensorBoard scalars.
         accelerator: 'cpu' (gloo), 'cuda' (NCCL, one GPU per process) or 'auto'.
         tp_plan, pipeline_loss, wrap, layers: as parallelize's, for tensor / pipeline parallelism and ZeRO-3
-            units (paratrain.models.hf has them for Hugging Face Llama / Mistral).
+            units; recipe: all of them at once (paratrain.models.recipe; paratrain.models.hf.LLAMA_RECIPE for
+            Hugging Face Llama / Mistral), the keywords given replacing its fields.
         batch_norm: 'sync' (BatchNorm statistics over every dp rank's samples: devices=N trains as one
             device with N x the micro-batch; needs one micro-batch per step under dp > 1) or 'local'
             (each rank's own, as DDP: the losses then depend on devices); buffers: buffer name -> 'rank0',
@@ -172,7 +174,7 @@ class Trainer:
         self.save, self.save_every, self.keep_last, self.resume = save, save_every, keep_last, resume
         self.log_json, self.tensorboard, self.callbacks = log_json, tensorboard, list(callbacks)
         self.accelerator, self.tp_plan, self.pipeline_loss, self.wrap = accelerator, tp_plan, pipeline_loss, wrap
-        self.layers, self.batch_norm, self.buffers = layers, batch_norm, dict(buffers or {})
+        self.layers, self.recipe, self.batch_norm, self.buffers = layers, recipe, batch_norm, dict(buffers or {})
         self.nan_policy, self.nan_skips, self.max_restarts = nan_policy, nan_skips, max_restarts
         self.node_rank = int(os.environ.get("NODE_RANK", "0")) if node_rank is None else node_rank
         self.master = master or (f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '29500')}"
@@ -278,7 +280,8 @@ class Trainer:
         engine = self.engine = parallelize(
             model, ctx, optimizer=optimizer, micro_batch=self.batch.micro_batch, precision=self.precision,
             grad_clip=self.grad_clip, recompute=self.recompute, seed=self.seed, tp_plan=self.tp_plan,
-            pipeline_loss=self.pipeline_loss, wrap=self.wrap, layers=self.layers, batch_norm=self.batch_norm,
+            pipeline_loss=self.pipeline_loss, wrap=self.wrap, layers=self.layers, recipe=self.recipe,
+            batch_norm=self.batch_norm,
             buffers=self.buffers, on_non_finite="skip" if self.nan_policy == "skip" else "raise")
         settings = LoopSettings(
             steps=self.max_steps, lr=self.lr, warmup_steps=self.warmup_steps,

@@ -22,11 +22,9 @@ import re
 import torch
 from torch import nn
 
-from paratrain.memory.recompute import GPT_BLOCKS
 
 
-def compile_blocks(model: nn.Module, *, backend: str = "inductor", pattern: str = GPT_BLOCKS,
-                   required: bool = True) -> list[str]:
+def compile_blocks(model: nn.Module, pattern: str, *, backend: str = "inductor", required: bool = True) -> list[str]:
     """Compile the forward of every module whose full name matches `pattern`; returns their names.
     required: a pattern that matches nothing is an error (a pipeline stage may hold no block)."""
     compiled = []

@@ -27,7 +27,7 @@ from paratrain.hybrid.pieces import Pieces, whole_shapes
 from paratrain.hybrid.state import load_model_state, model_state
 from paratrain.hybrid.step import NonFiniteWatch, PendingStep, StepStats
 from paratrain.memory import LossScaler, autocast
-from paratrain.models.dropout import KeyedDropout
+from paratrain.nn.dropout import KeyedDropout
 from paratrain.pipeline.runtime import PipelineExecutor
 from paratrain.pipeline.stages import gather_stages, stage_part
 from paratrain.rng import DropoutStream

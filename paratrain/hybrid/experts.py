@@ -1,7 +1,7 @@
 """The engine's side of Mixture-of-Experts layers: their auxiliary losses in the step's loss, and the
 step's routing statistics over the whole job.
 
-The MoE layers of this rank's model write to the engine's RouterLog (paratrain.models.moe). Per
+The MoE layers of this rank's model write to the engine's RouterLog (paratrain.nn.moe). Per
 step the engine resets it, sets the gradient scale the auxiliary terms receive in backward, and adds
 this rank's auxiliary sum to its loss sum before the sums are reduced, so the reported loss is
 (cross-entropy + auxiliary terms) over the global batch's tokens, whatever the layout.
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm import all_reduce
-from paratrain.models.moe import MoE, RouterLog
+from paratrain.nn.moe import MoE, RouterLog
 from paratrain.topology.mesh import AxisGroup
 
 MOE_KEYS = ("moe_balance_loss", "moe_z_loss", "moe_dropped_fraction", "expert_tokens_min", "expert_tokens_max",

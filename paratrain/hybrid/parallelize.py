@@ -24,18 +24,17 @@ from paratrain.hybrid.engine import Engine, GradientStrategy
 from paratrain.hybrid.materialize import Inits, Source, is_meta, materialize
 from paratrain.hybrid.pieces import Pieces, whole_shapes
 from paratrain.hybrid.state import load_optimizer_state, optimizer_state
-from paratrain.memory import (LOW_DTYPES, PRECISIONS, RECOMPUTE_MODES, LossScaler, apply_activation_offload,
-                              apply_recompute)
-from paratrain.models import GPT
+from paratrain.memory import (LOW_DTYPES, PRECISIONS, LossScaler, apply_activation_offload, apply_recompute,
+                              recompute_pattern)
 from paratrain.models.init import ParamInit
-from paratrain.pipeline.runtime import LossOnOutput, PipelineExecutor
-from paratrain.pipeline.stages import Layer, StageModel, chunk_ranges, model_layers
+from paratrain.models.recipe import Layer, PipelineLoss, Recipe, recipe_of, stage_loss
+from paratrain.pipeline.runtime import PipelineExecutor
+from paratrain.pipeline.stages import StageModel, chunk_ranges, model_layers
 from paratrain.sharding import WrapPolicy, ZeroSync
-from paratrain.tensor_parallel import GPT_PLAN, TensorParallelLayout, apply_tensor_parallel, check_ties
+from paratrain.tensor_parallel import TensorParallelLayout, apply_tensor_parallel, check_ties
 from paratrain.topology import Context
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-PipelineLoss = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, "torch.Tensor | int"]]
 
 
 def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
@@ -46,7 +45,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                 pipeline_loss: PipelineLoss | None = None, on_non_finite: str = "raise",
                 compile: bool | str = False, init: Source | Mapping[str, ParamInit] | None = None,
                 layers: Callable[[nn.Module], list[Layer]] | None = None, batch_norm: str = "sync",
-                buffers: Mapping[str, str] | None = None) -> Engine:
+                buffers: Mapping[str, str] | None = None, recipe: Recipe | None = None) -> Engine:
     """Apply the layout of `ctx` to `model` and return an Engine that trains it.
 
     optimizer: builds the optimizer from the parameter list (called once, after the layout is applied).
@@ -56,24 +55,25 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         sharded optimizer. fp16 adds dynamic loss scaling, starting at `loss_scale` (None: 2^16 per
         token of the first micro-batch).
     grad_clip: clip the global gradient norm to this; 0 disables.
-    recompute: 'full' (or True) recomputes each GPT block in backward, 'selective' each block's
-        attention core (paratrain.memory.recompute); 'none' or False nothing; any other string is a
-        regex of module names.
+    recompute: 'full' (or True) recomputes each of the recipe's blocks in backward, 'selective' each
+        block's attention core (paratrain.memory.recompute); 'none' or False nothing; any other
+        string is a regex of module names.
     sync_initial_weights: broadcast dp rank 0's weights, so replicas start equal even for a model
         whose init was not layout-free (cheap, once).
-    wrap: ZeRO-3 units, a regex of module names or module class(es); None: the GPT's blocks.
+    wrap: ZeRO-3 units, a regex of module names or module class(es); None: the recipe's blocks (none:
+        one unit, the whole model).
     reshard_after_forward: ZeRO-3 frees a unit's full parameters after its forward and gathers them
         again for backward; False keeps them from forward to backward (more memory, less traffic).
         None: ctx.config.reshard_after_forward.
     tp_plan: module name -> tensor-parallel style (paratrain.tensor_parallel.plan), used when
-        ctx.config.tp > 1; None: GPT_PLAN for the built-in GPT (other models must give one).
-    seed: keys dropout masks (paratrain.models.dropout); use the run's seed.
+        ctx.config.tp > 1; None: the recipe's.
+    seed: keys dropout masks (paratrain.nn.dropout); use the run's seed.
     pipeline_loss: with pp > 1, loss(last chunk's output, targets) -> (sum, count) on the last stage;
-        None: the GPT's `output.loss`. Under pp the engine reads batches as (inputs, targets) and the
+        None: the recipe's stage loss. Under pp the engine reads batches as (inputs, targets) and the
         loss_fn given to train_step is not called (no single rank holds the whole model).
     on_non_finite: a step whose loss or gradient norm is nan or inf (outside fp16's own skip): 'raise'
         paratrain.hybrid.NonFiniteError on every rank, or 'skip' its update on every rank.
-    compile: torch.compile each GPT block (True: inductor; a string names another torch.compile
+    compile: torch.compile each of the recipe's blocks (True: inductor; a string names another torch.compile
         backend, e.g. 'aot_eager'), after tensor parallelism and recomputation, as torchtitan does:
         each block's forward is compiled in place, so names, ZeRO-3's gathers and the pipeline see the
         same modules. Collectives and keyed dropout run eagerly between the compiled pieces.
@@ -85,8 +85,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         its pieces (paratrain.hybrid.materialize), bit for bit what a whole build would give them.
     layers: with pp > 1, model -> its ordered pipeline layers (paratrain.pipeline.stages.Layer: modules
         by their names in the whole model, and a function that runs them), which the stages are cut
-        from; e.g. paratrain.models.hf.llama_layers. None: paratrain.pipeline.stages.model_layers (the
-        GPT, or an nn.Sequential's children).
+        from; e.g. paratrain.models.hf.llama_layers. None: the recipe's, or an nn.Sequential's children.
     batch_norm: under dp > 1, 'sync' takes every BatchNorm's statistics over the forward's samples on
         every dp rank, as one process with dp x the micro-batch would (layout-free; needs one
         micro-batch per step, refused otherwise); 'local' keeps each rank's own (DDP's default: the
@@ -94,6 +93,9 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     buffers: under dp > 1, buffer name or glob -> 'rank0' | 'sum' | 'mean': how a persistent buffer
         that forward changes is kept equal over the dp ranks after each step (default 'rank0', with
         a warning naming the buffer). paratrain.data_parallel.buffers.
+    recipe: what the strategies need to know about the model's family (paratrain.models.recipe:
+        tp plan, blocks, pipeline layers and loss); None: the model's own `recipe()` (the GPT's), or
+        none. tp_plan, wrap, layers and pipeline_loss given here replace the recipe's.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -101,7 +103,9 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         raise ValueError(f"micro_batch must be >= 1 or None, got {micro_batch}")
     if batch_norm not in BATCH_NORM_MODES:
         raise ValueError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {batch_norm!r}")
-    is_gpt = isinstance(model, GPT)
+    recipe = (recipe or recipe_of(model)).with_overrides(
+        tp_plan=tp_plan, layers=layers, stage_loss=None if pipeline_loss is None else stage_loss(pipeline_loss))
+    blocks = wrap if wrap is not None else recipe.blocks  # ZeRO-3's units
     meta = is_meta(model)
     if init is not None and not meta:
         raise ValueError("init= is for a model built on the meta device; this model already holds its values")
@@ -109,18 +113,19 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     source = _source(model, init) if meta else None
     tp_group = ctx.mesh.groups.get("tp")
     if tp_group is not None:
-        if tp_plan is None and not is_gpt:
+        if recipe.tp_plan is None:
             raise ValueError(f"tp = {tp_group.size} needs a tensor-parallel plan for a {type(model).__name__}: "
                              "pass tp_plan={module name: style} (see paratrain.tensor_parallel.STYLES)")
-        tp_plan = GPT_PLAN if tp_plan is None else tp_plan
-        check_ties(model, tp_plan)  # on the whole model: a pipeline stage may hold one end of a tie only
+        check_ties(model, recipe.tp_plan)  # on the whole model: a pipeline stage may hold one end of a tie only
     # Buffer rules and the batch statistics' rule, checked on the whole model too (refused alike on every rank).
     buffer_rules(model, buffers or {})
     # 1. Pipeline: this rank keeps the layers of its chunks, under their names in the whole model.
     pp_group = ctx.mesh.groups.get("pp")
     stage: StageModel | None = None
+    hidden: int | None = None
     if pp_group is not None:
-        cut = (model_layers if layers is None else layers)(model)
+        cut = (recipe.layers or model_layers)(model)
+        hidden = recipe.hidden_size(model) if recipe.hidden_size is not None else None
         v = ctx.config.virtual_stages
         ranges = chunk_ranges(cut, pp_group.size * v, ctx.config.pp_split or None)
         stage = StageModel(model, cut, ranges, [pp_group.index + k * pp_group.size for k in range(v)])
@@ -147,8 +152,8 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                           "Their running statistics keep dp rank 0's (DDP's broadcast_buffers)", stacklevel=2)
     # 3. Tensor parallelism: planned modules replaced by slices of themselves, by name.
     tp: TensorParallelLayout | None = None
-    if tp_group is not None and tp_plan is not None:
-        tp = apply_tensor_parallel(model, tp_plan, tp_group, sequence_parallel=ctx.config.sequence_parallel,
+    if tp_group is not None and recipe.tp_plan is not None:
+        tp = apply_tensor_parallel(model, recipe.tp_plan, tp_group, sequence_parallel=ctx.config.sequence_parallel,
                                    allow_missing=stage is not None)
     # 3b. Expert parallelism: each ep rank keeps its share of every MoE layer's experts.
     experts: ExpertLayout | None = None
@@ -159,12 +164,13 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     # the recomputation inside); offload each block's saved activations (around the compiled forward).
     if recompute is True:
         recompute = "full"
-    if recompute and recompute != "none":
-        apply_recompute(model, RECOMPUTE_MODES.get(recompute, recompute), required=stage is None)
+    recomputed = bool(recompute and recompute != "none" and apply_recompute(
+        model, recompute_pattern(recompute, recipe), required=stage is None))
     if compile:
-        compile_blocks(model, backend="inductor" if compile is True else compile, required=stage is None)
+        compile_blocks(model, recompute_pattern("full", recipe), backend="inductor" if compile is True else compile,
+                       required=stage is None)
     if "activations" in ctx.config.offloaded:
-        apply_activation_offload(model, required=stage is None)
+        apply_activation_offload(model, recompute_pattern("full", recipe), required=stage is None)
     # 5. A meta model: this rank's tensors allocated and filled (ZeRO's flat groups once they exist).
     splits: dict[str, tuple[int, int, int]] = {}
     if tp is not None and tp_group is not None:
@@ -212,7 +218,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         # 7b. ZeRO-1/2/3: flat groups padded to the shard group; the optimizer is re-pointed at this
         # rank's shard of each, so its state exists for 1/shard of the parameters only.
         zero = ZeroSync(params, opt, names, stage=ctx.config.zero, bucket_bytes=bucket_bytes,
-                        reduce_op=_grad_reduce(ctx), model=model, wrap=wrap,
+                        reduce_op=_grad_reduce(ctx), model=model, wrap=blocks,
                         reshard_after_forward=(ctx.config.reshard_after_forward if reshard_after_forward is None
                                                else reshard_after_forward),
                         offload="optimizer" in ctx.config.offloaded,
@@ -229,18 +235,17 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     executor = None
     if stage is not None:
         assert pp_group is not None
-        if pipeline_loss is None and not is_gpt:
-            raise ValueError("pp > 1 on a model other than the GPT needs pipeline_loss=(output, targets) -> (sum, count)")
-        chunk_loss = _gpt_chunk_loss if pipeline_loss is None else _wrap_loss(pipeline_loss)
+        if recipe.stage_loss is None:
+            raise ValueError(f"pp > 1 on a {type(model).__name__} needs the last stage's loss: pass pipeline_loss="
+                             "(output, targets) -> (sum, count), or a recipe with its stage_loss")
         boundary = None
-        if ctx.device.type == "meta" and is_gpt:  # a dry run: the residual stream between stages
-            assert isinstance(model, StageModel)
+        if ctx.device.type == "meta" and hidden is not None:  # a dry run: the activation between stages
             dtype = LOW_DTYPES.get(precision, torch.float32) if ctx.config.zero else torch.float32
             split = tp_group.size if tp_group is not None and ctx.config.sequence_parallel else 1
-            d_model = whole["tok_emb.weight"][0][1]
-            boundary = functools.partial(_gpt_boundary, split=split, d_model=d_model, dtype=dtype)
+            boundary = functools.partial(_boundary, split=split, hidden=hidden, dtype=dtype)
         executor = PipelineExecutor(stage, pp_group, schedule=ctx.config.schedule, chunks=ctx.config.virtual_stages,
-                                    loss=chunk_loss, device=ctx.device, boundary_shape=boundary)
+                                    loss=recipe.stage_loss, device=ctx.device, recomputed=recomputed,
+                                    boundary_shape=boundary)
     return Engine(model, ctx, opt, grads, micro_batch=micro_batch, precision=precision, grad_clip=grad_clip,
                   optimizer_state=save_state, load_optimizer_state=load_state, scaler=scaler, tp=tp, seed=seed,
                   pipeline=executor, on_non_finite=on_non_finite, pieces=pieces, experts=experts,
@@ -273,22 +278,10 @@ def _source(model: nn.Module, init: Source | Mapping[str, ParamInit] | None) -> 
     return Inits(init) if isinstance(init, Mapping) else init
 
 
-def _gpt_boundary(tokens: torch.Size, *, split: int, d_model: int, dtype: torch.dtype) -> tuple[torch.Size, torch.dtype]:
-    """The GPT's activation between pipeline stages for micro-batch tokens [rows, seq]: the residual
-    stream [rows, seq / split, d_model] (split: tp under sequence parallelism)."""
-    return torch.Size((tokens[0], tokens[1] // split, d_model)), dtype
-
-
-def _gpt_chunk_loss(stage: StageModel, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return stage.output.loss(logits, targets)
-
-
-def _wrap_loss(loss: PipelineLoss) -> LossOnOutput:
-    def chunk_loss(stage: StageModel, output: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        total, count = loss(output, targets)
-        return total, torch.as_tensor(count)
-
-    return chunk_loss
+def _boundary(tokens: torch.Size, *, split: int, hidden: int, dtype: torch.dtype) -> tuple[torch.Size, torch.dtype]:
+    """The activation between pipeline stages for micro-batch tokens [rows, seq]: [rows, seq / split,
+    hidden] (split: tp under sequence parallelism)."""
+    return torch.Size((tokens[0], tokens[1] // split, hidden)), dtype
 
 
 def _grad_reduce(ctx: Context) -> str:

@@ -47,7 +47,8 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-from paratrain.memory.recompute import GPT_BLOCKS, Recomputed
+from paratrain.memory.recompute import Recomputed, recompute_pattern
+from paratrain.models.recipe import recipe_of
 
 MIN_OFFLOAD_BYTES = 1024
 """Storages smaller than this stay on the device. A copy costs a launch, an event and a pinned
@@ -272,15 +273,17 @@ class ActivationOffload:
         return self._streams[device]
 
 
-def apply_activation_offload(model: nn.Module, pattern: str = GPT_BLOCKS, *, required: bool = True,
+def apply_activation_offload(model: nn.Module, pattern: str | None = None, *, required: bool = True,
                              min_bytes: int = MIN_OFFLOAD_BYTES) -> ActivationOffload:
-    """Offload what every module whose full name matches `pattern` saves for backward.
+    """Offload what every module whose full name matches `pattern` saves for backward (None: the
+    model's recipe's blocks).
 
     required: a pattern that matches nothing is an error (a pipeline stage may hold no block).
     min_bytes: storages smaller than this stay on the device (see MIN_OFFLOAD_BYTES).
     A module is recomputed or offloaded, not both: recomputation already keeps only the module's
     inputs, and neither may contain the other.
     """
+    pattern = recompute_pattern("full", recipe_of(model)) if pattern is None else pattern
     offload = ActivationOffload(model, min_bytes=min_bytes)
     recomputed = [name for name, module in model.named_modules() if isinstance(module, Recomputed)]
     for name, module in model.named_modules():

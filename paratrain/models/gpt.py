@@ -16,7 +16,7 @@ part of the contract:
     blocks.{i}.mlp.down          Linear F -> D
     blocks.{i}.mlp.dropout       KeyedDropout [B, S, D]
     blocks.{i}.moe               MoE instead of mlp in the blocks ModelConfig.is_moe names (router,
-                                 experts.up [E, F, D], experts.down [E, D, F], shared: paratrain.models.moe)
+                                 experts.up [E, F, D], experts.down [E, D, F], shared: paratrain.nn.moe)
     norm                         RMSNorm[D]
     head                         Linear D -> Vp (its weight is tok_emb's when tied)
     output                       VocabOutput: the loss over the real vocabulary (models/loss.py,
@@ -38,12 +38,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.config.model import ModelConfig
-from paratrain.models.dropout import KeyedDropout
+from paratrain.nn.dropout import KeyedDropout
+from paratrain.models.gpt_recipe import GPT_RECIPE
 from paratrain.models.init import Constant, Given, KeyedNormal, ParamInit, init_tensor_
-from paratrain.models.loss import chunked_cross_entropy
-from paratrain.models.moe import MoE, RouterLog
+from paratrain.nn.loss import VocabOutput
+from paratrain.nn.moe import MoE, RouterLog
+from paratrain.models.recipe import Recipe
 
-IGNORE_INDEX = -100
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -123,33 +124,6 @@ class Attention(nn.Module):
         return self.out_dropout(self.out(y))
 
 
-class VocabOutput(nn.Module):
-    """The end of the model: logits over the padded vocabulary -> the loss, or full logits to sample from.
-
-    Padded rows (ids >= vocab_size) are never targets and are left out of the softmax, so padding
-    changes nothing but the shapes. The loss is chunked_cross_entropy: logits[B, S, Vp] in their own
-    dtype are all it saves for backward, never a float32 copy of them. Holds no parameters; tensor
-    parallelism replaces it by one that reads vocabulary-split logits
-    (paratrain.tensor_parallel.VocabParallelOutput).
-    """
-
-    def __init__(self, vocab_size: int) -> None:
-        super().__init__()
-        self.vocab_size = vocab_size
-
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of per-token cross-entropies, number of tokens) over targets that are not ignored.
-
-        In float32 at least, by row chunks (paratrain.models.loss): bf16 logits are never upcast
-        whole, and backward keeps only the logits themselves and one number per token."""
-        loss_sum = chunked_cross_entropy(logits, targets, vocab_size=self.vocab_size, ignore_index=IGNORE_INDEX)
-        return loss_sum, (targets != IGNORE_INDEX).sum()
-
-    def full(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits[..., vocab_size] over the real vocabulary."""
-        return logits[..., : self.vocab_size]
-
-
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -163,7 +137,7 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, *, moe: bool = False) -> None:
-        """moe: a Mixture-of-Experts layer (`moe`, paratrain.models.moe) instead of the MLP (`mlp`)."""
+        """moe: a Mixture-of-Experts layer (`moe`, paratrain.nn.moe) instead of the MLP (`mlp`)."""
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn = Attention(config)
@@ -215,6 +189,11 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin)
         return self.head(self.norm(x))
+
+    def recipe(self) -> Recipe:
+        """What the strategies need to know about the GPT (paratrain.models.gpt_recipe): its tensor-parallel
+        plan, its blocks, its pipeline layers and loss."""
+        return GPT_RECIPE
 
     def param_inits(self, seed: int | None = None) -> dict[str, ParamInit]:
         """How to initialise every tensor, by name (each stored tensor once; non-persistent buffers too),

@@ -1,7 +1,8 @@
 """Hugging Face causal LMs (transformers' LlamaForCausalLM and MistralForCausalLM) under paratrain.
 
     pip install 'paratrain[hf]'
-    from paratrain.models.hf import LLAMA_TP_PLAN, LLAMA_WRAP, check_llama_tp, llama_layers, llama_loss
+    from paratrain.models.hf import LLAMA_RECIPE, check_llama_tp, llama_loss
+    engine = paratrain.parallelize(model, ctx, optimizer=..., recipe=LLAMA_RECIPE)
 
 The model stays HF's own module; strategies read it by module name, as they read the GPT. The names
 are the contract (the same in both classes):
@@ -37,8 +38,8 @@ import torch
 from torch import nn
 
 from paratrain.config.errors import ConfigError
-from paratrain.models.gpt import VocabOutput
-from paratrain.pipeline.stages import Layer, Run
+from paratrain.nn.loss import VocabOutput
+from paratrain.models.recipe import Layer, Recipe, Run, stage_loss
 
 LLAMA_TP_PLAN: dict[str, str] = {
     # Both vocabulary ends split along the vocabulary (dim 0 of their weights), so a tied model
@@ -103,7 +104,7 @@ def llama_pipeline_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[tor
     """(sum of token cross-entropies, number of labels that are not -100) from logits[B, S, V] and
     labels[B, S] aligned to them (no shift): parallelize's `pipeline_loss=` under pp.
 
-    In float32 at least, by row chunks (paratrain.models.loss: bf16 logits never upcast whole)."""
+    In float32 at least, by row chunks (paratrain.nn.loss: bf16 logits never upcast whole)."""
     return VocabOutput(logits.shape[-1]).loss(logits, labels)
 
 
@@ -173,3 +174,11 @@ def _causal_mask(config: Any, x: torch.Tensor, positions: torch.Tensor) -> Any:
     sliding = config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None
     build = create_sliding_window_causal_mask if sliding else create_causal_mask
     return build(config=config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=positions)
+
+
+LLAMA_RECIPE = Recipe(tp_plan=LLAMA_TP_PLAN, blocks=LLAMA_WRAP, layers=llama_layers,
+                      stage_loss=stage_loss(llama_pipeline_loss), hidden_size=lambda model: model.config.hidden_size)
+"""HF Llama / Mistral's recipe (paratrain.models.recipe), in one argument: parallelize(model, ctx, ...,
+recipe=LLAMA_RECIPE) or Trainer(..., recipe=LLAMA_RECIPE) instead of tp_plan=, wrap=, layers= and
+pipeline_loss= one by one. Its blocks (each decoder layer) are ZeRO-3's units, what recompute='full'
+recomputes and what compile compiles."""

@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.memory.recompute import Recomputed
 from paratrain.pipeline.schedules import Action, peer, program
 from paratrain.pipeline.stages import StageModel
 from paratrain.rng import DropoutStream
@@ -105,9 +104,11 @@ class _Step:
 
 class PipelineExecutor:
     def __init__(self, stage: StageModel, group: AxisGroup, *, schedule: str, chunks: int,
-                 loss: LossOnOutput, device: torch.device,
+                 loss: LossOnOutput, device: torch.device, recomputed: bool = False,
                  boundary_shape: Callable[[torch.Size], tuple[torch.Size, torch.dtype]] | None = None) -> None:
-        """boundary_shape: on the meta device (a dry run), the activation every chunk sends for a
+        """recomputed: modules of the stage are recomputed in backward (then zero-bubble's W runs as one
+        pass, not module by module: a recomputed block would be recomputed once per module).
+        boundary_shape: on the meta device (a dry run), the activation every chunk sends for a
         micro-batch of the given input shape; elsewhere a header message tells it (None)."""
         self.stage, self.group, self.schedule, self.chunks = stage, group, schedule, chunks
         self.boundary_shape = boundary_shape
@@ -126,7 +127,7 @@ class PipelineExecutor:
         self._programs: dict[int, list[Action]] = {}
         # Zero bubble: W from each parameter-holding module's output gradient (captured during I)
         # runs only the weight-gradient ops; otherwise W walks the whole chunk again.
-        self._weight_modules = _weight_modules(stage) if schedule == "zero-bubble" else []
+        self._weight_modules = _weight_modules(stage) if schedule == "zero-bubble" and not recomputed else []
         self._capture: list[tuple[nn.Module, torch.Tensor]] | None = None
         for module in self._weight_modules:
             module.register_forward_hook(self._record_output)
@@ -387,12 +388,10 @@ class PipelineExecutor:
 
 def _weight_modules(stage: nn.Module) -> list[nn.Module]:
     """Modules holding parameters directly, when W can run module by module: each parameter in one
-    module, and no recomputation (a recomputed block would be recomputed once per module)."""
+    module."""
     owners: dict[int, int] = {}
     modules = []
     for module in stage.modules():
-        if isinstance(module, Recomputed):
-            return []
         own = [p for p in module.parameters(recurse=False) if p.requires_grad]
         if own:
             modules.append(module)

@@ -1,9 +1,10 @@
 """Cut a model into pipeline chunks: an ordered list of layers, split into contiguous ranges.
 
-A model is described as layers, each a few modules under their names in the whole model and a
-function that runs them:
+A model is described as layers (paratrain.models.recipe.Layer), each a few modules under their names
+in the whole model and a function that runs them, by its recipe's `layers`, or, for an
+nn.Sequential, its children:
 
-    GPT:            tok_emb | blocks.0 | ... | blocks.{L-1} | head (norm, head, output)
+    a recipe's:     e.g. tok_emb | blocks.0 | ... | blocks.{L-1} | head (norm, head, output)
     nn.Sequential:  0 | 1 | ... (its children)
 
 The p x v chunks are contiguous ranges of layers, given as split points or balanced by a cost
@@ -12,17 +13,15 @@ chunks under the names the whole model gives them ("blocks.5.mlp.up.weight" on w
 block 5), so checkpoints, tensor-parallel plans, recompute patterns and ZeRO all work on it as on
 the whole model.
 
-A weight tied across the first and last stage (found by identity: the GPT's or a Hugging Face
-model's embedding and head, any user's shared tensor) becomes two parameters when its ends land on
-different ranks: the copy starts equal, and the gradient strategies sum the two gradients over the
+A weight tied across the first and last stage (found by identity: a language model's embedding and
+head, any user's shared tensor) becomes two parameters when its ends land on different ranks: the copy starts equal, and the gradient strategies sum the two gradients over the
 ranks holding them ("tied group"), so both stay equal; checkpoints hold it once, under its first
 name. A tie between other stages is refused before anything runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,41 +29,11 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.config.errors import ConfigError
-from paratrain.models.gpt import GPT
+from paratrain.models.recipe import Layer, Run
 from paratrain.models.ties import tied_parameters
 from paratrain.topology.mesh import AxisGroup
 
-Run = Callable[[nn.Module, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class Layer:
-    name: str
-    modules: dict[str, nn.Module]
-    """Dotted names in the whole model -> modules this layer runs."""
-    run: Run
-    """run(stage_model, x) -> y: the layer's forward, reading its modules from the stage model."""
-    cost: float
-    """Relative cost (forward FLOPs per token, or parameters), for balancing."""
-
-
-def gpt_layers(model: GPT) -> list[Layer]:
-    config = model.config
-    d, f, v, s = config.d_model, config.ff_dim, config.padded_vocab, config.seq_len
-    block_flops = 2 * (4 * d * d + 2 * d * f) + 4 * s * d  # matmuls + attention scores, per token
-    layers = [Layer("tok_emb", {"tok_emb": model.tok_emb}, lambda st, x: st.tok_emb(x), 2.0 * d)]
-    for i, block in enumerate(model.blocks):
-        layers.append(Layer(f"blocks.{i}", {f"blocks.{i}": block}, _block_runner(i), float(block_flops)))
-    layers.append(Layer("head", {"norm": model.norm, "head": model.head, "output": model.output},
-                        lambda st, x: st.head(st.norm(x)), 2.0 * d * v))
-    return layers
-
-
-def _block_runner(i: int) -> Run:
-    def run(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return stage.blocks[str(i)](x, stage.rope_cos, stage.rope_sin)
-
-    return run
+__all__ = ["Layer", "StageModel", "chunk_ranges", "model_layers", "sequential_layers"]  # Layer: paratrain.models.recipe's
 
 
 def sequential_layers(model: nn.Sequential) -> list[Layer]:
@@ -83,13 +52,13 @@ def _child_runner(name: str) -> Run:
 
 
 def model_layers(model: nn.Module) -> list[Layer]:
-    if isinstance(model, GPT):
-        return gpt_layers(model)
+    """An nn.Sequential's children as layers; other models give theirs by their recipe."""
     if isinstance(model, nn.Sequential):
         return sequential_layers(model)
-    raise TypeError(f"pipeline parallelism splits a paratrain GPT or an nn.Sequential, not a {type(model).__name__}: "
-                    "express the model as nn.Sequential of its layers, or pass parallelize(..., layers=model -> "
-                    "list[Layer]) (paratrain.models.hf.llama_layers for HF Llama / Mistral)")
+    raise TypeError(f"pipeline parallelism cuts a model by its recipe's layers, or an nn.Sequential's children; a "
+                    f"{type(model).__name__} has neither: express the model as nn.Sequential of its layers, or pass "
+                    "parallelize(..., layers=model -> list[Layer]) (paratrain.models.hf.llama_layers for HF Llama / "
+                    "Mistral)")
 
 
 def balanced_split(costs: Sequence[float], parts: int) -> list[int]:
@@ -149,9 +118,9 @@ class StageModel(nn.Module):
             for layer in layers[start:end]:
                 for name, module in layer.modules.items():
                     _register(self, name, module)
-        if isinstance(model, GPT):
-            self.register_buffer("rope_cos", model.rope_cos, persistent=False)
-            self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+                for name, tensor in layer.buffers.items():  # tensors of the whole model it reads (rotary tables)
+                    if name not in self._buffers:
+                        self.register_buffer(name, tensor, persistent=False)
         self.tied: dict[str, str] = {}
         """Name of a tied copy on this rank -> the name the checkpoint keeps it under."""
         self.tied_name: str | None = None

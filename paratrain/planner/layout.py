@@ -137,7 +137,7 @@ def _rank_params(model: ModelConfig, t: int, pp: int, v_stages: int, stage: int,
                 params += [RankParam(f"{b}.mlp.up.weight", (f // t, d), split),
                            RankParam(f"{b}.mlp.down.weight", (d, f // t), split)]
                 continue
-            # a MoE layer (paratrain.models.moe): replicated over tp, its experts sliced over ep
+            # a MoE layer (paratrain.nn.moe): replicated over tp, its experts sliced over ep
             e, fe = model.n_experts // ep, model.expert_dim
             params += [RankParam(f"{b}.moe.router.weight", (model.n_experts, d), False),
                        RankParam(f"{b}.moe.experts.up", (e, fe, d), False, expert=True),

@@ -205,7 +205,7 @@ def block_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, tp
 
 def moe_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, mode: str = "fp32",
                          ep: int = 1) -> float:
-    """Bytes a MoE layer (paratrain.models.moe, replicated over tp) keeps for backward, per micro-batch,
+    """Bytes a MoE layer (paratrain.nn.moe, replicated over tp) keeps for backward, per micro-batch,
     its input included, when no assignment is dropped (dropless, or no expert over its capacity): an
     upper bound with a capacity. Under expert parallelism each rank is taken to receive as many rows
     as it sends (a balanced router; a skewed one receives more) and to run each of its experts."""
@@ -258,7 +258,7 @@ def embedding_activation_bytes(*, micro_batch: int, seq: int, tp: int = 1) -> fl
 def head_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, tp: int = 1,
                           sequence_parallel: bool = False, mode: str = "fp32") -> float:
     """The final norm, the head's input (and 16-bit weight copy under autocast), and the loss, which
-    keeps the logits in their own dtype and O(n) per-row values (paratrain.models.loss; under tp the
+    keeps the logits in their own dtype and O(n) per-row values (paratrain.nn.loss; under tp the
     vocabulary-parallel loss likewise for this rank's slice): never a float32 copy of the logits."""
     b, s, d, t = micro_batch, seq, model.d_model, tp
     n = b * s

@@ -11,7 +11,7 @@ from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import ParallelConfig
 from paratrain.config.validate import batch_layout, check_experts, check_pipeline, check_tensor_parallel
-from paratrain.models.loss import CHUNK_BYTES
+from paratrain.nn.loss import CHUNK_BYTES
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import BYTES, activation_bytes, model_state_bytes, storage_mode

@@ -1,8 +1,8 @@
 """ZeRO-3 parameter gathering: full parameters exist only around the unit that uses them.
 
-A unit is one wrapped module (by default one transformer block) and the FlatGroups of its
-parameters; the root unit holds what no wrapped module owns (for the GPT: the embedding, tied
-to the head, and the final norm). Hooks on each unit:
+A unit is one wrapped module (by default each of the model recipe's blocks: one transformer block)
+and the FlatGroups of its parameters; the root unit holds what no wrapped module owns (for a
+language model: the embedding, tied to the head, and the final norm). Hooks on each unit:
 
     forward pre-hook    gather this unit (wait), start gathering the next unit (prefetch)
     forward hook        free this unit (unless reshard_after_forward is False)
@@ -11,7 +11,7 @@ to the head, and the final norm). Hooks on each unit:
 
 The root unit is gathered when the model's forward starts and freed after backward (or right after
 forward, in evaluation). Prefetching follows forward order, then its reverse in backward, which is
-the order the units were registered in for a model built like the reference GPT.
+the order the units were registered in for a model that registers its blocks in the order it runs them.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Unit:
 
 
 WrapPolicy = Union[str, type, tuple[type, ...], None]
-"""ZeRO-3 units: a regex of module names, module class(es), or None (GPT blocks: "blocks\\.\\d+")."""
+"""ZeRO-3 units: a regex of module names, module class(es), or None (no unit but the root: the whole model)."""
 
 
 def units_of(model: nn.Module, params: list[nn.Parameter],
@@ -48,12 +48,11 @@ def units_of(model: nn.Module, params: list[nn.Parameter],
     """The root unit, the wrapped units in forward (registration) order, and each unit's trainable
     parameters (keyed by id(unit)). A parameter belongs to a wrapped unit when every module that
     owns it lies inside that unit; a weight shared across units (tied) goes to the root."""
-    policy = wrap if wrap is not None else r"blocks\.\d+"
     units: list[Unit] = []
     for name, module in model.named_modules():
-        if not name or any(name.startswith(u.name + ".") for u in units):
+        if wrap is None or not name or any(name.startswith(u.name + ".") for u in units):
             continue  # the outermost match wins
-        if re.fullmatch(policy, name) if isinstance(policy, str) else isinstance(module, policy):
+        if re.fullmatch(wrap, name) if isinstance(wrap, str) else isinstance(module, wrap):
             units.append(Unit(name, module))
     root = Unit("", model)
     owners: dict[int, set[str]] = {}

@@ -3,11 +3,11 @@ and the plan that applies them to a model by module name (with or without sequen
 
 from paratrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from paratrain.tensor_parallel.loss import VocabParallelOutput, vocab_parallel_cross_entropy
-from paratrain.tensor_parallel.plan import (GPT_PLAN, STYLES, TensorParallelLayout, apply_tensor_parallel, check_ties,
+from paratrain.tensor_parallel.plan import (STYLES, TensorParallelLayout, apply_tensor_parallel, check_ties,
                                             resolve_plan)
 
 __all__ = [
-    "GPT_PLAN", "STYLES", "ColumnParallelLinear", "RowParallelLinear", "TensorParallelLayout",
+    "STYLES", "ColumnParallelLinear", "RowParallelLinear", "TensorParallelLayout",
     "VocabParallelEmbedding", "VocabParallelOutput", "apply_tensor_parallel", "check_ties", "resolve_plan",
     "vocab_parallel_cross_entropy",
 ]

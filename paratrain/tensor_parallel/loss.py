@@ -8,7 +8,7 @@ Three all-reduces of [N] vectors (max, sum of exponentials, the target logit, wh
 holds) replace an all-gather of [N, V]. The gradient is softmax - onehot(target), each rank writing
 its own slice (Megatron-LM, tensor_parallel/cross_entropy.py, in our own words).
 
-Like paratrain.models.loss, the rows are walked in chunks upcast one at a time: backward keeps the
+Like paratrain.nn.loss, the rows are walked in chunks upcast one at a time: backward keeps the
 logits in their own dtype and the [N] maxima and sums, and recomputes the softmax chunk by chunk,
 instead of keeping a float32 softmax[N, V/tp].
 """
@@ -23,7 +23,7 @@ from torch import nn
 
 from paratrain.comm.collectives import all_reduce
 from paratrain.comm.regions import gather_from_tp_region
-from paratrain.models.loss import compute_dtype, default_chunk_rows
+from paratrain.nn.loss import compute_dtype, default_chunk_rows
 from paratrain.topology.mesh import AxisGroup
 
 
@@ -95,7 +95,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     """Per-token losses [N] (0 where ignored) from logits[N, V/tp] and targets[N] in the full vocabulary.
     vocab_size: columns at or beyond it (padding of the vocabulary) are left out of the softmax.
     chunk_rows: rows upcast to float32 at a time (default: about 64 MiB, see
-    paratrain.models.loss.default_chunk_rows); the three all-reduces are per call, not per chunk."""
+    paratrain.nn.loss.default_chunk_rows); the three all-reduces are per call, not per chunk."""
     if chunk_rows is not None and chunk_rows < 1:
         raise ValueError(f"chunk_rows is {chunk_rows}; it must be at least 1 (None picks ~64 MiB chunks)")
     return _VocabParallelCrossEntropy.apply(logits, targets, group, ignore_index, vocab_size, chunk_rows)

@@ -1,6 +1,6 @@
 """Apply tensor parallelism to a model from outside, by a plan that maps module names to styles.
 
-    layout = apply_tensor_parallel(model, GPT_PLAN, tp_group, sequence_parallel=True)
+    layout = apply_tensor_parallel(model, plan, tp_group, sequence_parallel=True)   # plan: a recipe's tp_plan
 
 A plan key names modules by suffix ("attn.qkv" matches "blocks.3.attn.qkv") or by a glob
 ("blocks.*.mlp.up"). Styles:
@@ -37,8 +37,8 @@ from torch import nn
 
 from paratrain.comm.collectives import all_reduce
 from paratrain.comm.regions import all_gather_along
-from paratrain.models.dropout import KeyedDropout
-from paratrain.models.gpt import VocabOutput
+from paratrain.nn.dropout import KeyedDropout
+from paratrain.nn.loss import VocabOutput
 from paratrain.models.ties import broken_ties, tied_parameters
 from paratrain.names import name_matches
 from paratrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -46,21 +46,6 @@ from paratrain.tensor_parallel.loss import VocabParallelOutput
 from paratrain.topology.mesh import AxisGroup
 
 STYLES = ("column", "column_gather", "row", "embedding", "vocab_output", "heads_dropout", "sequence_dropout")
-
-GPT_PLAN: dict[str, str] = {
-    "tok_emb": "embedding",
-    "attn.qkv": "column",  # output [heads, 3, head_dim]: a column split is a split of the heads
-    "attn.core.dropout": "heads_dropout",
-    "attn.out": "row",
-    "attn.out_dropout": "sequence_dropout",
-    "mlp.up": "column",
-    "mlp.down": "row",
-    "mlp.dropout": "sequence_dropout",
-    "head": "column",  # logits stay split along the vocabulary ...
-    "output": "vocab_output",  # ... and the loss reads them that way
-}
-"""The Megatron layout of paratrain.models.GPT: one all-reduce per attention and per MLP, each way."""
-
 
 @dataclass
 class TensorParallelLayout:

@@ -82,14 +82,12 @@ def plain(kind: str) -> dict:
 def _job(kind: str, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: int = 0,
          micro_batch: int | None = None) -> dict:
     import paratrain
-    from paratrain.models.hf import (LLAMA_TP_PLAN, LLAMA_WRAP, check_llama_tp, llama_layers, llama_loss,
-                                     llama_pipeline_loss)
+    from paratrain.models.hf import LLAMA_RECIPE, check_llama_tp, llama_loss
 
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dp, tp=tp, pp=pp, zero=zero))
     model = build(kind)
     check_llama_tp(model.config, tp)
-    engine = paratrain.parallelize(model, ctx, optimizer=_adamw, micro_batch=micro_batch, wrap=LLAMA_WRAP,
-                                   tp_plan=LLAMA_TP_PLAN, layers=llama_layers, pipeline_loss=llama_pipeline_loss)
+    engine = paratrain.parallelize(model, ctx, optimizer=_adamw, micro_batch=micro_batch, recipe=LLAMA_RECIPE)
     losses, norms = [], []
     for step in range(STEPS):
         engine.set_lr(lr_at(step))

@@ -1,4 +1,4 @@
-"""chunked_cross_entropy (paratrain.models.loss) against F.cross_entropy(reduction="sum") on the real
+"""chunked_cross_entropy (paratrain.nn.loss) against F.cross_entropy(reduction="sum") on the real
 columns: loss and logits gradient, in float64, float32 and bf16, and what it saves for backward."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from paratrain.models import VocabOutput
 from paratrain.models.gpt import upcast
-from paratrain.models.loss import CHUNK_BYTES, chunked_cross_entropy, default_chunk_rows
+from paratrain.nn.loss import CHUNK_BYTES, chunked_cross_entropy, default_chunk_rows
 from tests.margins import within
 
 N, V, VP = 96, 1000, 1024  # rows, real vocabulary, padded vocabulary

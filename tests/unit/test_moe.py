@@ -15,7 +15,7 @@ from paratrain.config.model import ModelConfig, preset
 from paratrain.memory import apply_recompute
 from paratrain.models import build_gpt, lm_loss
 from paratrain.models.gpt import MLP
-from paratrain.models.moe import MoE, within_capacity
+from paratrain.nn.moe import MoE, within_capacity
 
 
 def layer(*, top_k: int = 2, capacity_factor: float = 0.0, shared: bool = False, seed: int = 0) -> MoE:

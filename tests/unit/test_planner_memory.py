@@ -8,7 +8,8 @@ import torch
 
 import paratrain
 from paratrain.config import preset
-from paratrain.memory import RECOMPUTE_MODES, apply_recompute, autocast
+from paratrain.memory import apply_recompute, autocast, recompute_pattern
+from paratrain.models import GPT_RECIPE
 from paratrain.memory.activations import saved_activations
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import activation_bytes, storage_mode
@@ -26,7 +27,7 @@ def test_activations_equal_what_autograd_keeps(precision, zero, recompute, shape
         for param in model.parameters():
             param.data = param.data.to({"bf16": torch.bfloat16, "fp16": torch.float16}[precision])
     if recompute != "none":
-        apply_recompute(model, RECOMPUTE_MODES[recompute])
+        apply_recompute(model, recompute_pattern(recompute, GPT_RECIPE))
     x = torch.randint(0, 256, (rows, config.seq_len + 1), generator=torch.Generator().manual_seed(0))
     with saved_activations(model) as saved, autocast(precision, torch.device("cpu")):
         paratrain.lm_loss(model, (x[:, :-1], x[:, 1:]))
@@ -47,7 +48,7 @@ def test_moe_activations_equal_what_autograd_keeps(precision, zero, recompute, v
         for param in model.parameters():
             param.data = param.data.to(torch.bfloat16)
     if recompute != "none":
-        apply_recompute(model, RECOMPUTE_MODES[recompute])
+        apply_recompute(model, recompute_pattern(recompute, GPT_RECIPE))
     x = torch.randint(0, 256, (2, config.seq_len + 1), generator=torch.Generator().manual_seed(0))
     with saved_activations(model) as saved, autocast(precision, torch.device("cpu")):
         paratrain.lm_loss(model, (x[:, :-1], x[:, 1:]))

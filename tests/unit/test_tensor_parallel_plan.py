@@ -8,7 +8,8 @@ import torch
 from paratrain.config import preset
 from paratrain.models import GPT, KeyedDropout
 from paratrain.rng import DropoutStream, hashed_uniform
-from paratrain.tensor_parallel import GPT_PLAN, apply_tensor_parallel, resolve_plan
+from paratrain.models import GPT_PLAN
+from paratrain.tensor_parallel import apply_tensor_parallel, resolve_plan
 from paratrain.topology import AxisGroup
 
 

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paratrain.models.loss import compute_dtype
+from paratrain.nn.loss import compute_dtype
 
 
 @dataclass

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 CHUNK_BYTES = 256 * 2**20
 """Default size of one chunk's upcast logits: bounds every float32 temporary of forward and backward."""
@@ -108,3 +109,34 @@ def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, vocab_
     if logits.dim() != 2:
         logits, targets = logits.reshape(-1, padded), targets.reshape(-1)  # a view when it can be
     return _ChunkedCrossEntropy.apply(logits, targets.long(), vocab_size, ignore_index, chunk_rows)
+
+
+IGNORE_INDEX = -100
+"""Targets with this id are not predicted (no loss, not counted)."""
+
+
+class VocabOutput(nn.Module):
+    """The end of the model: logits over the padded vocabulary -> the loss, or full logits to sample from.
+
+    Padded rows (ids >= vocab_size) are never targets and are left out of the softmax, so padding
+    changes nothing but the shapes. The loss is chunked_cross_entropy: logits[B, S, Vp] in their own
+    dtype are all it saves for backward, never a float32 copy of them. Holds no parameters; tensor
+    parallelism replaces it by one that reads vocabulary-split logits
+    (paratrain.tensor_parallel.VocabParallelOutput).
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of per-token cross-entropies, number of tokens) over targets that are not ignored.
+
+        In float32 at least, by row chunks (this module): bf16 logits are never upcast
+        whole, and backward keeps only the logits themselves and one number per token."""
+        loss_sum = chunked_cross_entropy(logits, targets, vocab_size=self.vocab_size, ignore_index=IGNORE_INDEX)
+        return loss_sum, (targets != IGNORE_INDEX).sum()
+
+    def full(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits[..., vocab_size] over the real vocabulary."""
+        return logits[..., : self.vocab_size]

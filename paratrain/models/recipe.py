@@ -1,0 +1,80 @@
+"""A model family's recipe: what the parallel strategies need to know about it, kept with the model.
+
+Strategies know no model class. Each receives from the recipe the one thing it needs:
+
+    tp_plan          tensor parallelism: module name -> style (paratrain.tensor_parallel.STYLES)
+    blocks           the repeated blocks, a regex of module names: what recompute 'full' recomputes,
+                     ZeRO-3's units, what compile compiles and offload offloads
+    attention_cores  recompute 'selective': the attention cores (softmax(q k^T) v) inside the blocks
+    layers           pipeline parallelism: the model as an ordered list of Layers to cut into stages
+    stage_loss       the last pipeline stage's loss, (stage model, its output, targets) -> (sum, count)
+    hidden_size      the width of the activation between pipeline stages ([rows, seq, hidden]), for a
+                     dry run on the meta device, where no activation is computed
+
+A model exposes its recipe as a `recipe()` method (paratrain.models.GPT does); a model that has
+none (any user's nn.Module) passes the pieces to parallelize by keyword, or a Recipe (the Hugging
+Face ones are in paratrain.models.hf). Every field is optional: a strategy that needs a missing one
+says so before anything runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+Run = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+PipelineLoss = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]]
+"""(the last stage's output, targets) -> (sum of losses, count): a loss that needs no module."""
+StageLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]]
+"""(the last stage's model, its output, targets) -> (sum of losses, count)."""
+
+
+@dataclass
+class Layer:
+    """One layer of a model cut for pipeline parallelism: a few modules under their names in the whole
+    model, the function that runs them, and its cost for balancing the stages."""
+
+    name: str
+    modules: dict[str, nn.Module]
+    """Dotted names in the whole model -> modules this layer runs."""
+    run: Run
+    """run(stage_model, x) -> y: the layer's forward, reading its modules from the stage model."""
+    cost: float
+    """Relative cost (forward FLOPs per token, or parameters), for balancing."""
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Tensors of the whole model the layer reads (the GPT's rotary tables), registered on every stage
+    that holds it as non-persistent buffers under these names (so they move with the stage's .to())."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    tp_plan: Mapping[str, str] | None = None
+    blocks: str | None = None
+    attention_cores: str | None = None
+    layers: Callable[[nn.Module], list[Layer]] | None = None
+    stage_loss: StageLoss | None = None
+    hidden_size: Callable[[nn.Module], int] | None = None
+
+    def with_overrides(self, **given: Any) -> Recipe:
+        """This recipe with the fields given (not None) replaced: parallelize's keywords win."""
+        return replace(self, **{k: v for k, v in given.items() if v is not None})
+
+
+def stage_loss(loss: PipelineLoss) -> StageLoss:
+    """A loss of (output, targets) as a stage loss (it reads no module of the stage)."""
+
+    def on_stage(stage: nn.Module, output: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        total, count = loss(output, targets)
+        return total, torch.as_tensor(count)
+
+    return on_stage
+
+
+def recipe_of(model: nn.Module) -> Recipe:
+    """The model's own recipe (its `recipe()` method), or an empty one."""
+    own = getattr(model, "recipe", None)
+    return own() if callable(own) else Recipe()
