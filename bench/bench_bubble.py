@@ -1,7 +1,7 @@
 """The pipeline bubble of every schedule, measured on the real executor, against its formula.
 
-    python bench/bench_bubble.py                 # about 2 minutes
-    python bench/bench_bubble.py --pp 2 --schedules 1f1b --steps 3
+    python -m bench.bench_bubble                 # about 2 minutes
+    python -m bench.bench_bubble --pp 2 --schedules 1f1b --steps 3
 
 The stages are an nn.Sequential of 8 layers of known cost: a layer's forward, input gradient and
 weight gradient each take `--unit` milliseconds (sleeping, so that neither compute jitter nor
@@ -24,13 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.world import run_world  # noqa: E402
+from bench.world import run_world
 
 LAYERS, WIDTH, ROWS_PER_MICRO, MICROBATCHES = 8, 16, 2, 8
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zero-bubble"]
@@ -138,14 +135,14 @@ def formula(schedule: str, p: int, m: int) -> float:
     return (p - 1) / (m + p - 1)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES)
     parser.add_argument("--unit", type=float, default=20.0, help="milliseconds per layer per F, I and W")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print(f"{LAYERS} layers of {args.unit:g} ms per F / I / W, {MICROBATCHES} micro-batches, gloo on CPU")
     print(f"{'pp':>3} {'schedule':<12} {'step':>8} {'measured':>9} {'formula':>8} {'ratio':>6} {'replayed':>9} "
           f"{'+latency':>9} {'latency':>8}")

@@ -2,8 +2,8 @@
 pieces) vs the whole-model gather it replaced (every rank gathers, rank 0 writes one file) vs torch
 FSDP2 with torch.distributed.checkpoint (DCP), on the same GPT, ZeRO-3 / fully_shard over 4 processes.
 
-    python bench/bench_checkpoint.py                       # small and gpt2, about 4 minutes on 2 cores
-    python bench/bench_checkpoint.py --models small --modes sharded gathered
+    python -m bench.bench_checkpoint                       # small and gpt2, about 4 minutes on 2 cores
+    python -m bench.bench_checkpoint --models small --modes sharded gathered
 
 Each mode runs in fresh processes: build, one AdamW step (so that the optimizer state exists), save
 (timed from a barrier to a barrier, the checkpoint on local disk), then a fresh model of the same
@@ -18,14 +18,11 @@ import argparse
 import json
 import resource
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.world import run_world  # noqa: E402
+from bench.world import run_world
 
 MODES = ["sharded", "gathered", "dcp-fsdp2"]
 
@@ -129,13 +126,13 @@ def _job(mode: str, model_name: str, root: str) -> dict:
             "save_peak_growth_gib": max(e[0] for e in every), "load_peak_growth_gib": max(e[1] for e in every)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["small", "gpt2"])
     parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--json", help="write the results here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     results = []
     for model in args.models:
         for mode in args.modes:

@@ -1,7 +1,7 @@
 """paratrain data parallelism vs torch DDP, and gloo all-reduce bandwidth vs our gradient sync.
 
-    python bench/bench_dp.py                 # 2 and 4 processes, about 2 minutes on 2 cores
-    python bench/bench_dp.py --worlds 2 --steps 20
+    python -m bench.bench_dp                 # 2 and 4 processes, about 2 minutes on 2 cores
+    python -m bench.bench_dp --worlds 2 --steps 20
 
 Both contenders train the same GPT (4 layers, d_model 256, seq 128, 8 samples per rank, AdamW) from
 the same weights on the same batches, with 25 MiB buckets, in the same processes, alternating
@@ -17,13 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.world import run_world  # noqa: E402
+from bench.world import run_world
 
 MODEL = dict(vocab_size=256, seq_len=128, n_layer=4, n_head=8, d_model=256)
 PER_RANK = 8
@@ -106,14 +103,14 @@ def _race(steps: int, rounds: int, bucket_mb: float) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=10, help="timed steps per contender per round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     results = [run_world(w, _race, args.steps, args.rounds, args.bucket_mb) for w in args.worlds]
     print(f"GPT {MODEL}, {PER_RANK} samples x {MODEL['seq_len']} tokens per rank, AdamW, gloo on CPU; "
           f"bare and sync move the whole gradient ({results[0]['grad_MB']:.1f} MB)")

@@ -1,8 +1,8 @@
 """paratrain's Engine against a plain PyTorch loop on one GPU: step time, MFU and memory.
 
-    python bench/bench_gpu.py                           # gpt2 and gpt3-xl, every variant (~8 min on an H100)
-    python bench/bench_gpu.py --models gpt2 --steps 10 --json out.json
-    python bench/bench_gpu.py --only 4,5 --repeat 2     # compiled plain vs engine, twice in turn
+    python -m bench.bench_gpu                           # gpt2 and gpt3-xl, every variant (~8 min on an H100)
+    python -m bench.bench_gpu --models gpt2 --steps 10 --json out.json
+    python -m bench.bench_gpu --only 4,5 --repeat 2     # compiled plain vs engine, twice in turn
 
 Both contenders train the same GPT (bf16 autocast over float32 weights, fused AdamW, clip 1.0, one
 process) on the same batches with the same micro-batching and the same loss (the chunked
@@ -26,20 +26,18 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-import paratrain  # noqa: E402
-from paratrain.config import preset  # noqa: E402
-from paratrain.models import lm_loss  # noqa: E402
-from paratrain.train.metrics import peak_flops  # noqa: E402
+import paratrain
+from paratrain.config import preset
+from paratrain.models import lm_loss
+from paratrain.train.metrics import peak_flops
 
 SPECS = {"gpt2": (32, 16), "gpt3-xl": (16, 8), "gpt3-2.7b": (8, 4)}
 """Model preset -> (global batch, micro-batch) at the preset's sequence length."""

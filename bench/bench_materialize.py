@@ -2,8 +2,8 @@
 wrapping it, paratrain's meta-device build (each rank materialises only its pieces) against the whole
 build every process made before (and torch FSDP2's meta-device recipe, as torchtitan does it).
 
-    python bench/bench_materialize.py                                  # gpt3-xl, ZeRO-3, ~4 minutes
-    python bench/bench_materialize.py --model gpt3-large --modes meta whole --whole-world 4
+    python -m bench.bench_materialize                                  # gpt3-xl, ZeRO-3, ~4 minutes
+    python -m bench.bench_materialize --model gpt3-large --modes meta whole --whole-world 4
 
 Each mode runs in fresh processes (spawned, gloo) so that ru_maxrss is its own. Reported per mode:
 the world size, every rank's peak RSS in GiB and its growth over the process before building ("over
@@ -18,13 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.world import run_world  # noqa: E402
+from bench.world import run_world
 
 
 def _rss_gib() -> float:
@@ -75,7 +72,7 @@ def _job(mode: str, model_name: str, zero: int) -> dict:
     return {"ranks": every, "build_s": seconds}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt3-xl")
     parser.add_argument("--zero", type=int, default=3)
@@ -83,7 +80,7 @@ def main() -> None:
     parser.add_argument("--whole-world", type=int, default=2, help="processes for the whole build")
     parser.add_argument("--modes", nargs="+", default=["meta", "fsdp2", "whole"], choices=["meta", "fsdp2", "whole"])
     parser.add_argument("--json", help="write the results here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from paratrain.config import preset
 
     config = preset(args.model)

@@ -1,8 +1,8 @@
 """Mixture-of-Experts: the MoE GPT on one process, dp 2 (experts replicated), ep 2 and ep 4; and one MoE
 layer, paratrain's against DeepSpeed's (deepspeed.moe.layer.MoE) at the same shapes, when installed.
 
-    python bench/bench_moe.py                          # about 3 minutes on 2 cores
-    python bench/bench_moe.py --steps 4 --only paratrain-ep2 deepspeed-layer-ep2
+    python -m bench.bench_moe                          # about 3 minutes on 2 cores
+    python -m bench.bench_moe --steps 4 --only paratrain-ep2 deepspeed-layer-ep2
 
 DeepSpeed is optional; to include it: DS_BUILD_OPS=0 pip install -c constraints.txt --no-build-isolation
 deepspeed==0.19.8.
@@ -23,13 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.world import run_world, without_missing  # noqa: E402
+from bench.world import run_world, without_missing
 
 MODEL = dict(vocab_size=256, seq_len=128, n_layer=4, n_head=8, d_model=256, n_experts=8, top_k=2, d_expert=512)
 GLOBAL_BATCH = 8
@@ -131,12 +128,12 @@ def _layer(name: str, steps: int) -> dict:
             "world": dist.get_world_size()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--only", nargs="*", choices=CONTENDERS)
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     contenders = without_missing(args.only or CONTENDERS)
     results = {}
     for name in contenders:

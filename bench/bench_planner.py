@@ -1,7 +1,7 @@
 """The planner's predicted step time against measured steps, on this machine's CPU (gloo).
 
     paratrain plan --calibrate               # first: this machine's profile (about 10 s)
-    python bench/bench_planner.py            # 8 layouts of the tiny and small GPT, about 2 minutes on 2 cores
+    python -m bench.bench_planner            # 8 layouts of the tiny and small GPT, about 2 minutes on 2 cores
 
 Each layout trains `--steps` steps (after 2 warm-up steps) on 1 or 2 gloo processes of one thread
 each, float32, AdamW; the median step time is set against paratrain.planner.estimate with the
@@ -13,13 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.world import run_world  # noqa: E402
+from bench.world import run_world
 
 LAYOUTS = [  # (model, global batch, layout fields)
     ("small", 16, dict(micro_batch=8)),
@@ -68,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--hardware", default="cpu", help="the profile to predict with (default: the calibrated cpu)")
+    parser.add_argument("--layouts", type=int, nargs="+", default=list(range(len(LAYOUTS))),
+                        help="indices of the layouts to run (default: all)")
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
     from paratrain.config import preset
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| model | layout | measured s | predicted s | predicted / measured |")
     print("|---|---|---|---|---|")
     rows = []
-    for model_name, global_batch, fields in LAYOUTS:
+    for model_name, global_batch, fields in (LAYOUTS[i] for i in args.layouts):
         layout = Layout(**fields)
         world = layout.dp * layout.tp * layout.pp
         measured = (run_world(world, _measure, model_name, global_batch, fields, args.steps) if world > 1

@@ -1,8 +1,8 @@
 """Pipeline parallelism: paratrain's schedules vs torch.distributed.pipelining and DeepSpeed's
 PipelineModule (when installed) on the same split.
 
-    python bench/bench_pp.py                   # about 4 minutes on 2 cores
-    python bench/bench_pp.py --steps 4 --only paratrain-1f1b torch-1f1b
+    python -m bench.bench_pp                   # about 4 minutes on 2 cores
+    python -m bench.bench_pp --steps 4 --only paratrain-1f1b torch-1f1b
 
 pp = 2 on 2 processes (one core each, so a rank's time is its own), a GPT with 8 blocks (d_model 256,
 4 heads, seq 128), 8 micro-batches of 2 samples per step, AdamW, fp32, cut at layer 5 (embedding +
@@ -20,13 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.world import run_world, without_missing  # noqa: E402
+from bench.world import run_world, without_missing
 
 MODEL = {"vocab_size": 256, "seq_len": 128, "n_layer": 8, "n_head": 4, "d_model": 256}
 MICRO, MICROBATCHES, PP = 2, 8, 2
@@ -183,13 +180,13 @@ def _bubbles(schedule: str, ranks: list[dict]) -> tuple[float, float]:
                               for times in steps))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--only", nargs="+", default=CONTENDERS, choices=CONTENDERS)
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--trace", help="write each paratrain schedule's last step as a Chrome trace into this folder")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.only = without_missing(args.only)
     results = []
     for name in args.only:

@@ -1,8 +1,8 @@
 """Tensor parallelism: paratrain tp {1, 2, 4} (with and without sequence parallelism) vs torch's
 DTensor tensor parallel (parallelize_module, ColwiseParallel / RowwiseParallel) on the same GPT.
 
-    python bench/bench_tp.py                     # about 5 minutes on 2 cores
-    python bench/bench_tp.py --steps 4 --only paratrain-tp2 dtensor-tp2
+    python -m bench.bench_tp                     # about 5 minutes on 2 cores
+    python -m bench.bench_tp --steps 4 --only paratrain-tp2 dtensor-tp2
 
 Every contender trains the same GPT (4 layers, d_model 512, 8 heads, seq 128, 8 samples, AdamW)
 from the same weights, in fresh processes (dp = 1: every rank sees the whole batch). Reported for
@@ -22,14 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.bench_zero import _live_tensor_mb  # noqa: E402
-from bench.world import run_world  # noqa: E402
+from bench.bench_zero import _live_tensor_mb
+from bench.world import run_world
 
 MODEL = {"vocab_size": 256, "seq_len": 128, "n_layer": 4, "n_head": 8, "d_model": 512}
 BATCH = 8
@@ -97,12 +94,12 @@ def _contender(name: str, steps: int) -> dict:
             "megatron_mb": 4 * config.n_layer * 2 * bsh * 4 / 2**20}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--only", nargs="+", default=CONTENDERS, choices=CONTENDERS)
     parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     results = []
     for name in args.only:
         world = int(name.split("-tp")[1][0])

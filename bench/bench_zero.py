@@ -1,8 +1,8 @@
 """Sharded data parallelism: paratrain ZeRO-0/1/2/3 vs torch FSDP2, ZeroRedundancyOptimizer and
 DeepSpeed ZeRO-1/2/3 (when installed), step time and per-rank peak memory, on 2 and 4 processes.
 
-    python bench/bench_zero.py                          # about 10 minutes on 2 cores
-    python bench/bench_zero.py --worlds 2 --steps 4 --only paratrain-zero3 fsdp2
+    python -m bench.bench_zero                          # about 10 minutes on 2 cores
+    python -m bench.bench_zero --worlds 2 --steps 4 --only paratrain-zero3 fsdp2
 
 DeepSpeed is optional (not a dependency of paratrain); to include it:
     DS_BUILD_OPS=0 pip install -c constraints.txt --no-build-isolation deepspeed==0.19.8
@@ -24,13 +24,10 @@ import argparse
 import json
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.world import run_world, without_missing  # noqa: E402
+from bench.world import run_world, without_missing
 
 MODEL = dict(vocab_size=256, seq_len=128, n_layer=6, n_head=6, d_model=384)
 PER_RANK = 8
@@ -141,13 +138,13 @@ def _contender(name: str, steps: int) -> dict:
             "live_mb": _live_tensor_mb(), "live_before_mb": live_before}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--only", nargs="+", default=CONTENDERS, choices=CONTENDERS)
     parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.only = without_missing(args.only)
     results = []
     for world in args.worlds:

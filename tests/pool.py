@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 
-def _worker(rank: int, world_size: int, store: str, conn: Any) -> None:
+def _worker(rank: int, world_size: int, store: str, conn: Any, collective_timeout_s: float) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
     os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank), str(world_size)
@@ -28,7 +28,7 @@ def _worker(rank: int, world_size: int, store: str, conn: Any) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=60))
+                            timeout=timedelta(seconds=collective_timeout_s))
     conn.send(("ready", None))
     while True:
         message = conn.recv()
@@ -45,7 +45,9 @@ def _worker(rank: int, world_size: int, store: str, conn: Any) -> None:
 
 
 class RankPool:
-    def __init__(self, world_size: int, *, start_timeout: float = 120.0) -> None:
+    def __init__(self, world_size: int, *, start_timeout: float = 120.0, collective_timeout_s: float = 60.0) -> None:
+        """collective_timeout_s: how long a rank's collective waits for its peers (the benchmarks, whose
+        ranks may build a large model while others wait, give more)."""
         self.world_size = world_size
         self._dir = tempfile.TemporaryDirectory(prefix=f"paratrain-pool{world_size}-")
         context = mp.get_context("spawn")
@@ -53,7 +55,7 @@ class RankPool:
         store = os.path.join(self._dir.name, "store")
         for rank in range(world_size):
             parent, child = context.Pipe()
-            proc = context.Process(target=_worker, args=(rank, world_size, store, child), daemon=True)
+            proc = context.Process(target=_worker, args=(rank, world_size, store, child, collective_timeout_s), daemon=True)
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)

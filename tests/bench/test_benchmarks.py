@@ -1,0 +1,33 @@
+"""Every benchmark's smallest case runs (one timed step, the smallest world, one or two contenders), so that a
+change to paratrain cannot leave a benchmark broken unnoticed. It checks that they run, not their numbers
+(docs/benchmarks.md has those, measured by the full commands)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+SMALLEST = {
+    "bench_dp": ["--worlds", "2", "--steps", "1", "--rounds", "1"],
+    "bench_zero": ["--worlds", "2", "--steps", "1", "--only", "paratrain-zero3", "fsdp2"],
+    "bench_tp": ["--steps", "1", "--only", "paratrain-tp2", "dtensor-tp2"],
+    "bench_pp": ["--steps", "1", "--only", "paratrain-1f1b"],
+    "bench_bubble": ["--pp", "2", "--schedules", "1f1b", "--steps", "1", "--unit", "2"],
+    "bench_moe": ["--steps", "3", "--only", "paratrain-ep2"],  # step 0 warms up, step 1 counts bytes: one timed step
+    "bench_checkpoint": ["--models", "tiny", "--world", "2", "--modes", "sharded"],
+    "bench_materialize": ["--model", "tiny", "--world", "2", "--whole-world", "2", "--modes", "meta"],
+    "bench_planner": ["--steps", "1", "--hardware", "a100-80gb", "--layouts", "6"],
+    "bench_gpu": ["--models", "tiny", "--steps", "1", "--warmup", "1", "--no-compile", "--only", "0"],
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.gpu) if name == "bench_gpu" else name
+                                  for name in SMALLEST])
+def test_benchmark_runs(name, tmp_path, capsys):
+    if name == "bench_gpu" and not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    module = importlib.import_module(f"bench.{name}")
+    module.main([*SMALLEST[name], "--json", str(tmp_path / "out.json")])
+    assert (tmp_path / "out.json").stat().st_size > 2, capsys.readouterr().out[-2000:]
