@@ -48,7 +48,8 @@ class GradSync:
         self.placements = placements
         self.buckets: list[Bucket] = build_buckets(params, cap_bytes=bucket_bytes, key=placements)
         self.communicates = any(k.reduce is not None or k.tied is not None for k in placements.kinds)
-        self.sync = True
+        self._sync = True
+        """False: the backward in progress only accumulates (begin_micro_batch)."""
         self._bucket_of = {id(p): b.index for b in self.buckets for p in b.params}
         self._ready = [0] * len(self.buckets)
         self._pending: list[Pending] = []
@@ -101,8 +102,12 @@ class GradSync:
         params = sum(p.numel() * p.element_size() for b in self.buckets for p in b.params)
         return {"params": params, "grads": sum(b.nbytes for b in self.buckets)}
 
+    def begin_micro_batch(self, *, sync: bool) -> None:
+        """sync False: the coming backward only accumulates into the buckets; True: it reduces them."""
+        self._sync = sync
+
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if not self.sync:
+        if not self._sync:
             return
         if not self._finish_queued:
             # Runs once, when autograd has finished this whole backward pass.

@@ -42,13 +42,16 @@ LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, Union[torch.Tensor, int]
 class GradientStrategy(Protocol):
     """How a strategy reduces gradients (paratrain.data_parallel.GradSync, paratrain.sharding.ZeroSync).
 
-    The engine calls, per step: begin_step(); per micro-batch: set `sync`, backward, end_backward();
+    The engine calls, per step: begin_step(); per micro-batch: begin_micro_batch(sync=...), backward,
+    end_backward();
     then finish() (gradients reduced), owned_grads() (divided by the token count, normed as
     norm_parts() say, clipped), before_optimizer_step(), the optimizer step, and after_step().
     """
 
-    sync: bool
-    """False: this micro-batch's backward only accumulates (the strategy may still communicate)."""
+    def begin_micro_batch(self, *, sync: bool) -> None:
+        """sync False: the coming backward only accumulates (the strategy may still communicate); True:
+        the step's last, which reduces."""
+        ...
 
     def norm_parts(self) -> list[NormPart]:
         """owned_grads() grouped by the axes across which ranks hold different pieces of them."""
@@ -189,7 +192,7 @@ class Engine:
             totals += self._pipeline_pass(micro_batches, first_row, train=True)
         else:
             for i, micro in enumerate(micro_batches):
-                self.grads.sync = i == len(micro_batches) - 1  # communicate on the last only
+                self.grads.begin_micro_batch(sync=i == len(micro_batches) - 1)  # communicate on the last only
                 self.dropout.row_offset = first_row + i * _rows(micro)
                 loss_sum, count = self._forward(to_device(micro, self.ctx.device), loss_fn)
                 scale = self._loss_scale(count) if self.scaler else 1.0
@@ -309,7 +312,7 @@ class Engine:
         # The first scale of fp16 comes from the first micro-batch's size, before any rank has run the
         # loss: only the last stage ever knows the loss's own count, and every stage needs the scale.
         scale = self._loss_scale(pairs[0][1].numel()) if self.scaler and train else 1.0
-        self.grads.sync = False  # the schedule interleaves micro-batches: reduce once, in finish()
+        self.grads.begin_micro_batch(sync=False)  # the schedule interleaves micro-batches: reduce once, in finish()
         if self.router_log is not None:
             self.router_log.grad_scale = scale
         with contextlib.nullcontext() if train else torch.no_grad():

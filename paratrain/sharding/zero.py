@@ -153,7 +153,8 @@ class ZeroSync:
             if not g.own_master:
                 g.master.grad = shard
 
-        self.sync = True
+        self._sync = True
+        """False: the backward in progress only accumulates (begin_micro_batch)."""
         self._ready = [0] * len(self.groups)
         self._next = 0
         self._finish_queued = False
@@ -177,8 +178,13 @@ class ZeroSync:
             if not g.own_master:
                 g.master.grad = shard
 
+    def begin_micro_batch(self, *, sync: bool) -> None:
+        """sync False: the coming backward only accumulates (ZeRO-2/3 still reduce-scatter each micro-batch,
+        unless deferred by a pipeline); True: the step's last."""
+        self._sync = sync
+
     def _communicates(self) -> bool:
-        return (self.stage >= 2 and not self.deferred) or self.sync
+        return (self.stage >= 2 and not self.deferred) or self._sync
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         group = self._group_of[id(param)]
