@@ -116,9 +116,9 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         if recipe.tp_plan is None:
             raise ValueError(f"tp = {tp_group.size} needs a tensor-parallel plan for a {type(model).__name__}: "
                              "pass tp_plan={module name: style} (see paratrain.tensor_parallel.STYLES)")
-        check_ties(model, recipe.tp_plan)  # on the whole model: a pipeline stage may hold one end of a tie only
-    # Buffer rules and the batch statistics' rule, checked on the whole model too (refused alike on every rank).
-    buffer_rules(model, buffers or {})
+        if ctx.mesh.groups.get("pp") is not None:  # on the whole model: each stage may hold one end of a tie only
+            check_ties(model, recipe.tp_plan)
+    buffer_rules(model, buffers or {})  # on the whole model too: refused alike on every rank
     # 1. Pipeline: this rank keeps the layers of its chunks, under their names in the whole model.
     pp_group = ctx.mesh.groups.get("pp")
     stage: StageModel | None = None

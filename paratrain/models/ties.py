@@ -20,14 +20,3 @@ def tied_parameters(model: nn.Module) -> list[tuple[str, ...]]:
         names.setdefault(id(param), []).append(name)
     return [tuple(group) for group in names.values() if len(group) > 1]
 
-
-def broken_ties(model: nn.Module, ties: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
-    """The groups of `ties` (found before the model was changed) whose names no longer all lead to one
-    parameter; names the model no longer has (another pipeline stage's) are left out."""
-    own = dict(model.named_parameters(remove_duplicate=False))
-    broken = []
-    for group in ties:
-        present = [name for name in group if name in own]
-        if len({id(own[name]) for name in present}) > 1:
-            broken.append(tuple(present))
-    return broken

@@ -39,7 +39,7 @@ from paratrain.comm.collectives import all_reduce
 from paratrain.comm.regions import all_gather_along
 from paratrain.nn.dropout import KeyedDropout
 from paratrain.nn.loss import VocabOutput
-from paratrain.models.ties import broken_ties, tied_parameters
+from paratrain.models.ties import tied_parameters
 from paratrain.names import name_matches
 from paratrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from paratrain.tensor_parallel.loss import VocabParallelOutput
@@ -127,9 +127,8 @@ def _expect(module: nn.Module, kind: type | tuple[type, ...], name: str, style: 
 def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: AxisGroup, *,
                           sequence_parallel: bool = False, allow_missing: bool = False) -> TensorParallelLayout:
     """Replace the planned modules of `model` in place by their tensor-parallel versions."""
-    check_ties(model, plan, allow_missing=allow_missing)
+    check_ties(model, plan, allow_missing=allow_missing)  # so every end of a tie is split alike below
     resolved = resolve_plan(model, plan, allow_missing=allow_missing)
-    ties = tied_parameters(model)
     split: dict[int, int] = {}  # id(new parameter) -> split dim
     sliced: dict[int, nn.Parameter] = {}  # id(full parameter) -> its slice here (ties stay ties)
     for name, style in resolved.items():
@@ -146,9 +145,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
             if new is None:
                 continue
             shared = sliced.get(id(full))
-            if shared is not None:
-                if shared.shape != new.shape or split.get(id(shared), -1) != dim:
-                    raise ValueError(_untie_message(model, resolved, ties, f"{name}.{attr}"))
+            if shared is not None:  # another end of a tied weight: the one slice serves both
                 setattr(replacement, attr, shared)
                 continue
             sliced[id(full)] = new
@@ -156,9 +153,6 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
                 split[id(new)] = dim
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, replacement)
-    broken = broken_ties(model, ties)
-    if broken:
-        raise ValueError(_untie_message(model, resolved, ties, broken[0][0]))
     layout = TensorParallelLayout(group, sequence_parallel)
     for pname, param in model.named_parameters():
         if id(param) in split:
