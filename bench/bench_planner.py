@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|")
     rows = []
     for model_name, global_batch, fields in (LAYOUTS[i] for i in args.layouts):
-        layout = Layout(**fields)
+        layout = Layout.of(**fields)
         world = layout.dp * layout.tp * layout.pp
         measured = (run_world(world, _measure, model_name, global_batch, fields, args.steps) if world > 1
                     else _single(model_name, global_batch, fields, args.steps))

@@ -6,8 +6,38 @@ from dataclasses import dataclass, replace
 
 from paratrain.config.errors import ConfigError
 
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+"""The pipeline schedules paratrain.pipeline.schedules builds, by name (config is the ground floor:
+the names live here, the programs there)."""
+
 # Strategies whose issues have not landed yet; a degree above 1 is refused with this note.
 _NOT_YET: dict[str, str] = {}
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run for these (stages, micro-batches, chunks): refused before launch."""
+
+
+def check_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> None:
+    """Every rule a schedule has, with the numbers and the fix."""
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
+    if stages < 1 or microbatches < 1 or chunks < 1:
+        raise ScheduleError(f"stages ({stages}), micro-batches ({microbatches}) and virtual stages ({chunks}) "
+                            "must be >= 1")
+    if name == "interleaved":
+        if chunks < 2:
+            raise ScheduleError("the interleaved schedule needs --virtual-stages >= 2 (chunks per rank); "
+                                "with 1 it is 1F1B: use --schedule 1f1b")
+        if microbatches % stages:
+            lower = microbatches - microbatches % stages
+            raise ScheduleError(
+                f"the interleaved schedule sends micro-batches round the ring in groups of pp ({stages}): "
+                f"micro-batches ({microbatches}) must be a multiple of it; use {max(lower, stages)} or "
+                f"{lower + stages} (global_batch / (micro_batch x dp))")
+    elif chunks != 1:
+        raise ScheduleError(f"--virtual-stages {chunks} needs the interleaved schedule (got {name!r})")
+
 
 
 @dataclass(frozen=True)
@@ -75,8 +105,6 @@ class ParallelConfig:
                     f"{name}={value}: {_NOT_YET[name]} is not yet supported; use {name}=1 "
                     "(data and tensor parallelism are what this version runs)"
                 )
-        from paratrain.pipeline.schedules import SCHEDULES
-
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.virtual_stages < 1:

@@ -1,144 +1,17 @@
-"""Every rule a run must satisfy, checked in the launching process before any worker starts."""
+"""Every rule a run must satisfy, checked in the launching process before any worker starts (and by
+each worker against the world it meets: check_run gives the RunPlan it builds)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig, preset
-from paratrain.config.parallel import ParallelConfig
+from paratrain.config.parallel import ParallelConfig, ScheduleError, check_schedule
+from paratrain.config.plan import BatchLayout, RunPlan, batch_layout
 from paratrain.config.run import RunConfig
-
-
-@dataclass(frozen=True)
-class BatchLayout:
-    """How a global batch of samples is cut: G = micro_batch x accumulation x dp."""
-
-    global_batch: int
-    micro_batch: int
-    dp: int
-
-    @property
-    def accumulation(self) -> int:
-        return self.global_batch // (self.micro_batch * self.dp)
-
-    @property
-    def per_rank(self) -> int:
-        return self.global_batch // self.dp
-
-
-def batch_layout(global_batch: int, micro_batch: int, dp: int) -> BatchLayout:
-    """Check G = m x accumulation x dp; micro_batch 0 means no accumulation."""
-    if global_batch < 1:
-        raise ConfigError(f"global_batch must be >= 1, got {global_batch}")
-    if global_batch % dp:
-        lower = dp * (global_batch // dp)
-        nearest = [g for g in (lower, lower + dp) if g > 0]
-        raise ConfigError(
-            f"global_batch ({global_batch}) must be divisible by dp ({dp}): "
-            f"choose global_batch in {nearest} or another dp"
-        )
-    per_rank = global_batch // dp
-    micro = micro_batch or per_rank
-    if micro < 1:
-        raise ConfigError(f"micro_batch must be >= 1, got {micro_batch}")
-    if per_rank % micro:
-        choices = _divisors(per_rank)
-        raise ConfigError(
-            f"accumulation = global_batch / (micro_batch x dp) = {global_batch} / ({micro} x {dp}) "
-            f"= {global_batch / (micro * dp):g} is not an integer: choose micro_batch in {choices}, "
-            f"or global_batch a multiple of {micro * dp}"
-        )
-    return BatchLayout(global_batch=global_batch, micro_batch=micro, dp=dp)
-
-
-def _divisors(n: int) -> list[int]:
-    """The divisors of n in increasing order, in O(sqrt n) (a global batch may be 10**9)."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """A RunConfig checked and resolved: what the workers build."""
-
-    config: RunConfig
-    model: ModelConfig
-    parallel: ParallelConfig
-    batch: BatchLayout
-    seq_len: int
-
-
-DEVICES = ("auto", "cpu", "cuda")
-
-
-def resolve_device(device: str, *, gpus: int) -> str:
-    """'cpu' or 'cuda' for a requested device, given the GPUs this node sees: 'auto' is CUDA when
-    there is one, else the CPU."""
-    if device not in DEVICES:
-        raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
-    if device == "auto":
-        return "cuda" if gpus else "cpu"
-    if device == "cuda" and not gpus:
-        raise ConfigError("device cuda was asked for, but torch sees no CUDA GPU on this node (a CPU build of torch, "
-                          "or CUDA_VISIBLE_DEVICES empty): use device cpu")
-    return device
-
-
-def launch_world_size(config: RunConfig, *, gpus: int) -> int:
-    """Processes the launcher will start: nproc x nnodes. Without --nproc, nproc follows --dp
-    (dp x tp x pp / nnodes), else one per visible GPU on CUDA, 2 on the CPU. `gpus`: the CUDA
-    devices this node sees; under NCCL each process takes one, so a node may not start more."""
-    launch, parallel = config.launch, config.parallel
-    if launch.nproc < 0:
-        raise ConfigError(f"nproc ({launch.nproc}) must be >= 1 processes per node (or 0: one per GPU on CUDA, "
-                          "dp x tp x pp / nnodes when --dp is given, else 2)")
-    if launch.nnodes < 1:
-        raise ConfigError(f"nnodes ({launch.nnodes}) must be >= 1")
-    for axis in ("dp", "tp", "pp"):
-        degree = getattr(parallel, axis)
-        if degree is not None and degree < 1:
-            raise ConfigError(f"{axis} ({degree}) must be >= 1")
-    device = resolve_device(launch.device, gpus=gpus)
-    if launch.nproc:
-        per_node = launch.nproc
-    elif parallel.dp is None:
-        per_node = gpus if device == "cuda" else 2
-    else:
-        world = parallel.dp * parallel.tp * parallel.pp
-        if world % launch.nnodes:
-            raise ConfigError(
-                f"dp x tp x pp = {world} processes do not split evenly over {launch.nnodes} nodes: "
-                f"give --nproc (processes per node) or another dp"
-            )
-        per_node = world // launch.nnodes
-    if device == "cuda" and per_node > gpus:
-        raise ConfigError(
-            f"{per_node} processes per node on CUDA need {per_node} GPUs (NCCL gives each process one), but this node "
-            f"sees {gpus}: start at most {gpus} per node (--nproc {gpus}, and a layout whose dp x tp x pp is "
-            f"{gpus} x nnodes), or train on the CPU with --device cpu (gloo)"
-        )
-    return per_node * launch.nnodes
-
-
-def check_min_nodes(config: RunConfig) -> None:
-    """--min-nodes: a relaunch may meet with fewer nodes, so dp must follow the world and every world
-    from min_nodes to nnodes nodes must be a valid layout (checked by the caller, prepare_launch)."""
-    launch = config.launch
-    if not 1 <= launch.min_nodes <= launch.nnodes:
-        raise ConfigError(f"min_nodes ({launch.min_nodes}) must be in 1..nnodes ({launch.nnodes}): the fewest nodes a "
-                          "relaunch may go on with")
-    if launch.min_nodes < launch.nnodes:
-        if launch.rdzv_backend != "c10d":
-            raise ConfigError(f"--min-nodes {launch.min_nodes} < --nnodes {launch.nnodes} needs --rdzv-backend c10d: "
-                              "the static rendezvous has fixed node ranks and waits for every node")
-        if not launch.max_restarts:
-            raise ConfigError(f"--min-nodes {launch.min_nodes} takes effect when the job is relaunched: give "
-                              "--max-restarts N (and --save DIR)")
-        if config.parallel.dp is not None:
-            raise ConfigError(f"--min-nodes {launch.min_nodes} recomputes dp from the nodes that meet: drop --dp "
-                              f"{config.parallel.dp} (dp = processes / (tp x pp))")
+from paratrain.config.world import DEVICES, check_min_nodes
 
 
 def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len: int) -> None:
@@ -198,7 +71,6 @@ def check_experts(model: ModelConfig, parallel: ParallelConfig, *, compile: bool
 def check_pipeline(model: ModelConfig, parallel: ParallelConfig, batch: BatchLayout) -> None:
     """pp x virtual_stages chunks of at least one layer each; the schedule runs with the micro-batch
     count that the batch layout gives (the accumulation steps are the pipeline's micro-batches)."""
-    from paratrain.pipeline.schedules import ScheduleError, check_schedule
 
     m = batch.accumulation
     if parallel.microbatches and parallel.microbatches != m:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.config import RunPlan
-from paratrain.topology import init
+from paratrain.topology import join, lay_out
 from paratrain.topology.recorder import FlightRecorder
 from paratrain.train import Trainer, TrainResult
 
@@ -27,8 +27,8 @@ def train_on_this_rank(plan: RunPlan) -> TrainResult:
     """Join the job's process group (if launched), train, print the summary on rank 0."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(threads_per_rank(local_world))
-    ctx = init(plan.parallel, device=plan.config.launch.device,
-               timeout=timedelta(seconds=plan.config.launch.timeout_s))
+    timeout = timedelta(seconds=plan.config.launch.timeout_s)  # the plan is resolved: laid out, not resolved again
+    ctx = lay_out(join(plan.config.launch.device, timeout=timeout), plan.parallel, timeout=timeout)
     folder, recorder = plan.config.launch.flight_dir, ctx.mesh.recorder
     if folder and recorder is not None:
         _leave_a_record_when_stopped(recorder, folder)

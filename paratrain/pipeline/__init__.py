@@ -4,7 +4,8 @@ Only the pure-Python parts are imported here (config validation uses them); the 
 the executor live in paratrain.pipeline.stages and paratrain.pipeline.runtime.
 """
 
-from paratrain.pipeline.schedules import SCHEDULES, Action, ScheduleError, check_schedule, compute_order, program
+from paratrain.config.parallel import SCHEDULES, ScheduleError, check_schedule
+from paratrain.pipeline.schedules import Action, compute_order, program
 from paratrain.pipeline.simulate import Simulation, simulate
 
 __all__ = ["SCHEDULES", "Action", "ScheduleError", "Simulation", "check_schedule", "compute_order", "program",

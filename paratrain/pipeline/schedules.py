@@ -32,7 +32,8 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+from paratrain.config.parallel import ScheduleError, check_schedule  # the names and rules: config; the programs: here
+
 COMPUTE = ("F", "B", "I", "W")
 
 
@@ -44,31 +45,6 @@ class Action(NamedTuple):
 
     def __repr__(self) -> str:
         return f"{self.kind}{self.chunk}.{self.mb}"
-
-
-class ScheduleError(ValueError):
-    """A schedule that cannot run for these (stages, micro-batches, chunks): refused before launch."""
-
-
-def check_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> None:
-    """Every rule a schedule has, with the numbers and the fix."""
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
-    if stages < 1 or microbatches < 1 or chunks < 1:
-        raise ScheduleError(f"stages ({stages}), micro-batches ({microbatches}) and virtual stages ({chunks}) "
-                            "must be >= 1")
-    if name == "interleaved":
-        if chunks < 2:
-            raise ScheduleError("the interleaved schedule needs --virtual-stages >= 2 (chunks per rank); "
-                                "with 1 it is 1F1B: use --schedule 1f1b")
-        if microbatches % stages:
-            lower = microbatches - microbatches % stages
-            raise ScheduleError(
-                f"the interleaved schedule sends micro-batches round the ring in groups of pp ({stages}): "
-                f"micro-batches ({microbatches}) must be a multiple of it; use {max(lower, stages)} or "
-                f"{lower + stages} (global_batch / (micro_batch x dp))")
-    elif chunks != 1:
-        raise ScheduleError(f"--virtual-stages {chunks} needs the interleaved schedule (got {name!r})")
 
 
 def compute_order(name: str, stages: int, microbatches: int, rank: int, chunks: int = 1) -> list[Action]:

@@ -20,7 +20,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from paratrain.pipeline.schedules import Action, ScheduleError, peer
+from paratrain.config.parallel import ScheduleError
+from paratrain.pipeline.schedules import Action, peer
 
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 """Relative times of a whole stage's forward and backward (backward ~ 2 forwards); a chunk of the

@@ -4,8 +4,9 @@ Before launch, on the launching process: the device's profile (a CUDA card by it
 its calibrated profile, `paratrain plan --calibrate`), the layouts of the world size that
 paratrain's rules accept, ranked by predicted step time among those predicted to fit; the best one
 becomes the run's dp, tp, pp, virtual stages, ZeRO stage, micro-batch, recomputation, sequence
-parallelism and schedule, and the launcher hands it to the workers as explicit flags, so every rank
-runs exactly the printed layout. Axes given on the command line are pins the search keeps.
+parallelism and schedule. The chosen run is the run plan the launcher writes for its workers
+(paratrain.config.plan.write_run), so every rank runs exactly the printed layout. Axes given on the
+command line are pins the search keeps.
 """
 
 from __future__ import annotations
@@ -96,15 +97,3 @@ def describe(layout: dict[str, Any]) -> str:
     if layout["sequence_parallel"]:
         text += ", sequence parallel"
     return text
-
-
-def as_flags(config: RunConfig) -> list[str]:
-    """The chosen layout as `paratrain train` flags, for the workers' command line."""
-    parallel = config.parallel
-    flags = ["--dp", str(parallel.dp), "--tp", str(parallel.tp), "--pp", str(parallel.pp),
-             "--virtual-stages", str(parallel.virtual_stages), "--zero", str(parallel.zero),
-             "--schedule", parallel.schedule, "--micro-batch", str(config.data.micro_batch),
-             "--recompute", config.train.recompute, "--ep", str(parallel.ep)]
-    if parallel.sequence_parallel:
-        flags.append("--sequence-parallel")
-    return flags

@@ -49,20 +49,22 @@ def matmul_flops(size: int = 512, repeats: int = 10) -> float:
 def step_seconds(name: str, steps: int = 4) -> tuple[float, float, int]:
     """(seconds, model FLOPs, blocks) of a training step of a GPT preset on one process, one
     micro-batch of 8: the median of `steps` steps after a first one."""
-    import paratrain
     from paratrain.config import preset
+    from paratrain.hybrid import parallelize
+    from paratrain.models import build_gpt, lm_loss
+    from paratrain.topology import init
 
     config = preset(name)
-    ctx = paratrain.init(device="cpu")
-    model = paratrain.build_gpt(config, seed=0)
-    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4), micro_batch=8)
+    ctx = init(device="cpu")
+    model = build_gpt(config, seed=0)
+    engine = parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4), micro_batch=8)
     x = torch.randint(0, config.vocab_size, (8, config.seq_len + 1), generator=torch.Generator().manual_seed(0))
     batch = (x[:, :-1], x[:, 1:])
-    engine.train_step(batch, paratrain.lm_loss)
+    engine.train_step(batch, lm_loss)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        engine.train_step(batch, paratrain.lm_loss)
+        engine.train_step(batch, lm_loss)
         times.append(time.perf_counter() - start)
     flops = config.flops_per_token(config.seq_len) * x.shape[0] * config.seq_len
     return statistics.median(times), flops, config.n_layer

@@ -5,9 +5,10 @@ by the node's processes)."""
 from __future__ import annotations
 
 from paratrain.config.errors import ConfigError
-from paratrain.config.validate import RunPlan
+from paratrain.config.plan import RunPlan
 from paratrain.planner.layout import Layout
 from paratrain.planner.search import memory
+from paratrain.topology.dims import ParallelDims
 
 RUNTIME_BYTES = {"cpu": 0.5e9, "cuda": 1.0e9}
 """What a process needs besides the model: the interpreter and torch (CPU), or the CUDA context and
@@ -16,12 +17,9 @@ the caching allocator's slack (GPU). Rough figures, on the side of letting a run
 
 def layout_of(plan: RunPlan) -> Layout:
     parallel = plan.parallel
-    assert parallel.dp is not None
-    return Layout(dp=parallel.dp, tp=parallel.tp, pp=parallel.pp, virtual_stages=parallel.virtual_stages,
-                  zero=parallel.zero, shard_group=parallel.shard_group, micro_batch=plan.batch.micro_batch,
-                  recompute=plan.config.train.recompute,
-                  sequence_parallel=parallel.sequence_parallel, schedule=parallel.schedule,
-                  offload="optimizer" in parallel.offloaded, ep=parallel.ep)
+    return Layout(dims=ParallelDims.from_config(parallel), zero=parallel.zero, micro_batch=plan.batch.micro_batch,
+                  recompute=plan.config.train.recompute, sequence_parallel=parallel.sequence_parallel,
+                  schedule=parallel.schedule, offload="optimizer" in parallel.offloaded)
 
 
 def check_memory(plan: RunPlan, *, device: str, available_bytes: float, processes: int) -> dict[str, float]:

@@ -56,6 +56,7 @@ pipeline sends against `step_volume`, byte for byte (tests/unit/test_dryrun.py, 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 from paratrain.config.model import ModelConfig
 from paratrain.planner.layout import Layout, chunk_layers, rank_params
@@ -68,18 +69,30 @@ Call = tuple[str, str, int, int]
 output, message), bytes per element)."""
 
 
-def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches: int, precision: str = "fp32",
-                bucket_mb: float = 25.0, grad_reduce: str = "all_reduce", reshard_after_forward: bool = True,
-                pp_split: tuple[int, ...] = ()) -> dict[str, dict[str, int]]:
+@dataclass(frozen=True)
+class StepSettings:
+    """The engine's settings besides the layout that a step's traffic depends on."""
+
+    precision: str = "fp32"
+    bucket_mb: float = 25.0
+    grad_reduce: str = "all_reduce"
+    """ZeRO's reduction primitive: "all_reduce" (gloo's choice) or "reduce_scatter" (NCCL's)."""
+    reshard_after_forward: bool = True
+    """ZeRO-3: gather a block's parameters again for its backward."""
+    pp_split: tuple[int, ...] = ()
+
+
+def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches: int,
+                settings: StepSettings = StepSettings()) -> dict[str, dict[str, int]]:
     """{axis: {op: bytes}} pipeline rank `stage` moves in one step of `micro_batches` micro-batches
     (every dp and tp rank of a stage moves the same): axes "dp", "tp", "pp" (its op "send": the
     point-to-point messages) and "tied" (the embedding shared by the first and last stage)."""
-    volume = data_parallel_volume(model, layout, stage=stage, micro_batches=micro_batches, precision=precision,
-                                  bucket_mb=bucket_mb, grad_reduce=grad_reduce,
-                                  reshard_after_forward=reshard_after_forward, pp_split=pp_split)
+    precision, pp_split = settings.precision, settings.pp_split
+    volume = data_parallel_volume(model, layout, stage=stage, micro_batches=micro_batches, settings=settings)
     calls = Counter(tensor_parallel_calls(model, layout, stage=stage, precision=precision, pp_split=pp_split))
     calls = Counter({call: n * micro_batches for call, n in calls.items()})
-    calls.update(step_calls(model, layout, stage=stage, precision=precision, bucket_mb=bucket_mb, pp_split=pp_split))
+    calls.update(step_calls(model, layout, stage=stage, precision=precision, bucket_mb=settings.bucket_mb,
+                            pp_split=pp_split))
     for (axis, op, numel, size), n in calls.items():
         ops = volume.setdefault(axis, {})
         ops[op] = ops.get(op, 0) + n * _FACTOR[op] * numel * size
@@ -91,9 +104,7 @@ def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches
 
 
 def data_parallel_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches: int,
-                         precision: str = "fp32", bucket_mb: float = 25.0, grad_reduce: str = "all_reduce",
-                         reshard_after_forward: bool = True,
-                         pp_split: tuple[int, ...] = ()) -> dict[str, dict[str, int]]:
+                         settings: StepSettings = StepSettings()) -> dict[str, dict[str, int]]:
     """{axis: {op: bytes}} of the gradients and parameters pipeline rank `stage` moves over dp in one
     step of `micro_batches` micro-batches (empty when dp is 1). Axis "dp"; with hierarchical sharding
     (ZeRO over shard groups of S < dp ranks): "dp_shard" for the reduce-scatters and the gathers
@@ -106,7 +117,7 @@ def data_parallel_volume(model: ModelConfig, layout: Layout, *, stage: int, micr
     def add(axis: str, op: str, n: int) -> None:
         volume.setdefault(axis, {})[op] = volume.get(axis, {}).get(op, 0) + n
 
-    params = rank_params(model, layout, stage, pp_split)
+    params = rank_params(model, layout.dims, stage, settings.pp_split)
     if layout.zero == 0:
         add("dp", "all_reduce", 2 * 4 * sum(p.numel for p in params))
         return volume
@@ -114,11 +125,11 @@ def data_parallel_volume(model: ModelConfig, layout: Layout, *, stage: int, micr
         raise NotImplementedError("the volume of ZeRO with shard groups of one rank (replicated state) is not modelled")
     hierarchical = layout.shard_group not in (None, layout.dp)
     shard_axis = "dp_shard" if hierarchical else "dp"
-    elsize = BYTES[precision]
-    groups = flat_groups(params, zero=layout.zero, shards=layout.shards, bucket_bytes=int(bucket_mb * 2**20))
+    elsize = BYTES[settings.precision]
+    groups = flat_groups(params, zero=layout.zero, shards=layout.shards, bucket_bytes=int(settings.bucket_mb * 2**20))
     reductions = 1 if layout.zero == 1 or layout.pp > 1 else micro_batches
     for g in groups:
-        if grad_reduce == "reduce_scatter":
+        if settings.grad_reduce == "reduce_scatter":
             add(shard_axis, "reduce_scatter", reductions * elsize * g.padded)
             if hierarchical:
                 add("dp_replicate", "all_reduce", reductions * 2 * elsize * g.shard_numel)
@@ -129,7 +140,7 @@ def data_parallel_volume(model: ModelConfig, layout: Layout, *, stage: int, micr
     else:  # flat_groups lists the blocks' groups first, the root's last
         root = _root_groups(params)
         blocks, roots = groups[:len(groups) - root], groups[len(groups) - root:]
-        per_block = 2 if reshard_after_forward else 1
+        per_block = 2 if settings.reshard_after_forward else 1
         add(shard_axis, "all_gather", micro_batches * elsize * (per_block * sum(g.padded for g in blocks)
                                                                 + sum(g.padded for g in roots)))
     return volume
@@ -167,7 +178,7 @@ def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str
     calls: list[Call] = []
     _, first, last = _held(model, layout, stage, pp_split)
     if model.tie_embeddings and layout.pp > 1 and (first or last):
-        params = [p for p in rank_params(model, layout, stage, pp_split) if p.tied]
+        params = [p for p in rank_params(model, layout.dims, stage, pp_split) if p.tied]
         if layout.zero:
             (group,) = [g for g in flat_groups(params, zero=layout.zero, shards=layout.shards,
                                                bucket_bytes=int(bucket_mb * 2**20))]
@@ -203,7 +214,7 @@ def pipeline_sends(model: ModelConfig, layout: Layout, *, stage: int, micro_batc
 
 def _held(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...]) -> tuple[int, bool, bool]:
     """(blocks, holds the embedding, holds the final norm and head) on pipeline rank `stage`."""
-    ranges = chunk_layers(model, layout, pp_split)
+    ranges = chunk_layers(model, layout.dims, pp_split)
     mine = [c for c in range(len(ranges)) if c % layout.pp == stage]
     layers = {i for c in mine for i in range(*ranges[c])}
     return len(layers & set(range(1, model.n_layer + 1))), 0 in layers, model.n_layer + 1 in layers

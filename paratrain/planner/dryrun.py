@@ -27,7 +27,7 @@ from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import ParallelConfig
 from paratrain.config.run import OptimSection
-from paratrain.planner.comm import step_volume
+from paratrain.planner.comm import StepSettings, step_volume
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import model_state_bytes
 
@@ -78,7 +78,9 @@ def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_si
     fake process group (in this process, which must not be in a process group already)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    import paratrain
+    from paratrain.hybrid import parallelize
+    from paratrain.models import build_gpt, lm_loss
+    from paratrain.topology import init
     from paratrain.train.optim import adamw_factory
 
     if dist.is_initialized():
@@ -95,37 +97,35 @@ def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_si
     started = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        ctx = dataclasses.replace(paratrain.init(device="cpu", config=parallel), device=torch.device("meta"))
+        ctx = dataclasses.replace(init(device="cpu", config=parallel), device=torch.device("meta"))
         dp = ctx.mesh.degree("dp")
         if ctx.config.zero and ctx.config.shard_group == 1:
             raise ConfigError("shard_group 1 (ZeRO with replicated state): the planner's volume model does not "
                               "cover it, so a dry run cannot check it; use zero 0, or a shard group of 2 or more")
         if global_batch % (dp * micro_batch):
             raise ValueError(f"global batch {global_batch} must be a multiple of dp x micro-batch ({dp} x {micro_batch})")
-        gpt = paratrain.build_gpt(model, seed=0, device="meta")
-        engine = paratrain.parallelize(gpt, ctx, optimizer=adamw_factory(gpt, OptimSection()),  # as the trainer
+        gpt = build_gpt(model, seed=0, device="meta")
+        engine = parallelize(gpt, ctx, optimizer=adamw_factory(gpt, OptimSection()),  # as the trainer
                                        micro_batch=micro_batch, precision=precision, recompute=recompute)
         rows = global_batch // dp
         tokens = torch.zeros(rows, model.seq_len, dtype=torch.long, device="meta")
-        engine.step((tokens, tokens), paratrain.lm_loss)  # never read back: nothing waits on the device
+        engine.step((tokens, tokens), lm_loss)  # never read back: nothing waits on the device
         recorder = ctx.mesh.recorder
         assert recorder is not None and recorder.window is not None
         entries = sorted((e for group in recorder.window.values() for e in group), key=lambda e: e.order)
         collectives = [_collective(e) for e in entries]
         stage = ctx.mesh.index("pp")
-        layout = Layout(dp=dp, tp=ctx.mesh.degree("tp"), pp=ctx.mesh.degree("pp"),
-                        virtual_stages=ctx.config.virtual_stages, zero=ctx.config.zero,
-                        shard_group=ctx.config.shard_group, micro_batch=micro_batch,
+        layout = Layout(dims=ctx.dims, zero=ctx.config.zero, micro_batch=micro_batch,
                         sequence_parallel=ctx.config.sequence_parallel, schedule=ctx.config.schedule,
                         recompute=recompute)
         grad_reduce = "reduce_scatter" if ctx.config.grad_reduce == "reduce_scatter" else "all_reduce"
         predicted_memory = model_state_bytes(model, layout, precision=precision, stage=stage,
                                              bucket_mb=ctx.config.bucket_mb, grad_reduce=grad_reduce,
                                              pp_split=tuple(ctx.config.pp_split))
-        predicted_volume = step_volume(
-            model, layout, stage=stage, micro_batches=rows // micro_batch, precision=precision,
-            bucket_mb=ctx.config.bucket_mb, grad_reduce=grad_reduce,
-            reshard_after_forward=ctx.config.reshard_after_forward, pp_split=tuple(ctx.config.pp_split))
+        settings = StepSettings(precision=precision, bucket_mb=ctx.config.bucket_mb, grad_reduce=grad_reduce,
+                                reshard_after_forward=ctx.config.reshard_after_forward,
+                                pp_split=tuple(ctx.config.pp_split))
+        predicted_volume = step_volume(model, layout, stage=stage, micro_batches=rows // micro_batch, settings=settings)
         volume: dict[str, dict[str, int]] = {}
         for c in collectives:
             ops = volume.setdefault(c.axis, {})

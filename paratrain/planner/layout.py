@@ -9,24 +9,25 @@ ZeRO-3 unit owns) it states here for the reference GPT, next to the rule it mirr
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
 from paratrain.pipeline.stages import balanced_split
+from paratrain.topology.dims import ParallelDims
+
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to lay a run out: the degrees and the memory savers (the planner's search space)."""
+    """One way to lay a run out (the planner's search space): the degree of each axis, and the memory
+    savers. Build one from flat fields (as to_dict writes them) with Layout.of."""
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    virtual_stages: int = 1
+    dims: ParallelDims = ParallelDims()
+    """Without ZeRO its dp_shard is 1; with ZeRO, the ranks one copy of the state is split over."""
     zero: int = 0
-    shard_group: int | None = None
-    """ZeRO over groups of this many dp ranks (MiCS / HSDP); None: all of dp."""
     micro_batch: int = 1
     recompute: str = "none"
     """none, selective (the attention core) or full (each block)."""
@@ -34,17 +35,64 @@ class Layout:
     schedule: str = "1f1b"
     offload: bool = False
     """ZeRO's optimizer state and fp32 masters in CPU memory."""
-    ep: int = 1
-    """Expert parallelism: each MoE layer's experts divided among ep consecutive dp ranks."""
+
+    def __post_init__(self) -> None:
+        if not self.zero and self.dims.dp_shard > 1:
+            raise ConfigError(f"dp_shard ({self.dims.dp_shard}) splits ZeRO's state, and zero is 0: set zero to "
+                              "1, 2 or 3, or dp_shard to 1")
+
+    @classmethod
+    def of(cls, **fields: Any) -> Layout:
+        """From flat fields, to_dict's: dp, tp, pp, virtual_stages, ep, shard_group (ZeRO over groups of this
+        many dp ranks, MiCS / HSDP; None: all of dp) and the memory savers; the rest take their defaults."""
+        unknown = sorted(set(fields) - set(LAYOUT_FIELDS))
+        if unknown:
+            raise ConfigError(f"unknown layout fields {unknown}: a layout has {list(LAYOUT_FIELDS)}")
+        axes = {name: fields.pop(name) for name in ("dp", "tp", "pp", "virtual_stages", "ep") if name in fields}
+        shard_group, zero, dp = fields.pop("shard_group", None), fields.get("zero", 0), axes.get("dp", 1)
+        if shard_group is not None and not zero:
+            raise ConfigError(f"shard_group={shard_group} needs a ZeRO stage: with zero=0 nothing is sharded; "
+                              "set zero to 1 or 2, or drop shard_group")
+        if shard_group is not None and (shard_group < 1 or dp % shard_group):
+            choices = [s for s in range(1, dp + 1) if dp % s == 0]
+            raise ConfigError(f"shard_group ({shard_group}) must divide dp ({dp}): choose shard_group in {choices}")
+        shard = (shard_group or dp) if zero else 1
+        return cls(dims=ParallelDims.of(**axes, dp_shard=shard), **fields)
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.dims.virtual_stages
+
+    @property
+    def ep(self) -> int:
+        """Expert parallelism: each MoE layer's experts divided among ep consecutive dp ranks."""
+        return self.dims.ep
+
+    @property
+    def shard_group(self) -> int | None:
+        """ZeRO over groups of this many dp ranks (MiCS / HSDP); None: all of dp (or no ZeRO)."""
+        return self.dims.dp_shard if self.zero and self.dims.dp_shard != self.dims.dp else None
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dims.world_size
 
     @property
     def shards(self) -> int:
         """Ranks one copy of ZeRO's state is split over."""
-        return (self.shard_group or self.dp) if self.zero else 1
+        return self.dims.dp_shard
 
     @property
     def expert_shards(self) -> int:
@@ -52,10 +100,12 @@ class Layout:
         return self.dp // self.ep if self.zero else 1
 
     def to_dict(self) -> dict[str, object]:
-        return {name: getattr(self, name) for name in _LAYOUT_FIELDS}  # flat, no deep copy: the search calls it often
+        return {name: getattr(self, name) for name in LAYOUT_FIELDS}  # flat, no deep copy: the search calls it often
 
 
-_LAYOUT_FIELDS = tuple(f.name for f in fields(Layout))
+LAYOUT_FIELDS = ("dp", "tp", "pp", "virtual_stages", "zero", "shard_group", "micro_batch", "recompute",
+                 "sequence_parallel", "schedule", "offload", "ep")
+"""A layout's flat fields (to_dict, Layout.of), in the order the planner's records list them."""
 
 
 @dataclass(frozen=True)
@@ -95,9 +145,9 @@ def layer_costs(model: ModelConfig) -> list[float]:
     return [2.0 * d] + [float(block)] * model.n_layer + [2.0 * d * v]
 
 
-def chunk_layers(model: ModelConfig, layout: Layout, pp_split: tuple[int, ...] = ()) -> list[tuple[int, int]]:
+def chunk_layers(model: ModelConfig, dims: ParallelDims, pp_split: tuple[int, ...] = ()) -> list[tuple[int, int]]:
     """[start, end) GPT layers of each of the pp x v chunks, as the engine cuts them."""
-    return list(_chunk_layers(model, layout.pp * layout.virtual_stages, tuple(pp_split)))
+    return list(_chunk_layers(model, dims.pp * dims.virtual_stages, tuple(pp_split)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -106,12 +156,12 @@ def _chunk_layers(model: ModelConfig, parts: int, pp_split: tuple[int, ...]) -> 
     return tuple(zip(starts, [*starts[1:], model.n_layer + 2]))
 
 
-def rank_params(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...] = ()) -> list[RankParam]:
+def rank_params(model: ModelConfig, dims: ParallelDims, stage: int, pp_split: tuple[int, ...] = ()) -> list[RankParam]:
     """The parameters pipeline rank `stage` holds, in the engine's order (the model's registration
     order), with tensor parallelism's slices (GPT_PLAN: qkv, up and head split by rows, out and down
     by columns, the embedding by vocabulary rows; norms and MoE layers replicated) and expert
     parallelism's (each rank E / ep experts of every MoE layer)."""
-    return list(_rank_params(model, layout.tp, layout.pp, layout.virtual_stages, stage, tuple(pp_split), layout.ep))
+    return list(_rank_params(model, dims.tp, dims.pp, dims.virtual_stages, stage, tuple(pp_split), dims.ep))
 
 
 @functools.lru_cache(maxsize=4096)

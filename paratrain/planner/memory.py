@@ -23,8 +23,8 @@ import torch
 
 from paratrain.comm.buckets import plan_buckets
 from paratrain.config.model import ModelConfig
-from paratrain.pipeline.schedules import Action, compute_order
-from paratrain.planner.layout import Layout, RankParam, chunk_layers, meta_tensors, rank_params
+from paratrain.planner.layout import Layout, RankParam, meta_tensors, rank_params
+from paratrain.topology.dims import ParallelDims
 
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -86,19 +86,20 @@ def flat_groups(params: list[RankParam], *, zero: int, shards: int, bucket_bytes
 
 
 @functools.lru_cache(maxsize=8192)
-def _sharded_totals(model: ModelConfig, tp: int, pp: int, virtual_stages: int, stage: int, pp_split: tuple[int, ...],
-                    ep: int, zero: int, shards: int, expert_shards: int, bucket_bytes: int) -> tuple[int, int, int]:
-    """(padded elements, shard elements, flat groups) of a stage's ZeRO flat groups."""
-    params = rank_params(model, Layout(tp=tp, pp=pp, virtual_stages=virtual_stages, ep=ep), stage, pp_split)
-    groups = flat_groups(params, zero=zero, shards=shards, bucket_bytes=bucket_bytes, expert_shards=expert_shards)
+def _sharded_totals(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...],
+                    bucket_bytes: int) -> tuple[int, int, int]:
+    """(padded elements, shard elements, flat groups) of a stage's ZeRO flat groups (`layout`: its dims and
+    ZeRO stage, what they depend on)."""
+    params = rank_params(model, layout.dims, stage, pp_split)
+    groups = flat_groups(params, zero=layout.zero, shards=layout.shards, bucket_bytes=bucket_bytes,
+                         expert_shards=layout.expert_shards)
     return sum(g.padded for g in groups), sum(g.shard_numel for g in groups), len(groups)
 
 
 @functools.lru_cache(maxsize=8192)
-def _plain_totals(model: ModelConfig, tp: int, pp: int, virtual_stages: int, stage: int,
-                  pp_split: tuple[int, ...], ep: int) -> tuple[int, int]:
+def _plain_totals(model: ModelConfig, dims: ParallelDims, stage: int, pp_split: tuple[int, ...]) -> tuple[int, int]:
     """(elements, tensors) a stage holds."""
-    params = rank_params(model, Layout(tp=tp, pp=pp, virtual_stages=virtual_stages, ep=ep), stage, pp_split)
+    params = rank_params(model, dims, stage, pp_split)
     return sum(p.numel for p in params), len(params)
 
 
@@ -111,13 +112,12 @@ def model_state_bytes(model: ModelConfig, layout: Layout, *, precision: str = "f
     precision: under ZeRO, bf16 / fp16 store parameters and gradients in 16 bits with fp32 masters;
     under zero 0 they are autocast over fp32 storage. grad_reduce: ZeRO's reduction primitive
     ("all_reduce": gloo's choice; "reduce_scatter": NCCL's)."""
-    shape = (model, layout.tp, layout.pp, layout.virtual_stages, stage, tuple(pp_split), layout.ep)
     if layout.zero == 0:
-        numel, tensors = _plain_totals(*shape)
+        numel, tensors = _plain_totals(model, layout.dims, stage, tuple(pp_split))
         return {"params": 4 * numel, "grads": 4 * numel,
                 "optimizer": 2 * MASTER_BYTES * numel + STEP_BYTES * tensors}
     elsize = BYTES[precision]
-    padded, shard, groups = _sharded_totals(*shape, layout.zero, layout.shards, layout.expert_shards,
+    padded, shard, groups = _sharded_totals(model, Layout(dims=layout.dims, zero=layout.zero), stage, tuple(pp_split),
                                             int(bucket_mb * 2**20))
     param_bytes = elsize * (shard if layout.zero == 3 else padded)
     if layout.zero == 1:
@@ -129,207 +129,3 @@ def model_state_bytes(model: ModelConfig, layout: Layout, *, precision: str = "f
     masters = MASTER_BYTES * shard if own_master else 0
     optimizer = 2 * MASTER_BYTES * shard + STEP_BYTES * groups + masters
     return {"params": param_bytes, "grads": grad_bytes, "optimizer": optimizer}
-
-
-# ---- activations ------------------------------------------------------------------------------
-#
-# What autograd keeps for backward, per micro-batch, for the reference GPT as paratrain runs it
-# (counted as paratrain.memory.saved_activations counts: each storage once, parameters left out).
-# Derived from the model's code op by op and checked to the byte on one process and under tp / SP
-# (tests/unit/test_planner_memory.py, tests/distributed/test_planner.py). Three storage modes:
-#   fp32      everything float32;
-#   autocast  16-bit matmuls over float32 weights (zero 0 with bf16 / fp16): the residual stream and
-#             norms stay float32, each linear keeps a 16-bit copy of its input and of its weight;
-#   low       parameters stored in 16 bits (ZeRO with bf16 / fp16; buffers stay float32): the residual
-#             stream is 16-bit, each norm keeps a float32 copy of its input (it normalises in float32).
-# tokens n = micro_batch x seq; t = tp; q = t with sequence parallelism (norms and residuals hold
-# n / t tokens), else 1.
-
-def storage_mode(precision: str, zero: int) -> str:
-    if precision == "fp32":
-        return "fp32"
-    return "low" if zero >= 1 else "autocast"
-
-
-def _norm_and_column_input(tokens: float, d: int, mode: str) -> float:
-    """An RMSNorm and the input the next (column) linear keeps: its input, 1/rms, the normalised x,
-    and x * weight (or, under autocast, the linear's 16-bit copy of it)."""
-    if mode == "fp32":
-        return tokens * (3 * d * 4 + 4)
-    if mode == "autocast":
-        return tokens * (2 * d * 4 + 4 + d * 2)
-    return tokens * (d * 4 + 4 + 2 * d * 2)  # low: a float32 copy of x, 16-bit normed and x * weight
-
-
-def block_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, tp: int = 1,
-                           sequence_parallel: bool = False, mode: str = "fp32", recompute: str = "none",
-                           moe: bool = False, ep: int = 1) -> float:
-    """Bytes one transformer block keeps for backward, per micro-batch (rope tables excluded: they are
-    one storage for the whole model, see rope_bytes); moe: a block with a MoE layer for its MLP."""
-    b, s, d, f, h, t = micro_batch, seq, model.d_model, model.ff_dim, model.n_head, tp
-    n = b * s
-    q = t if sequence_parallel else 1
-    res = 2 if mode == "low" else 4
-    if recompute == "full":
-        return n / q * d * res  # the block's input
-    if recompute not in ("none", "selective"):
-        raise ValueError(f"recompute must be 'none', 'full' or 'selective', got {recompute!r}")
-    act = 4 if mode == "fp32" else 2
-    norms = _norm_and_column_input(n / q, d, mode)
-    # qkv output (3), rotated q and k (2), attention output (1), and its [B, S, D] copy that `out` keeps
-    # (1; a view, not a copy, when a rank holds one head), + the softmax's log-sum-exp in float32.
-    # Selective recompute keeps the core's inputs (q, k, v: counted) and drops what the fused kernel
-    # saved: its log-sum-exp, and its output unless `out` keeps that very storage (one head).
-    copy = 0 if h // t == 1 or s == 1 else 1
-    if recompute == "selective":
-        attention = 6 * n * d / t * act
-    else:
-        attention = (6 + copy) * n * d / t * act + b * (h // t) * s * 4
-    if moe:  # the MoE layer keeps its own copies of the normed input (moe_activation_bytes)
-        norms += _norm_and_column_input(n / q, d, mode) - n / q * d * (4 if mode == "fp32" else 2)
-        mlp = moe_activation_bytes(model, micro_batch=b, seq=s, mode=mode, ep=ep)
-    else:
-        norms += _norm_and_column_input(n / q, d, mode)
-        mlp = 2 * n * f / t * act  # up's output (GELU's input) and GELU's output (down's input)
-    casts = 0.0
-    if mode != "fp32":  # each apply_rope keeps 16-bit copies of the float32 cos and sin tables
-        casts += 4 * s * (model.head_dim // 2) * 2
-    if mode == "autocast":  # and autocast keeps a 16-bit copy of every weight it casts: under sequence
-        # parallelism the column layers (qkv, up) cast inside their own autograd function and keep the
-        # float32 weight, so only the row layers' (out, down) copies are kept
-        mlp_weights = 0 if moe else d * f  # (a MoE layer counts its own)
-        column = 0 if sequence_parallel else 3 * d * d + mlp_weights
-        casts += 2 * (column + d * d + mlp_weights) / t
-    return norms + attention + mlp + casts
-
-
-def moe_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, mode: str = "fp32",
-                         ep: int = 1) -> float:
-    """Bytes a MoE layer (paratrain.nn.moe, replicated over tp) keeps for backward, per micro-batch,
-    its input included, when no assignment is dropped (dropless, or no expert over its capacity): an
-    upper bound with a capacity. Under expert parallelism each rank is taken to receive as many rows
-    as it sends (a balanced router; a skewed one receives more) and to run each of its experts."""
-    b, s, d, e, k, fe, f = micro_batch, seq, model.d_model, model.n_experts, model.top_k, model.expert_dim, model.ff_dim
-    n = b * s
-    rows = n * k  # assignments that run
-    res = 2 if mode == "low" else 4  # the residual stream's element
-    mm = 4 if mode == "fp32" else 2  # a matmul's output element
-    # router, in float32 (also under autocast): its input (the normed x itself; with 16-bit storage a
-    # float32 copy, and one of its weight), logits (logsumexp's input) and probabilities (softmax's
-    # output), the log-sum-exp, the top-k's indices, and with k > 1 its values and their sum; f of the
-    # balance loss per sequence
-    router = 4 * n * d + (4 * e * d if mode == "low" else 0)
-    router += 8 * n * e + 4 * n + 8 * n * k + ((n * k + n) * 4 if k > 1 else 0) + 4 * b * e
-    # dispatch: the token of each assignment, the order grouping rows by expert (and, under ep, the order
-    # grouping what arrived by expert), each assignment's place; the rows the experts read, their
-    # hidden activations (GELU's input and output), and under autocast each expert's weight copies
-    dispatch = 8 * rows * (3 + (1 if ep > 1 else 0)) + rows * d * mm + 2 * rows * fe * mm
-    if mode == "autocast":
-        dispatch += 2 * (e // ep) * fe * d * 2
-    # combine: the experts' outputs put back in place (each index_copy keeps its source: under ep the
-    # outputs by source rank and by assignment after the return trip; the layer's, in the residual's
-    # dtype), the capacity mask (bool), the gates times it, the k outputs of each token
-    combine = (2 if ep > 1 else 1) * rows * d * mm + rows * d * res + n * k + n * k * res + n * k * d * res
-    shared = 0.0
-    if model.shared_expert:  # a dense MLP: its input (fp32: the router's; else a 16-bit one), GELU's
-        shared = (0 if mode == "fp32" else n * d * 2) + 2 * n * f * mm  # input and output
-        if mode == "autocast":
-            shared += 2 * 2 * d * f
-    return router + dispatch + combine + shared
-
-
-def rope_bytes(model: ModelConfig, *, seq: int, mode: str, recompute: str = "none") -> float:
-    """The rotary tables (cos, sin: [seq, head_dim / 2], float32 buffers: ZeRO stores only parameters
-    in 16 bits), kept once for the whole model: by the rotations in float32, or as inputs of
-    recomputed blocks. In 16-bit compute the rotations keep 16-bit copies per block instead (counted
-    in the block)."""
-    if mode != "fp32" and recompute != "full":
-        return 0.0
-    return 2 * seq * (model.head_dim // 2) * 4
-
-
-def embedding_activation_bytes(*, micro_batch: int, seq: int, tp: int = 1) -> float:
-    """The embedding keeps the token ids (int64; the batch holds one more column of targets); split
-    over tp, each rank keeps its local ids and the mask of ids outside its vocabulary slice."""
-    n = micro_batch * seq
-    return micro_batch * (seq + 1) * 8 if tp == 1 else n * 9
-
-
-def head_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, tp: int = 1,
-                          sequence_parallel: bool = False, mode: str = "fp32") -> float:
-    """The final norm, the head's input (and 16-bit weight copy under autocast), and the loss, which
-    keeps the logits in their own dtype and O(n) per-row values (paratrain.nn.loss; under tp the
-    vocabulary-parallel loss likewise for this rank's slice): never a float32 copy of the logits."""
-    b, s, d, t = micro_batch, seq, model.d_model, tp
-    n = b * s
-    q = t if sequence_parallel else 1
-    total = _norm_and_column_input(n / q, d, mode)
-    if mode == "autocast" and not sequence_parallel:  # the head's 16-bit weight copy (see the block's)
-        total += model.padded_vocab // t * d * 2
-    logit_bytes = 4 if mode == "fp32" else 2  # the chunked losses keep the logits themselves, in the head's dtype
-    if t == 1:  # logits [n, Vp], targets int64, the ignore mask, float32 log-sum-exp
-        total += n * model.padded_vocab * logit_bytes + n * 13
-    else:  # logits [n, Vp / t], row maxima and sums of exponentials (float32), local targets, two masks
-        total += n * model.padded_vocab // t * logit_bytes + n * 18
-    return total
-
-
-def chunk_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str,
-                           pp_split: tuple[int, ...] = ()) -> list[float]:
-    """Bytes one micro-batch leaves saved in each pipeline chunk (its layers' terms)."""
-    # dp and ZeRO change nothing here: cached on what does (the search asks for many dp x ZeRO at once)
-    essential = Layout(tp=layout.tp, pp=layout.pp, virtual_stages=layout.virtual_stages, micro_batch=layout.micro_batch,
-                       recompute=layout.recompute, sequence_parallel=layout.sequence_parallel, ep=layout.ep)
-    return list(_chunk_sizes(model, essential, seq, mode, pp_split))
-
-
-@functools.lru_cache(maxsize=8192)
-def _chunk_sizes(model: ModelConfig, layout: Layout, seq: int, mode: str, pp_split: tuple[int, ...]) -> tuple[float, ...]:
-    kwargs = dict(micro_batch=layout.micro_batch, seq=seq, tp=layout.tp)
-    block = block_activation_bytes(model, sequence_parallel=layout.sequence_parallel, mode=mode,
-                                   recompute=layout.recompute, **kwargs)
-    moe_block = block_activation_bytes(model, sequence_parallel=layout.sequence_parallel, mode=mode,
-                                       recompute=layout.recompute, moe=True, ep=layout.ep, **kwargs)
-    head = head_activation_bytes(model, sequence_parallel=layout.sequence_parallel, mode=mode, **kwargs)
-    embedding = embedding_activation_bytes(**kwargs)
-    sizes = []
-    for start, end in chunk_layers(model, layout, pp_split):
-        held = range(max(start, 1), min(end, model.n_layer + 1))  # GPT layer i + 1 is block i
-        moe = sum(model.is_moe(i - 1) for i in held)
-        ends = (embedding if start == 0 else 0.0) + (head if end == model.n_layer + 2 else 0.0)
-        sizes.append((len(held) - moe) * block + moe * moe_block + ends)
-    return tuple(sizes)
-
-
-def activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str, stage: int = 0,
-                     microbatches: int = 1, pp_split: tuple[int, ...] = ()) -> float:
-    """Peak bytes of saved activations on pipeline rank `stage` over a step: one micro-batch at a time
-    without pp (accumulation runs each backward before the next forward); under pp, the schedule's
-    own program walked action by action (F saves a chunk's activations, B or W releases them)."""
-    sizes = chunk_activation_bytes(model, layout, seq=seq, mode=mode, pp_split=pp_split)
-    ranges = chunk_layers(model, layout, pp_split)
-    mine = [c for c in range(len(ranges)) if c % layout.pp == stage]
-    has_block = any(max(ranges[c][0], 1) < min(ranges[c][1], model.n_layer + 1) for c in mine)
-    rope = rope_bytes(model, seq=seq, mode=mode, recompute=layout.recompute) if has_block else 0.0
-    if layout.pp == 1:
-        return sizes[0] + rope
-    return _peak_in_flight(layout.schedule, layout.pp, microbatches, stage, layout.virtual_stages, tuple(sizes)) + rope
-
-
-@functools.lru_cache(maxsize=8192)
-def _peak_in_flight(schedule: str, pp: int, microbatches: int, stage: int, chunks: int,
-                    sizes: tuple[float, ...]) -> float:
-    """The most bytes a stage's schedule keeps saved at once: F saves a chunk's, B or W releases them."""
-    live = peak = 0.0
-    for action in _compute_program(schedule, pp, microbatches, stage, chunks):
-        if action.kind == "F":
-            live += sizes[action.chunk]
-            peak = max(peak, live)
-        elif action.kind in ("B", "W"):
-            live -= sizes[action.chunk]
-    return peak
-
-
-@functools.lru_cache(maxsize=1024)
-def _compute_program(schedule: str, pp: int, microbatches: int, stage: int, chunks: int) -> tuple[Action, ...]:
-    return tuple(compute_order(schedule, pp, microbatches, stage, chunks))

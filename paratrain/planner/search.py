@@ -4,31 +4,38 @@ checked by paratrain's own rules, ranked by predicted step time)."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
-from typing import Any
+from typing import Any, Mapping
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import ParallelConfig
-from paratrain.config.validate import batch_layout, check_experts, check_pipeline, check_tensor_parallel
+from paratrain.config.plan import batch_layout
+from paratrain.config.validate import check_experts, check_pipeline, check_tensor_parallel
 from paratrain.nn.loss import CHUNK_BYTES
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
-from paratrain.planner.memory import BYTES, activation_bytes, model_state_bytes, storage_mode
+from paratrain.planner.activations import activation_bytes, storage_mode
+from paratrain.planner.memory import BYTES, model_state_bytes
 from paratrain.planner.timing import step_time
 
 def check_layout(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int) -> None:
     """paratrain's own rules for the layout (the messages `paratrain train` gives), or ConfigError."""
-    parallel = ParallelConfig(dp=layout.dp, tp=layout.tp, pp=layout.pp, virtual_stages=layout.virtual_stages,
-                              zero=layout.zero, shard_group=layout.shard_group, schedule=layout.schedule,
-                              sequence_parallel=layout.sequence_parallel,
-                              offload="optimizer" if layout.offload else "none",
-                              ep=layout.ep).resolved(layout.world_size)
-    if layout.recompute not in ("none", "full", "selective"):
-        raise ConfigError(f"recompute must be 'none', 'full' or 'selective', got {layout.recompute!r}")
+    check_fields(model, layout.to_dict(), global_batch=global_batch, seq=seq)
+
+
+def check_fields(model: ModelConfig, fields: Mapping[str, Any], *, global_batch: int, seq: int) -> None:
+    """check_layout on a layout's flat fields (Layout.to_dict's), before a Layout is built of them: the rules
+    speak first, in `paratrain train`'s order."""
+    parallel = ParallelConfig(dp=fields["dp"], tp=fields["tp"], pp=fields["pp"],
+                              virtual_stages=fields["virtual_stages"], zero=fields["zero"], shard_group=fields["shard_group"], schedule=fields["schedule"],
+                              sequence_parallel=fields["sequence_parallel"],
+                              offload="optimizer" if fields["offload"] else "none",
+                              ep=fields["ep"]).resolved(fields["dp"] * fields["tp"] * fields["pp"])
+    if fields["recompute"] not in ("none", "full", "selective"):
+        raise ConfigError(f"recompute must be 'none', 'full' or 'selective', got {fields['recompute']!r}")
     check_tensor_parallel(model, parallel, seq)
     check_experts(model, parallel)
-    batch = batch_layout(global_batch, layout.micro_batch, layout.dp)
+    batch = batch_layout(global_batch, fields["micro_batch"], fields["dp"])
     check_pipeline(model, parallel, batch)
 
 
@@ -73,6 +80,12 @@ def estimate(model_config: ModelConfig, layout: Layout, hardware: Hardware, *, g
     """The candidate record of one layout: its memory (worst rank, bytes) and predicted step time."""
     seq = seq_len or model_config.seq_len
     check_layout(model_config, layout, global_batch=global_batch, seq=seq)
+    return _record(model_config, layout, hardware, global_batch=global_batch, seq=seq, precision=precision)
+
+
+def _record(model_config: ModelConfig, layout: Layout, hardware: Hardware, *, global_batch: int, seq: int,
+            precision: str) -> dict[str, Any]:
+    """estimate's record of a layout already checked."""
     mem = memory(model_config, layout, global_batch=global_batch, seq=seq, precision=precision)
     t = step_time(model_config, layout, hardware, global_batch=global_batch, seq=seq, precision=precision)
     return {"layout": layout.to_dict(), "memory": mem, "step_time_s": t.step_s, "compute_s": t.compute_s,
@@ -89,9 +102,21 @@ def candidates(model: ModelConfig, devices: int, hardware: Hardware, *, global_b
     """Every layout of `devices` ranks the search considers: tp within a node, pp up to the layers,
     1 or 2 virtual stages, ZeRO 0-3 over all of dp, power-of-two micro-batches, no / selective / full recompute,
     sequence parallelism with tp, and for a MoE model every ep dividing both dp and the experts; `pins`
-    fixes any field."""
-    pins = pins or {}
+    fixes any field. Pins that make no layout at all (an ep that does not divide dp) are left out: `search`
+    lists them as rejected."""
     out = []
+    for fields in _candidate_fields(model, devices, hardware, global_batch=global_batch, pins=pins or {}):
+        try:
+            out.append(Layout.of(**fields))
+        except ConfigError:
+            continue
+    return out
+
+
+def _candidate_fields(model: ModelConfig, devices: int, hardware: Hardware, *, global_batch: int,
+                      pins: dict[str, Any]) -> list[dict[str, Any]]:
+    """`candidates` as flat fields (Layout.of's), each once, in the search's order."""
+    out: dict[tuple[Any, ...], dict[str, Any]] = {}
     for tp in _divisors(devices):
         if tp > hardware.devices_per_node:
             continue
@@ -107,14 +132,19 @@ def candidates(model: ModelConfig, devices: int, hardware: Hardware, *, global_b
             for v, zero, mb, recompute, sp, ep in itertools.product(
                     (1, 2) if pp > 1 else (1,), (0, 1, 2, 3), micro, ("none", "selective", "full"),
                     (False, True) if tp > 1 else (False,), eps):
-                layout = Layout(dp=dp, tp=tp, pp=pp, virtual_stages=v, zero=zero, micro_batch=mb, recompute=recompute,
-                                sequence_parallel=sp, schedule="interleaved" if v > 1 else "1f1b", ep=ep)
+                fields = dict(_DEFAULTS, dp=dp, tp=tp, pp=pp, virtual_stages=v, zero=zero, micro_batch=mb,
+                              recompute=recompute, sequence_parallel=sp,
+                              schedule="interleaved" if v > 1 else "1f1b", ep=ep)
                 if pins:
-                    layout = replace(layout, **{k: pins[k] for k in pins if k in layout.to_dict()})
-                    if layout.world_size != devices:
+                    fields.update({k: pins[k] for k in pins if k in fields})
+                    if fields["dp"] * fields["tp"] * fields["pp"] != devices:
                         continue
-                out.append(layout)
-    return list(dict.fromkeys(out))
+                out.setdefault(tuple(fields.values()), fields)
+    return list(out.values())
+
+
+_DEFAULTS = Layout().to_dict()
+"""A layout's flat fields at their defaults, in to_dict's order."""
 
 
 def search(model_config: ModelConfig, devices: int, hardware: Hardware, *, global_batch: int,
@@ -124,12 +154,13 @@ def search(model_config: ModelConfig, devices: int, hardware: Hardware, *, globa
     "rejected": [{"layout", "reason"}] for layouts paratrain's rules refuse}."""
     seq = seq_len or model_config.seq_len
     fits, too_big, rejected = [], [], []
-    for layout in candidates(model_config, devices, hardware, global_batch=global_batch, pins=pins):
+    for fields in _candidate_fields(model_config, devices, hardware, global_batch=global_batch, pins=pins or {}):
         try:
-            record = estimate(model_config, layout, hardware, global_batch=global_batch, seq_len=seq,
-                              precision=precision)
+            check_fields(model_config, fields, global_batch=global_batch, seq=seq)
+            record = _record(model_config, Layout.of(**fields), hardware, global_batch=global_batch, seq=seq,
+                             precision=precision)
         except ConfigError as error:
-            rejected.append({"layout": layout.to_dict(), "reason": str(error)})
+            rejected.append({"layout": fields, "reason": str(error)})
             continue
         (fits if record["fits"] else too_big).append(record)
     fits.sort(key=lambda r: r["step_time_s"])

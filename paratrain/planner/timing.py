@@ -33,6 +33,7 @@ from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout, chunk_layers, layer_costs, rank_params
 from paratrain.planner.memory import BYTES
 from paratrain.planner.textbook import bubble_fraction
+from paratrain.topology.dims import ParallelDims
 
 @dataclass(frozen=True)
 class StepTime:
@@ -64,14 +65,14 @@ def _bandwidth(hw: Hardware, span: int) -> float:
 def _stages(model: ModelConfig, pp: int, v: int) -> tuple[float, int, int]:
     """The busiest pipeline rank's share of the model's work (layers are split by these costs), the
     most blocks a rank holds, and the most parameter elements a rank holds before tensor parallelism."""
-    layout = Layout(pp=pp, virtual_stages=v)
+    dims = ParallelDims(pp=pp, virtual_stages=v)
     costs = layer_costs(model)
-    ranges = chunk_layers(model, layout)
+    ranges = chunk_layers(model, dims)
     mine = [[c for c in range(len(ranges)) if c % pp == r] for r in range(pp)]
     share = max(sum(sum(costs[slice(*ranges[c])]) for c in chunks) for chunks in mine) / sum(costs)
     blocks = max(sum(len(range(max(ranges[c][0], 1), min(ranges[c][1], model.n_layer + 1))) for c in chunks)
                  for chunks in mine)
-    numel = max(sum(p.numel for p in rank_params(model, layout, r)) for r in {0, pp - 1})
+    numel = max(sum(p.numel for p in rank_params(model, dims, r)) for r in {0, pp - 1})
     return share, blocks, numel
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.parallel import ParallelConfig
-from paratrain.config.validate import DEVICES, resolve_device
+from paratrain.config.world import DEVICES, resolve_device
 from paratrain.topology.dims import ParallelDims
 from paratrain.topology.mesh import Mesh
 
@@ -22,6 +22,8 @@ class Context:
 
     config: ParallelConfig
     """The parallel config, resolved against the world size (dp filled in)."""
+    dims: ParallelDims
+    """The degree of every axis, built once from `config`."""
     mesh: Mesh
     rank: int
     world_size: int
@@ -30,18 +32,27 @@ class Context:
     """'gloo', 'nccl', or 'none' for a single process without torch.distributed."""
 
     @property
-    def dims(self) -> ParallelDims:
-        return self.mesh.dims
-
-    @property
     def is_main(self) -> bool:
         """Rank 0: the one that prints, logs and writes files."""
         return self.rank == 0
 
 
+@dataclass(frozen=True)
+class Member:
+    """This process's place in a job it has joined, before any layout: the world the config is
+    resolved against."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    """'gloo', 'nccl', or 'none' for a single process without torch.distributed."""
+
+
 def init(config: ParallelConfig | None = None, *, device: str = "auto",
          timeout: timedelta = timedelta(minutes=5)) -> Context:
-    """Build this process's Context, on `device`: 'cpu', 'cuda', or 'auto'.
+    """Build this process's Context, on `device`: 'cpu', 'cuda', or 'auto': join the job (`join`),
+    resolve `config` against its world size, and lay the ranks out (`lay_out`).
 
     Inside a launched job (RANK / WORLD_SIZE set by torchrun or `paratrain train`) this joins the
     job's default process group, creating it if needed: NCCL for CUDA (one GPU per process,
@@ -50,7 +61,12 @@ def init(config: ParallelConfig | None = None, *, device: str = "auto",
     otherwise takes CUDA when a GPU is visible. Name the device wherever results are compared across
     processes: a CUDA reference and CPU ranks differ by two machines' rounding.
     """
-    config = config or ParallelConfig()
+    member = join(device, timeout=timeout)
+    return lay_out(member, (config or ParallelConfig()).resolved(member.world_size), timeout=timeout)
+
+
+def join(device: str = "auto", *, timeout: timedelta = timedelta(minutes=5)) -> Member:
+    """Join the job's default process group (see `init`), or stand alone as a single process."""
     if device not in DEVICES:
         raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     if dist.is_initialized():
@@ -70,16 +86,25 @@ def init(config: ParallelConfig | None = None, *, device: str = "auto",
         rank, world_size, backend = dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
     else:
         rank, world_size, backend = 0, 1, "none"
-    resolved = config.resolved(world_size)
-    dims = ParallelDims.from_config(config, world_size)
-    shard_group = (resolved.shard_group or resolved.dp) if resolved.zero else None
-    mesh = (Mesh.build(dims, rank, timeout=timeout, shard_group=shard_group, ep=resolved.ep) if world_size > 1
-            else Mesh.single())
     if kind == "cuda":
         on = torch.device("cuda", torch.cuda.current_device() if backend == "nccl" else 0)
     else:
         on = torch.device("cpu")
-    return Context(config=resolved, mesh=mesh, rank=rank, world_size=world_size, device=on, backend=backend)
+    return Member(rank=rank, world_size=world_size, device=on, backend=backend)
+
+
+def lay_out(member: Member, resolved: ParallelConfig, *, timeout: timedelta = timedelta(minutes=5)) -> Context:
+    """The Context of a joined process under a config already resolved against its world size
+    (ParallelConfig.resolved, or a RunPlan's): the dims are built once here and the mesh reads them.
+    Collective when the world has more than one process (every rank builds the same groups)."""
+    dims = ParallelDims.from_config(resolved)
+    if dims.world_size != member.world_size:
+        raise ConfigError(f"the layout was resolved for {dims.world_size} processes (dp x tp x pp = {dims.dp} x "
+                          f"{dims.tp} x {dims.pp}), and the job has {member.world_size}: resolve it against "
+                          f"{member.world_size} (ParallelConfig.resolved)")
+    mesh = Mesh.build(dims, member.rank, timeout=timeout) if member.world_size > 1 else Mesh.single()
+    return Context(config=resolved, dims=dims, mesh=mesh, rank=member.rank, world_size=member.world_size,
+                   device=member.device, backend=member.backend)
 
 
 def _local_gpu() -> int:

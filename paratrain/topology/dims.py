@@ -1,44 +1,88 @@
-"""ParallelDims: the layout of ranks on the (pp, dp, tp) grid. Pure Python, no torch.distributed.
+"""ParallelDims: the degree of every parallel axis, and where each rank sits on them. Pure Python, no
+torch.distributed.
 
-Rank order puts tp innermost, then dp, then pp (as Megatron-LM): the ranks of one tp group are
-adjacent, so on a multi-GPU node they share the fastest links.
+The ranks form a (pp, dp, tp) grid; rank order puts tp innermost, then dp, then pp (as Megatron-LM):
+the ranks of one tp group are adjacent, so on a multi-GPU node they share the fastest links.
 
     rank = (pp_index * dp + dp_index) * tp + tp_index
+
+The other axes live inside these: dp = dp_replicate x dp_shard (ZeRO's state split over dp_shard
+consecutive dp ranks, replicated over the dp_replicate groups; without ZeRO dp_shard is 1), ep
+consecutive dp ranks dividing the experts (ep folds into dp), virtual_stages chunks per pipeline rank,
+and cp, context parallelism, which is not built yet (degree 1).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from itertools import product
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.parallel import ParallelConfig
 
-AXES: tuple[str, ...] = ("pp", "dp", "tp")  # outermost first
+AXES: tuple[str, ...] = ("pp", "dp", "tp")
+"""The axes of the rank grid, outermost first."""
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    dp: int
-    tp: int = 1
+    """The degree of each axis; built once per process (Context.dims) and read by the mesh, the
+    strategies and the planner."""
+
     pp: int = 1
+    virtual_stages: int = 1
+    """Chunks per pipeline rank (the interleaved schedule)."""
+    dp_replicate: int = 1
+    """Data-parallel groups holding the same state (plain data parallelism: all of dp)."""
+    dp_shard: int = 1
+    """Consecutive dp ranks that split one copy of ZeRO's state (1 without ZeRO)."""
+    ep: int = 1
+    """Consecutive dp ranks dividing each MoE layer's experts: a sub-axis of dp."""
+    tp: int = 1
+    cp: int = 1
+    """Context parallelism: a place for it; degrees above 1 are refused until it is built."""
 
     def __post_init__(self) -> None:
-        for axis in AXES:
-            if getattr(self, axis) < 1:
-                raise ConfigError(f"degree of {axis} must be >= 1, got {getattr(self, axis)}")
+        for f in fields(self):
+            if getattr(self, f.name) < 1:
+                raise ConfigError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
+        if self.cp > 1:
+            raise ConfigError(f"cp={self.cp}: context parallelism (each sequence split over cp ranks) is not built "
+                              "yet; use cp=1")
+        if self.dp % self.ep:
+            choices = [e for e in range(1, self.dp + 1) if self.dp % e == 0]
+            raise ConfigError(f"ep ({self.ep}) must divide dp ({self.dp}): expert parallelism divides the experts "
+                              f"among dp ranks; choose ep in {choices}")
 
     @classmethod
-    def from_config(cls, config: ParallelConfig, world_size: int) -> ParallelDims:
-        resolved = config.resolved(world_size)
-        assert resolved.dp is not None
-        return cls(dp=resolved.dp, tp=resolved.tp, pp=resolved.pp)
+    def of(cls, *, dp: int = 1, tp: int = 1, pp: int = 1, virtual_stages: int = 1, ep: int = 1,
+           dp_shard: int = 1) -> ParallelDims:
+        """From the data-parallel degree as a whole, split into dp / dp_shard replicas of dp_shard ranks."""
+        if dp_shard < 1 or dp < 1 or dp % dp_shard:
+            raise ConfigError(f"shard group ({dp_shard}) must divide dp ({dp})")
+        return cls(pp=pp, virtual_stages=virtual_stages, dp_replicate=dp // dp_shard, dp_shard=dp_shard, ep=ep,
+                   tp=tp)
+
+    @classmethod
+    def from_config(cls, config: ParallelConfig) -> ParallelDims:
+        """The dims of a config already resolved against its world size (ParallelConfig.resolved):
+        read, not resolved again. ZeRO shards over shard_group dp ranks (all of dp without one)."""
+        if config.dp is None:
+            raise ConfigError("dp is not resolved yet: call ParallelConfig.resolved(world_size) first")
+        shard = (config.shard_group or config.dp) if config.zero else 1
+        return cls.of(dp=config.dp, tp=config.tp, pp=config.pp, virtual_stages=config.virtual_stages, ep=config.ep,
+                      dp_shard=shard)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     def degree(self, axis: str) -> int:
+        """The degree of a grid axis ('pp', 'dp', 'tp')."""
         if axis not in AXES:
             raise ValueError(f"unknown axis {axis!r}: choose one of {AXES}")
         return getattr(self, axis)
@@ -72,7 +116,8 @@ class ParallelDims:
         return groups
 
     def dp_split(self, shard: int) -> tuple[list[list[int]], list[list[int]]]:
-        """(shard groups, replicate groups) for hierarchical sharding (MiCS / HSDP) of the dp axis.
+        """(shard groups, replicate groups) of the dp axis cut into groups of `shard` consecutive dp ranks:
+        hierarchical sharding (MiCS / HSDP: shard = dp_shard) or expert parallelism (shard = ep).
 
         The dp ranks of each (pp, tp) position are cut into dp / shard groups of `shard` consecutive
         dp indices: dp_index = replicate_index * shard + shard_index. A shard group holds one copy of

@@ -49,17 +49,16 @@ class Mesh:
     """The collectives this rank issued on its groups (None: a single process, which issues none)."""
 
     @classmethod
-    def build(cls, dims: ParallelDims, rank: int, *, timeout: timedelta | None = None,
-              shard_group: int | None = None, ep: int = 1) -> Mesh:
+    def build(cls, dims: ParallelDims, rank: int, *, timeout: timedelta | None = None) -> Mesh:
         """Create every axis's groups. Collective: every rank of the world must call it with the
-        same arguments, because torch's new_group is collective over the whole world.
+        same dims, because torch's new_group is collective over the whole world.
 
         pp > 1 adds "tied": the first and last pipeline stage of each (dp, tp) position.
         ep E > 1 adds the dp sub-axes of expert parallelism: "ep" (E consecutive dp ranks dividing the
         experts among them) and, when E < dp, "edp" (dp / E ranks holding the same experts).
-        shard_group S (1 < S < dp) adds the dp sub-axes of hierarchical sharding: "dp_shard"
-        (S ranks sharing one copy of the state) and "dp_replicate" (dp / S ranks holding the same
-        shard). S = dp makes "dp_shard" the dp group itself; S = 1 or None adds nothing.
+        dp_shard S with 1 < S < dp adds the dp sub-axes of hierarchical sharding: "dp_shard" (S ranks
+        sharing one copy of the state) and "dp_replicate" (dp / S ranks holding the same shard).
+        S = dp makes "dp_shard" the dp group itself; S = 1 adds nothing.
         """
         groups: dict[str, AxisGroup] = {}
         recorder = FlightRecorder(rank)
@@ -75,23 +74,23 @@ class Mesh:
                 add(axis, dims.all_groups(axis))
         if dims.pp > 1:  # the first and last stage of each (dp, tp) position: a weight tied across them
             add("tied", [[group[0], group[-1]] for group in dims.all_groups("pp")])
-        if shard_group is not None and 1 < shard_group < dims.dp:
-            shards, replicas = dims.dp_split(shard_group)
+        if 1 < dims.dp_shard < dims.dp:
+            shards, replicas = dims.dp_split(dims.dp_shard)
             add("dp_shard", shards)
             add("dp_replicate", replicas)
-        elif shard_group == dims.dp and "dp" in groups:
+        elif dims.dp_shard == dims.dp and "dp" in groups:
             groups["dp_shard"] = groups["dp"]
-        if ep > 1:  # a process group of its own even when ep = dp: the all-to-alls in backward must not
+        if dims.ep > 1:  # a process group of its own even when ep = dp: the all-to-alls in backward must not
             # interleave with the gradient all-reduces that GradSync starts on dp meanwhile
-            experts, replicas = dims.dp_split(ep)
+            experts, replicas = dims.dp_split(dims.ep)
             add("ep", experts)
-            if ep < dims.dp:
+            if dims.ep < dims.dp:
                 add("edp", replicas)
         return cls(dims=dims, rank=rank, groups=groups, recorder=recorder)
 
     @classmethod
     def single(cls) -> Mesh:
-        return cls(dims=ParallelDims(dp=1), rank=0, groups={})
+        return cls(dims=ParallelDims(), rank=0, groups={})
 
     def degree(self, axis: str) -> int:
         if axis in SUB_AXES:

@@ -59,7 +59,7 @@ def test_model_states_equal_the_engines_report(pools, world):
         case = dict(case)
         precision = case.pop("precision", "fp32")
         model = case.pop("model", "tiny")
-        layout = Layout(**case)
+        layout = Layout.of(**case)
         for got in pools(world).run(_report, layout.to_dict(), precision, model):
             expected = model_state_bytes(TINY if model == "tiny" else MOE, layout, precision=precision,
                                          stage=got["stage"], bucket_mb=BUCKET_MB)
@@ -86,12 +86,12 @@ def _tp_activations(sequence_parallel: bool, precision: str, zero: int, recomput
 def test_tensor_parallel_activations_equal_what_autograd_keeps(pools, world):
     """tp 2 and 4, with and without sequence parallelism, each storage mode, with and without recompute."""
     from paratrain.planner.layout import Layout
-    from paratrain.planner.memory import activation_bytes, storage_mode
+    from paratrain.planner.activations import activation_bytes, storage_mode
 
     for sp in (False, True):
         for precision, zero in (("fp32", 0), ("bf16", 0), ("bf16", 1)):
             for recompute in (False, True):
-                layout = Layout(tp=world, sequence_parallel=sp, micro_batch=2, zero=zero,
+                layout = Layout.of(tp=world, sequence_parallel=sp, micro_batch=2, zero=zero,
                                 recompute="full" if recompute else "none")
                 expected = activation_bytes(TINY, layout, seq=TINY.seq_len, mode=storage_mode(precision, zero))
                 for got in pools(world).run(_tp_activations, sp, precision, zero, recompute):
@@ -119,10 +119,10 @@ def test_expert_parallel_activations_sum_to_the_prediction(pools, world):
     as many as it sent, so over the ep group (every row is received somewhere) the sums are equal, to the
     byte (each rank alone differs by what its experts received more or less than it sent)."""
     from paratrain.planner.layout import Layout
-    from paratrain.planner.memory import activation_bytes, storage_mode
+    from paratrain.planner.activations import activation_bytes, storage_mode
 
     for precision, zero in (("fp32", 0), ("bf16", 1)):
-        layout = Layout(dp=world, ep=world, micro_batch=2, zero=zero)
+        layout = Layout.of(dp=world, ep=world, micro_batch=2, zero=zero)
         expected = activation_bytes(DROPLESS, layout, seq=DROPLESS.seq_len, mode=storage_mode(precision, zero))
         got = pools(world).run(_expert_parallel_activations, precision, zero)
         assert sum(got) == world * expected, (precision, got, expected)
@@ -147,9 +147,9 @@ def test_pipeline_activation_peak_follows_the_schedule(pools, schedule, v):
     """pp 2, 8 micro-batches of 1: the peak the schedule's program gives, within 5 % (the token ids of
     the rank's whole batch are one storage, which the planner counts per micro-batch in flight)."""
     from paratrain.planner.layout import Layout
-    from paratrain.planner.memory import activation_bytes
+    from paratrain.planner.activations import activation_bytes
 
-    layout = Layout(pp=2, schedule=schedule, virtual_stages=v, micro_batch=1)
+    layout = Layout.of(pp=2, schedule=schedule, virtual_stages=v, micro_batch=1)
     for got in pools(2).run(_pipeline_peak, schedule, v):
         expected = activation_bytes(TINY, layout, seq=TINY.seq_len, mode="fp32", stage=got["stage"], microbatches=8)
         within(abs(got["peak"] / expected - 1), 0.05, f"activation peak, stage {got['stage']}")

@@ -404,11 +404,12 @@ def test_a_sample_of_random_accepted_flag_combinations_trains(tmp_path):
     real on the tiny model, trains (no worker dies with a traceback). One per suite run to keep the
     suite short; the seed decides which (11: ZeRO-2 with optimizer offload, full recompute, the
     collective check every step)."""
-    from paratrain.cli import _parser, prepare_launch, run_config_from_args
+    from paratrain.cli.flags import build_parser, run_config_from_args
+    from paratrain.cli.launching import prepare_launch
     from paratrain.config import ConfigError
     from tests.unit.test_random_flags import FLOATS, INTS, STRINGS
 
-    rng, parser, launched = random.Random(11), _parser(), 0
+    rng, parser, launched = random.Random(11), build_parser(), 0
     base = ["--device", "cpu", "--model", "tiny", "--seq-len", "32", "--steps", "2", "--eval-every", "0",
             "--sample-tokens", "0", "--no-progress", "--nproc", "2"]
     while launched < 1:
@@ -429,9 +430,9 @@ def test_a_sample_of_random_accepted_flag_combinations_trains(tmp_path):
 
 
 def _flag_kinds() -> dict[str, type]:
-    from paratrain.cli import _TRAIN_FLAGS
+    from paratrain.cli.flags import TRAIN_FLAGS
 
-    return {flag: kind for flag, (_, kind, _) in _TRAIN_FLAGS.items()}
+    return {flag: kind for flag, (_, kind, _) in TRAIN_FLAGS.items()}
 
 
 _TRAIN_FLAGS_KINDS = _flag_kinds()

@@ -203,11 +203,26 @@ def test_bad_toml(tmp_path):
 def test_every_node_count_down_to_min_nodes_is_checked_before_launch(capsys):
     """3 processes per node and tp 2: 2 nodes make dp 3, but one node alone (3 processes) cannot hold tp
     2, so --min-nodes 1 is refused before anything starts; --min-nodes 2 is not."""
-    from paratrain.cli import _parser, prepare_launch, run_config_from_args
+    from paratrain.cli.flags import build_parser, run_config_from_args
+    from paratrain.cli.launching import prepare_launch
 
     flags = ["train", "--device", "cpu", "--nproc", "3", "--nnodes", "2", "--tp", "2", "--rdzv-backend", "c10d",
              "--rdzv-endpoint", "127.0.0.1:1", "--max-restarts", "1", "--save", "/tmp/paratrain-min-nodes",
              "--global-batch", "12", "--no-memory-check"]
     with pytest.raises(ConfigError, match=r"with 1 of 2 nodes \(--min-nodes 1\): tp x pp = 2 x 1 = 2 must divide"):
-        prepare_launch(run_config_from_args(_parser().parse_args([*flags, "--min-nodes", "1"])), gpus=0)
-    assert prepare_launch(run_config_from_args(_parser().parse_args([*flags, "--min-nodes", "2"])), gpus=0)
+        prepare_launch(run_config_from_args(build_parser().parse_args([*flags, "--min-nodes", "1"])), gpus=0)
+    assert prepare_launch(run_config_from_args(build_parser().parse_args([*flags, "--min-nodes", "2"])), gpus=0)
+
+
+def test_the_run_file_hands_the_workers_the_resolved_run(tmp_path):
+    """What the launcher writes (paratrain.config.write_run) is what each worker reads back: every section,
+    tuples, None, model overrides and the launcher's own settings, equal to the run it resolved."""
+    from paratrain.config import read_run, write_run
+
+    config = build_run_config({"model": {"preset": "tiny", "n_experts": 4, "capacity_factor": 1.25}},
+                              {"parallel.pp": 2, "parallel.pp_split": (2,), "parallel.zero": 1,
+                               "parallel.shard_group": 2, "parallel.bucket_mb": 0.5, "data.micro_batch": 2, "train.recompute": "selective",
+                               "launch.nproc": 4, "launch.plan": "auto", "seed": 7})
+    assert read_run(write_run(config, tmp_path / "run.json")) == config
+    with pytest.raises(ConfigError, match="run file .* does not exist"):
+        read_run(tmp_path / "missing.json")

@@ -14,7 +14,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
 from paratrain.launch.agent import _stop
-from paratrain.launch.local import SHUTDOWN_GRACE_S, JobFailed, _failures, _name_the_hang
+from paratrain.launch.failures import SHUTDOWN_GRACE_S, JobFailed, failures_of, name_the_hang
 from paratrain.topology.recorder import absent_ranks
 
 
@@ -33,7 +33,7 @@ def test_a_killed_rank_comes_before_the_peers_it_broke():
                                         "failed: Connection closed by peer", timestamp=5),
         1: _failure(1, -signal.SIGKILL),
     })
-    failures = _failures(error)
+    failures = failures_of(error)
     assert [f.rank for f in failures] == [1, 0]
     text = str(JobFailed(failures))
     assert text.startswith("rank 1 died of SIGKILL (signal 9): killed from outside, or out of memory")
@@ -47,7 +47,7 @@ def test_an_error_of_its_own_comes_before_collective_failures_and_cleanup():
         3: _failure(3, 1, "RuntimeError: injected fault (train.fail_at) on rank 3 at step 3", timestamp=3),
         1: _failure(1, -signal.SIGSEGV),
     })
-    failures = _failures(error)
+    failures = failures_of(error)
     assert [f.rank for f in failures] == [1, 3, 0, 2]
     assert failures[0].how == "died of SIGSEGV (signal 11)" and failures[0].message == "no error of its own: a crash"
     assert failures[-1].how == "was stopped by the launcher (SIGTERM)"
@@ -80,10 +80,10 @@ def test_a_stopped_rank_the_launcher_had_to_kill_is_named_as_the_hang(tmp_path):
     run, and SIGKILLs it after the grace. That SIGKILL is the launcher's own: the first line names the
     hang (the old one said "rank 1 died of SIGKILL: killed from outside, or out of memory")."""
     error = ChildFailedError("paratrain", {0: _failure(0, 1, TIMED_OUT, timestamp=5), 1: _failure(1, -signal.SIGKILL)})
-    failures = _failures(error, {1: "T"})
+    failures = failures_of(error, {1: "T"})
     assert failures[-1].how == "was killed by the launcher (SIGKILL)" and failures[-1].stopped_by_launcher
     absent = absent_ranks(_flight(tmp_path))
-    text = str(JobFailed(_name_the_hang(failures, absent), [a.line() for a in absent]))
+    text = str(JobFailed(name_the_hang(failures, absent), [a.line() for a in absent]))
     first = text.splitlines()[0]
     assert first == ("rank 1 stopped responding: it never took part in all_reduce #13 on the dp group (ranks [0, 1]), "
                      f"where rank 0 waited; it did not leave within {SHUTDOWN_GRACE_S} s of the launcher's SIGTERM: it "
@@ -96,7 +96,7 @@ def test_a_hung_rank_that_left_its_record_is_named_from_it(tmp_path):
     """--fail-at 1:13:hang (a rank looping in Python): it answers the launcher's SIGTERM with its record,
     which says it never entered #13."""
     error = ChildFailedError("paratrain", {0: _failure(0, 1, TIMED_OUT, timestamp=5), 1: _failure(1, -signal.SIGTERM)})
-    failures = _name_the_hang(_failures(error, {1: ""}), absent_ranks(_flight(tmp_path, 1)))
+    failures = name_the_hang(failures_of(error, {1: ""}), absent_ranks(_flight(tmp_path, 1)))
     assert [f.rank for f in failures] == [1, 0]
     assert str(JobFailed(failures)).splitlines()[0] == (
         "rank 1 stopped responding: it never entered all_reduce #13 on the dp group (ranks [0, 1]), where rank 0 "
@@ -112,12 +112,12 @@ def test_a_kill_from_outside_stays_the_root_cause_whatever_the_hang_report_says(
         0: _failure(0, -signal.SIGTERM, "CollectiveError: all_reduce (#13 on this group) ... failed: Connection closed "
                                         "by peer", timestamp=5),
         1: _failure(1, -signal.SIGKILL)})
-    failures = _name_the_hang(_failures(error, {0: ""}), absent)
+    failures = name_the_hang(failures_of(error, {0: ""}), absent)
     assert str(JobFailed(failures)).startswith(
         "rank 1 died of SIGKILL (signal 9): killed from outside, or out of memory")
     error = ChildFailedError("paratrain", {0: _failure(0, 1, TIMED_OUT, timestamp=5), 1: _failure(1, -signal.SIGTERM),
                                            2: _failure(2, -signal.SIGKILL)})
-    failures = _name_the_hang(_failures(error, {1: ""}), absent)
+    failures = name_the_hang(failures_of(error, {1: ""}), absent)
     assert [(f.rank, f.how) for f in failures] == [(2, "died of SIGKILL (signal 9)"), (0, "raised"),
                                                    (1, "was stopped by the launcher (SIGTERM)")]
 
@@ -128,7 +128,7 @@ def test_a_rank_the_launcher_killed_is_not_blamed_without_a_timeout(tmp_path):
     error = ChildFailedError("paratrain", {
         0: _failure(0, 1, "CollectiveError: broadcast ... failed: Connection closed by peer", timestamp=5),
         1: _failure(1, -signal.SIGKILL)})
-    failures = _name_the_hang(_failures(error, {1: "S"}), absent_ranks(_flight(tmp_path)))
+    failures = name_the_hang(failures_of(error, {1: "S"}), absent_ranks(_flight(tmp_path)))
     assert [f.rank for f in failures] == [0, 1]
     assert failures[1].message == (f"it did not leave within {SHUTDOWN_GRACE_S} s of the launcher's SIGTERM: it was "
                                    "stuck outside Python, where its SIGTERM handler cannot run (state S)")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.pipeline.schedules import Action, ScheduleError, check_schedule, program
+from paratrain.config.parallel import ScheduleError, check_schedule
+from paratrain.pipeline.schedules import Action, program
 from paratrain.pipeline.simulate import simulate
 
 CASES = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 16)]

@@ -12,7 +12,7 @@ from paratrain.memory import apply_recompute, autocast, recompute_pattern
 from paratrain.models import GPT_RECIPE
 from paratrain.memory.activations import saved_activations
 from paratrain.planner.layout import Layout
-from paratrain.planner.memory import activation_bytes, storage_mode
+from paratrain.planner.activations import activation_bytes, storage_mode
 
 
 @pytest.mark.parametrize("precision,zero", [("fp32", 0), ("bf16", 0), ("bf16", 1), ("fp16", 1)])

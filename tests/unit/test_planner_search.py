@@ -19,7 +19,7 @@ def test_gpt3_layouts_against_the_zero_paper():
     of the 12 bytes of optimizer state per parameter, as the paper's P_os counts, up to the embedding on
     the end stages (+2.8 %) and, reducing by reduce-scatter (NCCL), a gradient shard beside the whole
     gradient (+1/16)."""
-    record = estimate(GPT3, Layout(dp=16, tp=8, pp=8, virtual_stages=2, zero=1, schedule="interleaved"),
+    record = estimate(GPT3, Layout.of(dp=16, tp=8, pp=8, virtual_stages=2, zero=1, schedule="interleaved"),
                       hardware("a100-80gb"), global_batch=1536)
     paper = zero_model_state_bytes(GPT3.num_params() // 64, stage=1, dp=16)
     assert record["memory"]["params"] == pytest.approx(paper["params"], rel=0.03)
@@ -48,7 +48,7 @@ def test_pins_and_refusals():
     result = search(preset("gpt2"), 8, hardware("h100-80gb"), global_batch=64, pins={"tp": 2, "zero": 1})
     assert all(r["layout"]["tp"] == 2 and r["layout"]["zero"] == 1 for r in result["candidates"])
     with pytest.raises(ConfigError, match=r"tp \(3\) must divide the attention heads"):
-        estimate(preset("gpt2-medium"), Layout(tp=3), hardware("h100-80gb"), global_batch=8)
+        estimate(preset("gpt2-medium"), Layout.of(tp=3), hardware("h100-80gb"), global_batch=8)
     with pytest.raises(ConfigError, match="unknown hardware 'tpu-v9'"):
         hardware("tpu-v9")
 
@@ -114,11 +114,11 @@ def test_cpu_profile_files(tmp_path, monkeypatch):
         hardware(str(path))
 
 
-def test_plan_auto_takes_the_fastest_fitting_layout_and_keeps_pins():
+def test_plan_auto_takes_the_fastest_fitting_layout_and_keeps_pins(tmp_path):
     from dataclasses import replace
 
-    from paratrain.config import build_run_config
-    from paratrain.planner.auto import as_flags, choose_layout
+    from paratrain.config import build_run_config, read_run, write_run
+    from paratrain.planner.auto import choose_layout
 
     config = build_run_config(None, {"model.preset": "gpt2", "data.global_batch": 64, "train.precision": "bf16"})
     h100 = hardware("h100-80gb")
@@ -130,8 +130,8 @@ def test_plan_auto_takes_the_fastest_fitting_layout_and_keeps_pins():
     assert text.startswith("--plan auto on 8 x h100-80gb: ") and "runner-up" in text
     pinned, _ = choose_layout(config, world_size=8, hw=h100, pins={"tp": 2, "recompute": "full"}, seq_len=1024)
     assert pinned.parallel.tp == 2 and pinned.train.recompute == "full"
-    flags = as_flags(pinned)
-    assert flags[flags.index("--tp") + 1] == "2" and flags[flags.index("--recompute") + 1] == "full"
+    handed = read_run(write_run(pinned, tmp_path / "run.json"))  # the run plan the workers read: the choice itself
+    assert handed == pinned and handed.parallel.tp == 2 and handed.train.recompute == "full"
     with pytest.raises(ConfigError, match="none of .* layouts fits 1.0 GB per process"):
         choose_layout(config, world_size=1, hw=replace(h100, memory_bytes=1e9), pins={}, seq_len=1024)
 
@@ -143,7 +143,7 @@ def test_mixture_of_experts_layouts(capsys):
     result = search(model, 8, hardware("h100-80gb"), global_batch=64, pins={"tp": 2})
     assert {r["layout"]["ep"] for r in result["candidates"]} == {1, 2, 4}
     assert any("a MoE layer routes whole sequences" in r["reason"] for r in result["rejected"])
-    one, four = (estimate(model, Layout(dp=4, ep=ep, zero=1), hardware("h100-80gb"), global_batch=64)
+    one, four = (estimate(model, Layout.of(dp=4, ep=ep, zero=1), hardware("h100-80gb"), global_batch=64)
                  for ep in (1, 4))
     experts = model.moe_layers * model.n_experts * 2 * model.d_model * model.expert_dim
     assert one["memory"]["params"] - four["memory"]["params"] == 2 * experts * 3 / 4  # bf16, 3/4 of them gone

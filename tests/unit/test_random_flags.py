@@ -1,6 +1,6 @@
 """1,000 random combinations of `paratrain train` flags, valid and not (nan, inf, negative, zero, huge,
 unknown names): each is either accepted or refused with a ConfigError, never a traceback. Checked as
-the launcher checks before any process starts (paratrain.cli.prepare_launch)."""
+the launcher checks before any process starts (paratrain.cli.launching.prepare_launch)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from paratrain.cli import _TRAIN_FLAGS, _parser, prepare_launch, run_config_from_args
+from paratrain.cli.flags import TRAIN_FLAGS, build_parser, run_config_from_args
+from paratrain.cli.launching import prepare_launch
 from paratrain.config import ConfigError
 
 INTS = [-1, 0, 1, 2, 3, 4, 8, 16, 64, 10**9]
@@ -30,8 +31,8 @@ SWITCHES = ["--recompute", "--recompute=selective", "--sequence-parallel", "--no
 
 def _combo(rng: random.Random) -> list[str]:
     argv = ["train"]
-    for flag in rng.sample(sorted(_TRAIN_FLAGS), rng.randint(1, 7)):
-        kind = _TRAIN_FLAGS[flag][1]
+    for flag in rng.sample(sorted(TRAIN_FLAGS), rng.randint(1, 7)):
+        kind = TRAIN_FLAGS[flag][1]
         if flag in STRINGS:
             value = rng.choice(STRINGS[flag])
         elif kind is int:
@@ -48,7 +49,7 @@ def _combo(rng: random.Random) -> list[str]:
 @pytest.mark.parametrize("seed", range(4))
 def test_random_flags_are_accepted_or_refused_with_the_rule(seed):
     rng = random.Random(seed)
-    parser = _parser()
+    parser = build_parser()
     refused = accepted = 0
     for _ in range(250):
         argv = _combo(rng)

@@ -1,26 +1,13 @@
-"""`paratrain` command line.
-
-    paratrain train                      the built-in demo: small GPT, built-in corpus, 2 processes
-    paratrain train --nproc 4 --dp 4 --global-batch 64 --micro-batch 4 --steps 100
-    paratrain train --nproc 4 --dp 2 --tp 2 --sequence-parallel --zero 1
-    paratrain train --nproc 8 --dp 2 --tp 2 --pp 2 --schedule 1f1b --micro-batch 2 --zero 2
-    paratrain train --config run.toml --steps 50        (flags override the file)
-    paratrain presets                    list the model presets
-    paratrain plan --model gpt3-175b --gpus 1024 --hardware a100-80gb --global-batch 1536
-                                         memory and step time of every layout, best first
-
-Every setting is checked before any process starts; a bad one exits with code 2 and the rule,
-the numbers and a fix.
-"""
+"""The arguments of `paratrain`: its subcommands, and `paratrain train`'s flags as RunConfig settings."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Any
 
-from paratrain.config import PRESETS, ConfigError, build_run_config, check_run, launch_world_size, load_toml
+from paratrain.config import PRESETS, RunConfig, build_run_config, load_toml
+
 
 def _int_tuple(text: str) -> tuple[int, ...]:
     try:
@@ -30,7 +17,7 @@ def _int_tuple(text: str) -> tuple[int, ...]:
 
 
 # flag -> (dotted config path, type, help)
-_TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
+TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--nproc": ("launch.nproc", int, "processes on this node (default: dp x tp x pp / nnodes, or 2)"),
     "--nnodes": ("launch.nnodes", int, "nodes in the job (default 1)"),
     "--node-rank": ("launch.node_rank", int, "this node's rank, 0..nnodes-1 (static rendezvous)"),
@@ -99,14 +86,15 @@ _TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The `paratrain` command line: its subcommands and their arguments."""
     parser = argparse.ArgumentParser(prog="paratrain", description="Distributed training, explicit and layout-invariant.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
     train = commands.add_parser("train", help="train a model (no flags: the built-in demo on 2 processes)")
     train.add_argument("--config", help="TOML file with [model] [parallel] [data] [optim] [train] [launch] tables")
     train.add_argument("--seed", type=int, default=None, help="seed of init and data order (default 1234)")
-    for flag, (_, kind, text) in _TRAIN_FLAGS.items():
+    for flag, (_, kind, text) in TRAIN_FLAGS.items():
         train.add_argument(flag, type=kind, default=None, help=text)
     train.add_argument("--recompute", nargs="?", const="full", default=None, choices=("none", "full", "selective"),
                        help="recompute activations in backward: full (each block; the default of a bare --recompute) "
@@ -118,8 +106,6 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--sequence-parallel", action="store_true", default=None,
                        help="with --tp: norms and dropout on 1/tp of the sequence (all-gather / reduce-scatter)")
     train.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
-    train.add_argument("--attempt", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
-    train.add_argument("--flight-dir", default=None, help=argparse.SUPPRESS)  # set by the launcher
     train.add_argument("--smp", metavar="JSON", default=None,
                        help="SageMaker model-parallel keys (the estimator's parameters dict, or its whole "
                             "distribution dict) as inline JSON or a JSON file; flags given explicitly win "
@@ -132,6 +118,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="launch even when the planner predicts the layout will not fit in memory")
     train.add_argument("--keep-params", dest="reshard_after_forward", action="store_false", default=None,
                        help="ZeRO-3: keep a unit's gathered parameters from forward to backward")
+    worker = commands.add_parser("worker")  # no help: not listed, the launcher starts it
+    worker.add_argument("--run-plan", required=True, metavar="FILE", help="the run the launcher resolved (JSON)")
+    worker.add_argument("--attempt", type=int, default=0, help="the launch's attempt: 0 the first, K a relaunch")
+    worker.add_argument("--flight-dir", default="", help="where this worker leaves its flight record")
     commands.add_parser("presets", help="list the model presets and their sizes")
     inspect = commands.add_parser("inspect", help="verify a checkpoint and list what it holds")
     inspect.add_argument("checkpoint", help="a folder written by --save (its latest checkpoint), or one step_* folder")
@@ -156,7 +146,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_config_from_args(args: argparse.Namespace) -> Any:
+# arguments of `paratrain train` outside TRAIN_FLAGS (its switches) -> config path
+OTHER_ARGS = {"seed": "seed", "recompute": "train.recompute", "compile": "train.compile",
+               "check_collectives": "train.check_collectives", "sequence_parallel": "parallel.sequence_parallel",
+               "progress": "train.progress", "reshard_after_forward": "parallel.reshard_after_forward",
+               "memory_check": "launch.memory_check",
+               "plan": "launch.plan"}
+
+
+def run_config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The RunConfig of `paratrain train`'s arguments: defaults < --config TOML < SLURM's variables < --smp <
+    flags given."""
     table = load_toml(args.config) if args.config else None
     from paratrain.launch.slurm import slurm_overrides
 
@@ -165,200 +165,9 @@ def run_config_from_args(args: argparse.Namespace) -> Any:
         from paratrain.config.sagemaker import read_smp, smp_overrides
 
         overrides.update(smp_overrides(read_smp(args.smp)))
-    paths = {flag.lstrip("-").replace("-", "_"): path for flag, (path, _, _) in _TRAIN_FLAGS.items()}
-    for attribute, path in {**paths, **_OTHER_ARGS}.items():
+    paths = {flag.lstrip("-").replace("-", "_"): path for flag, (path, _, _) in TRAIN_FLAGS.items()}
+    for attribute, path in {**paths, **OTHER_ARGS}.items():
         value = getattr(args, attribute)
         if value is not None:
             overrides[path] = value
     return build_run_config(table, overrides)
-
-
-# arguments of `paratrain train` outside _TRAIN_FLAGS (switches, and what the launcher passes) -> config path
-_OTHER_ARGS = {"seed": "seed", "recompute": "train.recompute", "compile": "train.compile",
-               "check_collectives": "train.check_collectives", "sequence_parallel": "parallel.sequence_parallel",
-               "progress": "train.progress", "reshard_after_forward": "parallel.reshard_after_forward",
-               "memory_check": "launch.memory_check", "attempt": "launch.attempt", "flight_dir": "launch.flight_dir",
-               "plan": "launch.plan"}
-
-
-def prepare_launch(config: Any, *, gpus: int) -> Any:
-    """Every check the launching process makes before any worker starts: the world size and devices,
-    every rule of the run, the data, and (unless switched off) the planner's memory prediction.
-    Returns the RunPlan; raises ConfigError with the rule, the numbers and a fix."""
-    world_size = launch_world_size(config, gpus=gpus)
-    config.launch.nproc = world_size // config.launch.nnodes
-    plan = check_run(config, world_size)
-    fewer = {}  # a relaunch that goes on with fewer nodes (--min-nodes) must have a valid layout too
-    for nodes in range(config.launch.min_nodes or config.launch.nnodes, config.launch.nnodes):
-        try:
-            fewer[nodes] = check_run(config, config.launch.nproc * nodes)
-        except ConfigError as error:
-            raise ConfigError(f"with {nodes} of {config.launch.nnodes} nodes (--min-nodes "
-                              f"{config.launch.min_nodes}): {error}") from None
-    from paratrain.data import load_source
-    from paratrain.train import check_data
-
-    try:
-        source = load_source(config.data.source, val_fraction=config.data.val_fraction)
-    except (FileNotFoundError, ValueError) as error:
-        raise ConfigError(f"data.source {config.data.source!r}: {error}") from None
-    check_data(plan, source)
-    if config.train.tensorboard:
-        import importlib.util
-
-        if importlib.util.find_spec("tensorboard") is None:
-            raise ConfigError(f"--tensorboard {config.train.tensorboard}: the tensorboard package is not installed: "
-                              "pip install 'paratrain[viz]' (or tensorboard), or drop --tensorboard")
-    if config.train.resume == "auto":
-        if not config.train.save:
-            raise ConfigError("--resume auto takes the newest verified checkpoint under --save: give --save DIR")
-    elif config.train.resume:
-        from paratrain.checkpoint import CheckpointError, resolve_checkpoint, verify_checkpoint
-
-        try:  # sizes, headers and index here; the workers share out the SHA-256s (verify_shared)
-            verify_checkpoint(resolve_checkpoint(config.train.resume), hashed=())
-        except FileNotFoundError as error:
-            raise ConfigError(f"train.resume: {error}: give a folder written by --save (its latest checkpoint is "
-                              "taken) or one of its step_* folders") from None
-        except CheckpointError as error:
-            raise ConfigError(f"train.resume: {error}") from None
-    if config.launch.memory_check:
-        from paratrain.config import resolve_device
-        from paratrain.planner.check import available_memory, check_memory
-
-        device = resolve_device(config.launch.device, gpus=gpus)
-        available = available_memory(device)
-        if available is not None:
-            check_memory(plan, device=device, available_bytes=available, processes=config.launch.nproc)
-            for nodes, smaller in fewer.items():  # less dp: larger ZeRO shards, more accumulation
-                try:
-                    check_memory(smaller, device=device, available_bytes=available, processes=config.launch.nproc)
-                except ConfigError as error:
-                    raise ConfigError(f"with {nodes} of {config.launch.nnodes} nodes (--min-nodes "
-                                      f"{config.launch.min_nodes}): {error}") from None
-    return plan
-
-
-def _train(args: argparse.Namespace, argv: list[str]) -> int:
-    from paratrain.launch import JobFailed, launch, launched_by_torchrun
-
-    config = run_config_from_args(args)
-    if launched_by_torchrun():  # a worker of a job: train here
-        return _worker(config)
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if config.launch.plan == "auto":
-        config, argv = _plan_auto(config, args, argv, gpus=gpus)
-    plan = prepare_launch(config, gpus=gpus)
-    world_size = plan.parallel.world_size
-    if world_size == 1:  # one process: no launcher, no process group
-        from paratrain.launch import train_on_this_rank
-
-        train_on_this_rank(plan)
-        return 0
-    try:
-        launch(config.launch, argv, shared=config.train.save or None)
-    except JobFailed as failure:
-        print(f"paratrain: {failure}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _plan_auto(config: Any, args: argparse.Namespace, argv: list[str], *, gpus: int) -> tuple[Any, list[str]]:
-    """The planner's layout for this job's processes; the workers get it as explicit flags."""
-    from paratrain.config import preset, resolve_device
-    from paratrain.planner.auto import PINNABLE, as_flags, choose_layout, device_hardware
-    from paratrain.planner.check import available_memory
-
-    world_size = launch_world_size(config, gpus=gpus)
-    device = resolve_device(config.launch.device, gpus=gpus)
-    hw = device_hardware(device, processes=world_size // config.launch.nnodes, available_bytes=available_memory(device))
-    pins = {field: getattr(args, dest) for field, dest in PINNABLE.items() if getattr(args, dest, None) is not None}
-    seq_len = config.data.seq_len or preset(config.model.preset, **config.model.overrides).seq_len
-    config, text = choose_layout(config, world_size=world_size, hw=hw, pins=pins, seq_len=seq_len)
-    print(f"paratrain: {text}", file=sys.stderr)
-    kept = [a for i, a in enumerate(argv) if a != "--plan" and not a.startswith("--plan=")
-            and not (i > 0 and argv[i - 1] == "--plan")]
-    return config, kept + as_flags(config)
-
-
-def _worker(config: Any) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    from paratrain.launch import leave, train_on_this_rank
-
-    @record
-    def main() -> None:
-        plan = check_run(config, int(os.environ["WORLD_SIZE"]))
-        train_on_this_rank(plan)
-
-    main()
-    leave()
-    return 0  # not reached: leave() exits the process
-
-
-def _checkpoint_tool(args: argparse.Namespace) -> int:
-    import json
-
-    from paratrain.checkpoint import CheckpointError
-    from paratrain.checkpoint.tools import describe_checkpoint, export_model, format_description
-
-    try:
-        if args.command == "export":
-            done = export_model(args.checkpoint, args.out, dtype=args.dtype)
-            print(f"wrote {done['out']}: {done['tensors']} tensors, {done['bytes'] / 2**20:.1f} MiB")
-            return 0
-        record = describe_checkpoint(args.checkpoint)
-    except (FileNotFoundError, CheckpointError) as error:
-        print(f"paratrain {args.command}: {error}", file=sys.stderr)
-        return 1
-    print(json.dumps(record) if args.json else format_description(record))
-    return 0
-
-
-def _presets() -> int:
-    print(f"{'preset':<14} {'params':>10} {'layers':>6} {'d_model':>7} {'heads':>5} {'seq':>5} {'vocab':>6}  experts")
-    for name, config in PRESETS.items():
-        experts = (f"{config.n_experts} x top-{config.top_k}, {config.active_params() / 1e6:.1f}M active"
-                   if config.n_experts else "-")
-        print(f"{name:<14} {config.num_params() / 1e6:>9.1f}M {config.n_layer:>6} {config.d_model:>7} "
-              f"{config.n_head:>5} {config.seq_len:>5} {config.vocab_size:>6}  {experts}")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
-    try:
-        if args.command == "train":
-            return _train(args, argv)
-        if args.command == "plan":
-            from paratrain.planner.command import run
-
-            return run(args)
-        if args.command == "plot":
-            from paratrain.plot import plot_runs
-
-            labels = args.labels.split(",") if args.labels else None
-            print(f"wrote {plot_runs(args.runs, args.out, labels=labels, log_y=args.log_y)}")
-            return 0
-        if args.command == "scaling":
-            from paratrain.scaling import run as scaling
-
-            return scaling(args)
-        if args.command in ("inspect", "export"):
-            return _checkpoint_tool(args)
-        return _presets()
-    except ConfigError as error:
-        print(f"paratrain: invalid configuration: {error}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, ValueError) as error:  # paratrain plot's inputs
-        if args.command != "plot":
-            raise
-        print(f"paratrain plot: {error}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

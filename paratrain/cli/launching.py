@@ -1,0 +1,151 @@
+"""`paratrain train` before and after the launch: every check the launching process makes (prepare_launch),
+the planner's layout under --plan auto, the run file it hands the workers, and what each worker runs.
+
+The launching process resolves the run once: flags, TOML, SLURM's variables and --smp become a RunConfig,
+--plan auto fills in the planner's layout, and the result is written as JSON (paratrain.config.write_run).
+Each worker is started as `python -m paratrain worker --run-plan FILE` and builds its RunPlan from that
+file against the world it meets (an elastic relaunch with fewer nodes has a smaller dp), parsing no flags.
+A job started by an external torchrun runs `paratrain train` on every process, which trains from the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from paratrain.cli.flags import run_config_from_args
+from paratrain.config import (ConfigError, RunConfig, RunPlan, check_run, launch_world_size, preset, read_run,
+                              resolve_device, write_run)
+
+
+def prepare_launch(config: RunConfig, *, gpus: int) -> RunPlan:
+    """Every check the launching process makes before any worker starts: the world size and devices,
+    every rule of the run, the data, and (unless switched off) the planner's memory prediction.
+    Returns the RunPlan; raises ConfigError with the rule, the numbers and a fix."""
+    world_size = launch_world_size(config, gpus=gpus)
+    config.launch.nproc = world_size // config.launch.nnodes
+    plan = check_run(config, world_size)
+    fewer = {}  # a relaunch that goes on with fewer nodes (--min-nodes) must have a valid layout too
+    for nodes in range(config.launch.min_nodes or config.launch.nnodes, config.launch.nnodes):
+        try:
+            fewer[nodes] = check_run(config, config.launch.nproc * nodes)
+        except ConfigError as error:
+            raise ConfigError(f"with {nodes} of {config.launch.nnodes} nodes (--min-nodes "
+                              f"{config.launch.min_nodes}): {error}") from None
+    from paratrain.data import load_source
+    from paratrain.train import check_data
+
+    try:
+        source = load_source(config.data.source, val_fraction=config.data.val_fraction)
+    except (FileNotFoundError, ValueError) as error:
+        raise ConfigError(f"data.source {config.data.source!r}: {error}") from None
+    check_data(plan, source)
+    if config.train.tensorboard:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError(f"--tensorboard {config.train.tensorboard}: the tensorboard package is not installed: "
+                              "pip install 'paratrain[viz]' (or tensorboard), or drop --tensorboard")
+    if config.train.resume == "auto":
+        if not config.train.save:
+            raise ConfigError("--resume auto takes the newest verified checkpoint under --save: give --save DIR")
+    elif config.train.resume:
+        from paratrain.checkpoint import CheckpointError, resolve_checkpoint, verify_checkpoint
+
+        try:  # sizes, headers and index here; the workers share out the SHA-256s (verify_shared)
+            verify_checkpoint(resolve_checkpoint(config.train.resume), hashed=())
+        except FileNotFoundError as error:
+            raise ConfigError(f"train.resume: {error}: give a folder written by --save (its latest checkpoint is "
+                              "taken) or one of its step_* folders") from None
+        except CheckpointError as error:
+            raise ConfigError(f"train.resume: {error}") from None
+    if config.launch.memory_check:
+        from paratrain.planner.check import available_memory, check_memory
+
+        device = resolve_device(config.launch.device, gpus=gpus)
+        available = available_memory(device)
+        if available is not None:
+            check_memory(plan, device=device, available_bytes=available, processes=config.launch.nproc)
+            for nodes, smaller in fewer.items():  # less dp: larger ZeRO shards, more accumulation
+                try:
+                    check_memory(smaller, device=device, available_bytes=available, processes=config.launch.nproc)
+                except ConfigError as error:
+                    raise ConfigError(f"with {nodes} of {config.launch.nnodes} nodes (--min-nodes "
+                                      f"{config.launch.min_nodes}): {error}") from None
+    return plan
+
+
+def train(args: argparse.Namespace) -> int:
+    """`paratrain train`: check, plan, write the run file and launch (or train here: one process, or a
+    worker of an external torchrun)."""
+    from paratrain.launch import JobFailed, launch, launched_by_torchrun
+
+    config = run_config_from_args(args)
+    if launched_by_torchrun():  # a worker of a job an external torchrun started: train here
+        return train_worker(config)
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if config.launch.plan == "auto":
+        config = plan_auto(config, args, gpus=gpus)
+    plan = prepare_launch(config, gpus=gpus)
+    if plan.parallel.world_size == 1:  # one process: no launcher, no process group
+        from paratrain.launch import train_on_this_rank
+
+        train_on_this_rank(plan)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="paratrain-run-") as folder:  # this node's workers read it
+        run_file = write_run(config, Path(folder) / "run.json")
+        try:
+            launch(config.launch, run_file, shared=config.train.save or None)
+        except JobFailed as failure:
+            print(f"paratrain: {failure}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def plan_auto(config: RunConfig, args: argparse.Namespace, *, gpus: int) -> RunConfig:
+    """The run with the planner's layout for this job's processes (flags given are pins it keeps)."""
+    from paratrain.planner.auto import PINNABLE, choose_layout, device_hardware
+    from paratrain.planner.check import available_memory
+
+    world_size = launch_world_size(config, gpus=gpus)
+    device = resolve_device(config.launch.device, gpus=gpus)
+    hw = device_hardware(device, processes=world_size // config.launch.nnodes, available_bytes=available_memory(device))
+    pins = {field: getattr(args, dest) for field, dest in PINNABLE.items() if getattr(args, dest, None) is not None}
+    seq_len = config.data.seq_len or preset(config.model.preset, **config.model.overrides).seq_len
+    config, text = choose_layout(config, world_size=world_size, hw=hw, pins=pins, seq_len=seq_len)
+    print(f"paratrain: {text}", file=sys.stderr)
+    return config
+
+
+def worker(args: argparse.Namespace) -> int:
+    """`paratrain worker --run-plan FILE`: one process of a job `paratrain train` launched."""
+    from paratrain.launch import launched_by_torchrun
+
+    if not launched_by_torchrun():
+        raise ConfigError("paratrain worker is what `paratrain train` starts on each process of a job (RANK and "
+                          "WORLD_SIZE set): run `paratrain train` instead")
+    config = read_run(args.run_plan)
+    launch = dataclasses.replace(config.launch, attempt=args.attempt, flight_dir=args.flight_dir)
+    return train_worker(dataclasses.replace(config, launch=launch))
+
+
+def train_worker(config: RunConfig) -> int:
+    """Build this worker's RunPlan against the job's world size, train, and leave (the process exits)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from paratrain.launch import leave, train_on_this_rank
+
+    @record
+    def main() -> None:
+        plan = check_run(config, int(os.environ["WORLD_SIZE"]))
+        train_on_this_rank(plan)
+
+    main()
+    leave()
+    return 0  # not reached: leave() exits the process

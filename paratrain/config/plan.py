@@ -1,0 +1,94 @@
+"""What a checked run resolves to (RunPlan: the model, the layout against a world size, the batch
+cut), and the run file the launcher hands its workers: the RunConfig as JSON, after --plan auto."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from paratrain.config.errors import ConfigError
+from paratrain.config.load import from_dict, to_dict
+from paratrain.config.model import ModelConfig
+from paratrain.config.parallel import ParallelConfig
+from paratrain.config.run import RunConfig
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How a global batch of samples is cut: G = micro_batch x accumulation x dp."""
+
+    global_batch: int
+    micro_batch: int
+    dp: int
+
+    @property
+    def accumulation(self) -> int:
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def per_rank(self) -> int:
+        return self.global_batch // self.dp
+
+
+def batch_layout(global_batch: int, micro_batch: int, dp: int) -> BatchLayout:
+    """Check G = m x accumulation x dp; micro_batch 0 means no accumulation."""
+    if global_batch < 1:
+        raise ConfigError(f"global_batch must be >= 1, got {global_batch}")
+    if global_batch % dp:
+        lower = dp * (global_batch // dp)
+        nearest = [g for g in (lower, lower + dp) if g > 0]
+        raise ConfigError(
+            f"global_batch ({global_batch}) must be divisible by dp ({dp}): "
+            f"choose global_batch in {nearest} or another dp"
+        )
+    per_rank = global_batch // dp
+    micro = micro_batch or per_rank
+    if micro < 1:
+        raise ConfigError(f"micro_batch must be >= 1, got {micro_batch}")
+    if per_rank % micro:
+        choices = _divisors(per_rank)
+        raise ConfigError(
+            f"accumulation = global_batch / (micro_batch x dp) = {global_batch} / ({micro} x {dp}) "
+            f"= {global_batch / (micro * dp):g} is not an integer: choose micro_batch in {choices}, "
+            f"or global_batch a multiple of {micro * dp}"
+        )
+    return BatchLayout(global_batch=global_batch, micro_batch=micro, dp=dp)
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of n in increasing order, in O(sqrt n) (a global batch may be 10**9)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A RunConfig checked and resolved: what the workers build."""
+
+    config: RunConfig
+    model: ModelConfig
+    parallel: ParallelConfig
+    batch: BatchLayout
+    seq_len: int
+
+
+def write_run(config: RunConfig, path: str | Path) -> Path:
+    """Write the run (every setting, the planner's choice included) where the workers read it: each
+    builds its RunPlan from this file against the world it meets (check_run), parsing no flags."""
+    path = Path(path)
+    path.write_text(json.dumps(to_dict(config), indent=1) + "\n")
+    return path
+
+
+def read_run(path: str | Path) -> RunConfig:
+    """The RunConfig of a file written by write_run."""
+    try:
+        table = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"run file {str(path)!r} does not exist: the launcher writes it before it starts the "
+                          "workers (paratrain train)") from None
+    except ValueError as error:
+        raise ConfigError(f"run file {str(path)!r} is not valid JSON: {error}") from None
+    return from_dict(table)
