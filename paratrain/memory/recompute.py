@@ -1,13 +1,18 @@
 """Activation recomputation, applied from outside to modules chosen by name.
 
 A recomputed module keeps only its inputs in forward and recomputes its internals in backward
-(torch.utils.checkpoint, non-reentrant). The module's class is swapped for a subclass whose forward
-does that (as torch's own fully_shard swaps classes), rather than wrapping the module in another:
-parameter names, and with them checkpoints and TP plans, stay exactly the model's own; and every
-recomputed instance of a class shares one forward, so torch.compile captures one graph for all of
-them (a per-instance forward would be guarded by identity: a recompilation per block).
+(torch.utils.checkpoint, non-reentrant). It is wrapped, not changed: a `Recomputed` stands where
+it stood in the model and calls its forward under checkpoint. The wrapper adds no level to the
+names: it holds the module's own parameters, buffers, children and hooks (the same dicts), so
+checkpoints, TP plans and ZeRO-3's units still see `blocks.3.attn.c_attn.weight`; the module itself
+is neither mutated nor registered again. Why a wrapper, not a pair of forward hooks that enter and
+leave the checkpoint (torch.distributed._composable.checkpoint): torch.compile must see the
+checkpoint call inside the compiled block to recompute the compiled graph's own saved tensors; a
+checkpoint opened by a hook outside the graph recomputes the eager forward instead, whose saved
+tensors differ (a CheckpointError). Every Recomputed shares one forward, so torch.compile captures
+one graph for all blocks of a model.
 
-Two modes name modules through the model's recipe (paratrain.models.recipe; Korthikanti et al. 2022,
+Two modes name modules through the model's recipe (paratrain.nn.recipe; Korthikanti et al. 2022,
 section 5):
     full        each block (recipe.blocks): it keeps its input only, and backward runs its forward again
     selective   each block's attention core (recipe.attention_cores: softmax(q k^T) v): the
@@ -17,7 +22,6 @@ section 5):
 
 from __future__ import annotations
 
-import functools
 import re
 from typing import Any
 
@@ -25,7 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from paratrain.nn.dropout import KeyedDropout
-from paratrain.models.recipe import Recipe, recipe_of
+from paratrain.nn.recipe import Recipe, recipe_of
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 """Named modes; any other string is a regex of module names."""
@@ -40,43 +44,76 @@ def recompute_pattern(mode: str, recipe: Recipe) -> str:
     pattern = getattr(recipe, field)
     if pattern is None:
         raise ValueError(f"recompute={mode!r} recomputes the model's {field.replace('_', ' ')}, and this model's "
-                         f"recipe names none: pass recompute=<a regex of module names> (e.g. r'layers\.\d+'), or a "
+                         rf"recipe names none: pass recompute=<a regex of module names> (e.g. r'layers\.\d+'), or a "
                          f"Recipe with {field}=")
     return pattern
 
 
-class Recomputed:
-    """Marks a module class made by apply_recompute (isinstance(module, Recomputed))."""
+_SHARED = tuple(key for key, value in vars(nn.Module()).items() if isinstance(value, (dict, set)))
+"""What a Recomputed holds of its module's own state: parameters, buffers, children, the set of
+non-persistent buffers and every hook dict (nn.Module keeps each in its own dict)."""
+
+
+class Recomputed(nn.Module):
+    """Runs `module`'s forward under non-reentrant checkpointing, in its place in the model.
+
+    Its parameters, buffers, children and hooks are the module's own dicts, so names, state dicts
+    and hooks (registered on either) are the module's; other attributes are read from the module.
+    The module's own `__call__` is not used: its hooks run once, around the checkpoint (outside the
+    recomputation), as for any module.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        for key in _SHARED:
+            self.__dict__[key] = module.__dict__[key]
+        self.__dict__["wrapped"] = module  # not a child: it would add a level to every name
+        self.training = module.training
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.__dict__["wrapped"]
+        return checkpoint(module.forward, *args, use_reentrant=False, preserve_rng_state=_draws_random(module),
+                          **kwargs)
+
+    def train(self, mode: bool = True) -> Recomputed:
+        self.__dict__["wrapped"].train(mode)  # its forward reads its own `training`
+        return super().train(mode)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "wrapped" not in self.__dict__:  # not built yet (unpickling)
+                raise
+            return getattr(self.__dict__["wrapped"], name)
+
+    def _get_name(self) -> str:
+        return f"Recomputed[{self.__dict__['wrapped']._get_name()}]"
 
 
 def apply_recompute(model: nn.Module, pattern: str | None = None, *, required: bool = True) -> list[str]:
-    """Recompute every module whose full name matches `pattern` (None: the model's recipe's blocks);
-    returns the names wrapped. required: a pattern that matches nothing is an error (a pipeline stage
-    may hold no block).
+    """Recompute every module whose full name matches `pattern` (None: the model's recipe's blocks),
+    each wrapped in a Recomputed in its place; returns the names wrapped. required: a pattern that
+    matches nothing is an error (a pipeline stage may hold no block).
 
     The random state is saved and restored around the recomputation (so that torch's own dropout
     redraws the same mask) only where the module draws from torch's generator: a KeyedDropout with
     a stream keys its masks by position and needs no state (saving CUDA's generator state is not
     free)."""
     pattern = recompute_pattern("full", recipe_of(model)) if pattern is None else pattern
-    wrapped = []
-    for name, module in model.named_modules():
-        if name and re.fullmatch(pattern, name) and not isinstance(module, Recomputed):
-            module.__class__ = _recomputed_class(type(module))
-            wrapped.append(name)
-    if not wrapped and required:
+    chosen = [(name, module) for name, module in model.named_modules()
+              if name and re.fullmatch(pattern, name) and not isinstance(module, Recomputed)]
+    for name, module in chosen:
+        parent_name, _, child = name.rpartition(".")
+        model.get_submodule(parent_name).register_module(child, Recomputed(module))
+    if not chosen and required:
         raise ValueError(f"recompute pattern {pattern!r} matched no module of {type(model).__name__}")
-    return wrapped
+    return [name for name, _ in chosen]
 
 
-@functools.lru_cache(maxsize=None)
-def _recomputed_class(cls: type[nn.Module]) -> type[nn.Module]:
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(super(recomputed, self).forward, *args, use_reentrant=False,
-                          preserve_rng_state=_draws_random(self), **kwargs)
-
-    recomputed = type(f"Recomputed{cls.__name__}", (Recomputed, cls), {"forward": forward, "__module__": cls.__module__})
-    return recomputed
+def recomputed_names(model: nn.Module) -> list[str]:
+    """The names of the model's modules that apply_recompute wrapped."""
+    return [name for name, module in model.named_modules() if isinstance(module, Recomputed)]
 
 
 def _draws_random(module: nn.Module) -> bool:

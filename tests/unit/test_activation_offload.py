@@ -174,3 +174,21 @@ def test_a_pattern_matching_nothing():
         apply_activation_offload(model, r"layers\.\d+")
     offload = apply_activation_offload(model, r"layers\.\d+", required=False)
     assert isinstance(offload, ActivationOffload) and offload.names == []
+
+
+def test_an_exception_inside_a_block_leaves_no_hooks_entered():
+    """The forward hook that leaves saved_tensors_hooks is always called: a block that raises after
+    the pre-hook entered them leaves later computations alone."""
+    model = gpt()
+    offload = apply_activation_offload(model)
+
+    def fail(module, args):
+        raise RuntimeError("boom")
+
+    model.blocks[1].register_forward_pre_hook(fail)  # runs after offload's pre-hook
+    with pytest.raises(RuntimeError, match="boom"):
+        lm_loss(model, batch())
+    before = offload.stats()
+    x = torch.randn(64, 64, requires_grad=True)
+    (x.tanh() * x).sum().backward()  # saves tensors far over min_bytes
+    assert offload.stats() == before
