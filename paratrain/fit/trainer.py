@@ -18,18 +18,13 @@ loads the trained weights into `model` and returns rank 0's FitResult; the worke
 of fit, so the code after fit runs once, in the launching process. Under an external launcher
 (torchrun, SLURM's srun through torchrun), fit trains on the process it is called in and returns there,
 on every rank; `trainer.engine` then holds this rank's part of the model (`trainer.engine.state_dict()`
-gathers it whole).
+gathers it whole). (The launching side: paratrain.fit.launcher; strategy names: paratrain.fit.strategy.)
 """
 
 from __future__ import annotations
 
-import json
 import os
-import sys
-import tempfile
-from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -42,60 +37,19 @@ from paratrain.data import DatasetLoader
 from paratrain.data_parallel import BATCH_NORM_MODES
 from paratrain.data.loader import MapDataset
 from paratrain.fit.callbacks import Callback
+from paratrain.fit.launcher import hand_over, launch_workers, launched_by_trainer, relaunch_attempt
+from paratrain.fit.result import FitResult
+from paratrain.fit.strategy import strategy_config
 from paratrain.hybrid import Engine, parallelize
-from paratrain.hybrid.engine import Batch, _rows
+from paratrain.hybrid.batches import Batch, batch_rows
 from paratrain.hybrid.parallelize import OptimizerFactory, PipelineLoss
 from paratrain.memory import PRECISIONS
-from paratrain.models.recipe import Layer, Recipe
+from paratrain.nn.recipe import Layer, Recipe
 from paratrain.topology import Context, init
 from paratrain.train.loop import Hook, LoopSettings, TrainLoop
 from paratrain.train.optim import adamw_factory
 
 UserLoss = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, torch.Tensor | int]"]
-
-STRATEGIES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "tp": None, "3d": None}
-"""Strategy names and their ZeRO stage (tp and 3d: tensor and pipeline degrees from tp= and pp=)."""
-
-HANDOFF_ENV = "PARATRAIN_FIT_HANDOFF"
-"""Set by a launching Trainer for its workers: the folder where rank 0 of each node leaves the result
-and the trained weights."""
-
-ATTEMPT_ENV = "PARATRAIN_FIT_ATTEMPT"
-"""Set by a launching Trainer for its workers: 0, or how many times it relaunched the job (max_restarts):
-above 0 they resume from the newest checkpoint under save= that verifies."""
-
-
-@dataclass
-class FitResult:
-    losses: dict[int, float] = field(default_factory=dict)
-    """Global-batch training loss by step (1-based): the steps this fit ran (after a resume or a
-    relaunch, those after the checkpoint; log_json= keeps every step once)."""
-    val_losses: dict[int, float] = field(default_factory=dict)
-    """Validation loss by step (0: before training)."""
-    wall_s: float = 0.0
-    """Seconds from the first step to the end of the last, on rank 0."""
-
-
-def strategy_config(strategy: str | ParallelConfig, *, devices: int, tp: int | None, pp: int | None) -> ParallelConfig:
-    """The ParallelConfig of a Lightning-style strategy name (or the given ParallelConfig)."""
-    if isinstance(strategy, ParallelConfig):
-        if tp is not None or pp is not None:
-            raise ConfigError("tp= and pp= go with strategy='tp' or '3d'; a ParallelConfig carries its own degrees")
-        return strategy
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}, or a paratrain.ParallelConfig")
-    if strategy == "tp":
-        if pp is not None:
-            raise ConfigError("strategy='tp' splits layers over tp ranks; pp= needs strategy='3d'")
-        return ParallelConfig(tp=tp or devices)  # by default every device of a node; dp across nodes
-    if strategy == "3d":
-        if tp is None or pp is None:
-            raise ConfigError(f"strategy='3d' needs the tensor and pipeline degrees: give tp= and pp= (tp={tp}, "
-                              f"pp={pp}); dp is what the devices leave")
-        return ParallelConfig(tp=tp, pp=pp)
-    if tp is not None or pp is not None:
-        raise ConfigError(f"strategy={strategy!r} is data parallel; tp= and pp= need strategy='tp' or '3d'")
-    return ParallelConfig(zero=STRATEGIES[strategy] or 0)
 
 
 class Trainer:
@@ -133,7 +87,7 @@ class Trainer:
         log_json: the CLI's per-step JSON records; tensorboard: the same as TensorBoard scalars.
         accelerator: 'cpu' (gloo), 'cuda' (NCCL, one GPU per process) or 'auto'.
         tp_plan, pipeline_loss, wrap, layers: as parallelize's, for tensor / pipeline parallelism and ZeRO-3
-            units; recipe: all of them at once (paratrain.models.recipe; paratrain.models.hf.LLAMA_RECIPE for
+            units; recipe: all of them at once (paratrain.nn.recipe; paratrain.models.hf.LLAMA_RECIPE for
             Hugging Face Llama / Mistral), the keywords given replacing its fields.
         batch_norm: 'sync' (BatchNorm statistics over every dp rank's samples: devices=N trains as one
             device with N x the micro-batch; needs one micro-batch per step under dp > 1) or 'local'
@@ -218,48 +172,9 @@ class Trainer:
             return self._fit_here(model, loss_fn, train_data, val_data)
         if self.world_size == 1:
             return self._fit_here(model, loss_fn, train_data, val_data)
-        return self._launch(model)
-
-    # --- the launching process ---
-
-    def _launch(self, model: nn.Module) -> FitResult:
-        from safetensors.torch import load_model
-
-        from paratrain.launch import JobFailed, launch_script
-
-        command = _this_program()
-        if command is None:
-            raise RuntimeError(
-                f"paratrain.Trainer(devices={self.devices}, num_nodes={self.num_nodes}) starts its workers by running "
-                f"this program again, and there is no script to run (an interactive session or python -c): put the "
-                f"code in a script and run `python script.py`, or launch it with "
-                f"`torchrun --nproc-per-node {self.devices} script.py`")
-        handoff = tempfile.mkdtemp(prefix="paratrain-fit-")
-        launch_cfg = LaunchSection(nproc=self.devices, nnodes=self.num_nodes, node_rank=self.node_rank,
-                                   rdzv_endpoint=self.master, device=self.accelerator, timeout_s=self.timeout_s)
-        os.environ[HANDOFF_ENV] = handoff
-        try:
-            for attempt in range(self.max_restarts + 1):
-                os.environ[ATTEMPT_ENV] = str(attempt)
-                try:
-                    launch_script(launch_cfg, command, attempt=attempt)
-                    break
-                except JobFailed as error:
-                    if attempt == self.max_restarts:
-                        raise
-                    print(f"paratrain.Trainer: {error}\nrelaunching (restart {attempt + 1} of {self.max_restarts}) "
-                          f"from the newest checkpoint under {self.save}", file=sys.stderr, flush=True)
-            result = FitResult(**_int_keys(json.loads((Path(handoff) / "result.json").read_text())))
-            # Tied weights were written once, under their first name: safetensors' load_model restores every
-            # alias of a shared tensor, and still refuses a missing or unexpected name.
-            load_model(model, str(Path(handoff) / "model.safetensors"))
-        finally:
-            os.environ.pop(HANDOFF_ENV, None)
-            os.environ.pop(ATTEMPT_ENV, None)
-            for part in Path(handoff).glob("*"):
-                part.unlink()
-            Path(handoff).rmdir()
-        return result
+        launch = LaunchSection(nproc=self.devices, nnodes=self.num_nodes, node_rank=self.node_rank,
+                               rdzv_endpoint=self.master, device=self.accelerator, timeout_s=self.timeout_s)
+        return launch_workers(model, launch, max_restarts=self.max_restarts, save=self.save)
 
     # --- a rank of the job ---
 
@@ -267,7 +182,7 @@ class Trainer:
                   val_data: MapDataset | None) -> FitResult:
         from paratrain.launch.worker import threads_per_rank
 
-        if HANDOFF_ENV in os.environ:
+        if launched_by_trainer():
             torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         ctx = self.ctx = init(self.parallel, device=self.accelerator, timeout=timedelta(seconds=self.timeout_s))
         dp, dp_index = ctx.mesh.degree("dp"), ctx.mesh.index("dp")
@@ -288,7 +203,7 @@ class Trainer:
             min_lr_ratio=self.min_lr_ratio if self.lr_schedule == "cosine" else 1.0, eval_every=self.val_every,
             eval_batches=self.val_batches, save=self.save or "", save_every=self.save_every, keep_last=self.keep_last,
             nan_skips=self.nan_skips, log_json=self.log_json or "", tensorboard=self.tensorboard or "")
-        attempt = int(os.environ.get(ATTEMPT_ENV, "0"))
+        attempt = relaunch_attempt()
         self.loop = TrainLoop(engine, ctx, _batch_loss(loss_fn), loader, val_loader, settings,
                               hooks=[_Callbacks(self, self.callbacks)],
                               checkpoint_meta={"trainer": "paratrain.Trainer"}, attempt=attempt)
@@ -299,27 +214,14 @@ class Trainer:
         result = FitResult(losses=done.losses, val_losses=done.val_losses, wall_s=done.wall_s)
         for callback in self.callbacks:
             callback.on_fit_end(self, result)
-        handoff = os.environ.get(HANDOFF_ENV)
-        if handoff:  # launched by a Trainer: hand the result and the weights over, and leave
-            self._hand_over(Path(handoff), engine, result)
+        if launched_by_trainer():  # hand the result and the weights over, and leave
+            hand_over(engine, result)
         return result
 
     @property
     def step(self) -> int:
         """Optimizer steps done (0 before fit)."""
         return self.loop.step if self.loop is not None else 0
-
-    def _hand_over(self, folder: Path, engine: Engine, result: FitResult) -> None:
-        from safetensors.torch import save_file
-
-        from paratrain.launch import leave
-
-        model = engine.state_dict()["model"]  # collective: every rank gathers the whole model
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            save_file({name: tensor.detach().cpu().clone().contiguous() for name, tensor in model.items()},
-                      str(folder / "model.safetensors"))
-            (folder / "result.json").write_text(json.dumps(asdict(result)))
-        leave()  # the code after fit runs in the launching process only
 
 
 class _Callbacks(Hook):
@@ -352,26 +254,7 @@ def _batch_loss(loss_fn: UserLoss) -> Callable[[nn.Module, Batch], tuple[torch.T
             raise TypeError(f"loss_fn(model, batch) must return a scalar tensor (the mean over the batch's samples) "
                             f"or (sum, count), got {type(value).__name__}"
                             + (f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""))
-        rows = _rows(batch)
+        rows = batch_rows(batch)
         return value * rows, rows
 
     return batch_loss
-
-
-def _this_program() -> list[str] | None:
-    """The arguments after `python` that run this program again: `-m package.module ARGS` when it was
-    started with -m (as Lightning does), `SCRIPT ARGS` otherwise; None without a script."""
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if spec is not None and spec.name:
-        module = spec.name[: -len(".__main__")] if spec.name.endswith(".__main__") else spec.name
-        return ["-m", module, *sys.argv[1:]]
-    script = sys.argv[0] if sys.argv else ""
-    if not script or not Path(script).is_file():
-        return None
-    return [script, *sys.argv[1:]]
-
-
-def _int_keys(result: dict[str, Any]) -> dict[str, Any]:
-    """JSON turned the step numbers into strings; turn them back."""
-    return {key: {int(k): v for k, v in value.items()} if isinstance(value, dict) else value
-            for key, value in result.items()}

@@ -98,7 +98,7 @@ def materialize(model: nn.Module, source: Source, pieces: Pieces, *, device: tor
         fill(source.open(name, shape, dtype), by_name.pop(name, []))
     assert not by_name, f"pieces of no tensor of the whole model: {sorted(by_name)[:4]}"
     for g in groups:
-        g.materialized = True
+        g.mark_materialized()
     for tensor, new in plain:
         swapped = nn.Parameter(new, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else new
         torch.utils.swap_tensors(tensor, swapped)

@@ -1,7 +1,8 @@
 """Sharded data parallelism: ZeRO-1/2/3 and hierarchical (MiCS / HSDP) shard groups, one model of sharding."""
 
-from paratrain.sharding.flat import FlatGroup
+from paratrain.sharding.flat import FlatGroup, FlatStorage
 from paratrain.sharding.gather import ParamGatherer, Unit, WrapPolicy
+from paratrain.sharding.options import ZeroOptions
 from paratrain.sharding.zero import ZeroSync
 
-__all__ = ["FlatGroup", "ParamGatherer", "Unit", "WrapPolicy", "ZeroSync"]
+__all__ = ["FlatGroup", "FlatStorage", "ParamGatherer", "Unit", "WrapPolicy", "ZeroOptions", "ZeroSync"]

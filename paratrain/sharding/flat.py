@@ -13,23 +13,35 @@ makes every slice the same size, which is what reduce-scatter and all-gather nee
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 
+@dataclass(frozen=True)
+class FlatStorage:
+    """Where and how a FlatGroup keeps its buffers (the same for every group of one ZeroSync)."""
+
+    persistent: bool = True
+    """False (ZeRO-3): param_flat's storage is freed, and `shard` keeps this rank's slice in storage
+    of its own; the gatherer refills param_flat before the parameters are used."""
+    master_device: torch.device | None = None
+    """Keep the optimizer's copy of the shard there (offload to the CPU); None: with the shard."""
+    param_dtype: torch.dtype | None = None
+    """Store the parameters in this dtype (bf16 / fp16), the masters in theirs; None: theirs."""
+    device: torch.device | None = None
+    """Where the buffers live when the parameters are on the meta device (shapes only): then nothing
+    is copied, the storage this rank keeps (param_flat when persistent, else shard, and a separate
+    master) is allocated but not initialised, padding aside, and the group is not `materialized`
+    until paratrain.hybrid.materialize fills it and calls mark_materialized()."""
+
+
 class FlatGroup:
     def __init__(self, index: int, params: list[nn.Parameter], *, shards: int, shard_index: int,
-                 optimizer_group: int, persistent: bool = True, master_device: torch.device | None = None,
-                 param_dtype: torch.dtype | None = None, device: torch.device | None = None) -> None:
-        """persistent False (ZeRO-3): param_flat's storage is freed, and `shard` keeps this rank's
-        slice in storage of its own; the gatherer refills param_flat before the parameters are used.
-        master_device: keep the optimizer's copy of the shard there (offload to the CPU).
-        param_dtype: store the parameters in this dtype (bf16 / fp16), the masters in theirs.
-        device: where the buffers live when the parameters are on the meta device (shapes only): then
-        nothing is copied, the storage this rank keeps (param_flat when persistent, else shard, and a
-        separate master) is allocated but not initialised, padding aside, and `materialized` is False
-        until paratrain.hybrid.materialize fills it."""
+                 optimizer_group: int, storage: FlatStorage = FlatStorage()) -> None:
+        """shards, shard_index: the size of the shard group and this rank's place in it.
+        storage: where and how the buffers are kept (FlatStorage)."""
         self.index = index
         self.params = params
         self.optimizer_group = optimizer_group
@@ -46,14 +58,17 @@ class FlatGroup:
         self.lo = shard_index * self.shard_numel
         self.hi = self.lo + self.shard_numel
         master_dtype = params[0].dtype
-        self.materialized = not params[0].is_meta
-        if not self.materialized and device is None:
-            raise ValueError("FlatGroup of meta parameters needs device= (where its buffers are allocated)")
-        device = params[0].device if self.materialized else device
-        dtype = param_dtype or master_dtype
+        self._materialized = not params[0].is_meta
+        if not self._materialized and storage.device is None:
+            raise ValueError("FlatGroup of meta parameters needs device= in its FlatStorage (where its buffers "
+                             "are allocated): FlatStorage(device=torch.device(...))")
+        device = params[0].device if self._materialized else storage.device
+        dtype = storage.param_dtype or master_dtype
+        master_device = storage.master_device
+        persistent = storage.persistent
         own_master = master_device is not None or dtype != master_dtype
         with torch.no_grad():
-            if self.materialized:
+            if self._materialized:
                 exact = self.flatten([p.detach() for p in params])  # in the parameters' own dtype
                 self.param_flat = exact.to(dtype)
             else:  # untouched pages: a ZeRO-3 group's full buffer is freed below before it costs memory
@@ -68,10 +83,10 @@ class FlatGroup:
         if persistent:
             self.shard = shard
         else:
-            self.shard = shard.clone() if self.materialized else torch.zeros_like(shard)
+            self.shard = shard.clone() if self._materialized else torch.zeros_like(shard)
         """This rank's slice of the parameters on their device: a view of param_flat when
         persistent, storage of its own otherwise (what the all-gather of ZeRO-3 reads)."""
-        if not self.materialized:
+        if not self._materialized:
             self.master = nn.Parameter(torch.zeros(self.shard_numel, dtype=master_dtype, device=master_device or device)
                                        if own_master else self.shard)
         else:
@@ -85,6 +100,17 @@ class FlatGroup:
         self._full_bytes = self.param_flat.untyped_storage().nbytes()
         if not persistent:
             self.free()
+
+    @property
+    def materialized(self) -> bool:
+        """Whether this rank's storage holds the parameters' values (False for a group built on meta
+        parameters until paratrain.hybrid.materialize has filled it)."""
+        return self._materialized
+
+    def mark_materialized(self) -> None:
+        """Record that paratrain.hybrid.materialize has filled this group's storage (param_flat or
+        shard, and a separate master) with the parameters' values."""
+        self._materialized = True
 
     @property
     def is_gathered(self) -> bool:

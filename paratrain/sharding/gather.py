@@ -7,7 +7,7 @@ language model: the embedding, tied to the head, and the final norm). Hooks on e
     forward pre-hook    gather this unit (wait), start gathering the next unit (prefetch)
     forward hook        free this unit (unless reshard_after_forward is False)
     backward pre-hook   gather this unit again (wait), start gathering the unit before it
-    (the gradient reducer frees a unit once every gradient of it is reduced)
+    (the gradient reducer calls reduced(): a unit is freed once every gradient of it is launched)
 
 The root unit is gathered when the model's forward starts and freed after backward (or right after
 forward, in evaluation). Prefetching follows forward order, then its reverse in backward, which is
@@ -83,6 +83,8 @@ class ParamGatherer:
         """Wrapped units in forward order."""
         self.shard_groups = shard_groups
         self.reshard_after_forward = reshard_after_forward
+        self._unit_of = {g.index: u for u in [root, *units] for g in u.groups}
+        """The unit holding each flat group, by FlatGroup index."""
         self._hooks: list[Any] = []
         for position, unit in enumerate(units):
             self._hooks += [
@@ -117,6 +119,13 @@ class ParamGatherer:
         for group in unit.groups:
             group.free()
         unit.state = "free"
+
+    def reduced(self, index: int) -> None:
+        """The reduction of flat group `index` is launched, and those of every group before it (the
+        reducer launches in group order): free its unit when that was the unit's last group."""
+        unit = self._unit_of[index]
+        if all(g.index <= index for g in unit.groups):
+            self.free(unit)
 
     def free_all(self) -> None:
         for unit in [*self.units, self.root]:

@@ -37,7 +37,7 @@ class FailOnce(paratrain.fit.Callback):
     def on_train_step_end(self, trainer: paratrain.Trainer, record: dict) -> None:
         import os
 
-        from paratrain.fit.trainer import ATTEMPT_ENV
+        from paratrain.fit.launcher import ATTEMPT_ENV
 
         first = os.environ.get(ATTEMPT_ENV, "0") == "0"
         if first and record["step"] == self.step and trainer.ctx is not None and trainer.ctx.rank == 1:
