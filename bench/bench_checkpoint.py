@@ -83,11 +83,11 @@ def _job(mode: str, model_name: str, root: str) -> dict:
     if mode == "sharded":
         from paratrain.checkpoint import load_sharded, resolve_checkpoint, save_sharded, verify_shared
 
-        save = lambda: save_sharded(folder, 1, built[0], {})  # noqa: E731
+        save = lambda: save_sharded(folder, 1, built[0].view(), {})  # noqa: E731
         fresh = build()
         # as the trainer resumes: verified with the SHA-256s shared out over the ranks, then read
         load = lambda: load_sharded(resolve_checkpoint(folder), verify_shared(resolve_checkpoint(folder)),  # noqa: E731
-                                    fresh[0])
+                                    fresh[0].view())
     elif mode == "gathered":
         from paratrain.checkpoint import load_checkpoint, save_checkpoint
 

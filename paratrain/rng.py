@@ -63,16 +63,29 @@ def hashed_uniform(key: int, index: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class DropoutStream:
-    """Where the training is, for keyed dropout: shared by every KeyedDropout of a model and advanced
-    by the engine. A mask element is keyed by (seed, step, module name, global position), so it does
-    not depend on the layout, on the micro-batch split, or on recomputation (the same forward twice
-    draws the same mask)."""
+    """Where the training is, for keyed dropout: shared by every KeyedDropout of a model and moved on
+    by its methods (the engine and the pipeline executor call them). A mask element is keyed by
+    (seed, step, module name, global position), so it does not depend on the layout, on the
+    micro-batch split, or on recomputation (the same forward twice draws the same mask)."""
 
     seed: int
     step: int = 0
     """Optimizer steps taken (a new mask every step)."""
     row_offset: int = 0
     """Global-batch row of this rank's micro-batch's first row."""
+
+    def at_rows(self, first_row: int) -> None:
+        """The coming forward runs the global batch's rows from `first_row` on."""
+        self.row_offset = first_row
+
+    def advance(self) -> int:
+        """One optimizer step taken: the next step draws new masks. Returns the new step count."""
+        self.step += 1
+        return self.step
+
+    def restore(self, step: int) -> None:
+        """Go on from a checkpoint taken after `step` optimizer steps."""
+        self.step = step
 
     def key(self, name: str) -> int:
         return keyed_seed(self.seed, f"dropout/{self.step}/{name}")

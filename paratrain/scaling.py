@@ -101,13 +101,13 @@ def settings(mode: str, procs: int, recipe: Recipe, train_samples: int) -> dict[
 
 def run_one(mode: str, procs: int, recipe: Recipe) -> dict[str, Any]:
     """Train one configuration (launching `procs` workers) and measure the trained model here."""
-    import paratrain
+    from paratrain.fit import Trainer
 
     train, test = digits(recipe)
     plan = settings(mode, procs, recipe, len(train))
     model = build_model(recipe.seed, recipe.dtype)
     lr = plan["lr"]
-    trainer = paratrain.Trainer(
+    trainer = Trainer(
         devices=procs, strategy="ddp", max_steps=plan["steps"], global_batch=plan["global_batch"], lr=lr,
         warmup_steps=plan["warmup_steps"], seed=recipe.seed, accelerator="cpu",
         optimizer=lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9))

@@ -72,7 +72,7 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
         folder = resolve_checkpoint(load_sharded)
         meta = verify_shared(folder)  # as the trainer: each rank hashes a share of the files
         assert meta["step"] == start_step
-        bytes_read = load(folder, meta, engine).bytes_read
+        bytes_read = load(folder, meta, engine.view()).bytes_read
         loader.load_state_dict({"epoch": 0, "cursor": start_step * global_batch})
     losses, norms, routing = [], [], []
     for step in range(start_step, start_step + steps):
@@ -84,7 +84,7 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
     if save_sharded is not None:
         from paratrain.checkpoint.sharded import save_sharded as save
 
-        save(save_sharded, start_step + steps, engine, {})
+        save(save_sharded, start_step + steps, engine.view(), {})
     state = engine.state_dict()
     optimizer = {f"{name}::{key}": value.clone() for name, values in state["optimizer"]["state"].items()
                  for key, value in values.items() if isinstance(value, torch.Tensor)}

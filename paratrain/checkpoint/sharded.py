@@ -48,16 +48,8 @@ from paratrain.checkpoint.io import (
     resolve_checkpoint,
     verify_checkpoint,
 )
-from paratrain.hybrid.pieces import Owned, Piece, Run, fill
-
-_SEP = "::"
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16,
-                                                      torch.int64, torch.int32, torch.uint8, torch.bool)}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
+from paratrain.hybrid.pieces import Piece
+from paratrain.hybrid.view import DTYPES, StateError, StateView
 
 def _gather(obj: Any) -> list[Any]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -72,83 +64,27 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _writes(engine: Any, owned: Owned) -> bool:
-    """Whether this rank writes `owned` (one copy of every replica)."""
-    mesh, axis = engine.ctx.mesh, engine.pieces.split_axis.get(owned.local_name)
-    if owned.local_name in engine.pieces.tied:
-        return False
-    if axis == "ep":  # an expert slice: on the ranks holding the same experts (ZeRO: a shard each), and over tp
-        return (bool(engine.flat_groups) or mesh.index("edp") == 0) and mesh.index("tp") == 0
-    replica = mesh.index("dp_replicate") if engine.flat_groups else mesh.index("dp")
-    return replica == 0 and (axis == "tp" or mesh.index("tp") == 0)
-
-
-def _scalar(value: Any, where: str) -> Any:
-    if isinstance(value, torch.Tensor):
-        if value.dim() > 0:
-            raise CheckpointError(f"{where}: optimizer state of shape {tuple(value.shape)} is neither per element "
-                                  "nor a scalar; sharded checkpoints support element-wise optimizers (SGD, Adam, ...)")
-        return {"tensor": value.item(), "dtype": _dtype_name(value.dtype)}
-    return value
-
-
-def _unscalar(value: Any) -> Any:
-    """A saved scalar back; a tensor one on the CPU, where torch's optimizers keep their step counts."""
-    if isinstance(value, dict) and set(value) == {"tensor", "dtype"}:
-        return torch.tensor(value["tensor"], dtype=_DTYPES[value["dtype"]])
-    return value
-
-
-def _local_state(engine: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
-    """(tensors to write, their index entries, scalar optimizer state by name, optimizer groups)."""
-    tensors: dict[str, torch.Tensor] = {}
-    index: dict[str, Any] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    state = engine.optimizer.state
-    owners = engine.pieces.owners(engine.model, engine.flat_groups)
-    for owned in owners:
-        if not _writes(engine, owned):
-            continue
-        name = owned.piece.name
-        entries = [(name, owned.owner)]
-        for key, value in state.get(owned.owner, {}).items():
-            if isinstance(value, torch.Tensor) and value.shape == owned.owner.shape and value.dim() > 0:
-                entries.append((f"{name}{_SEP}{key}", value))
-            else:
-                scalars.setdefault(name, {})[key] = _scalar(value, name)
-        for key, tensor in entries:
-            if key in tensors:
-                raise CheckpointError(f"two pieces of {key} on one rank")
-            tensors[key] = tensor.detach().reshape(-1)[owned.offset: owned.offset + owned.length].to("cpu").contiguous()
-            index[key] = {"shape": list(owned.piece.shape), "dtype": _dtype_name(tensor.dtype),
-                          "split": list(owned.piece.split) if owned.piece.split else None,
-                          "lo": owned.lo, "hi": owned.lo + owned.length}
-    names: dict[int, set[str]] = {}
-    for owned in owners:
-        names.setdefault(id(owned.owner), set()).add(owned.piece.name)
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": sorted(set().union(*(names.get(id(p), set()) for p in g["params"])))}
-              for g in engine.optimizer.param_groups]
-    return tensors, index, scalars, groups
-
-
-def save_sharded(root: str | Path, step: int, engine: Any, meta: dict[str, Any], *, keep_last: int = 0,
+def save_sharded(root: str | Path, step: int, view: StateView, meta: dict[str, Any], *, keep_last: int = 0,
                  before_publish: Callable[[], None] | None = None) -> Path:
-    """Write one sharded checkpoint of `engine` (an Engine) under `root` and point `latest` at it;
-    returns its folder. Collective: every rank calls it. meta: JSON-able extras (rank 0's are kept).
+    """Write one sharded checkpoint of an engine's state (`engine.view()`) under `root` and point `latest`
+    at it; returns its folder. Collective: every rank calls it. meta: JSON-able extras (rank 0's are kept).
     keep_last: then delete all but the newest this many step_* folders (0: keep every one).
     before_publish: called on every rank once its own file is on disk (the trainer's fault injection)."""
     root = Path(root)
     name = f"step_{step:08d}"
     tmp = root / f".tmp-{name}"
-    rank = engine.ctx.rank
+    rank = view.mesh.rank
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():  # a save of this step that died before it was published
             shutil.rmtree(tmp)
         tmp.mkdir()
     _barrier()
-    tensors, index, scalars, groups = _local_state(engine)
+    try:
+        local = view.local_state()
+    except StateError as error:
+        raise CheckpointError(str(error)) from None
+    tensors, index, scalars, groups = local.tensors, local.index, local.scalars, local.groups
     file_name = f"rank-{rank:05d}.safetensors"
     files = {}
     if tensors:
@@ -161,11 +97,9 @@ def save_sharded(root: str | Path, step: int, engine: Any, meta: dict[str, Any],
         before_publish()
     parts = _gather((files, index, scalars, groups))
     if rank == 0:
-        document = {"format": FORMAT, "step": step, "world_size": engine.ctx.world_size, **meta,
-                    "rng": {"dropout_step": engine.dropout.step}, "files": {}, "tensors": {},
+        document = {"format": FORMAT, "step": step, "world_size": len(parts), **meta, **view.scalars(),
+                    "files": {}, "tensors": {},
                     "optimizer": {"param_groups": _merge_groups([p[3] for p in parts]), "scalars": {}}}
-        if engine.scaler is not None:
-            document["loss_scaler"] = engine.scaler.state_dict()
         for part_files, part_index, part_scalars, _ in parts:
             document["files"].update(part_files)
             document["optimizer"]["scalars"].update(part_scalars)
@@ -197,7 +131,7 @@ class SavedTensor:
         entry = reader.index[key]
         self.reader, self.key = reader, key
         self.shape = tuple(entry["shape"])
-        self.dtype = _DTYPES[entry["dtype"]]
+        self.dtype = DTYPES[entry["dtype"]]
         self.pieces = [(Piece(key, self.shape, self.dtype, tuple(p["split"]) if p["split"] else None), p)
                        for p in entry["pieces"]]
 
@@ -245,6 +179,12 @@ class CheckpointReader:
         self._files: dict[str, Any] = {}
         self.bytes_read = 0
         """Bytes of tensor data this reader has read (what a layout needs, not the whole checkpoint)."""
+
+    def keys(self) -> list[str]:
+        return list(self.index)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return DTYPES[self.index[key]["dtype"]]
 
     def open(self, name: str, shape: Sequence[int] | None = None, dtype: torch.dtype | None = None) -> SavedTensor:
         if name not in self.index:
@@ -302,51 +242,15 @@ def newest_shared(root: str | Path) -> tuple[Path, dict[str, Any]] | None:
     return None
 
 
-def load_sharded(folder: Path, meta: dict[str, Any], engine: Any) -> CheckpointReader:
-    """Set `engine`'s model, optimizer state, dropout step and loss scale from the verified sharded
-    checkpoint in `folder` (meta: its meta.json), reading only this rank's pieces; returns the reader
-    (bytes_read says how much was read)."""
+def load_sharded(folder: Path, meta: dict[str, Any], view: StateView) -> CheckpointReader:
+    """Set an engine's state (`engine.view()`: model, optimizer state, dropout step and loss scale) from
+    the verified sharded checkpoint in `folder` (meta: its meta.json), reading only this rank's pieces;
+    returns the reader (bytes_read says how much was read)."""
     reader = CheckpointReader(folder, meta)
-    model, groups, pieces = engine.model, engine.flat_groups, engine.pieces
-    by_name: dict[str, list[Run]] = {}
-    for run in pieces.storage(model, groups, buffers=False):
-        by_name.setdefault(run.piece.name, []).append(run)
-    for name, runs in sorted(by_name.items()):
-        fill(reader.open(name), runs)
-    state = engine.optimizer.state
-    state.clear()
-    scalars = meta["optimizer"]["scalars"]
-    owners = pieces.owners(model, groups)
-    for owned in owners:
-        name = owned.piece.name
-        own = state.setdefault(owned.owner, {})
-        prefix = f"{name}{_SEP}"
-        for key in [k for k in reader.index if k.startswith(prefix)]:
-            entry = reader.index[key]
-            field = key[len(prefix):]
-            if field not in own:
-                own[field] = torch.zeros(owned.owner.shape, dtype=_DTYPES[entry["dtype"]], device=owned.owner.device)
-            target = own[field].view(-1)[owned.offset: owned.offset + owned.length]
-            piece = Piece(key, owned.piece.shape, _DTYPES[entry["dtype"]], owned.piece.split)
-            fill(reader.open(key), [Run(target, piece, owned.lo)])
-        for field, value in scalars.get(name, {}).items():
-            own[field] = _unscalar(value)
-        if not own:
-            del state[owned.owner]
-    names = {}
-    for owned in owners:
-        names.setdefault(id(owned.owner), set()).add(owned.piece.name)
-    for group in engine.optimizer.param_groups:
-        mine = set().union(*(names.get(id(p), set()) for p in group["params"]))
-        saved = [g for g in meta["optimizer"]["param_groups"] if mine & set(g["params"])]
-        if len(saved) != 1:
-            raise CheckpointError(f"{folder}: an optimizer group of {len(mine)} parameters matches {len(saved)} saved "
-                                  "groups (a checkpoint of another model or optimizer?)")
-        group.update({k: v for k, v in saved[0].items() if k != "params"})
-    if engine.scaler is not None and "loss_scaler" in meta:
-        engine.scaler.load_state_dict(meta["loss_scaler"])
-    engine.dropout.step = int(meta.get("rng", {}).get("dropout_step", 0))
-    engine.grads.begin_step()
+    try:
+        view.load(reader, meta)
+    except StateError as error:
+        raise CheckpointError(f"{folder}: {error}") from None
     return reader
 
 

@@ -59,6 +59,16 @@ class Placement:
         """The axes its norm's squares add up over; sharded: the strategy holds only its shard."""
         return ((self.shard,) if sharded and self.shard is not None else ()) + self.split
 
+    def writes(self, tp: AxisGroup | None, *, sharded: bool) -> bool:
+        """Whether this rank writes its value of a tensor so placed to a checkpoint: the first of the
+        ranks that hold the same value (the reduce group's replicas, or under ZeRO the replicate group's
+        copies of one shard; and the tensor-parallel ranks of a tensor tp does not split). sharded: this
+        rank holds the tensor as a ZeRO shard."""
+        copies = self.replicate if sharded else self.reduce
+        if copies is not None and copies.index != 0:
+            return False
+        return tp is None or tp.index == 0 or any(group is tp for group in self.split)
+
     @property
     def shards(self) -> int:
         return self.shard.size if self.shard is not None else 1
@@ -79,8 +89,12 @@ class Placements:
         self._of: dict[int, Placement] = {}
         self.kinds: list[Placement] = [default]
         for placement, ids in kinds:
-            self.kinds.append(placement)
-            self._of.update(dict.fromkeys(ids, placement))
+            self.add(placement, ids)
+
+    def add(self, placement: Placement, ids: Iterable[int]) -> None:
+        """A kind of placement a strategy gives the parameters `ids` (id() of each)."""
+        self.kinds.append(placement)
+        self._of.update(dict.fromkeys(ids, placement))
 
     def __call__(self, param: torch.Tensor) -> Placement:
         return self._of.get(id(param), self.default)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 from torch import nn
@@ -93,9 +92,6 @@ class GradSync:
     def model_state(self) -> dict[str, torch.Tensor]:
         """Nothing of its own: the model's tensors are the full parameters."""
         return {}
-
-    def load_model_state(self, state: Mapping[str, torch.Tensor]) -> frozenset[str]:
-        return frozenset()
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds for parameters and gradients."""

@@ -30,10 +30,11 @@ import torch
 from torch import nn
 
 from paratrain.comm import all_to_all
-from paratrain.comm.placement import Placement
+from paratrain.comm.placement import Placement, Placements
 from paratrain.comm.regions import all_gather_along
 from paratrain.nn.moe import Experts, MoE
-from paratrain.topology.mesh import AxisGroup
+from paratrain.state_layout import ModelState, OptimizerState, per_element
+from paratrain.topology.mesh import AxisGroup, Mesh
 
 
 class AllToAll(torch.autograd.Function):
@@ -102,6 +103,22 @@ class ExpertLayout:
     splits: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     """name -> (dim, index, parts) of each slice (paratrain.hybrid.pieces.Piece.split)."""
 
+    axis = "ep"
+
+    @property
+    def tied(self) -> dict[str, str]:
+        return {}
+
+    def place(self, placements: Placements, mesh: Mesh) -> None:
+        placements.add(self.placement(placements.default, mesh.groups.get("edp")), self.ids)
+
+    def to_whole(self, model: ModelState, optimizer: OptimizerState) -> tuple[ModelState, OptimizerState]:
+        """This rank's experts -> every expert, model and per-element optimizer state (collective over ep)."""
+        return self.gather_full(model), per_element(optimizer, self.full)
+
+    def to_local(self, model: ModelState, optimizer: OptimizerState) -> tuple[ModelState, OptimizerState]:
+        return self.local_slices(model), per_element(optimizer, self.local)
+
     def placement(self, dense: Placement, edp: AxisGroup | None) -> Placement:
         """Where the experts' gradients go, from the dense parameters' placement: summed and ZeRO-sharded
         over edp (the ranks holding the same experts; None when ep = dp), their norm adding up over ep too."""
@@ -143,5 +160,5 @@ def apply_expert_parallel(model: nn.Module, group: AxisGroup) -> ExpertLayout:
             names.add(name)
             ids.add(id(piece))
             splits[name] = (0, group.index, group.size)
-        module.run_experts = AllToAllExperts(group, n_experts)
+        module.run_with(AllToAllExperts(group, n_experts))
     return ExpertLayout(group, frozenset(names), frozenset(ids), splits)

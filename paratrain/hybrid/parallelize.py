@@ -1,37 +1,37 @@
 """parallelize: the one ordered recipe that turns a single-device model into a training engine.
 
-Each step reads the layout from the Context and applies one strategy; degree 1 of a strategy is a
-step that does nothing. Later strategies (tensor, pipeline, sharding) slot into this order.
+Each step reads the layout from the Context and applies one strategy, in this order (as torchtitan
+composes): pipeline cut, batch statistics, tensor, expert, memory savers, gradients (plain or
+ZeRO), loss scaling, pipeline executor. A step at degree 1 does nothing. The steps that split the
+model's state (pipeline, tensor, expert) return a paratrain.state_layout.StateLayout; placements,
+pieces, materialisation, the engine's state_dict and checkpoints loop over those, so a new axis adds
+a step and its layout, and nothing that reads them changes.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Callable, Mapping
 
 import torch
 from torch import nn
 
-from paratrain.comm import broadcast
 from paratrain.comm.placement import Placement, Placements
-from paratrain.config.errors import ConfigError
-from paratrain.data_parallel import (BATCH_NORM_MODES, BufferSync, GradSync, apply_synced_batch_norm, batch_norms,
-                                     buffer_rules)
-from paratrain.expert_parallel import ExpertLayout, apply_expert_parallel
-from paratrain.hybrid.compile import compile_blocks
-from paratrain.hybrid.engine import Engine, GradientStrategy
-from paratrain.hybrid.materialize import Inits, Source, is_meta, materialize
+from paratrain.data_parallel import BATCH_NORM_MODES, BufferSync, GradSync
+from paratrain.expert_parallel import apply_expert_parallel
+from paratrain.hybrid.engine import Engine
+from paratrain.hybrid.materialize import Source, is_meta
+from paratrain.hybrid.parts import EngineParts, GradientStrategy, StepOptions
 from paratrain.hybrid.pieces import Pieces, whole_shapes
-from paratrain.hybrid.state import load_optimizer_state, optimizer_state
-from paratrain.memory import (LOW_DTYPES, PRECISIONS, LossScaler, apply_activation_offload, apply_recompute,
-                              recompute_pattern)
+from paratrain.hybrid.state import optimizer_state
+from paratrain.hybrid.steps import (MemorySavers, apply_batch_norm, apply_memory_savers, apply_pipeline,
+                                    apply_tensor_layout, broadcast_weights, check_whole_model, grad_reduce_op,
+                                    pipeline_executor, placer, values_source)
+from paratrain.memory import LOW_DTYPES, LossScaler
 from paratrain.models.init import ParamInit
-from paratrain.models.recipe import Layer, PipelineLoss, Recipe, recipe_of, stage_loss
-from paratrain.pipeline.runtime import PipelineExecutor
-from paratrain.pipeline.stages import StageModel, chunk_ranges, model_layers
-from paratrain.sharding import WrapPolicy, ZeroSync
-from paratrain.tensor_parallel import TensorParallelLayout, apply_tensor_parallel, check_ties
+from paratrain.nn.recipe import Layer, PipelineLoss, Recipe, recipe_of, stage_loss
+from paratrain.sharding import WrapPolicy, ZeroOptions, ZeroSync
+from paratrain.state_layout import StateLayout
 from paratrain.topology import Context
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -93,198 +93,86 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     buffers: under dp > 1, buffer name or glob -> 'rank0' | 'sum' | 'mean': how a persistent buffer
         that forward changes is kept equal over the dp ranks after each step (default 'rank0', with
         a warning naming the buffer). paratrain.data_parallel.buffers.
-    recipe: what the strategies need to know about the model's family (paratrain.models.recipe:
+    recipe: what the strategies need to know about the model's family (paratrain.nn.recipe:
         tp plan, blocks, pipeline layers and loss); None: the model's own `recipe()` (the GPT's), or
         none. tp_plan, wrap, layers and pipeline_loss given here replace the recipe's.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if micro_batch is not None and micro_batch < 1:
-        raise ValueError(f"micro_batch must be >= 1 or None, got {micro_batch}")
+    options = StepOptions(micro_batch=micro_batch, precision=precision, grad_clip=grad_clip, seed=seed,
+                          on_non_finite=on_non_finite)
     if batch_norm not in BATCH_NORM_MODES:
         raise ValueError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {batch_norm!r}")
     recipe = (recipe or recipe_of(model)).with_overrides(
         tp_plan=tp_plan, layers=layers, stage_loss=None if pipeline_loss is None else stage_loss(pipeline_loss))
-    blocks = wrap if wrap is not None else recipe.blocks  # ZeRO-3's units
+    savers = MemorySavers(recompute="full" if recompute is True else (recompute or "none"), compile=compile,
+                          offload_activations="activations" in ctx.config.offloaded)
     meta = is_meta(model)
     if init is not None and not meta:
         raise ValueError("init= is for a model built on the meta device; this model already holds its values")
     whole = whole_shapes(model)
-    source = _source(model, init) if meta else None
-    tp_group = ctx.mesh.groups.get("tp")
-    if tp_group is not None:
-        if recipe.tp_plan is None:
-            raise ValueError(f"tp = {tp_group.size} needs a tensor-parallel plan for a {type(model).__name__}: "
-                             "pass tp_plan={module name: style} (see paratrain.tensor_parallel.STYLES)")
-        if ctx.mesh.groups.get("pp") is not None:  # on the whole model: each stage may hold one end of a tie only
-            check_ties(model, recipe.tp_plan)
-    buffer_rules(model, buffers or {})  # on the whole model too: refused alike on every rank
+    source = values_source(model, init) if meta else None
+    check_whole_model(model, ctx, recipe, buffers or {})
     # 1. Pipeline: this rank keeps the layers of its chunks, under their names in the whole model.
-    pp_group = ctx.mesh.groups.get("pp")
-    stage: StageModel | None = None
-    hidden: int | None = None
-    if pp_group is not None:
-        cut = (recipe.layers or model_layers)(model)
-        hidden = recipe.hidden_size(model) if recipe.hidden_size is not None else None
-        v = ctx.config.virtual_stages
-        ranges = chunk_ranges(cut, pp_group.size * v, ctx.config.pp_split or None)
-        stage = StageModel(model, cut, ranges, [pp_group.index + k * pp_group.size for k in range(v)])
-        model = stage
+    stage = apply_pipeline(model, ctx, recipe)
+    hidden = recipe.hidden_size(model) if stage is not None and recipe.hidden_size is not None else None
+    family = type(model).__name__
+    model = stage.stage if stage is not None else model
     # 2. Place the model on this rank's device (a meta model is materialised below, piece by piece).
     if not meta:
         model.to(ctx.device)
-    # 2b. Batch statistics: every BatchNorm normalises over the forward's samples on all dp ranks.
-    dp_group = ctx.mesh.groups.get("dp")
-    norms = batch_norms(model)
-    if norms and ctx.config.sequence_parallel:
-        raise ConfigError(f"the model has BatchNorm ({', '.join(norms[:3])}), and sequence parallelism splits the "
-                          "activations between tensor-parallel layers along the sequence, so a BatchNorm there would "
-                          "normalise over a slice of each sample: set sequence_parallel=False")
-    synced: tuple[str, ...] = ()
-    local: tuple[str, ...] = ()
-    if dp_group is not None and norms:
-        if batch_norm == "sync":
-            synced = tuple(apply_synced_batch_norm(model, dp_group))
-        else:
-            local = tuple(norms)
-            warnings.warn(f"batch_norm='local': BatchNorm ({', '.join(norms[:3])}) normalises over each rank's own "
-                          f"micro-batch, so the loss depends on dp ({dp_group.size}); batch_norm='sync' does not. "
-                          "Their running statistics keep dp rank 0's (DDP's broadcast_buffers)", stacklevel=2)
-    # 3. Tensor parallelism: planned modules replaced by slices of themselves, by name.
-    tp: TensorParallelLayout | None = None
-    if tp_group is not None and recipe.tp_plan is not None:
-        tp = apply_tensor_parallel(model, recipe.tp_plan, tp_group, sequence_parallel=ctx.config.sequence_parallel,
-                                   allow_missing=stage is not None)
-    # 3b. Expert parallelism: each ep rank keeps its share of every MoE layer's experts.
-    experts: ExpertLayout | None = None
+    # 3. Batch statistics: every BatchNorm normalises over the forward's samples on all dp ranks.
+    synced, local = apply_batch_norm(model, ctx, batch_norm)
+    # 4. Tensor parallelism: planned modules replaced by slices of themselves, by name.
+    tp = apply_tensor_layout(model, ctx, recipe, staged=stage is not None)
+    # 5. Expert parallelism: each ep rank keeps its share of every MoE layer's experts.
     ep_group = ctx.mesh.groups.get("ep")
-    if ep_group is not None:
-        experts = apply_expert_parallel(model, ep_group)
-    # 4. By module name: recompute (activation checkpointing); compile each block (its forward, with
-    # the recomputation inside); offload each block's saved activations (around the compiled forward).
-    if recompute is True:
-        recompute = "full"
-    recomputed = bool(recompute and recompute != "none" and apply_recompute(
-        model, recompute_pattern(recompute, recipe), required=stage is None))
-    if compile:
-        compile_blocks(model, recompute_pattern("full", recipe), backend="inductor" if compile is True else compile,
-                       required=stage is None)
-    if "activations" in ctx.config.offloaded:
-        apply_activation_offload(model, recompute_pattern("full", recipe), required=stage is None)
-    # 5. A meta model: this rank's tensors allocated and filled (ZeRO's flat groups once they exist).
-    splits: dict[str, tuple[int, int, int]] = {}
-    if tp is not None and tp_group is not None:
-        splits = {name: (dim, tp_group.index, tp_group.size) for name, dim in tp.split_dims.items()}
-    axis = dict.fromkeys(splits, "tp")
-    if experts is not None:
-        splits.update(experts.splits)
-        axis.update(dict.fromkeys(experts.splits, "ep"))
-    pieces = Pieces(whole, tied=stage.tied if stage is not None else {}, splits=splits, split_axis=axis)
-    if ctx.device.type == "meta":  # a dry run (paratrain.planner.dryrun): shapes only, nothing to fill
-        place = functools.partial(lambda groups=(): None)
-    else:
-        place = functools.partial(materialize, model, source, pieces, device=ctx.device)  # type: ignore[arg-type]
+    experts = apply_expert_parallel(model, ep_group) if ep_group is not None else None
+    layouts: tuple[StateLayout, ...] = tuple(x for x in (tp, experts, stage) if x is not None)
+    # 6. By module name: recompute, compile each block, offload each block's saved activations.
+    recomputed = apply_memory_savers(model, savers, recipe, required=stage is None)
+    # 7. Where each parameter's gradient is reduced, sharded and counted in the norm: replicated over dp
+    # on its pipeline stage, unless a layout above placed it otherwise (tp slices, ep's experts, ties).
+    placements = Placements(Placement.data_parallel(ctx.mesh))
+    for layout in layouts:
+        layout.place(placements, ctx.mesh)
+    pieces = Pieces.of(whole, layouts)
+    place = placer(model, source, pieces, ctx.device)
     if meta and ctx.config.zero == 0:
         place()
         if tp is not None:
             tp.register_grad_hooks(model)
-    # 6. Where each parameter's gradient is reduced, sharded and counted in the norm: replicated over dp
-    # on its pipeline stage, unless a strategy above placed it otherwise (tp slices, ep's experts, ties).
-    placements = _placements(model, ctx, tp, experts, stage)
-    # Same weights on every replica, gradients summed over the replicas in buckets.
-    if sync_initial_weights and not meta:
-        with torch.no_grad():
-            for tensor in model.parameters():
-                replicas = placements(tensor).reduce
-                if replicas is not None:
-                    broadcast(tensor.data, replicas)
-            for tensor in model.buffers():
-                if placements.default.reduce is not None:
-                    broadcast(tensor, placements.default.reduce)
+    if sync_initial_weights and not meta:  # the same weights on every replica
+        broadcast_weights(model, placements)
     # Buffers that forward changes (BatchNorm's under 'local', a user's counter) kept equal over dp.
+    dp_group = ctx.mesh.groups.get("dp")
     buffer_sync = None if dp_group is None else BufferSync(model, dp_group, buffers or {}, device=ctx.device,
                                                            synced_batch_norms=synced, local_batch_norms=local)
+    # 8. Gradients: summed over the replicas in buckets, or ZeRO-1/2/3's flat groups.
     params = [p for p in model.parameters() if p.requires_grad]
     names = {id(p): n for n, p in model.named_parameters()}
     bucket_bytes = int(ctx.config.bucket_mb * 2**20)
     opt = optimizer(params)
     grads: GradientStrategy
     if ctx.config.zero == 0:
-        # 7a. Plain DP: .grad are bucket views, summed over dp; the optimizer keeps full state.
         grads = GradSync(params, placements, bucket_bytes=bucket_bytes)
         save_state = functools.partial(optimizer_state, opt, names)
-        load_state = functools.partial(load_optimizer_state, opt, names=names)
-    else:
-        # 7b. ZeRO-1/2/3: flat groups padded to the shard group; the optimizer is re-pointed at this
-        # rank's shard of each, so its state exists for 1/shard of the parameters only.
-        zero = ZeroSync(params, opt, names, stage=ctx.config.zero, bucket_bytes=bucket_bytes,
-                        reduce_op=_grad_reduce(ctx), model=model, wrap=blocks,
-                        reshard_after_forward=(ctx.config.reshard_after_forward if reshard_after_forward is None
-                                               else reshard_after_forward),
-                        offload="optimizer" in ctx.config.offloaded,
-                        param_dtype=LOW_DTYPES.get(precision), placements=placements, deferred=stage is not None,
-                        device=ctx.device)
+    else:  # the optimizer is re-pointed at this rank's shard of each flat group
+        zero = ZeroOptions(stage=ctx.config.zero, bucket_bytes=bucket_bytes, reduce_op=grad_reduce_op(ctx),
+                           reshard_after_forward=(ctx.config.reshard_after_forward if reshard_after_forward is None
+                                                  else reshard_after_forward),
+                           offload="optimizer" in ctx.config.offloaded, param_dtype=LOW_DTYPES.get(precision),
+                           deferred=stage is not None)
+        grads = ZeroSync(params, opt, names, zero, model=model, wrap=wrap if wrap is not None else recipe.blocks,
+                         placements=placements, device=ctx.device)
         if meta:
-            place(groups=zero.groups)
+            place(groups=grads.groups)
             if tp is not None:
                 tp.register_grad_hooks(model)
-        grads, save_state, load_state = zero, zero.optimizer_state, zero.load_optimizer_state
-    # 8. fp16: dynamic loss scaling, its overflow decision shared by all ranks.
+        save_state = grads.optimizer_state
+    # 9. fp16: dynamic loss scaling, its overflow decision shared by all ranks.
     scaler = LossScaler(scale=loss_scale) if precision == "fp16" else None
-    # 9. Pipeline: the executor that runs the schedule's actions on this rank.
-    executor = None
-    if stage is not None:
-        assert pp_group is not None
-        if recipe.stage_loss is None:
-            raise ValueError(f"pp > 1 on a {type(model).__name__} needs the last stage's loss: pass pipeline_loss="
-                             "(output, targets) -> (sum, count), or a recipe with its stage_loss")
-        boundary = None
-        if ctx.device.type == "meta" and hidden is not None:  # a dry run: the activation between stages
-            dtype = LOW_DTYPES.get(precision, torch.float32) if ctx.config.zero else torch.float32
-            split = tp_group.size if tp_group is not None and ctx.config.sequence_parallel else 1
-            boundary = functools.partial(_boundary, split=split, hidden=hidden, dtype=dtype)
-        executor = PipelineExecutor(stage, pp_group, schedule=ctx.config.schedule, chunks=ctx.config.virtual_stages,
-                                    loss=recipe.stage_loss, device=ctx.device, recomputed=recomputed,
-                                    boundary_shape=boundary)
-    return Engine(model, ctx, opt, grads, micro_batch=micro_batch, precision=precision, grad_clip=grad_clip,
-                  optimizer_state=save_state, load_optimizer_state=load_state, scaler=scaler, tp=tp, seed=seed,
-                  pipeline=executor, on_non_finite=on_non_finite, pieces=pieces, experts=experts,
-                  buffers=buffer_sync)
-
-
-def _placements(model: nn.Module, ctx: Context, tp: TensorParallelLayout | None, experts: ExpertLayout | None,
-                stage: StageModel | None) -> Placements:
-    dense = Placement.data_parallel(ctx.mesh)
-    kinds: list[tuple[Placement, frozenset[int]]] = []
-    if tp is not None:
-        kinds.append((dense.split_over(ctx.mesh.group("tp")), tp.split_ids))
-    if experts is not None:
-        kinds.append((experts.placement(dense, ctx.mesh.groups.get("edp")), experts.ids))
-    placements = Placements(dense, kinds)
-    if stage is not None and stage.tied_name is not None:  # the last stage's copy counts in the norm once
-        placements.tie(model.get_parameter(stage.tied_name), ctx.mesh.groups.get("tied"), counted=not stage.tied)
-    return placements
-
-
-def _source(model: nn.Module, init: Source | Mapping[str, ParamInit] | None) -> Source:
-    if init is None:
-        param_inits = getattr(model, "param_inits", None)
-        if param_inits is None:
-            raise ValueError(f"a {type(model).__name__} built on the meta device needs its values: give it a "
-                             "param_inits() method (name -> paratrain.models.init.ParamInit), pass init={name: "
-                             "ParamInit}, or build it whole on world rank 0 and pass init=FromRank0(model or None, "
-                             "ctx.mesh, ctx.device)")
-        return Inits(param_inits())
-    return Inits(init) if isinstance(init, Mapping) else init
-
-
-def _boundary(tokens: torch.Size, *, split: int, hidden: int, dtype: torch.dtype) -> tuple[torch.Size, torch.dtype]:
-    """The activation between pipeline stages for micro-batch tokens [rows, seq]: [rows, seq / split,
-    hidden] (split: tp under sequence parallelism)."""
-    return torch.Size((tokens[0], tokens[1] // split, hidden)), dtype
-
-
-def _grad_reduce(ctx: Context) -> str:
-    if ctx.config.grad_reduce != "auto":
-        return ctx.config.grad_reduce
-    return "reduce_scatter" if ctx.backend == "nccl" else "all_reduce"
+    # 10. Pipeline: the executor that runs the schedule's actions on this rank.
+    executor = None if stage is None else pipeline_executor(stage, ctx, recipe, family=family, hidden=hidden,
+                                                    precision=precision, recomputed=recomputed)
+    parts = EngineParts(opt, grads, save_state, pieces, placements, layouts=layouts, pipeline=executor, scaler=scaler,
+                        buffers=buffer_sync)
+    return Engine(model, ctx, parts, options)

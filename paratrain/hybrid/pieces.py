@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from paratrain.sharding.flat import FlatGroup
+from paratrain.state_layout import StateLayout
 
 Shapes = Mapping[str, "tuple[tuple[int, ...], torch.dtype]"]
 
@@ -127,8 +128,16 @@ class Pieces:
     """A pipeline stage's copy name -> the name of the tensor it copies."""
     splits: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)
     """Local parameter name -> (dim, index, parts): the slice it is of its whole tensor."""
-    split_axis: Mapping[str, str] = field(default_factory=dict)
-    """Local parameter name -> the axis it is split over ("tp": a tensor-parallel slice, "ep": experts)."""
+
+    @classmethod
+    def of(cls, whole: Shapes, layouts: Iterable[StateLayout]) -> Pieces:
+        """What the layouts applied to a model of `whole` shapes left on this rank."""
+        tied: dict[str, str] = {}
+        splits: dict[str, tuple[int, int, int]] = {}
+        for layout in layouts:
+            tied.update(layout.tied)
+            splits.update(layout.splits)
+        return cls(whole, tied=tied, splits=splits)
 
     def piece(self, local_name: str) -> Piece:
         name = self.tied.get(local_name, local_name)

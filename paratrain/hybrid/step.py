@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 
 from paratrain.hybrid.experts import routing_stats
 
-if TYPE_CHECKING:
-    from paratrain.hybrid.engine import Engine
+RankFinder = Callable[[torch.Tensor], "tuple[int, ...]"]
+"""this rank's own loss -> the ranks whose own loss is not finite (collective: Engine.non_finite_ranks)."""
 
 
 @dataclass(frozen=True)
@@ -55,9 +55,9 @@ class PendingStep:
     (a host synchronisation) and caches the result; under on_non_finite="raise" it raises
     NonFiniteError for the first non-finite step since the engine last checked (collective)."""
 
-    def __init__(self, engine: Engine, number: int, micro_batches: int, totals: torch.Tensor,
+    def __init__(self, watch: NonFiniteWatch, number: int, micro_batches: int, totals: torch.Tensor,
                  local_loss: torch.Tensor) -> None:
-        self.engine, self.number, self.micro_batches = engine, number, micro_batches
+        self.watch, self.number, self.micro_batches = watch, number, micro_batches
         self.totals = totals
         """[loss sum, token count] over the global batch, float64."""
         self.local_loss = local_loss
@@ -79,9 +79,9 @@ class PendingStep:
         return self.totals[0] / self.totals[1]
 
     def stats(self, *, check: bool = True) -> StepStats:
-        """Read the step's values (the first call waits for the device); also sets engine.last.
-        check: raise NonFiniteError first if any step since the last check was not finite."""
-        watched = self.engine.watch.take() if check else None
+        """Read the step's values (the first call waits for the device); the watch keeps them as its
+        `last`. check: raise NonFiniteError first if any step since the last check was not finite."""
+        watched = self.watch.take() if check else None
         if self._stats is None or watched is not None:  # one read from the device for both
             norm = self.grad_norm if self.grad_norm is not None else self.totals[0] * float("nan")
             parts = [torch.stack([self.totals[0], self.totals[1], norm.double()])]
@@ -89,7 +89,7 @@ class PendingStep:
             values = torch.cat(parts + ([self.routing] if self.routing is not None else [])
                                + ([watched] if watched is not None else [])).tolist()
             if watched is not None:
-                self.engine.watch.judge(values[3 + routed:])
+                self.watch.judge(values[3 + routed:])
         if self._stats is None:
             loss_sum, tokens, norm_value = values[:3]
             moe = routing_stats(values[3:3 + routed], tokens) if routed and tokens > 0 else None
@@ -98,23 +98,30 @@ class PendingStep:
             loss, ranks = loss_sum / tokens, ()
             judged = self.grad_norm is not None  # not an fp16 overflow, skipped before any norm
             if judged and not (math.isfinite(loss) and math.isfinite(norm_value)):
-                ranks = self.engine.non_finite_ranks(self.local_loss)  # collective; all ranks are here
-                if self.engine.on_non_finite == "raise":
+                ranks = self.watch.ranks(self.local_loss)  # collective; all ranks are here
+                if self.watch.policy == "raise":
                     raise NonFiniteError(loss, norm_value, ranks, step=self.number)
                 self.skipped = self.non_finite = True
             self._stats = StepStats(loss=loss, grad_norm=norm_value, tokens=int(tokens),
                                     micro_batches=self.micro_batches, loss_scale=self.loss_scale,
                                     skipped=self.skipped, non_finite=self.non_finite, non_finite_ranks=ranks, moe=moe)
-        self.engine.last = self._stats
+        self.watch.last = self._stats
         return self._stats
 
 
 class NonFiniteWatch:
     """Under on_non_finite="raise", without a host read per step: the first step since the last check
-    whose loss or gradient norm is not finite, kept on the device, read by check()."""
+    whose loss or gradient norm is not finite, kept on the device, read by check(). Also where the
+    newest statistics read back are kept (`last`)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, policy: str, ranks: RankFinder) -> None:
+        if policy not in ("raise", "skip"):
+            raise ValueError(f"on_non_finite must be 'raise' or 'skip', got {policy!r}")
+        self.policy = policy
+        """A step whose loss or gradient norm is nan or inf: 'raise' NonFiniteError, or 'skip' its update."""
+        self.ranks = ranks
+        self.last: StepStats | None = None
+        """The statistics of the newest step read back (PendingStep.stats())."""
         self.first: torch.Tensor | None = None
         """[step number (0: none), loss, grad norm, this rank's own loss], float64."""
 
@@ -141,5 +148,5 @@ class NonFiniteWatch:
         """Raise NonFiniteError if `record` (what take() gave, read) names a step."""
         number, loss, norm, local_loss = record
         if number:
-            ranks = self.engine.non_finite_ranks(torch.tensor(local_loss))
+            ranks = self.ranks(torch.tensor(local_loss))
             raise NonFiniteError(loss, norm, ranks, step=int(number))

@@ -2,7 +2,7 @@
 
 from paratrain.models.gpt import GPT, build_gpt, lm_loss
 from paratrain.models.gpt_recipe import GPT_PLAN, GPT_RECIPE
-from paratrain.models.recipe import Layer, Recipe
+from paratrain.nn.recipe import Layer, Recipe
 from paratrain.models.init import keyed_normal_
 from paratrain.nn import IGNORE_INDEX, KeyedDropout, VocabOutput  # the building blocks, for the models' users
 

@@ -43,7 +43,7 @@ from paratrain.models.gpt_recipe import GPT_RECIPE
 from paratrain.models.init import Constant, Given, KeyedNormal, ParamInit, init_tensor_
 from paratrain.nn.loss import VocabOutput
 from paratrain.nn.moe import MoE, RouterLog
-from paratrain.models.recipe import Recipe
+from paratrain.nn.recipe import Recipe
 
 
 

@@ -1,4 +1,4 @@
-"""The reference GPT's recipe (paratrain.models.recipe): its tensor-parallel plan, its blocks, its
+"""The reference GPT's recipe (paratrain.nn.recipe): its tensor-parallel plan, its blocks, its
 pipeline layers and loss, by the module names of paratrain.models.gpt.
 
     tok_emb | blocks.0 | ... | blocks.{L-1} | head (norm, head, output)
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paratrain.models.recipe import Layer, Recipe, Run
+from paratrain.nn.recipe import Layer, Recipe, Run
 
 GPT_PLAN: dict[str, str] = {
     "tok_emb": "embedding",

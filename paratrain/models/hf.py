@@ -39,7 +39,7 @@ from torch import nn
 
 from paratrain.config.errors import ConfigError
 from paratrain.nn.loss import VocabOutput
-from paratrain.models.recipe import Layer, Recipe, Run, stage_loss
+from paratrain.nn.recipe import Layer, Recipe, Run, stage_loss
 
 LLAMA_TP_PLAN: dict[str, str] = {
     # Both vocabulary ends split along the vocabulary (dim 0 of their weights), so a tied model
@@ -178,7 +178,7 @@ def _causal_mask(config: Any, x: torch.Tensor, positions: torch.Tensor) -> Any:
 
 LLAMA_RECIPE = Recipe(tp_plan=LLAMA_TP_PLAN, blocks=LLAMA_WRAP, layers=llama_layers,
                       stage_loss=stage_loss(llama_pipeline_loss), hidden_size=lambda model: model.config.hidden_size)
-"""HF Llama / Mistral's recipe (paratrain.models.recipe), in one argument: parallelize(model, ctx, ...,
+"""HF Llama / Mistral's recipe (paratrain.nn.recipe), in one argument: parallelize(model, ctx, ...,
 recipe=LLAMA_RECIPE) or Trainer(..., recipe=LLAMA_RECIPE) instead of tp_plan=, wrap=, layers= and
 pipeline_loss= one by one. Its blocks (each decoder layer) are ZeRO-3's units, what recompute='full'
 recomputes and what compile compiles."""

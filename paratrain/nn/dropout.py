@@ -33,6 +33,13 @@ class KeyedDropout(nn.Module):
         self.split: dict[int, tuple[int, int]] = {}
         """dim (>= 1) -> (index, parts): this rank holds part `index` of `parts` equal slices of dim."""
 
+    def split_along(self, dim: int, index: int, parts: int) -> None:
+        """This rank holds part `index` of `parts` equal slices of `dim` (>= 1) of the input (tensor or
+        sequence parallelism): its masks are that slice of the single-device mask."""
+        if dim < 1:
+            raise ValueError(f"dim 0 (the batch rows) is keyed by DropoutStream.at_rows, not split; got dim {dim}")
+        self.split = {**self.split, dim: (index, parts)}
+
     def attach(self, stream: DropoutStream, name: str) -> None:
         """Draw from `stream` under `name` (the module's name in the model, the same in every layout)."""
         self.stream, self.key_name = stream, name

@@ -69,6 +69,11 @@ class RouterLog:
     assigned: torch.Tensor | None = None
     """Assignments made (tokens x top_k)."""
 
+    def scale_gradients(self, scale: float) -> None:
+        """The coming backward starts from the loss sum times `scale` (fp16's loss scale, else 1): the
+        auxiliary terms receive the same."""
+        self.grad_scale = scale
+
     def reset(self) -> None:
         self.aux_sum = self.balance_sum = self.z_sum = self.dropped = self.assigned = None
         self.expert_tokens = {}
@@ -215,6 +220,11 @@ class MoE(nn.Module):
         self.log_name = ""
         self.run_experts: ExpertRunner = run_here
         """Expert parallelism replaces it with a runner that sends rows to the ranks holding their experts."""
+
+    def run_with(self, runner: ExpertRunner) -> None:
+        """Run the experts with `runner` (expert parallelism: one that sends rows to the ranks holding
+        their experts)."""
+        self.run_experts = runner
 
     def attach(self, log: RouterLog, name: str) -> None:
         self.log, self.log_name = log, name

@@ -1,6 +1,6 @@
 """Cut a model into pipeline chunks: an ordered list of layers, split into contiguous ranges.
 
-A model is described as layers (paratrain.models.recipe.Layer), each a few modules under their names
+A model is described as layers (paratrain.nn.recipe.Layer), each a few modules under their names
 in the whole model and a function that runs them, by its recipe's `layers`, or, for an
 nn.Sequential, its children:
 
@@ -22,18 +22,21 @@ name. A tie between other stages is refused before anything runs.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.comm.placement import Placements
 from paratrain.config.errors import ConfigError
-from paratrain.models.recipe import Layer, Run
-from paratrain.models.ties import tied_parameters
-from paratrain.topology.mesh import AxisGroup
+from paratrain.nn.recipe import Layer, Run
+from paratrain.nn.ties import tied_parameters
+from paratrain.state_layout import ModelState, OptimizerState
+from paratrain.topology.mesh import AxisGroup, Mesh
 
-__all__ = ["Layer", "StageModel", "chunk_ranges", "model_layers", "sequential_layers"]  # Layer: paratrain.models.recipe's
+__all__ = ["Layer", "PipelineLayout", "StageModel", "chunk_ranges", "model_layers", "sequential_layers"]  # Layer: paratrain.nn.recipe's
 
 
 def sequential_layers(model: nn.Sequential) -> list[Layer]:
@@ -232,3 +235,34 @@ def stage_part(stage: StageModel, model: Mapping[str, torch.Tensor],
         if names:
             groups.append({**g, "params": names})
     return part_model, {"state": state, "param_groups": groups}
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """What cutting the model into stages did, as a paratrain.state_layout.StateLayout: this rank holds
+    its stage's layers under their whole-model names, and a copy of a weight tied to another stage."""
+
+    stage: StageModel
+    group: AxisGroup
+    axis: str = "pp"
+
+    @property
+    def splits(self) -> dict[str, tuple[int, int, int]]:
+        return {}
+
+    @property
+    def tied(self) -> dict[str, str]:
+        return self.stage.tied
+
+    def place(self, placements: Placements, mesh: Mesh) -> None:
+        """This rank's end of a weight tied across stages is summed with the other end's over the mesh's
+        "tied" group; the last stage's copy counts in the gradient norm once."""
+        if self.stage.tied_name is not None:
+            placements.tie(self.stage.get_parameter(self.stage.tied_name), mesh.groups.get("tied"),
+                           counted=not self.stage.tied)
+
+    def to_whole(self, model: ModelState, optimizer: OptimizerState) -> tuple[ModelState, OptimizerState]:
+        return gather_stages(self.stage, model, optimizer, self.group)
+
+    def to_local(self, model: ModelState, optimizer: OptimizerState) -> tuple[ModelState, OptimizerState]:
+        return stage_part(self.stage, model, optimizer)

@@ -36,14 +36,16 @@ import torch
 from torch import nn
 
 from paratrain.comm.collectives import all_reduce
+from paratrain.comm.placement import Placements
 from paratrain.comm.regions import all_gather_along
 from paratrain.nn.dropout import KeyedDropout
 from paratrain.nn.loss import VocabOutput
-from paratrain.models.ties import tied_parameters
+from paratrain.nn.ties import tied_parameters
 from paratrain.names import name_matches
 from paratrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from paratrain.tensor_parallel.loss import VocabParallelOutput
-from paratrain.topology.mesh import AxisGroup
+from paratrain.state_layout import ModelState, OptimizerState, per_element
+from paratrain.topology.mesh import AxisGroup, Mesh
 
 STYLES = ("column", "column_gather", "row", "embedding", "vocab_output", "heads_dropout", "sequence_dropout")
 
@@ -57,6 +59,28 @@ class TensorParallelLayout:
     """Parameter name -> the dim split over tp; names not here are replicated on every tp rank."""
     split_ids: frozenset[int] = frozenset()
     """id() of the split parameters, for strategies that hold parameters, not names."""
+
+    axis = "tp"
+
+    @property
+    def splits(self) -> dict[str, tuple[int, int, int]]:
+        """name -> (dim, this rank's index, parts) of every split parameter (paratrain.state_layout)."""
+        return {name: (dim, self.group.index, self.group.size) for name, dim in self.split_dims.items()}
+
+    @property
+    def tied(self) -> dict[str, str]:
+        return {}
+
+    def place(self, placements: Placements, mesh: Mesh) -> None:
+        """Split parameters: reduced as the replicated ones, their norm's squares added over tp."""
+        placements.add(placements.default.split_over(self.group), self.split_ids)
+
+    def to_whole(self, model: ModelState, optimizer: OptimizerState) -> tuple[ModelState, OptimizerState]:
+        """Slices -> whole tensors, model and per-element optimizer state (collective over tp)."""
+        return self.gather_full(model), per_element(optimizer, self.full)
+
+    def to_local(self, model: ModelState, optimizer: OptimizerState) -> tuple[ModelState, OptimizerState]:
+        return self.local_slices(model), per_element(optimizer, self.local)
 
     def is_split(self, param: torch.Tensor) -> bool:
         return id(param) in self.split_ids
@@ -137,7 +161,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
             _expect(module, KeyedDropout, name, style)
             assert isinstance(module, KeyedDropout)
             if style == "heads_dropout" or sequence_parallel:
-                module.split = {1: (group.index, group.size)}
+                module.split_along(1, group.index, group.size)
             continue
         replacement, dims = _build(module, name, style, group, sequence_parallel)
         for attr, dim in dims.items():

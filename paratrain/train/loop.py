@@ -131,7 +131,7 @@ class TrainLoop:
             return False
         folder, meta = found
         if meta["format"] == SHARDED_FORMAT:  # each rank reads only the pieces its layout keeps
-            load_sharded(folder, meta, self.engine)
+            load_sharded(folder, meta, self.engine.view())
         else:  # a whole-model checkpoint (format 1, before sharded saves): every rank reads it all
             state, meta = load_checkpoint(folder)
             self.engine.load_state_dict(state)
@@ -144,7 +144,7 @@ class TrainLoop:
     def save(self) -> None:
         """Collective: every rank writes its own pieces; rank 0 publishes the index once all are on disk."""
         meta = {**self.checkpoint_meta, "loader": self.train.state_dict()}
-        folder = save_sharded(self.settings.save, self.step, self.engine, meta, keep_last=self.settings.keep_last,
+        folder = save_sharded(self.settings.save, self.step, self.engine.view(), meta, keep_last=self.settings.keep_last,
                               before_publish=lambda: [hook.before_publish(self) for hook in self.hooks])
         if self.ctx.is_main:
             self.log.info("saved checkpoint %s", folder)

@@ -97,7 +97,7 @@ class Trainer:
         sample_tokens = self.plan.config.train.sample_tokens
         # Under ZeRO-3 every forward all-gathers parameters, under tp every layer communicates: then
         # all ranks generate (the same text).
-        sharded = self.engine.grads.params_sharded or self.engine.tp is not None
+        sharded = self.engine.grads.params_sharded or self.ctx.config.tp > 1
         if self.engine.pipeline is not None:  # no rank holds the whole model to sample from
             if sample_tokens and self.ctx.is_main:
                 self.log.info("no sample under pipeline parallelism (each rank holds only its stage)")

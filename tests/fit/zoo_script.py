@@ -8,7 +8,7 @@ import json
 import sys
 
 import paratrain
-from paratrain.models.ties import tied_parameters
+from paratrain.nn.ties import tied_parameters
 from tests import zoo
 
 

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from paratrain.cli import _parser, prepare_launch, run_config_from_args
+from paratrain.cli.flags import build_parser, run_config_from_args
+from paratrain.cli.launching import prepare_launch
 from paratrain.config import ConfigError, build_run_config, check_run
 from paratrain.config.sagemaker import smp_overrides
 
@@ -62,12 +63,13 @@ def test_a_toml_smp_table_is_a_layout():
 
 def test_smp_json_on_the_command_line_and_flags_win(tmp_path):
     flags = ["train", "--device", "cpu", "--nproc", "4", "--global-batch", "8", "--no-memory-check"]
-    plan = prepare_launch(run_config_from_args(_parser().parse_args(
+    plan = prepare_launch(run_config_from_args(build_parser().parse_args(
         [*flags, "--smp", json.dumps({"sharded_data_parallel_degree": 2, "microbatches": 2})])), gpus=0)
     assert (plan.parallel.dp, plan.parallel.zero, plan.parallel.shard_group, plan.batch.micro_batch) == (4, 3, 2, 1)
     path = tmp_path / "smp.json"
     path.write_text(json.dumps({"smdistributed": {"modelparallel": {"parameters": {"tensor_parallel_degree": 2}}}}))
-    plan = prepare_launch(run_config_from_args(_parser().parse_args([*flags, "--smp", str(path), "--tp", "1"])), gpus=0)
+    argv = [*flags, "--smp", str(path), "--tp", "1"]
+    plan = prepare_launch(run_config_from_args(build_parser().parse_args(argv)), gpus=0)
     assert plan.parallel.tp == 1 and plan.parallel.dp == 4  # the explicit flag won
     with pytest.raises(ConfigError, match="neither a JSON object nor a readable JSON file"):
-        run_config_from_args(_parser().parse_args([*flags, "--smp", str(tmp_path / "missing.json")]))
+        run_config_from_args(build_parser().parse_args([*flags, "--smp", str(tmp_path / "missing.json")]))

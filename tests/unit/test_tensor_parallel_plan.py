@@ -79,7 +79,7 @@ class _Tied(torch.nn.Module):
 
 
 def test_a_plan_that_would_untie_a_weight_is_refused_with_the_fix():
-    from paratrain.models.ties import tied_parameters
+    from paratrain.nn.ties import tied_parameters
 
     assert tied_parameters(_Tied()) == [("emb.weight", "head.weight")]
     single = AxisGroup("tp", (0,), 0, None)  # type: ignore[arg-type]  # never communicates here

@@ -9,7 +9,7 @@ from paratrain.topology import Mesh, ParallelDims
 
 @pytest.mark.parametrize("pp,dp,tp", [(1, 1, 1), (1, 4, 1), (2, 2, 2), (1, 2, 4), (4, 1, 2), (3, 2, 1)])
 def test_rank_coordinates_round_trip(pp, dp, tp):
-    dims = ParallelDims(dp=dp, tp=tp, pp=pp)
+    dims = ParallelDims.of(dp=dp, tp=tp, pp=pp)
     seen = set()
     for rank in range(dims.world_size):
         coords = dims.coords(rank)
@@ -19,7 +19,7 @@ def test_rank_coordinates_round_trip(pp, dp, tp):
 
 
 def test_tp_is_innermost():
-    dims = ParallelDims(dp=2, tp=2, pp=2)
+    dims = ParallelDims.of(dp=2, tp=2, pp=2)
     assert dims.group_ranks("tp", 0) == [0, 1]
     assert dims.group_ranks("dp", 0) == [0, 2]
     assert dims.group_ranks("pp", 0) == [0, 4]
@@ -28,7 +28,7 @@ def test_tp_is_innermost():
 
 @pytest.mark.parametrize("axis", ["pp", "dp", "tp"])
 def test_groups_partition_the_world(axis):
-    dims = ParallelDims(dp=2, tp=2, pp=3)
+    dims = ParallelDims.of(dp=2, tp=2, pp=3)
     groups = dims.all_groups(axis)
     flat = list(itertools.chain.from_iterable(groups))
     assert sorted(flat) == list(range(dims.world_size))
@@ -39,7 +39,7 @@ def test_groups_partition_the_world(axis):
 
 
 def test_bad_ranks_and_axes():
-    dims = ParallelDims(dp=2)
+    dims = ParallelDims.of(dp=2)
     with pytest.raises(ValueError, match="rank 2 out of range"):
         dims.coords(2)
     with pytest.raises(ValueError, match="unknown axis"):
@@ -54,10 +54,31 @@ def test_single_mesh_refuses_degree_one_groups():
 
 
 def test_dp_split_for_hierarchical_sharding():
-    dims = ParallelDims(dp=4, tp=2)
+    dims = ParallelDims.of(dp=4, tp=2)
     shards, replicas = dims.dp_split(2)
     # dp groups are [0, 2, 4, 6] and [1, 3, 5, 7] (tp innermost)
     assert shards == [[0, 2], [4, 6], [1, 3], [5, 7]]
     assert replicas == [[0, 4], [2, 6], [1, 5], [3, 7]]
     with pytest.raises(Exception, match="must divide dp"):
         dims.dp_split(3)
+
+
+def test_every_axis_is_named_and_checked_once():
+    """dp = dp_replicate x dp_shard (ZeRO's shard group), ep inside dp, cp refused until it is built; a
+    resolved config gives the dims without resolving again."""
+    from paratrain.config import ConfigError, ParallelConfig
+
+    dims = ParallelDims.of(dp=4, tp=2, dp_shard=2, ep=2)
+    assert (dims.dp, dims.dp_replicate, dims.dp_shard, dims.world_size) == (4, 2, 2, 8)
+    resolved = ParallelConfig(tp=2, zero=1, shard_group=2).resolved(8)
+    assert ParallelDims.from_config(resolved) == dims.__class__(dp_replicate=2, dp_shard=2, tp=2)
+    assert ParallelDims.from_config(ParallelConfig(dp=4).resolved(4)).dp_shard == 1  # no ZeRO: replicated
+    assert ParallelDims.from_config(ParallelConfig(zero=2).resolved(4)).dp_shard == 4
+    with pytest.raises(ConfigError, match="not resolved yet"):
+        ParallelDims.from_config(ParallelConfig())
+    with pytest.raises(ConfigError, match="context parallelism .* not built yet; use cp=1"):
+        ParallelDims(cp=2)
+    with pytest.raises(ConfigError, match=r"ep \(3\) must divide dp \(4\)"):
+        ParallelDims.of(dp=4, ep=3)
+    with pytest.raises(ConfigError, match="tp must be >= 1, got 0"):
+        ParallelDims(tp=0)

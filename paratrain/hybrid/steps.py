@@ -1,0 +1,170 @@
+"""The steps parallelize runs, in its order, each on the model, the Context and its own options.
+
+A step at degree 1 does nothing and returns None; a step that changes which tensors a rank holds
+returns its paratrain.state_layout.StateLayout (apply_pipeline, apply_tensor_layout, and
+paratrain.expert_parallel.apply_expert_parallel)."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+from paratrain.comm import broadcast
+from paratrain.comm.placement import Placements
+from paratrain.config.errors import ConfigError
+from paratrain.data_parallel import apply_synced_batch_norm, batch_norms, buffer_rules
+from paratrain.hybrid.compile import compile_blocks
+from paratrain.hybrid.materialize import Inits, Source, materialize
+from paratrain.hybrid.pieces import Pieces
+from paratrain.memory import LOW_DTYPES, apply_activation_offload, apply_recompute, recompute_pattern
+from paratrain.models.init import ParamInit
+from paratrain.nn.recipe import Recipe
+from paratrain.pipeline.runtime import PipelineExecutor
+from paratrain.pipeline.stages import PipelineLayout, StageModel, chunk_ranges, model_layers
+from paratrain.tensor_parallel import TensorParallelLayout, apply_tensor_parallel, check_ties
+from paratrain.topology import Context
+
+
+@dataclass(frozen=True)
+class MemorySavers:
+    """What trades compute for memory, applied by module name to the recipe's blocks."""
+
+    recompute: str = "none"
+    """'full' each block, 'selective' its attention core, 'none', or a regex of module names."""
+    compile: bool | str = False
+    """torch.compile each block: True inductor, or a backend's name."""
+    offload_activations: bool = False
+    """Each block's saved activations to CPU memory in forward, back in backward."""
+
+
+def check_whole_model(model: nn.Module, ctx: Context, recipe: Recipe, buffers: Mapping[str, str]) -> None:
+    """What must be refused on the whole model, before a pipeline cut hides part of it from this rank."""
+    tp_group = ctx.mesh.groups.get("tp")
+    if tp_group is not None:
+        if recipe.tp_plan is None:
+            raise ValueError(f"tp = {tp_group.size} needs a tensor-parallel plan for a {type(model).__name__}: "
+                             "pass tp_plan={module name: style} (see paratrain.tensor_parallel.STYLES)")
+        if ctx.mesh.groups.get("pp") is not None:  # each stage may hold one end of a tie only
+            check_ties(model, recipe.tp_plan)
+    buffer_rules(model, buffers)  # refused alike on every rank
+
+
+def apply_pipeline(model: nn.Module, ctx: Context, recipe: Recipe) -> PipelineLayout | None:
+    """pp > 1: this rank's chunks of the recipe's layers (or an nn.Sequential's children); None at pp 1."""
+    pp_group = ctx.mesh.groups.get("pp")
+    if pp_group is None:
+        return None
+    cut = (recipe.layers or model_layers)(model)
+    v = ctx.config.virtual_stages
+    ranges = chunk_ranges(cut, pp_group.size * v, ctx.config.pp_split or None)
+    stage = StageModel(model, cut, ranges, [pp_group.index + k * pp_group.size for k in range(v)])
+    return PipelineLayout(stage, pp_group)
+
+
+def apply_batch_norm(model: nn.Module, ctx: Context, mode: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Under dp > 1, 'sync': every BatchNorm's statistics over the forward's samples on every dp rank;
+    'local': each rank's own (with a warning). Returns (synced, local) BatchNorm names."""
+    dp_group = ctx.mesh.groups.get("dp")
+    norms = batch_norms(model)
+    if norms and ctx.config.sequence_parallel:
+        raise ConfigError(f"the model has BatchNorm ({', '.join(norms[:3])}), and sequence parallelism splits the "
+                          "activations between tensor-parallel layers along the sequence, so a BatchNorm there would "
+                          "normalise over a slice of each sample: set sequence_parallel=False")
+    if dp_group is None or not norms:
+        return (), ()
+    if mode == "sync":
+        return tuple(apply_synced_batch_norm(model, dp_group)), ()
+    warnings.warn(f"batch_norm='local': BatchNorm ({', '.join(norms[:3])}) normalises over each rank's own "
+                  f"micro-batch, so the loss depends on dp ({dp_group.size}); batch_norm='sync' does not. "
+                  "Their running statistics keep dp rank 0's (DDP's broadcast_buffers)", stacklevel=3)
+    return (), tuple(norms)
+
+
+def apply_tensor_layout(model: nn.Module, ctx: Context, recipe: Recipe, *,
+                           staged: bool) -> TensorParallelLayout | None:
+    tp_group = ctx.mesh.groups.get("tp")
+    if tp_group is None or recipe.tp_plan is None:
+        return None
+    return apply_tensor_parallel(model, recipe.tp_plan, tp_group, sequence_parallel=ctx.config.sequence_parallel,
+                                 allow_missing=staged)
+
+
+def apply_memory_savers(model: nn.Module, savers: MemorySavers, recipe: Recipe, *, required: bool) -> bool:
+    """Recompute, then compile each block (the recomputation inside), then offload its saved activations
+    (around the compiled forward). required: a pattern must match (False on a pipeline stage, which may
+    hold no block). Returns whether anything is recomputed."""
+    recomputed = savers.recompute != "none" and bool(
+        apply_recompute(model, recompute_pattern(savers.recompute, recipe), required=required))
+    if savers.compile:
+        compile_blocks(model, recompute_pattern("full", recipe),
+                       backend="inductor" if savers.compile is True else savers.compile, required=required)
+    if savers.offload_activations:
+        apply_activation_offload(model, recompute_pattern("full", recipe), required=required)
+    return recomputed
+
+
+def placer(model: nn.Module, source: Source | None, pieces: Pieces,
+            device: torch.device) -> Callable[..., None]:
+    """place(groups=...) allocates and fills this rank's tensors of a meta model (nothing in a dry run)."""
+    if device.type == "meta":  # a dry run (paratrain.planner.dryrun): shapes only, nothing to fill
+        return lambda groups=(): None
+    return functools.partial(materialize, model, source, pieces, device=device)  # type: ignore[arg-type]
+
+
+@torch.no_grad()
+def broadcast_weights(model: nn.Module, placements: Placements) -> None:
+    """dp rank 0's weights (and buffers) to the other replicas: cheap, once, and replicas start equal
+    even for a model whose init was not layout-free."""
+    for tensor in model.parameters():
+        replicas = placements(tensor).reduce
+        if replicas is not None:
+            broadcast(tensor.data, replicas)
+    for tensor in model.buffers():
+        if placements.default.reduce is not None:
+            broadcast(tensor, placements.default.reduce)
+
+
+def pipeline_executor(layout: PipelineLayout, ctx: Context, recipe: Recipe, *, family: str, hidden: int | None,
+              precision: str, recomputed: bool) -> PipelineExecutor:
+    """The pipeline schedule's runner on this rank. family: the whole model's class (for the error);
+    hidden: the width of the activation between stages (a dry run's boundary shape)."""
+    if recipe.stage_loss is None:
+        raise ValueError(f"pp > 1 on a {family} needs the last stage's loss: pass pipeline_loss="
+                         "(output, targets) -> (sum, count), or a recipe with its stage_loss")
+    boundary = None
+    if ctx.device.type == "meta" and hidden is not None:  # a dry run: the activation between stages
+        dtype = LOW_DTYPES.get(precision, torch.float32) if ctx.config.zero else torch.float32
+        tp_group = ctx.mesh.groups.get("tp")
+        split = tp_group.size if tp_group is not None and ctx.config.sequence_parallel else 1
+        boundary = functools.partial(_boundary, split=split, hidden=hidden, dtype=dtype)
+    return PipelineExecutor(layout.stage, layout.group, schedule=ctx.config.schedule, chunks=ctx.config.virtual_stages,
+                            loss=recipe.stage_loss, device=ctx.device, recomputed=recomputed, boundary_shape=boundary)
+
+
+def values_source(model: nn.Module, init: Source | Mapping[str, ParamInit] | None) -> Source:
+    if init is None:
+        param_inits = getattr(model, "param_inits", None)
+        if param_inits is None:
+            raise ValueError(f"a {type(model).__name__} built on the meta device needs its values: give it a "
+                             "param_inits() method (name -> paratrain.models.init.ParamInit), pass init={name: "
+                             "ParamInit}, or build it whole on world rank 0 and pass init=FromRank0(model or None, "
+                             "ctx.mesh, ctx.device)")
+        return Inits(param_inits())
+    return Inits(init) if isinstance(init, Mapping) else init
+
+
+def _boundary(tokens: torch.Size, *, split: int, hidden: int, dtype: torch.dtype) -> tuple[torch.Size, torch.dtype]:
+    """The activation between pipeline stages for micro-batch tokens [rows, seq]: [rows, seq / split,
+    hidden] (split: tp under sequence parallelism)."""
+    return torch.Size((tokens[0], tokens[1] // split, hidden)), dtype
+
+
+def grad_reduce_op(ctx: Context) -> str:
+    if ctx.config.grad_reduce != "auto":
+        return ctx.config.grad_reduce
+    return "reduce_scatter" if ctx.backend == "nccl" else "all_reduce"
