@@ -6,13 +6,14 @@ protocol from its `apply_*` step, and the engine, the materialiser, the gradient
 checkpoint code loop over those objects instead of branching on the axis:
 
     splits     name -> (dim, index, parts): this rank holds part `index` of `parts` of the whole tensor
-    axis       the mesh axis its splits run over (a sharded checkpoint writes one copy per replica)
     tied       name of a tied copy here -> the name the whole model keeps it under
     place      where its parameters' gradients are summed, sharded and counted in the norm
     to_whole   name-keyed (model, optimizer) state of this rank -> the whole model's (collective)
-    to_local   the whole model's name-keyed state -> this rank's (the inverse; no communication)
 
-A new axis that splits state implements these six and nothing in the engine changes.
+The way back needs no method: loading reads, for each piece `splits` and `tied` describe, only the
+elements it holds (paratrain.hybrid.pieces, paratrain.hybrid.view), from a checkpoint's files or from a
+whole state dict in memory alike. A new axis that splits state implements these four and nothing in
+the engine changes.
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ OptimizerState = dict[str, Any]
 
 
 class StateLayout(Protocol):
-    axis: str
-
     @property
     def splits(self) -> Mapping[str, tuple[int, int, int]]: ...
 
@@ -41,8 +40,6 @@ class StateLayout(Protocol):
     def place(self, placements: Placements, mesh: Mesh) -> None: ...
 
     def to_whole(self, model: ModelState, optimizer: OptimizerState) -> tuple[ModelState, OptimizerState]: ...
-
-    def to_local(self, model: ModelState, optimizer: OptimizerState) -> tuple[ModelState, OptimizerState]: ...
 
 
 def per_element(optimizer: Mapping[str, Any],

@@ -103,8 +103,6 @@ class ExpertLayout:
     splits: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     """name -> (dim, index, parts) of each slice (paratrain.hybrid.pieces.Piece.split)."""
 
-    axis = "ep"
-
     @property
     def tied(self) -> dict[str, str]:
         return {}
@@ -116,9 +114,6 @@ class ExpertLayout:
         """This rank's experts -> every expert, model and per-element optimizer state (collective over ep)."""
         return self.gather_full(model), per_element(optimizer, self.full)
 
-    def to_local(self, model: ModelState, optimizer: OptimizerState) -> tuple[ModelState, OptimizerState]:
-        return self.local_slices(model), per_element(optimizer, self.local)
-
     def placement(self, dense: Placement, edp: AxisGroup | None) -> Placement:
         """Where the experts' gradients go, from the dense parameters' placement: summed and ZeRO-sharded
         over edp (the ranks holding the same experts; None when ep = dp), their norm adding up over ep too."""
@@ -128,17 +123,8 @@ class ExpertLayout:
         """The whole tensor of `name` (or state shaped like it) from this rank's experts (collective over ep)."""
         return all_gather_along(tensor.detach(), self.group, 0) if name in self.names else tensor
 
-    def local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name not in self.names:
-            return tensor
-        part = tensor.shape[0] // self.group.size
-        return tensor.narrow(0, self.group.index * part, part).clone()
-
     def gather_full(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: self.full(name, state[name]) for name in sorted(state)}
-
-    def local_slices(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {name: self.local(name, tensor) for name, tensor in state.items()}
 
 
 def apply_expert_parallel(model: nn.Module, group: AxisGroup) -> ExpertLayout:

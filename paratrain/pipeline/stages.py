@@ -218,24 +218,6 @@ def gather_stages(stage: StageModel, model: Mapping[str, torch.Tensor], optimize
     return whole_model, {"state": state, "param_groups": [g for g in groups.values() if g["params"]]}
 
 
-def stage_part(stage: StageModel, model: Mapping[str, torch.Tensor],
-               optimizer: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The whole model's name-keyed state -> this stage's part (a tied copy reads its first end's)."""
-    own = list(stage.state_dict(keep_vars=True))
-    missing = sorted(stage.tied.get(n, n) for n in own if stage.tied.get(n, n) not in model)
-    if missing:
-        raise KeyError(f"the saved model lacks {missing[:6]} that pipeline stage {stage.chunks} holds")
-    part_model = {n: model[stage.tied.get(n, n)] for n in own}
-    params = [n for n, _ in stage.named_parameters()]
-    source = {n: stage.tied.get(n, n) for n in params}
-    state = {n: optimizer["state"][source[n]] for n in params if source[n] in optimizer["state"]}
-    groups = []
-    for g in optimizer["param_groups"]:
-        names = [n for n in params if source[n] in set(g["params"])]
-        if names:
-            groups.append({**g, "params": names})
-    return part_model, {"state": state, "param_groups": groups}
-
 
 @dataclass(frozen=True)
 class PipelineLayout:
@@ -244,7 +226,6 @@ class PipelineLayout:
 
     stage: StageModel
     group: AxisGroup
-    axis: str = "pp"
 
     @property
     def splits(self) -> dict[str, tuple[int, int, int]]:
@@ -263,6 +244,3 @@ class PipelineLayout:
 
     def to_whole(self, model: ModelState, optimizer: OptimizerState) -> tuple[ModelState, OptimizerState]:
         return gather_stages(self.stage, model, optimizer, self.group)
-
-    def to_local(self, model: ModelState, optimizer: OptimizerState) -> tuple[ModelState, OptimizerState]:
-        return stage_part(self.stage, model, optimizer)

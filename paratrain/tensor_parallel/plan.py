@@ -60,8 +60,6 @@ class TensorParallelLayout:
     split_ids: frozenset[int] = frozenset()
     """id() of the split parameters, for strategies that hold parameters, not names."""
 
-    axis = "tp"
-
     @property
     def splits(self) -> dict[str, tuple[int, int, int]]:
         """name -> (dim, this rank's index, parts) of every split parameter (paratrain.state_layout)."""
@@ -79,9 +77,6 @@ class TensorParallelLayout:
         """Slices -> whole tensors, model and per-element optimizer state (collective over tp)."""
         return self.gather_full(model), per_element(optimizer, self.full)
 
-    def to_local(self, model: ModelState, optimizer: OptimizerState) -> tuple[ModelState, OptimizerState]:
-        return self.local_slices(model), per_element(optimizer, self.local)
-
     def is_split(self, param: torch.Tensor) -> bool:
         return id(param) in self.split_ids
 
@@ -90,17 +85,6 @@ class TensorParallelLayout:
         all-gathered along its split dim (collective over tp); replicated ones come back as they are."""
         dim = self.split_dims.get(name)
         return tensor if dim is None else all_gather_along(tensor.detach(), self.group, dim)
-
-    def local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of the whole tensor of parameter `name` (the inverse of full)."""
-        dim = self.split_dims.get(name)
-        if dim is None:
-            return tensor
-        if tensor.shape[dim] % self.group.size:
-            raise ValueError(f"{name}: dim {dim} of the saved tensor ({tensor.shape[dim]}) does not split "
-                             f"over tp ({self.group.size})")
-        part = tensor.shape[dim] // self.group.size
-        return tensor.narrow(dim, self.group.index * part, part).clone()
 
     def register_grad_hooks(self, model: nn.Module) -> None:
         """Under sequence parallelism, sum each replicated parameter's gradient over tp as autograd
@@ -114,10 +98,6 @@ class TensorParallelLayout:
     def gather_full(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every split tensor of a name-keyed state made whole (collective over tp; name order)."""
         return {name: self.full(name, state[name]) for name in sorted(state)}
-
-    def local_slices(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every split tensor of a name-keyed state cut to this rank's slice."""
-        return {name: self.local(name, tensor) for name, tensor in state.items()}
 
 
 def resolve_plan(model: nn.Module, plan: Mapping[str, str], *, allow_missing: bool = False) -> dict[str, str]:
