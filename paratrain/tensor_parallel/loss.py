@@ -102,7 +102,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
 
 
 class VocabParallelOutput(nn.Module):
-    """paratrain.models.gpt.VocabOutput for logits split along the (padded) vocabulary over tp."""
+    """paratrain.nn.loss.VocabOutput for logits split along the (padded) vocabulary over tp."""
 
     def __init__(self, vocab_size: int, group: AxisGroup, *, ignore_index: int = -100) -> None:
         super().__init__()
