@@ -38,7 +38,8 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
              return_state: bool = False, pp: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
              pp_split: tuple[int, ...] = (), n_layer: int = 4, warmup: int = WARMUP,
              compile: bool | str = False, save_sharded: str | None = None, load_sharded: str | None = None,
-             precision: str = "fp32", ep: int = 1, model: str = "tiny", overrides: tuple[tuple[str, Any], ...] = ()) -> dict[str, Any]:
+             precision: str = "fp32", ep: int = 1, model: str = "tiny", overrides: tuple[tuple[str, Any], ...] = (),
+             cp: int = 1, cp_mode: str = "ring") -> dict[str, Any]:
     """Train the tiny GPT `steps` steps on the built-in corpus under a layout; per-step losses and
     grad norms, and the final full state. dp None: the single-process reference (no process group).
     start, start_step: resume from a full state (engine.state_dict()) taken after start_step steps.
@@ -49,7 +50,8 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dp, tp=tp, sequence_parallel=sequence_parallel, pp=pp,
                                                   schedule=schedule, virtual_stages=virtual_stages, pp_split=pp_split,
                                                   bucket_mb=bucket_mb, zero=zero, shard_group=shard_group,
-                                                  grad_reduce=grad_reduce, offload=offload, ep=ep))
+                                                  grad_reduce=grad_reduce, offload=offload, ep=ep, cp=cp,
+                                                  cp_mode=cp_mode))
     config = (preset(model, seq_len=32, dropout=dropout, n_layer=n_layer, **dict(overrides))
               if dropout or n_layer != 4 or model != "tiny" or overrides else TINY)
     gpt = paratrain.build_gpt(config, seed=seed, dtype=getattr(torch, dtype))

@@ -54,6 +54,10 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
                           "ceil(F x seq x top_k / experts); 0: dropless (default)"),
     "--aux-loss-coef": ("model.overrides.aux_loss_coef", float, "weight of the Switch load-balancing loss (default 0.01)"),
     "--z-loss-coef": ("model.overrides.z_loss_coef", float, "weight of the router z-loss (default 0.001)"),
+    "--cp": ("parallel.cp", int, "context-parallel degree: each sequence split over cp ranks (composes with dp and "
+                                 "ZeRO; the sequence must divide into 2 x cp chunks)"),
+    "--cp-mode": ("parallel.cp_mode", str, "ring (K/V blocks round the cp ranks) or ulysses (all-to-all to head "
+                                           "shards; heads must divide by cp)"),
     "--ep": ("parallel.ep", int, "expert-parallel degree: the experts divided among ep ranks of dp (divides dp "
              "and the expert count)"),
     "--data": ("data.source", str, "builtin, a .txt file, or a folder with train.bin/val.bin (uint16)"),

@@ -46,9 +46,9 @@ class Placement:
 
     @classmethod
     def data_parallel(cls, mesh: Mesh) -> Placement:
-        """A parameter replicated over dp (sharded over dp_shard under ZeRO), on one pipeline stage."""
+        """A parameter replicated over dp (and cp; sharded over dp_shard under ZeRO), on one pipeline stage."""
         pp = mesh.groups.get("pp")
-        return cls(reduce=mesh.groups.get("dp"), shard=mesh.groups.get("dp_shard"),
+        return cls(reduce=mesh.data_group(), shard=mesh.groups.get("dp_shard"),
                    replicate=mesh.groups.get("dp_replicate"), split=(pp,) if pp is not None else ())
 
     def split_over(self, group: AxisGroup) -> Placement:

@@ -14,6 +14,10 @@ the names live here, the programs there)."""
 _NOT_YET: dict[str, str] = {}
 
 
+CP_MODES: tuple[str, ...] = ("ring", "ulysses")
+"""How context parallelism's attention reaches the other ranks' keys and values (ParallelConfig.cp_mode)."""
+
+
 class ScheduleError(ValueError):
     """A schedule that cannot run for these (stages, micro-batches, chunks): refused before launch."""
 
@@ -68,6 +72,14 @@ class ParallelConfig:
     """Expert-parallel degree, a divisor of dp: each group of ep consecutive dp ranks divides a MoE
     layer's experts among them and exchanges tokens by all-to-all; the dp / ep ranks holding the same
     experts reduce their gradients (ep folds into dp, as in DeepSpeed and Megatron)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over cp ranks (2 x cp chunks, rank r holding chunks r
+    and 2cp - 1 - r, so causal attention costs each rank the same); attention exchanges keys and values
+    over them (cp_mode). Parameters are whole on every cp rank: gradients are reduced, and ZeRO shards,
+    over dp x cp. paratrain.context_parallel."""
+    cp_mode: str = "ring"
+    """How attention sees the other ranks' keys and values: 'ring' (blocks passed round the cp ranks,
+    merged by log-sum-exp) or 'ulysses' (all-to-all from sequence shards to head shards and back)."""
     zero: int = 0
     """ZeRO stage over dp: 0 plain data parallelism; 1 shards optimizer state; 2 also gradients;
     3 also parameters (gathered around each wrapped module when it runs)."""
@@ -96,7 +108,7 @@ class ParallelConfig:
 
     def resolved(self, world_size: int) -> ParallelConfig:
         """This config with dp filled in and every rule checked against the world size."""
-        for name in ("tp", "pp", "ep"):
+        for name in ("tp", "pp", "ep", "cp"):
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
@@ -126,18 +138,21 @@ class ParallelConfig:
             raise ConfigError(f"grad_reduce must be 'auto', 'reduce_scatter' or 'all_reduce', got {self.grad_reduce!r}")
         if self.bucket_mb <= 0:
             raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb}")
-        model_parallel = self.tp * self.pp
+        self._check_context_parallel()
+        model_parallel = self.tp * self.pp * self.cp
+        axes = ("tp", "pp", "cp") if self.cp > 1 else ("tp", "pp")  # cp named where it is used
+        names, values = " x ".join(axes), " x ".join(str(getattr(self, a)) for a in axes)
         if world_size % model_parallel:
             raise ConfigError(
-                f"tp x pp = {self.tp} x {self.pp} = {model_parallel} must divide the world size "
-                f"({world_size}): change tp/pp or the number of processes"
+                f"{names} = {values} = {model_parallel} must divide the world size "
+                f"({world_size}): change {'/'.join(axes)} or the number of processes"
             )
         dp = self.dp if self.dp is not None else world_size // model_parallel
         if dp < 1:
             raise ConfigError(f"dp must be >= 1, got {dp}")
         if dp * model_parallel != world_size:
             raise ConfigError(
-                f"dp x tp x pp = {dp} x {self.tp} x {self.pp} = {dp * model_parallel} must equal the "
+                f"dp x {names} = {dp} x {values} = {dp * model_parallel} must equal the "
                 f"world size ({world_size}): set dp={world_size // model_parallel} or run "
                 f"{dp * model_parallel} processes (--nproc)"
             )
@@ -167,8 +182,24 @@ class ParallelConfig:
                               f"dp ranks; choose ep in {choices}")
         return replace(self, dp=dp)
 
+    def _check_context_parallel(self) -> None:
+        if self.cp_mode not in CP_MODES:
+            raise ConfigError(f"cp_mode must be one of {', '.join(CP_MODES)}, got {self.cp_mode!r}")
+        if self.cp == 1:
+            return
+        composed = {"pp": (self.pp > 1, "each pipeline stage would need the positions of its shard"),
+                    "tp": (self.tp > 1, "tensor parallelism's sequence split and cp's balanced chunks do not "
+                                        "compose yet"),
+                    "ep": (self.ep > 1, "MoE routing over cp (per-sequence capacity) is not built"),
+                    "shard_group": (self.shard_group is not None, "ZeRO shards over all of dp x cp"),
+                    "offload": (self.offload != "none", "offload has not been checked under cp")}
+        for name, (given, why) in composed.items():
+            if given:
+                raise ConfigError(f"cp={self.cp} with {name}={getattr(self, name)}: {why}; context parallelism "
+                                  f"composes with dp and ZeRO 1/2/3 in this version: drop {name} or set cp=1")
+
     @property
     def world_size(self) -> int:
         if self.dp is None:
             raise ConfigError("dp is not resolved yet: call ParallelConfig.resolved(world_size)")
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp

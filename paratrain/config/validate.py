@@ -50,6 +50,26 @@ def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len:
         )
 
 
+def check_context_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len: int) -> None:
+    """cp splits each sequence into 2 x cp equal chunks (the balanced causal split); Ulysses splits the
+    attention heads over cp; keyed dropout is not built under cp's chunks."""
+    cp = parallel.cp
+    if cp == 1:
+        return
+    if seq_len % (2 * cp):
+        fits = [c for c in range(1, cp + 1) if seq_len % (2 * c) == 0]
+        raise ConfigError(f"seq_len ({seq_len}) must divide into 2 x cp = {2 * cp} equal chunks (rank r holds chunks r "
+                          f"and {2 * cp - 1} - r, so causal attention costs every rank the same): choose cp in {fits} "
+                          f"or a seq_len that is a multiple of {2 * cp}")
+    if parallel.cp_mode == "ulysses" and model.n_head % cp:
+        fits = [c for c in range(1, cp + 1) if model.n_head % c == 0]
+        raise ConfigError(f"cp_mode ulysses splits the attention heads over cp: n_head ({model.n_head}) % cp ({cp}) "
+                          f"must be 0; choose cp in {fits} or --cp-mode ring")
+    if model.dropout:
+        raise ConfigError(f"dropout ({model.dropout}) with cp = {cp}: keyed dropout's masks under context "
+                          "parallelism's balanced chunks are not built yet; set model.dropout to 0 or cp to 1")
+
+
 def check_experts(model: ModelConfig, parallel: ParallelConfig, *, compile: bool | str = False) -> None:
     """Mixture-of-Experts with the layout and the run's settings (compile: train.compile)."""
     if not model.n_experts:
@@ -167,6 +187,7 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
     if not 0.0 < data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {data.val_fraction}")
     check_tensor_parallel(model, parallel, seq_len)
+    check_context_parallel(model, parallel, seq_len)
     check_experts(model, parallel, compile=config.train.compile)
     assert parallel.dp is not None
     micro_batch = data.micro_batch

@@ -53,7 +53,7 @@ class Engine:
         self.pieces = parts.pieces
         self.watch = NonFiniteWatch(options.on_non_finite, self.non_finite_ranks)
         """Non-finite steps not yet read back (on_non_finite="raise"), and the newest statistics read."""
-        self._dp_group = ctx.mesh.groups.get("dp")
+        self._dp_group = ctx.mesh.data_group()  # dp, or dp x cp: each holds a part of the global batch's tokens
         self._pp_group = ctx.mesh.groups.get("pp")
         self._agree = [g for g in (self._dp_group, ctx.mesh.groups.get("tp"), self._pp_group) if g is not None]
         """Axes over which an fp16 overflow decision must be shared."""
@@ -111,7 +111,7 @@ class Engine:
             for i, micro in enumerate(micro_batches):
                 self.grads.begin_micro_batch(sync=i == len(micro_batches) - 1)  # communicate on the last only
                 self.dropout.at_rows(first_row + i * batch_rows(micro))
-                loss_sum, count = self._forward(to_device(micro, self.ctx.device), loss_fn)
+                loss_sum, count = self._forward(self._on_device(micro), loss_fn)
                 scale = self._loss_scale(count) if self.scaler else 1.0
                 if self.router_log is not None:  # the MoE layers' auxiliary terms get the loss sum's gradient
                     self.router_log.scale_gradients(scale)
@@ -207,7 +207,7 @@ class Engine:
             totals += self._pipeline_pass(micro_batches, self.ctx.mesh.index("dp") * batch_rows(batch), train=False)
         else:
             for micro in micro_batches:
-                loss_sum, count = self._forward(to_device(micro, self.ctx.device), loss_fn)
+                loss_sum, count = self._forward(self._on_device(micro), loss_fn)
                 totals[0] += loss_sum.double()
                 totals[1] += count
         if self._dp_group is not None:
@@ -239,6 +239,11 @@ class Engine:
         assert self._pp_group is not None
         all_reduce(totals, self._pp_group)  # only the last stage computed them
         return totals
+
+    def _on_device(self, micro: Any) -> Any:
+        """A micro-batch on this rank's device; under cp, this rank's part of its sequences."""
+        micro = to_device(micro, self.ctx.device)
+        return micro if self.parts.sequence is None else self.parts.sequence.shard_batch(micro)
 
     def _forward(self, micro: Any, loss_fn: LossFn) -> tuple[torch.Tensor, torch.Tensor | int]:
         with autocast(self.precision, self.ctx.device):

@@ -24,7 +24,8 @@ from paratrain.hybrid.materialize import Source, is_meta
 from paratrain.hybrid.parts import EngineParts, GradientStrategy, StepOptions
 from paratrain.hybrid.pieces import Pieces, whole_shapes
 from paratrain.hybrid.state import optimizer_state
-from paratrain.hybrid.steps import (MemorySavers, apply_batch_norm, apply_memory_savers, apply_pipeline,
+from paratrain.hybrid.steps import (MemorySavers, apply_batch_norm, apply_context_parallel, apply_memory_savers,
+                                    apply_pipeline,
                                     apply_tensor_layout, broadcast_weights, check_whole_model, grad_reduce_op,
                                     pipeline_executor, placer, values_source)
 from paratrain.memory import LOW_DTYPES, LossScaler
@@ -126,6 +127,8 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     # 5. Expert parallelism: each ep rank keeps its share of every MoE layer's experts.
     ep_group = ctx.mesh.groups.get("ep")
     experts = apply_expert_parallel(model, ep_group) if ep_group is not None else None
+    # 5b. Context parallelism: each rank runs on its part of every sequence (no state is split).
+    sequence = apply_context_parallel(model, ctx, recipe)
     layouts: tuple[StateLayout, ...] = tuple(x for x in (tp, experts, stage) if x is not None)
     # 6. By module name: recompute, compile each block, offload each block's saved activations.
     recomputed = apply_memory_savers(model, savers, recipe, required=stage is None)
@@ -143,7 +146,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     if sync_initial_weights and not meta:  # the same weights on every replica
         broadcast_weights(model, placements)
     # Buffers that forward changes (BatchNorm's under 'local', a user's counter) kept equal over dp.
-    dp_group = ctx.mesh.groups.get("dp")
+    dp_group = ctx.mesh.data_group()
     buffer_sync = None if dp_group is None else BufferSync(model, dp_group, buffers or {}, device=ctx.device,
                                                            synced_batch_norms=synced, local_batch_norms=local)
     # 8. Gradients: summed over the replicas in buckets, or ZeRO-1/2/3's flat groups.
@@ -174,5 +177,5 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     executor = None if stage is None else pipeline_executor(stage, ctx, recipe, family=family, hidden=hidden,
                                                     precision=precision, recomputed=recomputed)
     parts = EngineParts(opt, grads, save_state, pieces, placements, layouts=layouts, pipeline=executor, scaler=scaler,
-                        buffers=buffer_sync)
+                        buffers=buffer_sync, sequence=sequence)
     return Engine(model, ctx, parts, options)

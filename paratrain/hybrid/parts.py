@@ -10,6 +10,7 @@ import torch
 
 from paratrain.comm import NormPart
 from paratrain.comm.placement import Placements
+from paratrain.context_parallel import SequenceShard
 from paratrain.data_parallel import BufferSync
 from paratrain.hybrid.pieces import Pieces
 from paratrain.memory import PRECISIONS, LossScaler
@@ -93,3 +94,5 @@ class EngineParts:
     """fp16: the dynamic loss scale (None in fp32 and bf16)."""
     buffers: BufferSync | None = None
     """Under dp > 1: buffers that forward changes, kept equal over dp after each step (None: dp = 1)."""
+    sequence: SequenceShard | None = None
+    """Under cp > 1: this rank's part of each sequence; the engine cuts every micro-batch to it."""

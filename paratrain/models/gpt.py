@@ -32,6 +32,7 @@ model through `output`, so a strategy that splits the vocabulary replaces that o
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,14 @@ from paratrain.nn.loss import VocabOutput
 from paratrain.nn.moe import MoE, RouterLog
 from paratrain.nn.recipe import Recipe
 
+
+
+class SequenceSplit(Protocol):
+    """Where a rank's tokens sit in each sequence, and attention over the whole of it (context
+    parallelism: paratrain.context_parallel.SequenceShard)."""
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor: ...
+    def attention_core(self) -> nn.Module: ...
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -178,13 +187,27 @@ class GPT(nn.Module):
         cos, sin = rope_tables(config.seq_len, config.head_dim, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.sequence: SequenceSplit | None = None
+        """Context parallelism: where this rank's tokens sit in each sequence (split_sequence)."""
+
+    def split_sequence(self, shard: SequenceSplit) -> None:
+        """Run on a part of each sequence (context parallelism): rotary positions are the tokens' positions in
+        the whole sequence, and every attention core attends through `shard` to the other parts."""
+        self.sequence = shard
+        for block in self.blocks:
+            assert isinstance(block.attn, Attention)
+            block.attn.core = shard.attention_core()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx[B, S] (token ids) -> logits[B, S, Vp] (padded vocabulary; `output` reads them)."""
         seq = idx.shape[1]
         if seq > self.config.seq_len:
             raise ValueError(f"sequence of {seq} tokens is longer than the model's seq_len {self.config.seq_len}")
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        if self.sequence is None:
+            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        else:  # this rank's part of the sequence: its tokens' own positions
+            positions = self.sequence.positions(seq, idx.device)
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         x = self.tok_emb(idx)
         for block in self.blocks:
             x = block(x, cos, sin)

@@ -60,5 +60,6 @@ def gpt_stage_loss(stage: nn.Module, logits: torch.Tensor, targets: torch.Tensor
 
 
 GPT_RECIPE = Recipe(tp_plan=GPT_PLAN, blocks=GPT_BLOCKS, attention_cores=GPT_ATTENTION_CORES, layers=gpt_layers,
-                    stage_loss=gpt_stage_loss, hidden_size=lambda model: model.config.d_model)
+                    stage_loss=gpt_stage_loss, hidden_size=lambda model: model.config.d_model,
+                    split_sequence=lambda model, shard: model.split_sequence(shard))
 """paratrain.models.GPT's recipe (GPT.recipe() returns it)."""

@@ -10,6 +10,8 @@ Strategies know no model class. Each receives from the recipe the one thing it n
     stage_loss       the last pipeline stage's loss, (stage model, its output, targets) -> (sum, count)
     hidden_size      the width of the activation between pipeline stages ([rows, seq, hidden]), for a
                      dry run on the meta device, where no activation is computed
+    split_sequence   context parallelism: route the model's attention and positions through a
+                     SequenceShard (the model's own method: it knows where its attention and rotary are)
 
 A model exposes its recipe as a `recipe()` method (paratrain.models.GPT does); a model that has
 none (any user's nn.Module) passes the pieces to parallelize by keyword, or a Recipe (the Hugging
@@ -58,6 +60,9 @@ class Recipe:
     layers: Callable[[nn.Module], list[Layer]] | None = None
     stage_loss: StageLoss | None = None
     hidden_size: Callable[[nn.Module], int] | None = None
+    split_sequence: Callable[[nn.Module, Any], None] | None = None
+    """Context parallelism: split_sequence(model, shard) makes the model's attention attend through
+    shard.attend and index its positions by shard.positions (paratrain.context_parallel.SequenceShard)."""
 
     def with_overrides(self, **given: Any) -> Recipe:
         """This recipe with the fields given (not None) replaced: parallelize's keywords win."""

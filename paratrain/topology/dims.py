@@ -1,15 +1,17 @@
 """ParallelDims: the degree of every parallel axis, and where each rank sits on them. Pure Python, no
 torch.distributed.
 
-The ranks form a (pp, dp, tp) grid; rank order puts tp innermost, then dp, then pp (as Megatron-LM):
-the ranks of one tp group are adjacent, so on a multi-GPU node they share the fastest links.
+The ranks form a (pp, dp, cp, tp) grid; rank order puts tp innermost, then cp, then dp, then pp (as
+Megatron-LM): the ranks of one tp group are adjacent, so on a multi-GPU node they share the fastest
+links, and a cp ring is the next closest.
 
-    rank = (pp_index * dp + dp_index) * tp + tp_index
+    rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index
 
 The other axes live inside these: dp = dp_replicate x dp_shard (ZeRO's state split over dp_shard
 consecutive dp ranks, replicated over the dp_replicate groups; without ZeRO dp_shard is 1), ep
-consecutive dp ranks dividing the experts (ep folds into dp), virtual_stages chunks per pipeline rank,
-and cp, context parallelism, which is not built yet (degree 1).
+consecutive dp ranks dividing the experts (ep folds into dp), virtual_stages chunks per pipeline rank.
+Parameters are whole on every cp rank, so what data parallelism reduces runs over dp x cp
+(data_groups).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from itertools import product
 from paratrain.config.errors import ConfigError
 from paratrain.config.parallel import ParallelConfig
 
-AXES: tuple[str, ...] = ("pp", "dp", "tp")
+AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 """The axes of the rank grid, outermost first."""
 
 
@@ -40,15 +42,12 @@ class ParallelDims:
     """Consecutive dp ranks dividing each MoE layer's experts: a sub-axis of dp."""
     tp: int = 1
     cp: int = 1
-    """Context parallelism: a place for it; degrees above 1 are refused until it is built."""
+    """Context parallelism: each sequence split over cp ranks (paratrain.context_parallel)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             if getattr(self, f.name) < 1:
                 raise ConfigError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
-        if self.cp > 1:
-            raise ConfigError(f"cp={self.cp}: context parallelism (each sequence split over cp ranks) is not built "
-                              "yet; use cp=1")
         if self.dp % self.ep:
             choices = [e for e in range(1, self.dp + 1) if self.dp % e == 0]
             raise ConfigError(f"ep ({self.ep}) must divide dp ({self.dp}): expert parallelism divides the experts "
@@ -56,12 +55,12 @@ class ParallelDims:
 
     @classmethod
     def of(cls, *, dp: int = 1, tp: int = 1, pp: int = 1, virtual_stages: int = 1, ep: int = 1,
-           dp_shard: int = 1) -> ParallelDims:
+           dp_shard: int = 1, cp: int = 1) -> ParallelDims:
         """From the data-parallel degree as a whole, split into dp / dp_shard replicas of dp_shard ranks."""
         if dp_shard < 1 or dp < 1 or dp % dp_shard:
             raise ConfigError(f"shard group ({dp_shard}) must divide dp ({dp})")
         return cls(pp=pp, virtual_stages=virtual_stages, dp_replicate=dp // dp_shard, dp_shard=dp_shard, ep=ep,
-                   tp=tp)
+                   tp=tp, cp=cp)
 
     @classmethod
     def from_config(cls, config: ParallelConfig) -> ParallelDims:
@@ -71,7 +70,7 @@ class ParallelDims:
             raise ConfigError("dp is not resolved yet: call ParallelConfig.resolved(world_size) first")
         shard = (config.shard_group or config.dp) if config.zero else 1
         return cls.of(dp=config.dp, tp=config.tp, pp=config.pp, virtual_stages=config.virtual_stages, ep=config.ep,
-                      dp_shard=shard)
+                      dp_shard=shard, cp=config.cp)
 
     @property
     def dp(self) -> int:
@@ -82,24 +81,27 @@ class ParallelDims:
         return self.dp * self.tp * self.pp * self.cp
 
     def degree(self, axis: str) -> int:
-        """The degree of a grid axis ('pp', 'dp', 'tp')."""
+        """The degree of a grid axis ('pp', 'dp', 'cp', 'tp')."""
         if axis not in AXES:
             raise ValueError(f"unknown axis {axis!r}: choose one of {AXES}")
         return getattr(self, axis)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """{'pp': i, 'dp': j, 'tp': k} of a global rank."""
+        """{'pp': i, 'dp': j, 'cp': c, 'tp': k} of a global rank."""
         self._check_rank(rank)
-        tp_index = rank % self.tp
-        dp_index = (rank // self.tp) % self.dp
-        pp_index = rank // (self.tp * self.dp)
-        return {"pp": pp_index, "dp": dp_index, "tp": tp_index}
+        coords = {}
+        for axis in reversed(AXES):  # innermost first
+            coords[axis] = rank % self.degree(axis)
+            rank //= self.degree(axis)
+        return {axis: coords[axis] for axis in AXES}
 
-    def rank(self, *, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
-        for axis, index in (("pp", pp), ("dp", dp), ("tp", tp)):
+    def rank(self, *, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
+        rank = 0
+        for axis, index in (("pp", pp), ("dp", dp), ("cp", cp), ("tp", tp)):
             if not 0 <= index < self.degree(axis):
                 raise ValueError(f"{axis} index {index} out of range 0..{self.degree(axis) - 1}")
-        return (pp * self.dp + dp) * self.tp + tp
+            rank = rank * self.degree(axis) + index
+        return rank
 
     def group_ranks(self, axis: str, rank: int) -> list[int]:
         """The ranks that share every coordinate of `rank` except `axis`, in axis order."""
@@ -113,6 +115,14 @@ class ParallelDims:
         for indices in product(*(range(self.degree(a)) for a in others)):
             fixed = dict(zip(others, indices))
             groups.append([self.rank(**{**fixed, axis: i}) for i in range(self.degree(axis))])
+        return groups
+
+    def data_groups(self) -> list[list[int]]:
+        """The ranks holding the same parameters' replicas over dp and cp (every (pp, tp) position), dp
+        index outer, cp inner: what data parallelism reduces over when cp > 1."""
+        groups = []
+        for pp, tp in product(range(self.pp), range(self.tp)):
+            groups.append([self.rank(pp=pp, dp=d, cp=c, tp=tp) for d in range(self.dp) for c in range(self.cp)])
         return groups
 
     def dp_split(self, shard: int) -> tuple[list[list[int]], list[list[int]]]:

@@ -15,7 +15,7 @@ from paratrain.topology.recorder import FlightRecorder
 from paratrain.topology.dims import AXES, ParallelDims
 
 
-SUB_AXES = ("dp_shard", "dp_replicate", "ep", "edp", "tied")
+SUB_AXES = ("dp_shard", "dp_replicate", "ep", "edp", "tied", "dp_cp")
 """Groups inside the dp axis (or across pp's ends) whose degree is their group's size, 1 without one."""
 
 
@@ -59,6 +59,8 @@ class Mesh:
         dp_shard S with 1 < S < dp adds the dp sub-axes of hierarchical sharding: "dp_shard" (S ranks
         sharing one copy of the state) and "dp_replicate" (dp / S ranks holding the same shard).
         S = dp makes "dp_shard" the dp group itself; S = 1 adds nothing.
+        cp > 1 adds "cp" (the ranks splitting one sequence) and "dp_cp" (dp x cp: the ranks holding the same
+        parameters, which data parallelism reduces over and ZeRO shards over).
         """
         groups: dict[str, AxisGroup] = {}
         recorder = FlightRecorder(rank)
@@ -80,6 +82,10 @@ class Mesh:
             add("dp_replicate", replicas)
         elif dims.dp_shard == dims.dp and "dp" in groups:
             groups["dp_shard"] = groups["dp"]
+        if dims.cp > 1:
+            add("dp_cp", dims.data_groups())
+            if dims.dp_shard == dims.dp:  # ZeRO over all of dp x cp (plain dp: no strategy reads dp_shard)
+                groups["dp_shard"] = groups["dp_cp"]
         if dims.ep > 1:  # a process group of its own even when ep = dp: the all-to-alls in backward must not
             # interleave with the gradient all-reduces that GradSync starts on dp meanwhile
             experts, replicas = dims.dp_split(dims.ep)
@@ -102,6 +108,11 @@ class Mesh:
         if axis in SUB_AXES:
             return self.groups[axis].index if axis in self.groups else 0
         return self.dims.coords(self.rank)[axis]
+
+    def data_group(self) -> AxisGroup | None:
+        """The ranks a replicated parameter's gradient, and a step's loss and token count, are summed
+        over: dp, or dp x cp under context parallelism (None: one such rank)."""
+        return self.groups.get("dp_cp", self.groups.get("dp"))
 
     def group(self, axis: str) -> AxisGroup:
         if axis not in self.groups:

@@ -101,6 +101,9 @@ class Trainer:
         if self.engine.pipeline is not None:  # no rank holds the whole model to sample from
             if sample_tokens and self.ctx.is_main:
                 self.log.info("no sample under pipeline parallelism (each rank holds only its stage)")
+        elif self.ctx.config.cp > 1:  # attention runs over the cp ranks' parts of a sequence
+            if sample_tokens and self.ctx.is_main:
+                self.log.info("no sample under context parallelism (each rank attends through its part of a sequence)")
         elif sample_tokens and (self.ctx.is_main or sharded) and self.source.vocab_size == 256:
             text = self.sample(sample_tokens)
             result.sample = text if self.ctx.is_main else ""

@@ -23,7 +23,7 @@ def test_tp_is_innermost():
     assert dims.group_ranks("tp", 0) == [0, 1]
     assert dims.group_ranks("dp", 0) == [0, 2]
     assert dims.group_ranks("pp", 0) == [0, 4]
-    assert dims.coords(7) == {"pp": 1, "dp": 1, "tp": 1}
+    assert dims.coords(7) == {"pp": 1, "dp": 1, "cp": 0, "tp": 1}
 
 
 @pytest.mark.parametrize("axis", ["pp", "dp", "tp"])
@@ -64,8 +64,8 @@ def test_dp_split_for_hierarchical_sharding():
 
 
 def test_every_axis_is_named_and_checked_once():
-    """dp = dp_replicate x dp_shard (ZeRO's shard group), ep inside dp, cp refused until it is built; a
-    resolved config gives the dims without resolving again."""
+    """dp = dp_replicate x dp_shard (ZeRO's shard group), ep inside dp, cp an axis of its own; a resolved
+    config gives the dims without resolving again."""
     from paratrain.config import ConfigError, ParallelConfig
 
     dims = ParallelDims.of(dp=4, tp=2, dp_shard=2, ep=2)
@@ -76,9 +76,35 @@ def test_every_axis_is_named_and_checked_once():
     assert ParallelDims.from_config(ParallelConfig(zero=2).resolved(4)).dp_shard == 4
     with pytest.raises(ConfigError, match="not resolved yet"):
         ParallelDims.from_config(ParallelConfig())
-    with pytest.raises(ConfigError, match="context parallelism .* not built yet; use cp=1"):
-        ParallelDims(cp=2)
+    assert ParallelDims.from_config(ParallelConfig(cp=2).resolved(4)) == ParallelDims(dp_replicate=2, cp=2)
     with pytest.raises(ConfigError, match=r"ep \(3\) must divide dp \(4\)"):
         ParallelDims.of(dp=4, ep=3)
     with pytest.raises(ConfigError, match="tp must be >= 1, got 0"):
         ParallelDims(tp=0)
+
+
+def test_the_cp_axis_sits_between_tp_and_dp_and_data_parallelism_spans_dp_x_cp():
+    """Rank order tp, cp, dp, pp (innermost first, as Megatron-LM); the ranks holding the same parameters are
+    every (dp, cp) pair of a (pp, tp) position."""
+    from paratrain.topology.dims import ParallelDims
+
+    dims = ParallelDims.of(dp=2, cp=2, tp=2)
+    assert dims.world_size == 8
+    assert [dims.rank(**dims.coords(r)) for r in range(8)] == list(range(8))
+    assert dims.coords(3) == {"pp": 0, "dp": 0, "cp": 1, "tp": 1}
+    assert dims.all_groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.all_groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dims.data_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+@pytest.mark.parametrize("given,rule", [
+    (dict(cp=2, pp=2), "pp=2"), (dict(cp=2, tp=2), "tp=2"), (dict(cp=2, ep=2), "ep=2"),
+    (dict(cp=2, zero=1, shard_group=1), "shard_group=1"), (dict(cp=2, cp_mode="stripes"), "cp_mode"),
+])
+def test_cp_refuses_what_it_does_not_compose_with_yet(given, rule):
+    from paratrain.config import ParallelConfig
+    from paratrain.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rule):
+        ParallelConfig(**given).resolved(8)
+    assert ParallelConfig(cp=2, zero=3).resolved(8).dp == 4
