@@ -91,8 +91,8 @@ class Layout:
 
     @property
     def shards(self) -> int:
-        """Ranks one copy of ZeRO's state is split over."""
-        return self.dims.dp_shard
+        """Ranks one copy of ZeRO's state is split over (under cp, every dp x cp rank: paratrain.topology.mesh)."""
+        return self.dims.dp_shard * (self.dims.cp if self.dims.dp_shard == self.dims.dp else 1)
 
     @property
     def expert_shards(self) -> int:

@@ -49,6 +49,8 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, p
     the gradient bucket being reduced). Offloaded optimizer state is in CPU memory, not counted."""
     mode = storage_mode(precision, layout.zero)
     microbatches = global_batch // (layout.dp * layout.micro_batch)
+    seq //= layout.dims.cp  # the tokens of a sequence this rank holds (context parallelism; a first estimate:
+    # each rank's activations as one process's for seq / cp tokens; ring's K/V blocks in flight not counted)
     act = 4 if mode == "fp32" else 2
     best: dict[str, float] = {}
     for stage in sorted({0, layout.pp // 2, layout.pp - 1}):

@@ -150,3 +150,18 @@ def test_mixture_of_experts_layouts(capsys):
     assert four["comm_s"] > one["comm_s"]  # the all-to-alls
     assert main(["plan", "--model", "tiny-moe", "--gpus", "2", "--global-batch", "8", "--dry-run"]) == 2
     assert "cannot be dry-run" in capsys.readouterr().err
+
+
+def test_context_parallel_memory_is_a_first_estimate_per_rank():
+    """Under cp a rank's activations are one process's for seq / cp tokens, and ZeRO's state is split over
+    dp x cp ranks (what the engine shards over). Not checked to the byte against a run yet (issue 27)."""
+    from paratrain.planner.search import memory
+    from paratrain.topology.dims import ParallelDims
+
+    model = preset("gpt2", seq_len=1024)
+    one = memory(model, Layout(dims=ParallelDims.of(dp=1, dp_shard=1), zero=1, micro_batch=1),
+                 global_batch=1, seq=512, precision="bf16")
+    cp = memory(model, Layout(dims=ParallelDims.of(dp=1, dp_shard=1, cp=2), zero=1, micro_batch=1),
+                global_batch=1, seq=1024, precision="bf16")
+    assert cp["activations"] == one["activations"]
+    assert cp["optimizer"] < one["optimizer"] * 0.51  # the state split over the 2 cp ranks
