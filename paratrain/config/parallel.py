@@ -188,15 +188,14 @@ class ParallelConfig:
         if self.cp == 1:
             return
         composed = {"pp": (self.pp > 1, "each pipeline stage would need the positions of its shard"),
-                    "tp": (self.tp > 1, "tensor parallelism's sequence split and cp's balanced chunks do not "
-                                        "compose yet"),
                     "ep": (self.ep > 1, "MoE routing over cp (per-sequence capacity) is not built"),
                     "shard_group": (self.shard_group is not None, "ZeRO shards over all of dp x cp"),
                     "offload": (self.offload != "none", "offload has not been checked under cp")}
         for name, (given, why) in composed.items():
             if given:
                 raise ConfigError(f"cp={self.cp} with {name}={getattr(self, name)}: {why}; context parallelism "
-                                  f"composes with dp and ZeRO 1/2/3 in this version: drop {name} or set cp=1")
+                                  f"composes with dp, ZeRO 1/2/3 and tp (with or without sequence parallelism) in "
+                                  f"this version: drop {name} or set cp=1")
 
     @property
     def world_size(self) -> int:

@@ -51,20 +51,24 @@ def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len:
 
 
 def check_context_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len: int) -> None:
-    """cp splits each sequence into 2 x cp equal chunks (the balanced causal split); Ulysses splits the
-    attention heads over cp; keyed dropout is not built under cp's chunks."""
+    """cp splits each sequence into 2 x cp equal chunks (the balanced causal split), and sequence
+    parallelism this rank's part again over tp; Ulysses splits a tp rank's attention heads over cp; keyed
+    dropout is not built under cp's chunks."""
     cp = parallel.cp
     if cp == 1:
         return
-    if seq_len % (2 * cp):
-        fits = [c for c in range(1, cp + 1) if seq_len % (2 * c) == 0]
-        raise ConfigError(f"seq_len ({seq_len}) must divide into 2 x cp = {2 * cp} equal chunks (rank r holds chunks r "
-                          f"and {2 * cp - 1} - r, so causal attention costs every rank the same): choose cp in {fits} "
-                          f"or a seq_len that is a multiple of {2 * cp}")
-    if parallel.cp_mode == "ulysses" and model.n_head % cp:
-        fits = [c for c in range(1, cp + 1) if model.n_head % c == 0]
-        raise ConfigError(f"cp_mode ulysses splits the attention heads over cp: n_head ({model.n_head}) % cp ({cp}) "
-                          f"must be 0; choose cp in {fits} or --cp-mode ring")
+    sp = parallel.tp if parallel.sequence_parallel else 1
+    if seq_len % (2 * cp * sp):
+        fits = [c for c in range(1, cp + 1) if seq_len % (2 * c * sp) == 0]
+        then = f" and sequence parallelism each chunk pair into tp = {sp} parts" if sp > 1 else ""
+        raise ConfigError(f"seq_len ({seq_len}) must divide into 2 x cp = {2 * cp} equal chunks{then} (rank r holds "
+                          f"chunks r and {2 * cp - 1} - r, so causal attention costs every rank the same): choose cp in "
+                          f"{fits} or a seq_len that is a multiple of {2 * cp * sp}")
+    heads = model.n_head // parallel.tp
+    if parallel.cp_mode == "ulysses" and heads % cp:
+        fits = [c for c in range(1, cp + 1) if heads % c == 0]
+        raise ConfigError(f"cp_mode ulysses splits a tp rank's attention heads over cp: n_head / tp = {heads} % cp "
+                          f"({cp}) must be 0; choose cp in {fits} or --cp-mode ring")
     if model.dropout:
         raise ConfigError(f"dropout ({model.dropout}) with cp = {cp}: keyed dropout's masks under context "
                           "parallelism's balanced chunks are not built yet; set model.dropout to 0 or cp to 1")

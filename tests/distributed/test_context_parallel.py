@@ -46,3 +46,15 @@ def test_a_cp_checkpoint_resumes_under_another_cp_degree(pools, tmp_path):
     one = tiny_run(dp=None, micro_batch=None, dtype="float64", steps=STEPS // 2, start_step=STEPS // 2,
                      load_sharded=root)
     within(rel_diff(one["losses"], ref), 1e-12, "loss after resuming dp2 x cp2 -> one process (float64)")
+
+
+@pytest.mark.parametrize("mode,sp", [("ring", True), ("ulysses", False)])
+def test_cp_composes_with_tensor_parallelism(pools, mode, sp):
+    """cp2 x tp2 (tp splits the heads, cp the sequence; sequence parallelism splits this rank's part of the
+    sequence again over tp), float64: one process's loss, grad norm and weights."""
+    got = pools(4).run(_job, dp=1, cp=2, tp=2, sequence_parallel=sp, cp_mode=mode, micro_batch=8, dtype="float64")
+    ref = reference_run(STEPS, dtype="float64")
+    for rank in got:
+        within(rel_diff(rank["losses"], ref["losses"]), 1e-12, "loss (float64)")
+        within(rel_diff(rank["grad_norms"], ref["grad_norms"]), 1e-12, "grad norm (float64)")
+    within(max_state_diff(got[0]["model"], ref["model"]), 1e-11, "weights (float64)")

@@ -98,7 +98,7 @@ def test_the_cp_axis_sits_between_tp_and_dp_and_data_parallelism_spans_dp_x_cp()
 
 
 @pytest.mark.parametrize("given,rule", [
-    (dict(cp=2, pp=2), "pp=2"), (dict(cp=2, tp=2), "tp=2"), (dict(cp=2, ep=2), "ep=2"),
+    (dict(cp=2, pp=2), "pp=2"), (dict(cp=2, ep=2), "ep=2"),
     (dict(cp=2, zero=1, shard_group=1), "shard_group=1"), (dict(cp=2, cp_mode="stripes"), "cp_mode"),
 ])
 def test_cp_refuses_what_it_does_not_compose_with_yet(given, rule):
