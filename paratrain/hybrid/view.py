@@ -78,7 +78,11 @@ class StateView:
     def owners(self) -> list[Owned]:
         """This rank's exact values by what holds them: parameters (by optimizer owner: a flat group's
         master over its shard, every other parameter whole), then persistent buffers."""
-        owned = self.pieces.owners(self.model, self.groups)
+        return self.pieces.owners(self.model, self.groups) + self._buffers()
+
+    def _buffers(self) -> list[Owned]:
+        """The persistent buffers (BatchNorm's running statistics), each stored tensor once, whole."""
+        owned: list[Owned] = []
         seen = {id(p) for p in self.model.parameters()}
         for name, tensor in self.model.state_dict(keep_vars=True).items():
             if id(tensor) not in seen:
@@ -139,8 +143,7 @@ class StateView:
         by_name: dict[str, list[Run]] = {}
         for run in self.pieces.storage(self.model, self.groups, buffers=False):
             by_name.setdefault(run.piece.name, []).append(run)
-        owners = self.owners()
-        for owned in owners[len(self.pieces.owners(self.model, self.groups)):]:  # persistent buffers
+        for owned in self._buffers():
             by_name.setdefault(owned.piece.name, []).append(Run(owned.owner.data.view(-1), owned.piece, 0))
         missing = sorted(name for name in by_name if name not in keys)
         if missing:
@@ -148,7 +151,7 @@ class StateView:
                              "(a checkpoint of another model?)")
         for name, runs in sorted(by_name.items()):
             fill(reader.open(name), runs)
-        self._load_optimizer(reader, keys, meta["optimizer"], owners)
+        self._load_optimizer(reader, keys, meta["optimizer"], self.owners())
         if self.scaler is not None and "loss_scaler" in meta:
             self.scaler.load_state_dict(meta["loss_scaler"])
         self.dropout.restore(int(meta.get("rng", {}).get("dropout_step", 0)))
