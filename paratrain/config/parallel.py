@@ -85,7 +85,8 @@ class ParallelConfig:
     3 also parameters (gathered around each wrapped module when it runs)."""
     shard_group: int | None = None
     """Hierarchical sharding (MiCS / HSDP): shard inside groups of this many dp ranks, replicate
-    across the dp / shard_group groups. None: shard over all of dp."""
+    across the dp / shard_group groups. None: shard over all of dp. Under context parallelism a
+    shard group is these dp ranks times their cp ranks."""
     reshard_after_forward: bool = True
     """ZeRO-3: free a unit's full parameters after its forward and gather them again for backward;
     false keeps them from forward to backward (more memory, one all-gather fewer per unit)."""
@@ -185,17 +186,6 @@ class ParallelConfig:
     def _check_context_parallel(self) -> None:
         if self.cp_mode not in CP_MODES:
             raise ConfigError(f"cp_mode must be one of {', '.join(CP_MODES)}, got {self.cp_mode!r}")
-        if self.cp == 1:
-            return
-        composed = {"pp": (self.pp > 1, "each pipeline stage would need the positions of its shard"),
-                    "ep": (self.ep > 1, "MoE routing over cp (per-sequence capacity) is not built"),
-                    "shard_group": (self.shard_group is not None, "ZeRO shards over all of dp x cp"),
-                    "offload": (self.offload != "none", "offload has not been checked under cp")}
-        for name, (given, why) in composed.items():
-            if given:
-                raise ConfigError(f"cp={self.cp} with {name}={getattr(self, name)}: {why}; context parallelism "
-                                  f"composes with dp, ZeRO 1/2/3 and tp (with or without sequence parallelism) in "
-                                  f"this version: drop {name} or set cp=1")
 
     @property
     def world_size(self) -> int:

@@ -52,8 +52,7 @@ def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len:
 
 def check_context_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len: int) -> None:
     """cp splits each sequence into 2 x cp equal chunks (the balanced causal split), and sequence
-    parallelism this rank's part again over tp; Ulysses splits a tp rank's attention heads over cp; keyed
-    dropout is not built under cp's chunks."""
+    parallelism this rank's part again over tp; Ulysses splits a tp rank's attention heads over cp."""
     cp = parallel.cp
     if cp == 1:
         return
@@ -69,9 +68,6 @@ def check_context_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len
         fits = [c for c in range(1, cp + 1) if heads % c == 0]
         raise ConfigError(f"cp_mode ulysses splits a tp rank's attention heads over cp: n_head / tp = {heads} % cp "
                           f"({cp}) must be 0; choose cp in {fits} or --cp-mode ring")
-    if model.dropout:
-        raise ConfigError(f"dropout ({model.dropout}) with cp = {cp}: keyed dropout's masks under context "
-                          "parallelism's balanced chunks are not built yet; set model.dropout to 0 or cp to 1")
 
 
 def check_experts(model: ModelConfig, parallel: ParallelConfig, *, compile: bool | str = False) -> None:

@@ -13,14 +13,27 @@ A row whose every key is masked has lse = -inf and out = 0: it takes weight exp(
 never NaN. The q heads of a kv group are folded into rows ([B, Hkv, g Sq, D]), so k and v are used as
 they are (no repeat) and dk, dv come out summed over the group by the matmul itself.
 
-Plain matmul and softmax in the input dtype: float64 on CPU is exact to rounding.
+Attention dropout (`drop`, keyed by position: paratrain.nn.dropout) multiplies the block's probabilities
+by its mask Z (keep / (1 - p)) after the softmax's normalisation, as one process does:
+out = (exp(s - lse) * Z) v. The merge is unchanged (lse is of the undropped scores), and so is the
+backward's delta: rowsum(dO * O) = sum_k P Z (dO . v_k) = sum_k P dP with dP = (dO v^T) * Z.
+
+Plain matmul and softmax in the input dtype: float64 on CPU is exact to rounding. It holds the block's
+[B, H, Sq, Sk] scores while it runs; ring attention uses it for what the fused kernels cannot draw
+(keyed dropout) and otherwise cuts each block into runs of consecutive positions that the fused kernel
+computes without them (paratrain.context_parallel.fused).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+
+Drop = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""drop(probabilities [B, H, Sq, Sk], q_pos [Sq], k_pos [Sk]) -> them times the block's dropout mask."""
 
 
 @dataclass(frozen=True)
@@ -33,19 +46,20 @@ class Scoring:
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                    scoring: Scoring) -> tuple[torch.Tensor, torch.Tensor]:
+                    scoring: Scoring, drop: Drop | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, H, Sq, D], k, v [B, Hkv, Sk, D], q_pos [Sq], k_pos [Sk] (global positions, LongTensor)
     -> (out [B, H, Sq, D], lse [B, H, Sq]). Plain differentiable torch ops, so autograd (and gradcheck)
     can also differentiate it; ring attention uses block_attention_backward instead."""
     scores = _scores(q, k, q_pos, k_pos, scoring)  # [B, Hkv, g Sq, Sk]
     lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, g Sq]; -inf where every key is masked
-    out = torch.exp(scores - _finite(lse).unsqueeze(-1)) @ v  # [B, Hkv, g Sq, D]; 0 on fully masked rows
+    probs = torch.exp(scores - _finite(lse).unsqueeze(-1))  # 0 on fully masked rows
+    out = _dropped(probs, q.shape[1], q_pos, k_pos, drop) @ v  # [B, Hkv, g Sq, D]
     return _unfold(out, q.shape[1]), _unfold(lse.unsqueeze(-1), q.shape[1]).squeeze(-1)
 
 
 def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                              k_pos: torch.Tensor, merged: tuple[torch.Tensor, torch.Tensor], grad_out: torch.Tensor,
-                             scoring: Scoring) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             scoring: Scoring, drop: Drop | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of the gradients of the *whole* attention, recomputed from its inputs.
 
     merged = (out [B, H, Sq, D], lse [B, H, Sq]): the results over every block (not this block's),
@@ -55,6 +69,8 @@ def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         dv = P^T dO        dP = dO v^T        dS = P * (dP - rowsum(dO * O))
         dq = scale dS k    dk = scale dS^T q
 
+    (with dropout's mask Z: dv = (P * Z)^T dO and dP = (dO v^T) * Z, the mask drawn again by `drop`)
+
     -> (dq [B, H, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, D]); dq summed over the blocks and dk, dv
     over the query rows of every rank give the whole attention's gradients.
     """
@@ -63,10 +79,11 @@ def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     p = torch.exp(scores - _finite(_fold(lse.unsqueeze(-1), k.shape[1]).squeeze(-1)).unsqueeze(-1))
     d_o = _fold(grad_out, k.shape[1])  # [B, Hkv, g Sq, D]
     delta = (d_o * _fold(out, k.shape[1])).sum(dim=-1, keepdim=True)  # rowsum(dO * O) [B, Hkv, g Sq, 1]
-    d_s = p * (d_o @ v.transpose(-1, -2) - delta)  # [B, Hkv, g Sq, Sk]
+    d_p = _dropped(d_o @ v.transpose(-1, -2), h, q_pos, k_pos, drop)  # [B, Hkv, g Sq, Sk]
+    d_s = p * (d_p - delta)
     dq = _unfold(d_s @ k, h) * scale
     dk = d_s.transpose(-1, -2) @ _fold(q, k.shape[1]) * scale  # [B, Hkv, Sk, D]
-    dv = p.transpose(-1, -2) @ d_o
+    dv = _dropped(p, h, q_pos, k_pos, drop).transpose(-1, -2) @ d_o
     return dq, dk, dv
 
 
@@ -94,6 +111,13 @@ def _scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.
         masked = k_pos.unsqueeze(0) > q_pos.repeat(g).unsqueeze(1)  # [g Sq, Sk]
         scores = scores.masked_fill(masked, float("-inf"))
     return scores
+
+
+def _dropped(x: torch.Tensor, h: int, q_pos: torch.Tensor, k_pos: torch.Tensor, drop: Drop | None) -> torch.Tensor:
+    """x [B, Hkv, g Sq, Sk] (folded) times the dropout mask of the [B, H, Sq, Sk] block it folds."""
+    if drop is None:
+        return x
+    return _fold(drop(_unfold(x, h), q_pos, k_pos), x.shape[1])
 
 
 def _fold(x: torch.Tensor, hkv: int) -> torch.Tensor:

@@ -38,15 +38,20 @@ at every step, and the trimming above computes just those 2 c^2 off the diagonal
 rank r meets only the blocks of ranks j <= r: rank cp - 1 computes at every step, rank 0 at one.
 
 Point-to-point bytes per rank, e the element size: forward (cp - 1) hops of 2 e B Hkv S_l D (k and v);
-backward (cp - 1) such hops for k, v and cp for (dk, dv); plus one all-gather of the kv positions
-(8 S_l bytes per rank) per forward.
+backward (cp - 1) such hops for k, v and cp for (dk, dv); plus, unless the caller gives every rank's
+positions (group_positions: a SequenceShard does), one all-gather of the kv positions (8 S_l bytes per
+rank) per forward.
 
-The block kernel is plain matmul and softmax in the input dtype (float64 exact on CPU); a fused GPU kernel
-returning the log-sum-exp would drop in at block_attention / block_attention_backward.
+On the CPU each block runs on the fused flash kernel, cut into runs of consecutive positions
+(paratrain.context_parallel.fused: O(S) memory, no [S_l, S_l] scores held); with keyed attention dropout,
+positions in many short runs, or on CUDA (no fused path built yet) the plain block kernel
+(paratrain.context_parallel.block: matmul and softmax, float64 exact on CPU) computes the rows and columns
+of a block that can meet.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,24 +59,50 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm.collectives import Pending, all_gather_async
-from paratrain.context_parallel.block import Scoring, block_attention, block_attention_backward, merge_partials
+from paratrain.context_parallel.block import Drop, Scoring, block_attention, block_attention_backward, merge_partials
+from paratrain.context_parallel.fused import Piece, fused_available, fused_block_backward, fused_block_forward, plan_pieces
+from paratrain.nn.dropout import KeyedDropout
 from paratrain.topology.mesh import AxisGroup
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup, *,
-                   q_positions: torch.Tensor, kv_positions: torch.Tensor | None = None, causal: bool = True,
-                   scale: float | None = None) -> torch.Tensor:
+                   q_positions: torch.Tensor, kv_positions: torch.Tensor | None = None,
+                   group_positions: torch.Tensor | None = None, causal: bool = True, scale: float | None = None,
+                   dropout: KeyedDropout | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the keys and values of every rank of `group` (the cp axis).
 
     q [B, H, S_l, D], k, v [B, Hkv, S_l, D] (H % Hkv == 0: GQA, q head h reads kv head h // (H / Hkv)),
     q_positions [S_l] and kv_positions [S_l] (default q_positions) the global positions of this rank's rows,
     LongTensors on q's device -> out [B, H, S_l, D]. causal: key position <= query position. scale:
     1 / sqrt(D) by default. Collective over `group`: every rank calls it with the same shapes and flags.
+    group_positions: every rank's kv positions, [cp, S_l] on the CPU, when the caller knows them (a
+    SequenceShard does): then no rank asks the others, and the ring's plan is made on the host without
+    waiting for the device. dropout: a KeyedDropout on the attention probabilities, drawn per block at
+    its (query, key) positions of the whole sequence (cp S_l long), as one process would draw them.
     """
+    if group_positions is not None and kv_positions is not None:
+        raise ValueError("ring_attention: group_positions gives every rank's positions, its queries' and keys' "
+                         "alike; pass kv_positions only without it")
     kv_positions = q_positions if kv_positions is None else kv_positions
     _check_shapes(q, k, v, q_positions, kv_positions)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, group, q_positions, kv_positions, Scoring(causal, scale))
+    if group_positions is None:
+        group_positions, host_q = _gather_positions(kv_positions, group), q_positions
+    elif group_positions.shape != (group.size, k.shape[2]):
+        raise ValueError(f"ring_attention: group_positions {tuple(group_positions.shape)} must be [cp, S_l] = "
+                         f"[{group.size}, {k.shape[2]}], every rank's positions")
+    else:
+        host_q = group_positions[group.index]
+    steps = _plan(host_q, group_positions, group, causal=causal, device=q.device,
+                  fused=dropout is None and fused_available(q.device, q.dtype))
+    drop = None if dropout is None else functools.partial(_drop_block, dropout, group.size * k.shape[2])
+    return _RingAttention.apply(q, k, v, group, q_positions, steps, Scoring(causal, scale), drop)
+
+
+def _drop_block(dropout: KeyedDropout, seq_len: int, probs: torch.Tensor, q_pos: torch.Tensor,
+                k_pos: torch.Tensor) -> torch.Tensor:
+    """A [B, H, Sq, Sk] block of attention probabilities at (q_pos, k_pos) of the whole sequence, dropped."""
+    return dropout.at(probs, {2: (q_pos, seq_len), 3: (k_pos, seq_len)})
 
 
 @dataclass(frozen=True)
@@ -87,45 +118,52 @@ class _Step:
     """The key columns that at least one query sees (None: all)."""
     skip: bool
     """No query sees any key: nothing to compute (the block still passes on)."""
+    pieces: tuple[Piece, ...] | None = None
+    """The block as runs for the fused kernel (paratrain.context_parallel.fused); None: the plain kernel
+    on rows x cols."""
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup,
-                q_positions: torch.Tensor, kv_positions: torch.Tensor, scoring: Scoring) -> torch.Tensor:
-        steps = _plan(q_positions, _gather_positions(kv_positions, group), group, causal=scoring.causal)
-        out, lse = _forward(q, k, v, q_positions, steps, group, scoring)
+                q_positions: torch.Tensor, steps: list[_Step], scoring: Scoring, drop: Drop | None) -> torch.Tensor:
+        out, lse = _forward(q, k, v, q_positions, steps, group, scoring, drop)
         ctx.save_for_backward(q, k, v, q_positions, out, lse)
-        ctx.steps, ctx.group, ctx.scoring = steps, group, scoring
+        ctx.steps, ctx.group, ctx.scoring, ctx.drop = steps, group, scoring, drop
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        dq, dk, dv = _backward(ctx.saved_tensors, grad_out.contiguous(), ctx.steps, ctx.group, ctx.scoring)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = _backward(ctx.saved_tensors, grad_out.contiguous(), ctx.steps, ctx.group, ctx.scoring,
+                               ctx.drop)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, steps: list[_Step],
-             group: AxisGroup, scoring: Scoring) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (out [B, H, S_l, D], lse [B, H, S_l]) merged over every block of the ring."""
-    out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=q.dtype, device=q.device)  # no key seen yet
+             group: AxisGroup, scoring: Scoring, drop: Drop | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (out [B, H, S_l, D] in q's dtype, lse [B, H, S_l] in at least float32) merged over every block of
+    the ring (accumulated in at least float32)."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    out = torch.zeros(q.shape, dtype=wide, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=wide, device=q.device)  # no key seen yet
     kv = torch.stack([k, v])  # [2, B, Hkv, S_l, D]: one message per hop
     for s, step in enumerate(steps):
         hop = _pass_on(kv, group) if s + 1 < len(steps) else None  # posted before the compute it overlaps
-        if not step.skip:
+        if step.pieces is not None:
+            fused_block_forward(q, kv[0], kv[1], step.pieces, scale=scoring.scale, out=out, lse=lse)
+        elif not step.skip:
             q_b, q_pos_b = _take(q, step.rows), _take(q_pos, step.rows)
             out_b, lse_b = block_attention(q_b, _take(kv[0], step.cols), _take(kv[1], step.cols), q_pos_b,
-                                           _take(step.k_pos, step.cols), scoring)
+                                           _take(step.k_pos, step.cols), scoring, drop)
             merged_out, merged_lse = merge_partials(_take(out, step.rows), _take(lse, step.rows), out_b, lse_b)
             out, lse = _put(out, step.rows, merged_out), _put(lse, step.rows, merged_lse)
         if hop is not None:
             kv = _arrive(hop)
-    return out, lse
+    return out.to(q.dtype), lse
 
 
 def _backward(saved: tuple[torch.Tensor, ...], grad_out: torch.Tensor, steps: list[_Step], group: AxisGroup,
-              scoring: Scoring) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              scoring: Scoring, drop: Drop | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """saved = (q, k, v, q_pos, out, lse) of the forward -> (dq [B, H, S_l, D], dk, dv [B, Hkv, S_l, D]):
     the K/V blocks go round again, each followed by its (dk, dv) accumulator, which comes home after cp
     hops."""
@@ -136,38 +174,49 @@ def _backward(saved: tuple[torch.Tensor, ...], grad_out: torch.Tensor, steps: li
     d_hop: tuple[torch.Tensor, list[Pending]] | None = None
     for s, step in enumerate(steps):
         hop = _pass_on(kv, group) if s + 1 < len(steps) else None
-        share = None
-        if not step.skip:
+        share, cols = None, step.cols  # this rank's queries' share of the block's (dk, dv), computed while
+        if step.pieces is not None:  # the previous rank's accumulator arrives
+            share, cols = torch.zeros_like(kv), None
+            fused_block_backward(q, kv[0], kv[1], step.pieces, (out, lse), grad_out, scale=scoring.scale, dq=dq,
+                                 dkv=share)
+        elif not step.skip:
             rows = step.rows
             dq_b, dk_b, dv_b = block_attention_backward(
-                _take(q, rows), _take(kv[0], step.cols), _take(kv[1], step.cols), _take(q_pos, rows),
-                _take(step.k_pos, step.cols), (_take(out, rows), _take(lse, rows)), _take(grad_out, rows), scoring)
+                _take(q, rows), _take(kv[0], cols), _take(kv[1], cols), _take(q_pos, rows),
+                _take(step.k_pos, cols), (_take(out, rows), _take(lse, rows).to(q.dtype)),
+                _take(grad_out, rows), scoring, drop)
             dq = dq + dq_b if rows is None else dq.index_add_(2, rows, dq_b)
             share = torch.stack([dk_b, dv_b])
         if d_hop is not None:  # the previous rank's accumulator for this step's block
             d_kv = _arrive(d_hop)
         if share is not None:
-            d_kv = d_kv + share if step.cols is None else d_kv.index_add_(3, step.cols, share)
-        d_hop = _pass_on(d_kv, group) if group.size > 1 else None  # a ring of one passes nothing
+            d_kv = d_kv + share if cols is None else d_kv.index_add_(3, cols, share)
+        d_hop = _pass_on(d_kv, group, tag=1) if group.size > 1 else None  # a ring of one passes nothing
         if hop is not None:
             kv = _arrive(hop)
     d_kv = _arrive(d_hop) if d_hop is not None else d_kv
     return dq, d_kv[0], d_kv[1]
 
 
-def _plan(q_pos: torch.Tensor, kv_pos: torch.Tensor, group: AxisGroup, *, causal: bool) -> list[_Step]:
-    """The ring's steps for this rank, from every rank's kv positions kv_pos [cp, S_l]."""
+def _plan(host_q: torch.Tensor, kv_pos: torch.Tensor, group: AxisGroup, *, causal: bool, device: torch.device,
+          fused: bool = False) -> list[_Step]:
+    """The ring's steps for this rank, from its query positions and every rank's kv positions kv_pos
+    [cp, S_l], both where kv_pos lives (the host, when a SequenceShard gave them, so no decision waits for
+    the device); each step's rows, columns and positions are then moved to `device`. fused: cut each block
+    into pieces for the fused kernel where the positions allow."""
     steps = []
     for s in range(group.size):
         source = (group.index - s) % group.size
         k_pos = kv_pos[source]
+        pieces = plan_pieces(host_q, k_pos, causal=causal) if fused else None
         if not causal:
-            steps.append(_Step(source, k_pos, None, None, skip=False))
+            steps.append(_Step(source, k_pos.to(device), None, None, skip=False, pieces=pieces))
             continue
-        rows = torch.nonzero(q_pos >= k_pos.min()).flatten()  # queries at or after the block's first key
-        cols = torch.nonzero(k_pos <= q_pos.max()).flatten()  # keys at or before this rank's last query
-        steps.append(_Step(source, k_pos, None if len(rows) == len(q_pos) else rows,
-                           None if len(cols) == len(k_pos) else cols, skip=len(rows) == 0))
+        rows = torch.nonzero(host_q >= k_pos.min()).flatten()  # queries at or after the block's first key
+        cols = torch.nonzero(k_pos <= host_q.max()).flatten()  # keys at or before this rank's last query
+        steps.append(_Step(source, k_pos.to(device), None if len(rows) == len(host_q) else rows.to(device),
+                           None if len(cols) == len(k_pos) else cols.to(device), skip=len(rows) == 0,
+                           pieces=pieces))
     return steps
 
 
@@ -180,12 +229,16 @@ def _gather_positions(kv_pos: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     return gathered.view(group.size, -1)
 
 
-def _pass_on(tensor: torch.Tensor, group: AxisGroup) -> tuple[torch.Tensor, list[Pending]]:
-    """Post one hop of the ring: `tensor` to the next rank, the previous rank's into a new buffer."""
+def _pass_on(tensor: torch.Tensor, group: AxisGroup, *, tag: int = 0) -> tuple[torch.Tensor, list[Pending]]:
+    """Post one hop of the ring: `tensor` to the next rank, the previous rank's into a new buffer. tag:
+    K/V blocks 0, their (dK, dV) accumulators 1 (both travel between the same ranks in backward)."""
     received = torch.empty_like(tensor)
-    after, before = group.ranks[(group.index + 1) % group.size], group.ranks[(group.index - 1) % group.size]
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, after, group.pg),
-                                    dist.P2POp(dist.irecv, received, before, group.pg)])
+    after, before = (group.index + 1) % group.size, (group.index - 1) % group.size
+    if tensor.is_cuda:  # NCCL: the pair as one grouped launch
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, group.ranks[after], group.pg, tag),
+                                        dist.P2POp(dist.irecv, received, group.ranks[before], group.pg, tag)])
+    else:  # gloo (and a dry run's fake group): the process group's own calls, by index in the group
+        works = [group.pg.send([tensor], after, tag), group.pg.recv([received], before, tag)]
     return received, [Pending("ring send", group, tensor, works[0]), Pending("ring receive", group, received, works[1])]
 
 

@@ -3,14 +3,19 @@
 Under context parallelism every tensor of a micro-batch that runs along the sequence ([rows, seq, ...]:
 token ids, targets) is cut on this rank to its part of the sequence by the load-balanced split
 (paratrain.context_parallel.layout: 2 x cp chunks, rank r holding chunks r and 2cp - 1 - r). Everything
-that is per token (embeddings, norms, MLPs, the loss) then runs on that part unchanged; only two
-things must know where the tokens sit in the whole sequence, and the model's recipe wires both
-(Recipe.split_sequence, e.g. GPT.split_sequence):
+that is per token (embeddings, norms, MLPs, the loss) then runs on that part unchanged; what looks
+along the sequence takes the shard as a paratrain.nn.sequence.SequenceSplit, wired by the model's
+recipe (Recipe.split_sequence, e.g. the GPT's gpt_split_sequence):
 
-    positions(n)   the global positions of this rank's n tokens (rotary tables are indexed by them)
-    attend(q, k, v) causal attention of this rank's queries over every rank's keys and values:
-                   ring attention (blocks of K/V passed round the cp ranks, merged by log-sum-exp) or
-                   Ulysses (all-to-all from sequence shards to head shards and back)
+    positions(n)    the global positions of this rank's n tokens (rotary tables, dropout keys)
+    attention_core  causal attention of this rank's queries over every rank's keys and values:
+                    ring attention (blocks of K/V passed round the cp ranks, merged by log-sum-exp) or
+                    Ulysses (all-to-all from sequence shards to head shards and back)
+    gather, sum     the whole sequence of a small tensor, and a sum over the cp ranks (MoE routing:
+                    per-sequence capacity and load balancing)
+
+Every rank's positions follow from (sequence length, cp) alone, so attention never asks the other
+ranks where their tokens are: no collective and no host synchronisation for them.
 
 The engine shards each micro-batch (shard_batch) and sums the loss and the token count over dp x cp,
 so the step's loss is the mean over the global batch's tokens, whatever cp is.
@@ -18,16 +23,31 @@ so the step's loss is the mean over the global batch's tokens, whatever cp is.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 from torch import nn
 
+from paratrain.comm import all_gather_async, all_reduce
 from paratrain.context_parallel.layout import local_positions, shard_sequence
 from paratrain.context_parallel.ring import ring_attention
 from paratrain.context_parallel.ulysses import ulysses_attention
+from paratrain.nn.dropout import KeyedDropout
 from paratrain.topology.mesh import AxisGroup
+
+
+@functools.lru_cache(maxsize=256)
+def _group_positions(seq_len: int, cp: int) -> torch.Tensor:
+    """int64 [cp, seq_len / cp] on the CPU: row r the positions rank r holds (read-only: shared)."""
+    return torch.stack([local_positions(seq_len, r, cp) for r in range(cp)])
+
+
+@functools.lru_cache(maxsize=256)
+def _positions_on(seq_len: int, rank: int, cp: int, device: torch.device) -> torch.Tensor:
+    """int64 [seq_len / cp] on `device`, a storage of its own (read-only: shared by every layer)."""
+    return _group_positions(seq_len, cp)[rank].to(device, copy=True)
 
 
 @dataclass(frozen=True)
@@ -37,9 +57,17 @@ class SequenceShard:
     mode: str = "ring"
     """'ring' or 'ulysses' (paratrain.config.parallel.CP_MODES)."""
 
+    @property
+    def parts(self) -> int:
+        return self.group.size
+
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         """int64 [local_len]: the positions in the whole sequence of this rank's tokens, in its order."""
-        return local_positions(local_len * self.group.size, self.group.index, self.group.size).to(device)
+        return _positions_on(local_len * self.group.size, self.group.index, self.group.size, torch.device(device))
+
+    def group_positions(self, local_len: int) -> torch.Tensor:
+        """int64 [cp, local_len] on the CPU: every rank's positions, row r rank r's."""
+        return _group_positions(local_len * self.group.size, self.group.size)
 
     def shard_batch(self, micro: Any) -> Any:
         """This rank's part of every tensor of a micro-batch along dim 1 (the sequence)."""
@@ -56,26 +84,55 @@ class SequenceShard:
                              f"{tuple(tensor.shape)}")
         return shard_sequence(tensor, 1, self.group.index, self.group.size)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention for this rank's q [B, H, n, hd] over the whole sequence's k, v (each rank
-        holds n of its positions): [B, H, n, hd]."""
-        positions = self.positions(q.shape[-2], q.device)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+               dropout: KeyedDropout | None = None) -> torch.Tensor:
+        """Causal attention for this rank's q [B, H, n, hd] over the whole sequence's k, v [B, Hkv, n, hd]
+        (each rank holds n of its positions): [B, H, n, hd]. dropout: on the attention probabilities, keyed
+        by (row, head, query position, key position) as one process draws them."""
+        n = q.shape[-2]
+        positions, everyone = self.positions(n, q.device), self.group_positions(n)
         if self.mode == "ulysses":
-            return ulysses_attention(q, k, v, self.group, q_positions=positions, causal=True)
-        return ring_attention(q, k, v, self.group, q_positions=positions, causal=True)
+            return ulysses_attention(q, k, v, self.group, q_positions=positions, group_positions=everyone,
+                                     causal=True, scale=scale, dropout=dropout)
+        return ring_attention(q, k, v, self.group, q_positions=positions, group_positions=everyone, causal=True,
+                              scale=scale, dropout=dropout)
 
-    def attention_core(self) -> nn.Module:
-        """A module that stands where a model's attention core (softmax(q k^T) v) stood."""
-        return ContextParallelCore(self)
+    def attention_core(self, dropout: nn.Module | None = None) -> nn.Module:
+        """A module that stands where a model's attention core (softmax(q k^T) v) stood; dropout: that
+        core's KeyedDropout on the probabilities (kept under its name, with its splits)."""
+        if dropout is not None and not isinstance(dropout, KeyedDropout):
+            raise TypeError(f"context parallelism draws attention dropout by position: the core's dropout must be a "
+                            f"paratrain.nn.KeyedDropout, got {type(dropout).__name__}")
+        return ContextParallelCore(self, dropout)
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """x with this rank's n tokens along `dim` -> every rank's n * cp, in position order (one
+        all-gather over cp; not differentiable)."""
+        cp, n = self.group.size, x.shape[dim]
+        flat = torch.empty(cp * x.numel(), dtype=x.dtype, device=x.device)
+        all_gather_async(flat, x.detach().contiguous().view(-1), self.group).wait()
+        parts = flat.view(cp, *x.shape)
+        in_rank_order = torch.cat(list(parts.unbind(0)), dim=dim)
+        order = torch.argsort(self.group_positions(n).flatten()).to(x.device)
+        return in_rank_order.index_select(dim, order)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the cp ranks (a new tensor; not differentiable)."""
+        total = x.detach().clone()
+        all_reduce(total, self.group)
+        return total
 
 
 class ContextParallelCore(nn.Module):
     """softmax(q k^T / sqrt(hd) + causal mask) v over the whole sequence, for this rank's queries
-    (SequenceShard.attend). It holds no parameters, so the model's names do not change."""
+    (SequenceShard.attend). It holds no parameters, so the model's names do not change; `dropout`, the
+    replaced core's, keeps its name and its tensor-parallel split of the heads."""
 
-    def __init__(self, shard: SequenceShard) -> None:
+    def __init__(self, shard: SequenceShard, dropout: KeyedDropout | None = None) -> None:
         super().__init__()
         self.shard = shard
+        self.dropout = dropout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.shard.attend(q, k, v)
+        dropping = self.dropout is not None and self.dropout.training and self.dropout.p > 0
+        return self.shard.attend(q, k, v, dropout=self.dropout if dropping else None)

@@ -28,7 +28,8 @@ All-to-all bytes per rank, counted as paratrain.comm.volume counts them (the inp
 
     forward:  e B S_l D (2 H + 2 max(Hkv, cp))      q, k, v (k, v after any replication), out
     backward: the same                              d out, dq, dk, dv
-    causal:   an all-gather of the positions, 8 cp S_l bytes (int64 output), in forward only
+    causal:   an all-gather of the positions, 8 cp S_l bytes (int64 output), in forward only, unless the
+              caller gives every rank's positions (group_positions: a SequenceShard does)
 
 Ring attention (paratrain.context_parallel.ring) moves kv round the ring instead and splits no heads.
 """
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.comm import all_gather_async, all_to_all
+from paratrain.nn.dropout import KeyedDropout
 from paratrain.topology.mesh import AxisGroup
 
 
@@ -118,28 +120,41 @@ def check_ulysses_heads(heads: int, kv_heads: int, cp: int) -> None:
                          f"got kv_heads {kv_heads}, cp {cp}; choose cp dividing or divided by {kv_heads}")
 
 
-def _position_order(q_positions: torch.Tensor, group: AxisGroup,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _position_order(q_positions: torch.Tensor, group: AxisGroup, device: torch.device,
+                    group_positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(order, inverse) on `device`: gathered[order] is the gathered sequence sorted by global position,
-    sorted[inverse] the gathered order again. Positions must be distinct over the group."""
-    gathered = torch.empty(group.size * q_positions.numel(), dtype=torch.int64, device=device)
-    all_gather_async(gathered, q_positions.to(device, torch.int64).contiguous(), group).wait()
+    sorted[inverse] the gathered order again. Positions must be distinct over the group. From
+    group_positions [cp, S_l] (every rank's, on the host) when given; else all-gathered."""
+    if group_positions is None:
+        gathered = torch.empty(group.size * q_positions.numel(), dtype=torch.int64, device=device)
+        all_gather_async(gathered, q_positions.to(device, torch.int64).contiguous(), group).wait()
+    elif group_positions.shape != (group.size, q_positions.numel()):
+        raise ValueError(f"ulysses_attention: group_positions {tuple(group_positions.shape)} must be [cp, S_l] = "
+                         f"[{group.size}, {q_positions.numel()}], every rank's positions")
+    else:
+        gathered = group_positions.flatten()
     order = torch.argsort(gathered)
     ordered = gathered[order]
     if bool((ordered[1:] == ordered[:-1]).any()):
         raise ValueError(f"causal Ulysses attention needs distinct positions over {group.describe()}: every "
                          "token's global position once; a position appears on two ranks or twice on one")
-    return order, torch.argsort(order)
+    return order.to(device), torch.argsort(order).to(device)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup, *,
-                      q_positions: torch.Tensor, causal: bool = True, scale: float | None = None) -> torch.Tensor:
+                      q_positions: torch.Tensor, group_positions: torch.Tensor | None = None, causal: bool = True,
+                      scale: float | None = None, dropout: KeyedDropout | None = None) -> torch.Tensor:
     """Attention over the whole sequence of the cp group, from and to this rank's sequence shard.
 
     q [B, H, S_l, D], k and v [B, Hkv, S_l, D]: the tokens at global positions q_positions [S_l]
     (the same for every batch row; k and v are the same tokens'). Returns [B, H, S_l, D], equal to
     single-process attention (softmax(q kᵀ scale) v, keys at positions <= the query's when causal;
     scale defaults to 1 / sqrt(D)) over the whole sequence at those positions. Collective over `group`.
+    group_positions: every rank's positions [cp, S_l] on the host when the caller knows them (a
+    SequenceShard does; else they are all-gathered). dropout: a KeyedDropout on the attention
+    probabilities (causal only): attention is then written out (the scores, the mask and the
+    probabilities of this rank's H / cp heads over the whole sequence are kept), the mask keyed by
+    (row, head of this tp rank, query position, key position) as one process draws it.
     """
     cp, heads, kv_heads = group.size, q.shape[1], k.shape[1]
     check_ulysses_heads(heads, kv_heads, cp)
@@ -147,6 +162,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         raise ValueError(f"ulysses_attention takes q [B, H, S_l, D], k, v [B, Hkv, S_l, D] and q_positions [S_l]; "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"q_positions {tuple(q_positions.shape)}")
+    if dropout is not None and not causal:
+        raise ValueError("ulysses_attention draws dropout keyed by position for causal attention only")
     if kv_heads < cp:  # replicate: cp heads, one per rank, each the kv head its rank's q heads read
         k, v = (t.repeat_interleave(cp // kv_heads, dim=1) for t in (k, v))
     q, k, v = (sequence_to_heads(t, group) for t in (q, k, v))  # [B, H/cp or Hkv'/cp, S, D], gathered order
@@ -154,7 +171,29 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     if not causal:
         out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
         return heads_to_sequence(out, group)
-    order, inverse = _position_order(q_positions, group, q.device)
+    order, inverse = _position_order(q_positions, group, q.device, group_positions)
     q, k, v = (t.index_select(2, order) for t in (q, k, v))  # position order: is_causal is key <= query
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if dropout is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        out = _attention_with_dropout(q, k, v, dropout, scale=scale, head_block=(group.index, heads))
     return heads_to_sequence(out.index_select(2, inverse), group)
+
+
+def _attention_with_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: KeyedDropout, *,
+                            scale: float | None, head_block: tuple[int, int]) -> torch.Tensor:
+    """Causal attention written out, q [B, h, S, D] in position order, k, v [B, hkv, S, D], with keyed
+    dropout on the probabilities: this rank's heads are block head_block[0] of h (= H / cp) heads of the
+    H the tp rank holds, so their mask is the one the tp rank's (and one process's) heads draw."""
+    index, heads = head_block
+    h, seq = q.shape[1], q.shape[2]
+    if k.shape[1] != h:  # GQA: each kv head serves h / hkv consecutive q heads
+        k, v = (t.repeat_interleave(h // k.shape[1], dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    wide = scores.masked_fill(~causal, float("-inf"))
+    probs = torch.softmax(wide.to(torch.promote_types(wide.dtype, torch.float32)), dim=-1).type_as(q)
+    positions = torch.arange(seq, device=q.device)
+    dropped = dropout.at(probs, {1: (torch.arange(index * h, (index + 1) * h, device=q.device), heads),
+                                 2: (positions, seq), 3: (positions, seq)})
+    return dropped @ v

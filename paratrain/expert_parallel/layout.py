@@ -16,7 +16,8 @@ depend on where its expert ran, and the layer adds a token's k outputs in the or
 the model is the single-process one (paratrain.nn.moe), whatever ep.
 
 Gradients: an expert's gradient sums over the tokens of its ep group (the all-to-all brought them);
-the dp / ep ranks holding the same experts (the "edp" group) sum it over the rest of the global batch.
+the dp / ep ranks holding the same experts (the "edp" group; under context parallelism times the cp
+ranks, "edp_cp") sum it over the rest of the global batch.
 The gradient norm adds the experts' squares over ep (each rank holds other experts).
 """
 
@@ -108,7 +109,7 @@ class ExpertLayout:
         return {}
 
     def place(self, placements: Placements, mesh: Mesh) -> None:
-        placements.add(self.placement(placements.default, mesh.groups.get("edp")), self.ids)
+        placements.add(self.placement(placements.default, mesh.expert_data_group()), self.ids)
 
     def to_whole(self, model: ModelState, optimizer: OptimizerState) -> tuple[ModelState, OptimizerState]:
         """This rank's experts -> every expert, model and per-element optimizer state (collective over ep)."""
@@ -116,7 +117,8 @@ class ExpertLayout:
 
     def placement(self, dense: Placement, edp: AxisGroup | None) -> Placement:
         """Where the experts' gradients go, from the dense parameters' placement: summed and ZeRO-sharded
-        over edp (the ranks holding the same experts; None when ep = dp), their norm adding up over ep too."""
+        over edp (the ranks holding the same experts, times cp under context parallelism; None when one
+        rank holds them), their norm adding up over ep too."""
         return dataclasses.replace(dense, reduce=edp, shard=edp, replicate=None).split_over(self.group)
 
     def full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -224,7 +224,7 @@ class Engine:
             if not (isinstance(micro, (tuple, list)) and len(micro) == 2):
                 raise TypeError("under pipeline parallelism a batch is (inputs, targets): the loss is computed "
                                 "on the last stage from the targets")
-            pairs.append(tuple(to_device(micro, self.ctx.device)))
+            pairs.append(tuple(self._on_device(micro)))
         # The first scale of fp16 comes from the first micro-batch's size, before any rank has run the
         # loss: only the last stage ever knows the loss's own count, and every stage needs the scale.
         scale = self._loss_scale(pairs[0][1].numel()) if self.scaler and train else 1.0

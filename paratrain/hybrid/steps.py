@@ -24,7 +24,6 @@ from paratrain.hybrid.materialize import Inits, Source, materialize
 from paratrain.hybrid.pieces import Pieces
 from paratrain.memory import LOW_DTYPES, apply_activation_offload, apply_recompute, recompute_pattern
 from paratrain.models.init import ParamInit
-from paratrain.nn.dropout import KeyedDropout
 from paratrain.nn.recipe import Recipe
 from paratrain.pipeline.runtime import PipelineExecutor
 from paratrain.pipeline.stages import PipelineLayout, StageModel, chunk_ranges, model_layers
@@ -174,20 +173,16 @@ def grad_reduce_op(ctx: Context) -> str:
 
 def apply_context_parallel(model: nn.Module, ctx: Context, recipe: Recipe) -> SequenceShard | None:
     """cp > 1: the model runs on this rank's part of each sequence (its recipe's split_sequence routes
-    attention and positions through the shard); None at cp 1. Refused, naming what is missing: a model
-    whose recipe cannot split its sequence, dropout (its masks are keyed by contiguous slices) and
-    BatchNorm (its statistics would cover part of each sequence)."""
+    attention, positions, MoE routing and dropout keys through the shard); None at cp 1. Refused, naming
+    what is missing: a model whose recipe cannot split its sequence, and BatchNorm (its statistics would
+    cover part of each sequence)."""
     group = ctx.mesh.groups.get("cp")
     if group is None:
         return None
     if recipe.split_sequence is None:
         raise ValueError(f"cp = {group.size} needs to know how a {type(model).__name__}'s attention and positions "
                          "follow a split sequence: give its recipe a split_sequence (paratrain.nn.recipe; the GPT's "
-                         "is GPT.split_sequence)")
-    dropping = [name for name, m in model.named_modules() if isinstance(m, KeyedDropout) and m.p > 0]
-    if dropping:
-        raise ConfigError(f"cp = {group.size} with dropout ({', '.join(dropping[:3])}): keyed dropout's masks under "
-                          "context parallelism's balanced chunks are not built yet; set dropout to 0 or cp to 1")
+                         "is paratrain.models.gpt_recipe.gpt_split_sequence)")
     norms = batch_norms(model)
     if norms:
         raise ConfigError(f"cp = {group.size} with BatchNorm ({', '.join(norms[:3])}): its statistics would cover "

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from paratrain.nn.dropout import KeyedDropout
 from paratrain.nn.recipe import Recipe, recipe_of
+from paratrain.nn.wrap import Wrapper
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 """Named modes; any other string is a regex of module names."""
@@ -49,46 +50,19 @@ def recompute_pattern(mode: str, recipe: Recipe) -> str:
     return pattern
 
 
-_SHARED = tuple(key for key, value in vars(nn.Module()).items() if isinstance(value, (dict, set)))
-"""What a Recomputed holds of its module's own state: parameters, buffers, children, the set of
-non-persistent buffers and every hook dict (nn.Module keeps each in its own dict)."""
-
-
-class Recomputed(nn.Module):
+class Recomputed(Wrapper):
     """Runs `module`'s forward under non-reentrant checkpointing, in its place in the model.
 
-    Its parameters, buffers, children and hooks are the module's own dicts, so names, state dicts
-    and hooks (registered on either) are the module's; other attributes are read from the module.
-    The module's own `__call__` is not used: its hooks run once, around the checkpoint (outside the
-    recomputation), as for any module.
+    Its parameters, buffers, children and hooks are the module's own dicts (paratrain.nn.wrap), so
+    names, state dicts and hooks (registered on either) are the module's. The module's own `__call__`
+    is not used: its hooks run once, around the checkpoint (outside the recomputation), as for any
+    module.
     """
 
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        for key in _SHARED:
-            self.__dict__[key] = module.__dict__[key]
-        self.__dict__["wrapped"] = module  # not a child: it would add a level to every name
-        self.training = module.training
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.__dict__["wrapped"]
+        module = self.wrapped
         return checkpoint(module.forward, *args, use_reentrant=False, preserve_rng_state=_draws_random(module),
                           **kwargs)
-
-    def train(self, mode: bool = True) -> Recomputed:
-        self.__dict__["wrapped"].train(mode)  # its forward reads its own `training`
-        return super().train(mode)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if "wrapped" not in self.__dict__:  # not built yet (unpickling)
-                raise
-            return getattr(self.__dict__["wrapped"], name)
-
-    def _get_name(self) -> str:
-        return f"Recomputed[{self.__dict__['wrapped']._get_name()}]"
 
 
 def apply_recompute(model: nn.Module, pattern: str | None = None, *, required: bool = True) -> list[str]:

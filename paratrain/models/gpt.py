@@ -32,8 +32,6 @@ model through `output`, so a strategy that splits the vocabulary replaces that o
 from __future__ import annotations
 
 import math
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,15 +43,8 @@ from paratrain.models.init import Constant, Given, KeyedNormal, ParamInit, init_
 from paratrain.nn.loss import VocabOutput
 from paratrain.nn.moe import MoE, RouterLog
 from paratrain.nn.recipe import Recipe
+from paratrain.nn.sequence import SequenceSplit
 
-
-
-class SequenceSplit(Protocol):
-    """Where a rank's tokens sit in each sequence, and attention over the whole of it (context
-    parallelism: paratrain.context_parallel.SequenceShard)."""
-
-    def positions(self, local_len: int, device: torch.device) -> torch.Tensor: ...
-    def attention_core(self) -> nn.Module: ...
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -121,14 +112,31 @@ class Attention(nn.Module):
         self.core = AttentionCore(config.dropout)
         self.out = nn.Linear(config.d_model, config.d_model, bias=False)
         self.out_dropout = KeyedDropout(config.dropout)
+        self.sequence: SequenceSplit | None = None
+        """Context parallelism: where this rank's tokens sit in each sequence (split_sequence)."""
+
+    def split_sequence(self, shard: SequenceSplit) -> None:
+        """Run on a part of each sequence (context parallelism): q and k are rotated by their tokens'
+        positions in the whole sequence, and the core attends through `shard` to the other parts (keeping
+        its dropout, keyed by position)."""
+        self.sequence = shard
+        assert isinstance(self.core, AttentionCore)
+        self.core = shard.attention_core(self.core.dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, S, D]; cos, sin the rotary tables of the whole sequence ([seq_len, hd / 2]): row p is
+        position p."""
         # x[B, S, D] @ Wqkv[D, 3D] -> [B, S, H, 3, hd] -> q, k, v each [B, H, S, hd]
         qkv = self.qkv(x)
         batch, seq = qkv.shape[:2]
         qkv = qkv.view(batch, seq, -1, 3, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))
-        q, k = apply_rope(q, cos[:seq], sin[:seq]), apply_rope(k, cos[:seq], sin[:seq])
+        if self.sequence is None:  # positions 0 .. S-1
+            cos, sin = cos[:seq], sin[:seq]
+        else:  # this rank's part of the sequence: its tokens' own positions
+            positions = self.sequence.positions(seq, x.device)
+            cos, sin = cos[positions], sin[positions]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = self.core(q, k, v).transpose(1, 2).reshape(batch, seq, -1)  # [B, S, H * hd]
         return self.out_dropout(self.out(y))
 
@@ -187,31 +195,20 @@ class GPT(nn.Module):
         cos, sin = rope_tables(config.seq_len, config.head_dim, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.sequence: SequenceSplit | None = None
-        """Context parallelism: where this rank's tokens sit in each sequence (split_sequence)."""
-
-    def split_sequence(self, shard: SequenceSplit) -> None:
-        """Run on a part of each sequence (context parallelism): rotary positions are the tokens' positions in
-        the whole sequence, and every attention core attends through `shard` to the other parts."""
-        self.sequence = shard
-        for block in self.blocks:
-            assert isinstance(block.attn, Attention)
-            block.attn.core = shard.attention_core()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx[B, S] (token ids) -> logits[B, S, Vp] (padded vocabulary; `output` reads them)."""
         seq = idx.shape[1]
         if seq > self.config.seq_len:
             raise ValueError(f"sequence of {seq} tokens is longer than the model's seq_len {self.config.seq_len}")
-        if self.sequence is None:
-            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        else:  # this rank's part of the sequence: its tokens' own positions
-            positions = self.sequence.positions(seq, idx.device)
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         x = self.tok_emb(idx)
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        for block in self.blocks:  # each attention takes the rows of the rotary tables its tokens are at
+            x = block(x, self.rope_cos, self.rope_sin)
         return self.head(self.norm(x))
+
+    def split_sequence(self, shard: SequenceSplit) -> None:
+        """Run on a part of each sequence (context parallelism; the recipe's split_sequence)."""
+        GPT_RECIPE.split_sequence(self, shard)  # type: ignore[misc]
 
     def recipe(self) -> Recipe:
         """What the strategies need to know about the GPT (paratrain.models.gpt_recipe): its tensor-parallel

@@ -6,10 +6,13 @@ pipeline layers and loss, by the module names of paratrain.models.gpt.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
 from paratrain.nn.recipe import Layer, Recipe, Run
+from paratrain.nn.sequence import SequenceSplit
 
 GPT_PLAN: dict[str, str] = {
     "tok_emb": "embedding",
@@ -30,6 +33,25 @@ GPT_BLOCKS = r"blocks\.\d+"
 
 GPT_ATTENTION_CORES = r"blocks\.\d+\.attn\.core"
 """Each block's attention core (softmax(q k^T) v, no parameters): what selective recompute recomputes."""
+
+
+GPT_ALONG_SEQUENCE = r"blocks\.\d+\.(attn|moe)"
+"""What looks along the sequence: each attention (rotary positions, the core) and MoE layer (per-sequence
+capacity and load balancing)."""
+
+GPT_SEQUENCE_DROPOUTS = r"blocks\.\d+\.(attn\.out_dropout|mlp\.dropout|moe\.shared\.dropout)"
+"""KeyedDropout over [B, S, D]: their masks are drawn at the tokens' positions in the sequence."""
+
+
+def gpt_split_sequence(model: nn.Module, shard: SequenceSplit) -> None:
+    """Context parallelism on the GPT, or on a pipeline stage of it (whole-model names): every attention
+    and MoE layer follows `shard` (their split_sequence), and every [B, S, D] dropout draws its mask at
+    this rank's positions."""
+    for name, module in model.named_modules():
+        if re.fullmatch(GPT_ALONG_SEQUENCE, name):
+            module.split_sequence(shard)
+        elif re.fullmatch(GPT_SEQUENCE_DROPOUTS, name):
+            module.place_along(1, shard.positions, shard.parts)
 
 
 def gpt_layers(model: nn.Module) -> list[Layer]:
@@ -61,5 +83,5 @@ def gpt_stage_loss(stage: nn.Module, logits: torch.Tensor, targets: torch.Tensor
 
 GPT_RECIPE = Recipe(tp_plan=GPT_PLAN, blocks=GPT_BLOCKS, attention_cores=GPT_ATTENTION_CORES, layers=gpt_layers,
                     stage_loss=gpt_stage_loss, hidden_size=lambda model: model.config.d_model,
-                    split_sequence=lambda model, shard: model.split_sequence(shard))
+                    split_sequence=gpt_split_sequence)
 """paratrain.models.GPT's recipe (GPT.recipe() returns it)."""

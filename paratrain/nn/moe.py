@@ -19,10 +19,17 @@ shared expert). Counted per sequence, which tokens are dropped depends on nothin
 so it is the same under any dp, accumulation or expert-parallel layout (DeepSpeed and Megatron count
 capacity per rank's micro-batch: then the drops change with the layout). c = 0: dropless.
 
+Under context parallelism (a SequenceSplit: each rank holds part of every sequence) the layer keeps
+both per-sequence rules: the expert choices of the whole sequence are gathered (in position order) to
+count capacity, and the routed fractions f_be are summed over the sequence's ranks; each rank then
+keeps its tokens' drops and adds its tokens' share of the balancing term, so the sums over the ranks
+are one process's.
+
 Auxiliary losses, additive over sequences and tokens so that the global batch's value does not depend
 on how it is cut. Switch load balancing (Fedus et al. 2021, eq. 4), per sequence b:
 aux_b = E * sum_e f_be * P_be, f_be the fraction of b's assignments routed to e (before capacity),
-P_be the mean router probability of e over b's tokens; router z-loss (Zoph et al. 2022, ST-MoE,
+P_be the mean router probability of e over b's tokens (so S aux_b = E sum_e f_be sum_s p_bse, a sum
+over tokens, each rank adding its own); router z-loss (Zoph et al. 2022, ST-MoE,
 eq. 5): z_t = logsumexp(router logits of token t)^2. Their terms enter the loss *sum* as
 aux_coef * S * aux_b per sequence and z_coef * z_t per token; the engine divides the sum by the
 global batch's token count, so they weigh as a mean over sequences and over tokens.
@@ -47,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.nn.loss import compute_dtype
+from paratrain.nn.sequence import SequenceSplit
 
 
 @dataclass
@@ -145,25 +153,37 @@ class Router(nn.Module):
         self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
         self.aux_coef, self.z_coef = aux_coef, z_coef
 
-    def forward(self, x: torch.Tensor) -> Routing:
+    def forward(self, x: torch.Tensor, sequence: SequenceSplit | None = None) -> Routing:
+        """x [B, S, D]: S tokens of each sequence, all of it, or this rank's part under `sequence`."""
         with _no_autocast(x.device):  # routing in float32 at least, also under mixed precision
-            return self._route(x)
+            return self._route(x, sequence)
 
-    def _route(self, x: torch.Tensor) -> Routing:
-        batch, seq, _ = x.shape
+    def _route(self, x: torch.Tensor, sequence: SequenceSplit | None) -> Routing:
+        batch, local, _ = x.shape
+        seq = local * (sequence.parts if sequence is not None else 1)  # tokens of a whole sequence
         logits = F.linear(x.to(compute_dtype(x.dtype)), self.weight.to(compute_dtype(x.dtype)))  # [B, S, E]
         probs = torch.softmax(logits, dim=-1)
         gate, expert = torch.topk(probs, self.top_k, dim=-1)
         if self.top_k > 1:
             gate = gate / gate.sum(dim=-1, keepdim=True)
-        keep = within_capacity(expert, self.n_experts, capacity(self.capacity_factor, seq, self.top_k, self.n_experts))
+        keep = self._keep(expert, seq, sequence)
         routed = F.one_hot(expert, self.n_experts).sum(dim=2).to(probs.dtype)  # [B, S, E] assignments per token
-        fraction = routed.sum(dim=1) / (seq * self.top_k)  # f[B, E]
-        mean_prob = probs.mean(dim=1)  # P[B, E]
-        per_sequence = self.n_experts * (fraction * mean_prob).sum(dim=-1)  # aux_b
-        balance = self.aux_coef * seq * per_sequence.sum()
+        counts = routed.sum(dim=1)  # [B, E], this rank's tokens
+        if sequence is not None:
+            counts = sequence.sum(counts)
+        fraction = counts / (seq * self.top_k)  # f[B, E]
+        # aux_coef * sum_b S aux_b = aux_coef * E * sum_b,e f_be * (sum over b's tokens of p_bse): this rank's tokens'
+        balance = self.aux_coef * self.n_experts * (fraction * probs.sum(dim=1)).sum()
         z = self.z_coef * torch.logsumexp(logits, dim=-1).pow(2).sum()
         return Routing(gate, expert, keep, balance, z)
+
+    def _keep(self, expert: torch.Tensor, seq: int, sequence: SequenceSplit | None) -> torch.Tensor:
+        """keep [B, S, k] of this rank's assignments, counted over the whole sequence of S tokens."""
+        limit = capacity(self.capacity_factor, seq, self.top_k, self.n_experts)
+        if sequence is None or limit <= 0:
+            return within_capacity(expert, self.n_experts, limit)
+        whole = within_capacity(sequence.gather(expert, dim=1), self.n_experts, limit)  # [B, S, k], by position
+        return whole.index_select(1, sequence.positions(expert.shape[1], expert.device))
 
 
 def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager[object]:
@@ -220,6 +240,13 @@ class MoE(nn.Module):
         self.log_name = ""
         self.run_experts: ExpertRunner = run_here
         """Expert parallelism replaces it with a runner that sends rows to the ranks holding their experts."""
+        self.sequence: SequenceSplit | None = None
+        """Context parallelism: this rank holds part of each sequence (split_sequence)."""
+
+    def split_sequence(self, sequence: SequenceSplit) -> None:
+        """Route a part of each sequence (context parallelism): capacity and load balancing stay per
+        whole sequence (the module docstring)."""
+        self.sequence = sequence
 
     def run_with(self, runner: ExpertRunner) -> None:
         """Run the experts with `runner` (expert parallelism: one that sends rows to the ranks holding
@@ -232,7 +259,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, d = x.shape
         k = self.router.top_k
-        routing = self.router(x)
+        routing = self.router(x, self.sequence)
         kept = routing.keep.reshape(-1)
         assignments = torch.nonzero(kept).squeeze(1)  # (token, choice) pairs that run, token-major
         rows = x.reshape(-1, d)[assignments // k]

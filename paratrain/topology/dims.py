@@ -125,6 +125,30 @@ class ParallelDims:
             groups.append([self.rank(pp=pp, dp=d, cp=c, tp=tp) for d in range(self.dp) for c in range(self.cp)])
         return groups
 
+    def data_split(self, shard: int) -> tuple[list[list[int]], list[list[int]]]:
+        """(shard groups, replicate groups) of dp x cp for hierarchical sharding under context parallelism:
+        a shard group is `shard` consecutive dp indices times every cp index (shard x cp ranks holding one
+        copy of the state), a replicate group the ranks at the same (dp index mod shard, cp index) of
+        every shard group. At cp 1 this is dp_split(shard)."""
+        if shard < 1 or self.dp % shard:
+            raise ConfigError(f"shard group ({shard}) must divide dp ({self.dp})")
+        block = shard * self.cp  # data_groups order: dp index outer, cp inner
+        shard_groups, replicate_groups = [], []
+        for group in self.data_groups():
+            shard_groups += [group[start: start + block] for start in range(0, len(group), block)]
+            replicate_groups += [group[offset::block] for offset in range(block)]
+        return shard_groups, replicate_groups
+
+    def expert_data_groups(self) -> list[list[int]]:
+        """The ranks holding the same experts over dp and cp: at each (pp, tp) position and ep index e, the
+        dp indices e, e + ep, ... (the edp ranks) times every cp index, dp index outer. What an expert's
+        gradient is summed over when cp > 1 (each cp rank routed its own part of the sequences)."""
+        groups = []
+        for pp, tp, e in product(range(self.pp), range(self.tp), range(self.ep)):
+            groups.append([self.rank(pp=pp, dp=d, cp=c, tp=tp) for d in range(e, self.dp, self.ep)
+                           for c in range(self.cp)])
+        return groups
+
     def dp_split(self, shard: int) -> tuple[list[list[int]], list[list[int]]]:
         """(shard groups, replicate groups) of the dp axis cut into groups of `shard` consecutive dp ranks:
         hierarchical sharding (MiCS / HSDP: shard = dp_shard) or expert parallelism (shard = ep).

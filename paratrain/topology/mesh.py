@@ -15,7 +15,7 @@ from paratrain.topology.recorder import FlightRecorder
 from paratrain.topology.dims import AXES, ParallelDims
 
 
-SUB_AXES = ("dp_shard", "dp_replicate", "ep", "edp", "tied", "dp_cp")
+SUB_AXES = ("dp_shard", "dp_replicate", "ep", "edp", "tied", "dp_cp", "edp_cp")
 """Groups inside the dp axis (or across pp's ends) whose degree is their group's size, 1 without one."""
 
 
@@ -58,9 +58,11 @@ class Mesh:
         experts among them) and, when E < dp, "edp" (dp / E ranks holding the same experts).
         dp_shard S with 1 < S < dp adds the dp sub-axes of hierarchical sharding: "dp_shard" (S ranks
         sharing one copy of the state) and "dp_replicate" (dp / S ranks holding the same shard).
-        S = dp makes "dp_shard" the dp group itself; S = 1 adds nothing.
+        S = dp makes "dp_shard" the dp group itself; S = 1 adds nothing. Under cp a shard group is S dp
+        ranks times their cp ranks (ZeRO's state is split over all the ranks holding the same parameters).
         cp > 1 adds "cp" (the ranks splitting one sequence) and "dp_cp" (dp x cp: the ranks holding the same
-        parameters, which data parallelism reduces over and ZeRO shards over).
+        parameters, which data parallelism reduces over and ZeRO shards over); with ep > 1 also "edp_cp"
+        (edp x cp: the ranks holding the same experts).
         """
         groups: dict[str, AxisGroup] = {}
         recorder = FlightRecorder(rank)
@@ -76,7 +78,11 @@ class Mesh:
                 add(axis, dims.all_groups(axis))
         if dims.pp > 1:  # the first and last stage of each (dp, tp) position: a weight tied across them
             add("tied", [[group[0], group[-1]] for group in dims.all_groups("pp")])
-        if 1 < dims.dp_shard < dims.dp:
+        if dims.cp > 1 and dims.dp_shard < dims.dp:  # each shard group spans its dp ranks' cp ranks too
+            shards, replicas = dims.data_split(dims.dp_shard)
+            add("dp_shard", shards)
+            add("dp_replicate", replicas)
+        elif 1 < dims.dp_shard < dims.dp:
             shards, replicas = dims.dp_split(dims.dp_shard)
             add("dp_shard", shards)
             add("dp_replicate", replicas)
@@ -92,6 +98,8 @@ class Mesh:
             add("ep", experts)
             if dims.ep < dims.dp:
                 add("edp", replicas)
+            if dims.cp > 1:
+                add("edp_cp", dims.expert_data_groups())
         return cls(dims=dims, rank=rank, groups=groups, recorder=recorder)
 
     @classmethod
@@ -113,6 +121,11 @@ class Mesh:
         """The ranks a replicated parameter's gradient, and a step's loss and token count, are summed
         over: dp, or dp x cp under context parallelism (None: one such rank)."""
         return self.groups.get("dp_cp", self.groups.get("dp"))
+
+    def expert_data_group(self) -> AxisGroup | None:
+        """The ranks an expert's gradient is summed over: those holding the same experts (edp), times cp
+        under context parallelism (None: no other rank holds them)."""
+        return self.groups.get("edp_cp", self.groups.get("edp"))
 
     def group(self, axis: str) -> AxisGroup:
         if axis not in self.groups:

@@ -80,11 +80,12 @@ def plain(kind: str) -> dict:
 
 
 def _job(kind: str, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: int = 0,
-         micro_batch: int | None = None) -> dict:
+         micro_batch: int | None = None, cp: int = 1, cp_mode: str = "ring") -> dict:
     import paratrain
     from paratrain.models.hf import LLAMA_RECIPE, check_llama_tp, llama_loss
 
-    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dp, tp=tp, pp=pp, zero=zero))
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dp, tp=tp, pp=pp, zero=zero, cp=cp,
+                                                                        cp_mode=cp_mode))
     model = build(kind)
     check_llama_tp(model.config, tp)
     engine = paratrain.parallelize(model, ctx, optimizer=_adamw, micro_batch=micro_batch, recipe=LLAMA_RECIPE)
@@ -130,13 +131,19 @@ def _tied_state(kind: str, state: dict) -> dict:
     # a tied head: both vocabulary ends split alike under tp, a copy summed with the embedding under pp
     ("llama-tied", dict(tp=2, micro_batch=4)),
     ("llama-tied", dict(pp=2, micro_batch=2)),
-    ("llama-tied", dict(dp=2, tp=2, zero=1, micro_batch=2)),  # on 4 ranks, last: one pool start
+    # context parallelism: each sequence split, GQA (4 heads, 2 kv heads) by ring and by Ulysses
+    ("llama", dict(cp=2, micro_batch=4)),
+    ("llama-tied", dict(cp=2, cp_mode="ulysses", micro_batch=4)),
+    ("llama-tied", dict(dp=2, tp=2, zero=1, micro_batch=2)),  # on 4 ranks, last: few pool starts
+    ("llama", dict(cp=2, pp=2, cp_mode="ulysses", micro_batch=2)),  # positions on every stage
+    ("llama", dict(cp=4, micro_batch=4)),  # kv heads (2) copied to the 4 cp ranks' head blocks
 ], ids=["llama-zero3", "llama-tp2", "llama-pp2", "mistral-tp2", "mistral-pp2", "tied-tp2", "tied-pp2",
-        "tied-dp2tp2z1"])
+        "llama-cp2", "tied-cp2-ulysses", "tied-dp2tp2z1", "llama-cp2pp2-ulysses", "llama-cp4"])
 def test_layout_trains_as_plain_pytorch(pools, kind, layout):
     """Per-step losses and gradient norms, and the whole final model by name, against plain PyTorch;
     a tied weight stays one tensor, under its first name."""
-    got = pools(layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)).run(_job, kind, **layout)
+    world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
+    got = pools(world).run(_job, kind, **layout)
     ref = dict(plain(kind), model=_tied_state(kind, plain(kind)["model"]))
     for rank in got:
         within(rel_diff(rank["losses"], ref["losses"]), 1e-12, "loss (float64)")  # measured <= 4.3e-16

@@ -42,10 +42,13 @@ def same_routing(got: dict, ref: dict) -> None:
     dict(dp=2, ep=2, tp=2, micro_batch=8),              # experts over ep, attention over tp
     dict(dp=2, ep=2, pp=2, micro_batch=2),              # a MoE layer on each stage
     dict(dp=4, ep=2, zero=3, micro_batch=2),            # experts sharded and gathered over edp, the rest over dp
-], ids=["zero2-recompute", "ep2-zero3", "tp2", "pp2", "ep2", "ep4", "dp2xep2", "ep2xtp2", "ep2xpp2", "dp2xep2-zero3"])
+    dict(dp=1, cp=2, micro_batch=8),                    # each sequence split: capacity and balance over the whole
+    dict(dp=2, ep=2, cp=2, cp_mode="ulysses", micro_batch=4),  # experts over ep, their gradients over ep x cp
+], ids=["zero2-recompute", "ep2-zero3", "tp2", "pp2", "ep2", "ep4", "dp2xep2", "ep2xtp2", "ep2xpp2", "dp2xep2-zero3",
+        "cp2", "ep2xcp2"])
 def test_float64_layouts_equal_the_single_process(pools, layout):
     """Measured (AMD EPYC; avx2 and default kernels): loss <= 3.5e-16, grad norm <= 1.1e-15, weights <= 1.1e-14."""
-    world = layout["dp"] * layout.get("tp", 1) * layout.get("pp", 1)
+    world = layout["dp"] * layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
     got = pools(world).run(_job, dtype="float64", **layout)
     ref = reference("float64")
     within(rel_diff(got[0]["losses"], ref["losses"]), 1e-12, "MoE loss (float64)")

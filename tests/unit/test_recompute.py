@@ -51,6 +51,6 @@ def test_train_and_eval_reach_the_wrapped_module():
     apply_recompute(model)
     model.eval()
     assert all(not m.training for m in model.modules())
-    assert all(not m.__dict__["wrapped"].training for m in model.modules() if isinstance(m, Recomputed))
+    assert all(not m.wrapped.training for m in model.modules() if isinstance(m, Recomputed))
     model.train()
-    assert all(m.__dict__["wrapped"].training for m in model.modules() if isinstance(m, Recomputed))
+    assert all(m.wrapped.training for m in model.modules() if isinstance(m, Recomputed))

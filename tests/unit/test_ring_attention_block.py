@@ -112,6 +112,40 @@ def test_merge_of_two_blocks_is_attention_over_both(hkv):
            "block backward shares vs SDPA gradients")
 
 
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_fused_pieces_are_the_plain_block(hkv):
+    """A block cut into runs for the fused kernel (every visible pair once: full, causal triangle or skipped)
+    gives the plain kernel's (out, lse) and, from the same merged result, its dq, dk, dv (float64, 1e-13);
+    positions in runs that overlap partly (cut at each other's ends) and the balanced split's blocks too."""
+    from paratrain.context_parallel.fused import fused_block_backward, fused_block_forward, plan_pieces
+
+    scoring = Scoring(causal=True, scale=D ** -0.5)
+    cases = [(torch.tensor([3, 4, 5, 6, 12, 13, 0, 1]), torch.tensor([0, 1, 2, 5, 6, 7, 8, 13, 14]))]
+    cases += [(local_positions(16, r, 2), local_positions(16, j, 2)) for r in range(2) for j in range(2)]
+    for q_pos, k_pos in cases:
+        q, k, v = _qkv(len(q_pos), len(k_pos), hkv, seed=len(q_pos))
+        plain_out, plain_lse = block_attention(q, k, v, q_pos, k_pos, scoring)
+        pieces = plan_pieces(q_pos, k_pos, causal=True)
+        assert pieces is not None
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=q.dtype)
+        fused_block_forward(q, k, v, pieces, scale=scoring.scale, out=out, lse=lse)
+        within(float((out - plain_out).abs().max()), 1e-13, "fused block out (float64)")
+        seen = torch.isfinite(plain_lse)
+        assert torch.equal(seen, torch.isfinite(lse))
+        within(float((lse[seen] - plain_lse[seen]).abs().max()), 1e-13, "fused block lse (float64)")
+        grad = torch.randn_like(out)
+        dq, dkv = torch.zeros_like(q), torch.zeros(2, *k.shape, dtype=k.dtype)
+        lse_safe = torch.where(seen, lse, torch.zeros_like(lse))  # a fully masked row's share is 0 either way
+        fused_block_backward(q, k, v, pieces, (out, lse_safe), grad, scale=scoring.scale, dq=dq, dkv=dkv)
+        expected = block_attention_backward(q, k, v, q_pos, k_pos, (out, lse), grad, scoring)
+        for got, want, what in zip((dq, dkv[0], dkv[1]), expected, ("dq", "dk", "dv")):
+            within(float((got - want).abs().max()), 1e-13, f"fused block {what} (float64)")
+    own = plan_pieces(local_positions(16, 0, 2), local_positions(16, 0, 2), causal=True)
+    other = plan_pieces(local_positions(16, 0, 2), local_positions(16, 1, 2), causal=True)
+    assert [p.causal for p in own] == [True, False, True] and other == (other[0],) and not other[0].causal
+
+
 def test_fully_masked_rows_give_zero_not_nan():
     q, k, v = _qkv(4, 4, 2, seed=3)
     q_pos, k_pos = torch.tensor([0, 1, 10, 11]), torch.tensor([5, 6, 7, 8])  # rows 0, 1 see no key
@@ -159,7 +193,7 @@ def test_balanced_split_gives_every_step_equal_work(cp):
     for balanced in (True, False):
         positions = torch.stack([local_positions(seq, r, cp, balanced=balanced) for r in range(cp)])
         for rank in range(cp):
-            steps = _plan(positions[rank], positions, _group(rank, cp), causal=True)
+            steps = _plan(positions[rank], positions, _group(rank, cp), causal=True, device=torch.device("cpu"))
             work = [0 if s.skip else _count(s.rows, 2 * c) * _count(s.cols, 2 * c) for s in steps]
             if balanced:
                 assert work == [4 * c * c] + [2 * c * c] * (cp - 1), (rank, work)

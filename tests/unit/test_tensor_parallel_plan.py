@@ -57,7 +57,7 @@ def test_split_dropout_draws_the_slice_of_the_full_mask(dim):
     for part in range(2):
         piece = KeyedDropout(0.3)
         piece.attach(stream, "blocks.0.mlp.dropout")
-        piece.split = {dim: (part, 2)}
+        piece.split_along(dim, part, 2)
         size = x.shape[dim] // 2
         assert torch.equal(piece(x.narrow(dim, part * size, size)), expected.narrow(dim, part * size, size))
     # rows are global-batch rows: rows 10..11 drawn as the micro-batch at offset 10 = rows 2..3 above
@@ -65,6 +65,29 @@ def test_split_dropout_draws_the_slice_of_the_full_mask(dim):
     assert torch.equal(full(x[:2]), expected[2:])
     stream.step = 6
     assert not torch.equal(full(x[:2]), expected[2:])  # a new step, a new mask
+
+
+def test_placed_dropout_draws_the_mask_at_its_positions():
+    """Context parallelism (a rank's positions of the sequence) with sequence parallelism on top (tp's even
+    slice of that part) draws the whole mask's entries at those positions; `at` draws a block of it."""
+    from paratrain.context_parallel import local_positions
+
+    stream = DropoutStream(seed=3, step=5, row_offset=0)
+    full = KeyedDropout(0.3)
+    full.attach(stream, "d")
+    x = torch.ones(2, 16, 4)
+    expected = full(x)
+    for cp_rank in range(2):
+        at = local_positions(16, cp_rank, 2)  # 8 positions, two chunks
+        for tp_rank in range(2):
+            piece = KeyedDropout(0.3)
+            piece.attach(stream, "d")
+            piece.split_along(1, tp_rank, 2)  # registered first: the inner split (tp of the cp part)
+            piece.place_along(1, lambda n, device, r=cp_rank: local_positions(n * 2, r, 2).to(device), 2)
+            mine = at[tp_rank * 4: (tp_rank + 1) * 4]
+            assert torch.equal(piece(x[:, :4]), expected[:, mine])
+    block = full.at(x[:, :3], {1: (torch.tensor([5, 0, 9]), 16)})
+    assert torch.equal(block, expected[:, [5, 0, 9]])
 
 
 class _Tied(torch.nn.Module):

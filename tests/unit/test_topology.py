@@ -97,14 +97,18 @@ def test_the_cp_axis_sits_between_tp_and_dp_and_data_parallelism_spans_dp_x_cp()
     assert dims.data_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
 
 
-@pytest.mark.parametrize("given,rule", [
-    (dict(cp=2, pp=2), "pp=2"), (dict(cp=2, ep=2), "ep=2"),
-    (dict(cp=2, zero=1, shard_group=1), "shard_group=1"), (dict(cp=2, cp_mode="stripes"), "cp_mode"),
-])
-def test_cp_refuses_what_it_does_not_compose_with_yet(given, rule):
+def test_cp_composes_with_every_axis_and_names_a_bad_mode():
+    """cp composes with pp, ep and hierarchical sharding (a shard group spans its dp ranks' cp ranks:
+    data_split); an unknown cp_mode is refused by name."""
     from paratrain.config import ParallelConfig
     from paratrain.config.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=rule):
+    with pytest.raises(ConfigError, match="cp_mode"):
+        ParallelConfig(cp=2, cp_mode="stripes").resolved(8)
+    for given in (dict(cp=2, pp=2), dict(cp=2, ep=2), dict(cp=2, zero=1, shard_group=1)):
         ParallelConfig(**given).resolved(8)
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=2, ep=2)  # dp 4: ranks dp index x 2 + cp index
+    shards, replicas = dims.data_split(2)
+    assert shards == [[0, 1, 2, 3], [4, 5, 6, 7]] and replicas == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dims.expert_data_groups() == [[0, 1, 4, 5], [2, 3, 6, 7]]  # dp indices e, e + 2 times every cp
     assert ParallelConfig(cp=2, zero=3).resolved(8).dp == 4
