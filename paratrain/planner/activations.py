@@ -9,8 +9,21 @@ Derived from the model's code op by op and checked to the byte on one process an
             norms stay float32, each linear keeps a 16-bit copy of its input and of its weight;
   low       parameters stored in 16 bits (ZeRO with bf16 / fp16; buffers stay float32): the residual
             stream is 16-bit, each norm keeps a float32 copy of its input (it normalises in float32).
-tokens n = micro_batch x seq; t = tp; q = t with sequence parallelism (norms and residuals hold
+tokens n = micro_batch x seq / cp; t = tp; q = t with sequence parallelism (norms and residuals hold
 n / t tokens), else 1.
+
+Context parallelism (cp ranks each holding seq / cp tokens of every sequence, paratrain.context_parallel)
+changes three things, checked to the byte like the rest (tests/distributed/test_planner.py):
+  rotary    each attention indexes the tables at its tokens' positions (a copy, [seq / cp, hd / 2]): in
+            float32 the rotation keeps each block's copies of cos and sin, not the tables once;
+  ring      the ring's own backward keeps q, k, v, out and the float32 log-sum-exp as SDPA does, and the
+            positions of this rank's tokens once;
+  Ulysses   the all-to-all keeps nothing, so neither the rotated q and k nor the qkv output are kept by
+            attention: SDPA keeps its head-sharded q, k, v and output ([B, h / cp, seq, hd], as many
+            elements as this rank's heads of its tokens) and float32 log-sum-exp, and the two int64
+            orders that sort the gathered sequence by position and back ([seq] each);
+  and the token ids are a copy of this rank's positions of the batch (not a view of its windows).
+Selective recompute keeps the attention core's inputs only, whatever cp does inside it.
 """
 
 from __future__ import annotations
@@ -42,9 +55,11 @@ def _norm_and_column_input(tokens: float, d: int, mode: str) -> float:
 def block_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str = "fp32",
                            moe: bool = False) -> float:
     """Bytes one transformer block keeps for backward, per micro-batch of `layout` (its micro-batch, tp,
-    sequence parallelism, recomputation and ep are what count; rope tables excluded: they are one storage
-    for the whole model, see rope_bytes); moe: a block with a MoE layer for its MLP."""
-    b, s, d, f, h, t = layout.micro_batch, seq, model.d_model, model.ff_dim, model.n_head, layout.tp
+    sequence parallelism, cp, recomputation and ep are what count; rope tables excluded: they are one storage
+    for the whole model, see rope_bytes); seq: tokens of a whole sequence; moe: a block with a MoE layer
+    for its MLP."""
+    cp, whole = layout.cp, seq
+    b, s, d, f, h, t = layout.micro_batch, seq // cp, model.d_model, model.ff_dim, model.n_head, layout.tp
     sequence_parallel, recompute, ep = layout.sequence_parallel, layout.recompute, layout.ep
     n = b * s
     q = t if sequence_parallel else 1
@@ -62,8 +77,12 @@ def block_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode
     copy = 0 if h // t == 1 or s == 1 else 1
     if recompute == "selective":
         attention = 6 * n * d / t * act
-    else:
+    elif cp > 1 and layout.cp_mode == "ulysses":  # head-sharded q, k, v, out; lse; the sort orders
+        attention = (4 + copy) * n * d / t * act + b * (h // t) * s * 4 + 2 * 8 * whole
+    else:  # SDPA's or the ring's own backward: q, k, v (a view of qkv's output), out, float32 log-sum-exp
         attention = (6 + copy) * n * d / t * act + b * (h // t) * s * 4
+    if cp > 1 and mode == "fp32":  # the rotation keeps this block's float32 cos and sin at its positions
+        attention += 2 * s * (model.head_dim // 2) * 4
     if moe:  # the MoE layer keeps its own copies of the normed input (moe_activation_bytes)
         norms += _norm_and_column_input(n / q, d, mode) - n / q * d * (4 if mode == "fp32" else 2)
         mlp = moe_activation_bytes(model, micro_batch=b, seq=s, mode=mode, ep=ep)
@@ -117,21 +136,34 @@ def moe_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, mode
     return router + dispatch + combine + shared
 
 
-def rope_bytes(model: ModelConfig, *, seq: int, mode: str, recompute: str = "none") -> float:
-    """The rotary tables (cos, sin: [seq, head_dim / 2], float32 buffers: ZeRO stores only parameters
-    in 16 bits), kept once for the whole model: by the rotations in float32, or as inputs of
-    recomputed blocks. In 16-bit compute the rotations keep 16-bit copies per block instead (counted
-    in the block)."""
-    if mode != "fp32" and recompute != "full":
+def rope_bytes(model: ModelConfig, *, seq: int, mode: str, recompute: str = "none", cp: int = 1) -> float:
+    """The rotary tables (cos, sin: [model.seq_len, head_dim / 2], float32 buffers: ZeRO stores only
+    parameters in 16 bits: every block reads its rows of the whole tables), kept once for the whole
+    model: by the rotations in float32, or as inputs of recomputed blocks. In 16-bit compute the
+    rotations keep 16-bit copies per block instead, and under context parallelism copies of the rows at
+    the rank's positions (both counted in the block)."""
+    if recompute != "full" and (mode != "fp32" or cp > 1):
         return 0.0
-    return 2 * seq * (model.head_dim // 2) * 4
+    return 2 * model.seq_len * (model.head_dim // 2) * 4
 
 
-def embedding_activation_bytes(*, micro_batch: int, seq: int, tp: int = 1) -> float:
-    """The embedding keeps the token ids (int64; the batch holds one more column of targets); split
-    over tp, each rank keeps its local ids and the mask of ids outside its vocabulary slice."""
-    n = micro_batch * seq
-    return micro_batch * (seq + 1) * 8 if tp == 1 else n * 9
+def positions_bytes(layout: Layout, *, seq: int) -> float:
+    """Ring attention keeps the positions of this rank's tokens (int64 [seq / cp]), one storage shared by
+    every layer (paratrain.context_parallel.shard); nothing without cp, with Ulysses, or when the
+    attention core is recomputed."""
+    if layout.cp == 1 or layout.cp_mode != "ring" or layout.recompute != "none":
+        return 0.0
+    return 8 * seq // layout.cp
+
+
+def embedding_activation_bytes(*, micro_batch: int, seq: int, tp: int = 1, cp: int = 1) -> float:
+    """The embedding keeps the token ids (int64; the batch holds one more column of targets; under cp a
+    copy of this rank's seq / cp positions); split over tp, each rank keeps its local ids and the mask
+    of ids outside its vocabulary slice."""
+    n = micro_batch * seq // cp
+    if tp > 1:
+        return n * 9
+    return n * 8 if cp > 1 else micro_batch * (seq + 1) * 8
 
 
 def head_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, tp: int = 1,
@@ -158,7 +190,7 @@ def chunk_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode
     """Bytes one micro-batch leaves saved in each pipeline chunk (its layers' terms)."""
     # ZeRO changes nothing here: cached on what does (the search asks for many ZeRO stages at once)
     essential = Layout(dims=replace(layout.dims, dp_replicate=layout.dp, dp_shard=1), micro_batch=layout.micro_batch,
-                       recompute=layout.recompute, sequence_parallel=layout.sequence_parallel)
+                       recompute=layout.recompute, sequence_parallel=layout.sequence_parallel, cp_mode=layout.cp_mode)
     return list(_chunk_sizes(model, essential, seq, mode, pp_split))
 
 
@@ -167,9 +199,9 @@ def _chunk_sizes(model: ModelConfig, layout: Layout, seq: int, mode: str,
                  pp_split: tuple[int, ...]) -> tuple[float, ...]:
     block = block_activation_bytes(model, layout, seq=seq, mode=mode)
     moe_block = block_activation_bytes(model, layout, seq=seq, mode=mode, moe=True)
-    kwargs = dict(micro_batch=layout.micro_batch, seq=seq, tp=layout.tp)
+    kwargs = dict(micro_batch=layout.micro_batch, seq=seq // layout.cp, tp=layout.tp)
     head = head_activation_bytes(model, sequence_parallel=layout.sequence_parallel, mode=mode, **kwargs)
-    embedding = embedding_activation_bytes(**kwargs)
+    embedding = embedding_activation_bytes(micro_batch=layout.micro_batch, seq=seq, tp=layout.tp, cp=layout.cp)
     sizes = []
     for start, end in chunk_layers(model, layout.dims, pp_split):
         held = range(max(start, 1), min(end, model.n_layer + 1))  # GPT layer i + 1 is block i
@@ -181,14 +213,16 @@ def _chunk_sizes(model: ModelConfig, layout: Layout, seq: int, mode: str,
 
 def activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str, stage: int = 0,
                      microbatches: int = 1, pp_split: tuple[int, ...] = ()) -> float:
-    """Peak bytes of saved activations on pipeline rank `stage` over a step: one micro-batch at a time
+    """Peak bytes of saved activations on pipeline rank `stage` over a step (seq: tokens of a whole
+    sequence, of which each cp rank holds seq / cp): one micro-batch at a time
     without pp (accumulation runs each backward before the next forward); under pp, the schedule's
     own program walked action by action (F saves a chunk's activations, B or W releases them)."""
     sizes = chunk_activation_bytes(model, layout, seq=seq, mode=mode, pp_split=pp_split)
     ranges = chunk_layers(model, layout.dims, pp_split)
     mine = [c for c in range(len(ranges)) if c % layout.pp == stage]
     has_block = any(max(ranges[c][0], 1) < min(ranges[c][1], model.n_layer + 1) for c in mine)
-    rope = rope_bytes(model, seq=seq, mode=mode, recompute=layout.recompute) if has_block else 0.0
+    rope = (rope_bytes(model, seq=seq, mode=mode, recompute=layout.recompute, cp=layout.cp)
+            + positions_bytes(layout, seq=seq)) if has_block else 0.0
     if layout.pp == 1:
         return sizes[0] + rope
     return _peak_in_flight(layout.schedule, layout.pp, microbatches, stage, layout.virtual_stages, tuple(sizes)) + rope

@@ -85,8 +85,10 @@ class StepSettings:
 def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches: int,
                 settings: StepSettings = StepSettings()) -> dict[str, dict[str, int]]:
     """{axis: {op: bytes}} pipeline rank `stage` moves in one step of `micro_batches` micro-batches
-    (every dp and tp rank of a stage moves the same): axes "dp", "tp", "pp" (its op "send": the
-    point-to-point messages) and "tied" (the embedding shared by the first and last stage)."""
+    (every dp and tp rank of a stage moves the same): axes "dp" ("dp_cp" under context parallelism: the
+    dp x cp ranks holding the same parameters), "tp", "cp" (Ulysses' all-to-alls), "pp" (its op "send":
+    the point-to-point messages) and "tied" (the embedding shared by the first and last stage). Ring
+    attention's point-to-point messages are not in it (paratrain.context_parallel.ring counts them)."""
     precision, pp_split = settings.precision, settings.pp_split
     volume = data_parallel_volume(model, layout, stage=stage, micro_batches=micro_batches, settings=settings)
     calls = Counter(tensor_parallel_calls(model, layout, stage=stage, precision=precision, pp_split=pp_split))
@@ -96,6 +98,9 @@ def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches
     for (axis, op, numel, size), n in calls.items():
         ops = volume.setdefault(axis, {})
         ops[op] = ops.get(op, 0) + n * _FACTOR[op] * numel * size
+    ulysses = ulysses_bytes(model, layout, stage=stage, precision=precision, pp_split=pp_split)
+    if ulysses:
+        volume.setdefault("cp", {})["all_to_all"] = ulysses * micro_batches
     sent = pipeline_sends(model, layout, stage=stage, micro_batches=micro_batches, precision=precision,
                           pp_split=pp_split)
     if sent:
@@ -110,8 +115,9 @@ def data_parallel_volume(model: ModelConfig, layout: Layout, *, stage: int, micr
     (ZeRO over shard groups of S < dp ranks): "dp_shard" for the reduce-scatters and the gathers
     within a shard group, "dp_replicate" for the all-reduce of each shard across the dp / S copies
     (an all-reduce reduction stays one all-reduce over dp)."""
-    if layout.dp == 1:
+    if layout.dp * layout.cp == 1:
         return {}
+    data = data_axis(layout)
     volume: dict[str, dict[str, int]] = {}
 
     def add(axis: str, op: str, n: int) -> None:
@@ -119,12 +125,12 @@ def data_parallel_volume(model: ModelConfig, layout: Layout, *, stage: int, micr
 
     params = rank_params(model, layout.dims, stage, settings.pp_split)
     if layout.zero == 0:
-        add("dp", "all_reduce", 2 * 4 * sum(p.numel for p in params))
+        add(data, "all_reduce", 2 * 4 * sum(p.numel for p in params))
         return volume
     if layout.shard_group == 1:
         raise NotImplementedError("the volume of ZeRO with shard groups of one rank (replicated state) is not modelled")
     hierarchical = layout.shard_group not in (None, layout.dp)
-    shard_axis = "dp_shard" if hierarchical else "dp"
+    shard_axis = "dp_shard" if hierarchical else data
     elsize = BYTES[settings.precision]
     groups = flat_groups(params, zero=layout.zero, shards=layout.shards, bucket_bytes=int(settings.bucket_mb * 2**20))
     reductions = 1 if layout.zero == 1 or layout.pp > 1 else micro_batches
@@ -134,7 +140,7 @@ def data_parallel_volume(model: ModelConfig, layout: Layout, *, stage: int, micr
             if hierarchical:
                 add("dp_replicate", "all_reduce", reductions * 2 * elsize * g.shard_numel)
         else:
-            add("dp", "all_reduce", reductions * 2 * elsize * g.padded)
+            add(data, "all_reduce", reductions * 2 * elsize * g.padded)
     if layout.zero < 3:
         add(shard_axis, "all_gather", elsize * sum(g.padded for g in groups))
     else:  # flat_groups lists the blocks' groups first, the root's last
@@ -153,8 +159,8 @@ def tensor_parallel_calls(model: ModelConfig, layout: Layout, *, stage: int, pre
         return []
     blocks, first, last = _held(model, layout, stage, pp_split)
     act = _activation_bytes(layout, precision)
-    full = layout.micro_batch * model.seq_len * model.d_model
-    tokens = layout.micro_batch * model.seq_len
+    full = layout.micro_batch * model.seq_len // layout.cp * model.d_model  # this rank's tokens
+    tokens = layout.micro_batch * model.seq_len // layout.cp
     again = blocks if layout.recompute == "full" else 0
     # zero-bubble's W: the backward's traffic once more (stage 0's I does nothing, its W is the backward)
     repeat = layout.schedule == "zero-bubble" and stage > 0
@@ -186,10 +192,10 @@ def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str
         else:
             calls.append(("tied", "all_reduce", params[0].numel, 4))
     parts = 2 if layout.tp > 1 else 1  # tp slices and replicated weights sum over different axes
-    if layout.dp > 1:
-        calls.append(("dp", "all_reduce", 2, 8))
+    if layout.dp * layout.cp > 1:
+        calls.append((data_axis(layout), "all_reduce", 2, 8))
         if layout.zero:  # the norm's squares add up over the ranks that hold different shards
-            shard_axis = "dp_shard" if layout.shard_group not in (None, layout.dp) else "dp"
+            shard_axis = "dp_shard" if layout.shard_group not in (None, layout.dp) else data_axis(layout)
             calls += [(shard_axis, "all_reduce", 1, 4)] * parts
     if layout.tp > 1:
         calls.append(("tp", "all_reduce", 1, 4))
@@ -207,9 +213,30 @@ def pipeline_sends(model: ModelConfig, layout: Layout, *, stage: int, micro_batc
     chunks = layout.pp * layout.virtual_stages
     mine = [c for c in range(chunks) if c % layout.pp == stage]
     messages = sum((c < chunks - 1) + (c > 0) for c in mine) * micro_batches
-    split = layout.tp if layout.sequence_parallel else 1
+    split = (layout.tp if layout.sequence_parallel else 1) * layout.cp
     message = layout.micro_batch * (model.seq_len // split) * model.d_model * _activation_bytes(layout, precision)
     return messages * message
+
+
+def ulysses_bytes(model: ModelConfig, layout: Layout, *, stage: int, precision: str = "fp32",
+                  pp_split: tuple[int, ...] = ()) -> int:
+    """Ulysses' all-to-all bytes of one micro-batch on pipeline rank `stage` (0 unless cp > 1 in Ulysses
+    mode), counted as paratrain.comm.volume counts (each call its input): per block 4 calls forward (q, k,
+    v, the output) and 4 backward, each [B, h / tp, seq / cp, hd] (the GPT has no grouped kv heads); a
+    recomputed block (full) runs its 4 forward calls again in backward, a recomputed attention core
+    (selective) 3: torch.utils.checkpoint stops once it has what backward keeps, and nothing keeps the
+    output's all-to-all inside the core."""
+    if layout.cp == 1 or layout.cp_mode != "ulysses":
+        return 0
+    blocks, _, _ = _held(model, layout, stage, pp_split)
+    calls = 8 + {"full": 4, "selective": 3}.get(layout.recompute, 0)
+    tensor = layout.micro_batch * model.seq_len // layout.cp * model.d_model // layout.tp
+    return blocks * calls * tensor * _activation_bytes(layout, precision)
+
+
+def data_axis(layout: Layout) -> str:
+    """The mesh's name for the ranks holding the same parameters: "dp", or "dp_cp" under cp."""
+    return "dp_cp" if layout.cp > 1 else "dp"
 
 
 def _held(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...]) -> tuple[int, bool, bool]:

@@ -19,7 +19,7 @@ from paratrain.planner.search import search
 from paratrain.planner.textbook import training_days
 
 _PINS = {"--dp": "dp", "--tp": "tp", "--pp": "pp", "--virtual-stages": "virtual_stages", "--zero": "zero",
-         "--micro-batch": "micro_batch", "--ep": "ep"}
+         "--micro-batch": "micro_batch", "--ep": "ep", "--cp": "cp"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, field in _PINS.items():
         parser.add_argument(flag, type=int, help=f"pin {field}")
     parser.add_argument("--recompute", choices=("none", "selective", "full"), help="pin recomputation")
+    parser.add_argument("--cp-mode", choices=("ring", "ulysses"), help="pin context parallelism's attention")
     parser.add_argument("--sequence-parallel", action="store_true", default=None, help="pin sequence parallelism on")
     parser.add_argument("--dry-run", action="store_true",
                         help="build rank --rank of the pinned layout (--gpus ranks; --dp/--tp/--pp/--zero/--micro-batch) "
@@ -82,8 +83,14 @@ def run(args: argparse.Namespace) -> int:
         return _dry_run(args, model, devices, pins)
     if args.recompute is not None:
         pins["recompute"] = args.recompute
+    if args.cp_mode is not None:
+        pins["cp_mode"] = args.cp_mode
     if args.sequence_parallel:
         pins["sequence_parallel"] = True
+    if args.seq_len and args.seq_len > model.seq_len:  # the model is built for sequences this long
+        from dataclasses import replace
+
+        model = replace(model, seq_len=args.seq_len)
     result = search(model, devices, hw, global_batch=args.global_batch, seq_len=args.seq_len,
                     precision=args.precision, pins=pins)
     if args.tokens:
@@ -140,6 +147,8 @@ def _layout_text(layout: dict[str, Any]) -> str:
         text += f"x{layout['virtual_stages']}"
     if layout["ep"] > 1:
         text += f" ep{layout['ep']}"
+    if layout["cp"] > 1:
+        text += f" cp{layout['cp']}" + ("u" if layout["cp_mode"] == "ulysses" else "")
     text += f" z{layout['zero']} mb{layout['micro_batch']}"
     if layout["recompute"] != "none":
         text += " rc" if layout["recompute"] == "full" else " rc-sel"

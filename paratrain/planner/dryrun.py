@@ -117,7 +117,7 @@ def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_si
         stage = ctx.mesh.index("pp")
         layout = Layout(dims=ctx.dims, zero=ctx.config.zero, micro_batch=micro_batch,
                         sequence_parallel=ctx.config.sequence_parallel, schedule=ctx.config.schedule,
-                        recompute=recompute)
+                        recompute=recompute, cp_mode=ctx.config.cp_mode)
         grad_reduce = "reduce_scatter" if ctx.config.grad_reduce == "reduce_scatter" else "all_reduce"
         predicted_memory = model_state_bytes(model, layout, precision=precision, stage=stage,
                                              bucket_mb=ctx.config.bucket_mb, grad_reduce=grad_reduce,
@@ -138,7 +138,7 @@ def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_si
         if precision != "fp32" and not ctx.config.zero:
             notes.append(f"zero 0 with {precision}: the meta device runs no autocast, so activations are counted in "
                          f"float32; a real run's autocast moves the row outputs in {precision} (less)")
-        coords = {axis: ctx.mesh.index(axis) for axis in ("dp", "tp", "pp")}
+        coords = {axis: ctx.mesh.index(axis) for axis in ("dp", "cp", "tp", "pp") if axis != "cp" or ctx.dims.cp > 1}
         return DryRun(rank, world_size, coords, engine.memory_report(), predicted_memory, collectives, volume,
                       predicted_volume, actions, time.perf_counter() - started, notes)
     finally:

@@ -35,20 +35,24 @@ class Layout:
     schedule: str = "1f1b"
     offload: bool = False
     """ZeRO's optimizer state and fp32 masters in CPU memory."""
+    cp_mode: str = "ring"
+    """Context parallelism's attention (cp > 1): 'ring' or 'ulysses'."""
 
     def __post_init__(self) -> None:
         if not self.zero and self.dims.dp_shard > 1:
             raise ConfigError(f"dp_shard ({self.dims.dp_shard}) splits ZeRO's state, and zero is 0: set zero to "
                               "1, 2 or 3, or dp_shard to 1")
+        if self.cp_mode not in ("ring", "ulysses"):
+            raise ConfigError(f"cp_mode must be 'ring' or 'ulysses', got {self.cp_mode!r}")
 
     @classmethod
     def of(cls, **fields: Any) -> Layout:
-        """From flat fields, to_dict's: dp, tp, pp, virtual_stages, ep, shard_group (ZeRO over groups of this
+        """From flat fields, to_dict's: dp, tp, pp, virtual_stages, ep, cp, shard_group (ZeRO over groups of this
         many dp ranks, MiCS / HSDP; None: all of dp) and the memory savers; the rest take their defaults."""
         unknown = sorted(set(fields) - set(LAYOUT_FIELDS))
         if unknown:
             raise ConfigError(f"unknown layout fields {unknown}: a layout has {list(LAYOUT_FIELDS)}")
-        axes = {name: fields.pop(name) for name in ("dp", "tp", "pp", "virtual_stages", "ep") if name in fields}
+        axes = {name: fields.pop(name) for name in ("dp", "tp", "pp", "virtual_stages", "ep", "cp") if name in fields}
         shard_group, zero, dp = fields.pop("shard_group", None), fields.get("zero", 0), axes.get("dp", 1)
         if shard_group is not None and not zero:
             raise ConfigError(f"shard_group={shard_group} needs a ZeRO stage: with zero=0 nothing is sharded; "
@@ -81,6 +85,11 @@ class Layout:
         return self.dims.ep
 
     @property
+    def cp(self) -> int:
+        """Context parallelism: each sequence split over cp ranks."""
+        return self.dims.cp
+
+    @property
     def shard_group(self) -> int | None:
         """ZeRO over groups of this many dp ranks (MiCS / HSDP); None: all of dp (or no ZeRO)."""
         return self.dims.dp_shard if self.zero and self.dims.dp_shard != self.dims.dp else None
@@ -91,20 +100,22 @@ class Layout:
 
     @property
     def shards(self) -> int:
-        """Ranks one copy of ZeRO's state is split over (under cp, every dp x cp rank: paratrain.topology.mesh)."""
-        return self.dims.dp_shard * (self.dims.cp if self.dims.dp_shard == self.dims.dp else 1)
+        """Ranks one copy of ZeRO's state is split over (under cp, a shard group's dp ranks times their cp
+        ranks: paratrain.topology.mesh)."""
+        return self.dims.dp_shard * self.dims.cp
 
     @property
     def expert_shards(self) -> int:
-        """Ranks ZeRO splits the experts' state over: the dp / ep ranks holding the same experts (edp)."""
-        return self.dp // self.ep if self.zero else 1
+        """Ranks ZeRO splits the experts' state over: the dp / ep ranks holding the same experts (edp), times
+        cp."""
+        return self.dp // self.ep * self.dims.cp if self.zero else 1
 
     def to_dict(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in LAYOUT_FIELDS}  # flat, no deep copy: the search calls it often
 
 
 LAYOUT_FIELDS = ("dp", "tp", "pp", "virtual_stages", "zero", "shard_group", "micro_batch", "recompute",
-                 "sequence_parallel", "schedule", "offload", "ep")
+                 "sequence_parallel", "schedule", "offload", "ep", "cp", "cp_mode")
 """A layout's flat fields (to_dict, Layout.of), in the order the planner's records list them."""
 
 

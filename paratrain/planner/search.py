@@ -3,6 +3,7 @@ checked by paratrain's own rules, ranked by predicted step time)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Mapping
 
@@ -10,7 +11,7 @@ from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import ParallelConfig
 from paratrain.config.plan import batch_layout
-from paratrain.config.validate import check_experts, check_pipeline, check_tensor_parallel
+from paratrain.config.validate import check_context_parallel, check_experts, check_pipeline, check_tensor_parallel
 from paratrain.nn.loss import CHUNK_BYTES
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
@@ -30,10 +31,12 @@ def check_fields(model: ModelConfig, fields: Mapping[str, Any], *, global_batch:
                               virtual_stages=fields["virtual_stages"], zero=fields["zero"], shard_group=fields["shard_group"], schedule=fields["schedule"],
                               sequence_parallel=fields["sequence_parallel"],
                               offload="optimizer" if fields["offload"] else "none",
-                              ep=fields["ep"]).resolved(fields["dp"] * fields["tp"] * fields["pp"])
+                              ep=fields["ep"], cp=fields["cp"], cp_mode=fields["cp_mode"]
+                              ).resolved(fields["dp"] * fields["tp"] * fields["pp"] * fields["cp"])
     if fields["recompute"] not in ("none", "full", "selective"):
         raise ConfigError(f"recompute must be 'none', 'full' or 'selective', got {fields['recompute']!r}")
     check_tensor_parallel(model, parallel, seq)
+    check_context_parallel(model, parallel, seq)
     check_experts(model, parallel)
     batch = batch_layout(global_batch, fields["micro_batch"], fields["dp"])
     check_pipeline(model, parallel, batch)
@@ -49,8 +52,7 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, p
     the gradient bucket being reduced). Offloaded optimizer state is in CPU memory, not counted."""
     mode = storage_mode(precision, layout.zero)
     microbatches = global_batch // (layout.dp * layout.micro_batch)
-    seq //= layout.dims.cp  # the tokens of a sequence this rank holds (context parallelism; a first estimate:
-    # each rank's activations as one process's for seq / cp tokens; ring's K/V blocks in flight not counted)
+    local = seq // layout.cp  # the tokens of a sequence this rank holds (context parallelism)
     act = 4 if mode == "fp32" else 2
     best: dict[str, float] = {}
     for stage in sorted({0, layout.pp // 2, layout.pp - 1}):
@@ -60,8 +62,9 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, p
             states = {**states, "optimizer": 0}
         activations = activation_bytes(model, layout, seq=seq, mode=mode, stage=stage, microbatches=microbatches,
                                        pp_split=pp_split)
-        tokens = layout.micro_batch * seq
+        tokens = layout.micro_batch * local
         other = min(bucket_mb * 2**20, states["grads"] or bucket_mb * 2**20)
+        other += context_parallel_transient(model, layout, seq=seq, act=act)
         if stage == layout.pp - 1:  # the logits' gradient (compute dtype) and the loss's float32 chunks
             logits = tokens * model.padded_vocab / layout.tp
             other += logits * act + min(2 * CHUNK_BYTES, 2 * 4 * logits)
@@ -75,6 +78,17 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, p
         if record["peak"] > best.get("peak", -1.0):
             best = record
     return best
+
+
+def context_parallel_transient(model: ModelConfig, layout: Layout, *, seq: int, act: int) -> float:
+    """Bytes attention under cp holds while one layer runs (not saved: freed when it returns). Ring, in
+    backward: this rank's K/V block, the one arriving, and the two (dK, dV) accumulators, each
+    2 [B, h / tp, seq / cp, hd]. Ulysses: the all-to-all's send and receive buffers of q, k, v and the
+    output, 2 x 4 [B, h / tp, seq / cp, hd], at most. An estimate, not checked to the byte."""
+    if layout.cp == 1:
+        return 0.0
+    block = layout.micro_batch * seq // layout.cp * model.d_model / layout.tp * act  # [B, h / tp, seq / cp, hd]
+    return 4 * 2 * block if layout.cp_mode == "ring" else 2 * 4 * block
 
 
 def estimate(model_config: ModelConfig, layout: Layout, hardware: Hardware, *, global_batch: int,
@@ -100,14 +114,16 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(model: ModelConfig, devices: int, hardware: Hardware, *, global_batch: int,
-               pins: dict[str, Any] | None = None) -> list[Layout]:
-    """Every layout of `devices` ranks the search considers: tp within a node, pp up to the layers,
-    1 or 2 virtual stages, ZeRO 0-3 over all of dp, power-of-two micro-batches, no / selective / full recompute,
-    sequence parallelism with tp, and for a MoE model every ep dividing both dp and the experts; `pins`
-    fixes any field. Pins that make no layout at all (an ep that does not divide dp) are left out: `search`
-    lists them as rejected."""
+               pins: dict[str, Any] | None = None, seq: int | None = None) -> list[Layout]:
+    """Every layout of `devices` ranks the search considers: tp within a node, cp dividing the sequence into
+    2 cp chunks of which each rank keeps at least CP_MIN_TOKENS tokens (ring, and Ulysses where the heads
+    divide), pp up to the layers, 1 or 2 virtual stages, ZeRO 0-3 over
+    all of dp, power-of-two micro-batches, no / selective / full recompute, sequence parallelism with tp, and
+    for a MoE model every ep dividing both dp and the experts; `pins` fixes any field. Pins that make no
+    layout at all (an ep that does not divide dp) are left out: `search` lists them as rejected."""
     out = []
-    for fields in _candidate_fields(model, devices, hardware, global_batch=global_batch, pins=pins or {}):
+    for fields in _candidate_fields(model, devices, hardware, global_batch=global_batch, pins=pins or {},
+                                    seq=seq or model.seq_len):
         try:
             out.append(Layout.of(**fields))
         except ConfigError:
@@ -116,34 +132,42 @@ def candidates(model: ModelConfig, devices: int, hardware: Hardware, *, global_b
 
 
 def _candidate_fields(model: ModelConfig, devices: int, hardware: Hardware, *, global_batch: int,
-                      pins: dict[str, Any]) -> list[dict[str, Any]]:
+                      pins: dict[str, Any], seq: int) -> list[dict[str, Any]]:
     """`candidates` as flat fields (Layout.of's), each once, in the search's order."""
     out: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for tp in _divisors(devices):
-        if tp > hardware.devices_per_node:
+    for tp, cp in itertools.product(_divisors(devices), _divisors(devices)):
+        if tp > hardware.devices_per_node or devices % (tp * cp) or (cp > 1 and seq % (2 * cp)):
             continue
-        for pp in _divisors(devices // tp):
+        if cp > 1 and seq // cp < CP_MIN_TOKENS and pins.get("cp") != cp:
+            continue
+        modes = ["ring"] + (["ulysses"] if cp > 1 and (model.n_head // tp) % cp == 0 else [])
+        for pp in _divisors(devices // (tp * cp)):
             if pp > model.n_layer + 2:
                 continue
-            dp = devices // (tp * pp)
+            dp = devices // (tp * cp * pp)
             if global_batch % dp:
                 continue
             per_rank = global_batch // dp
             micro = [m for m in (1, 2, 4, 8, 16, 32) if per_rank % m == 0]
             eps = [e for e in _divisors(dp) if model.n_experts % e == 0] if model.n_experts else [1]
-            for v, zero, mb, recompute, sp, ep in itertools.product(
+            for v, zero, mb, recompute, sp, ep, mode in itertools.product(
                     (1, 2) if pp > 1 else (1,), (0, 1, 2, 3), micro, ("none", "selective", "full"),
-                    (False, True) if tp > 1 else (False,), eps):
+                    (False, True) if tp > 1 else (False,), eps, modes):
                 fields = dict(_DEFAULTS, dp=dp, tp=tp, pp=pp, virtual_stages=v, zero=zero, micro_batch=mb,
                               recompute=recompute, sequence_parallel=sp,
-                              schedule="interleaved" if v > 1 else "1f1b", ep=ep)
+                              schedule="interleaved" if v > 1 else "1f1b", ep=ep, cp=cp, cp_mode=mode)
                 if pins:
                     fields.update({k: pins[k] for k in pins if k in fields})
-                    if fields["dp"] * fields["tp"] * fields["pp"] != devices:
+                    if fields["dp"] * fields["tp"] * fields["pp"] * fields["cp"] != devices:
                         continue
                 out.setdefault(tuple(fields.values()), fields)
     return list(out.values())
 
+
+CP_MIN_TOKENS = 1024
+"""The search tries a cp degree only where each rank keeps at least this many tokens of a sequence (pin cp to
+try any): context parallelism is for sequences whose activations do not fit, and below this its exchange per
+token costs more than it saves (an assumption of the search, not a rule of the engine)."""
 
 _DEFAULTS = Layout().to_dict()
 """A layout's flat fields at their defaults, in to_dict's order."""
@@ -154,9 +178,12 @@ def search(model_config: ModelConfig, devices: int, hardware: Hardware, *, globa
            ) -> dict[str, list[dict[str, Any]]]:
     """{"candidates": fitting layouts, fastest first, then those that do not fit, smallest peak first;
     "rejected": [{"layout", "reason"}] for layouts paratrain's rules refuse}."""
+    if seq_len and seq_len > model_config.seq_len:  # the model is built for sequences this long
+        model_config = dataclasses.replace(model_config, seq_len=seq_len)
     seq = seq_len or model_config.seq_len
     fits, too_big, rejected = [], [], []
-    for fields in _candidate_fields(model_config, devices, hardware, global_batch=global_batch, pins=pins or {}):
+    for fields in _candidate_fields(model_config, devices, hardware, global_batch=global_batch, pins=pins or {},
+                                    seq=seq):
         try:
             check_fields(model_config, fields, global_batch=global_batch, seq=seq)
             record = _record(model_config, Layout.of(**fields), hardware, global_batch=global_batch, seq=seq,

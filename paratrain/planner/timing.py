@@ -14,13 +14,19 @@ Korthikanti et al. 2022, section 4), each term named so that a measurement can b
                steady state hides them, the fill and drain do not: 2 (p - 1) transfers exposed
     ep         per MoE layer and micro-batch 4 all-to-alls of the routed rows (b s k h): on the
                critical path; MoE layers are replicated over tp, so their compute is not divided by tp
+    cp         each rank computes seq / cp tokens' share (the balanced split gives every rank the same
+               attention work); per block and micro-batch, ring: cp - 1 hops of this rank's K/V block in
+               forward, and in backward cp - 1 again with the (dK, dV) accumulators beside them, each hop
+               overlapping one block of attention compute (only what it takes longer is exposed), and the
+               accumulators' last hop home; Ulysses: 4 all-to-alls of b s/cp h (q, k, v, out) each way,
+               on the critical path
     dp         gradient reduction (zero 0: all-reduce; ZeRO: reduce-scatter + all-gather; ZeRO-3 also
                gathers parameters for every forward and backward), overlapped with the last
                micro-batch's backward (not under pp: the reduction follows the schedule)
 
-Links: ranks are laid out tp innermost, then dp, then pp (paratrain.topology.dims), so a tp group is
-inside a node when tp <= devices per node, a dp group when tp x dp <= devices per node, and pp only
-when the whole world fits in a node.
+Links: ranks are laid out tp innermost, then cp, then dp, then pp (paratrain.topology.dims), so a tp
+group is inside a node when tp <= devices per node, a cp group when tp x cp <= devices per node, a dp
+group when tp x cp x dp <= devices per node, and pp only when the whole world fits in a node.
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ class StepTime:
     compute_s: float
     """Compute of the busiest stage, bubble excluded."""
     comm_s: float
-    """Communication on the critical path: tp, ep's all-to-alls, the exposed part of dp, pp's fill and drain."""
+    """Communication on the critical path: tp, ep's all-to-alls, cp's exposed exchange, the exposed part of dp,
+    pp's fill and drain."""
     bubble: float
     """The schedule's idle share of the pipelined part."""
     tokens_per_s: float
@@ -76,9 +83,28 @@ def _stages(model: ModelConfig, pp: int, v: int) -> tuple[float, int, int]:
     return share, blocks, numel
 
 
+def _context_parallel_time(model: ModelConfig, layout: Layout, hw: Hardware, *, seq: int, act: int,
+                           rate: float) -> float:
+    """Seconds cp's attention exchange adds per block and micro-batch on the critical path (module docstring)."""
+    cp, tp = layout.cp, layout.tp
+    if cp == 1:
+        return 0.0
+    block = layout.micro_batch * seq // cp * model.d_model / tp * act  # [B, h / tp, seq / cp, hd]
+    bw = _bandwidth(hw, tp * cp)
+    if layout.cp_mode == "ulysses":  # q, k, v, out each way; (cp - 1) / cp of each leaves the rank
+        return 8 * _bus_time(block, cp, bw, hw.latency_s, factor=1)
+    hop = hw.latency_s + 2 * block / bw  # this rank's k and v to the next rank
+    # one ring step of causal attention under the balanced split: this rank's queries meet 2 c^2 keys of the
+    # block (c = s / 2cp), 4 (h / tp) FLOPs a pair (q k^T and p v): 2 b (s / cp)^2 (h / tp); backward twice that
+    attention = 2.0 * layout.micro_batch * (seq / cp) ** 2 * model.d_model / tp / rate
+    forward = (cp - 1) * max(0.0, hop - attention)
+    backward = (cp - 1) * max(0.0, 2 * hop - 2 * attention) + hop  # K/V and their (dK, dV); the last home
+    return forward + backward
+
+
 def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch: int, seq: int,
               precision: str = "bf16", grad_reduce: str = "reduce_scatter") -> StepTime:
-    dp, tp, pp, v = layout.dp, layout.tp, layout.pp, layout.virtual_stages
+    dp, tp, pp, v, cp = layout.dp, layout.tp, layout.pp, layout.virtual_stages, layout.cp
     m = global_batch // (dp * layout.micro_batch)  # micro-batches per rank and step
     tokens = global_batch * seq
     model_flops = model.flops_per_token(seq) * tokens
@@ -90,46 +116,49 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     # MoE layers are replicated over tp: every tp rank runs them whole (ep divides the rows, not the work)
     moe_flops = 6.0 * model.moe_layers * model.moe_layer_params(model.top_k) * tokens
     moe_flops *= hardware_flops / model_flops
-    per_rank = (hardware_flops - moe_flops) / (dp * tp) + moe_flops / dp
+    per_rank = (hardware_flops - moe_flops) / (dp * tp * cp) + moe_flops / (dp * cp)
     compute = per_rank * share / rate + hw.overhead_s * blocks_here * m
     act = BYTES[precision]
     # tensor parallelism, on the critical path, per block and micro-batch: 4 all-reduces of b s h; with
     # sequence parallelism 4 all-gathers and 4 reduce-scatters (each half an all-reduce's traffic)
     # and 2 more all-gathers in backward (the column layers keep only their slice of the input)
-    tp_bytes = layout.micro_batch * seq * model.d_model * act
+    tp_bytes = layout.micro_batch * seq // cp * model.d_model * act
     if layout.sequence_parallel:
         per_block = 10 * _bus_time(tp_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=1)
     else:
         per_block = 4 * _bus_time(tp_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=2)
     tp_time = m * blocks_here * per_block
+    cp_time = m * blocks_here * _context_parallel_time(model, layout, hw, seq=seq, act=act, rate=rate)
     # expert parallelism, on the critical path, per MoE layer and micro-batch: the rows to the experts and
     # back, forward and backward (4 all-to-alls of micro-batch x seq x top_k rows; a share (ep - 1) / ep
     # leaves the rank), over the link its ep ranks (consecutive in dp) span
     ep_time = 0.0
     if layout.ep > 1:
-        rows_bytes = layout.micro_batch * seq * model.top_k * model.d_model * act
+        rows_bytes = layout.micro_batch * seq // cp * model.top_k * model.d_model * act
         moe_here = round(model.moe_layers * blocks_here / model.n_layer)
-        ep_time = m * moe_here * 4 * _bus_time(rows_bytes, layout.ep, _bandwidth(hw, tp * layout.ep), hw.latency_s,
-                                               factor=1)
+        ep_time = m * moe_here * 4 * _bus_time(rows_bytes, layout.ep, _bandwidth(hw, tp * cp * layout.ep),
+                                               hw.latency_s, factor=1)
     bubble = bubble_fraction(layout.schedule if pp > 1 else "1f1b", pp, m, v) if pp > 1 else 0.0
-    pipelined = (compute + tp_time + ep_time) / (1.0 - bubble)
+    pipelined = (compute + tp_time + ep_time + cp_time) / (1.0 - bubble)
     # pipeline: the fill and drain expose 2 (p - 1) transfers of an activation (or its gradient)
-    pp_time = 2 * (pp - 1) * (hw.latency_s + tp_bytes / tp / _bandwidth(hw, dp * tp * pp)) if pp > 1 else 0.0
-    # data parallelism over dp ranks (ZeRO: its shard group), on this rank's parameters
+    pp_time = 2 * (pp - 1) * (hw.latency_s + tp_bytes / tp / _bandwidth(hw, layout.world_size)) if pp > 1 else 0.0
+    # data parallelism over the dp x cp ranks holding the same parameters (ZeRO: its shard group)
     grad_bytes = numel / tp * (BYTES[precision] if layout.zero else 4)
-    bw_dp = _bandwidth(hw, tp * dp)
+    replicas = dp * cp
+    bw_dp = _bandwidth(hw, tp * cp * dp)
     if layout.zero == 0:
-        dp_time = _bus_time(grad_bytes, dp, bw_dp, hw.latency_s, factor=2)
+        dp_time = _bus_time(grad_bytes, replicas, bw_dp, hw.latency_s, factor=2)
     else:
         reduce_factor = 1 if grad_reduce == "reduce_scatter" else 2
-        dp_time = (_bus_time(grad_bytes, dp, bw_dp, hw.latency_s, factor=reduce_factor)
-                   + _bus_time(grad_bytes, dp, bw_dp, hw.latency_s, factor=1))
+        dp_time = (_bus_time(grad_bytes, replicas, bw_dp, hw.latency_s, factor=reduce_factor)
+                   + _bus_time(grad_bytes, replicas, bw_dp, hw.latency_s, factor=1))
         if layout.zero == 3:  # every micro-batch gathers the parameters for forward and for backward
-            dp_time += 2 * m * _bus_time(grad_bytes, dp, bw_dp, hw.latency_s, factor=1)
+            dp_time += 2 * m * _bus_time(grad_bytes, replicas, bw_dp, hw.latency_s, factor=1)
     overlap = (2.0 / 3.0) * compute / m if pp == 1 else 0.0  # the last micro-batch's backward
     if layout.zero == 3:
         overlap = compute  # prefetched gathers run under the compute of every micro-batch
     dp_exposed = max(0.0, dp_time - overlap)
     step = pipelined + pp_time + dp_exposed
-    return StepTime(step_s=step, compute_s=compute, comm_s=tp_time + ep_time + pp_time + dp_exposed, bubble=bubble,
+    return StepTime(step_s=step, compute_s=compute, comm_s=tp_time + ep_time + cp_time + pp_time + dp_exposed,
+                    bubble=bubble,
                     tokens_per_s=tokens / step, mfu=model_flops / step / (layout.world_size * hw.peak_flops))

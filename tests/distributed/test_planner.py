@@ -98,6 +98,47 @@ def test_tensor_parallel_activations_equal_what_autograd_keeps(pools, world):
                     assert got == expected, (sp, precision, zero, recompute, got, expected)
 
 
+def _context_parallel_activations(case: dict, precision: str, zero: int, recompute: str) -> int:
+    import paratrain
+    from paratrain.memory import autocast
+    from paratrain.memory.activations import saved_activations
+
+    tp = dist.get_world_size() // 2
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(
+        dp=1, cp=2, cp_mode=case["mode"], tp=tp, sequence_parallel=case.get("sp", False), zero=zero))
+    model = paratrain.build_gpt(DROPLESS if case.get("moe") else TINY, seed=0)
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), precision=precision,
+                                   recompute=recompute)
+    x = torch.randint(0, 256, (2, TINY.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    assert engine.parts.sequence is not None
+    batch = engine.parts.sequence.shard_batch((x[:, :-1], x[:, 1:]))  # this rank's half of each sequence
+    with saved_activations(engine.model) as saved, autocast(precision, ctx.device):
+        paratrain.lm_loss(engine.model, batch)
+    return saved.bytes
+
+
+@pytest.mark.parametrize("world,case", [
+    (2, dict(mode="ring")), (2, dict(mode="ulysses")), (2, dict(mode="ring", moe=True)),
+    (2, dict(mode="ulysses", moe=True)), (4, dict(mode="ring", sp=True)), (4, dict(mode="ulysses"))],
+    ids=["cp2-ring", "cp2-ulysses", "cp2-ring-moe", "cp2-ulysses-moe", "cp2xtp2-ring-sp", "cp2xtp2-ulysses"])
+def test_context_parallel_activations_equal_what_autograd_keeps(pools, world, case):
+    """cp 2 (and cp2 x tp2), ring and Ulysses, each storage mode, no / selective / full recompute; tiny-moe
+    dropless too: each rank keeps what the planner says for its half of every sequence, to the byte."""
+    from paratrain.planner.layout import Layout
+    from paratrain.planner.activations import activation_bytes, storage_mode
+
+    model = DROPLESS if case.get("moe") else TINY
+    for precision, zero in (("fp32", 0), ("bf16", 0), ("bf16", 1)):
+        for recompute in ("none", "selective", "full"):
+            if case.get("moe") and recompute != "none":
+                continue
+            layout = Layout.of(tp=world // 2, cp=2, cp_mode=case["mode"], sequence_parallel=case.get("sp", False),
+                               micro_batch=2, zero=zero, recompute=recompute)
+            expected = activation_bytes(model, layout, seq=model.seq_len, mode=storage_mode(precision, zero))
+            for got in pools(world).run(_context_parallel_activations, case, precision, zero, recompute):
+                assert got == expected, (case, precision, zero, recompute, got, expected)
+
+
 def _expert_parallel_activations(precision: str, zero: int) -> int:
     import paratrain
     from paratrain.memory import autocast

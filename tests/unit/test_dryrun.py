@@ -38,6 +38,13 @@ GRID = [  # (model, world, rank, layout, global batch, micro-batch, precision, r
     ("gpt3-175b", 1024, 3, dict(dp=16, tp=8, pp=8, zero=1, sequence_parallel=True), 16, 1, "bf16", "full"),
     ("gpt3-6.7b", 1024, 777, dict(dp=128, tp=8, zero=3, grad_reduce="reduce_scatter"), 128, 1, "bf16", "none"),
     ("gpt3-13b", 512, 300, dict(dp=8, tp=8, pp=8, zero=2), 16, 1, "fp32", "none"),
+    # context parallelism: gradients and ZeRO over dp x cp ("dp_cp"), Ulysses' all-to-alls on "cp"
+    ("tiny", 8, 6, dict(dp=2, cp=2, tp=2, sequence_parallel=True, zero=1, cp_mode="ulysses",
+                        grad_reduce="reduce_scatter"), 8, 1, "bf16", "selective"),
+    ("tiny", 8, 5, dict(dp=2, cp=2, pp=2, zero=2), 8, 1, "fp32", "full"),
+    ("tiny", 8, 3, dict(dp=4, cp=2, zero=2, shard_group=2, grad_reduce="reduce_scatter"), 8, 1, "fp32", "none"),
+    ("gpt3-175b", 1024, 1000, dict(dp=4, cp=4, tp=8, pp=8, zero=1, sequence_parallel=True, cp_mode="ulysses",
+                                   grad_reduce="reduce_scatter"), 16, 1, "bf16", "none"),
 ]
 
 
@@ -55,7 +62,9 @@ def test_a_dry_run_equals_the_planner_exactly(model, world, rank, layout, global
                   recompute=recompute)
     assert run.memory == run.predicted_memory
     assert run.volume == run.predicted_volume
-    axes = {"tp": layout.get("tp", 1), "pp": layout.get("pp", 1), "dp": layout.get("dp", 1)}
+    cp = layout.get("cp", 1)
+    axes = {"tp": layout.get("tp", 1), "pp": layout.get("pp", 1), "dp_cp" if cp > 1 else "dp": layout.get("dp", 1) * cp,
+            "cp": cp if layout.get("cp_mode") == "ulysses" else 1}
     hierarchical = {"dp_shard", "dp_replicate"} if layout.get("shard_group") else set()
     assert set(run.volume) - {"tied"} - hierarchical == {axis for axis, degree in axes.items() if degree > 1}
     assert bool(run.actions) == (layout.get("pp", 1) > 1) == ("send" in run.volume.get("pp", {}))

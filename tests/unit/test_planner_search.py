@@ -152,16 +152,44 @@ def test_mixture_of_experts_layouts(capsys):
     assert "cannot be dry-run" in capsys.readouterr().err
 
 
-def test_context_parallel_memory_is_a_first_estimate_per_rank():
-    """Under cp a rank's activations are one process's for seq / cp tokens, and ZeRO's state is split over
-    dp x cp ranks (what the engine shards over). Not checked to the byte against a run yet (issue 27)."""
-    from paratrain.planner.search import memory
+def test_long_sequences_find_context_parallel_layouts(capsys):
+    """paratrain plan --seq-len 131072: gpt3-xl on 8 H100s is fastest split over cp 8 (each rank 16,384
+    tokens of every sequence, no recompute); without cp the fastest that fits splits the activations by tp 8
+    with sequence parallelism, whose all-reduces are on the critical path (25.3 s against 22.7 s predicted).
+    The search leaves out cp degrees that leave a rank fewer than CP_MIN_TOKENS tokens (pins try any)."""
+    from paratrain.planner.search import CP_MIN_TOKENS
+
+    result = search(preset("gpt3-xl"), 8, hardware("h100-80gb"), global_batch=8, seq_len=131072)
+    fits = [r for r in result["candidates"] if r["fits"]]
+    best, flat = fits[0], next(r for r in fits if r["layout"]["cp"] == 1)
+    assert best["layout"]["cp"] == 8 and best["layout"]["recompute"] == "none"
+    assert flat["layout"]["tp"] == 8 and flat["step_time_s"] > 1.05 * best["step_time_s"]
+    assert {r["layout"]["cp_mode"] for r in result["candidates"]} == {"ring", "ulysses"}
+    short = search(preset("gpt2"), 4, hardware("h100-80gb"), global_batch=8)  # 1,024 tokens: cp 1 only
+    assert {r["layout"]["cp"] for r in short["candidates"]} == {1} and CP_MIN_TOKENS == 1024
+    pinned = search(preset("gpt2"), 4, hardware("h100-80gb"), global_batch=8, pins={"cp": 4, "cp_mode": "ulysses"})
+    assert {(r["layout"]["cp"], r["layout"]["cp_mode"]) for r in pinned["candidates"]} == {(4, "ulysses")}
+    assert main(["plan", "--model", "gpt3-xl", "--gpus", "8", "--global-batch", "8", "--seq-len", "131072",
+                 "--top", "1"]) == 0
+    assert " cp8 " in capsys.readouterr().out
+
+
+def test_context_parallel_memory_and_time_terms():
+    """Under cp a rank holds seq / cp tokens of each sequence: its saved activations fall with cp (ring's and
+    Ulysses' own terms, checked to the byte in tests/distributed/test_planner.py), ZeRO's state is split over
+    dp x cp, and compute falls by cp while the exchange adds communication."""
+    from paratrain.planner.search import estimate, memory
     from paratrain.topology.dims import ParallelDims
 
-    model = preset("gpt2", seq_len=1024)
-    one = memory(model, Layout(dims=ParallelDims.of(dp=1, dp_shard=1), zero=1, micro_batch=1),
-                 global_batch=1, seq=512, precision="bf16")
-    cp = memory(model, Layout(dims=ParallelDims.of(dp=1, dp_shard=1, cp=2), zero=1, micro_batch=1),
-                global_batch=1, seq=1024, precision="bf16")
-    assert cp["activations"] == one["activations"]
-    assert cp["optimizer"] < one["optimizer"] * 0.51  # the state split over the 2 cp ranks
+    model = preset("gpt2", seq_len=8192)
+    one = memory(model, Layout(dims=ParallelDims.of(dp=1), zero=1, micro_batch=1), global_batch=1, seq=8192,
+                 precision="bf16")
+    for mode in ("ring", "ulysses"):
+        cp = memory(model, Layout(dims=ParallelDims.of(dp=1, cp=4), zero=1, micro_batch=1, cp_mode=mode),
+                    global_batch=1, seq=8192, precision="bf16")
+        assert 0.2 < cp["activations"] / one["activations"] < 0.3, mode
+        assert cp["optimizer"] < one["optimizer"] * 0.26  # the state split over the 4 cp ranks
+    h100 = hardware("h100-80gb")
+    alone = estimate(model, Layout(micro_batch=1), h100, global_batch=4)
+    split = estimate(model, Layout(dims=ParallelDims.of(cp=4), micro_batch=1, cp_mode="ulysses"), h100, global_batch=4)
+    assert split["compute_s"] < alone["compute_s"] / 3.9 and split["comm_s"] > alone["comm_s"]
