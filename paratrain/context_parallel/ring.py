@@ -94,7 +94,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Axi
     else:
         host_q = group_positions[group.index]
     steps = _plan(host_q, group_positions, group, causal=causal, device=q.device,
-                  fused=dropout is None and fused_available(q.device, q.dtype))
+                  fused=dropout is None and fused_available(q.device, q.dtype), heads=q.shape[0] * q.shape[1])
     drop = None if dropout is None else functools.partial(_drop_block, dropout, group.size * k.shape[2])
     return _RingAttention.apply(q, k, v, group, q_positions, steps, Scoring(causal, scale), drop)
 
@@ -112,8 +112,9 @@ class _Step:
     source: int
     """The group index of the rank whose K/V block this step holds."""
     k_pos: torch.Tensor
-    rows: torch.Tensor | None
-    """The query rows that see at least one key of the block (None: all)."""
+    rows: tuple[torch.Tensor | None, ...]
+    """The query rows that see at least one key of the block, in chunks small enough that their scores against
+    the block's columns stay within SCORES_BUDGET elements (a chunk None: all rows)."""
     cols: torch.Tensor | None
     """The key columns that at least one query sees (None: all)."""
     skip: bool
@@ -152,11 +153,11 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Ten
         if step.pieces is not None:
             fused_block_forward(q, kv[0], kv[1], step.pieces, scale=scoring.scale, out=out, lse=lse)
         elif not step.skip:
-            q_b, q_pos_b = _take(q, step.rows), _take(q_pos, step.rows)
-            out_b, lse_b = block_attention(q_b, _take(kv[0], step.cols), _take(kv[1], step.cols), q_pos_b,
-                                           _take(step.k_pos, step.cols), scoring, drop)
-            merged_out, merged_lse = merge_partials(_take(out, step.rows), _take(lse, step.rows), out_b, lse_b)
-            out, lse = _put(out, step.rows, merged_out), _put(lse, step.rows, merged_lse)
+            k_b, v_b, k_pos_b = _take(kv[0], step.cols), _take(kv[1], step.cols), _take(step.k_pos, step.cols)
+            for rows in step.rows:
+                out_b, lse_b = block_attention(_take(q, rows), k_b, v_b, _take(q_pos, rows), k_pos_b, scoring, drop)
+                merged_out, merged_lse = merge_partials(_take(out, rows), _take(lse, rows), out_b, lse_b)
+                out, lse = _put(out, rows, merged_out), _put(lse, rows, merged_lse)
         if hop is not None:
             kv = _arrive(hop)
     return out.to(q.dtype), lse
@@ -174,19 +175,20 @@ def _backward(saved: tuple[torch.Tensor, ...], grad_out: torch.Tensor, steps: li
     d_hop: tuple[torch.Tensor, list[Pending]] | None = None
     for s, step in enumerate(steps):
         hop = _pass_on(kv, group) if s + 1 < len(steps) else None
-        share, cols = None, step.cols  # this rank's queries' share of the block's (dk, dv), computed while
-        if step.pieces is not None:  # the previous rank's accumulator arrives
+        share: torch.Tensor | None = None  # this rank's queries' share of the block's (dk, dv), computed
+        cols = step.cols  # while the previous rank's accumulator arrives
+        if step.pieces is not None:
             share, cols = torch.zeros_like(kv), None
             fused_block_backward(q, kv[0], kv[1], step.pieces, (out, lse), grad_out, scale=scoring.scale, dq=dq,
                                  dkv=share)
         elif not step.skip:
-            rows = step.rows
-            dq_b, dk_b, dv_b = block_attention_backward(
-                _take(q, rows), _take(kv[0], cols), _take(kv[1], cols), _take(q_pos, rows),
-                _take(step.k_pos, cols), (_take(out, rows), _take(lse, rows).to(q.dtype)),
-                _take(grad_out, rows), scoring, drop)
-            dq = dq + dq_b if rows is None else dq.index_add_(2, rows, dq_b)
-            share = torch.stack([dk_b, dv_b])
+            k_b, v_b, k_pos_b = _take(kv[0], cols), _take(kv[1], cols), _take(step.k_pos, cols)
+            for rows in step.rows:
+                dq_b, dk_b, dv_b = block_attention_backward(
+                    _take(q, rows), k_b, v_b, _take(q_pos, rows), k_pos_b,
+                    (_take(out, rows), _take(lse, rows).to(q.dtype)), _take(grad_out, rows), scoring, drop)
+                dq = dq + dq_b if rows is None else dq.index_add_(2, rows, dq_b)
+                share = torch.stack([dk_b, dv_b]) if share is None else share + torch.stack([dk_b, dv_b])
         if d_hop is not None:  # the previous rank's accumulator for this step's block
             d_kv = _arrive(d_hop)
         if share is not None:
@@ -198,23 +200,31 @@ def _backward(saved: tuple[torch.Tensor, ...], grad_out: torch.Tensor, steps: li
     return dq, d_kv[0], d_kv[1]
 
 
+SCORES_BUDGET = 2**24
+"""The plain block kernel holds a chunk of rows' [B, H, rows, keys] scores (and probabilities) at a time: at
+most this many elements per chunk (64 MiB in float32), whatever the sequence length."""
+
+
 def _plan(host_q: torch.Tensor, kv_pos: torch.Tensor, group: AxisGroup, *, causal: bool, device: torch.device,
-          fused: bool = False) -> list[_Step]:
+          fused: bool = False, heads: int = 1) -> list[_Step]:
     """The ring's steps for this rank, from its query positions and every rank's kv positions kv_pos
     [cp, S_l], both where kv_pos lives (the host, when a SequenceShard gave them, so no decision waits for
     the device); each step's rows, columns and positions are then moved to `device`. fused: cut each block
-    into pieces for the fused kernel where the positions allow."""
+    into pieces for the fused kernel where the positions allow. heads: B x H of the queries (for the plain
+    kernel's row chunks)."""
     steps = []
     for s in range(group.size):
         source = (group.index - s) % group.size
         k_pos = kv_pos[source]
         pieces = plan_pieces(host_q, k_pos, causal=causal) if fused else None
-        if not causal:
-            steps.append(_Step(source, k_pos.to(device), None, None, skip=False, pieces=pieces))
-            continue
-        rows = torch.nonzero(host_q >= k_pos.min()).flatten()  # queries at or after the block's first key
-        cols = torch.nonzero(k_pos <= host_q.max()).flatten()  # keys at or before this rank's last query
-        steps.append(_Step(source, k_pos.to(device), None if len(rows) == len(host_q) else rows.to(device),
+        rows = torch.nonzero(host_q >= k_pos.min()).flatten() if causal else torch.arange(len(host_q))
+        cols = torch.nonzero(k_pos <= host_q.max()).flatten() if causal else torch.arange(len(k_pos))
+        chunk = max(1, SCORES_BUDGET // max(1, heads * len(cols)))
+        if len(rows) == len(host_q) and len(rows) <= chunk:  # queries at or after the block's first key
+            row_chunks: tuple[torch.Tensor | None, ...] = (None,)
+        else:
+            row_chunks = tuple(part.to(device) for part in rows.split(chunk))
+        steps.append(_Step(source, k_pos.to(device), row_chunks,  # keys at or before this rank's last query
                            None if len(cols) == len(k_pos) else cols.to(device), skip=len(rows) == 0,
                            pieces=pieces))
     return steps

@@ -167,7 +167,14 @@ def _group(index: int, cp: int) -> AxisGroup:
     return AxisGroup("cp", tuple(range(cp)), index, None)  # type: ignore[arg-type]
 
 
-def test_ring_of_one_is_attention():
+@pytest.mark.parametrize("kernel", ["fused", "plain-in-row-chunks"])
+def test_ring_of_one_is_attention(kernel, monkeypatch):
+    """Through the fused pieces, and through the plain block kernel holding scores of 3 rows at a time."""
+    import paratrain.context_parallel.ring as ring
+
+    if kernel != "fused":
+        monkeypatch.setattr(ring, "fused_available", lambda device, dtype: False)
+        monkeypatch.setattr(ring, "SCORES_BUDGET", 3 * B * H * 8)
     q, k, v = _qkv(8, 8, 2, seed=4)
     x = [t.clone().requires_grad_() for t in (q, k, v)]
     y = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -180,7 +187,9 @@ def test_ring_of_one_is_attention():
     within(max(float((a - b).abs().max()) for a, b in pairs), 1e-14, "ring of one vs SDPA (out, dq, dk, dv)")
 
 
-def _count(index: torch.Tensor | None, every: int) -> int:
+def _count(index: torch.Tensor | None | tuple, every: int) -> int:
+    if isinstance(index, tuple):
+        return sum(_count(part, every) for part in index)
     return every if index is None else len(index)
 
 
