@@ -12,6 +12,7 @@ use instead: nothing is ignored silently. Explicit paratrain flags win over the 
     pipeline_parallel_degree          parallel.pp       (SMP v1's older name: partitions)
     tensor_parallel_degree            parallel.tp
     context_parallel_degree (v2)      parallel.cp       (each sequence split over cp ranks; ring attention)
+    expert_parallel_degree (v2)       parallel.ep       (each MoE layer's experts divided over ep dp ranks)
     microbatches                      parallel.microbatches (micro-batches per step and dp rank)
     pipeline "simple" / "interleaved" parallel.schedule gpipe / 1f1b (SMP's "interleaved" alternates
                                       forward and backward passes: that is 1F1B, not virtual stages)
@@ -26,7 +27,7 @@ use instead: nothing is ignored silently. Explicit paratrain flags win over the 
     activation_checkpointing          train.recompute "full" (SMP sets it in code; paratrain reads the key)
     fp16 / bf16 / fp16_params         train.precision fp16 / bf16 / fp16
     random_seed (v2)                  seed
-    placement_strategy "PDT"          accepted: paratrain's rank order (tp innermost, then dp, then pp)
+    placement_strategy "PDT"          accepted: paratrain's rank order (tp innermost, then cp, dp, pp)
     auto_partition true,
     delayed_parameter_initialization true, skip_tracing true
                                       accepted: what paratrain always does (balanced stages by cost; the
@@ -51,7 +52,6 @@ _REFUSED = {
     "activation_loading_horizon": "paratrain's activation offload fetches each activation when backward needs it",
     "horovod": "paratrain's data parallelism is its own (torch.distributed), not Horovod",
     "contiguous": "a TensorFlow partitioning option",
-    "expert_parallel_degree": "expert parallelism is not built yet (mixture-of-experts is an open issue)",
     "fsdp_cache_flush_warnings": "a PyTorch FSDP option; paratrain's ZeRO-3 is its own",
     "allow_empty_shards": "paratrain pads every flat group to a multiple of the shard group: no shard is empty",
     "deterministic_server": "paratrain's pipeline runs one fixed program per rank already",
@@ -92,6 +92,8 @@ def smp_overrides(table: Mapping[str, Any]) -> dict[str, Any]:
             out["parallel.tp"] = _int(key, value, low=1)
         elif key == "context_parallel_degree":
             out["parallel.cp"] = _int(key, value, low=1)
+        elif key == "expert_parallel_degree":
+            out["parallel.ep"] = _int(key, value, low=1)
         elif key == "microbatches":
             out["parallel.microbatches"] = _int(key, value, low=1)
         elif key == "pipeline":
@@ -133,7 +135,8 @@ def smp_overrides(table: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-_KNOWN = {"pipeline_parallel_degree", "partitions", "tensor_parallel_degree", "context_parallel_degree", "microbatches", "pipeline", "optimize",
+_KNOWN = {"pipeline_parallel_degree", "partitions", "tensor_parallel_degree", "context_parallel_degree",
+          "expert_parallel_degree", "microbatches", "pipeline", "optimize",
           "ddp", "shard_optimizer_state", "sharded_data_parallel_degree", "hybrid_shard_degree",
           "offload_activations", "sm_activation_offloading", "activation_checkpointing", "fp16", "bf16", "fp16_params",
           "random_seed", "placement_strategy", "auto_partition", "delayed_parameter_initialization", "skip_tracing"}

@@ -27,9 +27,11 @@ def test_the_estimator_keys_map_onto_paratrain_settings():
         "train.recompute": "full", "parallel.offload": "activations"}
     # the whole `distribution` dict works too, and SMP v2's keys
     distribution = {"smdistributed": {"modelparallel": {"enabled": True, "parameters": {
-        "hybrid_shard_degree": 4, "tensor_parallel_degree": 2, "sm_activation_offloading": True, "random_seed": 3}}}}
+        "hybrid_shard_degree": 4, "tensor_parallel_degree": 2, "sm_activation_offloading": True, "random_seed": 3,
+        "context_parallel_degree": 2, "expert_parallel_degree": 4}}}}
     assert smp_overrides(distribution) == {"parallel.zero": 3, "parallel.shard_group": 4, "parallel.tp": 2,
-                                           "parallel.offload": "activations", "seed": 3}
+                                           "parallel.offload": "activations", "seed": 3, "parallel.cp": 2,
+                                           "parallel.ep": 4}
     assert smp_overrides({"partitions": 4, "pipeline": "simple", "ddp": False}) == {
         "parallel.pp": 4, "parallel.schedule": "gpipe", "parallel.dp": 1}
 
@@ -37,7 +39,7 @@ def test_the_estimator_keys_map_onto_paratrain_settings():
 @pytest.mark.parametrize("params,needle", [
     ({"placement_strategy": "cluster"}, "'placement_strategy' .* only 'PDT'"),
     ({"memory_weight": 0.5}, "'memory_weight' .* not supported: paratrain balances"),
-    ({"expert_parallel_degree": 2}, "expert parallelism is not built yet"),
+    ({"horovod": True}, "'horovod' .* not supported: paratrain's data parallelism"),
     ({"auto_partition": False}, "'auto_partition' false is not supported"),
     ({"partitons": 2}, "unknown SageMaker model-parallel key 'partitons': paratrain maps"),
     ({"tensor_parallel_degree": "2"}, "must be an integer >= 1, got '2'"),
