@@ -5,6 +5,9 @@
     loss = engine.train_step(batch, loss_fn)     # this rank's share of the global batch
     state = engine.state_dict()                  # full, layout-free
 
+with the parameter server (ParallelConfig(ps_mode="sync", ps_servers=2)) the server ranks run
+paratrain.serve(model, ctx, optimizer=...) instead, and the trainers end with engine.close();
+
 or, in the shape Lightning users know (paratrain.fit):
 
     paratrain.Trainer(devices=4, strategy="zero2", max_steps=100, global_batch=32).fit(model, loss_fn, dataset)
@@ -15,10 +18,11 @@ from paratrain.fit import Callback, FitResult, Trainer
 from paratrain.hybrid import Engine, parallelize
 from paratrain.models import GPT, build_gpt, lm_loss
 from paratrain.topology import Context, init
+from paratrain.train.serve import ServeResult, serve
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GPT", "Callback", "ConfigError", "Context", "Engine", "FitResult", "ModelConfig", "ParallelConfig", "RunConfig",
-    "Trainer", "build_gpt", "init", "lm_loss", "parallelize",
+    "ServeResult", "Trainer", "build_gpt", "init", "lm_loss", "parallelize", "serve",
 ]

@@ -39,22 +39,30 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
              pp_split: tuple[int, ...] = (), n_layer: int = 4, warmup: int = WARMUP,
              compile: bool | str = False, save_sharded: str | None = None, load_sharded: str | None = None,
              precision: str = "fp32", ep: int = 1, model: str = "tiny", overrides: tuple[tuple[str, Any], ...] = (),
-             cp: int = 1, cp_mode: str = "ring") -> dict[str, Any]:
+             cp: int = 1, cp_mode: str = "ring", ps_mode: str = "off", ps_servers: int = 0,
+             staleness: int = 0) -> dict[str, Any]:
     """Train the tiny GPT `steps` steps on the built-in corpus under a layout; per-step losses and
     grad norms, and the final full state. dp None: the single-process reference (no process group).
     start, start_step: resume from a full state (engine.state_dict()) taken after start_step steps.
     save_sharded / load_sharded: a root to write a sharded checkpoint into at the end / read the newest
     one from first (paratrain.checkpoint.sharded; start_step must then be the step it was saved at).
-    model, overrides: another preset (tiny-moe) and ModelConfig fields to change, as (name, value) pairs."""
+    model, overrides: another preset (tiny-moe) and ModelConfig fields to change, as (name, value) pairs.
+    ps_mode, ps_servers, staleness: the parameter server (a dedicated server rank serves and returns its
+    pushes)."""
     torch.manual_seed(12345)  # must not matter: init and data order are keyed
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dp, tp=tp, sequence_parallel=sequence_parallel, pp=pp,
                                                   schedule=schedule, virtual_stages=virtual_stages, pp_split=pp_split,
                                                   bucket_mb=bucket_mb, zero=zero, shard_group=shard_group,
                                                   grad_reduce=grad_reduce, offload=offload, ep=ep, cp=cp,
-                                                  cp_mode=cp_mode))
+                                                  cp_mode=cp_mode, ps_mode=ps_mode, ps_servers=ps_servers,
+                                                  staleness=staleness))
     config = (preset(model, seq_len=32, dropout=dropout, n_layer=n_layer, **dict(overrides))
               if dropout or n_layer != 4 or model != "tiny" or overrides else TINY)
     gpt = paratrain.build_gpt(config, seed=seed, dtype=getattr(torch, dtype))
+    if ctx.is_server:
+        served = paratrain.serve(gpt, ctx, optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.1),
+                                 grad_clip=grad_clip, save=save_sharded or "", resume=load_sharded or "")
+        return {"server": True, "pushes": served.pushes}
     engine = paratrain.parallelize(
         gpt, ctx, optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.1),
         micro_batch=micro_batch, grad_clip=grad_clip, recompute=recompute, seed=seed, compile=compile,
@@ -86,7 +94,9 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
     if save_sharded is not None:
         from paratrain.checkpoint.sharded import save_sharded as save
 
+        engine.before_save(start_step + steps)
         save(save_sharded, start_step + steps, engine.view(), {})
+    engine.close()
     state = engine.state_dict()
     optimizer = {f"{name}::{key}": value.clone() for name, values in state["optimizer"]["state"].items()
                  for key, value in values.items() if isinstance(value, torch.Tensor)}

@@ -43,6 +43,9 @@ class Placement:
     """Summed over this group after the reduction (the other end of a weight tied across stages)."""
     counted: bool = True
     """False: another rank counts it in the gradient norm."""
+    served: bool = False
+    """Held with its optimizer state by dedicated parameter servers (paratrain.param_server): they write it
+    to checkpoints and load its optimizer state; a trainer's copy is only a copy."""
 
     @classmethod
     def data_parallel(cls, mesh: Mesh) -> Placement:
@@ -64,6 +67,8 @@ class Placement:
         ranks that hold the same value (the reduce group's replicas, or under ZeRO the replicate group's
         copies of one shard; and the tensor-parallel ranks of a tensor tp does not split). sharded: this
         rank holds the tensor as a ZeRO shard."""
+        if self.served:
+            return False
         copies = self.replicate if sharded else self.reduce
         if copies is not None and copies.index != 0:
             return False

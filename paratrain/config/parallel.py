@@ -17,6 +17,10 @@ _NOT_YET: dict[str, str] = {}
 CP_MODES: tuple[str, ...] = ("ring", "ulysses")
 """How context parallelism's attention reaches the other ranks' keys and values (ParallelConfig.cp_mode)."""
 
+PS_MODES: tuple[str, ...] = ("off", "sync", "async")
+"""The parameter server (ParallelConfig.ps_mode): off (collective data parallelism), synchronous, or
+asynchronous with bounded staleness (paratrain.param_server)."""
+
 
 class ScheduleError(ValueError):
     """A schedule that cannot run for these (stages, micro-batches, chunks): refused before launch."""
@@ -101,6 +105,23 @@ class ParallelConfig:
     than its all-reduce of the same tensor: 45 ms vs 26 ms at 16 MiB on 2 CPU processes)."""
     bucket_mb: float = 25.0
     """Size of a gradient all-reduce bucket, in MiB (as torch DDP's bucket_cap_mb)."""
+    ps_mode: str = "off"
+    """The parameter server (paratrain.param_server): 'off'; 'sync': trainers push gradient buckets to the
+    servers owning them, which sum them in trainer order, update and send the parameters back (data
+    parallelism's result exactly); 'async': each server applies pushes as they arrive, a trainer running
+    at most `staleness` clocks ahead of the slowest (needs dedicated servers)."""
+    ps_servers: int = 0
+    """Dedicated server processes beside the trainers (the last ps_servers ranks of the world); 0: each
+    trainer serves a slice itself (colocated: ZeRO-2's traffic)."""
+    staleness: int = 0
+    """ps_mode 'async': how many clocks a trainer may run ahead of the slowest push (0: synchronous)."""
+
+    @property
+    def trainers(self) -> int:
+        """The ranks that train (every rank but the dedicated parameter servers); needs dp resolved."""
+        if self.dp is None:
+            raise ConfigError("dp is not resolved yet: call ParallelConfig.resolved(world_size)")
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def offloaded(self) -> frozenset[str]:
@@ -140,6 +161,8 @@ class ParallelConfig:
         if self.bucket_mb <= 0:
             raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb}")
         self._check_context_parallel()
+        self._check_parameter_server(world_size)
+        world_size -= self.ps_servers  # dedicated servers train nothing: the layout is the trainers'
         model_parallel = self.tp * self.pp * self.cp
         axes = ("tp", "pp", "cp") if self.cp > 1 else ("tp", "pp")  # cp named where it is used
         names, values = " x ".join(axes), " x ".join(str(getattr(self, a)) for a in axes)
@@ -187,8 +210,39 @@ class ParallelConfig:
         if self.cp_mode not in CP_MODES:
             raise ConfigError(f"cp_mode must be one of {', '.join(CP_MODES)}, got {self.cp_mode!r}")
 
+    def _check_parameter_server(self, world_size: int) -> None:
+        """The parameter server holds whole slices of flat buckets of every parameter: it replaces data
+        parallelism's collectives and ZeRO, and does not compose with what splits parameters otherwise."""
+        if self.ps_mode not in PS_MODES:
+            raise ConfigError(f"ps_mode must be one of {', '.join(PS_MODES)}, got {self.ps_mode!r}")
+        if self.ps_servers < 0 or self.staleness < 0:
+            raise ConfigError(f"ps_servers ({self.ps_servers}) and staleness ({self.staleness}) must be >= 0")
+        if self.ps_mode == "off":
+            if self.ps_servers or self.staleness:
+                raise ConfigError(f"ps_servers ({self.ps_servers}) and staleness ({self.staleness}) configure the "
+                                  "parameter server, and ps_mode is 'off': set ps_mode to 'sync' or 'async'")
+            return
+        other = {"tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep, "zero": self.zero}
+        given = {k: v for k, v in other.items() if (v > 1 if k != "zero" else v > 0)}
+        if given or self.shard_group is not None or self.offload != "none":
+            names = ", ".join(f"{k}={v}" for k, v in given.items()) or (
+                "shard_group" if self.shard_group is not None else f"offload={self.offload}")
+            raise ConfigError(f"ps_mode {self.ps_mode!r} with {names}: the parameter server holds whole slices of "
+                              "every parameter's flat bucket with their optimizer state (it is the sharding), and "
+                              "it composes with data parallelism only in this version: drop them, or set ps_mode "
+                              "to 'off'")
+        if self.ps_mode == "async" and self.ps_servers == 0:
+            raise ConfigError("ps_mode 'async' needs dedicated servers (ps_servers >= 1): a colocated server would "
+                              "have to answer other trainers' pushes in the middle of its own step; use ps_mode "
+                              "'sync' with ps_servers 0, or give ps_servers")
+        if self.ps_mode == "sync" and self.staleness:
+            raise ConfigError(f"staleness ({self.staleness}) bounds the asynchronous mode; ps_mode 'sync' has none: "
+                              "set ps_mode to 'async' or drop staleness")
+        if world_size - self.ps_servers < 1:
+            raise ConfigError(f"ps_servers ({self.ps_servers}) leaves no trainer among {world_size} processes: run "
+                              f"more processes (--nproc trainers + {self.ps_servers} servers)")
+
     @property
     def world_size(self) -> int:
-        if self.dp is None:
-            raise ConfigError("dp is not resolved yet: call ParallelConfig.resolved(world_size)")
-        return self.dp * self.tp * self.pp * self.cp
+        """Every process of the job: the trainers and the dedicated parameter servers."""
+        return self.trainers + self.ps_servers

@@ -29,7 +29,7 @@ from paratrain.hybrid.view import MemoryReader, StateView
 from paratrain.memory import autocast
 from paratrain.nn.dropout import KeyedDropout
 from paratrain.rng import DropoutStream
-from paratrain.sharding.flat import FlatGroup
+from paratrain.comm.flat import FlatGroup
 from paratrain.topology import Context
 
 __all__ = ["Batch", "Engine", "EngineParts", "GradientStrategy", "LossFn", "StepOptions", "split_batch"]
@@ -122,6 +122,8 @@ class Engine:
             if self.router_log is not None and self.router_log.aux_sum is not None:
                 totals[0] += self.router_log.aux_sum  # the auxiliary losses belong to the step's loss
         self.grads.finish()
+        if self.parts.remote is not None:  # the parameter server: the update happens on the servers
+            return self._remote_update(totals, len(micro_batches))
         local_loss = totals[0].clone()  # this rank's own, to name it if the step is not finite
         if self._dp_group is not None:
             all_reduce(totals, self._dp_group)
@@ -157,6 +159,40 @@ class Engine:
         if self.scaler is not None:
             self.scaler.update(overflow=False)
         return pending
+
+    def _remote_update(self, totals: torch.Tensor, micro_batches: int) -> PendingStep:
+        """Push this rank's summed gradients and (loss sum, token count) to the parameter servers, which
+        update; pull the parameters back (paratrain.param_server.client). The step's statistics are the
+        servers' (sync: the global batch's; async: this trainer's own loss, the newest applied clock's norm)."""
+        remote = self.parts.remote
+        assert remote is not None
+        scale = self.scaler.scale if self.scaler and self.scaler.scale else 1.0
+        loss, tokens = totals.tolist()
+        reply = remote.update(loss=loss, tokens=tokens, scale=scale,
+                              lrs=tuple(float(g["lr"]) for g in self.optimizer.param_groups))
+        reached = torch.tensor([reply.loss, reply.tokens], dtype=torch.float64, device=self.ctx.device)
+        pending = PendingStep(self.watch, self.dropout.advance(), micro_batches, reached, totals[0].clone())
+        pending.grad_norm = torch.tensor(reply.norm, dtype=torch.float64, device=self.ctx.device)
+        pending.server = reply
+        if self.scaler is not None:
+            pending.loss_scale = scale
+            self.scaler.update(overflow=reply.skipped)  # an overflow anywhere: every server skipped
+            pending.skipped = reply.skipped
+        elif self.options.on_non_finite == "raise":
+            self.watch.see(pending)
+        self.grads.after_step()
+        return pending
+
+    def close(self) -> None:
+        """The run is over: tell the parameter servers (their loop returns); nothing without them."""
+        if self.parts.remote is not None:
+            self.parts.remote.stop()
+
+    def before_save(self, step: int) -> None:
+        """A checkpoint of `step` steps is about to be written: the parameter servers write their slices of
+        it (collective with them); nothing without them."""
+        if self.parts.remote is not None:
+            self.parts.remote.save(step)
 
     def check(self) -> None:
         """Raise NonFiniteError if a step since the last check had a loss or gradient norm that was not
@@ -272,13 +308,24 @@ class Engine:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Load a state_dict() taken under any layout: this rank reads its own pieces of it (the path a
         sharded checkpoint loads by, over the dict in memory)."""
+        if self.parts.remote is not None and self.parts.remote.local is None:
+            raise RuntimeError("with dedicated parameter servers the parameters and their optimizer state live on "
+                               "the servers, which a trainer's load_state_dict cannot reach: resume from a sharded "
+                               "checkpoint (the servers load their slices of it)")
         reader = MemoryReader(state)
         self.view().load(reader, reader.meta)
 
     def view(self) -> StateView:
         """This rank's training state as pieces of the whole model (what checkpoints save and load)."""
         return StateView(self.model, self.ctx.mesh, self.optimizer, self.flat_groups, self.pieces,
-                         self.parts.placements, self.dropout, self.scaler, self.grads.begin_step)
+                         self.parts.placements, self.dropout, self.scaler, self._restarted)
+
+    def _restarted(self) -> None:
+        """State was loaded: the gradient strategy starts a step afresh (and the parameter servers, which
+        loaded theirs, need no initial values from the trainers)."""
+        self.grads.begin_step()
+        if self.parts.remote is not None:
+            self.parts.remote.mark_loaded(self.dropout.step)
 
     @property
     def flat_groups(self) -> list[FlatGroup]:

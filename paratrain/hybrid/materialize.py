@@ -31,7 +31,7 @@ from torch import nn
 from paratrain.comm import broadcast
 from paratrain.hybrid.pieces import Pieces, Run, fill
 from paratrain.models.init import Given, ParamInit
-from paratrain.sharding.flat import FlatGroup
+from paratrain.comm.flat import FlatGroup
 from paratrain.topology import Mesh
 
 class Source(Protocol):

@@ -10,8 +10,9 @@ a step and its layout, and nothing that reads them changes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -30,8 +31,10 @@ from paratrain.hybrid.steps import (MemorySavers, apply_batch_norm, apply_contex
                                     pipeline_executor, placer, values_source)
 from paratrain.memory import LOW_DTYPES, LossScaler
 from paratrain.models.init import ParamInit
+from paratrain.param_server import ServerClient, connect
 from paratrain.nn.recipe import Layer, PipelineLoss, Recipe, recipe_of, stage_loss
 from paratrain.sharding import WrapPolicy, ZeroOptions, ZeroSync
+from paratrain.sharding.state import ShardedState
 from paratrain.state_layout import StateLayout
 from paratrain.topology import Context
 
@@ -98,6 +101,10 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         tp plan, blocks, pipeline layers and loss); None: the model's own `recipe()` (the GPT's), or
         none. tp_plan, wrap, layers and pipeline_loss given here replace the recipe's.
     """
+    if ctx.is_server:
+        raise ValueError(f"rank {ctx.rank} is a dedicated parameter server (the ranks after the {ctx.dims.grid_size} "
+                         "trainers): it trains nothing; run paratrain.param_server.serve(model, ctx, optimizer=...) "
+                         "there instead of parallelize")
     options = StepOptions(micro_batch=micro_batch, precision=precision, grad_clip=grad_clip, seed=seed,
                           on_non_finite=on_non_finite)
     if batch_norm not in BATCH_NORM_MODES:
@@ -137,9 +144,12 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     placements = Placements(Placement.data_parallel(ctx.mesh))
     for layout in layouts:
         layout.place(placements, ctx.mesh)
+    if ctx.config.ps_mode != "off" and ctx.dims.servers:  # dedicated servers hold and write them
+        placements.add(dataclasses.replace(placements.default, served=True),
+                       [id(p) for p in model.parameters() if p.requires_grad])
     pieces = Pieces.of(whole, layouts)
     place = placer(model, source, pieces, ctx.device)
-    if meta and ctx.config.zero == 0:
+    if meta and ctx.config.zero == 0 and ctx.config.ps_mode == "off":
         place()
         if tp is not None:
             tp.register_grad_hooks(model)
@@ -155,7 +165,13 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     bucket_bytes = int(ctx.config.bucket_mb * 2**20)
     opt = optimizer(params)
     grads: GradientStrategy
-    if ctx.config.zero == 0:
+    remote = None
+    if ctx.config.ps_mode != "off":  # 8b. the parameter server: pushes and pulls instead of collectives
+        if meta:
+            place()
+        grads = remote = connect(model, ctx, opt, grad_clip=grad_clip, on_non_finite=on_non_finite)
+        save_state = functools.partial(server_optimizer_state, remote, opt, names, ctx)
+    elif ctx.config.zero == 0:
         grads = GradSync(params, placements, bucket_bytes=bucket_bytes)
         save_state = functools.partial(optimizer_state, opt, names)
     else:  # the optimizer is re-pointed at this rank's shard of each flat group
@@ -177,5 +193,16 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     executor = None if stage is None else pipeline_executor(stage, ctx, recipe, family=family, hidden=hidden,
                                                     precision=precision, recomputed=recomputed)
     parts = EngineParts(opt, grads, save_state, pieces, placements, layouts=layouts, pipeline=executor, scaler=scaler,
-                        buffers=buffer_sync, sequence=sequence)
+                        buffers=buffer_sync, sequence=sequence, remote=remote)
     return Engine(model, ctx, parts, options)
+
+
+def server_optimizer_state(client: ServerClient, optimizer: torch.optim.Optimizer, names: dict[int, str],
+                           ctx: Context) -> dict[str, Any]:
+    """The optimizer state under the parameter server, by name: colocated, every trainer's slices gathered
+    (as ZeRO's); with dedicated servers none here (the servers hold it: checkpoints carry it)."""
+    if client.local is None:
+        return optimizer_state(optimizer, names)
+    group = ctx.mesh.data_group()
+    return ShardedState(client.buckets, [Placement(shard=group)] * len(client.buckets), optimizer,
+                        names).optimizer_state()

@@ -14,6 +14,7 @@ from paratrain.context_parallel import SequenceShard
 from paratrain.data_parallel import BufferSync
 from paratrain.hybrid.pieces import Pieces
 from paratrain.memory import PRECISIONS, LossScaler
+from paratrain.param_server import ServerClient
 from paratrain.pipeline.runtime import PipelineExecutor
 from paratrain.state_layout import StateLayout
 
@@ -96,3 +97,5 @@ class EngineParts:
     """Under dp > 1: buffers that forward changes, kept equal over dp after each step (None: dp = 1)."""
     sequence: SequenceShard | None = None
     """Under cp > 1: this rank's part of each sequence; the engine cuts every micro-batch to it."""
+    remote: ServerClient | None = None
+    """Under the parameter server: the update happens on the servers (push, then pull); `grads` is it too."""

@@ -24,7 +24,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from paratrain.sharding.flat import FlatGroup
+from paratrain.comm.flat import FlatGroup
 from paratrain.state_layout import StateLayout
 
 Shapes = Mapping[str, "tuple[tuple[int, ...], torch.dtype]"]

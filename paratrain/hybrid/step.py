@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -37,6 +37,9 @@ class StepStats:
     moe: dict[str, float] | None = None
     """With MoE layers: their auxiliary losses per token, dropped fraction and assignments per expert
     (paratrain.hybrid.experts.routing_stats)."""
+    staleness: dict[str, float] | None = None
+    """Under the asynchronous parameter server: this trainer's step's staleness (clocks of updates its
+    parameters missed) and over every push of the newest applied clock its most and mean."""
 
 
 class NonFiniteError(FloatingPointError):
@@ -66,6 +69,8 @@ class PendingStep:
         self.skipped = self.non_finite = False
         self.routing: torch.Tensor | None = None
         """MoE layers: the step's routing totals over the job (paratrain.hybrid.experts)."""
+        self.server: Any = None
+        """Under the parameter server: its reply (paratrain.param_server.Reply: staleness in async mode)."""
         self._stats: StepStats | None = None
 
     @property
@@ -102,9 +107,14 @@ class PendingStep:
                 if self.watch.policy == "raise":
                     raise NonFiniteError(loss, norm_value, ranks, step=self.number)
                 self.skipped = self.non_finite = True
+            stale = None
+            if self.server is not None and getattr(self.server, "asynchronous", False):
+                stale = {"staleness": float(self.server.staleness), "staleness_max": self.server.stale_max,
+                         "staleness_mean": self.server.stale_mean}
             self._stats = StepStats(loss=loss, grad_norm=norm_value, tokens=int(tokens),
                                     micro_batches=self.micro_batches, loss_scale=self.loss_scale,
-                                    skipped=self.skipped, non_finite=self.non_finite, non_finite_ranks=ranks, moe=moe)
+                                    skipped=self.skipped, non_finite=self.non_finite, non_finite_ranks=ranks, moe=moe,
+                                    staleness=stale)
         self.watch.last = self._stats
         return self._stats
 

@@ -24,7 +24,7 @@ from paratrain.comm.placement import Placements
 from paratrain.hybrid.pieces import Owned, Piece, Pieces, Run, Values, fill
 from paratrain.memory import LossScaler
 from paratrain.rng import DropoutStream
-from paratrain.sharding.flat import FlatGroup
+from paratrain.comm.flat import FlatGroup
 from paratrain.topology.mesh import Mesh
 
 SEP = "::"
@@ -74,6 +74,8 @@ class StateView:
     scaler: LossScaler | None
     restart: Callable[[], None]
     """Called once state is loaded (the gradient strategy starts a step afresh)."""
+    buffers: bool = True
+    """Whether this rank saves and loads the model's persistent buffers (a parameter server holds none)."""
 
     def owners(self) -> list[Owned]:
         """This rank's exact values by what holds them: parameters (by optimizer owner: a flat group's
@@ -83,6 +85,8 @@ class StateView:
     def _buffers(self) -> list[Owned]:
         """The persistent buffers (BatchNorm's running statistics), each stored tensor once, whole."""
         owned: list[Owned] = []
+        if not self.buffers:
+            return owned
         seen = {id(p) for p in self.model.parameters()}
         for name, tensor in self.model.state_dict(keep_vars=True).items():
             if id(tensor) not in seen:
@@ -163,8 +167,8 @@ class StateView:
         scalars = saved["scalars"]
         params = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         for owned in owners:
-            if id(owned.owner) not in params:  # a buffer, or a frozen parameter: no optimizer state
-                continue
+            if id(owned.owner) not in params or self.placements(owned.owner).served:  # a buffer, a frozen
+                continue  # parameter, or a parameter server's (it loads the state): no optimizer state here
             name = owned.piece.name
             own = state.setdefault(owned.owner, {})
             prefix = f"{name}{SEP}"

@@ -1,6 +1,6 @@
 """Sharded data parallelism: ZeRO-1/2/3 and hierarchical (MiCS / HSDP) shard groups, one model of sharding."""
 
-from paratrain.sharding.flat import FlatGroup, FlatStorage
+from paratrain.comm.flat import FlatGroup, FlatStorage
 from paratrain.sharding.gather import ParamGatherer, Unit, WrapPolicy
 from paratrain.sharding.options import ZeroOptions
 from paratrain.sharding.zero import ZeroSync

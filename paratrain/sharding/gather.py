@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from paratrain.comm import Pending, all_gather_async
-from paratrain.sharding.flat import FlatGroup
+from paratrain.comm.flat import FlatGroup
 from paratrain.topology import AxisGroup
 
 

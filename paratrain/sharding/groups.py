@@ -7,29 +7,18 @@ hyperparameters.
 - stage 3: one group per (optimizer group, placement) of each unit (gather.py), units in reverse
   and the root (embedding, tied head, final norm) last, so that a unit's groups are contiguous and
   it can be freed as soon as its last one is reduced.
-The optimizer is then re-pointed at the groups' masters (this rank's shards), its state emptied.
+The optimizer is then re-pointed at the groups' masters (this rank's shards), its state emptied
+(paratrain.comm.flat.point_optimizer_at).
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from paratrain.comm import plan_buckets
 from paratrain.comm.placement import Placement, Placements
-from paratrain.sharding.flat import FlatGroup, FlatStorage
+from paratrain.comm.flat import FlatGroup, FlatStorage
 from paratrain.sharding.gather import Unit, WrapPolicy, units_of
-
-
-def optimizer_groups(params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
-                     names: dict[int, str]) -> dict[int, int]:
-    """The index of the optimizer param group holding each parameter, by id; every trainable
-    parameter must be in one."""
-    group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
-    missing = [names[id(p)] for p in params if id(p) not in group_of]
-    if missing:
-        raise ValueError(f"the optimizer does not hold these trainable parameters: {missing[:5]}")
-    return group_of
 
 
 def bucket_groups(params: list[nn.Parameter], group_of: dict[int, int], placements: Placements, *,
@@ -60,10 +49,3 @@ def unit_groups(params: list[nn.Parameter], group_of: dict[int, int], placements
                                          optimizer_group=gi, storage=storage))
             groups.append(unit.groups[-1])
     return groups, root, units
-
-
-def point_optimizer_at(optimizer: torch.optim.Optimizer, groups: list[FlatGroup]) -> None:
-    """The optimizer now updates the shards (each group's master); its per-parameter state starts empty."""
-    for gi, param_group in enumerate(optimizer.param_groups):
-        param_group["params"] = [g.master for g in groups if g.optimizer_group == gi]
-    optimizer.state.clear()

@@ -25,7 +25,7 @@ from torch import nn
 
 from paratrain.comm import Pending, all_reduce, all_reduce_async, reduce_scatter_async
 from paratrain.comm.placement import Placement
-from paratrain.sharding.flat import FlatGroup
+from paratrain.comm.flat import FlatGroup
 from paratrain.sharding.gather import ParamGatherer
 from paratrain.sharding.options import ZeroOptions
 

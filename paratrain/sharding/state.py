@@ -15,7 +15,7 @@ import torch
 
 from paratrain.comm import all_gather_async
 from paratrain.comm.placement import Placement
-from paratrain.sharding.flat import FlatGroup
+from paratrain.comm.flat import FlatGroup
 
 
 class ShardedState:

@@ -47,9 +47,10 @@ from torch import nn
 
 from paratrain.comm import NormPart, all_gather_async
 from paratrain.comm.placement import Placements
-from paratrain.sharding.flat import FlatStorage
+from paratrain.comm.flat import FlatStorage
 from paratrain.sharding.gather import ParamGatherer, WrapPolicy
-from paratrain.sharding.groups import bucket_groups, optimizer_groups, point_optimizer_at, unit_groups
+from paratrain.comm.flat import optimizer_groups, point_optimizer_at
+from paratrain.sharding.groups import bucket_groups, unit_groups
 from paratrain.sharding.options import ZeroOptions
 from paratrain.sharding.reduce import GradReducer
 from paratrain.sharding.state import ShardedState

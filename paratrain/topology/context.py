@@ -36,6 +36,11 @@ class Context:
         """Rank 0: the one that prints, logs and writes files."""
         return self.rank == 0
 
+    @property
+    def is_server(self) -> bool:
+        """A dedicated parameter server (paratrain.param_server): it runs the servers' loop, not training."""
+        return self.dims.is_server(self.rank)
+
 
 @dataclass(frozen=True)
 class Member:
@@ -99,8 +104,9 @@ def lay_out(member: Member, resolved: ParallelConfig, *, timeout: timedelta = ti
     Collective when the world has more than one process (every rank builds the same groups)."""
     dims = ParallelDims.from_config(resolved)
     if dims.world_size != member.world_size:
+        servers = f" + {dims.servers} parameter servers" if dims.servers else ""
         raise ConfigError(f"the layout was resolved for {dims.world_size} processes (dp x tp x pp = {dims.dp} x "
-                          f"{dims.tp} x {dims.pp}), and the job has {member.world_size}: resolve it against "
+                          f"{dims.tp} x {dims.pp}{servers}), and the job has {member.world_size}: resolve it against "
                           f"{member.world_size} (ParallelConfig.resolved)")
     mesh = Mesh.build(dims, member.rank, timeout=timeout) if member.world_size > 1 else Mesh.single()
     return Context(config=resolved, dims=dims, mesh=mesh, rank=member.rank, world_size=member.world_size,

@@ -11,7 +11,8 @@ The other axes live inside these: dp = dp_replicate x dp_shard (ZeRO's state spl
 consecutive dp ranks, replicated over the dp_replicate groups; without ZeRO dp_shard is 1), ep
 consecutive dp ranks dividing the experts (ep folds into dp), virtual_stages chunks per pipeline rank.
 Parameters are whole on every cp rank, so what data parallelism reduces runs over dp x cp
-(data_groups).
+(data_groups). Dedicated parameter servers (paratrain.param_server) are `servers` more ranks after the
+grid: ranks grid_size .. world_size - 1.
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ class ParallelDims:
     tp: int = 1
     cp: int = 1
     """Context parallelism: each sequence split over cp ranks (paratrain.context_parallel)."""
+    servers: int = 0
+    """Dedicated parameter servers, ranks after the grid (0: none, or colocated on the trainers)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if getattr(self, f.name) < 1:
+            if getattr(self, f.name) < (0 if f.name == "servers" else 1):
                 raise ConfigError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
         if self.dp % self.ep:
             choices = [e for e in range(1, self.dp + 1) if self.dp % e == 0]
@@ -55,12 +58,12 @@ class ParallelDims:
 
     @classmethod
     def of(cls, *, dp: int = 1, tp: int = 1, pp: int = 1, virtual_stages: int = 1, ep: int = 1,
-           dp_shard: int = 1, cp: int = 1) -> ParallelDims:
+           dp_shard: int = 1, cp: int = 1, servers: int = 0) -> ParallelDims:
         """From the data-parallel degree as a whole, split into dp / dp_shard replicas of dp_shard ranks."""
         if dp_shard < 1 or dp < 1 or dp % dp_shard:
             raise ConfigError(f"shard group ({dp_shard}) must divide dp ({dp})")
         return cls(pp=pp, virtual_stages=virtual_stages, dp_replicate=dp // dp_shard, dp_shard=dp_shard, ep=ep,
-                   tp=tp, cp=cp)
+                   tp=tp, cp=cp, servers=servers)
 
     @classmethod
     def from_config(cls, config: ParallelConfig) -> ParallelDims:
@@ -70,15 +73,25 @@ class ParallelDims:
             raise ConfigError("dp is not resolved yet: call ParallelConfig.resolved(world_size) first")
         shard = (config.shard_group or config.dp) if config.zero else 1
         return cls.of(dp=config.dp, tp=config.tp, pp=config.pp, virtual_stages=config.virtual_stages, ep=config.ep,
-                      dp_shard=shard, cp=config.cp)
+                      dp_shard=shard, cp=config.cp, servers=config.ps_servers)
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def world_size(self) -> int:
+    def grid_size(self) -> int:
+        """The ranks of the (pp, dp, cp, tp) grid: the trainers."""
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def world_size(self) -> int:
+        """Every rank: the grid's and the dedicated parameter servers'."""
+        return self.grid_size + self.servers
+
+    def is_server(self, rank: int) -> bool:
+        """Whether `rank` is a dedicated parameter server (after the grid)."""
+        return self.grid_size <= rank < self.world_size
 
     def degree(self, axis: str) -> int:
         """The degree of a grid axis ('pp', 'dp', 'cp', 'tp')."""
@@ -168,5 +181,6 @@ class ParallelDims:
         return shard_groups, replicate_groups
 
     def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} out of range for world size {self.world_size}")
+        if not 0 <= rank < self.grid_size:
+            where = " (a parameter server: it has no place on the grid)" if self.is_server(rank) else ""
+            raise ValueError(f"rank {rank} out of range for the grid of {self.grid_size} ranks{where}")

@@ -15,7 +15,7 @@ from paratrain.topology.recorder import FlightRecorder
 from paratrain.topology.dims import AXES, ParallelDims
 
 
-SUB_AXES = ("dp_shard", "dp_replicate", "ep", "edp", "tied", "dp_cp", "edp_cp")
+SUB_AXES = ("dp_shard", "dp_replicate", "ep", "edp", "tied", "dp_cp", "edp_cp", "servers")
 """Groups inside the dp axis (or across pp's ends) whose degree is their group's size, 1 without one."""
 
 
@@ -63,6 +63,9 @@ class Mesh:
         cp > 1 adds "cp" (the ranks splitting one sequence) and "dp_cp" (dp x cp: the ranks holding the same
         parameters, which data parallelism reduces over and ZeRO shards over); with ep > 1 also "edp_cp"
         (edp x cp: the ranks holding the same experts).
+        Two or more dedicated parameter servers add "servers" (the ranks after the grid: a clock's norm is
+        summed over them); the servers build the mesh too (new_group is collective over the world) and
+        belong to no other group.
         """
         groups: dict[str, AxisGroup] = {}
         recorder = FlightRecorder(rank)
@@ -92,6 +95,8 @@ class Mesh:
             add("dp_cp", dims.data_groups())
             if dims.dp_shard == dims.dp:  # ZeRO over all of dp x cp (plain dp: no strategy reads dp_shard)
                 groups["dp_shard"] = groups["dp_cp"]
+        if dims.servers > 1:
+            add("servers", [list(range(dims.grid_size, dims.world_size))])
         if dims.ep > 1:  # a process group of its own even when ep = dp: the all-to-alls in backward must not
             # interleave with the gradient all-reduces that GradSync starts on dp meanwhile
             experts, replicas = dims.dp_split(dims.ep)

@@ -144,6 +144,7 @@ class TrainLoop:
     def save(self) -> None:
         """Collective: every rank writes its own pieces; rank 0 publishes the index once all are on disk."""
         meta = {**self.checkpoint_meta, "loader": self.train.state_dict()}
+        self.engine.before_save(self.step)  # the parameter servers write their pieces too
         folder = save_sharded(self.settings.save, self.step, self.engine.view(), meta, keep_last=self.settings.keep_last,
                               before_publish=lambda: [hook.before_publish(self) for hook in self.hooks])
         if self.ctx.is_main:
@@ -236,6 +237,7 @@ class TrainLoop:
                     self.save()
                 interval_start = time.perf_counter()
             result.wall_s = time.perf_counter() - started
+            self.engine.close()  # the parameter servers leave their loop
         finally:
             if bar is not None:
                 bar.close()

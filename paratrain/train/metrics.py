@@ -56,6 +56,8 @@ def step_record(step: int, lr: float, stats: StepStats, step_time: float, *, wor
         record["non_finite_ranks"] = list(stats.non_finite_ranks)
     if stats.moe is not None:
         record.update(stats.moe)
+    if stats.staleness is not None:
+        record.update(stats.staleness)
     utilisation = mfu(tokens_per_s, flops_per_token, world_size, peak) if flops_per_token else None
     if utilisation is not None:
         record["mfu"] = utilisation

@@ -11,7 +11,7 @@ import paratrain
 from paratrain.config import preset
 from paratrain.hybrid.pieces import Piece
 from paratrain.models.init import BLOCK, Constant, KeyedNormal
-from paratrain.sharding.flat import FlatGroup
+from paratrain.comm.flat import FlatGroup
 
 
 def test_keyed_normal_ranges_and_slices_equal_the_whole_draw():

@@ -1,5 +1,10 @@
 """FlatGroup: some parameters flattened into one buffer, split evenly across a shard group.
 
+Shared by the strategies that keep slices of the parameters with their optimizer state elsewhere than
+on every rank: ZeRO (paratrain.sharding: a shard group of dp ranks) and the parameter server
+(paratrain.param_server: the servers). optimizer_groups and point_optimizer_at tie a FlatGroup's master to
+the optimizer.
+
     param_flat[padded]   = p0 | p1 | ... | pk | zeros      padded = ceil(numel / S) * S
     rank i of the shard group owns param_flat[i * n : (i + 1) * n], n = padded / S
 
@@ -151,3 +156,21 @@ class FlatGroup:
         for view, tensor in zip(self.views(flat), tensors):
             view.copy_(tensor)
         return flat
+
+
+def optimizer_groups(params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
+                     names: dict[int, str]) -> dict[int, int]:
+    """The index of the optimizer param group holding each parameter, by id; every trainable
+    parameter must be in one."""
+    group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    missing = [names[id(p)] for p in params if id(p) not in group_of]
+    if missing:
+        raise ValueError(f"the optimizer does not hold these trainable parameters: {missing[:5]}")
+    return group_of
+
+
+def point_optimizer_at(optimizer: torch.optim.Optimizer, groups: list[FlatGroup]) -> None:
+    """The optimizer now updates the shards (each group's master); its per-parameter state starts empty."""
+    for gi, param_group in enumerate(optimizer.param_groups):
+        param_group["params"] = [g.master for g in groups if g.optimizer_group == gi]
+    optimizer.state.clear()

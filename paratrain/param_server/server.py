@@ -1,0 +1,210 @@
+"""ShardServer: one parameter server's slices of the model, their optimizer, and the update of a clock.
+
+A server holds its slice of every flat bucket (paratrain.param_server.layout) as the optimizer's master
+and the optimizer state for it. A clock's update is the engine's own, on the slices:
+
+    g = the clock's pushed gradients summed (sync: in trainer order; async: in arrival order)
+    norm = sqrt(sum over every server of |g_j|^2) / (tokens x scale)     one all-reduce among the servers
+    skipped if any server's g holds an inf or nan (fp16: an overflow), or the loss or norm is not finite
+    g *= 1 / (tokens x scale) x min(1, clip / (norm + 1e-6));  optimizer.step() on the masters
+
+with tokens the clock's token count summed over the pushes, so the update is data parallelism's over the
+same global batch (paratrain.comm.norms: divide_and_clip_). The learning rates come with the pushes (the
+trainers run the schedule).
+
+Dedicated servers run `serve()`: synchronous (every trainer's push of a clock received in trainer order,
+summed, applied, the new slices sent back to every trainer) or asynchronous with bounded staleness
+(paratrain.param_server.async_server). A trainer that also serves a slice (colocated) runs the same
+update from its client (paratrain.param_server.client).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from paratrain.comm import all_reduce
+from paratrain.comm.norms import divide_and_clip_
+from paratrain.param_server.layout import slices_of
+from paratrain.param_server.protocol import (BODY, HEAD, INIT, PULL, PUSH, REPLY, SAVE, STOP, Header, Peers,
+                                             ServerLost, post_recv, post_send, recv_header, wait)
+from paratrain.comm.flat import FlatGroup
+from paratrain.topology.mesh import AxisGroup
+
+
+@dataclass
+class ClockResult:
+    """What a clock's update gave: sent back with the parameters (REPLY)."""
+
+    version: int
+    """Clocks applied after this one."""
+    loss: float = 0.0
+    tokens: float = 0.0
+    norm: float = 0.0
+    skipped: bool = False
+    stale_max: float = 0.0
+    """The most clocks a push of this clock was behind (its clock less the version it computed on)."""
+    stale_mean: float = 0.0
+
+
+@dataclass
+class Exchange:
+    """How this server talks: the ranks, the gloo group every message goes over, the servers' own group
+    (the norm's all-reduce; None with one server)."""
+
+    peers: Peers
+    pg: dist.ProcessGroup
+    servers: AxisGroup | None
+
+
+@dataclass
+class ShardServer:
+    index: int
+    groups: list[FlatGroup]
+    """Its slices: each bucket's FlatGroup with shard_index = index (master = the slice)."""
+    optimizer: torch.optim.Optimizer
+    """Over the groups' masters (paratrain.comm.flat.point_optimizer_at)."""
+    exchange: Exchange
+    clip: float = 0.0
+    on_non_finite: str = "raise"
+    version: int = 0
+    """Clocks applied so far."""
+    ready: bool = False
+    """The slices hold the run's values: trainer 0's INIT arrived, or a checkpoint was loaded."""
+    last: ClockResult = field(default_factory=lambda: ClockResult(0))
+    save: Callable[[int], None] | None = None
+    """Writes this server's pieces of a checkpoint after `step` steps (collective with the trainers)."""
+
+    @property
+    def slices(self) -> list[torch.Tensor]:
+        """This server's current values: each bucket's master slice."""
+        return [g.master.data for g in self.groups]
+
+    @property
+    def optimizer_groups(self) -> int:
+        return len(self.optimizer.param_groups)
+
+    def zeros(self) -> list[torch.Tensor]:
+        return [torch.zeros_like(s) for s in self.slices]
+
+    # --- the update ---
+
+    @torch.no_grad()
+    def apply(self, grads: list[torch.Tensor], *, loss: float, tokens: float, scale: float,
+              lrs: tuple[float, ...], behind: list[int]) -> ClockResult:
+        """One clock's update from its summed gradients (every server calls it for the same clock: the
+        norm's all-reduce). behind: each push's clock less the version it was computed on."""
+        wide = torch.promote_types(grads[0].dtype, torch.float32) if grads else torch.float64
+        squares = (torch.stack(torch._foreach_norm(grads, dtype=wide)).pow(2).sum() if grads
+                   else torch.zeros((), dtype=wide))
+        bad = torch.tensor(0.0 if all(bool(torch.isfinite(g).all()) for g in grads) else 1.0, dtype=wide)
+        shared = torch.stack([squares, bad])
+        if self.exchange.servers is not None:
+            all_reduce(shared, self.exchange.servers)
+        divisor = torch.tensor(max(tokens, 1.0) * scale, dtype=torch.float64)
+        norm = shared[0].sqrt() / divisor
+        overflow = scale != 1.0 and float(shared[1]) > 0
+        non_finite = not (math.isfinite(loss) and math.isfinite(float(norm)))
+        skipped = overflow or non_finite
+        if not skipped:
+            divide_and_clip_(grads, divisor, norm, self.clip)
+            for group, lr in zip(self.optimizer.param_groups, lrs):
+                group["lr"] = lr
+            for g, master in zip(self.groups, grads):
+                g.master.grad = master
+            self.optimizer.step()
+            for g in self.groups:
+                g.master.grad = None
+        self.version += 1
+        self.last = ClockResult(self.version, loss, tokens, float(norm), skipped, float(max(behind, default=0)),
+                                sum(behind) / len(behind) if behind else 0.0)
+        return self.last
+
+    # --- messages ---
+
+    def reply(self, trainer: int) -> list[dist.Work]:
+        """Send trainer `trainer` the newest statistics and this server's slices (posted, not waited)."""
+        peers, pg = self.exchange.peers, self.exchange.pg
+        r = self.last
+        header = Header(REPLY, self.index, version=self.version, loss=r.loss, tokens=r.tokens, norm=r.norm,
+                        skipped=r.skipped, stale_max=r.stale_max, stale_mean=r.stale_mean).pack(self.optimizer_groups)
+        rank = peers.trainer_rank(trainer)
+        return [post_send(header, rank, HEAD, pg)] + [post_send(s, rank, BODY, pg) for s in self.slices]
+
+    def receive(self, trainer: int) -> tuple[list[torch.Tensor], list[dist.Work]]:
+        """Post the receives of a push's slices from trainer `trainer`: (buffers, works)."""
+        peers, pg = self.exchange.peers, self.exchange.pg
+        buffers = self.zeros()
+        rank = peers.trainer_rank(trainer)
+        return buffers, [post_recv(b, rank, BODY, pg) for b in buffers]
+
+    def receive_init(self) -> None:
+        """Trainer 0's initial values of this server's slices (a dedicated server at the start)."""
+        buffers, works = self.receive(0)
+        for work in works:
+            wait(work, f"the initial parameters from {self.exchange.peers.describe_trainer(0)}")
+        for s, b in zip(self.slices, buffers):
+            s.copy_(b)
+        self.ready = True
+
+    def sync_clock(self, headers: list[Header], local: list[torch.Tensor] | None = None) -> ClockResult:
+        """A synchronous clock: every trainer's push received and summed in trainer order (`local`: this
+        process's own, colocated), then applied."""
+        peers = self.exchange.peers
+        posted = {i: self.receive(i) for i in range(peers.trainers) if not (local is not None and i == self.index)}
+        total: list[torch.Tensor] | None = None
+        for i in range(peers.trainers):
+            if i in posted:
+                buffers, works = posted[i]
+                for work in works:
+                    wait(work, f"the gradient push from {peers.describe_trainer(i)} to "
+                               f"{peers.describe_server(self.index)}")
+            else:
+                assert local is not None
+                buffers = local
+            total = [b.clone() for b in buffers] if total is None else [t.add_(b) for t, b in zip(total, buffers)]
+        assert total is not None
+        loss = sum(h.loss for h in headers)
+        tokens = sum(h.tokens for h in headers)
+        return self.apply(total, loss=loss, tokens=tokens, scale=headers[0].scale, lrs=headers[0].lrs,
+                          behind=[h.clock - h.version for h in headers])
+
+    def serve(self, *, staleness: int | None = None) -> list[tuple[int, int, int]]:
+        """A dedicated server's loop until every trainer says STOP. staleness None: synchronous; an int:
+        asynchronous with that bound (paratrain.param_server.async_server). Returns the pushes in arrival
+        order as (clock, trainer, version) (synchronous: trainer order)."""
+        if staleness is not None:
+            from paratrain.param_server.async_server import serve_async
+
+            return serve_async(self, staleness)
+        peers, log = self.exchange.peers, []
+        while True:
+            headers = [recv_header(self.optimizer_groups, peers.trainer_rank(i),
+                                   f"{peers.describe_server(self.index)} waiting for {peers.describe_trainer(i)}",
+                                   self.exchange.pg)[0] for i in range(peers.trainers)]
+            kinds = {h.kind for h in headers}
+            if len(kinds) != 1:
+                raise ServerLost(f"{peers.describe_server(self.index)} received {sorted(h.name for h in headers)} "
+                                 "from the trainers in one synchronous clock: every trainer must send the same")
+            kind = kinds.pop()
+            if kind == STOP:
+                return log
+            if kind == INIT:  # every trainer says it; trainer 0's carries the values
+                self.receive_init()
+                continue
+            if kind == SAVE:
+                if self.save is not None:
+                    self.save(headers[0].clock)
+                continue
+            if kind == PUSH:
+                self.sync_clock(headers)
+                log += [(headers[0].clock, i, h.version) for i, h in enumerate(headers)]
+            elif kind != PULL:
+                raise ServerLost(f"{peers.describe_server(self.index)} cannot serve a {headers[0].name} message")
+            works = [w for i in range(peers.trainers) for w in self.reply(i)]
+            for work in works:
+                wait(work, f"{peers.describe_server(self.index)} sending parameters")

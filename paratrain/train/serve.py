@@ -1,0 +1,72 @@
+"""A dedicated parameter server's run: its slices built (paratrain.param_server), resumed from a checkpoint
+when the trainers resume, then served until every trainer says STOP, writing its pieces of every checkpoint
+the trainers write (one collective save: the servers hold the parameters' exact values and their optimizer
+state, the trainers the buffers and the loader's cursor).
+
+    ctx = paratrain.init(paratrain.ParallelConfig(ps_mode="sync", ps_servers=2))
+    model = build(...)                       # on the meta device is enough: nothing of it runs here
+    if ctx.is_server:
+        paratrain.serve(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    else:
+        engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+        ...                                  # engine.step / train_step; engine.close() at the end
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from paratrain.checkpoint import checkpoint_to_resume, load_sharded, save_sharded
+from paratrain.comm.placement import Placement, Placements
+from paratrain.hybrid.pieces import Pieces, whole_shapes
+from paratrain.hybrid.view import StateView
+from paratrain.param_server import ShardServer, build_server
+from paratrain.param_server.setup import OptimizerFactory
+from paratrain.rng import DropoutStream
+from paratrain.topology import Context
+from paratrain.train.log import get_logger
+
+
+@dataclass
+class ServeResult:
+    pushes: list[tuple[int, int, int]] = field(default_factory=list)
+    """Every push in the order it was applied: (clock, trainer, version it was computed on)."""
+    resumed_at: int = 0
+    """The step the run resumed from (0: it started afresh)."""
+
+
+def serve(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory, grad_clip: float = 0.0,
+          on_non_finite: str = "raise", save: str = "", resume: str = "", keep_last: int = 0) -> ServeResult:
+    """Run this rank as a dedicated parameter server (module docstring). save, resume, keep_last: the
+    trainers' own (their checkpoints are written together: a server writes its pieces of each)."""
+    shapes = whole_shapes(model)
+    server = build_server(model, ctx, optimizer, grad_clip=grad_clip, on_non_finite=on_non_finite)
+    view = server_view(server, model, ctx, shapes)
+    result = ServeResult()
+    if resume:
+        found = checkpoint_to_resume(resume, save)  # collective: the trainers verify it with the servers
+        if found is not None:
+            folder, meta = found
+            load_sharded(folder, meta, view)
+            server.version = result.resumed_at = int(meta["step"])
+            server.ready = True
+    if save:
+        def write(step: int) -> None:
+            save_sharded(save, step, view, {}, keep_last=keep_last)
+
+        server.save = write
+    get_logger(ctx.rank).info("parameter server %d serves %d slices (%d elements) to %d trainers", server.index,
+                              len(server.groups), sum(s.numel() for s in server.slices),
+                              server.exchange.peers.trainers)
+    mode = ctx.config.ps_mode
+    result.pushes = server.serve(staleness=ctx.config.staleness if mode == "async" else None)
+    return result
+
+
+def server_view(server: ShardServer, model: nn.Module, ctx: Context, shapes: dict) -> StateView:
+    """What a dedicated server saves and loads: its masters (the parameters' exact values over its slices)
+    and their optimizer state; no buffer (the trainers hold them)."""
+    return StateView(model, ctx.mesh, server.optimizer, server.groups, Pieces.of(shapes, ()),
+                     Placements(Placement()), DropoutStream(0), None, lambda: None, buffers=False)
