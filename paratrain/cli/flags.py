@@ -54,12 +54,17 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
                           "ceil(F x seq x top_k / experts); 0: dropless (default)"),
     "--aux-loss-coef": ("model.overrides.aux_loss_coef", float, "weight of the Switch load-balancing loss (default 0.01)"),
     "--z-loss-coef": ("model.overrides.z_loss_coef", float, "weight of the router z-loss (default 0.001)"),
-    "--cp": ("parallel.cp", int, "context-parallel degree: each sequence split over cp ranks (composes with dp and "
-                                 "ZeRO; the sequence must divide into 2 x cp chunks)"),
+    "--cp": ("parallel.cp", int, "context-parallel degree: each sequence split over cp ranks (composes with every "
+                                 "axis; the sequence must divide into 2 x cp chunks)"),
     "--cp-mode": ("parallel.cp_mode", str, "ring (K/V blocks round the cp ranks) or ulysses (all-to-all to head "
                                            "shards; heads must divide by cp)"),
     "--ep": ("parallel.ep", int, "expert-parallel degree: the experts divided among ep ranks of dp (divides dp "
              "and the expert count)"),
+    "--ps-mode": ("parallel.ps_mode", str, "the parameter server: off (collectives), sync (data parallelism's result "
+                  "exactly) or async (bounded staleness, needs --ps-servers)"),
+    "--ps-servers": ("parallel.ps_servers", int, "dedicated parameter-server processes beside the --nproc trainers "
+                     "(0: each trainer serves a slice, ZeRO-2's traffic)"),
+    "--staleness": ("parallel.staleness", int, "--ps-mode async: clocks a trainer may run ahead of the slowest"),
     "--data": ("data.source", str, "builtin, a .txt file, or a folder with train.bin/val.bin (uint16)"),
     "--seq-len": ("data.seq_len", int, "tokens per sample (default: the model's)"),
     "--global-batch": ("data.global_batch", int, "samples per optimizer step, all ranks together"),

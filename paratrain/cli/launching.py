@@ -28,7 +28,14 @@ def prepare_launch(config: RunConfig, *, gpus: int) -> RunPlan:
     Returns the RunPlan; raises ConfigError with the rule, the numbers and a fix."""
     world_size = launch_world_size(config, gpus=gpus)
     config.launch.nproc = world_size // config.launch.nnodes
-    plan = check_run(config, world_size)
+    servers = config.parallel.ps_servers  # dedicated parameter servers: the last node starts them too
+    if servers and config.launch.nnodes > 1 and config.launch.rdzv_backend != "static":
+        raise ConfigError(f"--ps-servers {servers} across nodes needs the static rendezvous (--rdzv-backend static, "
+                          "each node its --node-rank): the last node starts the servers, which must be the world's "
+                          "last ranks")
+    config.launch.servers = servers if config.launch.node_rank == config.launch.nnodes - 1 else 0
+    config.launch.first_server = world_size if servers else 0
+    plan = check_run(config, world_size + servers)
     fewer = {}  # a relaunch that goes on with fewer nodes (--min-nodes) must have a valid layout too
     for nodes in range(config.launch.min_nodes or config.launch.nnodes, config.launch.nnodes):
         try:

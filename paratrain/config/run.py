@@ -103,7 +103,15 @@ class TrainSection:
 @dataclass
 class LaunchSection:
     nproc: int = 0
-    """Processes per node; 0: dp x tp x pp / nnodes when dp is set, else 2."""
+    """Processes per node; 0: dp x tp x pp / nnodes when dp is set, else 2. The trainers: dedicated
+    parameter servers come beside them (servers)."""
+    servers: int = 0
+    """Set by the launching process: the dedicated parameter servers this node starts after its nproc
+    trainers (the last node starts every one of parallel.ps_servers, so that they are the world's last
+    ranks)."""
+    first_server: int = 0
+    """Set by the launching process: the world rank of the first dedicated parameter server (the
+    trainers' count; 0: none), so that a failure report names servers as such."""
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = ""

@@ -27,6 +27,20 @@ class RankFailure:
     stopped_by_launcher: bool = False
     """It was still running when another rank had failed, so the launcher ended it (SIGTERM, then SIGKILL
     after SHUTDOWN_GRACE_S): a consequence, unless it is the rank the others waited for."""
+    role: str = ""
+    """What the rank is when it is not a trainer: " (parameter server 1)"."""
+
+    @property
+    def named(self) -> str:
+        return f"rank {self.rank}{self.role}"
+
+
+def with_roles(failures: list[RankFailure], first_server: int) -> list[RankFailure]:
+    """Dedicated parameter servers (world ranks from first_server on; 0: none) named as such."""
+    if not first_server:
+        return failures
+    return [replace(f, role=f" (parameter server {f.rank - first_server})") if f.rank >= first_server else f
+            for f in failures]
 
 
 class JobFailed(RuntimeError):
@@ -41,13 +55,13 @@ class JobFailed(RuntimeError):
             super().__init__(reason or "job failed")
             return
         first, rest = failures[0], failures[1:]
-        text = f"rank {first.rank} {first.how}: {first.message}"
+        text = f"{first.named} {first.how}: {first.message}"
         if other_nodes and all("CollectiveError" in f.message or f.how.startswith(_ENDED_BY_LAUNCHER)
                                for f in failures):
             text = ("no rank of this node failed first: its collectives lost a peer, so the cause is on another "
                     "node (its launcher's output says what; a node killed whole says nothing)\n" + text)
         if rest:
-            then = "; ".join(f"rank {f.rank} {f.how}: {short(f.message)}" for f in rest[:3])
+            then = "; ".join(f"{f.named} {f.how}: {short(f.message)}" for f in rest[:3])
             more = f"; and {len(rest) - 3} more" if len(rest) > 3 else ""
             text += f"\nthen: {then}{more}"
         if self.hangs:

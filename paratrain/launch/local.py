@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.config.run import LaunchSection
-from paratrain.launch.failures import SHUTDOWN_GRACE_S, JobFailed, failures_of, name_the_hang, short
+from paratrain.launch.failures import SHUTDOWN_GRACE_S, JobFailed, failures_of, name_the_hang, short, with_roles
 from paratrain.topology.recorder import absent_ranks
 
 
@@ -151,9 +151,9 @@ def _elastic_config(launch_cfg: LaunchSection, attempt: int) -> tuple[Any, str]:
         rdzv_configs["last_call_timeout"] = LAST_CALL_S
     from paratrain.launch.worker import threads_per_rank
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(launch_cfg.nproc)))
-    return LaunchConfig(
-        min_nodes=min_nodes, max_nodes=launch_cfg.nnodes, nproc_per_node=launch_cfg.nproc,
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(launch_cfg.nproc + launch_cfg.servers)))
+    return LaunchConfig(  # this node's trainers, and the last node the dedicated parameter servers after them
+        min_nodes=min_nodes, max_nodes=launch_cfg.nnodes, nproc_per_node=launch_cfg.nproc + launch_cfg.servers,
         run_id=run_id, rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs,
         max_restarts=0, monitor_interval=0.1, start_method="spawn",
     ), endpoint
@@ -192,10 +192,11 @@ def _launch_once(launch_cfg: LaunchSection, argv: list[str], *, attempt: int = 0
     except WorkersFailed as error:
         if not single_node:
             _wait_for_records(flight, launch_cfg.nproc * launch_cfg.nnodes)  # fewer (--min-nodes): 5 s at most
+            # (the servers' records too, when they come: they are the last node's)
         absent = absent_ranks(flight)
         report = [a.line(partial=not single_node and not shared) for a in absent]
-        raise JobFailed(name_the_hang(failures_of(error, error.stopped), absent), report,
-                        other_nodes=not single_node) from None
+        failures = with_roles(name_the_hang(failures_of(error, error.stopped), absent), launch_cfg.first_server)
+        raise JobFailed(failures, report, other_nodes=not single_node) from None
     except RendezvousConnectionError as error:  # the agent that hosted the store is gone (its node was lost)
         raise JobFailed([], reason=(
             f"this node lost the rendezvous store at {endpoint} ({short(str(error))}): the node that hosted it "

@@ -16,6 +16,7 @@ from paratrain.config import RunPlan
 from paratrain.topology import join, lay_out
 from paratrain.topology.recorder import FlightRecorder
 from paratrain.train import Trainer, TrainResult
+from paratrain.train.serve import serve_plan
 
 
 def threads_per_rank(local_world_size: int) -> int:
@@ -33,6 +34,9 @@ def train_on_this_rank(plan: RunPlan) -> TrainResult:
     if folder and recorder is not None:
         _leave_a_record_when_stopped(recorder, folder)
     try:
+        if ctx.is_server:  # a dedicated parameter server: it serves the trainers until they stop
+            serve_plan(plan, ctx)
+            return TrainResult()
         result = Trainer(plan, ctx).fit()
     except BaseException:
         if folder and recorder is not None:

@@ -78,6 +78,8 @@ class ShardServer:
     last: ClockResult = field(default_factory=lambda: ClockResult(0))
     save: Callable[[int], None] | None = None
     """Writes this server's pieces of a checkpoint after `step` steps (collective with the trainers)."""
+    before_step: Callable[[int], None] | None = None
+    """Called with the (1-based) step whose update is about to be applied (fault injection)."""
 
     @property
     def slices(self) -> list[torch.Tensor]:
@@ -98,6 +100,8 @@ class ShardServer:
               lrs: tuple[float, ...], behind: list[int]) -> ClockResult:
         """One clock's update from its summed gradients (every server calls it for the same clock: the
         norm's all-reduce). behind: each push's clock less the version it was computed on."""
+        if self.before_step is not None:
+            self.before_step(self.version + 1)
         wide = torch.promote_types(grads[0].dtype, torch.float32) if grads else torch.float64
         squares = (torch.stack(torch._foreach_norm(grads, dtype=wide)).pow(2).sum() if grads
                    else torch.zeros((), dtype=wide))

@@ -6,7 +6,8 @@
     RANK:STEP:kill-saving  SIGKILL while saving the checkpoint of STEP (its own file written, unpublished)
     RANK:STEP:kill-node    SIGKILL its whole node: its launcher and every worker of it (Linux)
 
-Only the first attempt of a job fails: a relaunch (--max-restarts) runs clean.
+Only the first attempt of a job fails: a relaunch (--max-restarts) runs clean. A dedicated parameter
+server's RANK fails before it applies that step's update.
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ class FaultInjection(Hook):
         self.armed = self.rank == rank and attempt == 0
 
     def on_step_start(self, loop: TrainLoop) -> None:
-        if not self.armed or self.how == ["kill-saving"] or self.step != loop.step + 1:
+        self.at_step(loop.step + 1)
+
+    def at_step(self, step: int) -> None:
+        """Before step `step` (1-based) runs on this rank: a trainer's loop, or a parameter server about to
+        apply that step's update."""
+        if not self.armed or self.how == ["kill-saving"] or self.step != step:
             return
         if self.how == ["kill"]:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -15,18 +15,22 @@ state, the trainers the buffers and the loader's cursor).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from torch import nn
 
 from paratrain.checkpoint import checkpoint_to_resume, load_sharded, save_sharded
 from paratrain.comm.placement import Placement, Placements
+from paratrain.config import RunPlan
 from paratrain.hybrid.pieces import Pieces, whole_shapes
 from paratrain.hybrid.view import StateView
 from paratrain.param_server import ShardServer, build_server
 from paratrain.param_server.setup import OptimizerFactory
 from paratrain.rng import DropoutStream
 from paratrain.topology import Context
+from paratrain.train.faults import FaultInjection
 from paratrain.train.log import get_logger
+from paratrain.train.optim import adamw_factory
 
 
 @dataclass
@@ -38,11 +42,14 @@ class ServeResult:
 
 
 def serve(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory, grad_clip: float = 0.0,
-          on_non_finite: str = "raise", save: str = "", resume: str = "", keep_last: int = 0) -> ServeResult:
+          on_non_finite: str = "raise", save: str = "", resume: str = "", keep_last: int = 0,
+          before_step: Callable[[int], None] | None = None) -> ServeResult:
     """Run this rank as a dedicated parameter server (module docstring). save, resume, keep_last: the
-    trainers' own (their checkpoints are written together: a server writes its pieces of each)."""
+    trainers' own (their checkpoints are written together: a server writes its pieces of each).
+    before_step: called with each step (1-based) whose update is about to be applied."""
     shapes = whole_shapes(model)
     server = build_server(model, ctx, optimizer, grad_clip=grad_clip, on_non_finite=on_non_finite)
+    server.before_step = before_step
     view = server_view(server, model, ctx, shapes)
     result = ServeResult()
     if resume:
@@ -70,3 +77,18 @@ def server_view(server: ShardServer, model: nn.Module, ctx: Context, shapes: dic
     and their optimizer state; no buffer (the trainers hold them)."""
     return StateView(model, ctx.mesh, server.optimizer, server.groups, Pieces.of(shapes, ()),
                      Placements(Placement()), DropoutStream(0), None, lambda: None, buffers=False)
+
+
+def serve_plan(plan: RunPlan, ctx: Context) -> ServeResult:
+    """`paratrain train`'s dedicated parameter server: the run's GPT (on the meta device: only the shapes and
+    the optimizer's groups are read) and AdamW, its clipping and non-finite policy, the trainers' checkpoints
+    (resumed as they resume: the run's --resume, or the newest under --save on a relaunch)."""
+    from paratrain.models import build_gpt
+
+    config, train = plan.config, plan.config.train
+    model = build_gpt(plan.model, seed=config.seed, device="meta")
+    resume = "auto" if config.launch.attempt > 0 else train.resume
+    fault = FaultInjection(train.fail_at, rank=ctx.rank, attempt=config.launch.attempt) if train.fail_at else None
+    return serve(model, ctx, optimizer=adamw_factory(model, config.optim), grad_clip=config.optim.grad_clip,
+                 on_non_finite="skip" if train.nan_policy == "skip" else "raise", save=train.save, resume=resume,
+                 keep_last=train.keep_last, before_step=fault.at_step if fault is not None else None)
