@@ -40,31 +40,38 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
              compile: bool | str = False, save_sharded: str | None = None, load_sharded: str | None = None,
              precision: str = "fp32", ep: int = 1, model: str = "tiny", overrides: tuple[tuple[str, Any], ...] = (),
              cp: int = 1, cp_mode: str = "ring", ps_mode: str = "off", ps_servers: int = 0,
-             staleness: int = 0) -> dict[str, Any]:
+             staleness: int = 0, ps_sparse: tuple[str, ...] = (), optimizer: str = "adamw") -> dict[str, Any]:
     """Train the tiny GPT `steps` steps on the built-in corpus under a layout; per-step losses and
     grad norms, and the final full state. dp None: the single-process reference (no process group).
     start, start_step: resume from a full state (engine.state_dict()) taken after start_step steps.
     save_sharded / load_sharded: a root to write a sharded checkpoint into at the end / read the newest
     one from first (paratrain.checkpoint.sharded; start_step must then be the step it was saved at).
     model, overrides: another preset (tiny-moe) and ModelConfig fields to change, as (name, value) pairs.
-    ps_mode, ps_servers, staleness: the parameter server (a dedicated server rank serves and returns its
-    pushes)."""
+    ps_mode, ps_servers, staleness, ps_sparse: the parameter server (a dedicated server rank serves and returns
+    its pushes; a trainer returns the sparse rows' bytes it pushed). optimizer: "adamw" (weight decay 0.1) or
+    "sgd" (plain: no momentum, no weight decay)."""
     torch.manual_seed(12345)  # must not matter: init and data order are keyed
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dp, tp=tp, sequence_parallel=sequence_parallel, pp=pp,
                                                   schedule=schedule, virtual_stages=virtual_stages, pp_split=pp_split,
                                                   bucket_mb=bucket_mb, zero=zero, shard_group=shard_group,
                                                   grad_reduce=grad_reduce, offload=offload, ep=ep, cp=cp,
                                                   cp_mode=cp_mode, ps_mode=ps_mode, ps_servers=ps_servers,
-                                                  staleness=staleness))
+                                                  staleness=staleness, ps_sparse=ps_sparse))
     config = (preset(model, seq_len=32, dropout=dropout, n_layer=n_layer, **dict(overrides))
               if dropout or n_layer != 4 or model != "tiny" or overrides else TINY)
     gpt = paratrain.build_gpt(config, seed=seed, dtype=getattr(torch, dtype))
+
+    def make_optimizer(params):
+        if optimizer == "sgd":
+            return torch.optim.SGD(params, lr=lr)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
+
     if ctx.is_server:
-        served = paratrain.serve(gpt, ctx, optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.1),
+        served = paratrain.serve(gpt, ctx, optimizer=make_optimizer,
                                  grad_clip=grad_clip, save=save_sharded or "", resume=load_sharded or "")
         return {"server": True, "pushes": served.pushes}
     engine = paratrain.parallelize(
-        gpt, ctx, optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.1),
+        gpt, ctx, optimizer=make_optimizer,
         micro_batch=micro_batch, grad_clip=grad_clip, recompute=recompute, seed=seed, compile=compile,
         precision=precision,
     )
@@ -98,14 +105,15 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
         save(save_sharded, start_step + steps, engine.view(), {})
     engine.close()
     state = engine.state_dict()
-    optimizer = {f"{name}::{key}": value.clone() for name, values in state["optimizer"]["state"].items()
-                 for key, value in values.items() if isinstance(value, torch.Tensor)}
+    moments = {f"{name}::{key}": value.clone() for name, values in state["optimizer"]["state"].items()
+               for key, value in values.items() if isinstance(value, torch.Tensor)}
     return {"losses": losses, "grad_norms": norms, "routing": routing, "state": state if return_state else None,
             # this rank's own tensors (ZeRO-3 frees them between steps: none then)
             "local": {} if engine.grads.params_sharded else {n: p.detach().clone()
                                                              for n, p in engine.model.named_parameters()},
-            "model": {k: v.clone() for k, v in state["model"].items()}, "optimizer": optimizer,
+            "model": {k: v.clone() for k, v in state["model"].items()}, "optimizer": moments,
             "memory": engine.memory_report(), "bytes_read": bytes_read,
+            "sparse_bytes": getattr(engine.grads, "sparse_bytes", None),
             "launched_during_backward": getattr(engine.grads, "launched_during_backward", None),
             "buckets": len(getattr(engine.grads, "buckets", getattr(engine.grads, "groups", []))),
             "timeline": engine.pipeline.times if engine.pipeline is not None else None}

@@ -115,6 +115,9 @@ class ParallelConfig:
     trainer serves a slice itself (colocated: ZeRO-2's traffic)."""
     staleness: int = 0
     """ps_mode 'async': how many clocks a trainer may run ahead of the slowest push (0: synchronous)."""
+    ps_sparse: tuple[str, ...] = ()
+    """Embedding tables (their weights' names, e.g. 'tok_emb.weight') whose rows travel only where a step
+    touched them, and which the servers update only there (paratrain.param_server.sparse)."""
 
     @property
     def trainers(self) -> int:
@@ -218,6 +221,9 @@ class ParallelConfig:
         if self.ps_servers < 0 or self.staleness < 0:
             raise ConfigError(f"ps_servers ({self.ps_servers}) and staleness ({self.staleness}) must be >= 0")
         if self.ps_mode == "off":
+            if self.ps_sparse:
+                raise ConfigError(f"ps_sparse ({', '.join(self.ps_sparse)}) names tables the parameter server sends "
+                                  "row by row, and ps_mode is 'off': set ps_mode to 'sync' or 'async'")
             if self.ps_servers or self.staleness:
                 raise ConfigError(f"ps_servers ({self.ps_servers}) and staleness ({self.staleness}) configure the "
                                   "parameter server, and ps_mode is 'off': set ps_mode to 'sync' or 'async'")

@@ -25,19 +25,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from paratrain.param_server.protocol import INIT, PULL, PUSH, SAVE, STOP, ServerLost, recv_header, wait
 
 if TYPE_CHECKING:
-    from paratrain.param_server.server import ShardServer
+    from paratrain.param_server.server import Push, ShardServer
 
 
 @dataclass
 class _Clock:
     """The pushes of one clock received so far."""
 
-    total: list[torch.Tensor] | None = None
+    total: Push | None = None
     pushes: int = 0
     loss: float = 0.0
     tokens: float = 0.0
@@ -68,12 +66,9 @@ def serve_async(server: ShardServer, staleness: int) -> list[tuple[int, int, int
         header, _ = recv_header(server.optimizer_groups, None, where, server.exchange.pg)
         trainer = header.sender
         if header.kind == PUSH:
-            buffers, works = server.receive(trainer)
-            for work in works:
-                wait(work, f"the gradient push from {peers.describe_trainer(trainer)} to "
-                           f"{peers.describe_server(server.index)}")
+            push = server.receive_push(trainer)
             clock = state.clocks.setdefault(header.clock, _Clock(scale=header.scale, lrs=header.lrs))
-            clock.total = buffers if clock.total is None else [t.add_(b) for t, b in zip(clock.total, buffers)]
+            clock.total = push if clock.total is None else clock.total.add(push)
             clock.pushes += 1
             clock.loss += header.loss
             clock.tokens += header.tokens

@@ -31,7 +31,8 @@ from paratrain.comm.flat import FlatGroup
 from paratrain.comm.norms import NormPart
 from paratrain.param_server.protocol import (BODY, HEAD, INIT, PULL, PUSH, SAVE, STOP, Header, post_recv, post_send,
                                              recv_header, wait)
-from paratrain.param_server.server import ClockResult, Exchange, ShardServer
+from paratrain.param_server.server import ClockResult, Exchange, Push, ShardServer
+from paratrain.param_server.sparse import TouchedRows
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,10 @@ class ServerClient:
     """Set when a checkpoint was loaded: the servers loaded theirs, nothing to INIT."""
     record: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     """Async: (clock, the version received from each server) of every pull."""
+    tables: list[TouchedRows] = field(default_factory=list)
+    """The sparse tables (paratrain.param_server.sparse): their rows travel only where a step touched them."""
+    sparse_bytes: int = 0
+    """Bytes of sparse gradient rows pushed so far (unique ids x width x element size per server and step)."""
     grads: list[torch.Tensor] = field(init=False)
 
     params_sharded = False
@@ -83,7 +88,7 @@ class ServerClient:
     def groups(self) -> list[FlatGroup]:
         """The flat groups whose masters (and optimizer state) this rank holds: colocated, its own slices;
         with dedicated servers none (the servers hold them: a trainer's parameters are copies)."""
-        return self.buckets if self.local is not None else []
+        return self.buckets + [t.group for t in self.tables] if self.local is not None else []
 
     def __post_init__(self) -> None:
         self.grads = [torch.zeros_like(g.param_flat) for g in self.buckets]
@@ -93,7 +98,8 @@ class ServerClient:
     # --- the gradient strategy's protocol (paratrain.hybrid.parts.GradientStrategy) ---
 
     def attach(self) -> None:
-        for g, flat in zip(self.buckets, self.grads):
+        pairs = [*zip(self.buckets, self.grads), *((t.group, t.grad) for t in self.tables)]
+        for g, flat in pairs:
             for param, view in zip(g.params, g.views(flat)):
                 if param.grad is None or param.grad.data_ptr() != view.data_ptr():
                     param.grad = view
@@ -111,7 +117,7 @@ class ServerClient:
         pass
 
     def owned_grads(self) -> list[torch.Tensor]:
-        return self.grads
+        return self.grads + [t.grad for t in self.tables]
 
     def norm_parts(self) -> list[NormPart]:
         return []  # the servers compute the norm
@@ -120,14 +126,17 @@ class ServerClient:
         pass
 
     def after_step(self) -> None:
-        torch._foreach_zero_(self.grads)
+        torch._foreach_zero_(self.owned_grads())
+        for table in self.tables:
+            table.clear()
 
     def model_state(self) -> dict[str, torch.Tensor]:
         return {}
 
     def memory(self) -> dict[str, int]:
-        return {"params": sum(g.param_flat.numel() * g.param_flat.element_size() for g in self.buckets),
-                "grads": sum(t.numel() * t.element_size() for t in self.grads)}
+        groups = self.buckets + [t.group for t in self.tables]
+        return {"params": sum(g.param_flat.numel() * g.param_flat.element_size() for g in groups),
+                "grads": sum(t.numel() * t.element_size() for t in self.owned_grads())}
 
     def mark_loaded(self, step: int) -> None:
         """A checkpoint of `step` steps was loaded (the servers loaded their slices of it): nothing to INIT,
@@ -177,7 +186,8 @@ class ServerClient:
             rank = peers.server_rank(j)
             works.append(post_send(header, rank, HEAD, self.exchange.pg))
             if self.index == 0:
-                works += [post_send(self._slice(g.param_flat, g, j), rank, BODY, self.exchange.pg) for g in self.buckets]
+                groups = self.buckets + [t.group for t in self.tables]
+                works += [post_send(self._slice(g.param_flat, g, j), rank, BODY, self.exchange.pg) for g in groups]
         for work in works:
             wait(work, "the initial parameters to the servers")
 
@@ -187,8 +197,27 @@ class ServerClient:
     def _push(self, server: int, header: Header) -> list[dist.Work]:
         rank = self.exchange.peers.server_rank(server)
         pg = self.exchange.pg
-        return ([post_send(header.pack(self.optimizer_groups), rank, HEAD, pg)]
-                + [post_send(self._slice(flat, g, server), rank, BODY, pg) for g, flat in zip(self.buckets, self.grads)])
+        works = ([post_send(header.pack(self.optimizer_groups), rank, HEAD, pg)]
+                 + [post_send(self._slice(flat, g, server), rank, BODY, pg) for g, flat in zip(self.buckets, self.grads)])
+        for table in self.tables:  # [count], ids, rows: only the rows this step touched
+            parts = table.push_parts(server)
+            self.sparse_bytes += parts[2].numel() * parts[2].element_size()
+            works += [post_send(t, rank, BODY, pg) for t in parts]
+        return works
+
+    def _receive_rows(self, server: int, rank: int) -> None:
+        """After a reply's dense slices: each sparse table's rows server `server` updated, into the table."""
+        pg = self.exchange.pg
+        what = f"the sparse rows from {self.exchange.peers.describe_server(server)}"
+        for table in self.tables:
+            count = torch.zeros(1, dtype=torch.int64)
+            wait(post_recv(count, rank, BODY, pg), what)
+            ids = torch.empty(int(count), dtype=torch.int64)
+            rows = torch.empty(int(count) * table.width, dtype=table.group.param_flat.dtype)
+            for work in (post_recv(ids, rank, BODY, pg), post_recv(rows, rank, BODY, pg)):
+                wait(work, what)
+            first = server * (table.group.shard_numel // table.width)
+            table.group.param_flat.view(-1, table.width)[first + ids] = rows.view(-1, table.width)
 
     def _pull(self, clock: int | None) -> list[Header]:
         """Receive every server's reply (its header and slices, into the parameters' buffers); clock: ask for
@@ -205,6 +234,7 @@ class ServerClient:
             header, _ = recv_header(self.optimizer_groups, rank, f"the reply of {peers.describe_server(j)}", pg)
             for work in works:
                 wait(work, f"the parameters from {peers.describe_server(j)}")
+            self._receive_rows(j, rank)
             replies.append(header)
         for work in asks:
             wait(work, "a pull request")
@@ -220,8 +250,10 @@ class ServerClient:
         for j in range(peers.trainers):
             headers.append(header if j == self.index else recv_header(
                 self.optimizer_groups, peers.trainer_rank(j), f"the push of {peers.describe_trainer(j)}", pg)[0])
-        own = [self._slice(flat, g, self.index) for g, flat in zip(self.buckets, self.grads)]
+        own = Push([self._slice(flat, g, self.index) for g, flat in zip(self.buckets, self.grads)],
+                   [[tuple(table.push_parts(self.index)[1:])] for table in self.tables])
         result = self.local.sync_clock(headers, local=own)  # updates this trainer's own slices in place
+        self.local.dirty.pop(self.index, None)  # its own rows are updated in place
         replies = [w for j in others for w in self.local.reply(j)]
         for j in others:  # the other servers' updated slices
             rank = peers.trainer_rank(j)
@@ -229,6 +261,7 @@ class ServerClient:
             recv_header(self.optimizer_groups, rank, f"the reply of {peers.describe_server(j)}", pg)
             for work in works:
                 wait(work, f"the parameters from {peers.describe_server(j)}")
+            self._receive_rows(j, rank)
         for work in sends + replies:
             wait(work, "the colocated exchange")
         return result

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from paratrain.comm import all_reduce
 from paratrain.comm.norms import divide_and_clip_
-from paratrain.param_server.layout import slices_of
+from paratrain.param_server.sparse import sparse_grad, sum_rows
 from paratrain.param_server.protocol import (BODY, HEAD, INIT, PULL, PUSH, REPLY, SAVE, STOP, Header, Peers,
                                              ServerLost, post_recv, post_send, recv_header, wait)
 from paratrain.comm.flat import FlatGroup
@@ -49,6 +49,25 @@ class ClockResult:
     stale_max: float = 0.0
     """The most clocks a push of this clock was behind (its clock less the version it computed on)."""
     stale_mean: float = 0.0
+
+
+@dataclass
+class Push:
+    """One push, or a clock's sum of them: the dense slices, and per sparse table its parts (ids, rows)."""
+
+    dense: list[torch.Tensor]
+    sparse: list[list[tuple[torch.Tensor, torch.Tensor]]]
+
+    def copy(self) -> Push:
+        return Push([t.clone() for t in self.dense], [list(parts) for parts in self.sparse])
+
+    def add(self, other: Push) -> Push:
+        """This sum and `other` (the dense slices added, the sparse parts kept in order: summed in apply)."""
+        for mine, theirs in zip(self.dense, other.dense):
+            mine.add_(theirs)
+        for mine_parts, theirs_parts in zip(self.sparse, other.sparse):
+            mine_parts.extend(theirs_parts)
+        return self
 
 
 @dataclass
@@ -80,11 +99,21 @@ class ShardServer:
     """Writes this server's pieces of a checkpoint after `step` steps (collective with the trainers)."""
     before_step: Callable[[int], None] | None = None
     """Called with the (1-based) step whose update is about to be applied (fault injection)."""
+    tables: list[FlatGroup] = field(default_factory=list)
+    """Its rows of each sparse table (paratrain.param_server.sparse): shard `index` of the table's group."""
+    widths: list[int] = field(default_factory=list)
+    """Each sparse table's row width D."""
+    dirty: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    """Trainer -> per table, the rows updated since that trainer last received them."""
 
     @property
     def slices(self) -> list[torch.Tensor]:
         """This server's current values: each bucket's master slice."""
         return [g.master.data for g in self.groups]
+
+    def rows(self, table: int) -> torch.Tensor:
+        """Sparse table `table`'s rows on this server, [V / S, D] (a view of its master)."""
+        return self.tables[table].master.data.view(-1, self.widths[table])
 
     @property
     def optimizer_groups(self) -> int:
@@ -96,16 +125,19 @@ class ShardServer:
     # --- the update ---
 
     @torch.no_grad()
-    def apply(self, grads: list[torch.Tensor], *, loss: float, tokens: float, scale: float,
-              lrs: tuple[float, ...], behind: list[int]) -> ClockResult:
+    def apply(self, push: Push, *, loss: float, tokens: float, scale: float, lrs: tuple[float, ...],
+              behind: list[int]) -> ClockResult:
         """One clock's update from its summed gradients (every server calls it for the same clock: the
         norm's all-reduce). behind: each push's clock less the version it was computed on."""
         if self.before_step is not None:
             self.before_step(self.version + 1)
-        wide = torch.promote_types(grads[0].dtype, torch.float32) if grads else torch.float64
-        squares = (torch.stack(torch._foreach_norm(grads, dtype=wide)).pow(2).sum() if grads
+        grads = push.dense
+        summed = [sum_rows(parts, width) for parts, width in zip(push.sparse, self.widths)]  # (ids, rows) per table
+        every = grads + [rows for _, rows in summed]
+        wide = torch.promote_types(every[0].dtype, torch.float32) if every else torch.float64
+        squares = (torch.stack(torch._foreach_norm(every, dtype=wide)).pow(2).sum() if every
                    else torch.zeros((), dtype=wide))
-        bad = torch.tensor(0.0 if all(bool(torch.isfinite(g).all()) for g in grads) else 1.0, dtype=wide)
+        bad = torch.tensor(0.0 if all(bool(torch.isfinite(g).all()) for g in every) else 1.0, dtype=wide)
         shared = torch.stack([squares, bad])
         if self.exchange.servers is not None:
             all_reduce(shared, self.exchange.servers)
@@ -115,14 +147,20 @@ class ShardServer:
         non_finite = not (math.isfinite(loss) and math.isfinite(float(norm)))
         skipped = overflow or non_finite
         if not skipped:
-            divide_and_clip_(grads, divisor, norm, self.clip)
+            divide_and_clip_(every, divisor, norm, self.clip)
             for group, lr in zip(self.optimizer.param_groups, lrs):
                 group["lr"] = lr
             for g, master in zip(self.groups, grads):
                 g.master.grad = master
+            for g, (ids, rows) in zip(self.tables, summed):  # only the rows pushed: a sparse gradient
+                g.master.grad = sparse_grad(ids, rows, g.master.numel())
             self.optimizer.step()
-            for g in self.groups:
+            for g in self.groups + self.tables:
                 g.master.grad = None
+                g.push_master()
+            for trainer in range(self.exchange.peers.trainers):  # each trainer gets these rows at its next pull
+                mine = self.dirty.setdefault(trainer, [torch.zeros(0, dtype=torch.int64) for _ in self.tables])
+                self.dirty[trainer] = [torch.unique(torch.cat([d, ids])) for d, (ids, _) in zip(mine, summed)]
         self.version += 1
         self.last = ClockResult(self.version, loss, tokens, float(norm), skipped, float(max(behind, default=0)),
                                 sum(behind) / len(behind) if behind else 0.0)
@@ -131,46 +169,79 @@ class ShardServer:
     # --- messages ---
 
     def reply(self, trainer: int) -> list[dist.Work]:
-        """Send trainer `trainer` the newest statistics and this server's slices (posted, not waited)."""
+        """Send trainer `trainer` the newest statistics, this server's slices and the sparse rows updated since
+        its last reply (posted, not waited)."""
         peers, pg = self.exchange.peers, self.exchange.pg
         r = self.last
         header = Header(REPLY, self.index, version=self.version, loss=r.loss, tokens=r.tokens, norm=r.norm,
                         skipped=r.skipped, stale_max=r.stale_max, stale_mean=r.stale_mean).pack(self.optimizer_groups)
         rank = peers.trainer_rank(trainer)
-        return [post_send(header, rank, HEAD, pg)] + [post_send(s, rank, BODY, pg) for s in self.slices]
+        works = [post_send(header, rank, HEAD, pg)] + [post_send(s, rank, BODY, pg) for s in self.slices]
+        dirty = self.dirty.pop(trainer, [torch.zeros(0, dtype=torch.int64) for _ in self.tables])
+        for table, ids in enumerate(dirty):
+            rows = self.rows(table)[ids].reshape(-1).contiguous()
+            works += [post_send(t, rank, BODY, pg) for t in (torch.tensor([ids.numel()]), ids.contiguous(), rows)]
+        return works
 
     def receive(self, trainer: int) -> tuple[list[torch.Tensor], list[dist.Work]]:
-        """Post the receives of a push's slices from trainer `trainer`: (buffers, works)."""
+        """Post the receives of a push's dense slices from trainer `trainer`: (buffers, works)."""
         peers, pg = self.exchange.peers, self.exchange.pg
         buffers = self.zeros()
         rank = peers.trainer_rank(trainer)
         return buffers, [post_recv(b, rank, BODY, pg) for b in buffers]
 
+    def receive_rows(self, trainer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The sparse part of trainer `trainer`'s push, after its dense slices: (ids, rows flattened) per table."""
+        peers, pg = self.exchange.peers, self.exchange.pg
+        rank, parts = peers.trainer_rank(trainer), []
+        what = f"the sparse rows from {peers.describe_trainer(trainer)} to {peers.describe_server(self.index)}"
+        for table, width in enumerate(self.widths):
+            count = torch.zeros(1, dtype=torch.int64)
+            wait(post_recv(count, rank, BODY, pg), what)
+            ids = torch.empty(int(count), dtype=torch.int64)
+            rows = torch.empty(int(count) * width, dtype=self.tables[table].master.dtype)
+            for work in (post_recv(ids, rank, BODY, pg), post_recv(rows, rank, BODY, pg)):
+                wait(work, what)
+            parts.append((ids, rows))
+        return parts
+
+    def receive_push(self, trainer: int) -> Push:
+        """Trainer `trainer`'s whole push (its dense slices, then its sparse rows), waited for."""
+        buffers, works = self.receive(trainer)
+        for work in works:
+            wait(work, f"the gradient push from {self.exchange.peers.describe_trainer(trainer)} to "
+                       f"{self.exchange.peers.describe_server(self.index)}")
+        return Push(buffers, [[part] for part in self.receive_rows(trainer)])
+
     def receive_init(self) -> None:
-        """Trainer 0's initial values of this server's slices (a dedicated server at the start)."""
+        """Trainer 0's initial values of this server's slices and rows (a dedicated server at the start)."""
         buffers, works = self.receive(0)
         for work in works:
             wait(work, f"the initial parameters from {self.exchange.peers.describe_trainer(0)}")
         for s, b in zip(self.slices, buffers):
             s.copy_(b)
+        for g in self.tables:
+            wait(post_recv(g.master.data, self.exchange.peers.trainer_rank(0), BODY, self.exchange.pg),
+                 f"the initial rows from {self.exchange.peers.describe_trainer(0)}")
         self.ready = True
 
-    def sync_clock(self, headers: list[Header], local: list[torch.Tensor] | None = None) -> ClockResult:
+    def sync_clock(self, headers: list[Header], local: Push | None = None) -> ClockResult:
         """A synchronous clock: every trainer's push received and summed in trainer order (`local`: this
         process's own, colocated), then applied."""
         peers = self.exchange.peers
         posted = {i: self.receive(i) for i in range(peers.trainers) if not (local is not None and i == self.index)}
-        total: list[torch.Tensor] | None = None
+        total: Push | None = None
         for i in range(peers.trainers):
             if i in posted:
                 buffers, works = posted[i]
                 for work in works:
                     wait(work, f"the gradient push from {peers.describe_trainer(i)} to "
                                f"{peers.describe_server(self.index)}")
+                push = Push(buffers, [[part] for part in self.receive_rows(i)])
             else:
                 assert local is not None
-                buffers = local
-            total = [b.clone() for b in buffers] if total is None else [t.add_(b) for t, b in zip(total, buffers)]
+                push = local
+            total = push.copy() if total is None else total.add(push)
         assert total is not None
         loss = sum(h.loss for h in headers)
         tokens = sum(h.tokens for h in headers)

@@ -75,7 +75,7 @@ def serve(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory, grad_c
 def server_view(server: ShardServer, model: nn.Module, ctx: Context, shapes: dict) -> StateView:
     """What a dedicated server saves and loads: its masters (the parameters' exact values over its slices)
     and their optimizer state; no buffer (the trainers hold them)."""
-    return StateView(model, ctx.mesh, server.optimizer, server.groups, Pieces.of(shapes, ()),
+    return StateView(model, ctx.mesh, server.optimizer, server.groups + server.tables, Pieces.of(shapes, ()),
                      Placements(Placement()), DropoutStream(0), None, lambda: None, buffers=False)
 
 

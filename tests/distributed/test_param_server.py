@@ -6,6 +6,8 @@ clocks; recorded staleness never above s) and its replay in one process from the
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.helpers import TINY, lr_at, max_state_diff, ranked_run, reference_run, rel_diff, tiny_run
@@ -55,7 +57,7 @@ def test_fp16_loss_scaling_and_a_checkpoint_under_the_parameter_server(pools, tm
     dp = pools(2).run(ranked_run, **{**half, "dp": 2})[0]
     for rank in _trainers(pools(4).run(ranked_run, ps_mode="sync", ps_servers=2, **half)):
         # fp16 autocast amplifies the float32 summation orders (a weight 1e-7 off rounds to another fp16):
-        # the suite's fp16 bound (tests/distributed/test_precision.py); measured 2.1e-7 (loss), 2.4e-5 (norm)
+        # the suite's fp16 bound (tests/distributed/test_precision.py); worst over AVX2 / default kernels 2.1e-6 (loss), 2.4e-5 (norm)
         within(rel_diff(rank["losses"], dp["losses"]), 5e-4, "fp16 PS loss vs data parallelism")
         within(rel_diff(rank["grad_norms"], dp["grad_norms"]), 5e-4, "fp16 PS grad norm vs data parallelism")
     root = str(tmp_path / "ckpt")
@@ -143,3 +145,64 @@ def test_a_recorded_arrival_order_replays_exactly(pools):
                      clocks=steps, bucket_bytes=int(0.05 * 2**20), grad_clip=1.0)
     for trainer in got[:2]:
         assert all(bool((trainer["model"][k] == weights[k]).all()) for k in weights)
+
+
+UNTIED = (("tie_embeddings", False),)
+
+
+@pytest.mark.parametrize("world,servers", [(4, 2), (2, 0)], ids=["2-trainers-2-servers", "colocated-2"])
+def test_sparse_rows_are_dense_sgd_and_push_only_touched_rows(pools, world, servers):
+    """The untied token embedding as a sparse table (ps_sparse) with plain SGD and clipping, float64: every
+    trainer's losses, grad norms and final weights are dense data parallelism's (an untouched row's gradient
+    is zero: SGD leaves it as it is); each trainer pushed exactly the rows its batches looked up (unique ids x
+    D x 8 bytes per step: every id lies in one server's rows; colocated, less the trainer's own range)."""
+    import torch
+
+    from paratrain.data import GlobalBatchLoader, load_source
+
+    sgd = dict(optimizer="sgd", lr=0.5, overrides=UNTIED)
+    got = _trainers(pools(world).run(_job, ps_mode="sync", ps_servers=servers, ps_sparse=("tok_emb.weight",), **sgd))
+    dp = pools(2).run(_job, dp=2, **sgd)[0]
+    for index, rank in enumerate(got):  # worst over AVX2 / default kernels: 1.8e-16, 5.0e-16, 2.2e-16
+        within(rel_diff(rank["losses"], dp["losses"]), 1e-12, "sparse PS loss vs data parallelism (float64)")
+        within(rel_diff(rank["grad_norms"], dp["grad_norms"]), 1e-12, "sparse PS grad norm vs data parallelism")
+        within(max_state_diff(rank["model"], dp["model"]), 1e-12, "sparse PS weights vs data parallelism (float64)")
+        loader = GlobalBatchLoader(load_source("builtin").train, seq_len=32, global_batch=16, dp=2, dp_index=index,
+                                   seed=7)
+        ids = [torch.unique(loader.next()[0]) for _ in range(STEPS)]
+        if not servers:  # colocated: the rows of a trainer's own range (128 of 256) stay on it
+            ids = [i[(i < 128 * index) | (i >= 128 * (index + 1))] for i in ids]
+        assert rank["sparse_bytes"] == sum(i.numel() for i in ids) * TINY.d_model * 8
+        assert rank["sparse_bytes"] < STEPS * 256 * TINY.d_model * 8  # fewer than every row
+
+
+def test_sparse_tables_refuse_what_would_train_wrongly():
+    """A tied table (its head gradient touches every row), a table that is no embedding, AdamW (weight decay
+    and moments move untouched rows), a vocabulary the servers cannot split: ConfigErrors naming the rule."""
+    from paratrain.config.errors import ConfigError
+    from paratrain.param_server.setup import trainable
+    from paratrain.param_server.sparse import check_sparse_optimizer
+
+    import torch
+
+    import paratrain
+
+    tied = paratrain.build_gpt(TINY, seed=7)
+    with pytest.raises(ConfigError, match="tied to 'head.weight'"):
+        trainable(tied, ("tok_emb.weight",))
+    untied = paratrain.build_gpt(dataclasses.replace(TINY, tie_embeddings=False), seed=7)
+    with pytest.raises(ConfigError, match="nn.Embedding's weight"):
+        trainable(untied, ("head.weight",))
+    with pytest.raises(ConfigError, match="no parameter"):
+        trainable(untied, ("nowhere.weight",))
+    with pytest.raises(ConfigError, match="AdamW with these settings moves every row"):
+        check_sparse_optimizer(torch.optim.AdamW(untied.parameters(), lr=1e-3), ["tok_emb.weight"])
+    with pytest.raises(ConfigError, match="SGD with these settings"):
+        check_sparse_optimizer(torch.optim.SGD(untied.parameters(), lr=0.1, momentum=0.9), ["tok_emb.weight"])
+    check_sparse_optimizer(torch.optim.SGD(untied.parameters(), lr=0.1), ["tok_emb.weight"])
+    check_sparse_optimizer(torch.optim.SparseAdam([untied.tok_emb.weight], lr=0.1), ["tok_emb.weight"])
+    from paratrain.param_server.setup import table_groups
+
+    with pytest.raises(ConfigError, match="cannot split"):
+        table_groups([("tok_emb.weight", untied.tok_emb)], {}, servers=3, shard=0, whole=True, first=0,
+                     device=torch.device("cpu"))
