@@ -69,6 +69,8 @@ def serve_async(server: ShardServer, staleness: int) -> list[tuple[int, int, int
             push = server.receive_push(trainer)
             clock = state.clocks.setdefault(header.clock, _Clock(scale=header.scale, lrs=header.lrs))
             clock.total = push if clock.total is None else clock.total.add(push)
+            held = [c.total for c in state.clocks.values() if c.total is not None]  # the clocks' sums
+            server.hold(held + ([push] if clock.total is not push else []))  # and this push, once added
             clock.pushes += 1
             clock.loss += header.loss
             clock.tokens += header.tokens

@@ -79,6 +79,10 @@ class ServerClient:
     """The sparse tables (paratrain.param_server.sparse): their rows travel only where a step touched them."""
     sparse_bytes: int = 0
     """Bytes of sparse gradient rows pushed so far (unique ids x width x element size per server and step)."""
+    pushed_bytes: int = 0
+    """Bytes of gradients this trainer sent so far (dense slices, sparse ids and rows; headers aside)."""
+    pulled_bytes: int = 0
+    """Bytes of parameters it received so far (dense slices, sparse ids and rows; headers aside)."""
     grads: list[torch.Tensor] = field(init=False)
 
     params_sharded = False
@@ -197,11 +201,14 @@ class ServerClient:
     def _push(self, server: int, header: Header) -> list[dist.Work]:
         rank = self.exchange.peers.server_rank(server)
         pg = self.exchange.pg
-        works = ([post_send(header.pack(self.optimizer_groups), rank, HEAD, pg)]
-                 + [post_send(self._slice(flat, g, server), rank, BODY, pg) for g, flat in zip(self.buckets, self.grads)])
+        slices = [self._slice(flat, g, server) for g, flat in zip(self.buckets, self.grads)]
+        works = [post_send(header.pack(self.optimizer_groups), rank, HEAD, pg)]
+        works += [post_send(t, rank, BODY, pg) for t in slices]
+        self.pushed_bytes += _nbytes(slices)
         for table in self.tables:  # [count], ids, rows: only the rows this step touched
             parts = table.push_parts(server)
-            self.sparse_bytes += parts[2].numel() * parts[2].element_size()
+            self.sparse_bytes += _nbytes(parts[2:])
+            self.pushed_bytes += _nbytes(parts[1:])
             works += [post_send(t, rank, BODY, pg) for t in parts]
         return works
 
@@ -218,6 +225,7 @@ class ServerClient:
                 wait(work, what)
             first = server * (table.group.shard_numel // table.width)
             table.group.param_flat.view(-1, table.width)[first + ids] = rows.view(-1, table.width)
+            self.pulled_bytes += _nbytes([ids, rows])
 
     def _pull(self, clock: int | None) -> list[Header]:
         """Receive every server's reply (its header and slices, into the parameters' buffers); clock: ask for
@@ -230,7 +238,9 @@ class ServerClient:
         replies = []
         for j in range(peers.servers):
             rank = peers.server_rank(j)
-            works = [post_recv(self._slice(g.param_flat, g, j), rank, BODY, pg) for g in self.buckets]
+            slices = [self._slice(g.param_flat, g, j) for g in self.buckets]
+            works = [post_recv(t, rank, BODY, pg) for t in slices]
+            self.pulled_bytes += _nbytes(slices)
             header, _ = recv_header(self.optimizer_groups, rank, f"the reply of {peers.describe_server(j)}", pg)
             for work in works:
                 wait(work, f"the parameters from {peers.describe_server(j)}")
@@ -257,7 +267,9 @@ class ServerClient:
         replies = [w for j in others for w in self.local.reply(j)]
         for j in others:  # the other servers' updated slices
             rank = peers.trainer_rank(j)
-            works = [post_recv(self._slice(g.param_flat, g, j), rank, BODY, pg) for g in self.buckets]
+            slices = [self._slice(g.param_flat, g, j) for g in self.buckets]
+            works = [post_recv(t, rank, BODY, pg) for t in slices]
+            self.pulled_bytes += _nbytes(slices)
             recv_header(self.optimizer_groups, rank, f"the reply of {peers.describe_server(j)}", pg)
             for work in works:
                 wait(work, f"the parameters from {peers.describe_server(j)}")
@@ -286,3 +298,7 @@ class ServerClient:
         works = [post_send(header, peers.server_rank(j), HEAD, pg) for j in range(peers.servers)]
         for work in works:
             wait(work, "a message to the servers")
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -105,6 +105,8 @@ class ShardServer:
     """Each sparse table's row width D."""
     dirty: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     """Trainer -> per table, the rows updated since that trainer last received them."""
+    exchange_peak: int = 0
+    """The most bytes of pushed gradients held at once (received, or summed for a clock not yet applied)."""
 
     @property
     def slices(self) -> list[torch.Tensor]:
@@ -118,6 +120,21 @@ class ShardServer:
     @property
     def optimizer_groups(self) -> int:
         return len(self.optimizer.param_groups)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this server holds between clocks ("params": its slices and table rows; "optimizer": their
+        optimizer state), and "exchange": the most bytes of pushes it held at once."""
+        groups = self.groups + self.tables
+        masters = {id(g.master) for g in groups}
+        state = sum(v.numel() * v.element_size() for p, st in self.optimizer.state.items() if id(p) in masters
+                    for v in st.values() if isinstance(v, torch.Tensor))
+        return {"params": sum(g.master.numel() * g.master.element_size() for g in groups), "optimizer": state,
+                "exchange": self.exchange_peak}
+
+    def hold(self, pushes: list[Push]) -> None:
+        """Note the pushes held at once now (exchange_peak)."""
+        held = sum(t.numel() * t.element_size() for push in pushes for t in push.dense)
+        self.exchange_peak = max(self.exchange_peak, held)
 
     def zeros(self) -> list[torch.Tensor]:
         return [torch.zeros_like(s) for s in self.slices]
@@ -241,7 +258,12 @@ class ShardServer:
             else:
                 assert local is not None
                 push = local
-            total = push.copy() if total is None else total.add(push)
+            if total is None:
+                total = push.copy()
+                # every trainer's receive is posted at once, and the sum beside them
+                self.hold([total, *(Push(b, []) for b, _ in posted.values())])
+            else:
+                total.add(push)
         assert total is not None
         loss = sum(h.loss for h in headers)
         tokens = sum(h.tokens for h in headers)

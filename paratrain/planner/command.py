@@ -2,6 +2,7 @@
 
     paratrain plan --model gpt3-175b --gpus 1024 --hardware a100-80gb --global-batch 1536
     paratrain plan --model gpt3-xl --gpus 8 --hardware h100-80gb --global-batch 512 --tp 2 --json
+    paratrain plan --model gpt2 --gpus 8 --global-batch 96 --ps-mode sync --ps-servers 2   # 6 trainers
     paratrain plan --model gpt3-175b --gpus 1024 --dp 16 --tp 8 --pp 8 --zero 1 --sequence-parallel \
         --global-batch 16 --dry-run --rank 1000       # rank 1000 built and stepped on shapes only
 """
@@ -49,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, type=int, help=f"pin {field}")
     parser.add_argument("--recompute", choices=("none", "selective", "full"), help="pin recomputation")
     parser.add_argument("--cp-mode", choices=("ring", "ulysses"), help="pin context parallelism's attention")
+    parser.add_argument("--ps-mode", choices=("sync", "async"),
+                        help="price the parameter server: data parallelism over the trainers, the update on servers")
+    parser.add_argument("--ps-servers", type=int, default=0,
+                        help="with --ps-mode: dedicated servers among the --gpus devices (0: colocated)")
+    parser.add_argument("--staleness", type=int, default=0, help="with --ps-mode async: clocks a trainer may run ahead")
     parser.add_argument("--sequence-parallel", action="store_true", default=None, help="pin sequence parallelism on")
     parser.add_argument("--dry-run", action="store_true",
                         help="build rank --rank of the pinned layout (--gpus ranks; --dp/--tp/--pp/--zero/--micro-batch) "
@@ -87,6 +93,11 @@ def run(args: argparse.Namespace) -> int:
         pins["cp_mode"] = args.cp_mode
     if args.sequence_parallel:
         pins["sequence_parallel"] = True
+    if args.ps_mode is not None:
+        pins.update(ps_mode=args.ps_mode, ps_servers=args.ps_servers, staleness=args.staleness)
+    elif args.ps_servers or args.staleness:
+        raise ConfigError(f"--ps-servers ({args.ps_servers}) and --staleness ({args.staleness}) price the parameter "
+                          "server: give --ps-mode sync or async")
     if args.seq_len and args.seq_len > model.seq_len:  # the model is built for sequences this long
         from dataclasses import replace
 
@@ -150,6 +161,9 @@ def _layout_text(layout: dict[str, Any]) -> str:
     if layout["cp"] > 1:
         text += f" cp{layout['cp']}" + ("u" if layout["cp_mode"] == "ulysses" else "")
     text += f" z{layout['zero']} mb{layout['micro_batch']}"
+    if layout["ps_mode"] != "off":
+        text += f" ps-{layout['ps_mode']}" + (f"x{layout['ps_servers']}" if layout["ps_servers"] else "")
+        text += f" s{layout['staleness']}" if layout["ps_mode"] == "async" else ""
     if layout["recompute"] != "none":
         text += " rc" if layout["recompute"] == "full" else " rc-sel"
     if layout["sequence_parallel"]:
@@ -180,12 +194,12 @@ def _table(record: dict[str, Any], top: int, *, tokens: float | None) -> str:
                      + (record["rejected"][0]["reason"] if record["rejected"] else "none"))
         return "\n".join(lines)
     best = candidates[0]
-    header = (f"{'layout':<26} {'peak GB':>8} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'step s':>8} "
+    header = (f"{'layout':<32} {'peak GB':>8} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'step s':>8} "
               f"{'tok/s':>10} {'MFU':>5}" + (f" {'days':>6}" if tokens else "") + "  why")
     lines.append(header)
     for r in candidates[:top]:
         m = r["memory"]
-        row = (f"{_layout_text(r['layout']):<26} {m['peak'] / gb:>8.1f} {m['params'] / gb:>7.1f} {m['grads'] / gb:>7.1f} "
+        row = (f"{_layout_text(r['layout']):<32} {m['peak'] / gb:>8.1f} {m['params'] / gb:>7.1f} {m['grads'] / gb:>7.1f} "
                f"{m['optimizer'] / gb:>7.1f} {m['activations'] / gb:>7.1f} {r['step_time_s']:>8.3f} "
                f"{r['tokens_per_s']:>10.0f} {r['mfu']:>5.1%}" + (f" {r['train_days']:>6.1f}" if tokens else ""))
         lines.append(row + "  " + _why(r, best))

@@ -37,6 +37,11 @@ class Layout:
     """ZeRO's optimizer state and fp32 masters in CPU memory."""
     cp_mode: str = "ring"
     """Context parallelism's attention (cp > 1): 'ring' or 'ulysses'."""
+    ps_mode: str = "off"
+    """The parameter server: 'off', 'sync' or 'async'; its dedicated servers are dims.servers (0: colocated
+    on the dp trainers). Which axes it composes with is ParallelConfig's rule (search.check_fields)."""
+    staleness: int = 0
+    """ps_mode 'async': the clocks a trainer may run ahead."""
 
     def __post_init__(self) -> None:
         if not self.zero and self.dims.dp_shard > 1:
@@ -44,6 +49,8 @@ class Layout:
                               "1, 2 or 3, or dp_shard to 1")
         if self.cp_mode not in ("ring", "ulysses"):
             raise ConfigError(f"cp_mode must be 'ring' or 'ulysses', got {self.cp_mode!r}")
+        if self.ps_mode not in ("off", "sync", "async"):
+            raise ConfigError(f"ps_mode must be 'off', 'sync' or 'async', got {self.ps_mode!r}")
 
     @classmethod
     def of(cls, **fields: Any) -> Layout:
@@ -53,6 +60,8 @@ class Layout:
         if unknown:
             raise ConfigError(f"unknown layout fields {unknown}: a layout has {list(LAYOUT_FIELDS)}")
         axes = {name: fields.pop(name) for name in ("dp", "tp", "pp", "virtual_stages", "ep", "cp") if name in fields}
+        if "ps_servers" in fields:
+            axes["servers"] = fields.pop("ps_servers")
         shard_group, zero, dp = fields.pop("shard_group", None), fields.get("zero", 0), axes.get("dp", 1)
         if shard_group is not None and not zero:
             raise ConfigError(f"shard_group={shard_group} needs a ZeRO stage: with zero=0 nothing is sharded; "
@@ -90,6 +99,11 @@ class Layout:
         return self.dims.cp
 
     @property
+    def ps_servers(self) -> int:
+        """Dedicated parameter servers, ranks after the dp trainers (0: none, or colocated)."""
+        return self.dims.servers
+
+    @property
     def shard_group(self) -> int | None:
         """ZeRO over groups of this many dp ranks (MiCS / HSDP); None: all of dp (or no ZeRO)."""
         return self.dims.dp_shard if self.zero and self.dims.dp_shard != self.dims.dp else None
@@ -115,7 +129,7 @@ class Layout:
 
 
 LAYOUT_FIELDS = ("dp", "tp", "pp", "virtual_stages", "zero", "shard_group", "micro_batch", "recompute",
-                 "sequence_parallel", "schedule", "offload", "ep", "cp", "cp_mode")
+                 "sequence_parallel", "schedule", "offload", "ep", "cp", "cp_mode", "ps_mode", "ps_servers", "staleness")
 """A layout's flat fields (to_dict, Layout.of), in the order the planner's records list them."""
 
 

@@ -45,7 +45,7 @@ class FlatPlan:
         return self.padded // self.shards
 
 
-def _optimizer_group(param: RankParam) -> int:
+def optimizer_group(param: RankParam) -> int:
     """paratrain.train.optim.adamw_factory: matrices decay (group 0), vectors do not (group 1)."""
     return 0 if len(param.shape) >= 2 else 1
 
@@ -58,8 +58,8 @@ def _role(param: RankParam) -> tuple[bool, bool, bool, bool]:
 def flat_groups(params: list[RankParam], *, zero: int, shards: int, bucket_bytes: int,
                 expert_shards: int = 1) -> list[FlatPlan]:
     """ZeroSync's flat groups for these parameters, in its order; experts' split over expert_shards."""
-    present = sorted({_optimizer_group(p) for p in params})
-    group_of = {id(p): present.index(_optimizer_group(p)) for p in params}  # empty groups are dropped
+    present = sorted({optimizer_group(p) for p in params})
+    group_of = {id(p): present.index(optimizer_group(p)) for p in params}  # empty groups are dropped
     if zero < 3:
         tensors = meta_tensors(params, torch.float32)  # planned on the parameters as built: fp32
         by_id = {id(t): p for t, p in zip(tensors, params)}

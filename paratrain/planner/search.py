@@ -13,6 +13,7 @@ from paratrain.config.parallel import ParallelConfig
 from paratrain.config.plan import batch_layout
 from paratrain.config.validate import check_context_parallel, check_experts, check_pipeline, check_tensor_parallel
 from paratrain.nn.loss import CHUNK_BYTES
+from paratrain.planner import param_server
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
 from paratrain.planner.activations import activation_bytes, storage_mode
@@ -31,8 +32,10 @@ def check_fields(model: ModelConfig, fields: Mapping[str, Any], *, global_batch:
                               virtual_stages=fields["virtual_stages"], zero=fields["zero"], shard_group=fields["shard_group"], schedule=fields["schedule"],
                               sequence_parallel=fields["sequence_parallel"],
                               offload="optimizer" if fields["offload"] else "none",
-                              ep=fields["ep"], cp=fields["cp"], cp_mode=fields["cp_mode"]
-                              ).resolved(fields["dp"] * fields["tp"] * fields["pp"] * fields["cp"])
+                              ep=fields["ep"], cp=fields["cp"], cp_mode=fields["cp_mode"],
+                              ps_mode=fields["ps_mode"], ps_servers=fields["ps_servers"],
+                              staleness=fields["staleness"],
+                              ).resolved(fields["dp"] * fields["tp"] * fields["pp"] * fields["cp"] + fields["ps_servers"])
     if fields["recompute"] not in ("none", "full", "selective"):
         raise ConfigError(f"recompute must be 'none', 'full' or 'selective', got {fields['recompute']!r}")
     check_tensor_parallel(model, parallel, seq)
@@ -49,21 +52,28 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, p
     same): model states between steps, saved activations at the schedule's peak, and transients
     ("other": the logits' gradient and the chunked loss's float32 temporaries; ZeRO-3's gathered unit
     and the one prefetched;
-    the gradient bucket being reduced). Offloaded optimizer state is in CPU memory, not counted."""
+    the gradient bucket being reduced). Offloaded optimizer state is in CPU memory, not counted. Under the
+    parameter server the parts are a trainer's, "server" a dedicated server's whole, and "peak" the larger
+    (paratrain.planner.param_server)."""
     mode = storage_mode(precision, layout.zero)
     microbatches = global_batch // (layout.dp * layout.micro_batch)
     local = seq // layout.cp  # the tokens of a sequence this rank holds (context parallelism)
     act = 4 if mode == "fp32" else 2
     best: dict[str, float] = {}
+    served = layout.ps_mode != "off"
     for stage in sorted({0, layout.pp // 2, layout.pp - 1}):
-        states = model_state_bytes(model, layout, precision=precision, stage=stage, bucket_mb=bucket_mb,
-                                   grad_reduce=grad_reduce, pp_split=pp_split)
+        if served:  # a trainer of the parameter server (paratrain.planner.param_server)
+            states = param_server.trainer_state_bytes(model, layout, bucket_mb=bucket_mb)
+        else:
+            states = model_state_bytes(model, layout, precision=precision, stage=stage, bucket_mb=bucket_mb,
+                                       grad_reduce=grad_reduce, pp_split=pp_split)
         if layout.offload:
             states = {**states, "optimizer": 0}
         activations = activation_bytes(model, layout, seq=seq, mode=mode, stage=stage, microbatches=microbatches,
                                        pp_split=pp_split)
         tokens = layout.micro_batch * local
-        other = min(bucket_mb * 2**20, states["grads"] or bucket_mb * 2**20)
+        # the bucket being reduced (a push sends the gradients' own slices: nothing copied)
+        other = 0.0 if served else min(bucket_mb * 2**20, states["grads"] or bucket_mb * 2**20)
         other += context_parallel_transient(model, layout, seq=seq, act=act)
         if stage == layout.pp - 1:  # the logits' gradient (compute dtype) and the loss's float32 chunks
             logits = tokens * model.padded_vocab / layout.tp
@@ -77,6 +87,9 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, p
         record["peak"] = sum(record.values())
         if record["peak"] > best.get("peak", -1.0):
             best = record
+    if layout.ps_servers:  # a dedicated server: its slices, their AdamW state, the pushes it holds
+        best["server"] = float(sum(param_server.server_state_bytes(model, layout, bucket_mb=bucket_mb).values()))
+        best["peak"] = max(best["peak"], best["server"])
     return best
 
 
@@ -120,7 +133,10 @@ def candidates(model: ModelConfig, devices: int, hardware: Hardware, *, global_b
     divide), pp up to the layers, 1 or 2 virtual stages, ZeRO 0-3 over
     all of dp, power-of-two micro-batches, no / selective / full recompute, sequence parallelism with tp, and
     for a MoE model every ep dividing both dp and the experts; `pins` fixes any field. Pins that make no
-    layout at all (an ep that does not divide dp) are left out: `search` lists them as rejected."""
+    layout at all (an ep that does not divide dp) are left out: `search` lists them as rejected. The
+    parameter server is tried only when pinned (ps_mode, ps_servers, staleness): data parallelism alone over
+    the devices its dedicated servers leave (on one fabric it moves what an all-reduce moves, later and
+    through fewer links: it is chosen for asynchrony or sparse tables, not speed)."""
     out = []
     for fields in _candidate_fields(model, devices, hardware, global_batch=global_batch, pins=pins or {},
                                     seq=seq or model.seq_len):
@@ -135,23 +151,27 @@ def _candidate_fields(model: ModelConfig, devices: int, hardware: Hardware, *, g
                       pins: dict[str, Any], seq: int) -> list[dict[str, Any]]:
     """`candidates` as flat fields (Layout.of's), each once, in the search's order."""
     out: dict[tuple[Any, ...], dict[str, Any]] = {}
+    served = pins.get("ps_mode", "off") != "off"
+    devices -= pins.get("ps_servers", 0)  # dedicated parameter servers train nothing: the grid is the trainers'
     for tp, cp in itertools.product(_divisors(devices), _divisors(devices)):
+        if served and tp * cp > 1:  # the parameter server composes with data parallelism only
+            continue
         if tp > hardware.devices_per_node or devices % (tp * cp) or (cp > 1 and seq % (2 * cp)):
             continue
         if cp > 1 and seq // cp < CP_MIN_TOKENS and pins.get("cp") != cp:
             continue
         modes = ["ring"] + (["ulysses"] if cp > 1 and (model.n_head // tp) % cp == 0 else [])
         for pp in _divisors(devices // (tp * cp)):
-            if pp > model.n_layer + 2:
+            if pp > model.n_layer + 2 or (served and pp > 1):
                 continue
             dp = devices // (tp * cp * pp)
             if global_batch % dp:
                 continue
             per_rank = global_batch // dp
             micro = [m for m in (1, 2, 4, 8, 16, 32) if per_rank % m == 0]
-            eps = [e for e in _divisors(dp) if model.n_experts % e == 0] if model.n_experts else [1]
+            eps = [e for e in _divisors(dp) if model.n_experts % e == 0] if model.n_experts and not served else [1]
             for v, zero, mb, recompute, sp, ep, mode in itertools.product(
-                    (1, 2) if pp > 1 else (1,), (0, 1, 2, 3), micro, ("none", "selective", "full"),
+                    (1, 2) if pp > 1 else (1,), (0,) if served else (0, 1, 2, 3), micro, ("none", "selective", "full"),
                     (False, True) if tp > 1 else (False,), eps, modes):
                 fields = dict(_DEFAULTS, dp=dp, tp=tp, pp=pp, virtual_stages=v, zero=zero, micro_batch=mb,
                               recompute=recompute, sequence_parallel=sp,

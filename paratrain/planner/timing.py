@@ -23,6 +23,9 @@ Korthikanti et al. 2022, section 4), each term named so that a measurement can b
     dp         gradient reduction (zero 0: all-reduce; ZeRO: reduce-scatter + all-gather; ZeRO-3 also
                gathers parameters for every forward and backward), overlapped with the last
                micro-batch's backward (not under pp: the reduction follows the schedule)
+    ps         the parameter server instead: the push and the pull after backward, each over the busiest
+               link (paratrain.planner.param_server.exchange_time), not overlapped; the trainers are the dp
+               ranks, and MFU counts the dedicated servers among the devices
 
 Links: ranks are laid out tp innermost, then cp, then dp, then pp (paratrain.topology.dims), so a tp
 group is inside a node when tp <= devices per node, a cp group when tp x cp <= devices per node, a dp
@@ -38,6 +41,7 @@ from paratrain.config.model import ModelConfig
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout, chunk_layers, layer_costs, rank_params
 from paratrain.planner.memory import BYTES
+from paratrain.planner.param_server import exchange_time
 from paratrain.planner.textbook import bubble_fraction
 from paratrain.topology.dims import ParallelDims
 
@@ -158,6 +162,8 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     if layout.zero == 3:
         overlap = compute  # prefetched gathers run under the compute of every micro-batch
     dp_exposed = max(0.0, dp_time - overlap)
+    if layout.ps_mode != "off":  # the push and the pull after backward (paratrain.planner.param_server)
+        dp_exposed = exchange_time(model, layout, hw)
     step = pipelined + pp_time + dp_exposed
     return StepTime(step_s=step, compute_s=compute, comm_s=tp_time + ep_time + cp_time + pp_time + dp_exposed,
                     bubble=bubble,

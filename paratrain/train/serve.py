@@ -39,6 +39,9 @@ class ServeResult:
     """Every push in the order it was applied: (clock, trainer, version it was computed on)."""
     resumed_at: int = 0
     """The step the run resumed from (0: it started afresh)."""
+    memory: dict[str, int] = field(default_factory=dict)
+    """What the server held at the end (ShardServer.memory(): its slices, their optimizer state, the most
+    bytes of pushes held at once)."""
 
 
 def serve(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory, grad_clip: float = 0.0,
@@ -69,6 +72,7 @@ def serve(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory, grad_c
                               server.exchange.peers.trainers)
     mode = ctx.config.ps_mode
     result.pushes = server.serve(staleness=ctx.config.staleness if mode == "async" else None)
+    result.memory = server.memory()
     return result
 
 

@@ -57,7 +57,8 @@ def test_fp16_loss_scaling_and_a_checkpoint_under_the_parameter_server(pools, tm
     dp = pools(2).run(ranked_run, **{**half, "dp": 2})[0]
     for rank in _trainers(pools(4).run(ranked_run, ps_mode="sync", ps_servers=2, **half)):
         # fp16 autocast amplifies the float32 summation orders (a weight 1e-7 off rounds to another fp16):
-        # the suite's fp16 bound (tests/distributed/test_precision.py); worst over AVX2 / default kernels 2.1e-6 (loss), 2.4e-5 (norm)
+        # the suite's fp16 bound (tests/distributed/test_precision.py); worst over AVX2 / default kernels
+        # 2.1e-6 (loss), 2.4e-5 (norm)
         within(rel_diff(rank["losses"], dp["losses"]), 5e-4, "fp16 PS loss vs data parallelism")
         within(rel_diff(rank["grad_norms"], dp["grad_norms"]), 5e-4, "fp16 PS grad norm vs data parallelism")
     root = str(tmp_path / "ckpt")

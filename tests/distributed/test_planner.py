@@ -66,6 +66,56 @@ def test_model_states_equal_the_engines_report(pools, world):
             assert got["report"] == expected, (case, precision, got["rank"])
 
 
+def _served(mode: str, servers: int, staleness: int, steps: int) -> dict:
+    """A parameter-server run of the tiny GPT (adamw_factory, BUCKET_MB buckets): a trainer's memory report
+    and bytes moved per step, or a server's memory."""
+    import paratrain
+    from paratrain.config.run import OptimSection
+    from paratrain.train.optim import adamw_factory
+
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(ps_mode=mode, ps_servers=servers,
+                                                                        staleness=staleness, bucket_mb=BUCKET_MB))
+    model = paratrain.build_gpt(TINY, seed=0)
+    optimizer = adamw_factory(model, OptimSection())
+    if ctx.is_server:
+        return {"server": paratrain.serve(model, ctx, optimizer=optimizer).memory}
+    engine = paratrain.parallelize(model, ctx, optimizer=optimizer, micro_batch=1)
+    x = torch.randint(0, 256, (4, TINY.seq_len), generator=torch.Generator().manual_seed(ctx.rank))
+    for _ in range(steps):
+        engine.train_step((x, x.roll(-1, 1)), paratrain.lm_loss)
+    client = engine.parts.remote
+    assert client is not None
+    moved = {"push": client.pushed_bytes // steps, "pull": client.pulled_bytes // steps}
+    engine.close()
+    return {"report": engine.memory_report(), "moved": moved}
+
+
+@pytest.mark.parametrize("world,mode,servers,staleness", [(4, "sync", 2, 0), (2, "sync", 0, 0), (4, "async", 1, 1)],
+                         ids=["2-trainers-2-servers", "colocated", "async-3-trainers-s1"])
+def test_parameter_server_states_and_traffic_equal_the_run(pools, world, mode, servers, staleness):
+    """A trainer's memory report and its bytes pushed and pulled per step, and a server's slices, optimizer
+    state and the pushes it held at once (synchronous: exactly T + 1 slices; asynchronous: within s + 2),
+    as paratrain.planner.param_server predicts them, to the byte."""
+    from paratrain.planner import param_server
+    from paratrain.planner.layout import Layout
+
+    layout = Layout.of(dp=world - servers, ps_mode=mode, ps_servers=servers, staleness=staleness)
+    got = pools(world).run(_served, mode, servers, staleness, 3)
+    moved = param_server.step_bytes(TINY, layout, bucket_mb=BUCKET_MB)
+    for rank in got:
+        if "server" in rank:
+            expected = param_server.server_state_bytes(TINY, layout, bucket_mb=BUCKET_MB)
+            assert rank["server"]["params"] == expected["params"]
+            assert rank["server"]["optimizer"] == expected["optimizer"]
+            if mode == "sync":
+                assert rank["server"]["exchange"] == expected["exchange"]
+            else:
+                assert 0 < rank["server"]["exchange"] <= expected["exchange"]
+            continue
+        assert rank["report"] == param_server.trainer_state_bytes(TINY, layout, bucket_mb=BUCKET_MB)
+        assert rank["moved"] == {"push": moved["push"], "pull": moved["pull"]}
+
+
 def _tp_activations(sequence_parallel: bool, precision: str, zero: int, recompute: bool) -> int:
     import paratrain
     from paratrain.memory import autocast

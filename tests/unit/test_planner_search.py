@@ -193,3 +193,33 @@ def test_context_parallel_memory_and_time_terms():
     alone = estimate(model, Layout(micro_batch=1), h100, global_batch=4)
     split = estimate(model, Layout(dims=ParallelDims.of(cp=4), micro_batch=1, cp_mode="ulysses"), h100, global_batch=4)
     assert split["compute_s"] < alone["compute_s"] / 3.9 and split["comm_s"] > alone["comm_s"]
+
+
+def test_parameter_server_is_priced_when_pinned(capsys):
+    """--ps-mode prices the parameter server: data parallelism alone over the trainers (8 devices less the
+    dedicated servers), a trainer holds no optimizer state, a server its slices' (the run's figures are
+    checked to the byte in tests/distributed/test_planner.py). The exchange follows backward over the busiest
+    link, so a server serving 6 trainers' slices / 2 is slower than colocated servers, and the search does not
+    try the parameter server unless pinned. Its rules are ParallelConfig's."""
+    from paratrain.planner import param_server
+
+    gpt2, h100 = preset("gpt2"), hardware("h100-80gb")
+    dedicated = search(gpt2, 8, h100, global_batch=96, pins={"ps_mode": "sync", "ps_servers": 2})["candidates"]
+    assert dedicated and {(r["layout"]["dp"], r["layout"]["ps_servers"], r["layout"]["zero"], r["layout"]["tp"])
+                          for r in dedicated} == {(6, 2, 0, 1)}
+    assert all(r["memory"]["optimizer"] == 0 and r["memory"]["server"] > 0 for r in dedicated)
+    colocated = search(gpt2, 8, h100, global_batch=96, pins={"ps_mode": "sync"})["candidates"]
+    assert colocated[0]["comm_s"] < dedicated[0]["comm_s"]
+    free = search(gpt2, 8, h100, global_batch=96)["candidates"]
+    assert {r["layout"]["ps_mode"] for r in free} == {"off"}
+    layout = Layout.of(dp=6, ps_mode="sync", ps_servers=2)
+    moved = param_server.step_bytes(gpt2, layout)
+    assert moved["server_in"] == 3 * moved["push"]  # 6 trainers' slices of 1 / 2
+    with pytest.raises(ConfigError, match="composes with data parallelism only"):
+        estimate(gpt2, Layout.of(dp=2, tp=2, ps_mode="sync"), h100, global_batch=8)
+    with pytest.raises(ConfigError, match="needs dedicated servers"):
+        estimate(gpt2, Layout.of(dp=4, ps_mode="async", staleness=1), h100, global_batch=8)
+    assert main(["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "96", "--ps-mode", "async",
+                 "--ps-servers", "2", "--staleness", "2", "--top", "1"]) == 0
+    assert "ps-asyncx2 s2" in capsys.readouterr().out
+    assert main(["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "96", "--ps-servers", "2"]) == 2
