@@ -20,6 +20,10 @@ CP_MODES: tuple[str, ...] = ("ring", "ulysses")
 PS_MODES: tuple[str, ...] = ("off", "sync", "async")
 """The parameter server (ParallelConfig.ps_mode): off (collective data parallelism), synchronous, or
 asynchronous with bounded staleness (paratrain.param_server)."""
+PS_ON_CPU = ("the parameter server exchanges CPU tensors over gloo point-to-point: CUDA trainers are not built in "
+             "this version (their buffers would have to be staged through host memory); use --device cpu, or data "
+             "parallelism / ZeRO (--zero 1-3) on CUDA")
+"""The refusal of the parameter server on a CUDA device (before launch, and when a trainer connects)."""
 
 
 class ScheduleError(ValueError):

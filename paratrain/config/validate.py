@@ -8,7 +8,7 @@ from dataclasses import fields
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig, preset
-from paratrain.config.parallel import ParallelConfig, ScheduleError, check_schedule
+from paratrain.config.parallel import PS_ON_CPU, ParallelConfig, ScheduleError, check_schedule
 from paratrain.config.plan import BatchLayout, RunPlan, batch_layout
 from paratrain.config.run import RunConfig
 from paratrain.config.world import DEVICES, check_min_nodes
@@ -168,6 +168,8 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
                           "checkpoint under --save: give --save DIR (and --save-every N, how far a restart goes back)")
     if launch.device not in DEVICES:
         raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {launch.device!r}")
+    if launch.device == "cuda" and config.parallel.ps_mode != "off":
+        raise ConfigError(PS_ON_CPU)
     if launch.nnodes > 1 and not launch.rdzv_endpoint:
         raise ConfigError(
             f"nnodes={launch.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address), "

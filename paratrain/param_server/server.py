@@ -107,6 +107,10 @@ class ShardServer:
     """Trainer -> per table, the rows updated since that trainer last received them."""
     exchange_peak: int = 0
     """The most bytes of pushed gradients held at once (received, or summed for a clock not yet applied)."""
+    received_bytes: int = 0
+    """Bytes of pushes received so far (dense slices, sparse ids and rows; headers aside)."""
+    sent_bytes: int = 0
+    """Bytes of parameters sent in replies so far (dense slices, sparse ids and rows; headers aside)."""
 
     @property
     def slices(self) -> list[torch.Tensor]:
@@ -194,10 +198,12 @@ class ShardServer:
                         skipped=r.skipped, stale_max=r.stale_max, stale_mean=r.stale_mean).pack(self.optimizer_groups)
         rank = peers.trainer_rank(trainer)
         works = [post_send(header, rank, HEAD, pg)] + [post_send(s, rank, BODY, pg) for s in self.slices]
+        self.sent_bytes += _nbytes(self.slices)
         dirty = self.dirty.pop(trainer, [torch.zeros(0, dtype=torch.int64) for _ in self.tables])
         for table, ids in enumerate(dirty):
             rows = self.rows(table)[ids].reshape(-1).contiguous()
             works += [post_send(t, rank, BODY, pg) for t in (torch.tensor([ids.numel()]), ids.contiguous(), rows)]
+            self.sent_bytes += _nbytes([ids, rows])
         return works
 
     def receive(self, trainer: int) -> tuple[list[torch.Tensor], list[dist.Work]]:
@@ -219,6 +225,7 @@ class ShardServer:
             rows = torch.empty(int(count) * width, dtype=self.tables[table].master.dtype)
             for work in (post_recv(ids, rank, BODY, pg), post_recv(rows, rank, BODY, pg)):
                 wait(work, what)
+            self.received_bytes += _nbytes([ids, rows])
             parts.append((ids, rows))
         return parts
 
@@ -228,6 +235,7 @@ class ShardServer:
         for work in works:
             wait(work, f"the gradient push from {self.exchange.peers.describe_trainer(trainer)} to "
                        f"{self.exchange.peers.describe_server(self.index)}")
+        self.received_bytes += _nbytes(buffers)
         return Push(buffers, [[part] for part in self.receive_rows(trainer)])
 
     def receive_init(self) -> None:
@@ -247,6 +255,7 @@ class ShardServer:
         process's own, colocated), then applied."""
         peers = self.exchange.peers
         posted = {i: self.receive(i) for i in range(peers.trainers) if not (local is not None and i == self.index)}
+        self.received_bytes += sum(_nbytes(buffers) for buffers, _ in posted.values())
         total: Push | None = None
         for i in range(peers.trainers):
             if i in posted:
@@ -305,3 +314,7 @@ class ShardServer:
             works = [w for i in range(peers.trainers) for w in self.reply(i)]
             for work in works:
                 wait(work, f"{peers.describe_server(self.index)} sending parameters")
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -11,6 +11,7 @@ from torch import nn
 
 from paratrain.comm.flat import FlatGroup, FlatStorage, optimizer_groups, point_optimizer_at
 from paratrain.config.errors import ConfigError
+from paratrain.config.parallel import PS_ON_CPU
 from paratrain.param_server.client import ServerClient
 from paratrain.param_server.layout import served_groups
 from paratrain.param_server.protocol import Peers
@@ -68,6 +69,8 @@ def connect(model: nn.Module, ctx: Context, optimizer: torch.optim.Optimizer, *,
     """A trainer's client over its model's trainable parameters (materialised: they are flattened into the
     buckets here). Colocated, its own slices' server too: the optimizer is re-pointed at them."""
     config = ctx.config
+    if ctx.device.type != "cpu":
+        raise ConfigError(PS_ON_CPU)
     link = exchange(ctx)
     params, names, tables = trainable(model, config.ps_sparse)
     group_of = optimizer_groups(params + [module.weight for _, module in tables], optimizer, names)

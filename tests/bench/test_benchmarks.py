@@ -19,6 +19,8 @@ SMALLEST = {
     "bench_moe": ["--steps", "3", "--only", "paratrain-ep2"],  # step 0 warms up, step 1 counts bytes: one timed step
     "bench_checkpoint": ["--models", "tiny", "--world", "2", "--modes", "sharded"],
     "bench_materialize": ["--model", "tiny", "--world", "2", "--whole-world", "2", "--modes", "meta"],
+    "bench_ps": ["--world", "2", "--steps", "1", "--only", "ps-dedicated", "--scenarios", "alternating",
+                 "--stalenesses", "2", "--straggler-steps", "4"],
     "bench_planner": ["--steps", "1", "--hardware", "a100-80gb", "--layouts", "6"],
     "bench_gpu": ["--models", "tiny", "--steps", "1", "--warmup", "1", "--no-compile", "--only", "0"],
 }

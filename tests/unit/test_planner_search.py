@@ -223,3 +223,7 @@ def test_parameter_server_is_priced_when_pinned(capsys):
                  "--ps-servers", "2", "--staleness", "2", "--top", "1"]) == 0
     assert "ps-asyncx2 s2" in capsys.readouterr().out
     assert main(["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "96", "--ps-servers", "2"]) == 2
+    from paratrain.config import build_run_config, check_run
+
+    with pytest.raises(ConfigError, match="CUDA trainers are not built"):  # before launch, GPU or not
+        check_run(build_run_config(None, {"launch.device": "cuda", "parallel.ps_mode": "sync"}), 2)
