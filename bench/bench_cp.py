@@ -49,7 +49,7 @@ def _contender(cp: int, mode: str, seq: int, steps: int) -> dict:
     with saved_activations(engine.model) as saved:  # one forward on this rank's part of the sequences
         paratrain.lm_loss(engine.model, first if shard is None else shard.shard_batch(first))
     times, losses = [], []
-    before = _vm("VmSize")
+    before = vm_bytes("VmSize")
     for i in range(steps + 1):
         if dist.is_initialized():
             dist.barrier()
@@ -59,10 +59,11 @@ def _contender(cp: int, mode: str, seq: int, steps: int) -> dict:
             times.append(time.perf_counter() - started)
     return {"name": f"cp{cp}-{mode}" if cp > 1 else "cp1", "cp": cp, "mode": mode, "seq": seq,
             "step_s": statistics.median(times), "activations_mb": saved.bytes / 2**20,
-            "step_peak_mb": (_vm("VmPeak") - before) / 2**20, "live_mb": _live_tensor_mb(), "losses": losses}
+            "step_peak_mb": (vm_bytes("VmPeak") - before) / 2**20, "live_mb": _live_tensor_mb(), "losses": losses}
 
 
-def _vm(field: str) -> int:
+def vm_bytes(field: str) -> int:
+    """A field of /proc/self/status in bytes (VmSize: the address space now, VmPeak: its peak)."""
     with open("/proc/self/status") as status:
         for line in status:
             if line.startswith(field + ":"):

@@ -49,7 +49,7 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
     model, overrides: another preset (tiny-moe) and ModelConfig fields to change, as (name, value) pairs.
     ps_mode, ps_servers, staleness, ps_sparse: the parameter server (a dedicated server rank serves and returns
     its pushes; a trainer returns the sparse rows' bytes it pushed). optimizer: "adamw" (weight decay 0.1) or
-    "sgd" (plain: no momentum, no weight decay)."""
+    "sgd" (plain: no momentum, no weight decay) or "adagrad" (no weight decay, eps 1e-2)."""
     torch.manual_seed(12345)  # must not matter: init and data order are keyed
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dp, tp=tp, sequence_parallel=sequence_parallel, pp=pp,
                                                   schedule=schedule, virtual_stages=virtual_stages, pp_split=pp_split,
@@ -64,6 +64,10 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
     def make_optimizer(params):
         if optimizer == "sgd":
             return torch.optim.SGD(params, lr=lr)
+        if optimizer == "adagrad":
+            # eps 1e-2: g / (sqrt(sum g^2) + eps) with the default 1e-10 turns a gradient's last bits near
+            # zero into a whole step (it amplifies rounding: 3.1e-13 against dense with default kernels)
+            return torch.optim.Adagrad(params, lr=lr, eps=1e-2)
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
 
     if ctx.is_server:

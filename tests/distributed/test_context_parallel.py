@@ -129,14 +129,6 @@ def _reference_losses() -> dict[int, float]:
     return _ONE
 
 
-def _vm(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 def _capped_run(cp: int, allowance: int | None) -> dict:
     """Two AdamW steps of a GPT on one 4,096-token sequence, this process's address space capped at its size
     before the step plus `allowance` bytes (None: no cap): the losses, or the allocation error."""
@@ -146,6 +138,7 @@ def _capped_run(cp: int, allowance: int | None) -> dict:
     import torch
 
     import paratrain
+    from bench.bench_cp import vm_bytes
     from paratrain.config import preset
 
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=1, cp=cp))
@@ -154,7 +147,7 @@ def _capped_run(cp: int, allowance: int | None) -> dict:
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     ids = torch.randint(0, 256, (1, 4097), generator=torch.Generator().manual_seed(0))
     gc.collect()
-    before, soft_hard = _vm("VmSize"), resource.getrlimit(resource.RLIMIT_AS)
+    before, soft_hard = vm_bytes("VmSize"), resource.getrlimit(resource.RLIMIT_AS)
     if allowance is not None:
         resource.setrlimit(resource.RLIMIT_AS, (before + allowance, soft_hard[1]))
     losses, error = [], None
@@ -165,7 +158,7 @@ def _capped_run(cp: int, allowance: int | None) -> dict:
         error = str(failure)
     finally:
         resource.setrlimit(resource.RLIMIT_AS, soft_hard)
-    return {"losses": losses, "error": error, "grew": _vm("VmPeak") - before}
+    return {"losses": losses, "error": error, "grew": vm_bytes("VmPeak") - before}
 
 
 def test_a_sequence_one_process_cannot_hold_trains_under_cp4(pools, monkeypatch):

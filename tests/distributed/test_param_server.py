@@ -151,20 +151,22 @@ def test_a_recorded_arrival_order_replays_exactly(pools):
 UNTIED = (("tie_embeddings", False),)
 
 
-@pytest.mark.parametrize("world,servers", [(4, 2), (2, 0)], ids=["2-trainers-2-servers", "colocated-2"])
-def test_sparse_rows_are_dense_sgd_and_push_only_touched_rows(pools, world, servers):
-    """The untied token embedding as a sparse table (ps_sparse) with plain SGD and clipping, float64: every
-    trainer's losses, grad norms and final weights are dense data parallelism's (an untouched row's gradient
-    is zero: SGD leaves it as it is); each trainer pushed exactly the rows its batches looked up (unique ids x
+@pytest.mark.parametrize("world,servers,optimizer", [(4, 2, "sgd"), (2, 0, "sgd"), (4, 2, "adagrad")],
+                         ids=["2-trainers-2-servers", "colocated-2", "adagrad"])
+def test_sparse_rows_are_dense_sgd_and_push_only_touched_rows(pools, world, servers, optimizer):
+    """The untied token embedding as a sparse table (ps_sparse) with plain SGD (or Adagrad) and clipping,
+    float64: every trainer's losses, grad norms and final weights are dense data parallelism's (an untouched
+    row's gradient is zero: SGD and Adagrad leave it as it is); each trainer pushed exactly the rows its
+    batches looked up (unique ids x
     D x 8 bytes per step: every id lies in one server's rows; colocated, less the trainer's own range)."""
     import torch
 
     from paratrain.data import GlobalBatchLoader, load_source
 
-    sgd = dict(optimizer="sgd", lr=0.5, overrides=UNTIED)
+    sgd = dict(optimizer=optimizer, lr=0.5 if optimizer == "sgd" else 0.05, overrides=UNTIED)
     got = _trainers(pools(world).run(_job, ps_mode="sync", ps_servers=servers, ps_sparse=("tok_emb.weight",), **sgd))
     dp = pools(2).run(_job, dp=2, **sgd)[0]
-    for index, rank in enumerate(got):  # worst over AVX2 / default kernels: 1.8e-16, 5.0e-16, 2.2e-16
+    for index, rank in enumerate(got):  # worst over AVX2 / default kernels: 1.8e-16, 8.2e-16, 2.2e-16
         within(rel_diff(rank["losses"], dp["losses"]), 1e-12, "sparse PS loss vs data parallelism (float64)")
         within(rel_diff(rank["grad_norms"], dp["grad_norms"]), 1e-12, "sparse PS grad norm vs data parallelism")
         within(max_state_diff(rank["model"], dp["model"]), 1e-12, "sparse PS weights vs data parallelism (float64)")
