@@ -119,6 +119,11 @@ class Trainer:
                               "so give save= (and save_every= to lose fewer steps), or max_restarts=0")
         self.world_size = devices * num_nodes
         self.parallel = strategy_config(strategy, devices=devices, tp=tp, pp=pp).resolved(self.world_size)
+        if self.parallel.ps_servers:
+            raise ConfigError(f"ps_servers={self.parallel.ps_servers}: paratrain.Trainer does not start dedicated "
+                              "parameter servers (ranks that run paratrain.serve, not fit); use ps_servers=0 "
+                              "(colocated), `paratrain train --ps-servers`, or parallelize + paratrain.serve in your "
+                              "script (docs/param_server.md)")
         self.batch = batch_layout(global_batch, micro_batch or 0, self.parallel.dp or 1)
         self.devices, self.num_nodes = devices, num_nodes
         self.max_steps, self.lr, self.lr_schedule = max_steps, lr, lr_schedule

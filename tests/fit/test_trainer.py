@@ -134,6 +134,9 @@ def test_bad_settings_are_refused_with_the_rule():
         paratrain.Trainer(devices=2, max_steps=1, global_batch=8, micro_batch=3)
     with pytest.raises(ConfigError, match="master='host:port'"):
         paratrain.Trainer(devices=2, num_nodes=2, max_steps=1, global_batch=8)
+    with pytest.raises(ConfigError, match="does not start dedicated parameter servers"):
+        paratrain.Trainer(devices=3, max_steps=1, global_batch=8,
+                          strategy=ParallelConfig(ps_mode="sync", ps_servers=1))
     model, train, _ = fit_script.build()
     with pytest.raises(ConfigError, match="fewer than one global batch"):
         paratrain.Trainer(max_steps=1, global_batch=128).fit(model, fit_script.loss_fn, train)

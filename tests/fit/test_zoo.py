@@ -46,6 +46,38 @@ def test_two_devices_train_as_one(pools, kind, strategy):
         assert int(got[0]["model"]["seen"]) == int(ref["model"]["seen"]) == 4 * 8
 
 
+def _llama_split(mode: str) -> dict:
+    from paratrain.config import ParallelConfig
+    from paratrain.models.hf import LLAMA_RECIPE  # its closures do not pickle: taken here, in the rank
+
+    return zoo.train("llama", devices=2, strategy=ParallelConfig(cp=2, cp_mode=mode), recipe=LLAMA_RECIPE)
+
+
+def test_context_parallel_through_the_trainer(pools):
+    """paratrain.Trainer(strategy=ParallelConfig(cp=2), recipe=LLAMA_RECIPE): HF Llama with GQA on 2 devices,
+    each sequence split over both, its labels masked unevenly (-100 on a third of the samples' first tokens, so
+    the two halves of a sequence count different tokens): one device's losses and trained weights (float64)."""
+    for mode in ("ring", "ulysses"):
+        got = pools(2).run(_llama_split, mode)
+        ref = one_device("llama")
+        for rank in got:
+            within(rel_diff(rank["losses"], ref["losses"]), 1e-12, f"llama cp2 {mode} loss (float64)")
+        within(max_state_diff(got[0]["model"], ref["model"]), 1e-12, f"llama cp2 {mode} weights (float64)")
+
+
+def test_the_colocated_parameter_server_through_the_trainer(pools):
+    """paratrain.Trainer(strategy=ParallelConfig(ps_mode="sync")): each of 2 devices serves half of every bucket
+    (AdamW's state there, the update there): one device's losses and weights (float64). Dedicated servers are
+    refused by the Trainer (tests/fit/test_trainer.py)."""
+    from paratrain.config import ParallelConfig
+
+    got = pools(2).run(zoo.train, "llama", devices=2, strategy=ParallelConfig(ps_mode="sync"))
+    ref = one_device("llama")
+    for rank in got:
+        within(rel_diff(rank["losses"], ref["losses"]), 1e-12, "llama colocated PS loss (float64)")
+    within(max_state_diff(got[0]["model"], ref["model"]), 1e-12, "llama colocated PS weights (float64)")
+
+
 def test_batch_norm_statistics_cover_the_global_batch(pools):
     """Running statistics are identical on both ranks and equal one device's (they are in the state
     compared above); a layout whose micro-batches no single device would normalise together is
