@@ -138,9 +138,10 @@ def _server_side(steps: int) -> dict:
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731
     if ctx.is_server:
         from paratrain.param_server import build_server
+        from paratrain.param_server.loops import serve_loop
 
         server = build_server(model, ctx, adamw)
-        server.serve()
+        serve_loop(server)
         return {"received_mb": server.received_bytes / steps / 2**20, "sent_mb": server.sent_bytes / steps / 2**20,
                 "state_mb": (server.memory()["params"] + server.memory()["optimizer"]) / 2**20,
                 "exchange_mb": server.memory()["exchange"] / 2**20}

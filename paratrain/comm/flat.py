@@ -174,3 +174,11 @@ def point_optimizer_at(optimizer: torch.optim.Optimizer, groups: list[FlatGroup]
     for gi, param_group in enumerate(optimizer.param_groups):
         param_group["params"] = [g.master for g in groups if g.optimizer_group == gi]
     optimizer.state.clear()
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's tensor state over the parameters its groups hold now (state left behind for
+    parameters it no longer updates, as after point_optimizer_at, is not counted)."""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    return sum(v.numel() * v.element_size() for p, state in optimizer.state.items() if id(p) in held
+               for v in state.values() if isinstance(v, torch.Tensor))

@@ -13,10 +13,10 @@ micro-batch size or on how many tokens each micro-batch holds.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Mapping, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm import all_reduce, divide_and_clip_, global_grad_norm
@@ -24,12 +24,13 @@ from paratrain.hybrid.batches import Batch, batch_rows, split_batch, to_device
 from paratrain.hybrid.experts import attach_router_log, routing_totals
 from paratrain.hybrid.parts import EngineParts, GradientStrategy, StepOptions
 from paratrain.hybrid.state import model_state
-from paratrain.hybrid.step import NonFiniteWatch, PendingStep, StepStats
+from paratrain.hybrid.step import NonFiniteWatch, PendingStep, StepStats, non_finite_ranks
 from paratrain.hybrid.view import MemoryReader, StateView
 from paratrain.memory import autocast
+from paratrain.memory.precision import overflowed
 from paratrain.nn.dropout import KeyedDropout
 from paratrain.rng import DropoutStream
-from paratrain.comm.flat import FlatGroup
+from paratrain.comm.flat import FlatGroup, optimizer_state_bytes
 from paratrain.topology import Context
 
 __all__ = ["Batch", "Engine", "EngineParts", "GradientStrategy", "LossFn", "StepOptions", "split_batch"]
@@ -51,12 +52,13 @@ class Engine:
         self.scaler = parts.scaler
         self.buffers = parts.buffers
         self.pieces = parts.pieces
-        self.watch = NonFiniteWatch(options.on_non_finite, self.non_finite_ranks)
-        """Non-finite steps not yet read back (on_non_finite="raise"), and the newest statistics read."""
         self._dp_group = ctx.mesh.data_group()  # dp, or dp x cp: each holds a part of the global batch's tokens
         self._pp_group = ctx.mesh.groups.get("pp")
         self._agree = [g for g in (self._dp_group, ctx.mesh.groups.get("tp"), self._pp_group) if g is not None]
-        """Axes over which an fp16 overflow decision must be shared."""
+        """Axes over which an fp16 overflow decision, or a non-finite loss's ranks, must be shared."""
+        self.watch = NonFiniteWatch(options.on_non_finite, functools.partial(
+            non_finite_ranks, rank=ctx.rank, world_size=ctx.world_size, groups=self._agree))
+        """Non-finite steps not yet read back (on_non_finite="raise"), and the newest statistics read."""
         self.dropout = DropoutStream(options.seed)
         """Keys every KeyedDropout of the model by (seed, step, module name, global position)."""
         for name, module in model.named_modules():
@@ -112,7 +114,7 @@ class Engine:
                 self.grads.begin_micro_batch(sync=i == len(micro_batches) - 1)  # communicate on the last only
                 self.dropout.at_rows(first_row + i * batch_rows(micro))
                 loss_sum, count = self._forward(self._on_device(micro), loss_fn)
-                scale = self._loss_scale(count) if self.scaler else 1.0
+                scale = self.scaler.agreed(float(count), self.ctx.device, self._dp_group) if self.scaler else 1.0
                 if self.router_log is not None:  # the MoE layers' auxiliary terms get the loss sum's gradient
                     self.router_log.scale_gradients(scale)
                 (loss_sum * scale if self.scaler else loss_sum).backward()
@@ -136,7 +138,7 @@ class Engine:
         scale = self.scaler.scale if self.scaler and self.scaler.scale else 1.0
         if self.scaler is not None:
             pending.loss_scale = scale
-            if self._overflow(grads):  # fp16 overflow somewhere: every rank skips and backs off the scale
+            if overflowed(grads, self.ctx.device, self._agree):  # fp16 overflow somewhere: every rank skips
                 self.scaler.update(overflow=True)
                 self.grads.after_step()
                 pending.skipped = True
@@ -161,36 +163,31 @@ class Engine:
         return pending
 
     def _remote_update(self, totals: torch.Tensor, micro_batches: int) -> PendingStep:
-        """Push this rank's summed gradients and (loss sum, token count) to the parameter servers, which
-        update; pull the parameters back (paratrain.param_server.client). The step's statistics are the
-        servers' (sync: the global batch's; async: this trainer's own loss, the newest applied clock's norm)."""
-        remote = self.parts.remote
-        assert remote is not None
+        """Push the summed gradients and (loss sum, token count) to the parameter servers, which update, and pull
+        the parameters back (paratrain.param_server.client). The step's statistics are the servers' (sync: the
+        global batch's; async: this trainer's own loss, the newest applied clock's norm)."""
+        assert self.parts.remote is not None
         scale = self.scaler.scale if self.scaler and self.scaler.scale else 1.0
-        loss, tokens = totals.tolist()
-        reply = remote.update(loss=loss, tokens=tokens, scale=scale,
-                              lrs=tuple(float(g["lr"]) for g in self.optimizer.param_groups))
-        reached = torch.tensor([reply.loss, reply.tokens], dtype=torch.float64, device=self.ctx.device)
-        pending = PendingStep(self.watch, self.dropout.advance(), micro_batches, reached, totals[0].clone())
-        pending.grad_norm = torch.tensor(reply.norm, dtype=torch.float64, device=self.ctx.device)
-        pending.server = reply
+        reply = self.parts.remote.update(loss=float(totals[0]), tokens=float(totals[1]), scale=scale,
+                                         lrs=tuple(float(g["lr"]) for g in self.optimizer.param_groups))
+        reached = torch.tensor([reply.loss, reply.tokens, reply.norm], dtype=torch.float64, device=self.ctx.device)
+        pending = PendingStep(self.watch, self.dropout.advance(), micro_batches, reached[:2], totals[0].clone())
+        pending.grad_norm, pending.server = reached[2], reply
         if self.scaler is not None:
-            pending.loss_scale = scale
+            pending.loss_scale, pending.skipped = scale, reply.skipped
             self.scaler.update(overflow=reply.skipped)  # an overflow anywhere: every server skipped
-            pending.skipped = reply.skipped
         elif self.options.on_non_finite == "raise":
             self.watch.see(pending)
         self.grads.after_step()
         return pending
 
     def close(self) -> None:
-        """The run is over: tell the parameter servers (their loop returns); nothing without them."""
+        """The run is over: the parameter servers' loops return (nothing without them)."""
         if self.parts.remote is not None:
             self.parts.remote.stop()
 
     def before_save(self, step: int) -> None:
-        """A checkpoint of `step` steps is about to be written: the parameter servers write their slices of
-        it (collective with them); nothing without them."""
+        """A checkpoint of `step` steps is being written: the parameter servers write their slices of it."""
         if self.parts.remote is not None:
             self.parts.remote.save(step)
 
@@ -198,40 +195,6 @@ class Engine:
         """Raise NonFiniteError if a step since the last check had a loss or gradient norm that was not
         finite (on_non_finite="raise"; one read from the device; collective: call it on every rank)."""
         self.watch.check()
-
-    def non_finite_ranks(self, local_loss: torch.Tensor) -> tuple[int, ...]:
-        """The ranks whose own loss (before the sum over ranks) is nan or inf: a flag per rank of the
-        world, combined over every axis (collective: every rank takes this path together). Gradients
-        cannot name a rank: once reduced, one rank's nan is every rank's."""
-        flags = torch.zeros(self.ctx.world_size, device=self.ctx.device)
-        if not torch.isfinite(local_loss):
-            flags[self.ctx.rank] = 1.0
-        for group in self._agree:
-            all_reduce(flags, group, op=dist.ReduceOp.MAX)
-        return tuple(int(r) for r in torch.nonzero(flags).flatten().tolist())
-
-    def _loss_scale(self, count: torch.Tensor | int) -> float:
-        """The scale of this step; the very first one derives it from the micro-batch's token count,
-        the smallest over dp (one all-reduce, once), so that every rank scales by the same factor."""
-        assert self.scaler is not None
-        if self.scaler.scale is None:
-            first = torch.tensor([self.scaler.initial(float(count))], device=self.ctx.device)
-            if self._dp_group is not None:
-                all_reduce(first, self._dp_group, op=dist.ReduceOp.MIN)
-            self.scaler.scale = float(first.item())
-        return self.scaler.scale
-
-    def _overflow(self, grads: list[torch.Tensor]) -> bool:
-        """Whether any rank's gradients hold an inf or nan: an all-reduce (MAX) over dp and tp, so
-        that every rank, whichever shard or slice it owns, takes the same decision."""
-        flag = torch.zeros(1, device=self.ctx.device)
-        for grad in grads:
-            if not torch.isfinite(grad).all():
-                flag.fill_(1.0)
-                break
-        for group in self._agree:
-            all_reduce(flag, group, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch, loss_fn: LossFn) -> float:
@@ -263,7 +226,8 @@ class Engine:
             pairs.append(tuple(self._on_device(micro)))
         # The first scale of fp16 comes from the first micro-batch's size, before any rank has run the
         # loss: only the last stage ever knows the loss's own count, and every stage needs the scale.
-        scale = self._loss_scale(pairs[0][1].numel()) if self.scaler and train else 1.0
+        scale = (self.scaler.agreed(float(pairs[0][1].numel()), self.ctx.device, self._dp_group)
+                 if self.scaler and train else 1.0)
         self.grads.begin_micro_batch(sync=False)  # the schedule interleaves micro-batches: reduce once, in finish()
         if self.router_log is not None:
             self.router_log.scale_gradients(scale)
@@ -308,10 +272,8 @@ class Engine:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Load a state_dict() taken under any layout: this rank reads its own pieces of it (the path a
         sharded checkpoint loads by, over the dict in memory)."""
-        if self.parts.remote is not None and self.parts.remote.local is None:
-            raise RuntimeError("with dedicated parameter servers the parameters and their optimizer state live on "
-                               "the servers, which a trainer's load_state_dict cannot reach: resume from a sharded "
-                               "checkpoint (the servers load their slices of it)")
+        if self.parts.remote is not None:
+            self.parts.remote.check_memory_load()
         reader = MemoryReader(state)
         self.view().load(reader, reader.meta)
 
@@ -321,8 +283,7 @@ class Engine:
                          self.parts.placements, self.dropout, self.scaler, self._restarted)
 
     def _restarted(self) -> None:
-        """State was loaded: the gradient strategy starts a step afresh (and the parameter servers, which
-        loaded theirs, need no initial values from the trainers)."""
+        """State was loaded: the gradient strategy starts afresh (the parameter servers loaded theirs)."""
         self.grads.begin_step()
         if self.parts.remote is not None:
             self.parts.remote.mark_loaded(self.dropout.step)
@@ -333,13 +294,7 @@ class Engine:
         return list(getattr(self.grads, "groups", []))
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds for parameters, gradients and optimizer state (steady state,
-        between steps; transient buffers of a step in flight are not counted)."""
+        """Bytes this rank holds between steps: parameters, gradients, optimizer state (no step's transients)."""
         report = self.grads.memory()
-        masters = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
-        report["optimizer"] = sum(
-            v.numel() * v.element_size()
-            for p, st in self.optimizer.state.items() if id(p) in masters
-            for v in st.values() if isinstance(v, torch.Tensor)
-        ) + report.pop("masters", 0)
+        report["optimizer"] = optimizer_state_bytes(self.optimizer) + report.pop("masters", 0)
         return report

@@ -103,7 +103,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     """
     if ctx.is_server:
         raise ValueError(f"rank {ctx.rank} is a dedicated parameter server (the ranks after the {ctx.dims.grid_size} "
-                         "trainers): it trains nothing; run paratrain.param_server.serve(model, ctx, optimizer=...) "
+                         "trainers): it trains nothing; run paratrain.serve(model, ctx, optimizer=...) "
                          "there instead of parallelize")
     options = StepOptions(micro_batch=micro_batch, precision=precision, grad_clip=grad_clip, seed=seed,
                           on_non_finite=on_non_finite)

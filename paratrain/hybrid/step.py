@@ -8,11 +8,14 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
+from paratrain.comm import all_reduce
+from paratrain.topology.mesh import AxisGroup
 from paratrain.hybrid.experts import routing_stats
 
 RankFinder = Callable[[torch.Tensor], "tuple[int, ...]"]
-"""this rank's own loss -> the ranks whose own loss is not finite (collective: Engine.non_finite_ranks)."""
+"""this rank's own loss -> the ranks whose own loss is not finite (collective: step.non_finite_ranks)."""
 
 
 @dataclass(frozen=True)
@@ -160,3 +163,15 @@ class NonFiniteWatch:
         if number:
             ranks = self.ranks(torch.tensor(local_loss))
             raise NonFiniteError(loss, norm, ranks, step=int(number))
+
+
+def non_finite_ranks(local_loss: torch.Tensor, *, rank: int, world_size: int, groups: list[AxisGroup]) -> tuple[int, ...]:
+    """The ranks whose own loss (before the sum over ranks) is nan or inf: a flag per rank of the world,
+    combined over `groups` (every axis: collective, every rank takes this path together). Gradients cannot
+    name a rank: once reduced, one rank's nan is every rank's."""
+    flags = torch.zeros(world_size, device=local_loss.device)
+    if not torch.isfinite(local_loss):
+        flags[rank] = 1.0
+    for group in groups:
+        all_reduce(flags, group, op=dist.ReduceOp.MAX)
+    return tuple(int(r) for r in torch.nonzero(flags).flatten().tolist())

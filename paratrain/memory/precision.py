@@ -18,6 +18,10 @@ from dataclasses import dataclass
 from typing import ContextManager
 
 import torch
+import torch.distributed as dist
+
+from paratrain.comm import all_reduce
+from paratrain.topology.mesh import AxisGroup
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -56,6 +60,16 @@ class LossScaler:
         """The first scale for a micro-batch of `tokens` loss terms (a power of two, at least min_scale)."""
         return max(self.min_scale, 2.0 ** math.floor(math.log2(self.per_token / max(tokens, 1.0))))
 
+    def agreed(self, tokens: float, device: torch.device, group: AxisGroup | None) -> float:
+        """This step's scale. The very first derives it from the micro-batch's token count, the smallest
+        over `group` (the dp ranks: one all-reduce, once), so that every rank scales by the same factor."""
+        if self.scale is None:
+            first = torch.tensor([self.initial(tokens)], device=device)
+            if group is not None:
+                all_reduce(first, group, op=dist.ReduceOp.MIN)
+            self.scale = float(first.item())
+        return self.scale
+
     def update(self, overflow: bool) -> None:
         assert self.scale is not None
         if overflow:
@@ -72,3 +86,16 @@ class LossScaler:
     def load_state_dict(self, state: dict[str, float | None]) -> None:
         self.scale = None if state["scale"] is None else float(state["scale"])
         self.good_steps = int(state["good_steps"] or 0)
+
+
+def overflowed(grads: list[torch.Tensor], device: torch.device, groups: list[AxisGroup]) -> bool:
+    """Whether any rank's gradients hold an inf or nan: an all-reduce (MAX) over `groups` (dp, tp and pp),
+    so that every rank, whichever shard or slice it owns, takes the same decision."""
+    flag = torch.zeros(1, device=device)
+    for grad in grads:
+        if not torch.isfinite(grad).all():
+            flag.fill_(1.0)
+            break
+    for group in groups:
+        all_reduce(flag, group, op=dist.ReduceOp.MAX)
+    return bool(flag.item())

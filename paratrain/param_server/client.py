@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from paratrain.comm.flat import FlatGroup
 from paratrain.comm.norms import NormPart
-from paratrain.param_server.protocol import (BODY, HEAD, INIT, PULL, PUSH, SAVE, STOP, Header, post_recv, post_send,
-                                             recv_header, wait)
+from paratrain.param_server.protocol import (BODY, HEAD, INIT, PULL, PUSH, SAVE, STOP, Header, nbytes, post_recv,
+                                             post_send, recv_header, wait)
 from paratrain.param_server.server import ClockResult, Exchange, Push, ShardServer
 from paratrain.param_server.sparse import TouchedRows
 
@@ -142,6 +142,13 @@ class ServerClient:
         return {"params": sum(g.param_flat.numel() * g.param_flat.element_size() for g in groups),
                 "grads": sum(t.numel() * t.element_size() for t in self.owned_grads())}
 
+    def check_memory_load(self) -> None:
+        """Engine.load_state_dict: refused with dedicated servers, which hold the parameters' values."""
+        if self.local is None:
+            raise RuntimeError("with dedicated parameter servers the parameters and their optimizer state live on "
+                               "the servers, which a trainer's load_state_dict cannot reach: resume from a sharded "
+                               "checkpoint (the servers load their slices of it)")
+
     def mark_loaded(self, step: int) -> None:
         """A checkpoint of `step` steps was loaded (the servers loaded their slices of it): nothing to INIT,
         and the next push is clock `step`."""
@@ -204,28 +211,19 @@ class ServerClient:
         slices = [self._slice(flat, g, server) for g, flat in zip(self.buckets, self.grads)]
         works = [post_send(header.pack(self.optimizer_groups), rank, HEAD, pg)]
         works += [post_send(t, rank, BODY, pg) for t in slices]
-        self.pushed_bytes += _nbytes(slices)
+        self.pushed_bytes += nbytes(slices)
         for table in self.tables:  # [count], ids, rows: only the rows this step touched
             parts = table.push_parts(server)
-            self.sparse_bytes += _nbytes(parts[2:])
-            self.pushed_bytes += _nbytes(parts[1:])
+            self.sparse_bytes += nbytes(parts[2:])
+            self.pushed_bytes += nbytes(parts[1:])
             works += [post_send(t, rank, BODY, pg) for t in parts]
         return works
 
     def _receive_rows(self, server: int, rank: int) -> None:
         """After a reply's dense slices: each sparse table's rows server `server` updated, into the table."""
-        pg = self.exchange.pg
         what = f"the sparse rows from {self.exchange.peers.describe_server(server)}"
         for table in self.tables:
-            count = torch.zeros(1, dtype=torch.int64)
-            wait(post_recv(count, rank, BODY, pg), what)
-            ids = torch.empty(int(count), dtype=torch.int64)
-            rows = torch.empty(int(count) * table.width, dtype=table.group.param_flat.dtype)
-            for work in (post_recv(ids, rank, BODY, pg), post_recv(rows, rank, BODY, pg)):
-                wait(work, what)
-            first = server * (table.group.shard_numel // table.width)
-            table.group.param_flat.view(-1, table.width)[first + ids] = rows.view(-1, table.width)
-            self.pulled_bytes += _nbytes([ids, rows])
+            self.pulled_bytes += table.receive(server, rank, self.exchange.pg, what)
 
     def _pull(self, clock: int | None) -> list[Header]:
         """Receive every server's reply (its header and slices, into the parameters' buffers); clock: ask for
@@ -240,7 +238,7 @@ class ServerClient:
             rank = peers.server_rank(j)
             slices = [self._slice(g.param_flat, g, j) for g in self.buckets]
             works = [post_recv(t, rank, BODY, pg) for t in slices]
-            self.pulled_bytes += _nbytes(slices)
+            self.pulled_bytes += nbytes(slices)
             header, _ = recv_header(self.optimizer_groups, rank, f"the reply of {peers.describe_server(j)}", pg)
             for work in works:
                 wait(work, f"the parameters from {peers.describe_server(j)}")
@@ -269,7 +267,7 @@ class ServerClient:
             rank = peers.trainer_rank(j)
             slices = [self._slice(g.param_flat, g, j) for g in self.buckets]
             works = [post_recv(t, rank, BODY, pg) for t in slices]
-            self.pulled_bytes += _nbytes(slices)
+            self.pulled_bytes += nbytes(slices)
             recv_header(self.optimizer_groups, rank, f"the reply of {peers.describe_server(j)}", pg)
             for work in works:
                 wait(work, f"the parameters from {peers.describe_server(j)}")
@@ -299,6 +297,3 @@ class ServerClient:
         for work in works:
             wait(work, "a message to the servers")
 
-
-def _nbytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)

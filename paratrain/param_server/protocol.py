@@ -100,6 +100,11 @@ class Peers:
         return f"trainer {index} (rank {self.trainer_rank(index)})"
 
 
+def nbytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of message bodies (the byte counters of servers and clients)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def post_send(tensor: torch.Tensor, rank: int, tag: int, group: dist.ProcessGroup) -> dist.Work:
     return dist.isend(tensor, rank, group=group, tag=tag)
 

@@ -12,9 +12,9 @@ with tokens the clock's token count summed over the pushes, so the update is dat
 same global batch (paratrain.comm.norms: divide_and_clip_). The learning rates come with the pushes (the
 trainers run the schedule).
 
-Dedicated servers run `serve()`: synchronous (every trainer's push of a clock received in trainer order,
-summed, applied, the new slices sent back to every trainer) or asynchronous with bounded staleness
-(paratrain.param_server.async_server). A trainer that also serves a slice (colocated) runs the same
+Dedicated servers run a loop (paratrain.param_server.loops): synchronous (every trainer's push of a clock
+received in trainer order, summed, applied, the new slices sent back to every trainer) or asynchronous with
+bounded staleness (paratrain.param_server.async_server). A trainer that also serves a slice (colocated) runs the same
 update from its client (paratrain.param_server.client).
 """
 
@@ -30,9 +30,8 @@ import torch.distributed as dist
 from paratrain.comm import all_reduce
 from paratrain.comm.norms import divide_and_clip_
 from paratrain.param_server.sparse import sparse_grad, sum_rows
-from paratrain.param_server.protocol import (BODY, HEAD, INIT, PULL, PUSH, REPLY, SAVE, STOP, Header, Peers,
-                                             ServerLost, post_recv, post_send, recv_header, wait)
-from paratrain.comm.flat import FlatGroup
+from paratrain.param_server.protocol import BODY, HEAD, REPLY, Header, Peers, nbytes, post_recv, post_send, wait
+from paratrain.comm.flat import FlatGroup, optimizer_state_bytes
 from paratrain.topology.mesh import AxisGroup
 
 
@@ -129,11 +128,8 @@ class ShardServer:
         """Bytes this server holds between clocks ("params": its slices and table rows; "optimizer": their
         optimizer state), and "exchange": the most bytes of pushes it held at once."""
         groups = self.groups + self.tables
-        masters = {id(g.master) for g in groups}
-        state = sum(v.numel() * v.element_size() for p, st in self.optimizer.state.items() if id(p) in masters
-                    for v in st.values() if isinstance(v, torch.Tensor))
-        return {"params": sum(g.master.numel() * g.master.element_size() for g in groups), "optimizer": state,
-                "exchange": self.exchange_peak}
+        return {"params": sum(g.master.numel() * g.master.element_size() for g in groups),
+                "optimizer": optimizer_state_bytes(self.optimizer), "exchange": self.exchange_peak}
 
     def hold(self, pushes: list[Push]) -> None:
         """Note the pushes held at once now (exchange_peak)."""
@@ -198,12 +194,12 @@ class ShardServer:
                         skipped=r.skipped, stale_max=r.stale_max, stale_mean=r.stale_mean).pack(self.optimizer_groups)
         rank = peers.trainer_rank(trainer)
         works = [post_send(header, rank, HEAD, pg)] + [post_send(s, rank, BODY, pg) for s in self.slices]
-        self.sent_bytes += _nbytes(self.slices)
+        self.sent_bytes += nbytes(self.slices)
         dirty = self.dirty.pop(trainer, [torch.zeros(0, dtype=torch.int64) for _ in self.tables])
         for table, ids in enumerate(dirty):
             rows = self.rows(table)[ids].reshape(-1).contiguous()
             works += [post_send(t, rank, BODY, pg) for t in (torch.tensor([ids.numel()]), ids.contiguous(), rows)]
-            self.sent_bytes += _nbytes([ids, rows])
+            self.sent_bytes += nbytes([ids, rows])
         return works
 
     def receive(self, trainer: int) -> tuple[list[torch.Tensor], list[dist.Work]]:
@@ -225,7 +221,7 @@ class ShardServer:
             rows = torch.empty(int(count) * width, dtype=self.tables[table].master.dtype)
             for work in (post_recv(ids, rank, BODY, pg), post_recv(rows, rank, BODY, pg)):
                 wait(work, what)
-            self.received_bytes += _nbytes([ids, rows])
+            self.received_bytes += nbytes([ids, rows])
             parts.append((ids, rows))
         return parts
 
@@ -235,7 +231,7 @@ class ShardServer:
         for work in works:
             wait(work, f"the gradient push from {self.exchange.peers.describe_trainer(trainer)} to "
                        f"{self.exchange.peers.describe_server(self.index)}")
-        self.received_bytes += _nbytes(buffers)
+        self.received_bytes += nbytes(buffers)
         return Push(buffers, [[part] for part in self.receive_rows(trainer)])
 
     def receive_init(self) -> None:
@@ -255,7 +251,7 @@ class ShardServer:
         process's own, colocated), then applied."""
         peers = self.exchange.peers
         posted = {i: self.receive(i) for i in range(peers.trainers) if not (local is not None and i == self.index)}
-        self.received_bytes += sum(_nbytes(buffers) for buffers, _ in posted.values())
+        self.received_bytes += sum(nbytes(buffers) for buffers, _ in posted.values())
         total: Push | None = None
         for i in range(peers.trainers):
             if i in posted:
@@ -279,42 +275,3 @@ class ShardServer:
         return self.apply(total, loss=loss, tokens=tokens, scale=headers[0].scale, lrs=headers[0].lrs,
                           behind=[h.clock - h.version for h in headers])
 
-    def serve(self, *, staleness: int | None = None) -> list[tuple[int, int, int]]:
-        """A dedicated server's loop until every trainer says STOP. staleness None: synchronous; an int:
-        asynchronous with that bound (paratrain.param_server.async_server). Returns the pushes in arrival
-        order as (clock, trainer, version) (synchronous: trainer order)."""
-        if staleness is not None:
-            from paratrain.param_server.async_server import serve_async
-
-            return serve_async(self, staleness)
-        peers, log = self.exchange.peers, []
-        while True:
-            headers = [recv_header(self.optimizer_groups, peers.trainer_rank(i),
-                                   f"{peers.describe_server(self.index)} waiting for {peers.describe_trainer(i)}",
-                                   self.exchange.pg)[0] for i in range(peers.trainers)]
-            kinds = {h.kind for h in headers}
-            if len(kinds) != 1:
-                raise ServerLost(f"{peers.describe_server(self.index)} received {sorted(h.name for h in headers)} "
-                                 "from the trainers in one synchronous clock: every trainer must send the same")
-            kind = kinds.pop()
-            if kind == STOP:
-                return log
-            if kind == INIT:  # every trainer says it; trainer 0's carries the values
-                self.receive_init()
-                continue
-            if kind == SAVE:
-                if self.save is not None:
-                    self.save(headers[0].clock)
-                continue
-            if kind == PUSH:
-                self.sync_clock(headers)
-                log += [(headers[0].clock, i, h.version) for i, h in enumerate(headers)]
-            elif kind != PULL:
-                raise ServerLost(f"{peers.describe_server(self.index)} cannot serve a {headers[0].name} message")
-            works = [w for i in range(peers.trainers) for w in self.reply(i)]
-            for work in works:
-                wait(work, f"{peers.describe_server(self.index)} sending parameters")
-
-
-def _nbytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)

@@ -21,10 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm.flat import FlatGroup
 from paratrain.config.errors import ConfigError
+from paratrain.param_server.protocol import BODY, nbytes, post_recv, wait
 
 
 def check_sparse_optimizer(optimizer: torch.optim.Optimizer, names: list[str]) -> None:
@@ -89,6 +91,19 @@ class TouchedRows:
 
     def clear(self) -> None:
         self.ids = []
+
+    def receive(self, server: int, rank: int, pg: dist.ProcessGroup, what: str) -> int:
+        """After a reply's dense slices: the rows server `server` updated ([count], ids, rows from `rank`),
+        written into the table; returns the bytes received (ids and rows)."""
+        count = torch.zeros(1, dtype=torch.int64)
+        wait(post_recv(count, rank, BODY, pg), what)
+        ids = torch.empty(int(count), dtype=torch.int64)
+        rows = torch.empty(int(count) * self.width, dtype=self.group.param_flat.dtype)
+        for work in (post_recv(ids, rank, BODY, pg), post_recv(rows, rank, BODY, pg)):
+            wait(work, what)
+        first = server * (self.group.shard_numel // self.width)
+        self.group.param_flat.view(-1, self.width)[first + ids] = rows.view(-1, self.width)
+        return nbytes([ids, rows])
 
 
 def sum_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], width: int) -> tuple[torch.Tensor, torch.Tensor]:

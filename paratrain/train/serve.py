@@ -25,6 +25,7 @@ from paratrain.config import RunPlan
 from paratrain.hybrid.pieces import Pieces, whole_shapes
 from paratrain.hybrid.view import StateView
 from paratrain.param_server import ShardServer, build_server
+from paratrain.param_server.loops import serve_loop
 from paratrain.param_server.setup import OptimizerFactory
 from paratrain.rng import DropoutStream
 from paratrain.topology import Context
@@ -71,7 +72,7 @@ def serve(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory, grad_c
                               len(server.groups), sum(s.numel() for s in server.slices),
                               server.exchange.peers.trainers)
     mode = ctx.config.ps_mode
-    result.pushes = server.serve(staleness=ctx.config.staleness if mode == "async" else None)
+    result.pushes = serve_loop(server, staleness=ctx.config.staleness if mode == "async" else None)
     result.memory = server.memory()
     return result
 
