@@ -163,12 +163,12 @@ class Engine:
         return pending
 
     def _remote_update(self, totals: torch.Tensor, micro_batches: int) -> PendingStep:
-        """Push the summed gradients and (loss sum, token count) to the parameter servers, which update, and pull
-        the parameters back (paratrain.param_server.client). The step's statistics are the servers' (sync: the
-        global batch's; async: this trainer's own loss, the newest applied clock's norm)."""
+        """Push the summed gradients, loss sum and token count to the parameter servers, which update; pull the
+        parameters back. Statistics: the servers' (async: this trainer's own loss, the newest clock's norm)."""
         assert self.parts.remote is not None
         scale = self.scaler.scale if self.scaler and self.scaler.scale else 1.0
-        reply = self.parts.remote.update(loss=float(totals[0]), tokens=float(totals[1]), scale=scale,
+        loss, tokens = totals.tolist()  # one read of both
+        reply = self.parts.remote.update(loss=loss, tokens=tokens, scale=scale,
                                          lrs=tuple(float(g["lr"]) for g in self.optimizer.param_groups))
         reached = torch.tensor([reply.loss, reply.tokens, reply.norm], dtype=torch.float64, device=self.ctx.device)
         pending = PendingStep(self.watch, self.dropout.advance(), micro_batches, reached[:2], totals[0].clone())

@@ -219,11 +219,20 @@ class ServerClient:
             works += [post_send(t, rank, BODY, pg) for t in parts]
         return works
 
-    def _receive_rows(self, server: int, rank: int) -> None:
-        """After a reply's dense slices: each sparse table's rows server `server` updated, into the table."""
-        what = f"the sparse rows from {self.exchange.peers.describe_server(server)}"
+    def _receive_reply(self, server: int) -> Header:
+        """Server `server`'s reply: its header, its slices (into the parameters' buffers), then each sparse
+        table's rows it updated (into the table)."""
+        peers, pg = self.exchange.peers, self.exchange.pg
+        rank, who = peers.server_rank(server), peers.describe_server(server)
+        slices = [self._slice(g.param_flat, g, server) for g in self.buckets]
+        works = [post_recv(t, rank, BODY, pg) for t in slices]
+        header, _ = recv_header(self.optimizer_groups, rank, f"the reply of {who}", pg)
+        for work in works:
+            wait(work, f"the parameters from {who}")
+        self.pulled_bytes += nbytes(slices)
         for table in self.tables:
-            self.pulled_bytes += table.receive(server, rank, self.exchange.pg, what)
+            self.pulled_bytes += table.receive(server, rank, pg, f"the sparse rows from {who}")
+        return header
 
     def _pull(self, clock: int | None) -> list[Header]:
         """Receive every server's reply (its header and slices, into the parameters' buffers); clock: ask for
@@ -233,17 +242,7 @@ class ServerClient:
         if clock is not None:
             ask = Header(PULL, self.index, clock=clock).pack(self.optimizer_groups)
             asks = [post_send(ask, peers.server_rank(j), HEAD, pg) for j in range(peers.servers)]
-        replies = []
-        for j in range(peers.servers):
-            rank = peers.server_rank(j)
-            slices = [self._slice(g.param_flat, g, j) for g in self.buckets]
-            works = [post_recv(t, rank, BODY, pg) for t in slices]
-            self.pulled_bytes += nbytes(slices)
-            header, _ = recv_header(self.optimizer_groups, rank, f"the reply of {peers.describe_server(j)}", pg)
-            for work in works:
-                wait(work, f"the parameters from {peers.describe_server(j)}")
-            self._receive_rows(j, rank)
-            replies.append(header)
+        replies = [self._receive_reply(j) for j in range(peers.servers)]
         for work in asks:
             wait(work, "a pull request")
         return replies
@@ -264,14 +263,7 @@ class ServerClient:
         self.local.dirty.pop(self.index, None)  # its own rows are updated in place
         replies = [w for j in others for w in self.local.reply(j)]
         for j in others:  # the other servers' updated slices
-            rank = peers.trainer_rank(j)
-            slices = [self._slice(g.param_flat, g, j) for g in self.buckets]
-            works = [post_recv(t, rank, BODY, pg) for t in slices]
-            self.pulled_bytes += nbytes(slices)
-            recv_header(self.optimizer_groups, rank, f"the reply of {peers.describe_server(j)}", pg)
-            for work in works:
-                wait(work, f"the parameters from {peers.describe_server(j)}")
-            self._receive_rows(j, rank)
+            self._receive_reply(j)
         for work in sends + replies:
             wait(work, "the colocated exchange")
         return result

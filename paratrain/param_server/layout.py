@@ -17,9 +17,6 @@ contiguous row ranges, server j owning rows [j V / S, (j + 1) V / S) (paratrain.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -37,30 +34,3 @@ def served_groups(params: list[nn.Parameter], group_of: dict[int, int], *, serve
     return [FlatGroup(i, ps, shards=servers, shard_index=shard, optimizer_group=group_of[id(ps[0])], storage=storage)
             for i, ps in enumerate(planned)]
 
-
-@dataclass(frozen=True)
-class Slice:
-    """Server `server`'s elements [lo, hi) of bucket `bucket` (its padded flat buffer)."""
-
-    bucket: int
-    lo: int
-    hi: int
-
-    @property
-    def numel(self) -> int:
-        return self.hi - self.lo
-
-
-def slices_of(groups: list[FlatGroup], server: int) -> list[Slice]:
-    """Server `server`'s slice of every bucket, in bucket order: what it receives in a push and sends in a
-    pull, message by message."""
-    return [Slice(g.index, server * g.shard_numel, (server + 1) * g.shard_numel) for g in groups]
-
-
-def slice_bytes(groups: list[FlatGroup], server: int) -> int:
-    """Bytes of server `server`'s slices of every bucket (its part of one push, or of one pull)."""
-    return sum(s.numel * groups[s.bucket].param_flat.element_size() for s in slices_of(groups, server))
-
-
-def padded(numel: int, servers: int) -> int:
-    return math.ceil(numel / servers) * servers

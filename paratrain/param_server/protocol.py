@@ -1,7 +1,7 @@
 """The parameter server's messages: what trainers and servers send each other, over gloo point-to-point.
 
-Every message goes over a gloo group of every rank (CPU tensors: CUDA trainers stage their slices on the
-host). It is a header (float64 [HEADER + optimizer groups]) on tag HEAD, followed by its payload
+Every message goes over a gloo group of every rank (CPU tensors: CUDA trainers are refused,
+paratrain.config.parallel.PS_ON_CPU). It is a header (float64 [HEADER + optimizer groups]) on tag HEAD, followed by its payload
 (the bucket slices, one message per bucket) on tag BODY from the same sender. gloo delivers the messages
 of one sender and tag in order, so a server that takes the next header from any trainer (recv from any
 source) then reads that trainer's payload, never another's.

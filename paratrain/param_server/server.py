@@ -60,6 +60,11 @@ class Push:
     def copy(self) -> Push:
         return Push([t.clone() for t in self.dense], [list(parts) for parts in self.sparse])
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the dense slices."""
+        return nbytes(self.dense)
+
     def add(self, other: Push) -> Push:
         """This sum and `other` (the dense slices added, the sparse parts kept in order: summed in apply)."""
         for mine, theirs in zip(self.dense, other.dense):
@@ -133,8 +138,7 @@ class ShardServer:
 
     def hold(self, pushes: list[Push]) -> None:
         """Note the pushes held at once now (exchange_peak)."""
-        held = sum(t.numel() * t.element_size() for push in pushes for t in push.dense)
-        self.exchange_peak = max(self.exchange_peak, held)
+        self.exchange_peak = max(self.exchange_peak, sum(push.nbytes for push in pushes))
 
     def zeros(self) -> list[torch.Tensor]:
         return [torch.zeros_like(s) for s in self.slices]
@@ -251,7 +255,8 @@ class ShardServer:
         process's own, colocated), then applied."""
         peers = self.exchange.peers
         posted = {i: self.receive(i) for i in range(peers.trainers) if not (local is not None and i == self.index)}
-        self.received_bytes += sum(nbytes(buffers) for buffers, _ in posted.values())
+        held = [Push(buffers, []) for buffers, _ in posted.values()]  # every trainer's receive, posted at once
+        self.received_bytes += sum(push.nbytes for push in held)
         total: Push | None = None
         for i in range(peers.trainers):
             if i in posted:
@@ -259,16 +264,15 @@ class ShardServer:
                 for work in works:
                     wait(work, f"the gradient push from {peers.describe_trainer(i)} to "
                                f"{peers.describe_server(self.index)}")
-                push = Push(buffers, [[part] for part in self.receive_rows(i)])
+                push = Push(buffers, [[part] for part in self.receive_rows(i)])  # the server's own: summed into
             else:
                 assert local is not None
                 push = local
-            if total is None:
-                total = push.copy()
-                # every trainer's receive is posted at once, and the sum beside them
-                self.hold([total, *(Push(b, []) for b, _ in posted.values())])
-            else:
-                total.add(push)
+                if total is None:  # the caller's gradients are only read: the sum starts in a copy
+                    push = local.copy()
+                    held.append(push)
+            total = push if total is None else total.add(push)
+        self.hold(held)
         assert total is not None
         loss = sum(h.loss for h in headers)
         tokens = sum(h.tokens for h in headers)

@@ -71,6 +71,8 @@ class TouchedRows:
     width: int
     """D: elements per row."""
     ids: list[torch.Tensor] = field(default_factory=list)
+    _unique: torch.Tensor | None = None
+    """The step's ids deduplicated (sorted), once the first push asks for them."""
 
     def record(self, module: nn.Module, args: tuple) -> None:
         if torch.is_grad_enabled():  # a training forward (not validation)
@@ -78,8 +80,9 @@ class TouchedRows:
 
     def rows_of(self, server: int) -> torch.Tensor:
         """The unique ids of this step in server `server`'s rows, as its local row indices (int64, sorted)."""
-        rows = self.group.shard_numel // self.width
-        ids = torch.unique(torch.cat(self.ids)) if self.ids else torch.zeros(0, dtype=torch.int64)
+        if self._unique is None:
+            self._unique = torch.unique(torch.cat(self.ids)) if self.ids else torch.zeros(0, dtype=torch.int64)
+        rows, ids = self.group.shard_numel // self.width, self._unique
         mine = ids[(ids >= server * rows) & (ids < (server + 1) * rows)]
         return mine - server * rows
 
@@ -90,7 +93,7 @@ class TouchedRows:
         return [torch.tensor([local.numel()], dtype=torch.int64), local, table[local].reshape(-1).contiguous()]
 
     def clear(self) -> None:
-        self.ids = []
+        self.ids, self._unique = [], None
 
     def receive(self, server: int, rank: int, pg: dist.ProcessGroup, what: str) -> int:
         """After a reply's dense slices: the rows server `server` updated ([count], ids, rows from `rank`),

@@ -8,7 +8,8 @@ each (plan_buckets, as ZeRO plans them), each padded to a multiple of S; psi is 
                 the servers' (dedicated: none here), or its own slices' (colocated: AdamW's two moments over
                 psi / S and a step per bucket)
     server      its slices (4 psi / S), AdamW's moments over them and a step per bucket; while a synchronous
-                clock is received, every trainer's push of its slices and their sum ((T + 1) x 4 psi / S);
+                clock is received, every trainer's push of its slices (T x 4 psi / S: the sum accumulates
+                into the first);
                 asynchronously, the sums of the clocks not yet applied and the push arriving (at most
                 s + 2 pushes: a bound, the run's own figure is ShardServer.memory()["exchange"])
     traffic     per step a trainer pushes its gradients' slices and pulls the parameters: 4 psi bytes each
@@ -73,7 +74,7 @@ def server_state_bytes(model: ModelConfig, layout: Layout, *, bucket_mb: float =
     servers, trainers = layout.ps_servers, layout.dp
     sizes = buckets(model, servers, int(bucket_mb * 2**20))
     mine = ELEMENT * sum(sizes) // servers
-    held = trainers + 1 if layout.ps_mode == "sync" else layout.staleness + 2
+    held = trainers if layout.ps_mode == "sync" else layout.staleness + 2
     return {"params": mine, "optimizer": 2 * mine + STEP_BYTES * len(sizes), "exchange": held * mine}
 
 

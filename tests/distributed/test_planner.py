@@ -94,7 +94,7 @@ def _served(mode: str, servers: int, staleness: int, steps: int) -> dict:
                          ids=["2-trainers-2-servers", "colocated", "async-3-trainers-s1"])
 def test_parameter_server_states_and_traffic_equal_the_run(pools, world, mode, servers, staleness):
     """A trainer's memory report and its bytes pushed and pulled per step, and a server's slices, optimizer
-    state and the pushes it held at once (synchronous: exactly T + 1 slices; asynchronous: within s + 2),
+    state and the pushes it held at once (synchronous: exactly T slices; asynchronous: within s + 2),
     as paratrain.planner.param_server predicts them, to the byte."""
     from paratrain.planner import param_server
     from paratrain.planner.layout import Layout
