@@ -1,7 +1,8 @@
-"""Mixture-of-Experts: the MoE GPT on one process, dp 2 (experts replicated), ep 2 and ep 4; and one MoE
+"""Mixture-of-Experts: the MoE GPT on one process, dp 2 (experts replicated), ep 2 and ep 4, tp 2 with the
+experts replicated, cut over tp (expert-tp), under sequence parallelism and both, ep 2 compiled; and one MoE
 layer, paratrain's against DeepSpeed's (deepspeed.moe.layer.MoE) at the same shapes, when installed.
 
-    python -m bench.bench_moe                          # about 3 minutes on 2 cores
+    python -m bench.bench_moe                          # about 6 minutes on 2 cores
     python -m bench.bench_moe --steps 4 --only paratrain-ep2 deepspeed-layer-ep2
 
 DeepSpeed is optional; to include it: DS_BUILD_OPS=0 pip install -c constraints.txt --no-build-isolation
@@ -11,7 +12,8 @@ Model contenders train the same MoE GPT (4 blocks, d_model 256, 8 experts of wid
 block, top-2, dropless, seq 128, global batch 8, AdamW) from the same weights, each in fresh
 processes. Reported for rank 0: median step time, the share of it spent in the all-to-alls (timed
 around paratrain.comm.all_to_all, counts exchange included), the bytes of parameters + gradients +
-optimizer state the rank holds, and the all-to-all bytes of one step (CollectiveCounter).
+optimizer state the rank holds in a step, the bytes of its experts' weights, and the all-to-all bytes of
+one step (CollectiveCounter).
 
 Layer contenders run forward + backward of one MoE layer on 1024 tokens of width 256 per rank, 8
 experts (two-layer MLPs of width 512), top-2, no capacity limit, over ep ranks: paratrain's MoE
@@ -31,8 +33,16 @@ from bench.world import run_world, without_missing
 MODEL = dict(vocab_size=256, seq_len=128, n_layer=4, n_head=8, d_model=256, n_experts=8, top_k=2, d_expert=512)
 GLOBAL_BATCH = 8
 TOKENS, WIDTH, EXPERTS, HIDDEN = 1024, 256, 8, 512
-CONTENDERS = ["paratrain-1proc", "paratrain-dp2", "paratrain-ep2", "paratrain-ep4", "paratrain-layer-ep2",
-              "deepspeed-layer-ep2"]
+LAYOUTS = {  # model contender -> (processes, ParallelConfig fields, parallelize's compile)
+    "paratrain-1proc": (1, {}, False), "paratrain-dp2": (2, {}, False), "paratrain-ep2": (2, {"ep": 2}, False),
+    "paratrain-ep4": (4, {"ep": 4}, False),
+    "paratrain-tp2": (2, {"tp": 2}, False),  # experts replicated over tp: each rank runs them whole
+    "paratrain-tp2-etp": (2, {"tp": 2, "expert_tp": True}, False),  # each expert cut over tp
+    "paratrain-tp2-sp": (2, {"tp": 2, "sequence_parallel": True}, False),  # each rank routes its chunk
+    "paratrain-tp2-sp-etp": (2, {"tp": 2, "sequence_parallel": True, "expert_tp": True}, False),
+    "paratrain-ep2-compiled": (2, {"ep": 2}, True),  # blocks compiled by inductor, the MoE layers eager
+}
+CONTENDERS = [*LAYOUTS, "paratrain-layer-ep2", "deepspeed-layer-ep2"]
 
 
 def _timed_all_to_all() -> list[float]:
@@ -60,15 +70,16 @@ def _model(name: str, steps: int) -> dict:
     from paratrain.data import GlobalBatchLoader, load_source
     from paratrain.models import lm_loss
 
-    ep = {"paratrain-ep2": 2, "paratrain-ep4": 4}.get(name, 1)
+    _, fields, compile = LAYOUTS[name]
     spent = _timed_all_to_all()
-    ctx = paratrain.init(paratrain.ParallelConfig(ep=ep), device="cpu")
+    ctx = paratrain.init(paratrain.ParallelConfig(**fields), device="cpu")
     model = paratrain.build_gpt(ModelConfig(**MODEL), seed=0)
-    engine = paratrain.parallelize(model, ctx, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4), compile=compile)
+    experts = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters() if ".experts." in n)
     loader = GlobalBatchLoader(load_source("builtin").train, seq_len=MODEL["seq_len"], global_batch=GLOBAL_BATCH,
                                dp=ctx.mesh.degree("dp"), dp_index=ctx.mesh.index("dp"), seed=0)
     times, shares = [], []
-    for step in range(steps + 1):
+    for step in range(steps + 2):  # step 0 warms up (compiles), step 1 counts the collectives
         batch = loader.next()
         spent.clear()
         if step == 1:
@@ -83,7 +94,7 @@ def _model(name: str, steps: int) -> dict:
             shares.append(sum(spent) / elapsed)
     memory = engine.memory_report()
     return {"step_s": statistics.median(times), "all_to_all_share": statistics.median(shares),
-            "state_mb": (memory["params"] + memory["grads"] + memory["optimizer"]) / 2**20,
+            "state_mb": memory["in_step"] / 2**20, "experts_mb": experts / 2**20,
             "all_to_all_mb": counter.volume.bytes.get("all_to_all", 0) / 2**20, "world": ctx.world_size}
 
 
@@ -137,14 +148,14 @@ def main(argv: list[str] | None = None) -> None:
     contenders = without_missing(args.only or CONTENDERS)
     results = {}
     for name in contenders:
-        world = 1 if name == "paratrain-1proc" else int(name[-1])
+        world = LAYOUTS[name][0] if name in LAYOUTS else int(name[-1])
         fn = _layer if "layer" in name else _model
         results[name] = run_world(world, fn, name, args.steps)
         print(f"{name:>22}: {json.dumps(results[name])}", flush=True)
     base = results.get("paratrain-1proc")
     if base:
-        for name in ("paratrain-dp2", "paratrain-ep2", "paratrain-ep4"):
-            if name in results:
+        for name in LAYOUTS:
+            if name in results and name != "paratrain-1proc":
                 print(f"{name} step time / one process: {results[name]['step_s'] / base['step_s']:.2f}")
     if "paratrain-layer-ep2" in results and "deepspeed-layer-ep2" in results:
         ratio = results["deepspeed-layer-ep2"]["step_s"] / results["paratrain-layer-ep2"]["step_s"]

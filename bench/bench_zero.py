@@ -15,7 +15,8 @@ counts each storage once (parameters, gradients, optimizer state, flat buffers, 
 contender keeps between steps: the same measure for all); "peak RSS", the peak resident memory
 above what the process held before building the model, which on CPU is dominated by the allocator
 keeping freed memory (and so says little about sharding); for paratrain also the exact bytes of
-parameters + gradients + optimizer state it reports ("state").
+its model states it reports between steps ("state": parameters and optimizer state, the gradient
+buffers being released after each update) and in a step ("in step": with the gradient buffers).
 """
 
 from __future__ import annotations
@@ -40,22 +41,10 @@ def _rss_mb() -> float:
 
 
 def _live_tensor_mb() -> float:
-    """Bytes of every tensor storage alive in this process, each storage once (a DTensor's local
-    shard, a flat buffer and its views all count once). The same measure for every contender."""
-    import gc
+    """Bytes of every tensor storage alive in this process (paratrain.memory.live_tensor_bytes), in MiB."""
+    from paratrain.memory import live_tensor_bytes
 
-    import torch
-
-    seen: dict[int, int] = {}
-    for obj in gc.get_objects():
-        try:
-            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
-                storage = obj.untyped_storage()
-                seen[storage.data_ptr()] = storage.nbytes()
-        except (RuntimeError, ReferenceError, NotImplementedError):
-            continue
-    seen.pop(0, None)  # freed (resized to 0) storages
-    return sum(seen.values()) / 2**20
+    return live_tensor_bytes() / 2**20
 
 
 def _contender(name: str, steps: int) -> dict:
@@ -130,11 +119,12 @@ def _contender(name: str, steps: int) -> dict:
         step(batches[i % 4])
         if i >= 2:
             times.append(time.perf_counter() - started)
+    in_step_mb = None
     if name.startswith("paratrain"):
         report = engine.memory_report()
-        state_mb = (report["params"] + report["grads"] + report["optimizer"]) / 2**20
+        state_mb, in_step_mb = report["between_steps"] / 2**20, report["in_step"] / 2**20
     return {"name": name, "world": world, "step_s": statistics.median(times),
-            "peak_mb": _rss_mb() - before, "state_mb": state_mb,
+            "peak_mb": _rss_mb() - before, "state_mb": state_mb, "in_step_mb": in_step_mb,
             "live_mb": _live_tensor_mb(), "live_before_mb": live_before}
 
 
@@ -151,9 +141,10 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.only:
             result = run_world(world, _contender, name, args.steps)
             results.append(result)
-            state = f"{result['state_mb']:8.1f}" if result["state_mb"] is not None else "       -"
+            state = (f"{result['state_mb']:8.1f} MB (in step {result['in_step_mb']:.1f})"
+                     if result["state_mb"] is not None else "       -")
             print(f"{world} procs  {name:<17} step {result['step_s']:6.3f} s   live tensors {result['live_mb']:7.1f} MB"
-                  f"   peak RSS {result['peak_mb']:7.1f} MB   state {state} MB", flush=True)
+                  f"   peak RSS {result['peak_mb']:7.1f} MB   state {state}", flush=True)
     print(f"\nGPT {MODEL}, {PER_RANK} samples x {MODEL['seq_len']} tokens per rank, AdamW, gloo on CPU")
     for world in args.worlds:
         rows = {r["name"]: r for r in results if r["world"] == world}

@@ -162,9 +162,11 @@ class SavedTensor:
         """The saved piece's slice elements that can fall in whole elements [lo, hi): within the rows
         [lo, hi) spans when the slice is split along an inner dim, all of [saved lo, saved hi) otherwise."""
         a, b = saved["lo"], saved["hi"]
-        if piece.split is None:
+        if not piece.cuts:
             return max(a, lo), min(b, hi)
-        dim, _, parts = piece.split
+        if len(piece.cuts) > 1:  # cut along two dims: every saved element (Piece.runs keeps those in range)
+            return a, b
+        (dim, _, parts), = piece.cuts
         size, inner = piece.shape[dim], math.prod(piece.shape[dim + 1:])
         local_row, whole_row = size // parts * inner, size * inner
         return max(a, lo // whole_row * local_row), min(b, -(-hi // whole_row) * local_row)

@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="launch even when the planner predicts the layout will not fit in memory")
     train.add_argument("--keep-params", dest="reshard_after_forward", action="store_false", default=None,
                        help="ZeRO-3: keep a unit's gathered parameters from forward to backward")
+    train.add_argument("--expert-tp", dest="expert_tp", action="store_true", default=None,
+                       help="expert tensor parallelism: cut every expert's matrices over tp (each tp rank holds and "
+                            "runs 1/tp of each expert) instead of replicating the experts over tp")
+    train.add_argument("--keep-grads", dest="keep_grads", action="store_true", default=None,
+                       help="keep the gradient buffers between steps (zeroed) instead of releasing them after "
+                            "each update: no allocation per step, the gradients' bytes held between steps")
     worker = commands.add_parser("worker")  # no help: not listed, the launcher starts it
     worker.add_argument("--run-plan", required=True, metavar="FILE", help="the run the launcher resolved (JSON)")
     worker.add_argument("--attempt", type=int, default=0, help="the launch's attempt: 0 the first, K a relaunch")
@@ -159,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
 OTHER_ARGS = {"seed": "seed", "recompute": "train.recompute", "compile": "train.compile",
                "check_collectives": "train.check_collectives", "sequence_parallel": "parallel.sequence_parallel",
                "progress": "train.progress", "reshard_after_forward": "parallel.reshard_after_forward",
-               "memory_check": "launch.memory_check",
+               "memory_check": "launch.memory_check", "keep_grads": "parallel.keep_grads",
+               "expert_tp": "parallel.expert_tp",
                "plan": "launch.plan"}
 
 

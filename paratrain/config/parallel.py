@@ -80,6 +80,10 @@ class ParallelConfig:
     """Expert-parallel degree, a divisor of dp: each group of ep consecutive dp ranks divides a MoE
     layer's experts among them and exchanges tokens by all-to-all; the dp / ep ranks holding the same
     experts reduce their gradients (ep folds into dp, as in DeepSpeed and Megatron)."""
+    expert_tp: bool = False
+    """Expert tensor parallelism: each expert's two matrices cut over tp along the expert width (column, then
+    row parallel, as the dense MLP), so a tp rank holds and runs 1/tp of every expert of its ep share; false:
+    experts replicated over tp. Needs tp > 1 and a MoE model. paratrain.expert_parallel.tensor."""
     cp: int = 1
     """Context-parallel degree: each sequence split over cp ranks (2 x cp chunks, rank r holding chunks r
     and 2cp - 1 - r, so causal attention costs each rank the same); attention exchanges keys and values
@@ -109,6 +113,10 @@ class ParallelConfig:
     than its all-reduce of the same tensor: 45 ms vs 26 ms at 16 MiB on 2 CPU processes)."""
     bucket_mb: float = 25.0
     """Size of a gradient all-reduce bucket, in MiB (as torch DDP's bucket_cap_mb)."""
+    keep_grads: bool = False
+    """Keep the gradient buffers (buckets, ZeRO's flat buffers and shards) between steps, zeroed, instead of
+    releasing them after each update (torch's zero_grad(set_to_none=True)): no allocation per step, and the
+    gradients' bytes held while a step is not running."""
     ps_mode: str = "off"
     """The parameter server (paratrain.param_server): 'off'; 'sync': trainers push gradient buckets to the
     servers owning them, which sum them in trainer order, update and send the parameters back (data
@@ -161,6 +169,8 @@ class ParallelConfig:
                 "sequence_parallel splits the sequence over the tp ranks, and tp is 1: set tp > 1 "
                 "or drop sequence_parallel"
             )
+        if self.expert_tp and self.tp == 1:
+            raise ConfigError("expert_tp cuts every expert over the tp ranks, and tp is 1: set tp > 1 or drop expert_tp")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"zero must be one of 0, 1, 2, 3, got {self.zero}")
         if self.grad_reduce not in ("auto", "reduce_scatter", "all_reduce"):

@@ -70,22 +70,20 @@ def check_context_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len
                           f"({cp}) must be 0; choose cp in {fits} or --cp-mode ring")
 
 
-def check_experts(model: ModelConfig, parallel: ParallelConfig, *, compile: bool | str = False) -> None:
-    """Mixture-of-Experts with the layout and the run's settings (compile: train.compile)."""
+def check_experts(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Mixture-of-Experts with the layout: ep divides the experts, expert_tp their width."""
     if not model.n_experts:
-        if parallel.ep > 1:
-            raise ConfigError(f"ep={parallel.ep} divides the experts of a Mixture-of-Experts model among ranks, and "
-                              f"this model is dense: give --experts N (a multiple of {parallel.ep}) or drop --ep")
+        if parallel.ep > 1 or parallel.expert_tp:
+            flag, fix = ("--ep", f"(a multiple of {parallel.ep}) ") if parallel.ep > 1 else ("--expert-tp", "")
+            raise ConfigError(f"{flag} splits the experts of a Mixture-of-Experts model among ranks, and this model "
+                              f"is dense: give --experts N {fix}or drop {flag}")
         return
     if model.n_experts % parallel.ep:
         choices = [e for e in range(1, model.n_experts + 1) if model.n_experts % e == 0]
         raise ConfigError(f"ep ({parallel.ep}) must divide the experts ({model.n_experts}): choose ep in {choices}")
-    if parallel.sequence_parallel:
-        raise ConfigError("sequence parallelism splits each sequence over the tp ranks, and a MoE layer routes whole "
-                          "sequences (capacity and the balancing loss are per sequence): drop --sequence-parallel")
-    if compile:
-        raise ConfigError("--compile with Mixture-of-Experts layers is not supported yet (routing makes shapes that "
-                          "depend on the data): drop --compile")
+    if parallel.expert_tp and model.expert_dim % parallel.tp:
+        raise ConfigError(f"expert_tp cuts each expert's width ({model.expert_dim}) over tp = {parallel.tp}: it must "
+                          "divide; set d_expert to a multiple of tp or drop --expert-tp")
 
 
 def check_pipeline(model: ModelConfig, parallel: ParallelConfig, batch: BatchLayout) -> None:
@@ -190,7 +188,7 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {data.val_fraction}")
     check_tensor_parallel(model, parallel, seq_len)
     check_context_parallel(model, parallel, seq_len)
-    check_experts(model, parallel, compile=config.train.compile)
+    check_experts(model, parallel)
     assert parallel.dp is not None
     micro_batch = data.micro_batch
     if not micro_batch and parallel.microbatches and data.global_batch % (parallel.dp * parallel.microbatches) == 0:

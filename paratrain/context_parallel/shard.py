@@ -122,6 +122,9 @@ class SequenceShard:
         all_reduce(total, self.group)
         return total
 
+    def within(self, outer: Any) -> SequenceShard:
+        raise ValueError("context parallelism splits the whole sequence: no split lies outside it")
+
 
 class ContextParallelCore(nn.Module):
     """softmax(q k^T / sqrt(hd) + causal mask) v over the whole sequence, for this rank's queries

@@ -12,6 +12,9 @@ whole global batch afterwards, which is what makes the loss independent of the l
 
 With accumulation, only the last micro-batch's backward communicates (`sync=False` before the
 others), so a step of k micro-batches still costs one all-reduce per bucket.
+
+The buckets exist while a step runs: allocated by begin_step, released by after_step (keep_grads:
+zeroed and kept instead, for a user who wants no allocation per step).
 """
 
 from __future__ import annotations
@@ -40,12 +43,15 @@ class SyncTimes:
 
 
 class GradSync:
-    def __init__(self, params: list[nn.Parameter], placements: Placements, *, bucket_bytes: int) -> None:
+    def __init__(self, params: list[nn.Parameter], placements: Placements, *, bucket_bytes: int,
+                 keep_grads: bool = False) -> None:
         """placements: where each parameter's gradient is reduced and how it counts in the norm
         (paratrain.comm.placement); a bucket holds parameters of one placement. Nothing is ever sent
-        when no parameter has a group to reduce over (a single process)."""
+        when no parameter has a group to reduce over (a single process). keep_grads: keep the buckets
+        between steps (zeroed) instead of releasing them."""
         self.placements = placements
-        self.buckets: list[Bucket] = build_buckets(params, cap_bytes=bucket_bytes, key=placements)
+        self.keep_grads = keep_grads
+        self.buckets: list[Bucket] = build_buckets(params, cap_bytes=bucket_bytes, key=placements, allocate=keep_grads)
         self.communicates = any(k.reduce is not None or k.tied is not None for k in placements.kinds)
         self._sync = True
         """False: the backward in progress only accumulates (begin_micro_batch)."""
@@ -72,9 +78,9 @@ class GradSync:
         return self.placements.norm_parts(((b.params[0], b.buffer) for b in self.buckets), sharded=False)
 
     def begin_step(self) -> None:
-        """Before the first micro-batch: .grad must be the bucket views (again, if someone reset them)."""
+        """Before the first micro-batch: the buckets allocated, .grad their views (again, if someone reset them)."""
         for bucket in self.buckets:
-            bucket.attach()
+            bucket.allocate()
         self.launched_during_backward = 0
 
     def end_backward(self) -> None:
@@ -84,7 +90,11 @@ class GradSync:
         """The optimizer updates the parameters in place, with .grad the bucket views: nothing to do."""
 
     def after_step(self) -> None:
-        torch._foreach_zero_([bucket.buffer for bucket in self.buckets])
+        if self.keep_grads:
+            torch._foreach_zero_([bucket.buffer for bucket in self.buckets])
+        else:
+            for bucket in self.buckets:
+                bucket.release()
 
     params_sharded = False
     """Every rank holds the full parameters."""
@@ -94,9 +104,11 @@ class GradSync:
         return {}
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank holds for parameters and gradients."""
+        """Bytes this rank holds for parameters, and for gradients while a step runs ("grads") and between
+        steps ("grads_kept": the same with keep_grads, else 0)."""
         params = sum(p.numel() * p.element_size() for b in self.buckets for p in b.params)
-        return {"params": params, "grads": sum(b.nbytes for b in self.buckets)}
+        grads = sum(b.nbytes for b in self.buckets)
+        return {"params": params, "grads": grads, "grads_kept": grads if self.keep_grads else 0}
 
     def begin_micro_batch(self, *, sync: bool) -> None:
         """sync False: the coming backward only accumulates into the buckets; True: it reduces them."""

@@ -140,10 +140,8 @@ def apply_expert_parallel(model: nn.Module, group: AxisGroup) -> ExpertLayout:
             raise ValueError(f"{module_name}: {n_experts} experts do not divide over ep = {group.size}")
         local = n_experts // group.size
         for attr in ("up", "down"):
-            whole = getattr(module.experts, attr)
-            piece = nn.Parameter(whole.detach().narrow(0, group.index * local, local).clone(),
-                                 requires_grad=whole.requires_grad)
-            setattr(module.experts, attr, piece)
+            piece = getattr(module.experts, attr)  # cut in place: the parameter stays the same object, so a
+            piece.data = piece.detach().narrow(0, group.index * local, local).clone()  # cut over tp keeps its id
             name = f"{module_name}.experts.{attr}"
             names.add(name)
             ids.add(id(piece))

@@ -14,6 +14,9 @@ What is not compiled, and why:
     paratrain.eager marks them, so dynamo breaks the graph there and they run eagerly, in the order
     every rank agrees on; ZeRO-3's gather hooks, traced with the block's call, break it likewise;
   - keyed dropout with p > 0: its key changes every step (a graph per step otherwise);
+  - Mixture-of-Experts layers (paratrain.nn.moe, marked eager): routing makes shapes that depend on the
+    data, and under expert parallelism their all-to-alls are collectives; the block's attention, norms
+    and residual adds around them are compiled;
   - the embedding, the final norm, the head and the loss: outside the blocks (the chunked loss is
     a Python loop over row chunks; the head is one matmul).
 """

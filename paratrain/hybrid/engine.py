@@ -21,7 +21,7 @@ from torch import nn
 
 from paratrain.comm import all_reduce, divide_and_clip_, global_grad_norm
 from paratrain.hybrid.batches import Batch, batch_rows, split_batch, to_device
-from paratrain.hybrid.experts import attach_router_log, routing_totals
+from paratrain.hybrid.experts import add_step_aux, attach_router_log, routing_totals
 from paratrain.hybrid.parts import EngineParts, GradientStrategy, StepOptions
 from paratrain.hybrid.state import model_state
 from paratrain.hybrid.step import NonFiniteWatch, PendingStep, StepStats, non_finite_ranks
@@ -65,6 +65,8 @@ class Engine:
             if isinstance(module, KeyedDropout):
                 module.attach(self.dropout, name)
         self.router_log = attach_router_log(model)
+        self._routed_apart = ctx.mesh.groups.get("tp") if ctx.config.sequence_parallel else None
+        """Sequence parallelism: the tp ranks each routed their chunk, so their routing terms add up."""
         """The MoE layers' auxiliary losses and routing counts of the step in progress (None: no MoE layer)."""
 
     @property
@@ -72,13 +74,8 @@ class Engine:
         """The statistics of the newest step read back (PendingStep.stats())."""
         return self.watch.last
 
-    @property
-    def micro_batch(self) -> int | None:
-        return self.options.micro_batch
-
-    @property
-    def precision(self) -> str:
-        return self.options.precision
+    micro_batch = property(lambda self: self.options.micro_batch)
+    precision = property(lambda self: self.options.precision)
 
     def train_step(self, batch: Batch, loss_fn: LossFn) -> float:
         """Forward, backward and update on this rank's share of one global batch; returns its loss
@@ -121,8 +118,7 @@ class Engine:
                 self.grads.end_backward()
                 totals[0] += loss_sum.detach().double()
                 totals[1] += count
-            if self.router_log is not None and self.router_log.aux_sum is not None:
-                totals[0] += self.router_log.aux_sum  # the auxiliary losses belong to the step's loss
+            add_step_aux(totals, self.router_log, self._routed_apart)  # the auxiliary losses belong to the loss
         self.grads.finish()
         if self.parts.remote is not None:  # the parameter server: the update happens on the servers
             return self._remote_update(totals, len(micro_batches))
@@ -133,7 +129,8 @@ class Engine:
             self.buffers.end_step()
         pending = PendingStep(self.watch, self.dropout.advance(), len(micro_batches), totals, local_loss)
         if self.router_log is not None:
-            pending.routing = routing_totals(self.router_log, self.ctx.device, self._dp_group, self._pp_group)
+            pending.routing = routing_totals(self.router_log, self.ctx.device, self._dp_group, self._pp_group,
+                                             self._routed_apart)
         grads = self.grads.owned_grads()
         scale = self.scaler.scale if self.scaler and self.scaler.scale else 1.0
         if self.scaler is not None:
@@ -234,8 +231,8 @@ class Engine:
         with contextlib.nullcontext() if train else torch.no_grad():
             totals = self.pipeline.run(pairs, dropout=self.dropout, first_row=first_row, loss_scale=scale,
                                        train=train, forward_context=lambda: autocast(self.precision, self.ctx.device))
-        if train and self.router_log is not None and self.router_log.aux_sum is not None:
-            totals[0] += self.router_log.aux_sum  # this stage's MoE layers' auxiliary losses
+        if train:  # this stage's MoE layers' auxiliary losses
+            add_step_aux(totals, self.router_log, self._routed_apart)
         assert self._pp_group is not None
         all_reduce(totals, self._pp_group)  # only the last stage computed them
         return totals
@@ -284,7 +281,7 @@ class Engine:
 
     def _restarted(self) -> None:
         """State was loaded: the gradient strategy starts afresh (the parameter servers loaded theirs)."""
-        self.grads.begin_step()
+        self.grads.after_step()
         if self.parts.remote is not None:
             self.parts.remote.mark_loaded(self.dropout.step)
 
@@ -294,7 +291,10 @@ class Engine:
         return list(getattr(self.grads, "groups", []))
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds between steps: parameters, gradients, optimizer state (no step's transients)."""
+        """Bytes of this rank's model states: parameters, the gradient buffers a step allocates, optimizer state;
+        "in_step" their sum, "between_steps" what stays (the gradients released, unless keep_grads)."""
         report = self.grads.memory()
         report["optimizer"] = optimizer_state_bytes(self.optimizer) + report.pop("masters", 0)
+        report["in_step"] = report["params"] + report["grads"] + report["optimizer"]
+        report["between_steps"] = report["in_step"] - report["grads"] + report.pop("grads_kept")
         return report

@@ -9,7 +9,9 @@ this rank's auxiliary sum to its loss sum before the sums are reduced, so the re
 Statistics (--log-json): the load-balancing and z-loss terms per token, the fraction of assignments
 dropped by capacity, and the assignments per (layer, expert) over the global batch: min, max and
 coefficient of variation (std / mean; 0 when perfectly balanced). Summed over dp (each dp rank routed
-its own tokens), then combined over pp (each stage holds its own layers); tp ranks hold the same.
+its own tokens), then combined over pp (each stage holds its own layers); tp ranks hold the same, but
+under sequence parallelism, where each routed its chunk of the sequence: then the auxiliary terms and the
+counts are summed over tp as well (`split`).
 """
 
 from __future__ import annotations
@@ -39,9 +41,23 @@ def attach_router_log(model: nn.Module) -> RouterLog | None:
     return log
 
 
-def routing_totals(log: RouterLog, device: torch.device, dp: AxisGroup | None, pp: AxisGroup | None) -> torch.Tensor:
+def add_step_aux(totals: torch.Tensor, log: RouterLog | None, split: AxisGroup | None) -> None:
+    """Add the step's auxiliary loss terms to its loss sum totals[0]: this rank's tokens', summed over `split`
+    (the tp ranks under sequence parallelism, each of which routed its chunk; collective over it). Nothing
+    without MoE layers; under sequence parallelism every tp rank must call it."""
+    if log is None or log.aux_sum is None:
+        return
+    total = log.aux_sum.clone()
+    if split is not None:
+        all_reduce(total, split)
+    totals[0] += total
+
+
+def routing_totals(log: RouterLog, device: torch.device, dp: AxisGroup | None, pp: AxisGroup | None,
+                   split: AxisGroup | None = None) -> torch.Tensor:
     """[balance sum, z sum, dropped, assigned, count sum, count sum of squares, (layer, expert) slots,
-    max count, -min count] of the step, over the job (collective over dp and pp)."""
+    max count, -min count] of the step, over the job (collective over dp and pp, and over `split`: the tp
+    ranks under sequence parallelism)."""
     zero = torch.zeros((), dtype=torch.float64, device=device)
     sums = torch.stack([log.balance_sum if log.balance_sum is not None else zero,
                         log.z_sum if log.z_sum is not None else zero,
@@ -49,10 +65,11 @@ def routing_totals(log: RouterLog, device: torch.device, dp: AxisGroup | None, p
                         zero + float(log.assigned or 0)])
     counts = (torch.stack([log.expert_tokens[name] for name in sorted(log.expert_tokens)])
               if log.expert_tokens else torch.zeros(0, 1, dtype=torch.float64, device=device))
-    if dp is not None:  # one all-reduce: the sums, then the counts
-        both = torch.cat([sums, counts.reshape(-1)])
-        all_reduce(both, dp)
-        sums, counts = both[:4], both[4:].view_as(counts)
+    for group in (split, dp):  # one all-reduce per axis: the sums, then the counts
+        if group is not None:
+            both = torch.cat([sums, counts.reshape(-1)])
+            all_reduce(both, group)
+            sums, counts = both[:4], both[4:].view_as(counts)
     spread = torch.stack([counts.sum(), counts.pow(2).sum(), zero + counts.numel()])
     extremes = (torch.stack([counts.max(), -counts.min()]) if counts.numel()
                 else torch.full((2,), -math.inf, dtype=torch.float64, device=device))

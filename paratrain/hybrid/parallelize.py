@@ -1,9 +1,9 @@
 """parallelize: the one ordered recipe that turns a single-device model into a training engine.
 
 Each step reads the layout from the Context and applies one strategy, in this order (as torchtitan
-composes): pipeline cut, batch statistics, tensor, expert, memory savers, gradients (plain or
-ZeRO), loss scaling, pipeline executor. A step at degree 1 does nothing. The steps that split the
-model's state (pipeline, tensor, expert) return a paratrain.state_layout.StateLayout; placements,
+composes): pipeline cut, batch statistics, tensor, experts (cut over tp, shared over ep), context,
+memory savers, gradients (plain or ZeRO), loss scaling, pipeline executor. A step at degree 1 does
+nothing. The steps that split the model's state (pipeline, tensor, experts) return a paratrain.state_layout.StateLayout; placements,
 pieces, materialisation, the engine's state_dict and checkpoints loop over those, so a new axis adds
 a step and its layout, and nothing that reads them changes.
 """
@@ -19,14 +19,13 @@ from torch import nn
 
 from paratrain.comm.placement import Placement, Placements
 from paratrain.data_parallel import BATCH_NORM_MODES, BufferSync, GradSync
-from paratrain.expert_parallel import apply_expert_parallel
 from paratrain.hybrid.engine import Engine
 from paratrain.hybrid.materialize import Source, is_meta
 from paratrain.hybrid.parts import EngineParts, GradientStrategy, StepOptions
 from paratrain.hybrid.pieces import Pieces, whole_shapes
 from paratrain.hybrid.state import optimizer_state
-from paratrain.hybrid.steps import (MemorySavers, apply_batch_norm, apply_context_parallel, apply_memory_savers,
-                                    apply_pipeline,
+from paratrain.hybrid.steps import (MemorySavers, apply_batch_norm, apply_context_parallel, apply_expert_layouts,
+                                    apply_memory_savers, apply_pipeline,
                                     apply_tensor_layout, broadcast_weights, check_whole_model, grad_reduce_op,
                                     pipeline_executor, placer, values_source)
 from paratrain.memory import LOW_DTYPES, LossScaler
@@ -131,12 +130,14 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     synced, local = apply_batch_norm(model, ctx, batch_norm)
     # 4. Tensor parallelism: planned modules replaced by slices of themselves, by name.
     tp = apply_tensor_layout(model, ctx, recipe, staged=stage is not None)
-    # 5. Expert parallelism: each ep rank keeps its share of every MoE layer's experts.
-    ep_group = ctx.mesh.groups.get("ep")
-    experts = apply_expert_parallel(model, ep_group) if ep_group is not None else None
+    # 5. Experts: each cut over tp (expert_tp), then each ep rank keeps its share of every MoE layer's.
+    expert_cut, experts = apply_expert_layouts(model, ctx)
+    cut_over_tp = expert_cut.ids if expert_cut is not None else frozenset()
+    if tp is not None and not meta:  # sequence parallelism: replicated parameters' gradients summed over tp
+        tp.register_grad_hooks(model, split=cut_over_tp)
     # 5b. Context parallelism: each rank runs on its part of every sequence (no state is split).
     sequence = apply_context_parallel(model, ctx, recipe)
-    layouts: tuple[StateLayout, ...] = tuple(x for x in (tp, experts, stage) if x is not None)
+    layouts: tuple[StateLayout, ...] = tuple(x for x in (tp, experts, expert_cut, stage) if x is not None)
     # 6. By module name: recompute, compile each block, offload each block's saved activations.
     recomputed = apply_memory_savers(model, savers, recipe, required=stage is None)
     # 7. Where each parameter's gradient is reduced, sharded and counted in the norm: replicated over dp
@@ -152,7 +153,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     if meta and ctx.config.zero == 0 and ctx.config.ps_mode == "off":
         place()
         if tp is not None:
-            tp.register_grad_hooks(model)
+            tp.register_grad_hooks(model, split=cut_over_tp)
     if sync_initial_weights and not meta:  # the same weights on every replica
         broadcast_weights(model, placements)
     # Buffers that forward changes (BatchNorm's under 'local', a user's counter) kept equal over dp.
@@ -172,20 +173,20 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         grads = remote = connect(model, ctx, opt, grad_clip=grad_clip, on_non_finite=on_non_finite)
         save_state = functools.partial(server_optimizer_state, remote, opt, names, ctx)
     elif ctx.config.zero == 0:
-        grads = GradSync(params, placements, bucket_bytes=bucket_bytes)
+        grads = GradSync(params, placements, bucket_bytes=bucket_bytes, keep_grads=ctx.config.keep_grads)
         save_state = functools.partial(optimizer_state, opt, names)
     else:  # the optimizer is re-pointed at this rank's shard of each flat group
         zero = ZeroOptions(stage=ctx.config.zero, bucket_bytes=bucket_bytes, reduce_op=grad_reduce_op(ctx),
                            reshard_after_forward=(ctx.config.reshard_after_forward if reshard_after_forward is None
                                                   else reshard_after_forward),
                            offload="optimizer" in ctx.config.offloaded, param_dtype=LOW_DTYPES.get(precision),
-                           deferred=stage is not None)
+                           deferred=stage is not None, keep_grads=ctx.config.keep_grads)
         grads = ZeroSync(params, opt, names, zero, model=model, wrap=wrap if wrap is not None else recipe.blocks,
                          placements=placements, device=ctx.device)
         if meta:
             place(groups=grads.groups)
             if tp is not None:
-                tp.register_grad_hooks(model)
+                tp.register_grad_hooks(model, split=cut_over_tp)
         save_state = grads.optimizer_state
     # 9. fp16: dynamic loss scaling, its overflow decision shared by all ranks.
     scaler = LossScaler(scale=loss_scale) if precision == "fp16" else None

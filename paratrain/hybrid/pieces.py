@@ -39,44 +39,76 @@ class Values:
     def values(self, shape: Sequence[int], lo: int, hi: int) -> torch.Tensor: ...
 
 
+Cut = tuple[int, int, int]
+"""(dim, index, parts): a slice `index` of `parts` equal slices along `dim`."""
+
+
 @dataclass(frozen=True)
 class Piece:
     """Where a local tensor's elements come from: tensor `name` of the whole model (shape `shape`,
-    dtype `dtype`), or its slice `index` of `parts` along dim `dim`."""
+    dtype `dtype`), or its slice: slice `index` of `parts` along `dim` for each cut (one per split
+    dim: experts over ep along dim 0 and over expert-tp along their hidden dim, say)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    split: tuple[int, int, int] | None = None
-    """(dim, index, parts), or None for the whole tensor."""
+    split: tuple[Cut, ...] | Cut | None = None
+    """The cuts, by dim (given as one (dim, index, parts), a tuple of them, or None: the whole tensor)."""
+
+    def __post_init__(self) -> None:
+        cuts = () if not self.split else (self.split,) if isinstance(self.split[0], int) else self.split
+        if len({c[0] for c in cuts}) != len(cuts):  # type: ignore[index]
+            raise ValueError(f"{self.name}: two cuts of one dim {cuts}")
+        object.__setattr__(self, "split", tuple(sorted(tuple(c) for c in cuts)))  # type: ignore[arg-type]
+
+    @property
+    def cuts(self) -> tuple[Cut, ...]:
+        return self.split  # type: ignore[return-value]
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        shape = list(self.shape)
+        for dim, _, parts in self.cuts:
+            shape[dim] //= parts
+        return tuple(shape)
 
     @property
     def numel(self) -> int:
-        return math.prod(self.shape) // (self.split[2] if self.split else 1)
+        return math.prod(self.local_shape)
 
     def runs(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
         """Elements [lo, hi) of the flattened slice as (slice element, whole element, length) runs of
         consecutive elements in both."""
         if lo >= hi:
             return []
-        if self.split is None:
+        if not self.cuts:
             return [(lo, lo, hi - lo)]
-        dim, index, parts = self.split
-        outer, size, inner = math.prod(self.shape[:dim]), self.shape[dim], math.prod(self.shape[dim + 1:])
-        local_row, whole_row = size // parts * inner, size * inner
-        shift = index * local_row
+        local, last = self.local_shape, self.cuts[-1][0]
+        start = [0] * len(self.shape)  # where the slice starts along each dim of the whole tensor
+        for dim, index, _ in self.cuts:
+            start[dim] = index * local[dim]
+        inner = math.prod(self.shape[last + 1:])
+        local_row = local[last] * inner  # a run: along the last cut dim and everything after it
         runs = []
-        for row in range(lo // local_row, -(-hi // local_row) if outer > 1 else 1):
-            start, stop = max(lo, row * local_row), min(hi, (row + 1) * local_row)
-            runs.append((start, row * whole_row + shift + start - row * local_row, stop - start))
+        for row in range(lo // local_row, -(-hi // local_row)):
+            whole, rest = start[last] * inner, row
+            for dim in range(last - 1, -1, -1):  # the row's coordinates over the dims before `last`
+                rest, coord = divmod(rest, local[dim])
+                whole += (coord + start[dim]) * math.prod(self.shape[dim + 1:])
+            first, stop = max(lo, row * local_row), min(hi, (row + 1) * local_row)
+            runs.append((first, whole + first - row * local_row, stop - first))
         return runs
 
     def values(self, source: Values, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of the flattened slice from `source` (values of the whole tensor), in
-        `dtype`, on the CPU; whole rows of the source are read a chunk at a time."""
-        if self.split is None:
+        `dtype`, on the CPU; whole rows of the source are read a chunk at a time (several cuts: a run
+        at a time)."""
+        if not self.cuts:
             return source.values(self.shape, lo, hi).to(self.dtype)
-        dim, index, parts = self.split
+        if len(self.cuts) > 1:
+            parts = [source.values(self.shape, whole, whole + n) for _, whole, n in self.runs(lo, hi)]
+            return torch.cat(parts).to(self.dtype) if parts else torch.empty(0, dtype=self.dtype)
+        (dim, index, parts), = self.cuts
         outer, size, inner = math.prod(self.shape[:dim]), self.shape[dim], math.prod(self.shape[dim + 1:])
         part = size // parts
         if outer == 1:  # a slice along the first dim that has more than one row: one contiguous range
@@ -126,17 +158,19 @@ class Pieces:
     """Every stored tensor of the whole model: name -> (shape, dtype), taken before the layout."""
     tied: Mapping[str, str] = field(default_factory=dict)
     """A pipeline stage's copy name -> the name of the tensor it copies."""
-    splits: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)
-    """Local parameter name -> (dim, index, parts): the slice it is of its whole tensor."""
+    splits: Mapping[str, tuple[Cut, ...]] = field(default_factory=dict)
+    """Local parameter name -> its cuts (dim, index, parts): the slice it is of its whole tensor."""
 
     @classmethod
     def of(cls, whole: Shapes, layouts: Iterable[StateLayout]) -> Pieces:
-        """What the layouts applied to a model of `whole` shapes left on this rank."""
+        """What the layouts applied to a model of `whole` shapes left on this rank (two layouts may cut one
+        tensor along two dims: experts over ep and over expert-tp)."""
         tied: dict[str, str] = {}
-        splits: dict[str, tuple[int, int, int]] = {}
+        splits: dict[str, tuple[Cut, ...]] = {}
         for layout in layouts:
             tied.update(layout.tied)
-            splits.update(layout.splits)
+            for name, cut in layout.splits.items():
+                splits[name] = (*splits.get(name, ()), cut)
         return cls(whole, tied=tied, splits=splits)
 
     def piece(self, local_name: str) -> Piece:
@@ -144,7 +178,7 @@ class Pieces:
         if name not in self.whole:
             raise KeyError(f"{local_name!r} is not a tensor of the model the layout was applied to")
         shape, dtype = self.whole[name]
-        return Piece(name, shape, dtype, self.splits.get(local_name))
+        return Piece(name, shape, dtype, self.splits.get(local_name, ()))
 
     def storage(self, model: nn.Module, groups: Sequence[FlatGroup], *, meta_only: bool = False,
                 buffers: bool = True) -> list[Run]:

@@ -2,7 +2,7 @@
 
 A step at degree 1 does nothing and returns None; a step that changes which tensors a rank holds
 returns its paratrain.state_layout.StateLayout (apply_pipeline, apply_tensor_layout, and
-paratrain.expert_parallel.apply_expert_parallel)."""
+apply_expert_layouts: expert tensor and expert parallelism)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from paratrain.comm.placement import Placements
 from paratrain.config.errors import ConfigError
 from paratrain.context_parallel import SequenceShard
 from paratrain.data_parallel import apply_synced_batch_norm, batch_norms, buffer_rules
+from paratrain.expert_parallel import ExpertLayout, apply_expert_parallel
+from paratrain.expert_parallel.tensor import ExpertTensorLayout, apply_expert_tensor_parallel
 from paratrain.hybrid.compile import compile_blocks
 from paratrain.hybrid.materialize import Inits, Source, materialize
 from paratrain.hybrid.pieces import Pieces
@@ -28,6 +30,7 @@ from paratrain.nn.recipe import Recipe
 from paratrain.pipeline.runtime import PipelineExecutor
 from paratrain.pipeline.stages import PipelineLayout, StageModel, chunk_ranges, model_layers
 from paratrain.tensor_parallel import TensorParallelLayout, apply_tensor_parallel, check_ties
+from paratrain.tensor_parallel.sequence import route_sequence_chunks
 from paratrain.topology import Context
 
 
@@ -91,8 +94,22 @@ def apply_tensor_layout(model: nn.Module, ctx: Context, recipe: Recipe, *,
     tp_group = ctx.mesh.groups.get("tp")
     if tp_group is None or recipe.tp_plan is None:
         return None
-    return apply_tensor_parallel(model, recipe.tp_plan, tp_group, sequence_parallel=ctx.config.sequence_parallel,
-                                 allow_missing=staged)
+    layout = apply_tensor_parallel(model, recipe.tp_plan, tp_group, sequence_parallel=ctx.config.sequence_parallel,
+                                   allow_missing=staged, hooks=False)  # hooked once every layout is applied
+    if ctx.config.sequence_parallel:  # MoE layers route each tp rank's chunk of the sequence
+        route_sequence_chunks(model, tp_group)
+    return layout
+
+
+def apply_expert_layouts(model: nn.Module, ctx: Context) -> tuple[ExpertTensorLayout | None, ExpertLayout | None]:
+    """Expert tensor parallelism (expert_tp: every expert cut over tp), then expert parallelism (this ep rank's
+    share of the experts); either is None when off. The cuts keep the parameters' identity, so each layout's
+    ids name the parameters that remain."""
+    tp_group, ep_group = ctx.mesh.groups.get("tp"), ctx.mesh.groups.get("ep")
+    cut = None
+    if ctx.config.expert_tp and tp_group is not None:
+        cut = apply_expert_tensor_parallel(model, tp_group, rows_differ=ctx.config.sequence_parallel)
+    return cut, apply_expert_parallel(model, ep_group) if ep_group is not None else None
 
 
 def apply_memory_savers(model: nn.Module, savers: MemorySavers, recipe: Recipe, *, required: bool) -> bool:

@@ -123,7 +123,7 @@ class StateView:
                 flat = tensor.detach().reshape(-1)[owned.offset: owned.offset + owned.length]
                 out.tensors[key] = flat.to("cpu").contiguous()
                 out.index[key] = {"shape": list(owned.piece.shape), "dtype": dtype_name(tensor.dtype),
-                                  "split": list(owned.piece.split) if owned.piece.split else None,
+                                  "split": _cuts_entry(owned.piece),
                                   "lo": owned.lo, "hi": owned.lo + owned.length}
         names = _names_by_owner(owners)
         out.groups = [{**{k: v for k, v in g.items() if k != "params"},
@@ -257,3 +257,10 @@ def _unscalar(value: Any) -> Any:
     if isinstance(value, dict) and set(value) == {"tensor", "dtype"}:
         return torch.tensor(value["tensor"], dtype=DTYPES[value["dtype"]])
     return value
+
+
+def _cuts_entry(piece: Piece) -> list[Any] | None:
+    """A piece's cuts as a checkpoint index holds them: [dim, index, parts] for one (the format before
+    two-dim cuts existed), a list of those for several, None for a whole tensor."""
+    cuts = piece.cuts
+    return None if not cuts else list(cuts[0]) if len(cuts) == 1 else [list(c) for c in cuts]

@@ -4,6 +4,7 @@ splitting, sequence parallelism and recomputation save (Korthikanti et al. 2022 
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -100,3 +101,25 @@ class _Saved:
 
 def _unpack(saved: Any) -> torch.Tensor:
     return saved.tensor if isinstance(saved, _Saved) else saved
+
+
+def live_tensor_bytes(device_type: str = "cpu") -> int:
+    """Bytes of every tensor storage alive in this process on `device_type`, each storage once (a flat
+    buffer and its views, a DTensor's local shard, count once): what a process holds between steps,
+    the same measure for paratrain and for its peers (bench/bench_zero.py). A collection, then a scan of
+    the garbage collector's objects: for measurements, not for a training loop."""
+    import gc
+
+    gc.collect()  # what only a cycle still refers to is not held: the next collection frees it
+    seen: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated module aliases warns
+        warnings.simplefilter("ignore", FutureWarning)
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, torch.Tensor) and obj.device.type == device_type and not obj.is_meta:
+                    storage = obj.untyped_storage()
+                    seen[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, ReferenceError, NotImplementedError):
+                continue
+    seen.pop(0, None)  # freed (resized to 0) storages
+    return sum(seen.values())

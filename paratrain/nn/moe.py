@@ -19,7 +19,8 @@ shared expert). Counted per sequence, which tokens are dropped depends on nothin
 so it is the same under any dp, accumulation or expert-parallel layout (DeepSpeed and Megatron count
 capacity per rank's micro-batch: then the drops change with the layout). c = 0: dropless.
 
-Under context parallelism (a SequenceSplit: each rank holds part of every sequence) the layer keeps
+Under context or sequence parallelism (a SequenceSplit: each rank holds part of every sequence, and
+routes its own tokens) the layer keeps
 both per-sequence rules: the expert choices of the whole sequence are gathered (in position order) to
 count capacity, and the routed fractions f_be are summed over the sequence's ranks; each rank then
 keeps its tokens' drops and adds its tokens' share of the balancing term, so the sums over the ranks
@@ -53,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.eager import eager
 from paratrain.nn.loss import compute_dtype
 from paratrain.nn.sequence import SequenceSplit
 
@@ -244,9 +246,10 @@ class MoE(nn.Module):
         """Context parallelism: this rank holds part of each sequence (split_sequence)."""
 
     def split_sequence(self, sequence: SequenceSplit) -> None:
-        """Route a part of each sequence (context parallelism): capacity and load balancing stay per
-        whole sequence (the module docstring)."""
-        self.sequence = sequence
+        """Route a part of each sequence (context or sequence parallelism): capacity and load balancing stay
+        per whole sequence (the module docstring). A split given later is of a longer sequence (context
+        parallelism's part, which sequence parallelism's chunks, given first, lie inside)."""
+        self.sequence = sequence if self.sequence is None else self.sequence.within(sequence)
 
     def run_with(self, runner: ExpertRunner) -> None:
         """Run the experts with `runner` (expert parallelism: one that sends rows to the ranks holding
@@ -256,7 +259,8 @@ class MoE(nn.Module):
     def attach(self, log: RouterLog, name: str) -> None:
         self.log, self.log_name = log, name
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @eager  # routing makes shapes that depend on the data: under torch.compile the layer runs eagerly between
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # its block's compiled parts (as collectives do)
         batch, seq, d = x.shape
         k = self.router.top_k
         routing = self.router(x, self.sequence)

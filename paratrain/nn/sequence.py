@@ -12,8 +12,11 @@ SequenceSplit, this protocol, so that nothing below the strategies imports them:
                      counts each expert's assignments in sequence order)
     sum(x)           a sum over the ranks of one sequence (MoE load balancing, whose fractions are
                      per sequence)
+    within(outer)    the split of what another split left the rank (nesting)
 
-paratrain.context_parallel.SequenceShard implements it over the cp group.
+paratrain.context_parallel.SequenceShard implements it over the cp group, and
+paratrain.tensor_parallel.sequence.SequenceChunks over tp under sequence parallelism (for MoE routing
+only: attention runs on the gathered sequence there).
 """
 
 from __future__ import annotations
@@ -52,4 +55,9 @@ class SequenceSplit(Protocol):
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks of one sequence (a new tensor). Not differentiable."""
+        ...
+
+    def within(self, outer: SequenceSplit) -> SequenceSplit:
+        """This split applied to the part `outer` leaves the rank (sequence parallelism's chunks of a
+        context-parallel part); a split that is always outermost raises."""
         ...

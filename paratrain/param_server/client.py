@@ -95,9 +95,8 @@ class ServerClient:
         return self.buckets + [t.group for t in self.tables] if self.local is not None else []
 
     def __post_init__(self) -> None:
-        self.grads = [torch.zeros_like(g.param_flat) for g in self.buckets]
+        self.grads = []  # the dense buckets' gradients, allocated by begin_step, released by after_step
         self._started = False
-        self.attach()
 
     # --- the gradient strategy's protocol (paratrain.hybrid.parts.GradientStrategy) ---
 
@@ -109,6 +108,8 @@ class ServerClient:
                     param.grad = view
 
     def begin_step(self) -> None:
+        if not self.grads:
+            self.grads = [torch.zeros_like(g.param_flat) for g in self.buckets]
         self.attach()
 
     def begin_micro_batch(self, *, sync: bool) -> None:
@@ -130,8 +131,11 @@ class ServerClient:
         pass
 
     def after_step(self) -> None:
-        torch._foreach_zero_(self.owned_grads())
+        self.grads = []  # the dense gradients released (the tables' rows kept, zeroed)
+        for param in (p for g in self.buckets for p in g.params):
+            param.grad = None
         for table in self.tables:
+            table.grad.zero_()
             table.clear()
 
     def model_state(self) -> dict[str, torch.Tensor]:
@@ -139,8 +143,10 @@ class ServerClient:
 
     def memory(self) -> dict[str, int]:
         groups = self.buckets + [t.group for t in self.tables]
+        tables = sum(t.grad.numel() * t.grad.element_size() for t in self.tables)  # kept: sparse rows accumulate
         return {"params": sum(g.param_flat.numel() * g.param_flat.element_size() for g in groups),
-                "grads": sum(t.numel() * t.element_size() for t in self.owned_grads())}
+                "grads": sum(g.param_flat.numel() * g.param_flat.element_size() for g in self.buckets) + tables,
+                "grads_kept": tables}
 
     def check_memory_load(self) -> None:
         """Engine.load_state_dict: refused with dedicated servers, which hold the parameters' values."""

@@ -85,7 +85,8 @@ def block_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode
         attention += 2 * s * (model.head_dim // 2) * 4
     if moe:  # the MoE layer keeps its own copies of the normed input (moe_activation_bytes)
         norms += _norm_and_column_input(n / q, d, mode) - n / q * d * (4 if mode == "fp32" else 2)
-        mlp = moe_activation_bytes(model, micro_batch=b, seq=s, mode=mode, ep=ep)
+        mlp = moe_activation_bytes(model, micro_batch=b, seq=s // q, mode=mode, ep=ep,
+                                   expert_tp=t if layout.expert_tp else 1, gathered=sequence_parallel and layout.expert_tp)
     else:
         norms += _norm_and_column_input(n / q, d, mode)
         mlp = 2 * n * f / t * act  # up's output (GELU's input) and GELU's output (down's input)
@@ -102,12 +103,16 @@ def block_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode
 
 
 def moe_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, mode: str = "fp32",
-                         ep: int = 1) -> float:
-    """Bytes a MoE layer (paratrain.nn.moe, replicated over tp) keeps for backward, per micro-batch,
-    its input included, when no assignment is dropped (dropless, or no expert over its capacity): an
-    upper bound with a capacity. Under expert parallelism each rank is taken to receive as many rows
-    as it sends (a balanced router; a skewed one receives more) and to run each of its experts."""
+                         ep: int = 1, expert_tp: int = 1, gathered: bool = False) -> float:
+    """Bytes a MoE layer (paratrain.nn.moe) keeps for backward, per micro-batch, its input included, when no
+    assignment is dropped (dropless, or no expert over its capacity): an upper bound with a capacity. seq:
+    the tokens of a sequence this rank routes (under sequence parallelism its chunk). Under expert parallelism
+    each rank is taken to receive as many rows as it sends (a balanced router; a skewed one receives more) and
+    to run each of its experts. expert_tp: the experts' width is cut over that many ranks; gathered: their
+    rows all-gathered over them first (sequence parallelism). Exact to the byte for one process (tests);
+    with expert_tp or sequence parallelism an estimate."""
     b, s, d, e, k, fe, f = micro_batch, seq, model.d_model, model.n_experts, model.top_k, model.expert_dim, model.ff_dim
+    fe //= expert_tp
     n = b * s
     rows = n * k  # assignments that run
     res = 2 if mode == "low" else 4  # the residual stream's element
@@ -121,7 +126,8 @@ def moe_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, mode
     # dispatch: the token of each assignment, the order grouping rows by expert (and, under ep, the order
     # grouping what arrived by expert), each assignment's place; the rows the experts read, their
     # hidden activations (GELU's input and output), and under autocast each expert's weight copies
-    dispatch = 8 * rows * (3 + (1 if ep > 1 else 0)) + rows * d * mm + 2 * rows * fe * mm
+    run = rows * (expert_tp if gathered else 1)  # rows the experts run here
+    dispatch = 8 * rows * (3 + (1 if ep > 1 else 0)) + run * d * mm + 2 * run * fe * mm
     if mode == "autocast":
         dispatch += 2 * (e // ep) * fe * d * 2
     # combine: the experts' outputs put back in place (each index_copy keeps its source: under ep the
@@ -190,7 +196,8 @@ def chunk_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode
     """Bytes one micro-batch leaves saved in each pipeline chunk (its layers' terms)."""
     # ZeRO changes nothing here: cached on what does (the search asks for many ZeRO stages at once)
     essential = Layout(dims=replace(layout.dims, dp_replicate=layout.dp, dp_shard=1), micro_batch=layout.micro_batch,
-                       recompute=layout.recompute, sequence_parallel=layout.sequence_parallel, cp_mode=layout.cp_mode)
+                       recompute=layout.recompute, sequence_parallel=layout.sequence_parallel, cp_mode=layout.cp_mode,
+                       expert_tp=layout.expert_tp)
     return list(_chunk_sizes(model, essential, seq, mode, pp_split))
 
 

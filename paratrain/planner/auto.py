@@ -21,7 +21,7 @@ from paratrain.planner.search import search
 
 PINNABLE = {"dp": "dp", "tp": "tp", "pp": "pp", "virtual_stages": "virtual_stages", "zero": "zero",
             "micro_batch": "micro_batch", "recompute": "recompute", "sequence_parallel": "sequence_parallel",
-            "schedule": "schedule", "ep": "ep", "cp": "cp", "cp_mode": "cp_mode"}
+            "schedule": "schedule", "ep": "ep", "cp": "cp", "cp_mode": "cp_mode", "expert_tp": "expert_tp"}
 """Layout fields -> the `paratrain train` argument (argparse dest) that pins each."""
 
 _GPUS = [("H200", "h200"), ("H100", "h100-80gb"), ("A100", None)]
@@ -71,7 +71,8 @@ def choose_layout(config: RunConfig, *, world_size: int, hw: Hardware, pins: dic
     parallel = dataclasses.replace(config.parallel, dp=layout["dp"], tp=layout["tp"], pp=layout["pp"],
                                    virtual_stages=layout["virtual_stages"], zero=layout["zero"],
                                    sequence_parallel=layout["sequence_parallel"], schedule=layout["schedule"],
-                                   ep=layout["ep"], cp=layout["cp"], cp_mode=layout["cp_mode"])
+                                   ep=layout["ep"], cp=layout["cp"], cp_mode=layout["cp_mode"],
+                                   expert_tp=layout["expert_tp"])
     chosen = dataclasses.replace(config, parallel=parallel,
                                  data=dataclasses.replace(config.data, micro_batch=layout["micro_batch"]),
                                  train=dataclasses.replace(config.train, recompute=layout["recompute"]))
@@ -91,6 +92,8 @@ def describe(layout: dict[str, Any]) -> str:
         text += f" ({layout['schedule']}" + (f", {layout['virtual_stages']} chunks)" if layout["virtual_stages"] > 1 else ")")
     if layout.get("ep", 1) > 1:
         text += f", ep {layout['ep']}"
+    if layout.get("expert_tp"):
+        text += ", experts cut over tp"
     if layout.get("cp", 1) > 1:
         text += f", cp {layout['cp']} ({layout['cp_mode']})"
     text += f", ZeRO {layout['zero']}, micro-batch {layout['micro_batch']}"

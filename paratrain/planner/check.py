@@ -20,7 +20,7 @@ def layout_of(plan: RunPlan) -> Layout:
     return Layout(dims=ParallelDims.from_config(parallel), zero=parallel.zero, micro_batch=plan.batch.micro_batch,
                   recompute=plan.config.train.recompute, sequence_parallel=parallel.sequence_parallel,
                   schedule=parallel.schedule, offload="optimizer" in parallel.offloaded, cp_mode=parallel.cp_mode,
-                  ps_mode=parallel.ps_mode, staleness=parallel.staleness)
+                  ps_mode=parallel.ps_mode, staleness=parallel.staleness, expert_tp=parallel.expert_tp)
 
 
 def check_memory(plan: RunPlan, *, device: str, available_bytes: float, processes: int) -> dict[str, float]:

@@ -123,7 +123,7 @@ def data_parallel_volume(model: ModelConfig, layout: Layout, *, stage: int, micr
     def add(axis: str, op: str, n: int) -> None:
         volume.setdefault(axis, {})[op] = volume.get(axis, {}).get(op, 0) + n
 
-    params = rank_params(model, layout.dims, stage, settings.pp_split)
+    params = rank_params(model, layout.dims, stage, settings.pp_split, expert_tp=layout.expert_tp)
     if layout.zero == 0:
         add(data, "all_reduce", 2 * 4 * sum(p.numel for p in params))
         return volume
@@ -184,7 +184,7 @@ def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str
     calls: list[Call] = []
     _, first, last = _held(model, layout, stage, pp_split)
     if model.tie_embeddings and layout.pp > 1 and (first or last):
-        params = [p for p in rank_params(model, layout.dims, stage, pp_split) if p.tied]
+        params = [p for p in rank_params(model, layout.dims, stage, pp_split, expert_tp=layout.expert_tp) if p.tied]
         if layout.zero:
             (group,) = [g for g in flat_groups(params, zero=layout.zero, shards=layout.shards,
                                                bucket_bytes=int(bucket_mb * 2**20))]

@@ -168,6 +168,8 @@ def _layout_text(layout: dict[str, Any]) -> str:
         text += " rc" if layout["recompute"] == "full" else " rc-sel"
     if layout["sequence_parallel"]:
         text += " sp"
+    if layout.get("expert_tp"):
+        text += " etp"
     return text
 
 
@@ -194,12 +196,13 @@ def _table(record: dict[str, Any], top: int, *, tokens: float | None) -> str:
                      + (record["rejected"][0]["reason"] if record["rejected"] else "none"))
         return "\n".join(lines)
     best = candidates[0]
-    header = (f"{'layout':<32} {'peak GB':>8} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'step s':>8} "
+    header = (f"{'layout':<32} {'peak GB':>8} {'between':>7} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'step s':>8} "
               f"{'tok/s':>10} {'MFU':>5}" + (f" {'days':>6}" if tokens else "") + "  why")
     lines.append(header)
     for r in candidates[:top]:
         m = r["memory"]
-        row = (f"{_layout_text(r['layout']):<32} {m['peak'] / gb:>8.1f} {m['params'] / gb:>7.1f} {m['grads'] / gb:>7.1f} "
+        row = (f"{_layout_text(r['layout']):<32} {m['peak'] / gb:>8.1f} {m['between_steps'] / gb:>7.1f} "
+               f"{m['params'] / gb:>7.1f} {m['grads'] / gb:>7.1f} "
                f"{m['optimizer'] / gb:>7.1f} {m['activations'] / gb:>7.1f} {r['step_time_s']:>8.3f} "
                f"{r['tokens_per_s']:>10.0f} {r['mfu']:>5.1%}" + (f" {r['train_days']:>6.1f}" if tokens else ""))
         lines.append(row + "  " + _why(r, best))

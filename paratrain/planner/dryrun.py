@@ -51,7 +51,7 @@ class DryRun:
     world_size: int
     coords: dict[str, int]
     memory: dict[str, int]
-    """engine.memory_report(): params, grads, optimizer bytes on this rank after one step."""
+    """engine.memory_report(): params, grads (in a step), optimizer, in_step and between_steps bytes on this rank."""
     predicted_memory: dict[str, int]
     """The planner's model_state_bytes for this rank's pipeline stage."""
     collectives: list[Collective] = field(default_factory=list)
@@ -117,11 +117,11 @@ def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_si
         stage = ctx.mesh.index("pp")
         layout = Layout(dims=ctx.dims, zero=ctx.config.zero, micro_batch=micro_batch,
                         sequence_parallel=ctx.config.sequence_parallel, schedule=ctx.config.schedule,
-                        recompute=recompute, cp_mode=ctx.config.cp_mode)
+                        recompute=recompute, cp_mode=ctx.config.cp_mode, expert_tp=ctx.config.expert_tp)
         grad_reduce = "reduce_scatter" if ctx.config.grad_reduce == "reduce_scatter" else "all_reduce"
         predicted_memory = model_state_bytes(model, layout, precision=precision, stage=stage,
                                              bucket_mb=ctx.config.bucket_mb, grad_reduce=grad_reduce,
-                                             pp_split=tuple(ctx.config.pp_split))
+                                             pp_split=tuple(ctx.config.pp_split), keep_grads=ctx.config.keep_grads)
         settings = StepSettings(precision=precision, bucket_mb=ctx.config.bucket_mb, grad_reduce=grad_reduce,
                                 reshard_after_forward=ctx.config.reshard_after_forward,
                                 pp_split=tuple(ctx.config.pp_split))
@@ -157,7 +157,7 @@ def format_dry_run(run: DryRun, *, limit: int = 40) -> str:
     gib = 2**30
     lines = [f"rank {run.rank} of {run.world_size} ({', '.join(f'{k} {v}' for k, v in run.coords.items())}), "
              f"built and stepped on the meta device in {run.seconds:.1f} s"]
-    for key in ("params", "grads", "optimizer"):
+    for key in ("params", "grads", "optimizer", "between_steps"):
         got, want = run.memory.get(key, 0), run.predicted_memory.get(key, 0)
         lines.append(f"  {key:<10} {got / gib:10.3f} GiB  {got:>16,} bytes  planner {want:>16,}"
                      + ("  (equal)" if got == want else "  DIFFERS"))

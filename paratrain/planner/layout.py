@@ -42,6 +42,8 @@ class Layout:
     on the dp trainers). Which axes it composes with is ParallelConfig's rule (search.check_fields)."""
     staleness: int = 0
     """ps_mode 'async': the clocks a trainer may run ahead."""
+    expert_tp: bool = False
+    """Every expert cut over tp along its width (paratrain.expert_parallel.tensor); false: replicated over tp."""
 
     def __post_init__(self) -> None:
         if not self.zero and self.dims.dp_shard > 1:
@@ -129,7 +131,8 @@ class Layout:
 
 
 LAYOUT_FIELDS = ("dp", "tp", "pp", "virtual_stages", "zero", "shard_group", "micro_batch", "recompute",
-                 "sequence_parallel", "schedule", "offload", "ep", "cp", "cp_mode", "ps_mode", "ps_servers", "staleness")
+                 "sequence_parallel", "schedule", "offload", "ep", "cp", "cp_mode", "ps_mode", "ps_servers", "staleness",
+                 "expert_tp")
 """A layout's flat fields (to_dict, Layout.of), in the order the planner's records list them."""
 
 
@@ -181,17 +184,19 @@ def _chunk_layers(model: ModelConfig, parts: int, pp_split: tuple[int, ...]) -> 
     return tuple(zip(starts, [*starts[1:], model.n_layer + 2]))
 
 
-def rank_params(model: ModelConfig, dims: ParallelDims, stage: int, pp_split: tuple[int, ...] = ()) -> list[RankParam]:
+def rank_params(model: ModelConfig, dims: ParallelDims, stage: int, pp_split: tuple[int, ...] = (), *,
+                expert_tp: bool = False) -> list[RankParam]:
     """The parameters pipeline rank `stage` holds, in the engine's order (the model's registration
     order), with tensor parallelism's slices (GPT_PLAN: qkv, up and head split by rows, out and down
-    by columns, the embedding by vocabulary rows; norms and MoE layers replicated) and expert
-    parallelism's (each rank E / ep experts of every MoE layer)."""
-    return list(_rank_params(model, dims.tp, dims.pp, dims.virtual_stages, stage, tuple(pp_split), dims.ep))
+    by columns, the embedding by vocabulary rows; norms and MoE layers replicated, the experts cut along
+    their width with expert_tp) and expert parallelism's (each rank E / ep experts of every MoE layer)."""
+    return list(_rank_params(model, dims.tp, dims.pp, dims.virtual_stages, stage, tuple(pp_split), dims.ep,
+                             expert_tp and dims.tp > 1))
 
 
 @functools.lru_cache(maxsize=4096)
 def _rank_params(model: ModelConfig, t: int, pp: int, v_stages: int, stage: int,
-                 pp_split: tuple[int, ...], ep: int = 1) -> tuple[RankParam, ...]:
+                 pp_split: tuple[int, ...], ep: int = 1, expert_tp: bool = False) -> tuple[RankParam, ...]:
     d, f, v = model.d_model, model.ff_dim, model.padded_vocab
     ranges = _chunk_layers(model, pp * v_stages, pp_split)
     mine = [c for c in range(len(ranges)) if c % pp == stage]
@@ -212,11 +217,11 @@ def _rank_params(model: ModelConfig, t: int, pp: int, v_stages: int, stage: int,
                 params += [RankParam(f"{b}.mlp.up.weight", (f // t, d), split),
                            RankParam(f"{b}.mlp.down.weight", (d, f // t), split)]
                 continue
-            # a MoE layer (paratrain.nn.moe): replicated over tp, its experts sliced over ep
-            e, fe = model.n_experts // ep, model.expert_dim
+            # a MoE layer (paratrain.nn.moe): replicated over tp, its experts sliced over ep (and over tp)
+            e, fe = model.n_experts // ep, model.expert_dim // (t if expert_tp else 1)
             params += [RankParam(f"{b}.moe.router.weight", (model.n_experts, d), False),
-                       RankParam(f"{b}.moe.experts.up", (e, fe, d), False, expert=True),
-                       RankParam(f"{b}.moe.experts.down", (e, d, fe), False, expert=True)]
+                       RankParam(f"{b}.moe.experts.up", (e, fe, d), expert_tp, expert=True),
+                       RankParam(f"{b}.moe.experts.down", (e, d, fe), expert_tp, expert=True)]
             if model.shared_expert:
                 params += [RankParam(f"{b}.moe.shared.up.weight", (f, d), False),
                            RankParam(f"{b}.moe.shared.down.weight", (d, f), False)]

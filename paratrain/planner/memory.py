@@ -1,4 +1,4 @@
-"""Bytes one rank holds: model states between steps, exactly as paratrain holds them.
+"""Bytes one rank holds: model states in a step and between steps, exactly as paratrain holds them.
 
 `model_state_bytes` mirrors `engine.memory_report()` (tests/distributed/test_planner.py checks it
 to the byte on 19 layouts of 2 and 4 ranks): parameters, gradients and optimizer state (AdamW: two moments
@@ -90,34 +90,45 @@ def _sharded_totals(model: ModelConfig, layout: Layout, stage: int, pp_split: tu
                     bucket_bytes: int) -> tuple[int, int, int]:
     """(padded elements, shard elements, flat groups) of a stage's ZeRO flat groups (`layout`: its dims and
     ZeRO stage, what they depend on)."""
-    params = rank_params(model, layout.dims, stage, pp_split)
+    params = rank_params(model, layout.dims, stage, pp_split, expert_tp=layout.expert_tp)
     groups = flat_groups(params, zero=layout.zero, shards=layout.shards, bucket_bytes=bucket_bytes,
                          expert_shards=layout.expert_shards)
     return sum(g.padded for g in groups), sum(g.shard_numel for g in groups), len(groups)
 
 
 @functools.lru_cache(maxsize=8192)
-def _plain_totals(model: ModelConfig, dims: ParallelDims, stage: int, pp_split: tuple[int, ...]) -> tuple[int, int]:
+def _plain_totals(model: ModelConfig, dims: ParallelDims, stage: int, pp_split: tuple[int, ...],
+                  expert_tp: bool = False) -> tuple[int, int]:
     """(elements, tensors) a stage holds."""
-    params = rank_params(model, dims, stage, pp_split)
+    params = rank_params(model, dims, stage, pp_split, expert_tp=expert_tp)
     return sum(p.numel for p in params), len(params)
+
+
+def with_totals(states: dict[str, int], *, kept_grads: int = 0) -> dict[str, int]:
+    """{"params", "grads", "optimizer"} and, as engine.memory_report() adds them, "in_step" (their sum: the
+    gradient buffers exist while a step runs) and "between_steps" (without the gradients, but `kept_grads`)."""
+    in_step = states["params"] + states["grads"] + states["optimizer"]
+    return {**states, "in_step": in_step, "between_steps": in_step - states["grads"] + kept_grads}
 
 
 def model_state_bytes(model: ModelConfig, layout: Layout, *, precision: str = "fp32", stage: int = 0,
                       bucket_mb: float = 25.0, grad_reduce: str = "all_reduce",
-                      pp_split: tuple[int, ...] = ()) -> dict[str, int]:
+                      pp_split: tuple[int, ...] = (), keep_grads: bool = False) -> dict[str, int]:
     """What `engine.memory_report()` says on pipeline rank `stage` (every dp and tp rank of a stage
-    holds the same amounts): {"params", "grads", "optimizer"} in bytes, AdamW, the GPT.
+    holds the same amounts): {"params", "grads", "optimizer", "in_step", "between_steps"} in bytes, AdamW,
+    the GPT ("grads": the buffers a step allocates, released after its update unless keep_grads).
 
     precision: under ZeRO, bf16 / fp16 store parameters and gradients in 16 bits with fp32 masters;
     under zero 0 they are autocast over fp32 storage. grad_reduce: ZeRO's reduction primitive
     ("all_reduce": gloo's choice; "reduce_scatter": NCCL's)."""
     if layout.zero == 0:
-        numel, tensors = _plain_totals(model, layout.dims, stage, tuple(pp_split))
-        return {"params": 4 * numel, "grads": 4 * numel,
-                "optimizer": 2 * MASTER_BYTES * numel + STEP_BYTES * tensors}
+        numel, tensors = _plain_totals(model, layout.dims, stage, tuple(pp_split), layout.expert_tp)
+        return with_totals({"params": 4 * numel, "grads": 4 * numel,
+                            "optimizer": 2 * MASTER_BYTES * numel + STEP_BYTES * tensors},
+                           kept_grads=4 * numel if keep_grads else 0)
     elsize = BYTES[precision]
-    padded, shard, groups = _sharded_totals(model, Layout(dims=layout.dims, zero=layout.zero), stage, tuple(pp_split),
+    padded, shard, groups = _sharded_totals(model, Layout(dims=layout.dims, zero=layout.zero, expert_tp=layout.expert_tp),
+                                            stage, tuple(pp_split),
                                             int(bucket_mb * 2**20))
     param_bytes = elsize * (shard if layout.zero == 3 else padded)
     if layout.zero == 1:
@@ -128,4 +139,5 @@ def model_state_bytes(model: ModelConfig, layout: Layout, *, precision: str = "f
     own_master = layout.offload or elsize != MASTER_BYTES
     masters = MASTER_BYTES * shard if own_master else 0
     optimizer = 2 * MASTER_BYTES * shard + STEP_BYTES * groups + masters
-    return {"params": param_bytes, "grads": grad_bytes, "optimizer": optimizer}
+    return with_totals({"params": param_bytes, "grads": grad_bytes, "optimizer": optimizer},
+                       kept_grads=grad_bytes if keep_grads else 0)

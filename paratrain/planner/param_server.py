@@ -35,7 +35,7 @@ from paratrain.comm.buckets import plan_buckets
 from paratrain.config.model import ModelConfig
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout, meta_tensors, rank_params
-from paratrain.planner.memory import STEP_BYTES, optimizer_group
+from paratrain.planner.memory import STEP_BYTES, optimizer_group, with_totals
 from paratrain.topology.dims import ParallelDims
 
 ELEMENT = 4
@@ -59,13 +59,14 @@ def slice_count(layout: Layout) -> int:
 
 
 def trainer_state_bytes(model: ModelConfig, layout: Layout, *, bucket_mb: float = 25.0) -> dict[str, int]:
-    """What a trainer's engine.memory_report() says: {"params", "grads", "optimizer"}."""
+    """What a trainer's engine.memory_report() says: {"params", "grads", "optimizer", "in_step", "between_steps"}
+    (the dense gradients released between steps)."""
     sizes = buckets(model, slice_count(layout), int(bucket_mb * 2**20))
     psi = sum(sizes)
     optimizer = 0
     if not layout.ps_servers:  # colocated: its own slice of every bucket, AdamW's two moments and a step
         optimizer = 2 * ELEMENT * psi // layout.dp + STEP_BYTES * len(sizes)
-    return {"params": ELEMENT * psi, "grads": ELEMENT * psi, "optimizer": optimizer}
+    return with_totals({"params": ELEMENT * psi, "grads": ELEMENT * psi, "optimizer": optimizer})
 
 
 def server_state_bytes(model: ModelConfig, layout: Layout, *, bucket_mb: float = 25.0) -> dict[str, int]:

@@ -34,7 +34,7 @@ def check_fields(model: ModelConfig, fields: Mapping[str, Any], *, global_batch:
                               offload="optimizer" if fields["offload"] else "none",
                               ep=fields["ep"], cp=fields["cp"], cp_mode=fields["cp_mode"],
                               ps_mode=fields["ps_mode"], ps_servers=fields["ps_servers"],
-                              staleness=fields["staleness"],
+                              staleness=fields["staleness"], expert_tp=fields["expert_tp"],
                               ).resolved(fields["dp"] * fields["tp"] * fields["pp"] * fields["cp"] + fields["ps_servers"])
     if fields["recompute"] not in ("none", "full", "selective"):
         raise ConfigError(f"recompute must be 'none', 'full' or 'selective', got {fields['recompute']!r}")
@@ -47,14 +47,16 @@ def check_fields(model: ModelConfig, fields: Mapping[str, Any], *, global_batch:
 
 def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, precision: str,
            bucket_mb: float = 25.0, grad_reduce: str = "reduce_scatter",
-           pp_split: tuple[int, ...] = ()) -> dict[str, float]:
+           pp_split: tuple[int, ...] = (), keep_grads: bool = False) -> dict[str, float]:
     """Device bytes of the busiest pipeline rank at its peak (every dp and tp rank of a stage holds the
-    same): model states between steps, saved activations at the schedule's peak, and transients
+    same): model states in a step (the gradient buffers included), saved activations at the schedule's
+    peak, and transients
     ("other": the logits' gradient and the chunked loss's float32 temporaries; ZeRO-3's gathered unit
     and the one prefetched;
     the gradient bucket being reduced). Offloaded optimizer state is in CPU memory, not counted. Under the
     parameter server the parts are a trainer's, "server" a dedicated server's whole, and "peak" the larger
-    (paratrain.planner.param_server)."""
+    (paratrain.planner.param_server). "between_steps": what the rank holds while no step runs (parameters
+    and optimizer state; the gradients too with keep_grads)."""
     mode = storage_mode(precision, layout.zero)
     microbatches = global_batch // (layout.dp * layout.micro_batch)
     local = seq // layout.cp  # the tokens of a sequence this rank holds (context parallelism)
@@ -66,7 +68,9 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, p
             states = param_server.trainer_state_bytes(model, layout, bucket_mb=bucket_mb)
         else:
             states = model_state_bytes(model, layout, precision=precision, stage=stage, bucket_mb=bucket_mb,
-                                       grad_reduce=grad_reduce, pp_split=pp_split)
+                                       grad_reduce=grad_reduce, pp_split=pp_split, keep_grads=keep_grads)
+        between = states["between_steps"] - (states["optimizer"] if layout.offload else 0)
+        states = {k: states[k] for k in ("params", "grads", "optimizer")}
         if layout.offload:
             states = {**states, "optimizer": 0}
         activations = activation_bytes(model, layout, seq=seq, mode=mode, stage=stage, microbatches=microbatches,
@@ -85,6 +89,7 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, p
             other += 2 * unit * BYTES[precision if mode == "low" else "fp32"]
         record = {**{k: float(v) for k, v in states.items()}, "activations": activations, "other": other}
         record["peak"] = sum(record.values())
+        record["between_steps"] = float(between)
         if record["peak"] > best.get("peak", -1.0):
             best = record
     if layout.ps_servers:  # a dedicated server: its slices, their AdamW state, the pushes it holds
@@ -170,12 +175,13 @@ def _candidate_fields(model: ModelConfig, devices: int, hardware: Hardware, *, g
             per_rank = global_batch // dp
             micro = [m for m in (1, 2, 4, 8, 16, 32) if per_rank % m == 0]
             eps = [e for e in _divisors(dp) if model.n_experts % e == 0] if model.n_experts and not served else [1]
-            for v, zero, mb, recompute, sp, ep, mode in itertools.product(
+            cuts = (False, True) if tp > 1 and model.n_experts else (False,)
+            for v, zero, mb, recompute, sp, ep, mode, cut in itertools.product(
                     (1, 2) if pp > 1 else (1,), (0,) if served else (0, 1, 2, 3), micro, ("none", "selective", "full"),
-                    (False, True) if tp > 1 else (False,), eps, modes):
+                    (False, True) if tp > 1 else (False,), eps, modes, cuts):
                 fields = dict(_DEFAULTS, dp=dp, tp=tp, pp=pp, virtual_stages=v, zero=zero, micro_batch=mb,
                               recompute=recompute, sequence_parallel=sp,
-                              schedule="interleaved" if v > 1 else "1f1b", ep=ep, cp=cp, cp_mode=mode)
+                              schedule="interleaved" if v > 1 else "1f1b", ep=ep, cp=cp, cp_mode=mode, expert_tp=cut)
                 if pins:
                     fields.update({k: pins[k] for k in pins if k in fields})
                     if fields["dp"] * fields["tp"] * fields["pp"] * fields["cp"] != devices:

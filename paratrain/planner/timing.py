@@ -117,10 +117,12 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
         hardware_flops += 4.0 * model.n_layer * model.d_model * seq * tokens
     share, blocks_here, numel = _stages(model, pp, v)
     rate = hw.peak_flops * hw.efficiency
-    # MoE layers are replicated over tp: every tp rank runs them whole (ep divides the rows, not the work)
+    # MoE layers replicated over tp run whole on every tp rank (ep divides the rows, not the work); expert tensor
+    # parallelism (each rank 1/tp of every expert) or sequence parallelism (each rank routes its chunk) divide them
     moe_flops = 6.0 * model.moe_layers * model.moe_layer_params(model.top_k) * tokens
     moe_flops *= hardware_flops / model_flops
-    per_rank = (hardware_flops - moe_flops) / (dp * tp * cp) + moe_flops / (dp * cp)
+    moe_tp = tp if layout.expert_tp or layout.sequence_parallel else 1
+    per_rank = (hardware_flops - moe_flops) / (dp * tp * cp) + moe_flops / (dp * cp * moe_tp)
     compute = per_rank * share / rate + hw.overhead_s * blocks_here * m
     act = BYTES[precision]
     # tensor parallelism, on the critical path, per block and micro-batch: 4 all-reduces of b s h; with
@@ -137,11 +139,16 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     # back, forward and backward (4 all-to-alls of micro-batch x seq x top_k rows; a share (ep - 1) / ep
     # leaves the rank), over the link its ep ranks (consecutive in dp) span
     ep_time = 0.0
-    if layout.ep > 1:
-        rows_bytes = layout.micro_batch * seq // cp * model.top_k * model.d_model * act
-        moe_here = round(model.moe_layers * blocks_here / model.n_layer)
-        ep_time = m * moe_here * 4 * _bus_time(rows_bytes, layout.ep, _bandwidth(hw, tp * cp * layout.ep),
+    rows_bytes = layout.micro_batch * seq // cp * model.top_k * model.d_model * act  # a micro-batch's routed rows
+    moe_here = round(model.moe_layers * blocks_here / model.n_layer) if model.n_experts else 0
+    if layout.ep > 1:  # (under sequence parallelism each tp rank sends its chunk's rows)
+        sent = rows_bytes / tp if layout.sequence_parallel else rows_bytes
+        ep_time = m * moe_here * 4 * _bus_time(sent, layout.ep, _bandwidth(hw, tp * cp * layout.ep),
                                                hw.latency_s, factor=1)
+    if layout.expert_tp and tp > 1:  # the experts' outputs summed over tp: an all-reduce each way of the rows;
+        # under sequence parallelism the rows all-gathered and the outputs reduce-scattered, and back in backward
+        ops, factor = (4, 1) if layout.sequence_parallel else (2, 2)
+        ep_time += m * moe_here * ops * _bus_time(rows_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=factor)
     bubble = bubble_fraction(layout.schedule if pp > 1 else "1f1b", pp, m, v) if pp > 1 else 0.0
     pipelined = (compute + tp_time + ep_time + cp_time) / (1.0 - bubble)
     # pipeline: the fill and drain expose 2 (p - 1) transfers of an activation (or its gradient)

@@ -35,6 +35,9 @@ class ZeroOptions:
     param_dtype: torch.dtype | None = None
     """Store parameters and gradients in this dtype (bf16 / fp16); the optimizer's masters stay in the
     parameters' original dtype (float32). None: the parameters' own."""
+    keep_grads: bool = False
+    """Keep the gradient buffers between steps, zeroed (no allocation per step); False: released after
+    each update, as torch's zero_grad(set_to_none=True)."""
     deferred: bool = False           # pipeline: gradients reduced once in finish()
     """Reduce once per step, after the last backward (pipeline schedules interleave the micro-batches'
     backwards); stage 2 then keeps full gradients during the step and only the shards between steps."""

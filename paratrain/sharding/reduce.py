@@ -2,7 +2,9 @@
 
 Gradients are summed over dp flat group by flat group from post-accumulate-grad hooks, in group
 order (the order gradients complete in backward), and this rank keeps the sum for its shard only.
-How long the full-size buffers live and which backwards communicate is the stage's rule
+Every buffer lives while a step runs, from begin_step to after_step (ZeroOptions.keep_grads: kept,
+zeroed, between steps too). How long the full-size buffers live within a step and which backwards
+communicate is the stage's rule
 (ZeroOptions.persistent_grads, ZeroOptions.reduce_every_micro_batch):
 
     stage 1             .grad are views of persistent flat buffers; the step's last backward
@@ -52,24 +54,14 @@ class GradReducer:
         self.gatherer = gatherer
         self._group_of = {id(p): g for g in groups for p in g.params}
         self._position = {id(p): i for g in groups for i, p in enumerate(g.params)}
-        # Gradient buffers are zeroed by the first begin_step, not here: on a CPU their pages then cost
-        # nothing until training starts (building a large model holds only its parameter shards).
+        # Gradient buffers exist while a step runs (begin_step to after_step; all steps with keep_grads): on a
+        # CPU their pages then cost nothing until training starts (building a large model holds only its shards).
         self.grad_flats: list[torch.Tensor | None] = [None] * len(groups)
         """Full-size gradient buffers by group index: persistent (stage 1), or the one filling now."""
         self.grad_shards: list[torch.Tensor] = []
-        """This rank's summed gradient shard of each group: what the optimizer's masters see."""
-        self._grads_zeroed = False
-        for g in groups:
-            if options.persistent_grads:
-                self.grad_flats[g.index] = torch.empty(g.padded, dtype=g.param_flat.dtype, device=g.param_flat.device)
-            if options.shard_in_grad_buffer:
-                shard = g.shard_of(self.grad_flats[g.index])  # type: ignore[arg-type]
-            else:
-                shard = torch.empty(g.shard_numel, dtype=g.param_flat.dtype, device=g.param_flat.device)
-            self.grad_shards.append(shard)
-            if not g.own_master:
-                g.master.grad = shard
-
+        """This rank's summed gradient shard of each group: what the optimizer's masters see (empty
+        between steps unless keep_grads)."""
+        self.keep_grads = options.keep_grads
         self._sync = True
         """False: the backward in progress only accumulates (begin_micro_batch)."""
         self._ready = [0] * len(groups)
@@ -80,10 +72,14 @@ class GradReducer:
 
     # ---- backward -------------------------------------------------------------------------
     def begin_step(self) -> None:
-        if not self._grads_zeroed:
-            for buffer in [*self.grad_shards, *(f for f in self.grad_flats if f is not None)]:
-                buffer.zero_()
-            self._grads_zeroed = True
+        """The step's gradient buffers, zeroed (kept ones already are), and the .grad that view them."""
+        if not self.grad_shards:
+            for g in self.groups:
+                flat = None
+                if self.options.persistent_grads:
+                    flat = self.grad_flats[g.index] = self._zeros(g, g.padded)
+                self.grad_shards.append(g.shard_of(flat) if flat is not None and self.options.shard_in_grad_buffer
+                                        else self._zeros(g, g.shard_numel))
         if self.options.persistent_grads:
             for g in self.groups:
                 flat = self.grad_flats[g.index]
@@ -94,6 +90,10 @@ class GradReducer:
         for g, shard in zip(self.groups, self.grad_shards):
             if not g.own_master:
                 g.master.grad = shard
+
+    @staticmethod
+    def _zeros(group: FlatGroup, numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=group.param_flat.dtype, device=group.param_flat.device)
 
     def begin_micro_batch(self, *, sync: bool) -> None:
         self._sync = sync
@@ -107,8 +107,7 @@ class GradReducer:
             # Move the gradient into its group's buffer and free the parameter-sized one.
             flat = self.grad_flats[group.index]
             if flat is None:
-                flat = self.grad_flats[group.index] = torch.zeros(
-                    group.padded, dtype=group.param_flat.dtype, device=group.param_flat.device)
+                flat = self.grad_flats[group.index] = self._zeros(group, group.padded)
             offset = group.offsets[self._position[id(param)]]
             assert param.grad is not None
             flat[offset: offset + param.numel()].view_as(param).add_(param.grad)
@@ -126,7 +125,7 @@ class GradReducer:
         group = self.groups[index]
         flat = self.grad_flats[index]
         if flat is None:  # no parameter of this group got a gradient in this backward
-            flat = torch.zeros(group.padded, dtype=group.param_flat.dtype, device=group.param_flat.device)
+            flat = self._zeros(group, group.padded)
         if not self.options.persistent_grads:
             self.grad_flats[index] = None  # the next micro-batch starts a fresh buffer
         shard = pending = None
@@ -186,19 +185,27 @@ class GradReducer:
                 all_reduce(self.grad_shards[g.index], tied)
 
     # ---- after the optimizer step -------------------------------------------------------------
-    def zero_grads(self) -> None:
-        for shard in self.grad_shards:
-            shard.zero_()
-        for flat in self.grad_flats:
-            if flat is not None:
-                flat.zero_()
+    def after_step(self) -> None:
+        """The update is done: zero the gradient buffers (keep_grads), or release them and every .grad
+        that views them."""
+        if self.keep_grads:
+            torch._foreach_zero_([*self.grad_shards, *(f for f in self.grad_flats if f is not None)])
+            return
+        self.grad_shards = []
+        self.grad_flats = [None] * len(self.groups)
+        for g in self.groups:
+            g.master.grad = None
+            for param in g.params:
+                param.grad = None
 
-    def memory(self) -> int:
-        """Bytes of gradients held between steps: full buffers (stage 1) and the shards that have
-        storage of their own."""
-        grads = sum(f.numel() * f.element_size() for f in self.grad_flats if f is not None)
-        for g, shard in zip(self.groups, self.grad_shards):
-            flat = self.grad_flats[g.index]
-            if flat is None or shard._base is not flat:  # a buffer of its own (meta tensors have no pointers)
-                grads += shard.numel() * shard.element_size()
-        return grads
+    def memory(self) -> dict[str, int]:
+        """Bytes of gradients a step holds ("grads": full buffers under stage 1, else shards only; the
+        buffer being reduced aside) and how many of them stay between steps ("grads_kept")."""
+        grads = 0
+        for g in self.groups:
+            size = g.param_flat.element_size()
+            if self.options.persistent_grads:
+                grads += size * g.padded
+            if not self.options.shard_in_grad_buffer:
+                grads += size * g.shard_numel
+        return {"grads": grads, "grads_kept": grads if self.keep_grads else 0}

@@ -133,17 +133,17 @@ class ZeroSync:
                        for g in self.groups if self._placement[g.index].shard is not None]
             for pending in gathers:
                 pending.wait()
-        self.reducer.zero_grads()
+        self.reducer.after_step()
 
     def memory(self) -> dict[str, int]:
-        """Bytes held between steps: parameters (stages 1-2: full, padded; stage 3: shards), gradients
-        (stage 1: full buffers; stages 2-3: shards only), and masters that do not share the
-        parameters' storage (offload: in CPU memory; they count with the optimizer)."""
+        """Bytes held: parameters (stages 1-2: full, padded; stage 3: shards), gradients while a step runs
+        (stage 1: full buffers; stages 2-3: shards only) and between steps ("grads_kept"), and masters that
+        do not share the parameters' storage (offload: in CPU memory; they count with the optimizer)."""
         params = sum(g.param_flat.untyped_storage().nbytes() for g in self.groups)
         if self.options.params_sharded:  # shards in storage of their own (the full buffers are freed between steps)
             params += sum(g.shard.numel() * g.shard.element_size() for g in self.groups)
         masters = sum(g.master.numel() * g.master.element_size() for g in self.groups if g.own_master)
-        return {"params": params, "grads": self.reducer.memory(), "masters": masters}
+        return {"params": params, **self.reducer.memory(), "masters": masters}
 
     @property
     def params_sharded(self) -> bool:

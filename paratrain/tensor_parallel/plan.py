@@ -86,13 +86,15 @@ class TensorParallelLayout:
         dim = self.split_dims.get(name)
         return tensor if dim is None else all_gather_along(tensor.detach(), self.group, dim)
 
-    def register_grad_hooks(self, model: nn.Module) -> None:
+    def register_grad_hooks(self, model: nn.Module, *, split: frozenset[int] = frozenset()) -> None:
         """Under sequence parallelism, sum each replicated parameter's gradient over tp as autograd
-        produces it. apply_tensor_parallel does this itself, unless the model is on the meta device:
-        then call it once the parameters are materialised (a hook does not survive materialisation)."""
+        produces it. apply_tensor_parallel does this itself, unless the model is on the meta device or
+        told not to (parallelize hooks once every layout is applied): then call it once the parameters
+        are materialised (a hook does not survive materialisation). split: id() of parameters other
+        layouts cut over tp (expert tensor parallelism): their gradients are whole, not summed."""
         if self.sequence_parallel:
             for param in model.parameters():
-                if param.requires_grad and id(param) not in self.split_ids:
+                if param.requires_grad and id(param) not in self.split_ids and id(param) not in split:
                     param.register_hook(_sum_over_tp(self.group))
 
     def gather_full(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -129,8 +131,10 @@ def _expect(module: nn.Module, kind: type | tuple[type, ...], name: str, style: 
 
 
 def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: AxisGroup, *,
-                          sequence_parallel: bool = False, allow_missing: bool = False) -> TensorParallelLayout:
-    """Replace the planned modules of `model` in place by their tensor-parallel versions."""
+                          sequence_parallel: bool = False, allow_missing: bool = False,
+                          hooks: bool = True) -> TensorParallelLayout:
+    """Replace the planned modules of `model` in place by their tensor-parallel versions. hooks: register
+    sequence parallelism's gradient hooks now (TensorParallelLayout.register_grad_hooks)."""
     check_ties(model, plan, allow_missing=allow_missing)  # so every end of a tie is split alike below
     resolved = resolve_plan(model, plan, allow_missing=allow_missing)
     split: dict[int, int] = {}  # id(new parameter) -> split dim
@@ -162,7 +166,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
         if id(param) in split:
             layout.split_dims[pname] = split[id(param)]
     layout.split_ids = frozenset(split)
-    if not any(p.is_meta for p in model.parameters()):
+    if hooks and not any(p.is_meta for p in model.parameters()):
         layout.register_grad_hooks(model)
     return layout
 

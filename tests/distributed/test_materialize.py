@@ -60,6 +60,7 @@ def materialize_job(*, precision: str = "fp32", fallback: bool = False, model: s
     dict(dp=4, zero=2, offload="optimizer"),  # masters on the CPU, apart from the shard
     dict(tp=2, pp=2, fallback=True),  # FromRank0: broadcast along each axis
     dict(dp=2, ep=2, tp=2, model="tiny-moe"),  # each ep rank fills its experts' slice
+    dict(dp=2, ep=2, tp=2, expert_tp=True, sequence_parallel=True, zero=1, model="tiny-moe"),  # cut along 2 dims
 ], ids=lambda layout: "-".join(f"{k}{v}" for k, v in layout.items()))
 def test_meta_build_holds_the_whole_builds_pieces_bitwise(pools, layout):
     results = pools(4).run(materialize_job, **layout)

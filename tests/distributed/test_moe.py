@@ -44,10 +44,19 @@ def same_routing(got: dict, ref: dict) -> None:
     dict(dp=4, ep=2, zero=3, micro_batch=2),            # experts sharded and gathered over edp, the rest over dp
     dict(dp=1, cp=2, micro_batch=8),                    # each sequence split: capacity and balance over the whole
     dict(dp=2, ep=2, cp=2, cp_mode="ulysses", micro_batch=4),  # experts over ep, their gradients over ep x cp
+    dict(dp=2, ep=2, tp=2, expert_tp=True, micro_batch=8),     # each expert cut over tp, experts over ep
+    dict(dp=2, ep=2, tp=2, expert_tp=True, zero=3, micro_batch=4),  # ... their slices sharded by ZeRO-3 (edp = 1)
+    dict(dp=2, tp=2, sequence_parallel=True, micro_batch=4),   # each tp rank routes its chunk of the sequence
+    dict(dp=2, ep=2, tp=2, sequence_parallel=True, expert_tp=True, micro_batch=8),  # chunks' rows gathered over tp
+    dict(dp=1, tp=2, cp=2, sequence_parallel=True, micro_batch=8),  # chunks of each cp part, capacity over all
+    dict(dp=1, tp=2, pp=2, sequence_parallel=True, expert_tp=True, recompute=True, micro_batch=2),  # all on stages
+    dict(dp=1, compile="aot_eager", micro_batch=8),            # dense parts compiled, the MoE layers eager
 ], ids=["zero2-recompute", "ep2-zero3", "tp2", "pp2", "ep2", "ep4", "dp2xep2", "ep2xtp2", "ep2xpp2", "dp2xep2-zero3",
-        "cp2", "ep2xcp2"])
+        "cp2", "ep2xcp2", "ep2xetp2", "ep2xetp2-zero3", "dp2xtp2-sp", "ep2xetp2-sp", "tp2xcp2-sp", "tp2xpp2-sp-etp",
+        "compiled"])
 def test_float64_layouts_equal_the_single_process(pools, layout):
-    """Measured (AMD EPYC; avx2 and default kernels): loss <= 3.5e-16, grad norm <= 1.1e-15, weights <= 1.1e-14."""
+    """Measured (AMD EPYC; avx2 and default kernels): loss <= 3.5e-16, grad norm <= 1.3e-15, weights <= 1.1e-14
+    (expert-tp, sequence parallelism and compiled: loss <= 3.5e-16, grad norm <= 1.3e-15, weights <= 9.9e-15)."""
     world = layout["dp"] * layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
     got = pools(world).run(_job, dtype="float64", **layout)
     ref = reference("float64")
@@ -113,6 +122,24 @@ def test_checkpoints_resume_across_ep_degrees(pools, tmp_path):
     within(max_state_diff(third["model"], ref["model"]), 1e-12, "MoE weights resumed ep 4 -> ep 2 ZeRO-2 -> 1 (float64)")
 
 
+def test_checkpoints_resume_across_expert_tp_degrees(pools, tmp_path):
+    """Each expert cut along two dims (ep 2 over its experts, expert-tp 2 over its width) under ZeRO-1 (steps
+    1-3) -> experts whole on every tp rank under sequence parallelism (4-5) -> one process (6-8), each from the
+    last one's sharded checkpoint, equal the uninterrupted run."""
+    ref = reference("float64")
+    first = pools(4).run(_job, dtype="float64", dp=2, ep=2, tp=2, expert_tp=True, zero=1, micro_batch=4, steps=3,
+                         save_sharded=str(tmp_path / "a"))
+    second = pools(4).run(_job, dtype="float64", dp=2, tp=2, sequence_parallel=True, micro_batch=4, steps=2,
+                          start_step=3, load_sharded=str(tmp_path / "a"), save_sharded=str(tmp_path / "b"))
+    from tests.helpers import tiny_run
+
+    third = tiny_run(dp=None, micro_batch=None, steps=3, start_step=5, dtype="float64", model="tiny-moe",
+                     overrides=MOE, load_sharded=str(tmp_path / "b"))
+    losses = first[0]["losses"] + second[0]["losses"] + third["losses"]
+    within(rel_diff(losses, ref["losses"]), 1e-12, "MoE loss resumed expert-tp 2 -> replicated over tp -> 1 (float64)")
+    within(max_state_diff(third["model"], ref["model"]), 1e-12, "MoE weights resumed across expert-tp (float64)")
+
+
 def _starved_job(ep: int) -> dict:
     """Top-1 over 4 experts with router rows w0 = w1 = 0 and w3 = -w2: every token goes to expert 2 or 3,
     so under ep 2 rank 0's experts receive nothing (its all-to-alls must still run, forward and back)."""
@@ -158,8 +185,11 @@ def _dropless_job(**kwargs) -> dict:
 
 @pytest.mark.parametrize("precision,layout", [
     ("fp32", dict(dp=2, ep=2, tp=2, micro_batch=4)),  # float32: the parity suite's bounds
+    ("fp32", dict(dp=2, ep=2, tp=2, expert_tp=True, micro_batch=4)),  # the CLI's --ep 2 --tp 2 --expert-tp
+    ("fp32", dict(dp=1, tp=2, sequence_parallel=True, micro_batch=4)),  # --tp 2 --sequence-parallel
+    ("fp32", dict(dp=2, ep=2, compile=True, micro_batch=4)),  # --ep 2 --compile (inductor)
     ("bf16", dict(dp=2, ep=2, zero=1, micro_batch=4)),  # bf16 storage, float32 masters; ep = dp: experts unsharded
-], ids=["float32-ep2xtp2", "bf16-ep2-zero1"])
+], ids=["float32-ep2xtp2", "float32-ep2xetp2", "float32-tp2-sp", "float32-ep2-compiled", "bf16-ep2-zero1"])
 def test_dropless_under_ep_in_float32_and_bf16(pools, precision, layout):
     """Dropless routing (the default), against the single process in the same precision."""
     world = layout["dp"] * layout.get("tp", 1)

@@ -24,7 +24,7 @@ def _report(layout: dict, precision: str, model: str = "tiny") -> dict:
     config = paratrain.ParallelConfig(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], zero=layout["zero"],
                                       shard_group=layout["shard_group"], virtual_stages=layout["virtual_stages"],
                                       schedule=layout["schedule"], offload="optimizer" if layout["offload"] else "none",
-                                      bucket_mb=BUCKET_MB, ep=layout["ep"])
+                                      bucket_mb=BUCKET_MB, ep=layout["ep"], expert_tp=layout["expert_tp"])
     ctx = paratrain.init(device="cpu", config=config)
     model = paratrain.build_gpt(TINY if model == "tiny" else MOE, seed=0)
     engine = paratrain.parallelize(model, ctx, optimizer=adamw_factory(model, OptimSection()), micro_batch=1,
@@ -46,7 +46,10 @@ CASES = {
         # Mixture-of-Experts (tiny-moe): experts sliced over ep, sharded over edp (dp / ep)
         dict(model="tiny-moe", dp=4, ep=2), dict(model="tiny-moe", dp=4, ep=2, zero=1, precision="bf16"),
         dict(model="tiny-moe", dp=4, ep=4, zero=2), dict(model="tiny-moe", dp=2, ep=2, tp=2, zero=3),
-        dict(model="tiny-moe", dp=2, ep=2, pp=2, zero=1)],
+        dict(model="tiny-moe", dp=2, ep=2, pp=2, zero=1),
+        # expert tensor parallelism: every expert cut over tp (with ZeRO: its slices sharded over edp)
+        dict(model="tiny-moe", dp=2, ep=2, tp=2, expert_tp=True), dict(model="tiny-moe", dp=2, tp=2, expert_tp=True,
+                                                                        zero=2)],
 }
 
 
@@ -244,3 +247,24 @@ def test_pipeline_activation_peak_follows_the_schedule(pools, schedule, v):
     for got in pools(2).run(_pipeline_peak, schedule, v):
         expected = activation_bytes(TINY, layout, seq=TINY.seq_len, mode="fp32", stage=got["stage"], microbatches=8)
         within(abs(got["peak"] / expected - 1), 0.05, f"activation peak, stage {got['stage']}")
+
+
+def _expert_bytes(expert_tp: bool) -> int:
+    import paratrain
+
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=2, ep=2, tp=2, expert_tp=expert_tp))
+    engine = paratrain.parallelize(paratrain.build_gpt(MOE, seed=0, device="meta"), ctx,
+                                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    return sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters() if ".experts." in n)
+
+
+def test_expert_tensor_parallel_halves_each_ranks_experts_as_planned(pools):
+    """The experts a rank holds (its ep share, cut over tp with expert-tp) equal the planner's to the byte,
+    and expert-tp 2 halves them."""
+    from paratrain.planner.layout import Layout, rank_params
+
+    planned = {cut: 4 * sum(p.numel for p in rank_params(MOE, Layout.of(dp=2, ep=2, tp=2).dims, 0, expert_tp=cut)
+                            if p.expert) for cut in (False, True)}
+    for cut in (False, True):
+        assert pools(4).run(_expert_bytes, cut) == [planned[cut]] * 4
+    assert planned[True] * 2 == planned[False]

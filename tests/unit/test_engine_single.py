@@ -102,3 +102,30 @@ def test_loading_a_state_does_not_alias_it():
     for name, values in before.items():
         for key, value in values.items():
             assert torch.equal(state["optimizer"]["state"][name][key], value), (name, key)
+
+
+@pytest.mark.parametrize("keep_grads", [False, True])
+def test_gradients_are_released_between_steps(keep_grads):
+    """Between steps one process with AdamW holds its parameters and the two moments (3x the parameters'
+    bytes; the gradient buffers are released after each update, as torch's zero_grad(set_to_none=True)),
+    or 4x with keep_grads; memory_report says both figures, and a step after the release trains on. The
+    live bytes come from a scan of every tensor storage (paratrain.memory.live_tensor_bytes). Measured:
+    3.0013x (released) and 4.0013x (kept) on the GPT below (the rotary tables and the batch make the rest)."""
+    from paratrain.memory import live_tensor_bytes
+
+    config = preset("tiny", seq_len=32, n_layer=2, d_model=256, n_head=4)
+    before = live_tensor_bytes()
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(keep_grads=keep_grads))
+    engine = paratrain.parallelize(paratrain.build_gpt(config, seed=0), ctx,
+                                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    params = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    batch = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(3))
+    losses = [engine.train_step((batch[:, :-1], batch[:, 1:]), paratrain.lm_loss) for _ in range(2)]
+    held = live_tensor_bytes() - before
+    assert losses[1] < losses[0]
+    report = engine.memory_report()
+    assert report["between_steps"] == report["params"] + report["optimizer"] + (report["grads"] if keep_grads else 0)
+    assert report["in_step"] == report["params"] + report["grads"] + report["optimizer"]
+    assert all((p.grad is not None) == keep_grads for p in engine.model.parameters())
+    ratio = held / params
+    assert (3.0 <= ratio <= 3.05) if not keep_grads else (4.0 <= ratio <= 4.05), ratio

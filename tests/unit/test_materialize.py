@@ -19,17 +19,24 @@ def test_keyed_normal_ranges_and_slices_equal_the_whole_draw():
     shape = (6, 3 * BLOCK // 4 + 4)  # 4.5 blocks: ranges cross block boundaries
     whole = init.values(shape, 0, 6 * shape[1]).view(shape)
     assert whole.std().item() == pytest.approx(0.02, rel=0.01)
-    for split in (None, (0, 1, 3), (1, 2, 4)):
+    for split in (None, (0, 1, 3), (1, 2, 4), ((1, 2, 4), (0, 1, 3))):  # the last cut along two dims (ep, tp)
         piece = Piece("w", shape, torch.float32, split)
-        if split is None:
-            local = whole
-        else:
-            dim, index, parts = split
+        local = whole
+        for dim, index, parts in piece.cuts:
             size = shape[dim] // parts
-            local = whole.narrow(dim, index * size, size)
+            local = local.narrow(dim, index * size, size)
         flat = local.reshape(-1)
-        for lo, hi in [(0, flat.numel()), (7, BLOCK + 12345), (flat.numel() - 3, flat.numel()), (5, 5)]:
+        for lo, hi in [(0, flat.numel()), (7, min(BLOCK + 12345, flat.numel())), (flat.numel() - 3, flat.numel()),
+                       (5, 5)]:
             assert torch.equal(piece.values(init, lo, hi), flat[lo:hi]), (split, lo, hi)
+    experts = torch.arange(4 * 6 * 8.0).view(4, 6, 8)  # [E, D, F] cut over E and F: runs of F / parts
+    piece = Piece("down", (4, 6, 8), torch.float32, ((0, 1, 2), (2, 1, 2)))
+    local = experts[2:4, :, 4:8].reshape(-1)
+    assert piece.numel == local.numel() and piece.local_shape == (2, 6, 4)
+    assert piece.runs(0, piece.numel)[:2] == [(0, 100, 4), (4, 108, 4)]  # experts[2, 0, 4:8], experts[2, 1, 4:8]
+    assert all(torch.equal(experts.view(-1)[b: b + n], local[a: a + n]) for a, b, n in piece.runs(3, 41))
+    with pytest.raises(ValueError, match="two cuts of one dim"):
+        Piece("w", (4, 4), torch.float32, ((0, 0, 2), (0, 1, 2)))
     small = KeyedNormal(1, "b", 1.0)  # one block: the values of a single draw from (seed, name)
     from paratrain.rng import keyed_generator
     assert torch.equal(small.values((5, 4), 0, 20), torch.empty(20).normal_(generator=keyed_generator(1, "param/b")))

@@ -61,7 +61,7 @@ def test_command_line_json(capsys):
     best = record["candidates"][0]
     assert set(best["layout"]) >= {"dp", "tp", "pp", "virtual_stages", "zero", "shard_group", "micro_batch",
                                    "recompute", "sequence_parallel", "schedule"}
-    assert set(best["memory"]) == {"params", "grads", "optimizer", "activations", "other", "peak"}
+    assert set(best["memory"]) == {"params", "grads", "optimizer", "activations", "other", "peak", "between_steps"}
     for key in ("step_time_s", "compute_s", "comm_s", "bubble", "tokens_per_s", "mfu", "fits", "train_days"):
         assert key in best
     assert main(["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "64", "--top", "3"]) == 0
@@ -137,17 +137,24 @@ def test_plan_auto_takes_the_fastest_fitting_layout_and_keeps_pins(tmp_path):
 
 
 def test_mixture_of_experts_layouts(capsys):
-    """A MoE model: the search tries every ep dividing dp and the experts, refuses what paratrain refuses
-    (sequence parallelism), and expert parallelism divides the experts' state; a dry run is refused."""
+    """A MoE model: the search tries every ep dividing dp and the experts, sequence parallelism and expert
+    tensor parallelism; expert parallelism divides the experts' state, expert-tp too, and both divide the MoE
+    layers' compute per rank (sequence parallelism, each rank routing its chunk, as well); a dry run is refused."""
     model = preset("switch-base-8")
     result = search(model, 8, hardware("h100-80gb"), global_batch=64, pins={"tp": 2})
     assert {r["layout"]["ep"] for r in result["candidates"]} == {1, 2, 4}
-    assert any("a MoE layer routes whole sequences" in r["reason"] for r in result["rejected"])
+    assert {(r["layout"]["sequence_parallel"], r["layout"]["expert_tp"]) for r in result["candidates"]} == {
+        (False, False), (False, True), (True, False), (True, True)}
     one, four = (estimate(model, Layout.of(dp=4, ep=ep, zero=1), hardware("h100-80gb"), global_batch=64)
                  for ep in (1, 4))
     experts = model.moe_layers * model.n_experts * 2 * model.d_model * model.expert_dim
     assert one["memory"]["params"] - four["memory"]["params"] == 2 * experts * 3 / 4  # bf16, 3/4 of them gone
     assert four["comm_s"] > one["comm_s"]  # the all-to-alls
+    whole, cut, chunks = (estimate(model, Layout.of(dp=4, tp=2, **kw), hardware("h100-80gb"), global_batch=64)
+                          for kw in ({}, {"expert_tp": True}, {"sequence_parallel": True}))
+    assert whole["memory"]["params"] - cut["memory"]["params"] == 4 * experts / 2  # fp32 (ZeRO 0): half of each expert
+    assert cut["compute_s"] < whole["compute_s"] and chunks["compute_s"] < whole["compute_s"]
+    assert cut["comm_s"] > whole["comm_s"]  # the experts' outputs summed over tp
     assert main(["plan", "--model", "tiny-moe", "--gpus", "2", "--global-batch", "8", "--dry-run"]) == 2
     assert "cannot be dry-run" in capsys.readouterr().err
 
