@@ -18,6 +18,8 @@ one step (CollectiveCounter).
 Layer contenders run forward + backward of one MoE layer on 1024 tokens of width 256 per rank, 8
 experts (two-layer MLPs of width 512), top-2, no capacity limit, over ep ranks: paratrain's MoE
 with AllToAllExperts, and DeepSpeed's MoE (drop_tokens=False, its gating normalising the top-2).
+The sequence-parallel pair runs one sequence of 1024 tokens split over tp 2 (experts replicated):
+routed where the chunks are (paratrain's choice) against gathered first and routed whole.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ LAYOUTS = {  # model contender -> (processes, ParallelConfig fields, parallelize
     "paratrain-tp2-sp-etp": (2, {"tp": 2, "sequence_parallel": True, "expert_tp": True}, False),
     "paratrain-ep2-compiled": (2, {"ep": 2}, True),  # blocks compiled by inductor, the MoE layers eager
 }
-CONTENDERS = [*LAYOUTS, "paratrain-layer-ep2", "deepspeed-layer-ep2"]
+CONTENDERS = [*LAYOUTS, "paratrain-layer-ep2", "deepspeed-layer-ep2", "paratrain-layer-sp-local2",
+              "paratrain-layer-sp-gather2"]
 
 
 def _timed_all_to_all() -> list[float]:
@@ -114,6 +117,8 @@ def _layer(name: str, steps: int) -> dict:
                              drop_tokens=False)
         layer.set_deepspeed_parallelism()
         run = lambda: layer(x)[0]  # noqa: E731  (output, aux loss, counts)
+    elif "-sp-" in name:  # sequence parallelism at tp 2: a sequence of TOKENS split over the ranks
+        run = _sequence_parallel_layer(name, x)
     else:
         from paratrain.expert_parallel import apply_expert_parallel
         from paratrain.nn.moe import MoE
@@ -139,6 +144,33 @@ def _layer(name: str, steps: int) -> dict:
             "world": dist.get_world_size()}
 
 
+def _sequence_parallel_layer(name: str, x):  # type: ignore[no-untyped-def]
+    """One MoE layer (experts replicated over tp 2) on a sequence split over the tp ranks, two ways: "local",
+    each rank routes its chunk (what paratrain does); "gather", the sequence all-gathered first and every rank
+    routing all of it, as plain tensor parallelism would (backward keeps the rank's slice), then its chunk
+    of the output kept."""
+    import torch
+    import torch.distributed as dist
+
+    import paratrain
+    from paratrain.comm.regions import _region, _split, all_gather_along
+    from paratrain.nn.moe import MoE
+    from paratrain.tensor_parallel.sequence import SequenceChunks
+
+    ctx = paratrain.init(paratrain.ParallelConfig(tp=dist.get_world_size()), device="cpu")
+    group = ctx.mesh.group("tp")
+    torch.manual_seed(0)
+    layer = MoE(WIDTH, n_experts=EXPERTS, top_k=2, d_ff=HIDDEN, capacity_factor=0.0, aux_coef=0.01, z_coef=0.001)
+    for param in layer.parameters():
+        torch.nn.init.normal_(param, std=0.02)
+    chunk = x[:, : TOKENS // group.size].detach().requires_grad_()
+    if "local" in name:
+        layer.split_sequence(SequenceChunks(group))
+        return lambda: layer(chunk)
+    n = chunk.shape[1]
+    return lambda: layer(_region(chunk, group, 1, all_gather_along, _split))[:, group.index * n:(group.index + 1) * n]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
@@ -157,6 +189,9 @@ def main(argv: list[str] | None = None) -> None:
         for name in LAYOUTS:
             if name in results and name != "paratrain-1proc":
                 print(f"{name} step time / one process: {results[name]['step_s'] / base['step_s']:.2f}")
+    if "paratrain-layer-sp-local2" in results and "paratrain-layer-sp-gather2" in results:
+        ratio = results["paratrain-layer-sp-gather2"]["step_s"] / results["paratrain-layer-sp-local2"]["step_s"]
+        print(f"MoE layer under sequence parallelism (tp 2), gathered / routed locally step time: {ratio:.2f}")
     if "paratrain-layer-ep2" in results and "deepspeed-layer-ep2" in results:
         ratio = results["deepspeed-layer-ep2"]["step_s"] / results["paratrain-layer-ep2"]["step_s"]
         print(f"MoE layer at ep 2, DeepSpeed / paratrain step time: {ratio:.2f}")

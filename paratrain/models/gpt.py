@@ -38,7 +38,7 @@ from torch import nn
 
 from paratrain.config.model import ModelConfig
 from paratrain.nn.dropout import KeyedDropout
-from paratrain.models.gpt_recipe import GPT_RECIPE
+from paratrain.models.gpt_recipe import GPT_PLAN, GPT_RECIPE
 from paratrain.models.init import Constant, Given, KeyedNormal, ParamInit, init_tensor_
 from paratrain.nn.loss import VocabOutput
 from paratrain.nn.moe import MoE, RouterLog
@@ -212,7 +212,10 @@ class GPT(nn.Module):
 
     def recipe(self) -> Recipe:
         """What the strategies need to know about the GPT (paratrain.models.gpt_recipe): its tensor-parallel
-        plan, its blocks, its pipeline layers and loss."""
+        plan (without the dense MLP's entries when every block has a MoE layer), its blocks, its pipeline layers
+        and loss."""
+        if self.config.n_experts and all(self.config.is_moe(i) for i in range(self.config.n_layer)):
+            return GPT_RECIPE.with_overrides(tp_plan={k: v for k, v in GPT_PLAN.items() if not k.startswith("mlp.")})
         return GPT_RECIPE
 
     def param_inits(self, seed: int | None = None) -> dict[str, ParamInit]:

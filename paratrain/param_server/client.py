@@ -77,12 +77,11 @@ class ServerClient:
     """Async: (clock, the version received from each server) of every pull."""
     tables: list[TouchedRows] = field(default_factory=list)
     """The sparse tables (paratrain.param_server.sparse): their rows travel only where a step touched them."""
-    sparse_bytes: int = 0
-    """Bytes of sparse gradient rows pushed so far (unique ids x width x element size per server and step)."""
-    pushed_bytes: int = 0
-    """Bytes of gradients this trainer sent so far (dense slices, sparse ids and rows; headers aside)."""
-    pulled_bytes: int = 0
-    """Bytes of parameters it received so far (dense slices, sparse ids and rows; headers aside)."""
+    sparse_bytes: int = 0  # sparse gradient rows pushed so far (unique ids x width x element size per server, step)
+    pushed_bytes: int = 0  # gradients this trainer sent so far (dense slices, sparse ids and rows; headers aside)
+    pulled_bytes: int = 0  # parameters it received so far (dense slices, sparse ids and rows; headers aside)
+    keep_grads: bool = False
+    """Keep the dense gradient buffers between steps (ParallelConfig.keep_grads); False: released after each."""
     grads: list[torch.Tensor] = field(init=False)
 
     params_sharded = False
@@ -131,9 +130,13 @@ class ServerClient:
         pass
 
     def after_step(self) -> None:
-        self.grads = []  # the dense gradients released (the tables' rows kept, zeroed)
-        for param in (p for g in self.buckets for p in g.params):
-            param.grad = None
+        """The dense gradients released (keep_grads: zeroed), the tables' rows zeroed (they accumulate sparsely)."""
+        for flat in self.grads if self.keep_grads else ():
+            flat.zero_()
+        if not self.keep_grads:
+            self.grads = []
+            for param in (p for g in self.buckets for p in g.params):
+                param.grad = None
         for table in self.tables:
             table.grad.zero_()
             table.clear()
@@ -144,9 +147,9 @@ class ServerClient:
     def memory(self) -> dict[str, int]:
         groups = self.buckets + [t.group for t in self.tables]
         tables = sum(t.grad.numel() * t.grad.element_size() for t in self.tables)  # kept: sparse rows accumulate
+        dense = sum(g.param_flat.numel() * g.param_flat.element_size() for g in self.buckets)
         return {"params": sum(g.param_flat.numel() * g.param_flat.element_size() for g in groups),
-                "grads": sum(g.param_flat.numel() * g.param_flat.element_size() for g in self.buckets) + tables,
-                "grads_kept": tables}
+                "grads": dense + tables, "grads_kept": tables + (dense if self.keep_grads else 0)}
 
     def check_memory_load(self) -> None:
         """Engine.load_state_dict: refused with dedicated servers, which hold the parameters' values."""

@@ -92,7 +92,7 @@ def connect(model: nn.Module, ctx: Context, optimizer: torch.optim.Optimizer, *,
         local = ShardServer(ctx.rank, groups, optimizer, link, clip=grad_clip, on_non_finite=on_non_finite, ready=True,
                             tables=sparse, widths=[t.width for t in touched])
     return ServerClient(groups, link, ctx.rank, len(optimizer.param_groups), mode=config.ps_mode,
-                        staleness=config.staleness, local=local, tables=touched)
+                        staleness=config.staleness, local=local, tables=touched, keep_grads=config.keep_grads)
 
 
 def build_server(model: nn.Module, ctx: Context, optimizer: OptimizerFactory, *, grad_clip: float = 0.0,

@@ -58,15 +58,17 @@ def slice_count(layout: Layout) -> int:
     return layout.ps_servers or layout.dp
 
 
-def trainer_state_bytes(model: ModelConfig, layout: Layout, *, bucket_mb: float = 25.0) -> dict[str, int]:
+def trainer_state_bytes(model: ModelConfig, layout: Layout, *, bucket_mb: float = 25.0,
+                        keep_grads: bool = False) -> dict[str, int]:
     """What a trainer's engine.memory_report() says: {"params", "grads", "optimizer", "in_step", "between_steps"}
-    (the dense gradients released between steps)."""
+    (the dense gradients released between steps, unless keep_grads)."""
     sizes = buckets(model, slice_count(layout), int(bucket_mb * 2**20))
     psi = sum(sizes)
     optimizer = 0
     if not layout.ps_servers:  # colocated: its own slice of every bucket, AdamW's two moments and a step
         optimizer = 2 * ELEMENT * psi // layout.dp + STEP_BYTES * len(sizes)
-    return with_totals({"params": ELEMENT * psi, "grads": ELEMENT * psi, "optimizer": optimizer})
+    return with_totals({"params": ELEMENT * psi, "grads": ELEMENT * psi, "optimizer": optimizer},
+                       kept_grads=ELEMENT * psi if keep_grads else 0)
 
 
 def server_state_bytes(model: ModelConfig, layout: Layout, *, bucket_mb: float = 25.0) -> dict[str, int]:

@@ -65,7 +65,7 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, p
     served = layout.ps_mode != "off"
     for stage in sorted({0, layout.pp // 2, layout.pp - 1}):
         if served:  # a trainer of the parameter server (paratrain.planner.param_server)
-            states = param_server.trainer_state_bytes(model, layout, bucket_mb=bucket_mb)
+            states = param_server.trainer_state_bytes(model, layout, bucket_mb=bucket_mb, keep_grads=keep_grads)
         else:
             states = model_state_bytes(model, layout, precision=precision, stage=stage, bucket_mb=bucket_mb,
                                        grad_reduce=grad_reduce, pp_split=pp_split, keep_grads=keep_grads)

@@ -66,6 +66,21 @@ def test_float64_layouts_equal_the_single_process(pools, layout):
     same_routing(got[0], ref)
 
 
+EVERY_BLOCK = (("capacity_factor", 1.0), ("moe_every", 1))
+
+
+def _every_block_job(**kwargs) -> dict:
+    return ranked_run(steps=4, model="tiny-moe", overrides=EVERY_BLOCK, dtype="float64", **kwargs)
+
+
+def test_every_block_a_moe_layer_under_tp_and_sequence_parallelism(pools):
+    """A model without a dense MLP (every block MoE): the GPT's tp plan leaves out the MLP's entries, and tp 2
+    with sequence parallelism and expert-tp equals one process (float64; measured 1.6e-16 loss)."""
+    got = pools(2).run(_every_block_job, dp=1, tp=2, sequence_parallel=True, expert_tp=True, micro_batch=8)
+    ref = reference_run(4, dtype="float64", model="tiny-moe", overrides=EVERY_BLOCK)
+    within(rel_diff(got[0]["losses"], ref["losses"]), 1e-12, "MoE in every block, tp 2 + SP + expert-tp (float64)")
+
+
 def _all_to_all_bytes(micro_batch: int) -> dict:
     """One step of dp 2 x ep 2 under CollectiveCounter: this rank's all-to-all bytes and the step's stats."""
     import torch

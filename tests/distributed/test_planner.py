@@ -69,7 +69,7 @@ def test_model_states_equal_the_engines_report(pools, world):
             assert got["report"] == expected, (case, precision, got["rank"])
 
 
-def _served(mode: str, servers: int, staleness: int, steps: int) -> dict:
+def _served(mode: str, servers: int, staleness: int, steps: int, keep_grads: bool) -> dict:
     """A parameter-server run of the tiny GPT (adamw_factory, BUCKET_MB buckets): a trainer's memory report
     and bytes moved per step, or a server's memory."""
     import paratrain
@@ -77,7 +77,8 @@ def _served(mode: str, servers: int, staleness: int, steps: int) -> dict:
     from paratrain.train.optim import adamw_factory
 
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(ps_mode=mode, ps_servers=servers,
-                                                                        staleness=staleness, bucket_mb=BUCKET_MB))
+                                                                        staleness=staleness, bucket_mb=BUCKET_MB,
+                                                                        keep_grads=keep_grads))
     model = paratrain.build_gpt(TINY, seed=0)
     optimizer = adamw_factory(model, OptimSection())
     if ctx.is_server:
@@ -93,17 +94,18 @@ def _served(mode: str, servers: int, staleness: int, steps: int) -> dict:
     return {"report": engine.memory_report(), "moved": moved}
 
 
-@pytest.mark.parametrize("world,mode,servers,staleness", [(4, "sync", 2, 0), (2, "sync", 0, 0), (4, "async", 1, 1)],
-                         ids=["2-trainers-2-servers", "colocated", "async-3-trainers-s1"])
-def test_parameter_server_states_and_traffic_equal_the_run(pools, world, mode, servers, staleness):
-    """A trainer's memory report and its bytes pushed and pulled per step, and a server's slices, optimizer
-    state and the pushes it held at once (synchronous: exactly T slices; asynchronous: within s + 2),
-    as paratrain.planner.param_server predicts them, to the byte."""
+@pytest.mark.parametrize("world,mode,servers,staleness,keep", [(4, "sync", 2, 0, False), (2, "sync", 0, 0, True),
+                                                               (4, "async", 1, 1, False)],
+                         ids=["2-trainers-2-servers", "colocated-kept-grads", "async-3-trainers-s1"])
+def test_parameter_server_states_and_traffic_equal_the_run(pools, world, mode, servers, staleness, keep):
+    """A trainer's memory report (its dense gradients released between steps, or kept) and its bytes pushed
+    and pulled per step, and a server's slices, optimizer state and the pushes it held at once (synchronous:
+    exactly T slices; asynchronous: within s + 2), as paratrain.planner.param_server predicts them, to the byte."""
     from paratrain.planner import param_server
     from paratrain.planner.layout import Layout
 
     layout = Layout.of(dp=world - servers, ps_mode=mode, ps_servers=servers, staleness=staleness)
-    got = pools(world).run(_served, mode, servers, staleness, 3)
+    got = pools(world).run(_served, mode, servers, staleness, 3, keep)
     moved = param_server.step_bytes(TINY, layout, bucket_mb=BUCKET_MB)
     for rank in got:
         if "server" in rank:
@@ -115,7 +117,7 @@ def test_parameter_server_states_and_traffic_equal_the_run(pools, world, mode, s
             else:
                 assert 0 < rank["server"]["exchange"] <= expected["exchange"]
             continue
-        assert rank["report"] == param_server.trainer_state_bytes(TINY, layout, bucket_mb=BUCKET_MB)
+        assert rank["report"] == param_server.trainer_state_bytes(TINY, layout, bucket_mb=BUCKET_MB, keep_grads=keep)
         assert rank["moved"] == {"push": moved["push"], "pull": moved["pull"]}
 
 

@@ -94,7 +94,8 @@ def test_train_log_save_resume(tmp_path):
         assert key in steps[0]
     assert steps[0]["tokens"] == 8 * 32 and "val_loss" in steps[-1]
     memory = [r["memory"] for r in rows if "memory" in r]
-    assert len(memory) == 1 and set(memory[0]) >= {"params", "grads", "optimizer"}
+    assert len(memory) == 1 and set(memory[0]) >= {"params", "grads", "optimizer", "in_step", "between_steps"}
+    assert memory[0]["between_steps"] == memory[0]["in_step"] - memory[0]["grads"]  # released between steps
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000004"
     # the step-4 checkpoint (sharded: a file per rank) cut short: --resume refuses it before launch,
     # naming the file and step 2
@@ -122,6 +123,19 @@ def test_train_log_save_resume(tmp_path):
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
     assert scalars == pytest.approx({**{s: first[s] for s in (1, 2)}, **{s: resumed[s] for s in (3, 4)}})
     assert {"val/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "memory/params_mib"} <= set(events.Tags()["scalars"])
+
+
+def test_moe_under_sequence_parallelism_with_experts_cut_over_tp(tmp_path):
+    """--tp 2 --sequence-parallel --expert-tp on a MoE preset with --keep-grads trains from the command line,
+    logs the routing statistics, and keeps its gradient buffers between steps."""
+    log = tmp_path / "log.jsonl"
+    out = paratrain("train", "--nproc", "2", "--tp", "2", "--sequence-parallel", "--expert-tp", "--keep-grads",
+                    *SMALL, "--model", "tiny-moe", "--steps", "2", "--log-json", str(log))
+    assert out.returncode == 0, out.stderr
+    rows = records(log)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2] and "expert_tokens_cv" in rows[-1]
+    memory = next(r["memory"] for r in rows if "memory" in r)
+    assert memory["between_steps"] == memory["in_step"]
 
 
 def test_tensor_parallel_run_samples_on_every_tp_rank(tmp_path):
