@@ -6,6 +6,8 @@
     paratrain train --nproc 8 --dp 2 --tp 2 --pp 2 --schedule 1f1b --micro-batch 2 --zero 2
     paratrain train --config run.toml --steps 50        (flags override the file)
     paratrain presets                    list the model presets
+    paratrain tokenize FILES --tokenizer DIR --out DATA
+                                         token files (Megatron's layout) for --data DATA
     paratrain plan --model gpt3-175b --gpus 1024 --hardware a100-80gb --global-batch 1536
                                          memory and step time of every layout, best first
 
@@ -43,6 +45,18 @@ def _checkpoint_tool(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tokenize(args: argparse.Namespace) -> int:
+    from paratrain.data.tokenize import tokenize_corpus
+
+    record = tokenize_corpus(args.files, args.out, tokenizer=args.tokenizer, train_bpe_vocab=args.train_bpe or 0,
+                             text_key=args.text_key, eos_token=args.eos_token, workers=args.workers,
+                             val_fraction=args.val_fraction, progress=args.progress)
+    print(f"wrote {args.out}: {record['train']['documents']} documents, {record['train']['tokens']} tokens for "
+          f"training, {record['val']['documents']} documents, {record['val']['tokens']} tokens for validation "
+          f"({record['dtype']}, vocabulary {record['tokenizer']['vocab_size']})")
+    return 0
+
+
 def _presets() -> int:
     print(f"{'preset':<14} {'params':>10} {'layers':>6} {'d_model':>7} {'heads':>5} {'seq':>5} {'vocab':>6}  experts")
     for name, config in PRESETS.items():
@@ -77,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             return scaling(args)
         if args.command in ("inspect", "export"):
             return _checkpoint_tool(args)
+        if args.command == "tokenize":
+            return _tokenize(args)
         return _presets()
     except ConfigError as error:
         print(f"paratrain: invalid configuration: {error}", file=sys.stderr)

@@ -47,6 +47,8 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--grad-reduce": ("parallel.grad_reduce", str, "sharded gradients: auto, reduce_scatter or all_reduce"),
     "--bucket-mb": ("parallel.bucket_mb", float, "gradient all-reduce bucket size in MiB (default 25)"),
     "--model": ("model.preset", str, f"model preset: {', '.join(PRESETS)}"),
+    "--vocab-size": ("model.overrides.vocab_size", int, "the model's vocabulary (e.g. the tokenizer's, for token "
+                     "files `paratrain tokenize` wrote)"),
     "--experts": ("model.overrides.n_experts", int, "Mixture-of-Experts: experts per MoE layer (0: dense MLPs)"),
     "--top-k": ("model.overrides.top_k", int, "experts each token is routed to: 1 or 2"),
     "--moe-every": ("model.overrides.moe_every", int, "a MoE layer in every N-th block (default 1: every block)"),
@@ -65,7 +67,8 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--ps-servers": ("parallel.ps_servers", int, "dedicated parameter-server processes beside the --nproc trainers "
                      "(0: each trainer serves a slice, ZeRO-2's traffic)"),
     "--staleness": ("parallel.staleness", int, "--ps-mode async: clocks a trainer may run ahead of the slowest"),
-    "--data": ("data.source", str, "builtin, a .txt file, or a folder with train.bin/val.bin (uint16)"),
+    "--data": ("data.source", str, "builtin, a .txt file, a folder `paratrain tokenize` wrote (or Megatron's "
+                                   "train/val .bin + .idx), or a folder with train.bin/val.bin (uint16)"),
     "--seq-len": ("data.seq_len", int, "tokens per sample (default: the model's)"),
     "--global-batch": ("data.global_batch", int, "samples per optimizer step, all ranks together"),
     "--micro-batch": ("data.micro_batch", int, "samples per forward/backward per rank (accumulation = G / (m x dp))"),
@@ -146,6 +149,20 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out", help="the .safetensors file to write")
     export.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"),
                         help="cast floating tensors to this dtype (default: as saved)")
+    tokenize = commands.add_parser("tokenize", help="tokenize text, jsonl or parquet files into Megatron-layout "
+                                                    "token files (train / val .bin + .idx) with a local tokenizer")
+    tokenize.add_argument("files", nargs="+", metavar="FILE", help=".txt / .md (a document each), .jsonl (a "
+                          "document per line) or .parquet files")
+    tokenize.add_argument("--out", required=True, help="the folder to write (must not exist)")
+    which = tokenize.add_mutually_exclusive_group(required=True)
+    which.add_argument("--tokenizer", metavar="DIR", help="a local tokenizer folder (its tokenizer.json)")
+    which.add_argument("--train-bpe", type=int, metavar="VOCAB", help="train a byte-level BPE of VOCAB entries here")
+    tokenize.add_argument("--text-key", default="text", help="the text field of .jsonl records / .parquet column")
+    tokenize.add_argument("--eos-token", help="the end-of-sequence token (default: the tokenizer's configured one)")
+    tokenize.add_argument("--workers", type=int, default=1, help="encoding processes (the output is the same bytes)")
+    tokenize.add_argument("--val-fraction", type=float, default=0.01,
+                          help="every 1/F-th document goes to the validation split (default 0.01)")
+    tokenize.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     from paratrain.planner.command import add_arguments
 
     plot = commands.add_parser("plot", help="draw the loss curves of runs (--log-json files) on one figure")

@@ -1,9 +1,11 @@
 """Token sources: where the tokens of a run come from.
 
-Three kinds, one shape: a flat array of token ids for training and another for validation.
+Four kinds, one shape: a flat array of token ids for training and another for validation.
 - builtin: the English text every CPython ships (pydoc_data.topics), as UTF-8 bytes (vocab 256);
 - a text file: its UTF-8 bytes (vocab 256), the tail held out for validation;
-- a folder with train.bin and val.bin: uint16 token ids, memory-mapped (nanoGPT's layout).
+- a folder with train.bin / train.idx and val.bin / val.idx: Megatron's indexed layout, as `paratrain
+  tokenize` writes it (paratrain.data.indexed; its tokens.json names the tokenizer), memory-mapped;
+- a folder with train.bin and val.bin alone: uint16 token ids, memory-mapped (nanoGPT's layout).
 """
 
 from __future__ import annotations
@@ -23,15 +25,31 @@ class TokenSource:
     """Token ids, 1-D (uint8 for bytes, uint16 for token files; may be a read-only memmap)."""
     val: np.ndarray
     vocab_size: int
-    """Smallest vocabulary that holds every id (256 for bytes; max id + 1 bound for token files)."""
+    """Smallest vocabulary that holds every id (256 for bytes; max id + 1 bound for token files; the tokenizer's
+    for `paratrain tokenize`'s)."""
+    tokenizer: dict | None = None
+    """`paratrain tokenize`'s record of the tokenizer that wrote the files (tokens.json), else None."""
+
+    @property
+    def can_write(self) -> bool:
+        """Whether ids turn back into text: bytes, or the tokenizer `paratrain tokenize` recorded."""
+        return self.vocab_size == BYTE_VOCAB or self.tokenizer is not None
+
+    def _tokenizer(self):  # type: ignore[no-untyped-def]
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(Path(self.name) / "tokenizer" / "tokenizer.json"))
 
     def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is not None:
+            return self._tokenizer().decode(ids)
         if self.vocab_size != BYTE_VOCAB:
             return " ".join(str(i) for i in ids)
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
-    @staticmethod
-    def encode_text(text: str) -> list[int]:
+    def encode_text(self, text: str) -> list[int]:
+        if self.tokenizer is not None:
+            return self._tokenizer().encode(text, add_special_tokens=False).ids
         return list(text.encode("utf-8"))
 
 
@@ -54,6 +72,8 @@ def load_source(source: str, *, val_fraction: float = 0.1) -> TokenSource:
         train, val = _split(data, val_fraction)
         return TokenSource("builtin", train, val, BYTE_VOCAB)
     path = Path(source)
+    if path.is_dir() and (path / "train.idx").is_file():
+        return _indexed_source(path)
     if path.is_dir():
         missing = [n for n in ("train.bin", "val.bin") if not (path / n).is_file()]
         if missing:
@@ -69,6 +89,21 @@ def load_source(source: str, *, val_fraction: float = 0.1) -> TokenSource:
     raise FileNotFoundError(
         f"data source {source!r} is neither 'builtin', a text file, nor a folder with train.bin/val.bin"
     )
+
+
+def _indexed_source(path: Path) -> TokenSource:
+    """A folder of train / val in Megatron's indexed layout (paratrain tokenize's, or Megatron's own)."""
+    import json
+
+    from paratrain.data.indexed import IndexedTokens
+
+    if not (path / "val.idx").is_file():
+        raise FileNotFoundError(f"token folder {str(path)!r} has train.idx and no val.idx: it needs both splits")
+    train, val = IndexedTokens(path / "train"), IndexedTokens(path / "val")
+    meta = json.loads((path / "tokens.json").read_text()) if (path / "tokens.json").is_file() else {}
+    tokenizer = meta.get("tokenizer")
+    vocab = tokenizer["vocab_size"] if tokenizer else int(max(train.tokens.max(initial=0), val.tokens.max(initial=0))) + 1
+    return TokenSource(str(path), train.tokens, val.tokens, vocab, tokenizer)
 
 
 def write_token_file(path: str | Path, tokens: np.ndarray) -> None:

@@ -35,7 +35,7 @@ def check_data(plan: RunPlan, source: TokenSource) -> None:
     if source.vocab_size > plan.model.vocab_size:
         raise ConfigError(
             f"the data uses token ids up to {source.vocab_size - 1}, but the model's vocab_size is "
-            f"{plan.model.vocab_size}: set model vocab_size >= {source.vocab_size}"
+            f"{plan.model.vocab_size}: set model vocab_size >= {source.vocab_size} (--vocab-size, or [model] vocab_size)"
         )
     for split, tokens in (("train", source.train), ("val", source.val)):
         samples = (len(tokens) - 1) // plan.seq_len
@@ -104,7 +104,7 @@ class Trainer:
         elif self.ctx.config.cp > 1:  # attention runs over the cp ranks' parts of a sequence
             if sample_tokens and self.ctx.is_main:
                 self.log.info("no sample under context parallelism (each rank attends through its part of a sequence)")
-        elif sample_tokens and (self.ctx.is_main or sharded) and self.source.vocab_size == 256:
+        elif sample_tokens and (self.ctx.is_main or sharded) and self.source.can_write:
             text = self.sample(sample_tokens)
             result.sample = text if self.ctx.is_main else ""
         return result

@@ -479,3 +479,21 @@ def _flag_kinds() -> dict[str, type]:
 
 
 _TRAIN_FLAGS_KINDS = _flag_kinds()
+
+
+def test_tokenize_then_train_on_the_token_files(tmp_path):
+    """`paratrain tokenize` (a BPE trained on a jsonl corpus, 2 workers) writes token files that `paratrain
+    train --data` reads, with the tokenizer's vocabulary, and samples text through the same tokenizer."""
+    from paratrain.data.sources import builtin_text
+
+    with open(tmp_path / "corpus.jsonl", "w") as out:
+        for text in builtin_text().split("\n\n\n"):
+            out.write(json.dumps({"text": text}) + "\n")
+    out = paratrain("tokenize", str(tmp_path / "corpus.jsonl"), "--train-bpe", "600", "--workers", "2",
+                    "--val-fraction", "0.05", "--out", str(tmp_path / "data"), "--no-progress")
+    assert out.returncode == 0, out.stderr
+    assert "documents" in out.stdout and "vocabulary 600" in out.stdout
+    out = paratrain("train", "--nproc", "1", *SMALL, "--data", str(tmp_path / "data"), "--vocab-size", "600",
+                    "--steps", "2", "--sample-tokens", "8")
+    assert out.returncode == 0, out.stderr
+    assert "sample:" in out.stdout

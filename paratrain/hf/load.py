@@ -1,0 +1,185 @@
+"""Load a local Hugging Face checkpoint folder under any layout, each rank reading only what it keeps.
+
+A folder as `save_pretrained` writes it: config.json, and model.safetensors or shards
+model-0000i-of-0000N.safetensors with model.safetensors.index.json (tokenizer files beside them are not
+read here). `from_pretrained(folder)`:
+
+1. builds the model from config.json on the meta device (transformers' AutoModelForCausalLM.from_config:
+   shapes only, nothing allocated), in `dtype` (default: the files' own);
+2. checks the files' tensor names against the model's, both ways, and refuses a difference by name
+   (transformers would re-initialise what it cannot find, silently); a weight tied to another (a tied
+   lm_head) is one tensor of the model and may be absent from the files;
+3. returns an HFCheckpoint, a paratrain.hybrid.materialize Source: parallelize(init=...) asks it for each
+   tensor of the whole model, and each rank reads from the files only the rows its pieces need (a
+   tensor-parallel slice, a ZeRO shard, a pipeline stage's layers; safetensors' lazy slices), converting
+   to the model's dtype. Buffers the files do not hold (non-persistent ones: rotary frequencies) come from
+   their module built again on the CPU from the config.
+
+The model families: the recipe of each (paratrain.models.hf: Llama and Mistral) says how the strategies
+split it; a family without one is refused with what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from paratrain.config.errors import ConfigError
+from paratrain.models.init import Given, ParamInit
+from paratrain.nn.recipe import Recipe
+
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def _recipes() -> dict[str, Recipe]:
+    from paratrain.models.hf import LLAMA_RECIPE
+
+    return {"llama": LLAMA_RECIPE, "mistral": LLAMA_RECIPE}
+
+
+@dataclass
+class Pretrained:
+    """What from_pretrained gives: the meta model, where its values come from, and how to split it."""
+
+    model: nn.Module
+    init: HFCheckpoint
+    recipe: Recipe
+    config: Any
+    folder: Path
+
+
+class _Rows:
+    """Elements [lo, hi) of one tensor of a safetensors file, read by whole rows of its first dim."""
+
+    def __init__(self, path: Path, key: str) -> None:
+        self.path, self.key = path, key
+
+    def values(self, shape: Sequence[int], lo: int, hi: int) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.path), framework="pt") as handle:
+            view = handle.get_slice(self.key)
+            saved = tuple(view.get_shape())
+            if saved != tuple(shape):
+                raise ConfigError(f"{self.key} in {self.path.name} has shape {saved}, the model's is {tuple(shape)}: "
+                                  "the config.json and the weights do not belong together")
+            if lo >= hi:
+                return torch.empty(0)
+            if len(saved) <= 1:
+                return view[lo:hi].reshape(-1)
+            row = 1
+            for size in saved[1:]:
+                row *= size
+            first, last = lo // row, -(-hi // row)
+            return view[first:last].reshape(-1)[lo - first * row: hi - first * row]
+
+
+class HFCheckpoint:
+    """A Source (paratrain.hybrid.materialize) over a folder's safetensors files."""
+
+    def __init__(self, folder: str | Path, buffers: dict[str, torch.Tensor]) -> None:
+        self.folder = Path(folder)
+        self.files = weight_files(self.folder)
+        self.buffers = buffers
+        """Tensors the files do not hold, computed here (non-persistent buffers)."""
+
+    def open(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> ParamInit:
+        if name in self.buffers:
+            return Given(self.buffers[name])
+        if name not in self.files:
+            raise ConfigError(f"{name} is not in the checkpoint's files ({self.folder})")
+        return _Rows(self.folder / self.files[name], name)
+
+
+def weight_files(folder: Path) -> dict[str, str]:
+    """Tensor name -> the safetensors file (in `folder`) holding it."""
+    if (folder / INDEX).is_file():
+        return dict(json.loads((folder / INDEX).read_text())["weight_map"])
+    if (folder / WEIGHTS).is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(folder / WEIGHTS), framework="pt") as handle:
+            return {key: WEIGHTS for key in handle.keys()}
+    raise ConfigError(f"{folder} holds no {WEIGHTS} nor {INDEX} (a folder save_pretrained wrote has one); "
+                      "paratrain reads safetensors weights only")
+
+
+def _files_dtype(folder: Path, files: dict[str, str]) -> torch.dtype:
+    """The dtype of the files' floating tensors (one row of the first one read)."""
+    from safetensors import safe_open
+
+    for name in sorted(files):
+        with safe_open(str(folder / files[name]), framework="pt") as handle:
+            first = handle.get_slice(name)[:1]
+        if first.is_floating_point():
+            return first.dtype
+    return torch.float32
+
+
+def from_pretrained(folder: str | Path, *, dtype: torch.dtype | None = None) -> Pretrained:
+    """The model of a local Hugging Face folder on the meta device, and the Source of its values (module docstring)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"{folder} has no config.json: give a folder save_pretrained wrote")
+    config = AutoConfig.from_pretrained(folder)
+    recipe = _recipes().get(config.model_type)
+    if recipe is None:
+        raise ConfigError(f"{folder} holds a {config.model_type!r} model, and paratrain has a recipe (how tensor, "
+                          f"pipeline and ZeRO-3 split it) for {sorted(_recipes())} only")
+    files = weight_files(folder)
+    dtype = dtype or _files_dtype(folder, files)
+    config.use_cache = False
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    stored = _stored_names(model)
+    tied = {name for name in stored if name not in files and _is_tied(model, name)}
+    missing = sorted(set(stored) - set(files) - tied)
+    unexpected = sorted(set(files) - set(stored))
+    if missing or unexpected:
+        raise ConfigError(f"the files in {folder} and the {type(model).__name__} config.json builds differ: missing "
+                          f"from the files {missing[:6]}{' ...' if len(missing) > 6 else ''}, in the files but not "
+                          f"the model {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''} (transformers would "
+                          "initialise the missing ones at random): use the config.json saved with these weights")
+    buffers = _rebuilt_buffers(model, config, set(files))
+    return Pretrained(model, HFCheckpoint(folder, buffers), recipe, config, folder)
+
+
+def _stored_names(model: nn.Module) -> list[str]:
+    """The names parallelize materialises: each parameter once (a tied one under its first name), persistent
+    buffers."""
+    seen, names = set(), []
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            names.append(name)
+    persistent = set(model.state_dict(keep_vars=True))
+    return [n for n in names if n in persistent]
+
+
+def _is_tied(model: nn.Module, name: str) -> bool:
+    target = dict(model.named_parameters(remove_duplicate=False)).get(name)
+    return target is not None and sum(p is target for _, p in model.named_parameters(remove_duplicate=False)) > 1
+
+
+def _rebuilt_buffers(model: nn.Module, config: Any, in_files: set[str]) -> dict[str, torch.Tensor]:
+    """Every buffer the files do not hold, from its module built again on the CPU from the config."""
+    out: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules():
+        names = [n for n, _ in module.named_buffers(recurse=False) if f"{module_name}.{n}".lstrip(".") not in in_files]
+        if not names:
+            continue
+        try:
+            fresh = type(module)(config=config)
+        except TypeError as error:
+            raise ConfigError(f"{module_name}'s buffers {names} are not in the files and paratrain cannot rebuild "
+                              f"a {type(module).__name__} from the config ({error})") from error
+        for name in names:
+            out[f"{module_name}.{name}".lstrip(".")] = getattr(fresh, name).detach().cpu()
+    return out
