@@ -29,10 +29,20 @@ from paratrain.config import PRESETS, ConfigError
 def _checkpoint_tool(args: argparse.Namespace) -> int:
     import json
 
+    import torch
+
     from paratrain.checkpoint import CheckpointError
     from paratrain.checkpoint.tools import describe_checkpoint, export_model, format_description
 
     try:
+        if args.command == "export" and args.hf:
+            from paratrain.hf import export_pretrained
+
+            done = export_pretrained(args.checkpoint, args.out, source=args.hf, max_shard_size=args.max_shard_size,
+                                     dtype=getattr(torch, args.dtype) if args.dtype else None)
+            print(f"wrote {done['out']}: {done['tensors']} tensors in {done['shards']} shards, "
+                  f"{done['bytes'] / 2**20:.1f} MiB")
+            return 0
         if args.command == "export":
             done = export_model(args.checkpoint, args.out, dtype=args.dtype)
             print(f"wrote {done['out']}: {done['tensors']} tensors, {done['bytes'] / 2**20:.1f} MiB")

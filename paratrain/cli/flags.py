@@ -47,6 +47,8 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--grad-reduce": ("parallel.grad_reduce", str, "sharded gradients: auto, reduce_scatter or all_reduce"),
     "--bucket-mb": ("parallel.bucket_mb", float, "gradient all-reduce bucket size in MiB (default 25)"),
     "--model": ("model.preset", str, f"model preset: {', '.join(PRESETS)}"),
+    "--hf": ("model.hf", str, "train the model of a local Hugging Face folder (config.json + safetensors; Llama, "
+                              "Mistral) instead of --model, each rank reading its pieces from the files"),
     "--vocab-size": ("model.overrides.vocab_size", int, "the model's vocabulary (e.g. the tokenizer's, for token "
                      "files `paratrain tokenize` wrote)"),
     "--experts": ("model.overrides.n_experts", int, "Mixture-of-Experts: experts per MoE layer (0: dense MLPs)"),
@@ -144,11 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="verify a checkpoint and list what it holds")
     inspect.add_argument("checkpoint", help="a folder written by --save (its latest checkpoint), or one step_* folder")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
-    export = commands.add_parser("export", help="write a checkpoint's model tensors to one plain safetensors file")
+    export = commands.add_parser("export", help="write a checkpoint's model tensors to one plain safetensors file, "
+                                                "or (--hf) a folder Hugging Face's from_pretrained loads")
     export.add_argument("checkpoint", help="a folder written by --save (its latest checkpoint), or one step_* folder")
-    export.add_argument("out", help="the .safetensors file to write")
+    export.add_argument("out", help="the .safetensors file to write (with --hf: the folder)")
     export.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"),
                         help="cast floating tensors to this dtype (default: as saved)")
+    export.add_argument("--hf", metavar="SOURCE", help="write OUT as a Hugging Face folder (sharded safetensors, "
+                        "config.json, tokenizer files) for the model SOURCE (the folder it was loaded from)")
+    export.add_argument("--max-shard-size", default="5GB", help="with --hf: the largest shard (default 5GB)")
     tokenize = commands.add_parser("tokenize", help="tokenize text, jsonl or parquet files into Megatron-layout "
                                                     "token files (train / val .bin + .idx) with a local tokenizer")
     tokenize.add_argument("files", nargs="+", metavar="FILE", help=".txt / .md (a document each), .jsonl (a "

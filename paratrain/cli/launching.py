@@ -70,7 +70,7 @@ def prepare_launch(config: RunConfig, *, gpus: int) -> RunPlan:
                               "taken) or one of its step_* folders") from None
         except CheckpointError as error:
             raise ConfigError(f"train.resume: {error}") from None
-    if config.launch.memory_check:
+    if config.launch.memory_check and not config.model.hf:  # (the planner models the GPT, not HF's families)
         from paratrain.planner.check import available_memory, check_memory
 
         device = resolve_device(config.launch.device, gpus=gpus)

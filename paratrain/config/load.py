@@ -48,7 +48,7 @@ def build_run_config(table: Mapping[str, Any] | None = None,
                 config = _set(config, f"{section}.{key}", item)
         elif section == "model" and isinstance(value, Mapping):
             for key, item in value.items():
-                path = "model.preset" if key == "preset" else f"model.overrides.{key}"
+                path = f"model.{key}" if key in ("preset", "hf") else f"model.overrides.{key}"
                 config = _set(config, path, item)
         else:
             config = _set(config, section, value)
@@ -68,6 +68,7 @@ def from_dict(table: Mapping[str, Any]) -> RunConfig:
     result = build_run_config(flat)
     result.model.preset = model.get("preset", result.model.preset)
     result.model.overrides = dict(model.get("overrides", {}))
+    result.model.hf = str(model.get("hf", result.model.hf))
     return result
 
 

@@ -16,6 +16,9 @@ class ModelSection:
     """Name of a preset in paratrain.config.model.PRESETS."""
     overrides: dict[str, object] = field(default_factory=dict)
     """Fields of ModelConfig to change from the preset, e.g. {"n_layer": 2}."""
+    hf: str = ""
+    """A local Hugging Face checkpoint folder (config.json, safetensors) to train instead of the preset
+    (paratrain.hf.from_pretrained: Llama and Mistral); its weights are read piece by piece on each rank."""
 
 
 @dataclass

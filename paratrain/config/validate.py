@@ -173,8 +173,13 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
             f"nnodes={launch.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address), "
             "the same on every node"
         )
-    model = preset(config.model.preset, **config.model.overrides)  # type: ignore[arg-type]
     parallel = config.parallel.resolved(world_size)
+    if config.model.hf:  # a Hugging Face folder: its family's rules, then the GPT's read of its shape
+        from paratrain.hf.load import stand_in
+
+        model = stand_in(config.model.hf, tp=parallel.tp, sequence_parallel=parallel.sequence_parallel)
+    else:
+        model = preset(config.model.preset, **config.model.overrides)  # type: ignore[arg-type]
     data = config.data
     seq_len = data.seq_len or model.seq_len
     if seq_len > model.seq_len:

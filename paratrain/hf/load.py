@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from paratrain.config.errors import ConfigError
+from paratrain.config.model import ModelConfig
 from paratrain.models.init import Given, ParamInit
 from paratrain.nn.recipe import Recipe
 
@@ -123,21 +124,14 @@ def _files_dtype(folder: Path, files: dict[str, str]) -> torch.dtype:
 
 def from_pretrained(folder: str | Path, *, dtype: torch.dtype | None = None) -> Pretrained:
     """The model of a local Hugging Face folder on the meta device, and the Source of its values (module docstring)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise ConfigError(f"{folder} has no config.json: give a folder save_pretrained wrote")
-    config = AutoConfig.from_pretrained(folder)
+    config = _config(folder)
     recipe = _recipes().get(config.model_type)
     if recipe is None:
         raise ConfigError(f"{folder} holds a {config.model_type!r} model, and paratrain has a recipe (how tensor, "
                           f"pipeline and ZeRO-3 split it) for {sorted(_recipes())} only")
     files = weight_files(folder)
-    dtype = dtype or _files_dtype(folder, files)
-    config.use_cache = False
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = _meta_model(config, dtype or _files_dtype(folder, files))
     stored = _stored_names(model)
     tied = {name for name in stored if name not in files and _is_tied(model, name)}
     missing = sorted(set(stored) - set(files) - tied)
@@ -149,6 +143,43 @@ def from_pretrained(folder: str | Path, *, dtype: torch.dtype | None = None) -> 
                           "initialise the missing ones at random): use the config.json saved with these weights")
     buffers = _rebuilt_buffers(model, config, set(files))
     return Pretrained(model, HFCheckpoint(folder, buffers), recipe, config, folder)
+
+
+def stand_in(folder: str | Path, *, tp: int = 1, sequence_parallel: bool = False) -> ModelConfig:
+    """The folder's model as the run's checks read a model (the GPT's ModelConfig: widths, heads, layers,
+    vocabulary, the longest sequence), after its family's own tensor-parallel rules (check_llama_tp)."""
+    from paratrain.models.hf import check_llama_tp
+
+    config = _config(Path(folder))
+    if config.model_type not in _recipes():
+        raise ConfigError(f"{folder} holds a {config.model_type!r} model, and paratrain has a recipe for "
+                          f"{sorted(_recipes())} only")
+    check_llama_tp(config, tp, sequence_parallel=sequence_parallel)
+    return ModelConfig(vocab_size=config.vocab_size, seq_len=config.max_position_embeddings,
+                       n_layer=config.num_hidden_layers, n_head=config.num_attention_heads, d_model=config.hidden_size,
+                       d_ff=config.intermediate_size, tie_embeddings=bool(config.tie_word_embeddings))
+
+
+def _config(folder: Path) -> Any:
+    from transformers import AutoConfig
+
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"{folder} has no config.json: give a folder save_pretrained wrote")
+    config = AutoConfig.from_pretrained(folder)
+    config.use_cache = False
+    return config
+
+
+def _meta_model(config: Any, dtype: torch.dtype) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def expected_names(folder: str | Path) -> set[str]:
+    """The tensors a checkpoint of the model `folder`/config.json builds holds (a tied one once)."""
+    return set(_stored_names(_meta_model(_config(Path(folder)), torch.float32)))
 
 
 def _stored_names(model: nn.Module) -> list[str]:

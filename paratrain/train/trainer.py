@@ -8,13 +8,14 @@ validation, checkpoints, resume); at the end, a text sample.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from paratrain.config import ConfigError, RunPlan, to_dict
 from paratrain.data import GlobalBatchLoader, TokenSource, load_source
 from paratrain.hybrid import Engine, parallelize
-from paratrain.models import GPT, build_gpt, lm_loss
+from paratrain.models import build_gpt, lm_loss
 from paratrain.topology import Context
 from paratrain.train.faults import FaultInjection
 from paratrain.train.log import get_logger
@@ -31,7 +32,13 @@ class TrainResult:
 
 
 def check_data(plan: RunPlan, source: TokenSource) -> None:
-    """Rules that need the data: vocabulary fits the model; enough samples for a batch."""
+    """Rules that need the data: vocabulary fits the model (and, for --hf, the token files were written by the
+    model's own tokenizer when both say which); enough samples for a batch."""
+    hf = plan.config.model.hf
+    if hf and source.tokenizer is not None and (Path(hf) / "tokenizer.json").is_file():
+        from paratrain.data.tokenize import check_tokenizer
+
+        check_tokenizer(source.name, hf)
     if source.vocab_size > plan.model.vocab_size:
         raise ConfigError(
             f"the data uses token ids up to {source.vocab_size - 1}, but the model's vocab_size is "
@@ -59,13 +66,23 @@ class Trainer:
         self.log = get_logger(ctx.rank)
         self.source = load_source(config.data.source, val_fraction=config.data.val_fraction)
         check_data(plan, self.source)
-        # Built on the meta device: parallelize allocates and initialises only this rank's pieces.
-        self.model: GPT = build_gpt(plan.model, seed=config.seed, device="meta")
+        # Built on the meta device: parallelize allocates and fills only this rank's pieces (keyed init, or
+        # with --hf the rows of the folder's safetensors files its pieces need).
+        loss_fn, source, recipe = lm_loss, None, None
+        if config.model.hf:
+            from paratrain.hf import from_pretrained
+            from paratrain.models.hf import llama_loss
+
+            pretrained = from_pretrained(config.model.hf, dtype=torch.float32)
+            self.model, source, recipe, loss_fn = pretrained.model, pretrained.init, pretrained.recipe, llama_loss
+        else:
+            self.model = build_gpt(plan.model, seed=config.seed, device="meta")
         self.engine: Engine = parallelize(
             self.model, ctx, optimizer=adamw_factory(self.model, config.optim),
             micro_batch=plan.batch.micro_batch, precision=train.precision,
             grad_clip=config.optim.grad_clip, recompute=train.recompute, seed=config.seed,
             on_non_finite="skip" if train.nan_policy == "skip" else "raise", compile=train.compile,
+            init=source, recipe=recipe,
         )
         dp, dp_index = ctx.mesh.degree("dp"), ctx.mesh.index("dp")
         loader_args = dict(seq_len=plan.seq_len, global_batch=plan.batch.global_batch, dp=dp,
@@ -80,7 +97,7 @@ class Trainer:
             log_json=train.log_json, tensorboard=train.tensorboard, progress=train.progress,
             flops_per_token=plan.model.flops_per_token(plan.seq_len))
         hooks = [FaultInjection(train.fail_at, rank=ctx.rank, attempt=self.attempt)] if train.fail_at else []
-        self.loop = TrainLoop(self.engine, ctx, lm_loss, self.train_loader, self.val_loader, settings, hooks=hooks,
+        self.loop = TrainLoop(self.engine, ctx, loss_fn, self.train_loader, self.val_loader, settings, hooks=hooks,
                               checkpoint_meta={"config": to_dict(config)}, attempt=self.attempt)
         resume = "auto" if self.attempt > 0 else train.resume
         if resume and not self.loop.resume(resume):
@@ -98,7 +115,11 @@ class Trainer:
         # Under ZeRO-3 every forward all-gathers parameters, under tp every layer communicates: then
         # all ranks generate (the same text).
         sharded = self.engine.grads.params_sharded or self.ctx.config.tp > 1
-        if self.engine.pipeline is not None:  # no rank holds the whole model to sample from
+        if self.plan.config.model.hf:  # generate with transformers from the exported folder
+            if sample_tokens and self.ctx.is_main:
+                self.log.info("no sample for --hf models: `paratrain export CKPT OUT --hf %s`, then generate",
+                              self.plan.config.model.hf)
+        elif self.engine.pipeline is not None:  # no rank holds the whole model to sample from
             if sample_tokens and self.ctx.is_main:
                 self.log.info("no sample under pipeline parallelism (each rank holds only its stage)")
         elif self.ctx.config.cp > 1:  # attention runs over the cp ranks' parts of a sequence

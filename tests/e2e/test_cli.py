@@ -497,3 +497,54 @@ def test_tokenize_then_train_on_the_token_files(tmp_path):
                     "--steps", "2", "--sample-tokens", "8")
     assert out.returncode == 0, out.stderr
     assert "sample:" in out.stdout
+
+
+def test_the_hugging_face_loop_tokenize_train_export_generate(tmp_path):
+    """The loop of docs/huggingface.md: a tiny Llama saved with save_pretrained in several shards, with a
+    tokenizer -> `paratrain tokenize` with that tokenizer -> `paratrain train --hf` under dp 2 x tp 2 ZeRO-1
+    -> `paratrain export --hf` -> transformers' from_pretrained (nothing missing, unexpected or mismatched)
+    and generate; token files of another tokenizer are refused before launch."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from paratrain.data.sources import builtin_text
+
+    with open(tmp_path / "corpus.jsonl", "w") as out:
+        for text in builtin_text().split("\n\n\n"):
+            out.write(json.dumps({"text": text}) + "\n")
+    corpus = str(tmp_path / "corpus.jsonl")
+    assert paratrain("tokenize", corpus, "--train-bpe", "500", "--out", str(tmp_path / "bpe"),
+                     "--val-fraction", "0.05", "--no-progress").returncode == 0
+    torch.manual_seed(0)
+    model = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                 tie_word_embeddings=True)).save_pretrained(model, max_shard_size="40KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tmp_path / "bpe" / "tokenizer" / name, model / name)
+    assert len(list(model.glob("model-*.safetensors"))) > 1
+    out = paratrain("tokenize", corpus, "--tokenizer", str(model), "--out", str(tmp_path / "data"),
+                    "--val-fraction", "0.05", "--workers", "2", "--no-progress")
+    assert out.returncode == 0, out.stderr
+    run = ["train", "--hf", str(model), "--data", str(tmp_path / "data"), "--device", "cpu", "--seq-len", "32",
+           "--global-batch", "8", "--micro-batch", "2", "--eval-every", "0", "--no-progress", "--warmup", "2"]
+    out = paratrain(*run, "--nproc", "4", "--dp", "2", "--tp", "2", "--zero", "1", "--steps", "3",
+                    "--save", str(tmp_path / "ckpt"), "--save-every", "3", "--log-json", str(tmp_path / "log.jsonl"))
+    assert out.returncode == 0, out.stderr
+    assert [r["step"] for r in records(tmp_path / "log.jsonl") if "loss" in r] == [1, 2, 3]
+    out = paratrain("export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--hf", str(model),
+                    "--max-shard-size", "40KB")
+    assert out.returncode == 0, out.stderr
+    exported, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert exported.lm_head.weight is exported.model.embed_tokens.weight  # still tied
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    ids = tokenizer("The ", return_tensors="pt").input_ids
+    assert exported.generate(ids, max_new_tokens=4, do_sample=False).shape[1] == ids.shape[1] + 4
+    # token files written by another tokenizer (the BPE of 400 entries) are refused before any process starts
+    assert paratrain("tokenize", corpus, "--train-bpe", "400", "--out", str(tmp_path / "other"),
+                     "--val-fraction", "0.05", "--no-progress").returncode == 0
+    out = paratrain(*run[:4], str(tmp_path / "other"), *run[5:], "--nproc", "1", "--steps", "1")
+    assert out.returncode == 2 and "written with another tokenizer" in out.stderr

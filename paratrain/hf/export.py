@@ -1,0 +1,152 @@
+"""Export a paratrain checkpoint of a Hugging Face model as a folder `from_pretrained` loads.
+
+    paratrain export CKPT OUT --hf SOURCE [--dtype bfloat16] [--max-shard-size 5GB]
+
+CKPT is a checkpoint paratrain wrote (sharded, from any layout); SOURCE the folder the model came from
+(paratrain.hf.from_pretrained's), whose config.json, generation_config.json and tokenizer files travel with
+the weights. Written, into a folder renamed into place at the end (an existing OUT is refused):
+
+- the weights as safetensors shards of at most max_shard_size bytes (one tensor larger than that gets a
+  shard of its own), model-0000i-of-0000N.safetensors with model.safetensors.index.json, or one
+  model.safetensors when they fit in one; streamed: each shard's header is written from the shapes first,
+  then each tensor is assembled from the checkpoint's pieces, cast, written and dropped, so the process
+  holds one tensor of the model at a time;
+- only the model's own tensors under their Hugging Face names: a tied head is the embedding (the
+  checkpoint holds it once), optimizer state stays behind; the names are checked against the model
+  SOURCE's config.json builds, both ways, and a difference refused by name;
+- config.json with its dtype set to the exported one; every other file of SOURCE that is a tokenizer's or
+  the generation config, byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paratrain.checkpoint.io import SHARDED_FORMAT, resolve_checkpoint, verify_checkpoint
+from paratrain.checkpoint.sharded import CheckpointReader
+from paratrain.config.errors import ConfigError
+from paratrain.data.tokenize import TOKENIZER_FILES
+from paratrain.hf.load import INDEX, WEIGHTS, expected_names
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                      torch.bool: "BOOL"}
+UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB', '500MB', '20KiB' or a number of bytes -> bytes."""
+    if isinstance(text, int):
+        return text
+    value = text.strip().upper()
+    for unit in sorted(UNITS, key=len, reverse=True):
+        if value.endswith(unit):
+            return int(float(value[: -len(unit)]) * UNITS[unit])
+    return int(value)
+
+
+def export_pretrained(checkpoint: str | Path, out: str | Path, *, source: str | Path, dtype: torch.dtype | None = None,
+                      max_shard_size: str | int = "5GB") -> dict[str, Any]:
+    """Write OUT as the module docstring says; returns {"out", "tensors", "bytes", "shards"}."""
+    out, source = Path(out), Path(source)
+    if out.exists():
+        raise ConfigError(f"{out} exists: the export publishes a new folder; remove it or choose another")
+    folder = resolve_checkpoint(checkpoint)
+    meta = verify_checkpoint(folder)
+    if meta.get("format") != SHARDED_FORMAT:
+        raise ConfigError(f"{folder} is not a sharded checkpoint (format {meta.get('format')!r}): export --hf reads "
+                          "the checkpoints `--save` and save_sharded write")
+    reader = CheckpointReader(folder, meta)
+    names = sorted(k for k in meta["tensors"] if "::" not in k)
+    wanted = expected_names(source)
+    missing, unexpected = sorted(wanted - set(names)), sorted(set(names) - wanted)
+    if missing or unexpected:
+        raise ConfigError(f"the checkpoint {folder} and the model {source}/config.json builds differ: missing from "
+                          f"the checkpoint {missing[:6]}, not in the model {unexpected[:6]}: export with the --hf "
+                          "folder the run started from")
+    shards = _plan(reader, names, dtype, parse_size(max_shard_size))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        files = ([WEIGHTS] if len(shards) == 1 else
+                 [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+        total = 0
+        for file, shard in zip(files, shards):
+            total += _write_shard(staging / file, reader, shard, dtype)
+        if len(files) > 1:
+            weight_map = {name: file for file, shard in zip(files, shards) for name in shard}
+            (staging / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                   indent=2))
+        _copy_configuration(source, staging, dtype or _saved_dtype(reader, names))
+        staging.rename(out)
+        return {"out": str(out), "tensors": len(names), "bytes": total, "shards": len(files)}
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _target(reader: CheckpointReader, name: str, dtype: torch.dtype | None) -> tuple[tuple[int, ...], torch.dtype]:
+    saved = reader.open(name)
+    cast = dtype if dtype is not None and saved.dtype.is_floating_point else saved.dtype
+    return tuple(saved.shape), cast
+
+
+def _plan(reader: CheckpointReader, names: list[str], dtype: torch.dtype | None, limit: int) -> list[list[str]]:
+    """Tensors by shard, in name order: a new shard when the next tensor would pass `limit` bytes."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        shape, cast = _target(reader, name, dtype)
+        nbytes = math.prod(shape) * cast.itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _write_shard(path: Path, reader: CheckpointReader, names: list[str], dtype: torch.dtype | None) -> int:
+    """One safetensors file: its header from the shapes, then each tensor assembled, cast and written in turn."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in names:
+        shape, cast = _target(reader, name, dtype)
+        end = offset + math.prod(shape) * cast.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[cast], "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as stream:
+        stream.write(struct.pack("<Q", len(encoded)) + encoded)
+        for name in names:
+            saved = reader.open(name)
+            shape, cast = _target(reader, name, dtype)
+            tensor = saved.values(saved.shape, 0, math.prod(shape)).to(cast).contiguous()
+            stream.write(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return offset
+
+
+def _saved_dtype(reader: CheckpointReader, names: list[str]) -> torch.dtype:
+    for name in names:
+        saved = reader.open(name)
+        if saved.dtype.is_floating_point:
+            return saved.dtype
+    return torch.float32
+
+
+def _copy_configuration(source: Path, staging: Path, dtype: torch.dtype) -> None:
+    config = json.loads((source / "config.json").read_text())
+    name = str(dtype).removeprefix("torch.")
+    keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
+    (staging / "config.json").write_text(json.dumps({**config, **dict.fromkeys(keys, name)}, indent=2) + "\n")
+    for file in TOKENIZER_FILES:
+        if (source / file).is_file():
+            shutil.copyfile(source / file, staging / file)
