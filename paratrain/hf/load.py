@@ -15,8 +15,8 @@ read here). `from_pretrained(folder)`:
    to the model's dtype. Buffers the files do not hold (non-persistent ones: rotary frequencies) come from
    their module built again on the CPU from the config.
 
-The model families: the recipe of each (paratrain.models.hf: Llama and Mistral) says how the strategies
-split it; a family without one is refused with what is missing.
+The model families: the recipe of each (paratrain.models.hf: Llama, Mistral, Qwen2 and Qwen3) says how the
+strategies split it; a family without one is refused with what is missing.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
 def _recipes() -> dict[str, Recipe]:
-    from paratrain.models.hf import LLAMA_RECIPE
+    from paratrain.models.hf import LLAMA_RECIPE, QWEN3_RECIPE
 
-    return {"llama": LLAMA_RECIPE, "mistral": LLAMA_RECIPE}
+    return {"llama": LLAMA_RECIPE, "mistral": LLAMA_RECIPE, "qwen2": LLAMA_RECIPE, "qwen3": QWEN3_RECIPE}
 
 
 @dataclass
@@ -167,6 +167,9 @@ def _config(folder: Path) -> Any:
         raise ConfigError(f"{folder} has no config.json: give a folder save_pretrained wrote")
     config = AutoConfig.from_pretrained(folder)
     config.use_cache = False
+    if getattr(config, "use_sliding_window", False):
+        raise ConfigError(f"{folder}: a {config.model_type} model with use_sliding_window: paratrain's pipeline and "
+                          "context-parallel runners build full causal masks for it; set use_sliding_window false")
     return config
 
 

@@ -31,6 +31,7 @@ transformers is imported inside functions only: `import paratrain` never imports
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -77,7 +78,7 @@ LLAMA_WRAP = r"model\.layers\.\d+"
 """ZeRO-3 units: each decoder layer (parallelize's `wrap=`); the root unit holds the embedding, the
 final norm and lm_head."""
 
-_TYPES = ("llama", "mistral")
+_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def check_llama_tp(config: Any, tp: int, *, sequence_parallel: bool = False) -> None:
@@ -251,3 +252,11 @@ LLAMA_RECIPE = Recipe(tp_plan=LLAMA_TP_PLAN, blocks=LLAMA_WRAP, layers=llama_lay
 recipe=LLAMA_RECIPE) or Trainer(..., recipe=LLAMA_RECIPE) instead of tp_plan=, wrap=, layers= and
 pipeline_loss= one by one. Its blocks (each decoder layer) are ZeRO-3's units, what recompute='full'
 recomputes and what compile compiles."""
+
+QWEN3_TP_PLAN: dict[str, str] = {**LLAMA_TP_PLAN, "self_attn.q_norm": "head_partial", "self_attn.k_norm": "head_partial"}
+"""Qwen3: Llama's layout, and its per-head q / k RMSNorms kept whole on every tp rank; each rank runs them on
+its own heads, so their gradients are partial and summed over tp ("head_partial")."""
+
+QWEN3_RECIPE = dataclasses.replace(LLAMA_RECIPE, tp_plan=QWEN3_TP_PLAN)
+"""HF Qwen3's recipe (Qwen2, with biased q / k / v projections that split with them, takes LLAMA_RECIPE)."""
+

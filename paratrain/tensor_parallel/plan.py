@@ -13,6 +13,9 @@ A plan key names modules by suffix ("attn.qkv" matches "blocks.3.attn.qkv") or b
     heads_dropout     KeyedDropout over [B, H, ...] whose heads dim 1 is split (attention probabilities)
     sequence_dropout  KeyedDropout over [B, S, ...] between blocks: split along S under sequence
                       parallelism, replicated (the same mask on every tp rank) otherwise
+    head_partial      a module kept whole that runs on this rank's heads only (Qwen3's per-head q / k
+                      norms): its parameters' gradients are partial per tp rank and summed over tp as
+                      autograd produces them (without this, each rank would train its own copy apart)
 
 Every split parameter is a slice of the full, layout-free one, so tp = 1 and tp = N start from the
 same numbers; a weight shared by two modules (a tied embedding and head) stays one parameter when
@@ -47,7 +50,8 @@ from paratrain.tensor_parallel.loss import VocabParallelOutput
 from paratrain.state_layout import ModelState, OptimizerState, per_element
 from paratrain.topology.mesh import AxisGroup, Mesh
 
-STYLES = ("column", "column_gather", "row", "embedding", "vocab_output", "heads_dropout", "sequence_dropout")
+STYLES = ("column", "column_gather", "row", "embedding", "vocab_output", "heads_dropout", "sequence_dropout",
+          "head_partial")
 
 @dataclass
 class TensorParallelLayout:
@@ -59,6 +63,8 @@ class TensorParallelLayout:
     """Parameter name -> the dim split over tp; names not here are replicated on every tp rank."""
     split_ids: frozenset[int] = frozenset()
     """id() of the split parameters, for strategies that hold parameters, not names."""
+    partial_names: frozenset[str] = frozenset()
+    """Parameters of head_partial modules: whole, their gradients summed over tp (also without SP)."""
 
     @property
     def splits(self) -> dict[str, tuple[int, int, int]]:
@@ -92,10 +98,10 @@ class TensorParallelLayout:
         told not to (parallelize hooks once every layout is applied): then call it once the parameters
         are materialised (a hook does not survive materialisation). split: id() of parameters other
         layouts cut over tp (expert tensor parallelism): their gradients are whole, not summed."""
-        if self.sequence_parallel:
-            for param in model.parameters():
-                if param.requires_grad and id(param) not in self.split_ids and id(param) not in split:
-                    param.register_hook(_sum_over_tp(self.group))
+        for name, param in model.named_parameters():
+            replicated = param.requires_grad and id(param) not in self.split_ids and id(param) not in split
+            if replicated and (self.sequence_parallel or name in self.partial_names):
+                param.register_hook(_sum_over_tp(self.group))
 
     def gather_full(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every split tensor of a name-keyed state made whole (collective over tp; name order)."""
@@ -139,8 +145,12 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
     resolved = resolve_plan(model, plan, allow_missing=allow_missing)
     split: dict[int, int] = {}  # id(new parameter) -> split dim
     sliced: dict[int, nn.Parameter] = {}  # id(full parameter) -> its slice here (ties stay ties)
+    partial: set[str] = set()
     for name, style in resolved.items():
         module = model.get_submodule(name)
+        if style == "head_partial":
+            partial.update(f"{name}.{p}" for p, _ in module.named_parameters())
+            continue
         if style in ("heads_dropout", "sequence_dropout"):
             _expect(module, KeyedDropout, name, style)
             assert isinstance(module, KeyedDropout)
@@ -161,7 +171,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
                 split[id(new)] = dim
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, replacement)
-    layout = TensorParallelLayout(group, sequence_parallel)
+    layout = TensorParallelLayout(group, sequence_parallel, partial_names=frozenset(partial))
     for pname, param in model.named_parameters():
         if id(param) in split:
             layout.split_dims[pname] = split[id(param)]

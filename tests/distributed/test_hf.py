@@ -19,7 +19,8 @@ STEPS, GLOBAL_BATCH, SEQ, VOCAB = 5, 8, 16, 64
 
 def build(kind: str = "llama") -> torch.nn.Module:
     """The tiny model, the same numbers in every process (HF initialises from torch's generator)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     shape = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=64, max_position_embeddings=64, attention_dropout=0.0, use_cache=False,
@@ -27,6 +28,15 @@ def build(kind: str = "llama") -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "mistral":  # a window shorter than the sequence, so the sliding mask matters
         return MistralForCausalLM(MistralConfig(**shape, sliding_window=6)).double()
+    if kind == "qwen2":  # biased q / k / v projections, split with their weights
+        return Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=False)).double()
+    if kind == "qwen3":  # per-head q / k norms, whose gradients are partial on each tp rank
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=8, tie_word_embeddings=True)).double()
+        with torch.no_grad():  # norms away from 1, so that a wrong gradient shows in the loss
+            for name, param in model.named_parameters():
+                if "q_norm" in name or "k_norm" in name:
+                    param.uniform_(0.5, 1.5)
+        return model
     # "llama-tied": lm_head.weight is model.embed_tokens.weight (one Parameter), as in most small
     # published checkpoints; its embedding has a padding row, as a pad_token_id gives
     tied = kind == "llama-tied"
@@ -82,13 +92,14 @@ def plain(kind: str) -> dict:
 def _job(kind: str, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: int = 0,
          micro_batch: int | None = None, cp: int = 1, cp_mode: str = "ring") -> dict:
     import paratrain
-    from paratrain.models.hf import LLAMA_RECIPE, check_llama_tp, llama_loss
+    from paratrain.models.hf import LLAMA_RECIPE, QWEN3_RECIPE, check_llama_tp, llama_loss
 
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dp, tp=tp, pp=pp, zero=zero, cp=cp,
                                                                         cp_mode=cp_mode))
     model = build(kind)
     check_llama_tp(model.config, tp)
-    engine = paratrain.parallelize(model, ctx, optimizer=_adamw, micro_batch=micro_batch, recipe=LLAMA_RECIPE)
+    recipe = QWEN3_RECIPE if kind == "qwen3" else LLAMA_RECIPE
+    engine = paratrain.parallelize(model, ctx, optimizer=_adamw, micro_batch=micro_batch, recipe=recipe)
     losses, norms = [], []
     for step in range(STEPS):
         engine.set_lr(lr_at(step))
@@ -100,7 +111,7 @@ def _job(kind: str, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: in
 
 def _tied_state(kind: str, state: dict) -> dict:
     """The plain model's state_dict holds a tied weight under both names; paratrain's under its first."""
-    if kind == "llama-tied":
+    if kind in ("llama-tied", "qwen3"):
         assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
         return {k: v for k, v in state.items() if k != "lm_head.weight"}
     return state
@@ -131,6 +142,9 @@ def _tied_state(kind: str, state: dict) -> dict:
     # a tied head: both vocabulary ends split alike under tp, a copy summed with the embedding under pp
     ("llama-tied", dict(tp=2, micro_batch=4)),
     ("llama-tied", dict(pp=2, micro_batch=2)),
+    ("qwen2", dict(tp=2, micro_batch=4)),  # the q / k / v biases split with their weights
+    ("qwen3", dict(tp=2, micro_batch=4)),  # per-head q / k norms: gradients summed over tp (head_partial)
+    ("qwen3", dict(pp=2, micro_batch=2)),
     # context parallelism: each sequence split, GQA (4 heads, 2 kv heads) by ring and by Ulysses
     ("llama", dict(cp=2, micro_batch=4)),
     ("llama-tied", dict(cp=2, cp_mode="ulysses", micro_batch=4)),
@@ -138,7 +152,7 @@ def _tied_state(kind: str, state: dict) -> dict:
     ("llama", dict(cp=2, pp=2, cp_mode="ulysses", micro_batch=2)),  # positions on every stage
     ("llama", dict(cp=4, micro_batch=4)),  # kv heads (2) copied to the 4 cp ranks' head blocks
 ], ids=["llama-zero3", "llama-tp2", "llama-pp2", "mistral-tp2", "mistral-pp2", "tied-tp2", "tied-pp2",
-        "llama-cp2", "tied-cp2-ulysses", "tied-dp2tp2z1", "llama-cp2pp2-ulysses", "llama-cp4"])
+        "qwen2-tp2", "qwen3-tp2", "qwen3-pp2", "llama-cp2", "tied-cp2-ulysses", "tied-dp2tp2z1", "llama-cp2pp2-ulysses", "llama-cp4"])
 def test_layout_trains_as_plain_pytorch(pools, kind, layout):
     """Per-step losses and gradient norms, and the whole final model by name, against plain PyTorch;
     a tied weight stays one tensor, under its first name."""

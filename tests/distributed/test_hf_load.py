@@ -24,7 +24,7 @@ def folders(tmp_path_factory) -> dict[str, str]:
     tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     out = {}
-    for kind in ("llama", "llama-tied", "mistral"):
+    for kind in ("llama", "llama-tied", "mistral", "qwen2", "qwen3"):
         folder = tmp_path_factory.mktemp(kind)
         build(kind).float().save_pretrained(folder, max_shard_size="20KB")
         tokenizer.save(str(folder / "tokenizer.json"))
@@ -72,8 +72,10 @@ def _files(folder: str) -> dict[str, torch.Tensor]:
     ("llama", dict(dp=1, tp=2)),                        # each rank reads its slice's rows (row-parallel: columns)
     ("mistral", dict(dp=1, pp=2)),                      # each stage reads its layers
     ("llama-tied", dict(dp=2, tp=2, zero=1)),           # slices of shards
+    ("qwen2", dict(dp=2, zero=3)),                      # q / k / v biases
     ("llama", dict(dp=1, tp=2, pp=2)),
-], ids=["tied-zero3", "tp2", "mistral-pp2", "tied-dp2xtp2-zero1", "tp2xpp2"])
+    ("qwen3", dict(dp=1, tp=2, pp=2)),                  # per-head q / k norms, tied
+], ids=["tied-zero3", "tp2", "mistral-pp2", "tied-dp2xtp2-zero1", "qwen2-zero3", "tp2xpp2", "qwen3-tp2xpp2"])
 def test_loaded_pieces_are_the_files_and_the_first_loss_is_hfs(pools, folders, kind, layout):
     """float32: engine.state_dict()["model"] equals the files bit for bit (a tied head is one tensor: the
     files hold the embedding only), and the first step's loss HF's forward's within 1e-6 (measured 2.2e-8);
@@ -130,14 +132,15 @@ def _trained(folder: str, root: str, steps: int, **layout) -> dict:
     return {"logits": logits, "state": engine.state_dict()["model"]}
 
 
-def test_an_untrained_load_exports_bitwise_the_input(pools, folders, tmp_path):
-    """Loaded under ZeRO-3 (dp 2), saved, exported: the same tensors, bit for bit and by name, as the folder
-    it came from, the tokenizer files byte for byte, config.json's dtype the exported one."""
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
+def test_an_untrained_load_exports_bitwise_the_input(pools, folders, tmp_path, kind):
+    """Each family loaded under ZeRO-3 (dp 2), saved, exported: the same tensors, bit for bit and by name, as
+    the folder it came from, the tokenizer files byte for byte, config.json's dtype the exported one."""
     import json
 
     from paratrain.hf import export_pretrained
 
-    source = folders["llama"]
+    source = folders[kind]
     pools(2).run(_trained, source, str(tmp_path / "ckpt"), 0, dp=2, zero=3)
     done = export_pretrained(tmp_path / "ckpt", tmp_path / "out", source=source, max_shard_size="30KB")
     assert done["shards"] > 1 and (tmp_path / "out" / "model.safetensors.index.json").is_file()
@@ -149,14 +152,15 @@ def test_an_untrained_load_exports_bitwise_the_input(pools, folders, tmp_path):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
 
 
-@pytest.mark.parametrize("kind,layout", [("llama", dict(dp=2, tp=2, zero=1)), ("llama-tied", dict(dp=2, tp=2, zero=3))],
-                         ids=["dp2xtp2-zero1", "tied-dp2xtp2-zero3"])
+@pytest.mark.parametrize("kind,layout", [("llama", dict(dp=2, tp=2, zero=1)), ("llama-tied", dict(dp=2, tp=2, zero=3)),
+                                         ("qwen3", dict(dp=2, tp=2, zero=1))],
+                         ids=["dp2xtp2-zero1", "tied-dp2xtp2-zero3", "qwen3-dp2xtp2-zero1"])
 def test_a_trained_export_loads_in_transformers_whole_and_tied(pools, folders, tmp_path, kind, layout):
     """5 steps under the layout, exported in shards (bfloat16 too): transformers' from_pretrained finds nothing
     missing, unexpected or mismatched; its logits equal the distributed forward's, relative to the largest
-    (float32: the tp ranks' partial sums round apart; measured 2.0e-7 untied and 4.3e-7 tied of 1e-6, avx2 and
-    default kernels alike); a tied head stays one tensor (the export holds the embedding only), equal to the
-    trained one."""
+    (float32: the tp ranks' partial sums round apart; measured <= 2.6e-7 Llama, 4.3e-7 tied, 6.1e-7 Qwen3, avx2
+    and default kernels; the bound 2e-6 keeps a 3x margin over the worst); a tied head stays one tensor (the
+    export holds the embedding only), equal to the trained one."""
     from transformers import AutoModelForCausalLM
 
     from paratrain.hf import export_pretrained
@@ -169,8 +173,8 @@ def test_a_trained_export_loads_in_transformers_whole_and_tied(pools, folders, t
     with torch.no_grad():
         logits = model(input_ids=batch(0)[0], use_cache=False).logits
     theirs = got[0]["logits"]
-    within(float((logits - theirs).abs().max() / theirs.abs().max()), 1e-6, "exported logits (float32, of the largest)")
-    tied = kind == "llama-tied"
+    within(float((logits - theirs).abs().max() / theirs.abs().max()), 2e-6, "exported logits (float32, of the largest)")
+    tied = kind in ("llama-tied", "qwen3")
     assert ("lm_head.weight" in _files(str(tmp_path / "out"))) != tied
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     assert torch.equal(model.model.embed_tokens.weight, got[0]["state"]["model.embed_tokens.weight"])
