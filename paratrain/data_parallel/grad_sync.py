@@ -91,7 +91,8 @@ class GradSync:
 
     def after_step(self) -> None:
         if self.keep_grads:
-            torch._foreach_zero_([bucket.buffer for bucket in self.buckets])
+            for bucket in self.buckets:
+                bucket.buffer.zero_()
         else:
             for bucket in self.buckets:
                 bucket.release()

@@ -15,8 +15,8 @@ read here). `from_pretrained(folder)`:
    to the model's dtype. Buffers the files do not hold (non-persistent ones: rotary frequencies) come from
    their module built again on the CPU from the config.
 
-The model families: the recipe of each (paratrain.models.hf: Llama, Mistral, Qwen2 and Qwen3) says how the
-strategies split it; a family without one is refused with what is missing.
+The model families: the recipe of each (paratrain.models.hf: Llama, Mistral, Qwen2, Qwen3 and Gemma) says how
+the strategies split it; a family without one is refused with what is missing.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 def _recipes() -> dict[str, Recipe]:
     from paratrain.models.hf import LLAMA_RECIPE, QWEN3_RECIPE
 
-    return {"llama": LLAMA_RECIPE, "mistral": LLAMA_RECIPE, "qwen2": LLAMA_RECIPE, "qwen3": QWEN3_RECIPE}
+    return {"llama": LLAMA_RECIPE, "mistral": LLAMA_RECIPE, "qwen2": LLAMA_RECIPE, "qwen3": QWEN3_RECIPE,
+            "gemma": LLAMA_RECIPE}
 
 
 @dataclass
@@ -203,17 +204,21 @@ def _is_tied(model: nn.Module, name: str) -> bool:
 
 
 def _rebuilt_buffers(model: nn.Module, config: Any, in_files: set[str]) -> dict[str, torch.Tensor]:
-    """Every buffer the files do not hold, from its module built again on the CPU from the config."""
-    out: dict[str, torch.Tensor] = {}
-    for module_name, module in model.named_modules():
-        names = [n for n, _ in module.named_buffers(recurse=False) if f"{module_name}.{n}".lstrip(".") not in in_files]
-        if not names:
-            continue
-        try:
-            fresh = type(module)(config=config)
-        except TypeError as error:
-            raise ConfigError(f"{module_name}'s buffers {names} are not in the files and paratrain cannot rebuild "
-                              f"a {type(module).__name__} from the config ({error})") from error
-        for name in names:
-            out[f"{module_name}.{name}".lstrip(".")] = getattr(fresh, name).detach().cpu()
-    return out
+    """Every buffer the files do not hold (non-persistent ones: rotary frequencies, an embedding's scale), from
+    the model built again with its parameters on the meta device and its buffers computed on the CPU."""
+    names = [name for name, _ in model.named_buffers() if name not in in_files]
+    if not names:
+        return {}
+    from transformers import AutoModelForCausalLM
+
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, None if param is None else nn.Parameter(param.to("meta"), param.requires_grad))
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        buffers = dict(AutoModelForCausalLM.from_config(config, dtype=next(model.parameters()).dtype).named_buffers())
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+    return {name: buffers[name].detach().cpu() for name in names}

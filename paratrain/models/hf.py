@@ -78,7 +78,7 @@ LLAMA_WRAP = r"model\.layers\.\d+"
 """ZeRO-3 units: each decoder layer (parallelize's `wrap=`); the root unit holds the embedding, the
 final norm and lm_head."""
 
-_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 
 
 def check_llama_tp(config: Any, tp: int, *, sequence_parallel: bool = False) -> None:

@@ -189,7 +189,9 @@ class GradReducer:
         """The update is done: zero the gradient buffers (keep_grads), or release them and every .grad
         that views them."""
         if self.keep_grads:
-            torch._foreach_zero_([*self.grad_shards, *(f for f in self.grad_flats if f is not None)])
+            kept = [*self.grad_shards, *(f for f in self.grad_flats if f is not None)]
+            if kept:  # (none before the first step: a checkpoint loaded first)
+                torch._foreach_zero_(kept)
             return
         self.grad_shards = []
         self.grad_flats = [None] * len(self.groups)

@@ -146,12 +146,17 @@ class VocabParallelEmbedding(nn.Module):
         pad = full.padding_idx
         self.padding_idx = pad - self.vocab_start if pad is not None and self.vocab_start <= pad < self.vocab_end else None
         """The padding row (its gradient stays zero), when it lies in this rank's slice of the vocabulary."""
+        scale = getattr(full, "embed_scale", None)  # a scaled embedding (Gemma's): rows times it, as it computes them
+        if isinstance(scale, torch.Tensor):
+            self.register_buffer("embed_scale", scale.detach().clone(), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         # outside ids read row 0 and are masked to zero (so is their gradient), padding row or not
         rows = F.embedding(local, self.weight, self.padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
+        if hasattr(self, "embed_scale"):  # one rank holds each row: scaling before the sum changes no bit
+            rows = rows * self.embed_scale.to(self.weight.dtype)
         if self.sequence_parallel:  # each rank keeps the sum for its slice of the sequence
             return reduce_scatter_to_sequence_region(rows, self.group, self.sequence_dim)
         return reduce_from_tp_region(rows, self.group)

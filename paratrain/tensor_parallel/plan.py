@@ -246,6 +246,11 @@ def _build(module: nn.Module, name: str, style: str, group: AxisGroup,
     if style == "embedding":
         _expect(module, nn.Embedding, name, style)
         assert isinstance(module, nn.Embedding)
+        scaled = isinstance(getattr(module, "embed_scale", None), torch.Tensor)
+        if type(module) is not nn.Embedding and not scaled:
+            raise ValueError(f"{name} is a {type(module).__name__}, a subclass of nn.Embedding whose forward may "
+                             "compute more than a lookup: the vocab-parallel embedding would silently drop it; drop "
+                             "the entry to keep it replicated (a scaled embedding with an embed_scale buffer splits)")
         if module.max_norm is not None:
             raise ValueError(f"{name}: vocab-parallel embedding does not support max_norm (it renormalises rows "
                              "that other tp ranks hold); drop the entry to keep the embedding replicated")

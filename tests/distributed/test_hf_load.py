@@ -24,7 +24,7 @@ def folders(tmp_path_factory) -> dict[str, str]:
     tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     out = {}
-    for kind in ("llama", "llama-tied", "mistral", "qwen2", "qwen3"):
+    for kind in ("llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma"):
         folder = tmp_path_factory.mktemp(kind)
         build(kind).float().save_pretrained(folder, max_shard_size="20KB")
         tokenizer.save(str(folder / "tokenizer.json"))
@@ -74,8 +74,10 @@ def _files(folder: str) -> dict[str, torch.Tensor]:
     ("llama-tied", dict(dp=2, tp=2, zero=1)),           # slices of shards
     ("qwen2", dict(dp=2, zero=3)),                      # q / k / v biases
     ("llama", dict(dp=1, tp=2, pp=2)),
+    ("gemma", dict(dp=1, tp=2)),                        # the embedding's scale rebuilt, kept under tp
     ("qwen3", dict(dp=1, tp=2, pp=2)),                  # per-head q / k norms, tied
-], ids=["tied-zero3", "tp2", "mistral-pp2", "tied-dp2xtp2-zero1", "qwen2-zero3", "tp2xpp2", "qwen3-tp2xpp2"])
+], ids=["tied-zero3", "tp2", "mistral-pp2", "tied-dp2xtp2-zero1", "qwen2-zero3", "gemma-tp2", "tp2xpp2",
+        "qwen3-tp2xpp2"])
 def test_loaded_pieces_are_the_files_and_the_first_loss_is_hfs(pools, folders, kind, layout):
     """float32: engine.state_dict()["model"] equals the files bit for bit (a tied head is one tensor: the
     files hold the embedding only), and the first step's loss HF's forward's within 1e-6 (measured 2.2e-8);
@@ -132,7 +134,7 @@ def _trained(folder: str, root: str, steps: int, **layout) -> dict:
     return {"logits": logits, "state": engine.state_dict()["model"]}
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma"])
 def test_an_untrained_load_exports_bitwise_the_input(pools, folders, tmp_path, kind):
     """Each family loaded under ZeRO-3 (dp 2), saved, exported: the same tensors, bit for bit and by name, as
     the folder it came from, the tokenizer files byte for byte, config.json's dtype the exported one."""

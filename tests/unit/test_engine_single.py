@@ -129,3 +129,20 @@ def test_gradients_are_released_between_steps(keep_grads):
     assert all((p.grad is not None) == keep_grads for p in engine.model.parameters())
     ratio = held / params
     assert (3.0 <= ratio <= 3.05) if not keep_grads else (4.0 <= ratio <= 4.05), ratio
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_kept_gradients_survive_a_load_before_the_first_step(zero):
+    """keep_grads: a state loaded before any step (no gradient buffer exists yet) zeroes nothing that is not
+    there, and the run trains as one without keep_grads."""
+    def engine(keep: bool):
+        model = paratrain.build_gpt(TINY, seed=0, dtype=torch.float64)
+        ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(zero=zero, keep_grads=keep))
+        return paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+
+    kept, released = engine(True), engine(False)
+    kept.load_state_dict(released.state_dict())
+    x = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(5))
+    for _ in range(2):
+        assert kept.train_step((x[:, :-1], x[:, 1:]), paratrain.lm_loss) == released.train_step(
+            (x[:, :-1], x[:, 1:]), paratrain.lm_loss)
