@@ -164,8 +164,16 @@ class SavedTensor:
         a, b = saved["lo"], saved["hi"]
         if not piece.cuts:
             return max(a, lo), min(b, hi)
-        if len(piece.cuts) > 1:  # cut along two dims: every saved element (Piece.runs keeps those in range)
-            return a, b
+        if len(piece.cuts) > 1:  # cut along two dims: the local rows of its outermost cut [lo, hi) can reach
+            dim, index, parts = piece.cuts[0]
+            inner = math.prod(piece.shape[dim + 1:])
+            local_inner = math.prod(piece.local_shape[dim + 1:])
+            if dim:  # rows over the dims before it too: no cheaper bound than the whole saved piece
+                return a, b
+            size = piece.shape[0] // parts
+            first = min(max(lo // inner - index * size, 0), size)
+            last = min(max(-(-hi // inner) - index * size, 0), size)
+            return max(a, first * local_inner), min(b, last * local_inner)
         (dim, _, parts), = piece.cuts
         size, inner = piece.shape[dim], math.prod(piece.shape[dim + 1:])
         local_row, whole_row = size // parts * inner, size * inner

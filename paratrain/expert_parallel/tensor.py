@@ -35,7 +35,7 @@ from torch import nn
 from paratrain.comm.placement import Placements
 from paratrain.comm.regions import (all_gather_along, copy_to_tp_region, gather_from_sequence_region,
                                     reduce_from_tp_region, reduce_scatter_to_sequence_region)
-from paratrain.expert_parallel.layout import _expert_major
+from paratrain.expert_parallel.layout import ExpertLayout, _expert_major
 from paratrain.nn.moe import Experts, MoE
 from paratrain.state_layout import ModelState, OptimizerState, per_element
 from paratrain.topology.mesh import AxisGroup, Mesh
@@ -90,6 +90,8 @@ class ExpertTensorLayout:
     dims: dict[str, int] = dataclasses.field(default_factory=dict)
     """Local name of each cut expert weight -> the dim cut over tp."""
     ids: frozenset[int] = frozenset()
+    experts: ExpertLayout | None = None
+    """Expert parallelism's layout, when the experts are also shared out over ep (their placement is its)."""
 
     @property
     def splits(self) -> dict[str, tuple[int, int, int]]:
@@ -100,9 +102,13 @@ class ExpertTensorLayout:
         return {}
 
     def place(self, placements: Placements, mesh: Mesh) -> None:
-        """Reduced as the experts are (over edp; the layouts placed before decided), their norm adding up over tp."""
-        if self.ids:
-            placements.add(placements.of_id(next(iter(self.ids))).split_over(self.group), self.ids)
+        """Reduced as the experts are (over edp under expert parallelism, else as the dense parameters), their
+        norm adding up over tp. The kind is added on every rank, with experts here or not (a pipeline stage
+        without a MoE layer): every rank's norm then issues the same collectives."""
+        base = placements.default
+        if self.experts is not None:
+            base = self.experts.placement(base, mesh.expert_data_group())
+        placements.add(base.split_over(self.group), self.ids)
 
     def to_whole(self, model: ModelState, optimizer: OptimizerState) -> tuple[ModelState, OptimizerState]:
         """Slices -> every expert's whole width, model and per-element optimizer state (collective over tp)."""

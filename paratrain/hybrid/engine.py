@@ -64,7 +64,7 @@ class Engine:
         for name, module in model.named_modules():
             if isinstance(module, KeyedDropout):
                 module.attach(self.dropout, name)
-        self.router_log = attach_router_log(model)
+        self.router_log = attach_router_log(model, routed=parts.routed)
         self._routed_apart = ctx.mesh.groups.get("tp") if ctx.config.sequence_parallel else None
         """Sequence parallelism: the tp ranks each routed their chunk, so their routing terms add up."""
         """The MoE layers' auxiliary losses and routing counts of the step in progress (None: no MoE layer)."""

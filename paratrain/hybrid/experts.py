@@ -30,11 +30,12 @@ MOE_KEYS = ("moe_balance_loss", "moe_z_loss", "moe_dropped_fraction", "expert_to
             "expert_tokens_cv")
 
 
-def attach_router_log(model: nn.Module) -> RouterLog | None:
-    """One RouterLog for every MoE layer of `model` (under its name), or None without MoE layers."""
+def attach_router_log(model: nn.Module, *, routed: bool = False) -> RouterLog | None:
+    """One RouterLog for every MoE layer of `model` (under its name); without MoE layers None, or an empty one
+    when `routed` (a pipeline stage of a MoE model: it joins the statistics' collectives over pp all the same)."""
     layers = [(name, module) for name, module in model.named_modules() if isinstance(module, MoE)]
     if not layers:
-        return None
+        return RouterLog() if routed else None
     log = RouterLog()
     for name, module in layers:
         module.attach(log, name)

@@ -30,6 +30,7 @@ from paratrain.hybrid.steps import (MemorySavers, apply_batch_norm, apply_contex
                                     pipeline_executor, placer, values_source)
 from paratrain.memory import LOW_DTYPES, LossScaler
 from paratrain.models.init import ParamInit
+from paratrain.nn.moe import MoE
 from paratrain.param_server import ServerClient, connect
 from paratrain.nn.recipe import Layer, PipelineLoss, Recipe, recipe_of, stage_loss
 from paratrain.sharding import WrapPolicy, ZeroOptions, ZeroSync
@@ -118,6 +119,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     whole = whole_shapes(model)
     source = values_source(model, init) if meta else None
     check_whole_model(model, ctx, recipe, buffers or {})
+    routed = any(isinstance(m, MoE) for m in model.modules())  # of the whole model, before a pipeline cut
     # 1. Pipeline: this rank keeps the layers of its chunks, under their names in the whole model.
     stage = apply_pipeline(model, ctx, recipe)
     hidden = recipe.hidden_size(model) if stage is not None and recipe.hidden_size is not None else None
@@ -194,7 +196,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     executor = None if stage is None else pipeline_executor(stage, ctx, recipe, family=family, hidden=hidden,
                                                     precision=precision, recomputed=recomputed)
     parts = EngineParts(opt, grads, save_state, pieces, placements, layouts=layouts, pipeline=executor, scaler=scaler,
-                        buffers=buffer_sync, sequence=sequence, remote=remote)
+                        buffers=buffer_sync, sequence=sequence, remote=remote, routed=routed)
     return Engine(model, ctx, parts, options)
 
 

@@ -99,3 +99,6 @@ class EngineParts:
     """Under cp > 1: this rank's part of each sequence; the engine cuts every micro-batch to it."""
     remote: ServerClient | None = None
     """Under the parameter server: the update happens on the servers (push, then pull); `grads` is it too."""
+    routed: bool = False
+    """The whole model has MoE layers (so every pipeline stage joins the routing statistics' collectives, with
+    MoE layers of its own or not)."""

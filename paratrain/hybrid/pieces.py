@@ -105,8 +105,14 @@ class Piece:
         at a time)."""
         if not self.cuts:
             return source.values(self.shape, lo, hi).to(self.dtype)
-        if len(self.cuts) > 1:
-            parts = [source.values(self.shape, whole, whole + n) for _, whole, n in self.runs(lo, hi)]
+        if len(self.cuts) > 1:  # runs read a window of about CHUNK whole elements at a time
+            parts, window = [], []
+            for run in self.runs(lo, hi):
+                if window and run[1] + run[2] - window[0][1] > CHUNK:
+                    parts += _read_window(source, self.shape, window)
+                    window = []
+                window.append(run)
+            parts += _read_window(source, self.shape, window) if window else []
             return torch.cat(parts).to(self.dtype) if parts else torch.empty(0, dtype=self.dtype)
         (dim, index, parts), = self.cuts
         outer, size, inner = math.prod(self.shape[:dim]), self.shape[dim], math.prod(self.shape[dim + 1:])
@@ -125,6 +131,13 @@ class Piece:
             base = start * local_row
             out.append(local[max(lo - base, 0): hi - base])
         return torch.cat(out).to(self.dtype) if out else torch.empty(0, dtype=self.dtype)
+
+
+def _read_window(source: Values, shape: Sequence[int], runs: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+    """The runs' elements, from one read of the whole elements they span."""
+    first, end = runs[0][1], runs[-1][1] + runs[-1][2]
+    span = source.values(shape, first, end)
+    return [span[whole - first: whole - first + n] for _, whole, n in runs]
 
 
 @dataclass

@@ -6,6 +6,7 @@ apply_expert_layouts: expert tensor and expert parallelism)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from dataclasses import dataclass
@@ -109,7 +110,10 @@ def apply_expert_layouts(model: nn.Module, ctx: Context) -> tuple[ExpertTensorLa
     cut = None
     if ctx.config.expert_tp and tp_group is not None:
         cut = apply_expert_tensor_parallel(model, tp_group, rows_differ=ctx.config.sequence_parallel)
-    return cut, apply_expert_parallel(model, ep_group) if ep_group is not None else None
+    shared = apply_expert_parallel(model, ep_group) if ep_group is not None else None
+    if cut is not None and shared is not None:  # placed as the experts shared over ep are
+        cut = dataclasses.replace(cut, experts=shared)
+    return cut, shared
 
 
 def apply_memory_savers(model: nn.Module, savers: MemorySavers, recipe: Recipe, *, required: bool) -> bool:

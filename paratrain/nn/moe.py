@@ -212,9 +212,12 @@ class Experts(nn.Module):
                 hidden = F.gelu(F.linear(chunk, self.up[e]), approximate="tanh")
                 outputs.append(F.linear(hidden, self.down[e]))
             start += n
+        if outputs:
+            return torch.cat(outputs)
         # No rows: an empty result still attached to `rows`, so that backward reaches (and, under expert
-        # parallelism, every rank runs) the all-to-all that brought them
-        return torch.cat(outputs) if outputs else rows[:0]
+        # parallelism, every rank runs) the all-to-all that brought them, and to the weights, whose gradient
+        # hooks (sequence parallelism sums them over tp) must fire on every rank, here with zeros
+        return F.linear(F.gelu(F.linear(rows[:0], self.up[0]), approximate="tanh"), self.down[0])
 
 
 ExpertRunner = Callable[[torch.Tensor, torch.Tensor, "Experts"], torch.Tensor]

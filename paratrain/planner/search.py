@@ -85,7 +85,8 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, p
         if layout.zero == 3:  # the largest block, gathered, and the next one prefetched
             unit = 4 * model.d_model ** 2 / layout.tp + max(
                 2 * model.d_model * model.ff_dim / layout.tp,
-                model.moe_layer_params(model.n_experts // layout.ep) if model.n_experts else 0)
+                model.moe_layer_params(model.n_experts // layout.ep) / (layout.tp if layout.expert_tp else 1)
+                if model.n_experts else 0)
             other += 2 * unit * BYTES[precision if mode == "low" else "fp32"]
         record = {**{k: float(v) for k, v in states.items()}, "activations": activations, "other": other}
         record["peak"] = sum(record.values())

@@ -155,9 +155,12 @@ def test_checkpoints_resume_across_expert_tp_degrees(pools, tmp_path):
     within(max_state_diff(third["model"], ref["model"]), 1e-12, "MoE weights resumed across expert-tp (float64)")
 
 
-def _starved_job(ep: int) -> dict:
+def _starved_job(ep: int, tp: int = 1, capacity_factor: float = 0.0, pp: int = 1, expert_tp: bool = False,
+                 pp_split: tuple[int, ...] = ()) -> dict:
     """Top-1 over 4 experts with router rows w0 = w1 = 0 and w3 = -w2: every token goes to expert 2 or 3,
-    so under ep 2 rank 0's experts receive nothing (its all-to-alls must still run, forward and back)."""
+    so under ep 2 rank 0's experts receive nothing (its all-to-alls must still run, forward and back). With
+    tp 2 under sequence parallelism and a capacity of 4 assignments per expert and sequence (factor 0.5),
+    the kept assignments are among each sequence's first positions: tp rank 1's chunk runs no row."""
     import torch
     import torch.distributed as dist
 
@@ -166,8 +169,10 @@ def _starved_job(ep: int) -> dict:
     from paratrain.data import GlobalBatchLoader, load_source
     from paratrain.models import lm_loss
 
-    ctx = paratrain.init(paratrain.ParallelConfig(ep=ep), device="cpu")
-    model = paratrain.build_gpt(preset("tiny-moe", seq_len=32, top_k=1), seed=7, dtype=torch.float64)
+    ctx = paratrain.init(paratrain.ParallelConfig(ep=ep, tp=tp, sequence_parallel=tp > 1, pp=pp, expert_tp=expert_tp,
+                                                  pp_split=pp_split), device="cpu")
+    model = paratrain.build_gpt(preset("tiny-moe", seq_len=32, top_k=1, capacity_factor=capacity_factor), seed=7,
+                                dtype=torch.float64)
     with torch.no_grad():
         for block in (model.blocks[1], model.blocks[3]):
             weight = block.moe.router.weight
@@ -189,6 +194,25 @@ def test_a_rank_whose_experts_get_no_tokens_still_exchanges(pools):
     ref = _starved_job(1)
     assert ref["routing"][0]["expert_tokens_min"] == 0  # experts 0 and 1 idle
     within(rel_diff(got[0]["losses"], ref["losses"]), 1e-12, "MoE loss with idle experts under ep 2 (float64)")
+
+
+def test_a_tp_rank_whose_chunk_runs_no_expert_still_sums_their_gradients(pools):
+    """Sequence parallelism, experts replicated over tp: the experts' gradients are summed over tp by hooks,
+    which must fire on a tp rank whose chunk kept no assignment (else its peer waits in the sum alone), under
+    ep 2 too; and pipeline stages without a MoE layer (pp 4: the MoE layers are in blocks 1 and 3) join the
+    routing statistics' collectives over pp."""
+    ref = _starved_job(1, capacity_factor=0.5)
+    assert ref["routing"][0]["moe_dropped_fraction"] > 0.5
+    for layout in (dict(tp=2), dict(tp=2, ep=2), dict(pp=4)):
+        world = 4 if "ep" in layout or "pp" in layout else 2
+        got = pools(world).run(_starved_job, layout.get("ep", 1), tp=layout.get("tp", 1), capacity_factor=0.5,
+                               pp=layout.get("pp", 1))
+        within(rel_diff(got[0]["losses"], ref["losses"]), 1e-12, f"MoE loss, {layout}, empty chunks (float64)")
+        same_routing(got[0], ref)
+    # experts cut over tp and shared over ep, and a first stage (the embedding and block 0) without a MoE layer:
+    # its gradient norm joins the experts' kind of collectives all the same
+    got = pools(8).run(_starved_job, 2, tp=2, capacity_factor=0.5, pp=2, expert_tp=True, pp_split=(2,))
+    within(rel_diff(got[0]["losses"], ref["losses"]), 1e-12, "MoE loss, dp2 x ep2 x expert-tp2 x pp2 (float64)")
 
 
 DROPLESS = (("capacity_factor", 0.0),)
