@@ -10,6 +10,7 @@ group. The textbook form, (2 + 2 + K) psi over the ZeRO stages, is paratrain.pla
     zero 1/2   flat groups (paratrain.comm.plan_buckets: ~bucket_mb each, one optimizer group and one
                gradient role each) padded to a multiple of S; parameters whole; zero 1 keeps whole
                gradient buffers (and, reducing by reduce-scatter, a shard beside each), zero 2 shards
+               (under pp it accumulates the step's micro-batches in whole buffers first: both in a step)
     zero 3     flat groups per unit (a block, or the root: embedding, final norm, head); shards only
 """
 
@@ -133,11 +134,12 @@ def model_state_bytes(model: ModelConfig, layout: Layout, *, precision: str = "f
     param_bytes = elsize * (shard if layout.zero == 3 else padded)
     if layout.zero == 1:
         separate_shards = grad_reduce == "reduce_scatter"
-        grad_bytes = elsize * (padded + (shard if separate_shards else 0))
-    else:
-        grad_bytes = elsize * shard
+        grad_bytes = kept = elsize * (padded + (shard if separate_shards else 0))
+    else:  # a pipeline's deferred ZeRO-2 accumulates the step's micro-batches in full buffers, then shards
+        kept = elsize * shard
+        grad_bytes = kept + (elsize * padded if layout.zero == 2 and layout.pp > 1 else 0)
     own_master = layout.offload or elsize != MASTER_BYTES
     masters = MASTER_BYTES * shard if own_master else 0
     optimizer = 2 * MASTER_BYTES * shard + STEP_BYTES * groups + masters
     return with_totals({"params": param_bytes, "grads": grad_bytes, "optimizer": optimizer},
-                       kept_grads=grad_bytes if keep_grads else 0)
+                       kept_grads=kept if keep_grads else 0)

@@ -201,13 +201,15 @@ class GradReducer:
                 param.grad = None
 
     def memory(self) -> dict[str, int]:
-        """Bytes of gradients a step holds ("grads": full buffers under stage 1, else shards only; the
-        buffer being reduced aside) and how many of them stay between steps ("grads_kept")."""
-        grads = 0
+        """Bytes of gradients a step holds ("grads": full buffers under stage 1 and under a pipeline's deferred
+        stage 2, which accumulates every micro-batch in them; else shards only; the buffer being reduced
+        aside) and how many of them stay between steps ("grads_kept": the full buffers of stage 1 and the
+        shards, with keep_grads)."""
+        grads = kept = 0
         for g in self.groups:
             size = g.param_flat.element_size()
-            if self.options.persistent_grads:
-                grads += size * g.padded
-            if not self.options.shard_in_grad_buffer:
-                grads += size * g.shard_numel
-        return {"grads": grads, "grads_kept": grads if self.keep_grads else 0}
+            full = size * g.padded if self.options.persistent_grads or self.options.deferred else 0
+            shard = 0 if self.options.shard_in_grad_buffer else size * g.shard_numel
+            grads += full + shard
+            kept += (full if self.options.persistent_grads else 0) + shard
+        return {"grads": grads, "grads_kept": kept if self.keep_grads else 0}
