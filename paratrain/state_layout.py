@@ -13,17 +13,20 @@ checkpoint code loop over those objects instead of branching on the axis:
 The way back needs no method: loading reads, for each piece `splits` and `tied` describe, only the
 elements it holds (paratrain.hybrid.pieces, paratrain.hybrid.view), from a checkpoint's files or from a
 whole state dict in memory alike. A new axis that splits state implements these four and nothing in
-the engine changes.
+the engine changes. DimCuts gives the first, second and fourth to layouts whose tensors are each cut along one
+dim over one group (tensor parallelism's, expert tensor parallelism's).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
 from paratrain.comm.placement import Placements
-from paratrain.topology.mesh import Mesh
+from paratrain.comm.regions import all_gather_along
+from paratrain.topology.mesh import AxisGroup, Mesh
 
 ModelState = dict[str, torch.Tensor]
 OptimizerState = dict[str, Any]
@@ -51,3 +54,38 @@ def per_element(optimizer: Mapping[str, Any],
         name: {key: convert(name, value) if isinstance(value, torch.Tensor) and value.dim() > 0 else value
                for key, value in sorted(state[name].items())}
         for name in sorted(state)}}
+
+
+@dataclass
+class DimCuts:
+    """Parameters each cut along one dim over `group` (a state layout's splits, tied, to_whole and full; tensor
+    parallelism's and expert tensor parallelism's layouts add where the gradients go)."""
+
+    group: AxisGroup
+    split_dims: dict[str, int] = field(default_factory=dict)
+    """Parameter name -> the dim split over the group; names not here are replicated on every tp rank."""
+    split_ids: frozenset[int] = frozenset()
+    """id() of the split parameters, for strategies that hold parameters, not names."""
+
+    @property
+    def splits(self) -> dict[str, tuple[int, int, int]]:
+        """name -> (dim, this rank's index, parts) of every split parameter (paratrain.state_layout)."""
+        return {name: (dim, self.group.index, self.group.size) for name, dim in self.split_dims.items()}
+
+    @property
+    def tied(self) -> dict[str, str]:
+        return {}
+
+    def to_whole(self, model: ModelState, optimizer: OptimizerState) -> tuple[ModelState, OptimizerState]:
+        """Slices -> whole tensors, model and per-element optimizer state (collective over the group)."""
+        return self.gather_full(model), per_element(optimizer, self.full)
+
+    def full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of parameter `name` (or of state shaped like it) from this rank's slice:
+        all-gathered along its split dim (collective over the group); replicated ones come back as they are."""
+        dim = self.split_dims.get(name)
+        return tensor if dim is None else all_gather_along(tensor.detach(), self.group, dim)
+
+    def gather_full(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every split tensor of a name-keyed state made whole (collective over the group; name order)."""
+        return {name: self.full(name, state[name]) for name in sorted(state)}

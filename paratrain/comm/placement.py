@@ -104,10 +104,6 @@ class Placements:
     def __call__(self, param: torch.Tensor) -> Placement:
         return self._of.get(id(param), self.default)
 
-    def of_id(self, param_id: int) -> Placement:
-        """The placement of the parameter whose id() is `param_id`."""
-        return self._of.get(param_id, self.default)
-
     def tie(self, param: torch.Tensor, group: AxisGroup | None, *, counted: bool) -> None:
         """`param` is one end of a weight tied across stages over `group`; counted: this end is the one
         the gradient norm counts. The tied placement's norm axes are its untied one's."""

@@ -24,9 +24,7 @@ Gradients: an expert slice's gradient covers every row its tp group ran, so it i
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +35,7 @@ from paratrain.comm.regions import (all_gather_along, copy_to_tp_region, gather_
                                     reduce_from_tp_region, reduce_scatter_to_sequence_region)
 from paratrain.expert_parallel.layout import ExpertLayout, _expert_major
 from paratrain.nn.moe import Experts, MoE
-from paratrain.state_layout import ModelState, OptimizerState, per_element
+from paratrain.state_layout import DimCuts
 from paratrain.topology.mesh import AxisGroup, Mesh
 
 CUT_DIMS = {"up": 1, "down": 2}
@@ -83,23 +81,11 @@ class TensorParallelExperts(Experts):
 
 
 @dataclass
-class ExpertTensorLayout:
+class ExpertTensorLayout(DimCuts):
     """What apply_expert_tensor_parallel did: the expert weights it cut, along which dim, over tp."""
 
-    group: AxisGroup
-    dims: dict[str, int] = dataclasses.field(default_factory=dict)
-    """Local name of each cut expert weight -> the dim cut over tp."""
-    ids: frozenset[int] = frozenset()
     experts: ExpertLayout | None = None
     """Expert parallelism's layout, when the experts are also shared out over ep (their placement is its)."""
-
-    @property
-    def splits(self) -> dict[str, tuple[int, int, int]]:
-        return {name: (dim, self.group.index, self.group.size) for name, dim in self.dims.items()}
-
-    @property
-    def tied(self) -> dict[str, str]:
-        return {}
 
     def place(self, placements: Placements, mesh: Mesh) -> None:
         """Reduced as the experts are (over edp under expert parallelism, else as the dense parameters), their
@@ -108,18 +94,7 @@ class ExpertTensorLayout:
         base = placements.default
         if self.experts is not None:
             base = self.experts.placement(base, mesh.expert_data_group())
-        placements.add(base.split_over(self.group), self.ids)
-
-    def to_whole(self, model: ModelState, optimizer: OptimizerState) -> tuple[ModelState, OptimizerState]:
-        """Slices -> every expert's whole width, model and per-element optimizer state (collective over tp)."""
-        return self.gather_full(model), per_element(optimizer, self.full)
-
-    def full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        dim = self.dims.get(name)
-        return tensor if dim is None else all_gather_along(tensor.detach(), self.group, dim)
-
-    def gather_full(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {name: self.full(name, state[name]) for name in sorted(state)}
+        placements.add(base.split_over(self.group), self.split_ids)
 
 
 def apply_expert_tensor_parallel(model: nn.Module, group: AxisGroup, *, rows_differ: bool) -> ExpertTensorLayout:
@@ -131,7 +106,7 @@ def apply_expert_tensor_parallel(model: nn.Module, group: AxisGroup, *, rows_dif
         if isinstance(module, MoE):
             module.experts = TensorParallelExperts(module.experts, group, rows_differ=rows_differ)
             for attr, dim in CUT_DIMS.items():
-                layout.dims[f"{module_name}.experts.{attr}"] = dim
+                layout.split_dims[f"{module_name}.experts.{attr}"] = dim
                 ids.add(id(getattr(module.experts, attr)))
-    layout.ids = frozenset(ids)
+    layout.split_ids = frozenset(ids)
     return layout

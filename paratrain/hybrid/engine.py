@@ -65,9 +65,9 @@ class Engine:
             if isinstance(module, KeyedDropout):
                 module.attach(self.dropout, name)
         self.router_log = attach_router_log(model, routed=parts.routed)
+        """The MoE layers' auxiliary losses and routing counts of the step in progress (None: no MoE layer)."""
         self._routed_apart = ctx.mesh.groups.get("tp") if ctx.config.sequence_parallel else None
         """Sequence parallelism: the tp ranks each routed their chunk, so their routing terms add up."""
-        """The MoE layers' auxiliary losses and routing counts of the step in progress (None: no MoE layer)."""
 
     @property
     def last(self) -> StepStats | None:

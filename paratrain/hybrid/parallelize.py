@@ -3,7 +3,8 @@
 Each step reads the layout from the Context and applies one strategy, in this order (as torchtitan
 composes): pipeline cut, batch statistics, tensor, experts (cut over tp, shared over ep), context,
 memory savers, gradients (plain or ZeRO), loss scaling, pipeline executor. A step at degree 1 does
-nothing. The steps that split the model's state (pipeline, tensor, experts) return a paratrain.state_layout.StateLayout; placements,
+nothing. The steps that split the model's state (pipeline, tensor, experts) return a
+paratrain.state_layout.StateLayout; placements,
 pieces, materialisation, the engine's state_dict and checkpoints loop over those, so a new axis adds
 a step and its layout, and nothing that reads them changes.
 """
@@ -134,7 +135,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     tp = apply_tensor_layout(model, ctx, recipe, staged=stage is not None)
     # 5. Experts: each cut over tp (expert_tp), then each ep rank keeps its share of every MoE layer's.
     expert_cut, experts = apply_expert_layouts(model, ctx)
-    cut_over_tp = expert_cut.ids if expert_cut is not None else frozenset()
+    cut_over_tp = expert_cut.split_ids if expert_cut is not None else frozenset()
     if tp is not None and not meta:  # sequence parallelism: replicated parameters' gradients summed over tp
         tp.register_grad_hooks(model, split=cut_over_tp)
     # 5b. Context parallelism: each rank runs on its part of every sequence (no state is split).

@@ -87,22 +87,22 @@ class Piece:
         start = [0] * len(self.shape)  # where the slice starts along each dim of the whole tensor
         for dim, index, _ in self.cuts:
             start[dim] = index * local[dim]
-        inner = math.prod(self.shape[last + 1:])
-        local_row = local[last] * inner  # a run: along the last cut dim and everything after it
+        strides = [math.prod(self.shape[dim + 1:]) for dim in range(len(self.shape))]  # of the whole tensor
+        local_row = local[last] * strides[last]  # a run: along the last cut dim and everything after it
         runs = []
         for row in range(lo // local_row, -(-hi // local_row)):
-            whole, rest = start[last] * inner, row
+            whole, rest = start[last] * strides[last], row
             for dim in range(last - 1, -1, -1):  # the row's coordinates over the dims before `last`
                 rest, coord = divmod(rest, local[dim])
-                whole += (coord + start[dim]) * math.prod(self.shape[dim + 1:])
+                whole += (coord + start[dim]) * strides[dim]
             first, stop = max(lo, row * local_row), min(hi, (row + 1) * local_row)
             runs.append((first, whole + first - row * local_row, stop - first))
         return runs
 
     def values(self, source: Values, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of the flattened slice from `source` (values of the whole tensor), in
-        `dtype`, on the CPU; whole rows of the source are read a chunk at a time (several cuts: a run
-        at a time)."""
+        `dtype`, on the CPU; whole rows of the source are read a chunk at a time (several cuts: windows of
+        about CHUNK whole elements, each read once)."""
         if not self.cuts:
             return source.values(self.shape, lo, hi).to(self.dtype)
         if len(self.cuts) > 1:  # runs read a window of about CHUNK whole elements at a time

@@ -32,7 +32,7 @@ produces it, before it accumulates, so every gradient strategy downstream sees t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import torch
@@ -40,57 +40,32 @@ from torch import nn
 
 from paratrain.comm.collectives import all_reduce
 from paratrain.comm.placement import Placements
-from paratrain.comm.regions import all_gather_along
 from paratrain.nn.dropout import KeyedDropout
 from paratrain.nn.loss import VocabOutput
 from paratrain.nn.ties import tied_parameters
 from paratrain.names import name_matches
 from paratrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from paratrain.tensor_parallel.loss import VocabParallelOutput
-from paratrain.state_layout import ModelState, OptimizerState, per_element
+from paratrain.state_layout import DimCuts
 from paratrain.topology.mesh import AxisGroup, Mesh
 
 STYLES = ("column", "column_gather", "row", "embedding", "vocab_output", "heads_dropout", "sequence_dropout",
           "head_partial")
 
 @dataclass
-class TensorParallelLayout:
+class TensorParallelLayout(DimCuts):
     """What apply_tensor_parallel did: which parameters are split, along which dim, over which group."""
 
-    group: AxisGroup
-    sequence_parallel: bool
-    split_dims: dict[str, int] = field(default_factory=dict)
-    """Parameter name -> the dim split over tp; names not here are replicated on every tp rank."""
-    split_ids: frozenset[int] = frozenset()
-    """id() of the split parameters, for strategies that hold parameters, not names."""
+    sequence_parallel: bool = False
     partial_names: frozenset[str] = frozenset()
     """Parameters of head_partial modules: whole, their gradients summed over tp (also without SP)."""
-
-    @property
-    def splits(self) -> dict[str, tuple[int, int, int]]:
-        """name -> (dim, this rank's index, parts) of every split parameter (paratrain.state_layout)."""
-        return {name: (dim, self.group.index, self.group.size) for name, dim in self.split_dims.items()}
-
-    @property
-    def tied(self) -> dict[str, str]:
-        return {}
 
     def place(self, placements: Placements, mesh: Mesh) -> None:
         """Split parameters: reduced as the replicated ones, their norm's squares added over tp."""
         placements.add(placements.default.split_over(self.group), self.split_ids)
 
-    def to_whole(self, model: ModelState, optimizer: OptimizerState) -> tuple[ModelState, OptimizerState]:
-        """Slices -> whole tensors, model and per-element optimizer state (collective over tp)."""
-        return self.gather_full(model), per_element(optimizer, self.full)
-
     def is_split(self, param: torch.Tensor) -> bool:
         return id(param) in self.split_ids
-
-    def full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The whole tensor of parameter `name` (or of state shaped like it) from this rank's slice:
-        all-gathered along its split dim (collective over tp); replicated ones come back as they are."""
-        dim = self.split_dims.get(name)
-        return tensor if dim is None else all_gather_along(tensor.detach(), self.group, dim)
 
     def register_grad_hooks(self, model: nn.Module, *, split: frozenset[int] = frozenset()) -> None:
         """Under sequence parallelism, sum each replicated parameter's gradient over tp as autograd
@@ -102,11 +77,6 @@ class TensorParallelLayout:
             replicated = param.requires_grad and id(param) not in self.split_ids and id(param) not in split
             if replicated and (self.sequence_parallel or name in self.partial_names):
                 param.register_hook(_sum_over_tp(self.group))
-
-    def gather_full(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every split tensor of a name-keyed state made whole (collective over tp; name order)."""
-        return {name: self.full(name, state[name]) for name in sorted(state)}
-
 
 def resolve_plan(model: nn.Module, plan: Mapping[str, str], *, allow_missing: bool = False) -> dict[str, str]:
     """Module name -> style, every plan key matched to at least one module (unless allow_missing: a
@@ -171,7 +141,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
                 split[id(new)] = dim
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, replacement)
-    layout = TensorParallelLayout(group, sequence_parallel, partial_names=frozenset(partial))
+    layout = TensorParallelLayout(group, sequence_parallel=sequence_parallel, partial_names=frozenset(partial))
     for pname, param in model.named_parameters():
         if id(param) in split:
             layout.split_dims[pname] = split[id(param)]
