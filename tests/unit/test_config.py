@@ -226,3 +226,17 @@ def test_the_run_file_hands_the_workers_the_resolved_run(tmp_path):
     assert read_run(write_run(config, tmp_path / "run.json")) == config
     with pytest.raises(ConfigError, match="run file .* does not exist"):
         read_run(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("overrides,world,needle", [
+    ({"parallel.expert_tp": True}, 2, "expert_tp cuts every expert over the tp ranks, and tp is 1: set tp > 1"),
+    ({"parallel.tp": 2, "parallel.expert_tp": True}, 2, "--expert-tp splits the experts of a Mixture-of-Experts model "
+                                                        "among ranks, and this model is dense: give --experts N"),
+    ({"parallel.tp": 2, "parallel.expert_tp": True, "model.preset": "tiny-moe", "model.overrides": {"d_expert": 129}},
+     2, "expert_tp cuts each expert's width (129) over tp = 2: it must divide; set d_expert to a multiple of tp"),
+])
+def test_expert_tensor_parallel_rules(overrides, world, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        check_run(build_run_config(None, overrides), world)
+    assert check_run(build_run_config(None, {"parallel.tp": 2, "parallel.expert_tp": True,
+                                             "parallel.sequence_parallel": True, "model.preset": "tiny-moe"}), 2)
