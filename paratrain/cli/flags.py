@@ -71,6 +71,8 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--staleness": ("parallel.staleness", int, "--ps-mode async: clocks a trainer may run ahead of the slowest"),
     "--data": ("data.source", str, "builtin, a .txt file, a folder `paratrain tokenize` wrote (or Megatron's "
                                    "train/val .bin + .idx), or a folder with train.bin/val.bin (uint16)"),
+    "--documents": ("data.documents", str, "document masking of packed windows: on (needs a tokenized folder's "
+                    "document index), off, or auto (default: on for --hf with an index and cp 1)"),
     "--seq-len": ("data.seq_len", int, "tokens per sample (default: the model's)"),
     "--global-batch": ("data.global_batch", int, "samples per optimizer step, all ranks together"),
     "--micro-batch": ("data.micro_batch", int, "samples per forward/backward per rank (accumulation = G / (m x dp))"),

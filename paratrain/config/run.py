@@ -34,6 +34,11 @@ class DataSection:
     """Samples per forward/backward on one rank; 0 means global_batch / dp (no accumulation)."""
     val_fraction: float = 0.1
     """Share of a single-file source held out for validation (the tail of the file)."""
+    documents: str = "auto"
+    """Document masking of packed windows (paratrain.nn.documents: positions restart at each document,
+    attention stays inside it, no loss on the next document's first token): 'on' (needs a document index,
+    a folder `paratrain tokenize` or Megatron wrote), 'off', or 'auto' (on for --hf models when the data has
+    an index and cp is 1)."""
 
 
 @dataclass

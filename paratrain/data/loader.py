@@ -10,7 +10,9 @@ uninterrupted run would have read.
 
 Two loaders read samples in that order:
 - GlobalBatchLoader: windows of seq_len + 1 tokens of a flat token array, sample i =
-  tokens[i * S : i * S + S + 1] (input the first S, target the last S);
+  tokens[i * S : i * S + S + 1] (input the first S, target the last S); given the corpus's document
+  starts, also each token's position in its document (paratrain.nn.documents), and no target where the
+  next token starts another document;
 - DatasetLoader: the items of any map-style dataset (len() and [i]), stacked by torch's
   default_collate (tensors, numbers, and tuples or dicts of them).
 """
@@ -105,22 +107,29 @@ class GlobalOrder:
 
 class GlobalBatchLoader(GlobalOrder):
     def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, dp: int, dp_index: int,
-                 seed: int, shuffle: bool = True) -> None:
+                 seed: int, shuffle: bool = True, document_starts: np.ndarray | None = None) -> None:
+        """document_starts: increasing token offsets where documents start (IndexedTokens.document_starts):
+        batches are then (inputs, targets, positions) of packed documents (paratrain.nn.documents)."""
         self.tokens = tokens
         self.seq_len = seq_len
+        self.document_starts = None if document_starts is None else np.asarray(document_starts, dtype=np.int64)
         super().__init__((len(tokens) - 1) // seq_len, global_batch=global_batch, dp=dp, dp_index=dp_index,
                          seed=seed, shuffle=shuffle, what=f"the data (in samples of {seq_len + 1} tokens)")
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's rows of the next global batch: inputs[G/dp, S] and targets[G/dp, S], int64."""
+    def next(self) -> tuple[torch.Tensor, ...]:
+        """This rank's rows of the next global batch: inputs[G/dp, S] and targets[G/dp, S], int64 (and
+        positions[G/dp, S] with document starts)."""
         return self.gather(self.next_indices())
 
-    def gather(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
         starts = np.asarray(indices, dtype=np.int64) * self.seq_len
         # rows[n, S + 1]: sample windows, read straight from the (possibly memory-mapped) array
         rows = np.stack([np.asarray(self.tokens[s: s + self.seq_len + 1], dtype=np.int64) for s in starts])
         data = torch.from_numpy(rows)
-        return data[:, :-1], data[:, 1:]
+        if self.document_starts is None:
+            return data[:, :-1], data[:, 1:]
+        positions, crossing = document_positions(starts, self.seq_len, self.document_starts)
+        return data[:, :-1], data[:, 1:].masked_fill(torch.from_numpy(crossing), -100), torch.from_numpy(positions)
 
     def state_dict(self) -> dict[str, int]:
         return {**super().state_dict(), "seq_len": self.seq_len}
@@ -132,6 +141,22 @@ class GlobalBatchLoader(GlobalOrder):
                 "a resumed run must keep the global batch, sequence length and seed to read the same samples"
             )
         super().load_state_dict(state)
+
+
+def document_positions(window_starts: np.ndarray, seq_len: int,
+                       document_starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For windows of seq_len input tokens starting at these offsets of the token stream: each input token's
+    position in its document, counted from the window's start for the document that began before it
+    (int64[n, S]), and where its target is the first token of another document (bool[n, S]: no loss there,
+    nothing in the window's own document predicts it)."""
+    flat = window_starts[:, None] + np.arange(seq_len, dtype=np.int64)[None, :]  # [n, S]: each input's offset
+    holder = np.searchsorted(document_starts, flat, side="right") - 1  # the document each token belongs to
+    begins = np.where(holder >= 0, document_starts[np.maximum(holder, 0)], 0)
+    positions = flat - np.maximum(begins, window_starts[:, None])
+    following = np.searchsorted(document_starts, flat + 1)
+    crossing = (following < len(document_starts)) & (
+        document_starts[np.minimum(following, len(document_starts) - 1)] == flat + 1)
+    return positions, crossing
 
 
 class MapDataset(Protocol):

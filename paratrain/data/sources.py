@@ -29,6 +29,9 @@ class TokenSource:
     for `paratrain tokenize`'s)."""
     tokenizer: dict | None = None
     """`paratrain tokenize`'s record of the tokenizer that wrote the files (tokens.json), else None."""
+    train_documents: np.ndarray | None = None
+    """int64: where each document of `train` starts (a document index: Megatron's .idx), else None."""
+    val_documents: np.ndarray | None = None
 
     @property
     def can_write(self) -> bool:
@@ -103,7 +106,8 @@ def _indexed_source(path: Path) -> TokenSource:
     meta = json.loads((path / "tokens.json").read_text()) if (path / "tokens.json").is_file() else {}
     tokenizer = meta.get("tokenizer")
     vocab = tokenizer["vocab_size"] if tokenizer else int(max(train.tokens.max(initial=0), val.tokens.max(initial=0))) + 1
-    return TokenSource(str(path), train.tokens, val.tokens, vocab, tokenizer)
+    return TokenSource(str(path), train.tokens, val.tokens, vocab, tokenizer, train.document_starts,
+                       val.document_starts)
 
 
 def write_token_file(path: str | Path, tokens: np.ndarray) -> None:

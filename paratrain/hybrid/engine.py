@@ -217,9 +217,9 @@ class Engine:
         assert self.pipeline is not None
         pairs = []
         for micro in micro_batches:
-            if not (isinstance(micro, (tuple, list)) and len(micro) == 2):
-                raise TypeError("under pipeline parallelism a batch is (inputs, targets): the loss is computed "
-                                "on the last stage from the targets")
+            if not (isinstance(micro, (tuple, list)) and len(micro) in (2, 3)):
+                raise TypeError("under pipeline parallelism a batch is (inputs, targets) or (inputs, targets, positions) "
+                                "of packed documents: the loss is computed on the last stage from the targets")
             pairs.append(tuple(self._on_device(micro)))
         # The first scale of fp16 comes from the first micro-batch's size, before any rank has run the
         # loss: only the last stage ever knows the loss's own count, and every stage needs the scale.

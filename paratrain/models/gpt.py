@@ -37,47 +37,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.config.model import ModelConfig
-from paratrain.nn.dropout import KeyedDropout
 from paratrain.models.gpt_recipe import GPT_PLAN, GPT_RECIPE
 from paratrain.models.init import Constant, Given, KeyedNormal, ParamInit, init_tensor_
+from paratrain.models.norms import RMSNorm, apply_rope, rope_tables, upcast
+from paratrain.nn.documents import document_mask
+from paratrain.nn.dropout import KeyedDropout
 from paratrain.nn.loss import VocabOutput
 from paratrain.nn.moe import MoE, RouterLog
 from paratrain.nn.recipe import Recipe
 from paratrain.nn.sequence import SequenceSplit
-
-
-
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    """x in at least float32: bf16/fp16 go up, float32/float64 stay as they are."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 even under bf16 autocast: the mean of squares loses too much in bf16.
-        wide = upcast(x)
-        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
-
-
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [seq_len, head_dim / 2] (Su et al. 2021, RoFormer, eq. 34)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., :h/2], x[..., h/2:]) of x[B, H, S, hd] by position-dependent angles."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # [S, hd/2], broadcast over B and H
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
 class AttentionCore(nn.Module):
@@ -94,13 +62,16 @@ class AttentionCore(nn.Module):
         self.p = dropout
         self.dropout = KeyedDropout(dropout)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """positions[B, S]: packed documents (paratrain.nn.documents), each token attending within its own."""
+        mask = None if positions is None else document_mask(positions)  # [B, 1, S, S]
         if not (self.training and self.p > 0):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         seq = q.shape[-2]
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
-        probs = torch.softmax(upcast(scores.masked_fill(~causal, float("-inf"))), dim=-1).type_as(q)
+        allowed = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril() if mask is None else mask
+        probs = torch.softmax(upcast(scores.masked_fill(~allowed, float("-inf"))), dim=-1).type_as(q)
         return self.dropout(probs) @ v
 
 
@@ -123,21 +94,29 @@ class Attention(nn.Module):
         assert isinstance(self.core, AttentionCore)
         self.core = shard.attention_core(self.core.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, S, D]; cos, sin the rotary tables of the whole sequence ([seq_len, hd / 2]): row p is
-        position p."""
+        position p. positions[B, S]: packed documents, each token at its position in its own document and
+        attending within it (paratrain.nn.documents); None: one sequence, positions 0 .. S-1."""
         # x[B, S, D] @ Wqkv[D, 3D] -> [B, S, H, 3, hd] -> q, k, v each [B, H, S, hd]
         qkv = self.qkv(x)
         batch, seq = qkv.shape[:2]
         qkv = qkv.view(batch, seq, -1, 3, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))
-        if self.sequence is None:  # positions 0 .. S-1
+        if positions is not None:  # packed documents: each token's own position, per row
+            if self.sequence is not None:
+                raise ValueError("document masking under context parallelism is not supported: the ring and "
+                                 "Ulysses attentions are causal over the whole sequence; set cp to 1 or train "
+                                 "without document positions")
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [B, 1, S, hd / 2]
+        elif self.sequence is None:  # positions 0 .. S-1
             cos, sin = cos[:seq], sin[:seq]
         else:  # this rank's part of the sequence: its tokens' own positions
             positions = self.sequence.positions(seq, x.device)
             cos, sin = cos[positions], sin[positions]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.core(q, k, v).transpose(1, 2).reshape(batch, seq, -1)  # [B, S, H * hd]
+        y = (self.core(q, k, v) if positions is None else self.core(q, k, v, positions)).transpose(1, 2).reshape(batch, seq, -1)  # [B, S, H * hd]
         return self.out_dropout(self.out(y))
 
 
@@ -167,8 +146,9 @@ class Block(nn.Module):
         else:
             self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, positions)
         return x + (self.moe if self.has_moe else self.mlp)(self.mlp_norm(x))
 
 
@@ -196,14 +176,16 @@ class GPT(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx[B, S] (token ids) -> logits[B, S, Vp] (padded vocabulary; `output` reads them)."""
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """idx[B, S] (token ids) -> logits[B, S, Vp] (padded vocabulary; `output` reads them).
+        positions[B, S]: packed documents (paratrain.nn.documents): each token at its position in its own
+        document, attending only within it; None: one sequence per row."""
         seq = idx.shape[1]
         if seq > self.config.seq_len:
             raise ValueError(f"sequence of {seq} tokens is longer than the model's seq_len {self.config.seq_len}")
         x = self.tok_emb(idx)
         for block in self.blocks:  # each attention takes the rows of the rotary tables its tokens are at
-            x = block(x, self.rope_cos, self.rope_sin)
+            x = block(x, self.rope_cos, self.rope_sin, positions)
         return self.head(self.norm(x))
 
     def split_sequence(self, shard: SequenceSplit) -> None:
@@ -270,14 +252,15 @@ class GPT(nn.Module):
         return idx
 
 
-def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token cross-entropy as (sum over tokens, number of tokens), the shape the engine wants.
+    batch: (inputs, targets), or (inputs, targets, positions) for packed documents (paratrain.nn.documents).
 
     The engine divides by the token count of the whole global batch, so that the loss does not
     depend on how the batch was split into ranks and micro-batches.
     """
-    inputs, targets = batch
-    logits = model(inputs)
+    inputs, targets, *positions = batch
+    logits = model(inputs, *positions)
     output = getattr(model, "output", None)
     if hasattr(output, "loss"):
         return output.loss(logits, targets)  # type: ignore[union-attr]

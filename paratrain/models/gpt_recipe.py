@@ -60,17 +60,18 @@ def gpt_layers(model: nn.Module) -> list[Layer]:
     d, f, v, s = config.d_model, config.ff_dim, config.padded_vocab, config.seq_len
     block_flops = 2 * (4 * d * d + 2 * d * f) + 4 * s * d  # matmuls + attention scores, per token
     rope = {"rope_cos": model.rope_cos, "rope_sin": model.rope_sin}
-    layers = [Layer("tok_emb", {"tok_emb": model.tok_emb}, lambda st, x: st.tok_emb(x), 2.0 * d)]
+    layers = [Layer("tok_emb", {"tok_emb": model.tok_emb}, lambda st, x, *_: st.tok_emb(x), 2.0 * d, positions=True)]
     for i, block in enumerate(model.blocks):
-        layers.append(Layer(f"blocks.{i}", {f"blocks.{i}": block}, _block_runner(i), float(block_flops), rope))
+        layers.append(Layer(f"blocks.{i}", {f"blocks.{i}": block}, _block_runner(i), float(block_flops), rope,
+                            positions=True))
     layers.append(Layer("head", {"norm": model.norm, "head": model.head, "output": model.output},
-                        lambda st, x: st.head(st.norm(x)), 2.0 * d * v))
+                        lambda st, x, *_: st.head(st.norm(x)), 2.0 * d * v, positions=True))
     return layers
 
 
 def _block_runner(i: int) -> Run:
-    def run(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return stage.blocks[str(i)](x, stage.rope_cos, stage.rope_sin)
+    def run(stage: nn.Module, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return stage.blocks[str(i)](x, stage.rope_cos, stage.rope_sin, positions)
 
     return run
 

@@ -114,10 +114,12 @@ def llama_pipeline_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[tor
 
 
 def llama_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The engine's loss_fn for an HF causal LM: batch (input_ids, labels) in the module's convention;
-    the same numbers as llama_pipeline_loss on the last pipeline stage."""
-    input_ids, labels = batch
-    logits = model(input_ids=input_ids, use_cache=False).logits  # no KV cache in training
+    """The engine's loss_fn for an HF causal LM: batch (input_ids, labels) in the module's convention, or
+    (input_ids, labels, positions) of packed documents (paratrain.nn.documents: HF reads restarting position
+    ids as packed sequences and masks attention at their borders); the same numbers as llama_pipeline_loss on
+    the last pipeline stage."""
+    input_ids, labels, *positions = batch
+    logits = model(input_ids=input_ids, position_ids=positions[0] if positions else None, use_cache=False).logits
     return llama_pipeline_loss(logits, labels)
 
 
@@ -127,8 +129,9 @@ def llama_layers(model: nn.Module) -> list[Layer]:
         model.embed_tokens | model.layers.0 | ... | model.layers.{L-1} | model.norm + lm_head
 
     Each decoder layer runs as LlamaModel.forward runs it for a batch without padding or cache:
-    position ids 0 .. S-1, HF's causal mask (sliding-window for Mistral) and rotary cos/sin from
-    model.model.rotary_emb. Between stages travels only the hidden state [B, S, D]. A tied lm_head
+    position ids 0 .. S-1 (or the micro-batch's packed-document positions), HF's causal mask (sliding-window
+    for Mistral; per document) and rotary cos/sin from model.model.rotary_emb. Between stages travels only the
+    hidden state [B, S, D]. A tied lm_head
     (tie_word_embeddings=True) on another stage than model.embed_tokens is kept tied by the stages
     (paratrain.pipeline.stages: a copy whose gradient is summed with the embedding's)."""
     config = model.config
@@ -137,7 +140,7 @@ def llama_layers(model: nn.Module) -> list[Layer]:
                           f"model_type {config.model_type!r}: express the model as nn.Sequential of its layers")
     base = model.model
     d, v = config.hidden_size, config.vocab_size
-    layers = [Layer("model.embed_tokens", {"model.embed_tokens": base.embed_tokens}, _embed, 2.0 * d)]
+    layers = [Layer("model.embed_tokens", {"model.embed_tokens": base.embed_tokens}, _embed, 2.0 * d, positions=True)]
     for i, block in enumerate(base.layers[: config.num_hidden_layers]):
         name = f"model.layers.{i}"
         # model.rotary_emb rides along with every decoder layer, under its own name: the StageModel of
@@ -148,23 +151,25 @@ def llama_layers(model: nn.Module) -> list[Layer]:
         # same for every layer, so leaving them out shifts only the balance against the two ends.
         matmuls = sum(p.numel() for p in block.parameters() if p.dim() == 2)
         layers.append(Layer(name, {name: block, "model.rotary_emb": base.rotary_emb},
-                            _decoder_runner(name, config), 2.0 * matmuls))
-    layers.append(Layer("lm_head", {"model.norm": base.norm, "lm_head": model.lm_head}, _head, 2.0 * d * v))
+                            _decoder_runner(name, config), 2.0 * matmuls, positions=True))
+    layers.append(Layer("lm_head", {"model.norm": base.norm, "lm_head": model.lm_head}, _head, 2.0 * d * v,
+                        positions=True))
     return layers
 
 
-def _embed(stage: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+def _embed(stage: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     return stage.get_submodule("model.embed_tokens")(input_ids)  # [B, S] -> [B, S, D]
 
 
-def _head(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _head(stage: nn.Module, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
     return stage.get_submodule("lm_head")(stage.get_submodule("model.norm")(x))  # [B, S, D] -> [B, S, V]
 
 
 def _decoder_runner(name: str, config: Any) -> Run:
-    def run(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # [1, S]: 0 .. S-1
-        mask = _causal_mask(config, x, positions)  # None under sdpa (it is causal by itself)
+    def run(stage: nn.Module, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # [1, S]: 0 .. S-1
+        mask = _causal_mask(config, x, positions)  # None under sdpa without documents (causal by itself)
         cos_sin = stage.get_submodule("model.rotary_emb")(x, position_ids=positions)  # 2 x [1, S, hd]
         out = stage.get_submodule(name)(x, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin)
         return out[0] if isinstance(out, tuple) else out  # [B, S, D] (older transformers return a tuple)
@@ -173,12 +178,13 @@ def _decoder_runner(name: str, config: Any) -> Run:
 
 
 def _causal_mask(config: Any, x: torch.Tensor, positions: torch.Tensor) -> Any:
-    """The mask LlamaModel / MistralModel.forward builds for inputs without padding or cache."""
+    """The mask LlamaModel / MistralModel.forward builds for inputs without padding or cache (from restarting
+    positions, packed documents: transformers' masking_utils finds their borders)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     sliding = config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None
     build = create_sliding_window_causal_mask if sliding else create_causal_mask
-    return build(config=config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=positions)
+    return build(config, x, None, None, position_ids=positions)  # (config, embeds, attention mask, cache): none of the two
 
 
 LLAMA_ATTENTIONS = r"model\.layers\.\d+\.self_attn"

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-Run = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+Run = Callable[..., torch.Tensor]
+"""run(stage_model, x) -> y; a layer that reads packed documents' positions also run(stage_model, x, positions)."""
 PipelineLoss = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]]
 """(the last stage's output, targets) -> (sum of losses, count): a loss that needs no module."""
 StageLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]]
@@ -50,6 +51,10 @@ class Layer:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     """Tensors of the whole model the layer reads (the GPT's rotary tables), registered on every stage
     that holds it as non-persistent buffers under these names (so they move with the stage's .to())."""
+    positions: bool = False
+    """Whether run takes a third argument, positions[B, S] of packed documents (paratrain.nn.documents): a
+    micro-batch (inputs, targets, positions) gives every stage its positions, each from its own copy of the
+    micro-batch (every pipeline rank reads the same rows), so they travel with the activations at no cost."""
 
 
 @dataclass(frozen=True)

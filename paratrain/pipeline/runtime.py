@@ -168,7 +168,8 @@ class PipelineExecutor:
         x = step.inputs.get(key) if action.chunk > 0 else micro_batches[action.mb][0]
         self._capture = [] if train and self._weight_modules else None
         with self._forward_context():  # autocast, for the forward only
-            out = self.stage.run_chunk(action.chunk, x)
+            micro = micro_batches[action.mb]  # (inputs, targets) or (inputs, targets, positions)
+            out = self.stage.run_chunk(action.chunk, x, micro[2] if len(micro) > 2 else None)
             if action.chunk == self.last_chunk:
                 loss_sum, count = self.loss(self.stage, out, micro_batches[action.mb][1])
         if self._capture:

@@ -145,10 +145,18 @@ class StageModel(nn.Module):
                 self.tied[name] = names[0]
             self.tied_name = here[0]
 
-    def run_chunk(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
+    def run_chunk(self, chunk: int, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """positions[B, S]: the micro-batch's packed documents (paratrain.nn.documents), for every layer."""
         start, end = self.ranges[chunk]
         for layer in self.layers[start:end]:
-            x = layer.run(self, x)
+            if positions is None:
+                x = layer.run(self, x)
+            elif layer.positions:
+                x = layer.run(self, x, positions)
+            else:
+                raise ValueError(f"the micro-batch carries document positions (its third tensor) and pipeline layer "
+                                 f"{layer.name!r} does not take them (Layer.positions is False): give its run a "
+                                 "positions argument, or batches of (inputs, targets) only")
         return x
 
 

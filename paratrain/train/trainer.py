@@ -44,6 +44,15 @@ def check_data(plan: RunPlan, source: TokenSource) -> None:
             f"the data uses token ids up to {source.vocab_size - 1}, but the model's vocab_size is "
             f"{plan.model.vocab_size}: set model vocab_size >= {source.vocab_size} (--vocab-size, or [model] vocab_size)"
         )
+    documents = plan.config.data.documents
+    if documents not in ("auto", "on", "off"):
+        raise ConfigError(f"data documents is {documents!r}: use 'on', 'off' or 'auto' (--documents)")
+    if documents == "on" and source.train_documents is None:
+        raise ConfigError(f"document masking (--documents on) needs a document index, and {source.name!r} has none: "
+                          "tokenize the corpus with `paratrain tokenize` (or use Megatron's .bin/.idx), or --documents off")
+    if documents == "on" and plan.config.parallel.cp > 1:
+        raise ConfigError(f"document masking under context parallelism (cp {plan.config.parallel.cp}) is not supported: "
+                          "the ring and Ulysses attentions are causal over the whole sequence; --cp 1 or --documents off")
     for split, tokens in (("train", source.train), ("val", source.val)):
         samples = (len(tokens) - 1) // plan.seq_len
         if samples < plan.batch.global_batch:
@@ -51,6 +60,13 @@ def check_data(plan: RunPlan, source: TokenSource) -> None:
                 f"the {split} split of {source.name!r} holds {samples} samples of {plan.seq_len + 1} tokens, "
                 f"fewer than one global batch ({plan.batch.global_batch}): lower global_batch or seq_len"
             )
+
+
+def uses_documents(plan: RunPlan, source: TokenSource) -> bool:
+    """Whether the run masks documents (DataSection.documents; check_data refused what cannot be)."""
+    documents, indexed = plan.config.data.documents, source.train_documents is not None
+    return documents == "on" or (documents == "auto" and indexed and bool(plan.config.model.hf)
+                                 and plan.config.parallel.cp == 1)
 
 
 class Trainer:
@@ -87,8 +103,11 @@ class Trainer:
         dp, dp_index = ctx.mesh.degree("dp"), ctx.mesh.index("dp")
         loader_args = dict(seq_len=plan.seq_len, global_batch=plan.batch.global_batch, dp=dp,
                            dp_index=dp_index, seed=config.seed)
-        self.train_loader = GlobalBatchLoader(self.source.train, **loader_args)  # type: ignore[arg-type]
-        self.val_loader = GlobalBatchLoader(self.source.val, shuffle=False, **loader_args)  # type: ignore[arg-type]
+        documents = uses_documents(plan, self.source)
+        self.train_loader = GlobalBatchLoader(self.source.train, **loader_args,  # type: ignore[arg-type]
+                                              document_starts=self.source.train_documents if documents else None)
+        self.val_loader = GlobalBatchLoader(self.source.val, shuffle=False, **loader_args,  # type: ignore[arg-type]
+                                            document_starts=self.source.val_documents if documents else None)
         settings = LoopSettings(
             steps=train.steps, lr=config.optim.lr, warmup_steps=config.optim.warmup_steps,
             min_lr_ratio=config.optim.min_lr_ratio, log_every=train.log_every, eval_every=train.eval_every,

@@ -1,0 +1,41 @@
+"""Documents packed into one sequence: positions that restart at every document, attention that does not
+cross from one document into another.
+
+A packed window of S tokens holds the end of one document, whole documents and the start of another. With
+document masking each token's position counts from the start of its document (or of the window, for the
+document that began before it), and a token attends only to the earlier tokens of its own document. One
+tensor says both, positions[B, S] (int64):
+
+    query i may attend to key j  <=>  j <= i  and  i - j <= positions[b, i]
+
+so the mask needs no document ids, and a pipeline stage, a tensor-parallel rank or a sequence-parallel
+attention reads it from the same tensor the rotary embedding reads. The loss is not taken where the next
+token starts another document (its label is -100: nothing in the window's own document predicts it);
+paratrain.data.GlobalBatchLoader(document_starts=...) makes both from a corpus's document index.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """positions[B, S] -> bool[B, 1, S, S], True where query i may attend to key j (its own document's
+    earlier tokens, itself included): the attn_mask of torch's scaled_dot_product_attention."""
+    seq = positions.shape[-1]
+    index = torch.arange(seq, device=positions.device)
+    back = index[:, None] - index[None, :]  # [S, S]: i - j, how far back key j lies from query i
+    return ((back >= 0) & (back <= positions[:, :, None])).unsqueeze(1)
+
+
+def positions_after(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """positions[B, S] for windows whose documents each end with `eos_id` (what `paratrain tokenize` writes):
+    0 at the window's first token and after every end-of-sequence token, counting up in between."""
+    seq = input_ids.shape[-1]
+    index = torch.arange(seq, device=input_ids.device).expand_as(input_ids)
+    starts = torch.zeros_like(input_ids, dtype=torch.bool)
+    starts[:, 1:] = input_ids[:, :-1] == eos_id
+    starts[:, 0] = True
+    last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+    return index - last_start
+
