@@ -13,7 +13,8 @@ the weights. Written, into a folder renamed into place at the end (an existing O
   holds one tensor of the model at a time;
 - only the model's own tensors under their Hugging Face names: a tied head is the embedding (the
   checkpoint holds it once), optimizer state stays behind; the names are checked against the model
-  SOURCE's config.json builds, both ways, and a difference refused by name;
+  SOURCE's config.json builds, both ways, and a difference refused by name; so are the shapes, except the
+  rows a padded vocabulary added (from_pretrained(pad_vocab_to=)), which are trimmed;
 - config.json with its dtype set to the exported one; every other file of SOURCE that is a tokenizer's or
   the generation config, byte for byte.
 """
@@ -34,7 +35,7 @@ from paratrain.checkpoint.io import SHARDED_FORMAT, resolve_checkpoint, verify_c
 from paratrain.checkpoint.sharded import CheckpointReader
 from paratrain.config.errors import ConfigError
 from paratrain.data.tokenize import TOKENIZER_FILES
-from paratrain.hf.load import INDEX, WEIGHTS, expected_names
+from paratrain.hf.load import INDEX, WEIGHTS, expected_shapes
 
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -66,13 +67,18 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, source: str | 
                           "the checkpoints `--save` and save_sharded write")
     reader = CheckpointReader(folder, meta)
     names = sorted(k for k in meta["tensors"] if "::" not in k)
-    wanted = expected_names(source)
-    missing, unexpected = sorted(wanted - set(names)), sorted(set(names) - wanted)
+    shapes = expected_shapes(source)
+    missing, unexpected = sorted(set(shapes) - set(names)), sorted(set(names) - set(shapes))
     if missing or unexpected:
         raise ConfigError(f"the checkpoint {folder} and the model {source}/config.json builds differ: missing from "
                           f"the checkpoint {missing[:6]}, not in the model {unexpected[:6]}: export with the --hf "
                           "folder the run started from")
-    shards = _plan(reader, names, dtype, parse_size(max_shard_size))
+    for name in names:
+        saved = tuple(reader.open(name).shape)
+        if saved != shapes[name] and not (saved[1:] == shapes[name][1:] and saved[:1] > shapes[name][:1]):
+            raise ConfigError(f"{name} is {list(saved)} in the checkpoint {folder} and {list(shapes[name])} in the "
+                              f"model {source}/config.json builds: export with the --hf folder the run started from")
+    shards = _plan(reader, shapes, names, dtype, parse_size(max_shard_size))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -80,7 +86,7 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, source: str | 
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
         total = 0
         for file, shard in zip(files, shards):
-            total += _write_shard(staging / file, reader, shard, dtype)
+            total += _write_shard(staging / file, reader, shapes, shard, dtype)
         if len(files) > 1:
             weight_map = {name: file for file, shard in zip(files, shards) for name in shard}
             (staging / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
@@ -92,18 +98,24 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, source: str | 
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _target(reader: CheckpointReader, name: str, dtype: torch.dtype | None) -> tuple[tuple[int, ...], torch.dtype]:
+Shapes = dict[str, tuple[int, ...]]
+
+
+def _target(reader: CheckpointReader, shapes: Shapes, name: str,
+            dtype: torch.dtype | None) -> tuple[tuple[int, ...], torch.dtype]:
+    """The exported shape (the model's: a padded vocabulary's first rows) and dtype of a tensor."""
     saved = reader.open(name)
     cast = dtype if dtype is not None and saved.dtype.is_floating_point else saved.dtype
-    return tuple(saved.shape), cast
+    return shapes[name], cast
 
 
-def _plan(reader: CheckpointReader, names: list[str], dtype: torch.dtype | None, limit: int) -> list[list[str]]:
+def _plan(reader: CheckpointReader, shapes: Shapes, names: list[str], dtype: torch.dtype | None,
+          limit: int) -> list[list[str]]:
     """Tensors by shard, in name order: a new shard when the next tensor would pass `limit` bytes."""
     shards: list[list[str]] = [[]]
     size = 0
     for name in names:
-        shape, cast = _target(reader, name, dtype)
+        shape, cast = _target(reader, shapes, name, dtype)
         nbytes = math.prod(shape) * cast.itemsize
         if shards[-1] and size + nbytes > limit:
             shards.append([])
@@ -113,12 +125,14 @@ def _plan(reader: CheckpointReader, names: list[str], dtype: torch.dtype | None,
     return shards
 
 
-def _write_shard(path: Path, reader: CheckpointReader, names: list[str], dtype: torch.dtype | None) -> int:
-    """One safetensors file: its header from the shapes, then each tensor assembled, cast and written in turn."""
+def _write_shard(path: Path, reader: CheckpointReader, shapes: Shapes, names: list[str],
+                 dtype: torch.dtype | None) -> int:
+    """One safetensors file: its header from the shapes, then each tensor assembled, cast and written in turn
+    (a padded vocabulary's tensor: its first rows, the elements before the padding)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name in names:
-        shape, cast = _target(reader, name, dtype)
+        shape, cast = _target(reader, shapes, name, dtype)
         end = offset + math.prod(shape) * cast.itemsize
         header[name] = {"dtype": SAFETENSORS_DTYPES[cast], "shape": list(shape), "data_offsets": [offset, end]}
         offset = end
@@ -128,7 +142,7 @@ def _write_shard(path: Path, reader: CheckpointReader, names: list[str], dtype: 
         stream.write(struct.pack("<Q", len(encoded)) + encoded)
         for name in names:
             saved = reader.open(name)
-            shape, cast = _target(reader, name, dtype)
+            shape, cast = _target(reader, shapes, name, dtype)
             tensor = saved.values(saved.shape, 0, math.prod(shape)).to(cast).contiguous()
             stream.write(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return offset

@@ -15,16 +15,24 @@ read here). `from_pretrained(folder)`:
    to the model's dtype. Buffers the files do not hold (non-persistent ones: rotary frequencies) come from
    their module built again on the CPU from the config.
 
+pad_vocab_to=tp pads a vocabulary tp does not divide (GPT-2's 50,257 under tp 2) to the next multiple: the
+embedding's and lm_head's extra rows are zeros, never looked up, and the losses (Pretrained.loss, the
+recipe's stage loss) read only the real vocabulary's logits, so the padding changes no number; export
+trims it (paratrain.hf.export).
+
 The model families: the recipe of each (paratrain.models.hf: Llama, Mistral, Qwen2, Qwen3 and Gemma) says how
 the strategies split it; a family without one is refused with what is missing.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -53,13 +61,19 @@ class Pretrained:
     recipe: Recipe
     config: Any
     folder: Path
+    vocab_size: int
+    """The real vocabulary (config.vocab_size is the padded one under pad_vocab_to)."""
+    loss: Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]]
+    """The engine's loss_fn: llama_loss over the real vocabulary."""
 
 
 class _Rows:
     """Elements [lo, hi) of one tensor of a safetensors file, read by whole rows of its first dim."""
 
-    def __init__(self, path: Path, key: str) -> None:
-        self.path, self.key = path, key
+    def __init__(self, path: Path, key: str, vocab: tuple[int, int] | None = None) -> None:
+        """vocab: (real, padded) rows when the model's vocabulary is padded: a tensor of `real` rows in the
+        file and `padded` in the model reads zeros past its last row."""
+        self.path, self.key, self.vocab = path, key, vocab
 
     def values(self, shape: Sequence[int], lo: int, hi: int) -> torch.Tensor:
         from safetensors import safe_open
@@ -67,25 +81,33 @@ class _Rows:
         with safe_open(str(self.path), framework="pt") as handle:
             view = handle.get_slice(self.key)
             saved = tuple(view.get_shape())
+            if self.vocab and saved[:1] == self.vocab[:1] and (self.vocab[1], *saved[1:]) == tuple(shape):
+                stored = math.prod(saved)  # the file's rows, then zeros for the padding rows
+                head = self._read(view, saved, lo, min(hi, stored))
+                return torch.cat((head, head.new_zeros(max(0, hi - max(lo, stored)))))
             if saved != tuple(shape):
                 raise ConfigError(f"{self.key} in {self.path.name} has shape {saved}, the model's is {tuple(shape)}: "
                                   "the config.json and the weights do not belong together")
-            if lo >= hi:
-                return torch.empty(0)
-            if len(saved) <= 1:
-                return view[lo:hi].reshape(-1)
-            row = 1
-            for size in saved[1:]:
-                row *= size
-            first, last = lo // row, -(-hi // row)
-            return view[first:last].reshape(-1)[lo - first * row: hi - first * row]
+            return self._read(view, saved, lo, hi)
+
+    @staticmethod
+    def _read(view: Any, saved: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
+        if lo >= hi:
+            return view[0:0].reshape(-1)
+        if len(saved) <= 1:
+            return view[lo:hi].reshape(-1)
+        row = math.prod(saved[1:])
+        first, last = lo // row, -(-hi // row)
+        return view[first:last].reshape(-1)[lo - first * row: hi - first * row]
 
 
 class HFCheckpoint:
     """A Source (paratrain.hybrid.materialize) over a folder's safetensors files."""
 
-    def __init__(self, folder: str | Path, buffers: dict[str, torch.Tensor]) -> None:
+    def __init__(self, folder: str | Path, buffers: dict[str, torch.Tensor],
+                 vocab: tuple[int, int] | None = None) -> None:
         self.folder = Path(folder)
+        self.vocab = vocab
         self.files = weight_files(self.folder)
         self.buffers = buffers
         """Tensors the files do not hold, computed here (non-persistent buffers)."""
@@ -95,7 +117,7 @@ class HFCheckpoint:
             return Given(self.buffers[name])
         if name not in self.files:
             raise ConfigError(f"{name} is not in the checkpoint's files ({self.folder})")
-        return _Rows(self.folder / self.files[name], name)
+        return _Rows(self.folder / self.files[name], name, self.vocab)
 
 
 def weight_files(folder: Path) -> dict[str, str]:
@@ -123,10 +145,15 @@ def _files_dtype(folder: Path, files: dict[str, str]) -> torch.dtype:
     return torch.float32
 
 
-def from_pretrained(folder: str | Path, *, dtype: torch.dtype | None = None) -> Pretrained:
+def from_pretrained(folder: str | Path, *, dtype: torch.dtype | None = None, pad_vocab_to: int = 1) -> Pretrained:
     """The model of a local Hugging Face folder on the meta device, and the Source of its values (module docstring)."""
+    from paratrain.models.hf import llama_loss, llama_pipeline_loss
+    from paratrain.nn.recipe import stage_loss
+
     folder = Path(folder)
     config = _config(folder)
+    vocab = config.vocab_size
+    config.vocab_size = -(-vocab // pad_vocab_to) * pad_vocab_to
     recipe = _recipes().get(config.model_type)
     if recipe is None:
         raise ConfigError(f"{folder} holds a {config.model_type!r} model, and paratrain has a recipe (how tensor, "
@@ -143,7 +170,11 @@ def from_pretrained(folder: str | Path, *, dtype: torch.dtype | None = None) -> 
                           f"the model {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''} (transformers would "
                           "initialise the missing ones at random): use the config.json saved with these weights")
     buffers = _rebuilt_buffers(model, config, set(files))
-    return Pretrained(model, HFCheckpoint(folder, buffers), recipe, config, folder)
+    padded = (vocab, config.vocab_size) if config.vocab_size != vocab else None
+    if padded:  # the losses read the real vocabulary's logits only
+        recipe = dataclasses.replace(recipe, stage_loss=stage_loss(functools.partial(llama_pipeline_loss, vocab=vocab)))
+    return Pretrained(model, HFCheckpoint(folder, buffers, padded), recipe, config, folder, vocab,
+                      functools.partial(llama_loss, vocab=vocab))
 
 
 def stand_in(folder: str | Path, *, tp: int = 1, sequence_parallel: bool = False) -> ModelConfig:
@@ -155,7 +186,7 @@ def stand_in(folder: str | Path, *, tp: int = 1, sequence_parallel: bool = False
     if config.model_type not in _recipes():
         raise ConfigError(f"{folder} holds a {config.model_type!r} model, and paratrain has a recipe for "
                           f"{sorted(_recipes())} only")
-    check_llama_tp(config, tp, sequence_parallel=sequence_parallel)
+    check_llama_tp(config, tp, sequence_parallel=sequence_parallel, pad_vocab=True)
     return ModelConfig(vocab_size=config.vocab_size, seq_len=config.max_position_embeddings,
                        n_layer=config.num_hidden_layers, n_head=config.num_attention_heads, d_model=config.hidden_size,
                        d_ff=config.intermediate_size, tie_embeddings=bool(config.tie_word_embeddings))
@@ -181,9 +212,11 @@ def _meta_model(config: Any, dtype: torch.dtype) -> nn.Module:
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def expected_names(folder: str | Path) -> set[str]:
-    """The tensors a checkpoint of the model `folder`/config.json builds holds (a tied one once)."""
-    return set(_stored_names(_meta_model(_config(Path(folder)), torch.float32)))
+def expected_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
+    """The tensors a checkpoint of the model `folder`/config.json builds holds (a tied one once), by name."""
+    model = _meta_model(_config(Path(folder)), torch.float32)
+    state = model.state_dict()
+    return {name: tuple(state[name].shape) for name in _stored_names(model)}
 
 
 def _stored_names(model: nn.Module) -> list[str]:

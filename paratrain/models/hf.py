@@ -81,8 +81,9 @@ final norm and lm_head."""
 _TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 
 
-def check_llama_tp(config: Any, tp: int, *, sequence_parallel: bool = False) -> None:
-    """Raise ConfigError unless LLAMA_TP_PLAN applies to a model of this HF config at this tp degree."""
+def check_llama_tp(config: Any, tp: int, *, sequence_parallel: bool = False, pad_vocab: bool = False) -> None:
+    """Raise ConfigError unless LLAMA_TP_PLAN applies to a model of this HF config at this tp degree
+    (pad_vocab: the vocabulary will be padded to a multiple of tp, paratrain.hf.from_pretrained(pad_vocab_to=))."""
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     ffn, vocab = config.intermediate_size, config.vocab_size
@@ -93,11 +94,11 @@ def check_llama_tp(config: Any, tp: int, *, sequence_parallel: bool = False) -> 
     if ffn % tp:
         raise ConfigError(f"the MLP splits along intermediate_size ({ffn}), which must be divisible by tp ({tp}); "
                           f"use tp in {fits}")
-    if vocab % tp:
+    if vocab % tp and not pad_vocab:
         raise ConfigError(f"model.embed_tokens and lm_head split along vocab_size ({vocab}), which must be divisible "
-                          f"by tp ({tp}): pad the vocabulary (model.resize_token_embeddings(..., "
-                          f"pad_to_multiple_of={tp})), or drop 'embed_tokens' and 'lm_head' from the plan to keep "
-                          "them replicated")
+                          f"by tp ({tp}): load with paratrain.hf.from_pretrained(folder, pad_vocab_to={tp}) (zero rows "
+                          "the loss never reads; `paratrain train --hf` pads), or drop 'embed_tokens' and 'lm_head' "
+                          "from the plan to keep them replicated")
     if sequence_parallel:
         raise ConfigError("sequence parallelism does not apply to HF Llama / Mistral: their attention reshapes each "
                           "projection with the sequence length of its input, which sequence parallelism splits "
@@ -105,22 +106,24 @@ def check_llama_tp(config: Any, tp: int, *, sequence_parallel: bool = False) -> 
                           "sequence_parallel=False")
 
 
-def llama_pipeline_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def llama_pipeline_loss(logits: torch.Tensor, labels: torch.Tensor, *,
+                        vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of token cross-entropies, number of labels that are not -100) from logits[B, S, V] and
-    labels[B, S] aligned to them (no shift): parallelize's `pipeline_loss=` under pp.
+    labels[B, S] aligned to them (no shift): parallelize's `pipeline_loss=` under pp. vocab: the real
+    vocabulary, when the logits' last columns are padding (from_pretrained(pad_vocab_to=)).
 
     In float32 at least, by row chunks (paratrain.nn.loss: bf16 logits never upcast whole)."""
-    return VocabOutput(logits.shape[-1]).loss(logits, labels)
+    return VocabOutput(vocab or logits.shape[-1]).loss(logits, labels)
 
 
-def llama_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def llama_loss(model: nn.Module, batch: Any, *, vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's loss_fn for an HF causal LM: batch (input_ids, labels) in the module's convention, or
     (input_ids, labels, positions) of packed documents (paratrain.nn.documents: HF reads restarting position
     ids as packed sequences and masks attention at their borders); the same numbers as llama_pipeline_loss on
     the last pipeline stage."""
     input_ids, labels, *positions = batch
     logits = model(input_ids=input_ids, position_ids=positions[0] if positions else None, use_cache=False).logits
-    return llama_pipeline_loss(logits, labels)
+    return llama_pipeline_loss(logits, labels, vocab=vocab)
 
 
 def llama_layers(model: nn.Module) -> list[Layer]:

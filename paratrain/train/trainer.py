@@ -87,10 +87,10 @@ class Trainer:
         loss_fn, source, recipe = lm_loss, None, None
         if config.model.hf:
             from paratrain.hf import from_pretrained
-            from paratrain.models.hf import llama_loss
 
-            pretrained = from_pretrained(config.model.hf, dtype=torch.float32)
-            self.model, source, recipe, loss_fn = pretrained.model, pretrained.init, pretrained.recipe, llama_loss
+            # a vocabulary tp does not divide is padded with rows the loss never reads (export trims them)
+            pretrained = from_pretrained(config.model.hf, dtype=torch.float32, pad_vocab_to=config.parallel.tp)
+            self.model, source, recipe, loss_fn = pretrained.model, pretrained.init, pretrained.recipe, pretrained.loss
         else:
             self.model = build_gpt(plan.model, seed=config.seed, device="meta")
         self.engine: Engine = parallelize(
