@@ -11,9 +11,10 @@ each other.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from paratrain.fit.result import FitResult
+from paratrain.train.loop import Hook, TrainLoop
 
 if TYPE_CHECKING:
     from paratrain.hybrid import Engine
@@ -74,3 +75,22 @@ class PrintProgress(Callback):
             val = f"  val {record['val_loss']:.4f}" if "val_loss" in record else ""
             print(f"step {record['step']:>6}  loss {record['loss']:.4f}{val}  {record['tokens_per_s']:,.0f} /s",
                   file=sys.stderr, flush=True)
+
+
+class CallbackHooks(Hook):
+    """The user's Callbacks (called with the Trainer, as Lightning's are) as hooks of the loop."""
+
+    def __init__(self, trainer: TrainerView, callbacks: Sequence[Callback]) -> None:
+        self.trainer, self.callbacks = trainer, callbacks
+
+    def on_start(self, loop: TrainLoop) -> None:
+        for callback in self.callbacks:
+            callback.on_fit_start(self.trainer)
+
+    def on_step_end(self, loop: TrainLoop, record: dict[str, Any]) -> None:
+        for callback in self.callbacks:
+            callback.on_train_step_end(self.trainer, record)
+
+    def on_validation_end(self, loop: TrainLoop, step: int, val_loss: float) -> None:
+        for callback in self.callbacks:
+            callback.on_validation_end(self.trainer, step, val_loss)

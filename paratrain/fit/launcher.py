@@ -42,10 +42,12 @@ def relaunch_attempt() -> int:
     return int(os.environ.get(ATTEMPT_ENV, "0"))
 
 
-def launch_workers(model: nn.Module, launch: LaunchSection, *, max_restarts: int, save: str | None) -> FitResult:
+def launch_workers(model: nn.Module | None, launch: LaunchSection, *, max_restarts: int,
+                   save: str | None) -> FitResult:
     """Run this program in launch.nproc x launch.nnodes workers, relaunching a failed job up to
     max_restarts times (the workers resume from the newest checkpoint under `save`); then load the
-    trained weights into `model` and return rank 0's FitResult."""
+    trained weights into `model` (None: a Trainer(hf=...) model, which save_pretrained exports from the
+    checkpoints) and return rank 0's FitResult."""
     from safetensors.torch import load_model
 
     from paratrain.launch import JobFailed, launch_script
@@ -73,7 +75,8 @@ def launch_workers(model: nn.Module, launch: LaunchSection, *, max_restarts: int
         result = FitResult(**_int_keys(json.loads((Path(handoff) / "result.json").read_text())))
         # Tied weights were written once, under their first name: safetensors' load_model restores every
         # alias of a shared tensor, and still refuses a missing or unexpected name.
-        load_model(model, str(Path(handoff) / "model.safetensors"))
+        if model is not None:
+            load_model(model, str(Path(handoff) / "model.safetensors"))
     finally:
         os.environ.pop(HANDOFF_ENV, None)
         os.environ.pop(ATTEMPT_ENV, None)

@@ -36,7 +36,7 @@ from paratrain.config.validate import DEVICES, batch_layout
 from paratrain.data import DatasetLoader
 from paratrain.data_parallel import BATCH_NORM_MODES
 from paratrain.data.loader import MapDataset
-from paratrain.fit.callbacks import Callback
+from paratrain.fit.callbacks import Callback, CallbackHooks
 from paratrain.fit.launcher import hand_over, launch_workers, launched_by_trainer, relaunch_attempt
 from paratrain.fit.result import FitResult
 from paratrain.fit.strategy import strategy_config
@@ -46,7 +46,7 @@ from paratrain.hybrid.parallelize import OptimizerFactory, PipelineLoss
 from paratrain.memory import PRECISIONS
 from paratrain.nn.recipe import Layer, Recipe
 from paratrain.topology import Context, init
-from paratrain.train.loop import Hook, LoopSettings, TrainLoop
+from paratrain.train.loop import LoopSettings, TrainLoop
 from paratrain.train.optim import adamw_factory
 
 UserLoss = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, torch.Tensor | int]"]
@@ -67,7 +67,7 @@ class Trainer:
                  batch_norm: str = "sync",
                  buffers: Mapping[str, str] | None = None, nan_policy: str = "stop", nan_skips: int = 10,
                  max_restarts: int = 0, node_rank: int | None = None, master: str | None = None,
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, hf: str | None = None) -> None:
         """devices: processes per node; num_nodes: nodes (their launchers meet at `master`, host:port,
         default $MASTER_ADDR:$MASTER_PORT, with node_rank default $NODE_RANK, as Lightning reads them).
         strategy: 'ddp', 'zero1' / 'zero2' / 'zero3' ('fsdp' = zero3), 'tp' (tp= devices by default),
@@ -97,6 +97,10 @@ class Trainer:
             newest checkpoint) or 'skip' its update on every rank, at most nan_skips times.
         max_restarts: when a worker fails, launch the job again this many times, resuming from the newest
             checkpoint under save= that verifies (needs save=; a launching Trainer only, not under torchrun).
+        hf: a local Hugging Face folder whose model fit trains (fit(train_data=...), no model): each rank reads
+            its pieces from the safetensors files (paratrain.hf.from_pretrained; a vocabulary tp does not divide
+            padded), its family's recipe and loss unless given; save_pretrained(OUT) then writes the trained
+            model back as a folder transformers loads.
         """
         if devices < 1 or num_nodes < 1:
             raise ConfigError(f"devices and num_nodes must be >= 1, got devices={devices}, num_nodes={num_nodes}")
@@ -142,6 +146,11 @@ class Trainer:
             raise ConfigError(f"num_nodes={num_nodes}: the nodes' launchers meet at node 0: give master='host:port' "
                               "(or set MASTER_ADDR and MASTER_PORT) and node_rank (or NODE_RANK) on every node")
         self.timeout_s = timeout_s
+        self.hf = hf
+        if hf:  # the family's rules (heads, widths divisible by tp), before any process starts
+            from paratrain.hf.load import stand_in
+
+            stand_in(hf, tp=self.parallel.tp, sequence_parallel=self.parallel.sequence_parallel)
         self.ctx: Context | None = None
         self.engine: Engine | None = None
         self.loop: TrainLoop | None = None
@@ -151,17 +160,25 @@ class Trainer:
         """Rank 0 of the job (True before fit has started one)."""
         return self.ctx is None or self.ctx.is_main
 
-    def fit(self, model: nn.Module, loss_fn: UserLoss, train_data: MapDataset,
-            val_data: MapDataset | None = None) -> FitResult:
+    def fit(self, model: nn.Module | None = None, loss_fn: UserLoss | None = None,
+            train_data: MapDataset | None = None, val_data: MapDataset | None = None) -> FitResult:
         """Train `model` for max_steps on `train_data` (any map-style dataset: len() and [i], items
         stacked by torch's default_collate). loss_fn(model, batch) returns the batch's loss: a scalar
         (taken as the mean over the batch's samples) or (sum of per-sample or per-token losses, count);
-        under pp the loss is pipeline_loss on the last stage and loss_fn is not called."""
+        under pp the loss is pipeline_loss on the last stage and loss_fn is not called. With Trainer(hf=DIR):
+        no model (the folder's is trained; loss_fn defaults to its family's, over (input_ids, labels[,
+        positions]) items)."""
         from paratrain.data_parallel import batch_norms, buffer_rules, check_accumulation
         from paratrain.launch import launched_by_torchrun
 
-        buffer_rules(model, self.buffers)  # before any process starts
-        if self.batch_norm == "sync" and self.parallel.pp == 1:  # under pp the engine refuses it at its first step
+        if self.hf and model is not None:
+            raise ConfigError(f"Trainer(hf={self.hf!r}) trains the folder's model: call fit(train_data=...) without "
+                              "a model, or drop hf= to train the model you built")
+        if train_data is None or (not self.hf and (model is None or loss_fn is None)):
+            raise ConfigError("fit needs train_data, and a model and a loss_fn unless the Trainer has hf=")
+        if model is not None:
+            buffer_rules(model, self.buffers)  # before any process starts
+        if model is not None and self.batch_norm == "sync" and self.parallel.pp == 1:  # (pp: the engine refuses)
             check_accumulation(batch_norms(model), dp=self.parallel.dp or 1, accumulation=self.batch.accumulation,
                                micro_batch=self.batch.micro_batch)
         for name, data in (("train_data", train_data), ("val_data", val_data)):
@@ -183,7 +200,7 @@ class Trainer:
 
     # --- a rank of the job ---
 
-    def _fit_here(self, model: nn.Module, loss_fn: UserLoss, train_data: MapDataset,
+    def _fit_here(self, model: nn.Module | None, loss_fn: UserLoss | None, train_data: MapDataset,
                   val_data: MapDataset | None) -> FitResult:
         from paratrain.launch.worker import threads_per_rank
 
@@ -195,12 +212,20 @@ class Trainer:
                                seed=self.seed)
         val_loader = None if val_data is None else DatasetLoader(
             val_data, global_batch=self.batch.global_batch, dp=dp, dp_index=dp_index, seed=self.seed, shuffle=False)
+        source, recipe = None, self.recipe
+        if self.hf:  # built on the meta device: each rank reads the pieces it keeps
+            from paratrain.hf import from_pretrained
+
+            pretrained = from_pretrained(self.hf, dtype=torch.float32, pad_vocab_to=self.parallel.tp)
+            model, source, recipe = pretrained.model, pretrained.init, recipe or pretrained.recipe
+            loss_fn = loss_fn or pretrained.loss
+        assert model is not None and loss_fn is not None
         optimizer = self.optimizer or adamw_factory(model, OptimSection(
             lr=self.lr, weight_decay=self.weight_decay, beta1=0.9, beta2=0.999))
         engine = self.engine = parallelize(
             model, ctx, optimizer=optimizer, micro_batch=self.batch.micro_batch, precision=self.precision,
             grad_clip=self.grad_clip, recompute=self.recompute, seed=self.seed, tp_plan=self.tp_plan,
-            pipeline_loss=self.pipeline_loss, wrap=self.wrap, layers=self.layers, recipe=self.recipe,
+            pipeline_loss=self.pipeline_loss, wrap=self.wrap, layers=self.layers, recipe=recipe, init=source,
             batch_norm=self.batch_norm,
             buffers=self.buffers, on_non_finite="skip" if self.nan_policy == "skip" else "raise")
         settings = LoopSettings(
@@ -210,7 +235,7 @@ class Trainer:
             nan_skips=self.nan_skips, log_json=self.log_json or "", tensorboard=self.tensorboard or "")
         attempt = relaunch_attempt()
         self.loop = TrainLoop(engine, ctx, _batch_loss(loss_fn), loader, val_loader, settings,
-                              hooks=[_Callbacks(self, self.callbacks)],
+                              hooks=[CallbackHooks(self, self.callbacks)],
                               checkpoint_meta={"trainer": "paratrain.Trainer"}, attempt=attempt)
         resume = "auto" if attempt > 0 else self.resume
         if resume:
@@ -223,29 +248,26 @@ class Trainer:
             hand_over(engine, result)
         return result
 
+    def save_pretrained(self, out: str, *, dtype: torch.dtype | None = None,
+                        max_shard_size: str | int = "5GB") -> dict[str, Any] | None:
+        """Trainer(hf=DIR, save=...): write the newest checkpoint under save= as a Hugging Face folder
+        (paratrain.hf.export_pretrained: streamed, sharded, DIR's config and tokenizer; on rank 0, None
+        elsewhere). A model you built and passed to fit: the launching process holds it trained, so its own
+        save_pretrained (transformers') writes it."""
+        if not self.hf or not self.save:
+            raise ConfigError("save_pretrained exports the newest checkpoint under save= of a Trainer(hf=DIR, "
+                              f"save=...) (this one has hf={self.hf!r}, save={self.save!r}); for a model you built, "
+                              "call its own save_pretrained after fit")
+        if not self.is_main:
+            return None
+        from paratrain.hf import export_pretrained
+
+        return export_pretrained(self.save, out, source=self.hf, dtype=dtype, max_shard_size=max_shard_size)
+
     @property
     def step(self) -> int:
         """Optimizer steps done (0 before fit)."""
         return self.loop.step if self.loop is not None else 0
-
-
-class _Callbacks(Hook):
-    """The user's Callbacks (called with the Trainer, as Lightning's are) as hooks of the loop."""
-
-    def __init__(self, trainer: Trainer, callbacks: Sequence[Callback]) -> None:
-        self.trainer, self.callbacks = trainer, callbacks
-
-    def on_start(self, loop: TrainLoop) -> None:
-        for callback in self.callbacks:
-            callback.on_fit_start(self.trainer)
-
-    def on_step_end(self, loop: TrainLoop, record: dict[str, Any]) -> None:
-        for callback in self.callbacks:
-            callback.on_train_step_end(self.trainer, record)
-
-    def on_validation_end(self, loop: TrainLoop, step: int, val_loss: float) -> None:
-        for callback in self.callbacks:
-            callback.on_validation_end(self.trainer, step, val_loss)
 
 
 def _batch_loss(loss_fn: UserLoss) -> Callable[[nn.Module, Batch], tuple[torch.Tensor, torch.Tensor | int]]:

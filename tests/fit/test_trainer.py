@@ -165,3 +165,34 @@ def test_two_nodes_each_launching_its_worker(tmp_path):
         got = json.loads((tmp_path / f"node{rank}.json").read_text())
         within(rel_diff(list(got["losses"].values()), list(reference.losses.values())), 1e-12,
                "loss, 2 nodes x 1 device (float64)")
+
+
+@pytest.mark.e2e
+def test_a_hugging_face_folder_through_the_trainer_and_back(tmp_path):
+    """Trainer(hf=DIR, devices=2, strategy="tp") on a tied Llama whose vocabulary (63) tp 2 pads: the launching
+    process gets one process's losses (float32: measured equal to the bit here, bound 1e-5) and save_pretrained writes
+    a folder transformers loads with nothing missing, unexpected or mismatched, the vocabulary trimmed back."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from tests.fit import hf_script
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=63, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=True, use_cache=False,
+                                 attn_implementation="sdpa")).save_pretrained(tmp_path / "llama")
+    _, alone = hf_script.fit(str(tmp_path / "llama"), 1, "ddp", str(tmp_path / "one"))
+    result = tmp_path / "result.json"
+    done = subprocess.run([sys.executable, str(Path(hf_script.__file__)), str(tmp_path / "llama"), "2", "tp",
+                           str(tmp_path / "ckpt"), str(tmp_path / "out"), str(result)],
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = result.read_text().splitlines()
+    assert len(lines) == 1, "the code after fit ran in the workers too"
+    losses = {int(k): v for k, v in json.loads(lines[0])["losses"].items()}
+    within(rel_diff(list(losses.values()), list(alone.losses.values())), 1e-5, "loss tp 2 vs one process (float32)")
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert model.model.embed_tokens.weight.shape[0] == 63 and model.lm_head.weight is model.model.embed_tokens.weight
+    with pytest.raises(ConfigError, match="without a model"):
+        paratrain.Trainer(max_steps=1, global_batch=8, hf=str(tmp_path / "llama")).fit(torch.nn.Linear(1, 1))
