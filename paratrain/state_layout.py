@@ -66,11 +66,14 @@ class DimCuts:
     """Parameter name -> the dim split over the group; names not here are replicated on every tp rank."""
     split_ids: frozenset[int] = frozenset()
     """id() of the split parameters, for strategies that hold parameters, not names."""
+    blocks: dict[str, int] = field(default_factory=dict)
+    """Parameter name -> equal blocks of its split dim each split alike (a fused q | k | v: 3); absent: 1."""
 
     @property
-    def splits(self) -> dict[str, tuple[int, int, int]]:
-        """name -> (dim, this rank's index, parts) of every split parameter (paratrain.state_layout)."""
-        return {name: (dim, self.group.index, self.group.size) for name, dim in self.split_dims.items()}
+    def splits(self) -> dict[str, tuple[int, ...]]:
+        """name -> (dim, this rank's index, parts[, blocks]) of every split parameter (paratrain.state_layout)."""
+        return {name: (dim, self.group.index, self.group.size, *([self.blocks[name]] if name in self.blocks else []))
+                for name, dim in self.split_dims.items()}
 
     @property
     def tied(self) -> dict[str, str]:
@@ -84,7 +87,15 @@ class DimCuts:
         """The whole tensor of parameter `name` (or of state shaped like it) from this rank's slice:
         all-gathered along its split dim (collective over the group); replicated ones come back as they are."""
         dim = self.split_dims.get(name)
-        return tensor if dim is None else all_gather_along(tensor.detach(), self.group, dim)
+        if dim is None:
+            return tensor
+        blocks = self.blocks.get(name, 1)
+        if blocks == 1:
+            return all_gather_along(tensor.detach(), self.group, dim)
+        shape = tensor.shape  # each block's slices gathered: [..., blocks, size / (blocks tp), ...] along the inner
+        viewed = tensor.detach().reshape(*shape[:dim], blocks, shape[dim] // blocks, *shape[dim + 1:])
+        whole = all_gather_along(viewed, self.group, dim + 1)
+        return whole.reshape(*shape[:dim], shape[dim] * self.group.size, *shape[dim + 1:])
 
     def gather_full(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every split tensor of a name-keyed state made whole (collective over the group; name order)."""

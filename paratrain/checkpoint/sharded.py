@@ -164,6 +164,8 @@ class SavedTensor:
         a, b = saved["lo"], saved["hi"]
         if not piece.cuts:
             return max(a, lo), min(b, hi)
+        if any(len(cut) > 3 and cut[3] > 1 for cut in piece.cuts):  # a fused tensor's blocks: no cheaper bound
+            return a, b
         if len(piece.cuts) > 1:  # cut along two dims: the local rows of its outermost cut [lo, hi) can reach
             dim, index, parts = piece.cuts[0]
             inner = math.prod(piece.shape[dim + 1:])

@@ -48,7 +48,7 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--bucket-mb": ("parallel.bucket_mb", float, "gradient all-reduce bucket size in MiB (default 25)"),
     "--model": ("model.preset", str, f"model preset: {', '.join(PRESETS)}"),
     "--hf": ("model.hf", str, "train the model of a local Hugging Face folder (config.json + safetensors; Llama, "
-                              "Mistral) instead of --model, each rank reading its pieces from the files"),
+                              "Mistral, Qwen2/3, Gemma, GPT-2) instead of --model, each rank reading its pieces from the files"),
     "--vocab-size": ("model.overrides.vocab_size", int, "the model's vocabulary (e.g. the tokenizer's, for token "
                      "files `paratrain tokenize` wrote)"),
     "--experts": ("model.overrides.n_experts", int, "Mixture-of-Experts: experts per MoE layer (0: dense MLPs)"),

@@ -18,7 +18,7 @@ class ModelSection:
     """Fields of ModelConfig to change from the preset, e.g. {"n_layer": 2}."""
     hf: str = ""
     """A local Hugging Face checkpoint folder (config.json, safetensors) to train instead of the preset
-    (paratrain.hf.from_pretrained: Llama and Mistral); its weights are read piece by piece on each rank."""
+    (paratrain.hf.from_pretrained: Llama, Mistral, Qwen2/3, Gemma, GPT-2); its weights are read piece by piece on each rank."""
 
 
 @dataclass

@@ -20,8 +20,9 @@ embedding's and lm_head's extra rows are zeros, never looked up, and the losses 
 recipe's stage loss) read only the real vocabulary's logits, so the padding changes no number; export
 trims it (paratrain.hf.export).
 
-The model families: the recipe of each (paratrain.models.hf: Llama, Mistral, Qwen2, Qwen3 and Gemma) says how
-the strategies split it; a family without one is refused with what is missing.
+The model families: the recipe of each (paratrain.models.hf: Llama, Mistral, Qwen2, Qwen3 and Gemma;
+paratrain.models.hf_gpt2: GPT-2) says how the strategies split it; a family without one is refused with what is
+missing.
 """
 
 from __future__ import annotations
@@ -47,9 +48,19 @@ WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 
 def _recipes() -> dict[str, Recipe]:
     from paratrain.models.hf import LLAMA_RECIPE, QWEN3_RECIPE
+    from paratrain.models.hf_gpt2 import GPT2_RECIPE
 
     return {"llama": LLAMA_RECIPE, "mistral": LLAMA_RECIPE, "qwen2": LLAMA_RECIPE, "qwen3": QWEN3_RECIPE,
-            "gemma": LLAMA_RECIPE}
+            "gemma": LLAMA_RECIPE, "gpt2": GPT2_RECIPE}
+
+
+def check_tp(config: Any, tp: int, *, sequence_parallel: bool = False, pad_vocab: bool = False) -> None:
+    """The family's tensor-parallel rules (paratrain.models.hf.check_llama_tp, hf_gpt2.check_gpt2_tp)."""
+    from paratrain.models.hf import check_llama_tp
+    from paratrain.models.hf_gpt2 import check_gpt2_tp
+
+    check = check_gpt2_tp if config.model_type == "gpt2" else check_llama_tp
+    check(config, tp, sequence_parallel=sequence_parallel, pad_vocab=pad_vocab)
 
 
 @dataclass
@@ -180,16 +191,15 @@ def from_pretrained(folder: str | Path, *, dtype: torch.dtype | None = None, pad
 def stand_in(folder: str | Path, *, tp: int = 1, sequence_parallel: bool = False) -> ModelConfig:
     """The folder's model as the run's checks read a model (the GPT's ModelConfig: widths, heads, layers,
     vocabulary, the longest sequence), after its family's own tensor-parallel rules (check_llama_tp)."""
-    from paratrain.models.hf import check_llama_tp
-
     config = _config(Path(folder))
     if config.model_type not in _recipes():
         raise ConfigError(f"{folder} holds a {config.model_type!r} model, and paratrain has a recipe for "
                           f"{sorted(_recipes())} only")
-    check_llama_tp(config, tp, sequence_parallel=sequence_parallel, pad_vocab=True)
+    check_tp(config, tp, sequence_parallel=sequence_parallel, pad_vocab=True)
+    ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size
     return ModelConfig(vocab_size=config.vocab_size, seq_len=config.max_position_embeddings,
                        n_layer=config.num_hidden_layers, n_head=config.num_attention_heads, d_model=config.hidden_size,
-                       d_ff=config.intermediate_size, tie_embeddings=bool(config.tie_word_embeddings))
+                       d_ff=ffn, tie_embeddings=bool(config.tie_word_embeddings))
 
 
 def _config(folder: Path) -> Any:

@@ -39,8 +39,9 @@ class Values:
     def values(self, shape: Sequence[int], lo: int, hi: int) -> torch.Tensor: ...
 
 
-Cut = tuple[int, int, int]
-"""(dim, index, parts): a slice `index` of `parts` equal slices along `dim`."""
+Cut = tuple[int, ...]
+"""(dim, index, parts): a slice `index` of `parts` equal slices along `dim`; (dim, index, parts, blocks): the
+same slice of each of `blocks` equal blocks of `dim` (a fused tensor's parts, GPT-2's q | k | v, each split alike)."""
 
 
 @dataclass(frozen=True)
@@ -68,13 +69,26 @@ class Piece:
     @property
     def local_shape(self) -> tuple[int, ...]:
         shape = list(self.shape)
-        for dim, _, parts in self.cuts:
+        for dim, _, parts, *_ in self.cuts:
             shape[dim] //= parts
         return tuple(shape)
 
     @property
     def numel(self) -> int:
         return math.prod(self.local_shape)
+
+    @property
+    def grid(self) -> tuple[tuple[int, ...], tuple[tuple[int, int, int], ...]]:
+        """The shape and (dim, index, parts) cuts the slice is a plain slice of: a cut of blocks > 1 turns its dim
+        into (blocks, size / blocks) and cuts the inner one. The flattened order is the whole tensor's."""
+        shape, cuts, shift = list(self.shape), [], 0
+        for dim, index, parts, *blocks in self.cuts:
+            at = dim + shift
+            if blocks and blocks[0] > 1:
+                shape[at: at + 1] = [blocks[0], shape[at] // blocks[0]]
+                shift, at = shift + 1, at + 1
+            cuts.append((at, index, parts))
+        return tuple(shape), tuple(cuts)
 
     def runs(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
         """Elements [lo, hi) of the flattened slice as (slice element, whole element, length) runs of
@@ -83,11 +97,15 @@ class Piece:
             return []
         if not self.cuts:
             return [(lo, lo, hi - lo)]
-        local, last = self.local_shape, self.cuts[-1][0]
-        start = [0] * len(self.shape)  # where the slice starts along each dim of the whole tensor
-        for dim, index, _ in self.cuts:
+        shape, cuts = self.grid
+        local = list(shape)
+        for dim, _, parts in cuts:
+            local[dim] //= parts
+        last = cuts[-1][0]
+        start = [0] * len(shape)  # where the slice starts along each dim of the whole tensor
+        for dim, index, _ in cuts:
             start[dim] = index * local[dim]
-        strides = [math.prod(self.shape[dim + 1:]) for dim in range(len(self.shape))]  # of the whole tensor
+        strides = [math.prod(shape[dim + 1:]) for dim in range(len(shape))]  # of the whole tensor
         local_row = local[last] * strides[last]  # a run: along the last cut dim and everything after it
         runs = []
         for row in range(lo // local_row, -(-hi // local_row)):
@@ -105,7 +123,8 @@ class Piece:
         about CHUNK whole elements, each read once)."""
         if not self.cuts:
             return source.values(self.shape, lo, hi).to(self.dtype)
-        if len(self.cuts) > 1:  # runs read a window of about CHUNK whole elements at a time
+        shape, cuts = self.grid
+        if len(cuts) > 1 or len(shape) != len(self.shape):  # runs read a window of about CHUNK whole elements
             parts, window = [], []
             for run in self.runs(lo, hi):
                 if window and run[1] + run[2] - window[0][1] > CHUNK:
@@ -114,7 +133,7 @@ class Piece:
                 window.append(run)
             parts += _read_window(source, self.shape, window) if window else []
             return torch.cat(parts).to(self.dtype) if parts else torch.empty(0, dtype=self.dtype)
-        (dim, index, parts), = self.cuts
+        (dim, index, parts), = cuts
         outer, size, inner = math.prod(self.shape[:dim]), self.shape[dim], math.prod(self.shape[dim + 1:])
         part = size // parts
         if outer == 1:  # a slice along the first dim that has more than one row: one contiguous range

@@ -97,6 +97,8 @@ def apply_tensor_layout(model: nn.Module, ctx: Context, recipe: Recipe, *,
         return None
     layout = apply_tensor_parallel(model, recipe.tp_plan, tp_group, sequence_parallel=ctx.config.sequence_parallel,
                                    allow_missing=staged, hooks=False)  # hooked once every layout is applied
+    if recipe.tp_local is not None:
+        recipe.tp_local(model, tp_group.size)
     if ctx.config.sequence_parallel:  # MoE layers route each tp rank's chunk of the sequence
         route_sequence_chunks(model, tp_group)
     return layout

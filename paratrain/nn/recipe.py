@@ -12,6 +12,7 @@ Strategies know no model class. Each receives from the recipe the one thing it n
                      dry run on the meta device, where no activation is computed
     split_sequence   context parallelism: route the model's attention and positions through a
                      SequenceShard (the model's own method: it knows where its attention and rotary are)
+    tp_local         tensor parallelism: the model's own width settings made its slices' (GPT-2's)
 
 A model exposes its recipe as a `recipe()` method (paratrain.models.GPT does); a model that has
 none (any user's nn.Module) passes the pieces to parallelize by keyword, or a Recipe (the Hugging
@@ -68,6 +69,9 @@ class Recipe:
     split_sequence: Callable[[nn.Module, Any], None] | None = None
     """Context parallelism: split_sequence(model, shard) makes the model's attention attend through
     shard.attend and index its positions by shard.positions (paratrain.context_parallel.SequenceShard)."""
+    tp_local: Callable[[nn.Module, int], None] | None = None
+    """Tensor parallelism: once tp_plan is applied, tp_local(model, tp) makes the model's own width settings
+    those of its slices (GPT-2's attention splits its fused q | k | v output by a width it keeps)."""
 
     def with_overrides(self, **given: Any) -> Recipe:
         """This recipe with the fields given (not None) replaced: parallelize's keywords win."""

@@ -160,3 +160,47 @@ class VocabParallelEmbedding(nn.Module):
         if self.sequence_parallel:  # each rank keeps the sum for its slice of the sequence
             return reduce_scatter_to_sequence_region(rows, self.group, self.sequence_dim)
         return reduce_from_tp_region(rows, self.group)
+
+
+def _block_slice(tensor: torch.Tensor, dim: int, blocks: int, group: AxisGroup, what: str) -> torch.Tensor:
+    """This rank's slice of each of `blocks` equal blocks along `dim`, the slices back to back."""
+    if blocks == 1:
+        return _slice(tensor, dim, group, what)
+    shape = tensor.shape
+    if shape[dim] % blocks:
+        raise ValueError(f"{what}: dim {dim} of size {shape[dim]} does not hold {blocks} equal blocks")
+    viewed = tensor.detach().reshape(*shape[:dim], blocks, shape[dim] // blocks, *shape[dim + 1:])
+    part = _slice(viewed, dim + 1, group, what)
+    return part.reshape(*shape[:dim], shape[dim] // group.size, *shape[dim + 1:])
+
+
+class ColumnParallelConv1D(nn.Module):
+    """A Conv1D (GPT-2's layer: weight W[in, out], y = x @ W + b) split along its outputs: W[in, out/tp] on each
+    rank, and with blocks > 1 (a fused q | k | v: 3) each block split alike, so rank r's outputs are
+    [q_r | k_r | v_r]: whole heads of each, in the order the model splits them. Output stays split (feeds a row)."""
+
+    def __init__(self, full: nn.Module, group: AxisGroup, *, blocks: int = 1) -> None:
+        super().__init__()
+        self.group = group
+        self.weight = _parameter(full.weight, _block_slice(full.weight, 1, blocks, group, "column-parallel Conv1D"))
+        self.bias = (_parameter(full.bias, _block_slice(full.bias, 0, blocks, group, "column-parallel Conv1D bias"))
+                     if full.bias is not None else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = copy_to_tp_region(x, self.group) @ self.weight  # [B, S, out/tp]
+        return y + self.bias if self.bias is not None else y
+
+
+class RowParallelConv1D(nn.Module):
+    """A Conv1D split along its inputs: W[in/tp, out], input already split, output summed over tp, bias added
+    once after the sum (replicated)."""
+
+    def __init__(self, full: nn.Module, group: AxisGroup) -> None:
+        super().__init__()
+        self.group = group
+        self.weight = _parameter(full.weight, _slice(full.weight, 0, group, "row-parallel Conv1D"))
+        self.bias = _parameter(full.bias, full.bias.detach().clone()) if full.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp_region(x @ self.weight, self.group)  # [B, S, out], summed over tp
+        return y + self.bias if self.bias is not None else y

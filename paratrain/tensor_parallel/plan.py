@@ -16,6 +16,9 @@ A plan key names modules by suffix ("attn.qkv" matches "blocks.3.attn.qkv") or b
     head_partial      a module kept whole that runs on this rank's heads only (Qwen3's per-head q / k
                       norms): its parameters' gradients are partial per tp rank and summed over tp as
                       autograd produces them (without this, each rank would train its own copy apart)
+    conv1d_column     GPT-2's Conv1D (weight [in, out]) split on the output dim, as "column"
+    conv1d_qkv        the same for a fused q | k | v Conv1D: each third split alike (whole heads of each)
+    conv1d_row        Conv1D split on the input dim, as "row"
 
 Every split parameter is a slice of the full, layout-free one, so tp = 1 and tp = N start from the
 same numbers; a weight shared by two modules (a tied embedding and head) stays one parameter when
@@ -44,13 +47,16 @@ from paratrain.nn.dropout import KeyedDropout
 from paratrain.nn.loss import VocabOutput
 from paratrain.nn.ties import tied_parameters
 from paratrain.names import name_matches
-from paratrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from paratrain.tensor_parallel.layers import (ColumnParallelConv1D, ColumnParallelLinear, RowParallelConv1D,
+                                              RowParallelLinear, VocabParallelEmbedding)
 from paratrain.tensor_parallel.loss import VocabParallelOutput
 from paratrain.state_layout import DimCuts
 from paratrain.topology.mesh import AxisGroup, Mesh
 
 STYLES = ("column", "column_gather", "row", "embedding", "vocab_output", "heads_dropout", "sequence_dropout",
-          "head_partial")
+          "head_partial", "conv1d_column", "conv1d_qkv", "conv1d_row")
+_BLOCKS = {"conv1d_qkv": 3}
+"""Styles that split each of several equal blocks of a dim alike (paratrain.state_layout.DimCuts.blocks)."""
 
 @dataclass
 class TensorParallelLayout(DimCuts):
@@ -114,6 +120,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
     check_ties(model, plan, allow_missing=allow_missing)  # so every end of a tie is split alike below
     resolved = resolve_plan(model, plan, allow_missing=allow_missing)
     split: dict[int, int] = {}  # id(new parameter) -> split dim
+    blocked: dict[int, int] = {}  # id(new parameter) -> blocks of its split dim (fused q | k | v)
     sliced: dict[int, nn.Parameter] = {}  # id(full parameter) -> its slice here (ties stay ties)
     partial: set[str] = set()
     for name, style in resolved.items():
@@ -139,12 +146,16 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
             sliced[id(full)] = new
             if dim >= 0:
                 split[id(new)] = dim
+                if style in _BLOCKS:
+                    blocked[id(new)] = _BLOCKS[style]
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, replacement)
     layout = TensorParallelLayout(group, sequence_parallel=sequence_parallel, partial_names=frozenset(partial))
     for pname, param in model.named_parameters():
         if id(param) in split:
             layout.split_dims[pname] = split[id(param)]
+            if id(param) in blocked:
+                layout.blocks[pname] = blocked[id(param)]
     layout.split_ids = frozenset(split)
     if hooks and not any(p.is_meta for p in model.parameters()):
         layout.register_grad_hooks(model)
@@ -152,7 +163,8 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
 
 
 _SPLIT_DIMS = {"column": {"weight": 0, "bias": 0}, "column_gather": {"weight": 0, "bias": 0},
-               "row": {"weight": 1, "bias": -1}, "embedding": {"weight": 0}}
+               "row": {"weight": 1, "bias": -1}, "embedding": {"weight": 0}, "conv1d_column": {"weight": 1, "bias": 0},
+               "conv1d_qkv": {"weight": 1, "bias": 0}, "conv1d_row": {"weight": 0, "bias": -1}}
 """The dim of each parameter a style splits (-1: replicated); parameters of unplanned modules are replicated."""
 
 
@@ -213,6 +225,15 @@ def _build(module: nn.Module, name: str, style: str, group: AxisGroup,
         _expect(module, nn.Linear, name, style)
         assert isinstance(module, nn.Linear)
         return RowParallelLinear(module, group, sequence_parallel=sequence_parallel), {"weight": 1, "bias": -1}
+    if style.startswith("conv1d_"):
+        if type(module).__name__ != "Conv1D" or getattr(module, "weight", None) is None or module.weight.dim() != 2:
+            raise TypeError(f"tensor-parallel style {style!r} applies to a Conv1D (weight [in, out], GPT-2's), but "
+                            f"{name!r} is a {type(module).__name__}: change the plan entry for it")
+        if sequence_parallel:
+            raise ValueError(f"{name}: the Conv1D styles do not support sequence parallelism; set it off")
+        if style == "conv1d_row":
+            return RowParallelConv1D(module, group), {"weight": 0, "bias": -1}
+        return ColumnParallelConv1D(module, group, blocks=_BLOCKS.get(style, 1)), {"weight": 1, "bias": 0}
     if style == "embedding":
         _expect(module, nn.Embedding, name, style)
         assert isinstance(module, nn.Embedding)

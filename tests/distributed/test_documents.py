@@ -91,7 +91,7 @@ def plain(kind: str) -> dict:
             optimizer.step()
             losses.append(total.item() / count)
         # a tied head is one tensor in paratrain's state, under the embedding's name
-        tied = {"lm_head.weight", "head.weight"} if kind != "mistral" else set()
+        tied = {"lm_head.weight", "head.weight"}
         state = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in tied}
         _PLAIN[kind] = {"losses": losses, "grad_norms": norms, "model": state}
     return _PLAIN[kind]
@@ -107,8 +107,9 @@ def _job(kind: str, **layout) -> dict:
         loss_fn, recipe = paratrain.models.lm_loss, None
     else:
         from paratrain.models.hf import LLAMA_RECIPE, llama_loss
+        from paratrain.models.hf_gpt2 import GPT2_RECIPE
 
-        loss_fn, recipe = llama_loss, LLAMA_RECIPE
+        loss_fn, recipe = llama_loss, GPT2_RECIPE if kind == "gpt2" else LLAMA_RECIPE
     engine = paratrain.parallelize(model, ctx, optimizer=lambda p: torch.optim.AdamW(p, lr=lr_at(0), weight_decay=0.1),
                                    micro_batch=micro_batch, recipe=recipe)
     losses, norms = [], []
@@ -127,7 +128,8 @@ def _job(kind: str, **layout) -> dict:
     ("gpt", dict(dp=2, zero=3, micro_batch=2)),
     ("llama-tied", dict(tp=2, micro_batch=4)),  # HF finds the documents from restarting position ids
     ("llama-tied", dict(pp=2, micro_batch=2)),  # ... and the pipeline's runner builds HF's mask from them
-], ids=["gpt-tp2-sp", "gpt-pp2", "gpt-zero3", "llama-tp2", "llama-pp2"])
+    ("gpt2", dict(pp=2, micro_batch=2)),  # learned positions: wpe indexed by each document's positions
+], ids=["gpt-tp2-sp", "gpt-pp2", "gpt-zero3", "llama-tp2", "llama-pp2", "gpt2-pp2"])
 def test_packed_documents_train_as_apart(pools, kind, layout):
     world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
     got = pools(world).run(_job, kind, **layout)
@@ -138,7 +140,7 @@ def test_packed_documents_train_as_apart(pools, kind, layout):
     within(max_state_diff(got[0]["model"], ref["model"]), 1e-12, "weights (float64)")
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama-tied", "mistral"])
+@pytest.mark.parametrize("kind", ["gpt", "llama-tied", "mistral", "gpt2"])
 def test_packed_logits_are_the_documents_logits(kind):
     """One process: the logits of a packed window are its documents' own, run apart (float64)."""
     model = build(kind)

@@ -30,6 +30,17 @@ def build(kind: str = "llama") -> torch.nn.Module:
                  intermediate_size=64, max_position_embeddings=64, attention_dropout=0.0, use_cache=False,
                  attn_implementation="sdpa")
     torch.manual_seed(0)
+    if kind == "gpt2":  # Conv1D weights [in, out], a fused q | k | v split by block, learned positions; tied
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=64,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                                           attn_implementation="sdpa")).double()
+        with torch.no_grad():  # biases away from HF's zeros, so that a wrong split of q | k | v shows
+            for name, param in model.named_parameters():
+                if name.endswith("bias"):
+                    param.uniform_(-0.1, 0.1)
+        return model
     if kind == "mistral":  # a window shorter than the sequence, so the sliding mask matters
         return MistralForCausalLM(MistralConfig(**shape, sliding_window=6)).double()
     if kind == "gemma":  # tied, a scaled embedding (a non-persistent embed_scale), (1 + w) norms
@@ -100,13 +111,15 @@ def plain(kind: str) -> dict:
 def _job(kind: str, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: int = 0,
          micro_batch: int | None = None, cp: int = 1, cp_mode: str = "ring") -> dict:
     import paratrain
-    from paratrain.models.hf import LLAMA_RECIPE, QWEN3_RECIPE, check_llama_tp, llama_loss
+    from paratrain.hf.load import check_tp
+    from paratrain.models.hf import LLAMA_RECIPE, QWEN3_RECIPE, llama_loss
+    from paratrain.models.hf_gpt2 import GPT2_RECIPE
 
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dp, tp=tp, pp=pp, zero=zero, cp=cp,
                                                                         cp_mode=cp_mode))
     model = build(kind)
-    check_llama_tp(model.config, tp)
-    recipe = QWEN3_RECIPE if kind == "qwen3" else LLAMA_RECIPE
+    check_tp(model.config, tp)
+    recipe = {"qwen3": QWEN3_RECIPE, "gpt2": GPT2_RECIPE}.get(kind, LLAMA_RECIPE)
     engine = paratrain.parallelize(model, ctx, optimizer=_adamw, micro_batch=micro_batch, recipe=recipe)
     losses, norms = [], []
     for step in range(STEPS):
@@ -119,6 +132,9 @@ def _job(kind: str, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: in
 
 def _tied_state(kind: str, state: dict) -> dict:
     """The plain model's state_dict holds a tied weight under both names; paratrain's under its first."""
+    if kind == "gpt2":
+        assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
+        return {k: v for k, v in state.items() if k != "lm_head.weight"}
     if kind in ("llama-tied", "qwen3", "gemma"):
         assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
         return {k: v for k, v in state.items() if k != "lm_head.weight"}
@@ -161,8 +177,12 @@ def _tied_state(kind: str, state: dict) -> dict:
     ("llama-tied", dict(dp=2, tp=2, zero=1, micro_batch=2)),  # on 4 ranks, last: few pool starts
     ("llama", dict(cp=2, pp=2, cp_mode="ulysses", micro_batch=2)),  # positions on every stage
     ("llama", dict(cp=4, micro_batch=4)),  # kv heads (2) copied to the 4 cp ranks' head blocks
+    ("gpt2", dict(tp=2, micro_batch=4)),  # q | k | v split by block, Conv1D weights [in, out]
+    ("gpt2", dict(pp=2, micro_batch=2)),  # learned positions on the first stage, the tied head on the last
+    ("gpt2", dict(dp=2, zero=3, micro_batch=2)),
 ], ids=["llama-zero3", "llama-tp2", "llama-pp2", "mistral-tp2", "mistral-pp2", "tied-tp2", "tied-pp2",
-        "qwen2-tp2", "qwen3-tp2", "qwen3-pp2", "gemma-tp2", "gemma-pp2", "llama-cp2", "tied-cp2-ulysses", "tied-dp2tp2z1", "llama-cp2pp2-ulysses", "llama-cp4"])
+        "qwen2-tp2", "qwen3-tp2", "qwen3-pp2", "gemma-tp2", "gemma-pp2", "llama-cp2", "tied-cp2-ulysses", "tied-dp2tp2z1", "llama-cp2pp2-ulysses", "llama-cp4",
+        "gpt2-tp2", "gpt2-pp2", "gpt2-zero3"])
 def test_layout_trains_as_plain_pytorch(pools, kind, layout):
     """Per-step losses and gradient norms, and the whole final model by name, against plain PyTorch;
     a tied weight stays one tensor, under its first name."""

@@ -24,7 +24,7 @@ def folders(tmp_path_factory) -> dict[str, str]:
     tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     out = {}
-    for kind in ("llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma"):
+    for kind in ("llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma", "gpt2"):
         folder = tmp_path_factory.mktemp(kind)
         build(kind).float().save_pretrained(folder, max_shard_size="20KB")
         tokenizer.save(str(folder / "tokenizer.json"))
@@ -76,8 +76,9 @@ def _files(folder: str) -> dict[str, torch.Tensor]:
     ("llama", dict(dp=1, tp=2, pp=2)),
     ("gemma", dict(dp=1, tp=2)),                        # the embedding's scale rebuilt, kept under tp
     ("qwen3", dict(dp=1, tp=2, pp=2)),                  # per-head q / k norms, tied
+    ("gpt2", dict(dp=2, tp=2, zero=1)),                 # each rank reads its heads' rows of each q / k / v block
 ], ids=["tied-zero3", "tp2", "mistral-pp2", "tied-dp2xtp2-zero1", "qwen2-zero3", "gemma-tp2", "tp2xpp2",
-        "qwen3-tp2xpp2"])
+        "qwen3-tp2xpp2", "gpt2-dp2xtp2-zero1"])
 def test_loaded_pieces_are_the_files_and_the_first_loss_is_hfs(pools, folders, kind, layout):
     """float32: engine.state_dict()["model"] equals the files bit for bit (a tied head is one tensor: the
     files hold the embedding only), and the first step's loss HF's forward's within 1e-6 (measured 2.2e-8);
@@ -134,7 +135,7 @@ def _trained(folder: str, root: str, steps: int, **layout) -> dict:
     return {"logits": logits, "state": engine.state_dict()["model"]}
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2"])
 def test_an_untrained_load_exports_bitwise_the_input(pools, folders, tmp_path, kind):
     """Each family loaded under ZeRO-3 (dp 2), saved, exported: the same tensors, bit for bit and by name, as
     the folder it came from, the tokenizer files byte for byte, config.json's dtype the exported one."""
@@ -155,8 +156,8 @@ def test_an_untrained_load_exports_bitwise_the_input(pools, folders, tmp_path, k
 
 
 @pytest.mark.parametrize("kind,layout", [("llama", dict(dp=2, tp=2, zero=1)), ("llama-tied", dict(dp=2, tp=2, zero=3)),
-                                         ("qwen3", dict(dp=2, tp=2, zero=1))],
-                         ids=["dp2xtp2-zero1", "tied-dp2xtp2-zero3", "qwen3-dp2xtp2-zero1"])
+                                         ("qwen3", dict(dp=2, tp=2, zero=1)), ("gpt2", dict(dp=2, tp=2, zero=1))],
+                         ids=["dp2xtp2-zero1", "tied-dp2xtp2-zero3", "qwen3-dp2xtp2-zero1", "gpt2-dp2xtp2-zero1"])
 def test_a_trained_export_loads_in_transformers_whole_and_tied(pools, folders, tmp_path, kind, layout):
     """5 steps under the layout, exported in shards (bfloat16 too): transformers' from_pretrained finds nothing
     missing, unexpected or mismatched; its logits equal the distributed forward's, relative to the largest
@@ -176,10 +177,12 @@ def test_a_trained_export_loads_in_transformers_whole_and_tied(pools, folders, t
         logits = model(input_ids=batch(0)[0], use_cache=False).logits
     theirs = got[0]["logits"]
     within(float((logits - theirs).abs().max() / theirs.abs().max()), 2e-6, "exported logits (float32, of the largest)")
-    tied = kind in ("llama-tied", "qwen3")
+    tied = kind in ("llama-tied", "qwen3", "gpt2")
+    embedding, norm = ("transformer.wte", "transformer.ln_f") if kind == "gpt2" else ("model.embed_tokens", "model.norm")
     assert ("lm_head.weight" in _files(str(tmp_path / "out"))) != tied
-    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
-    assert torch.equal(model.model.embed_tokens.weight, got[0]["state"]["model.embed_tokens.weight"])
+    assert (model.lm_head.weight is model.get_submodule(embedding).weight) == tied
+    assert torch.equal(model.get_submodule(embedding).weight, got[0]["state"][f"{embedding}.weight"])
     export_pretrained(tmp_path / "ckpt", tmp_path / "bf16", source=folders[kind], dtype=torch.bfloat16)
     half = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
-    assert half.dtype == torch.bfloat16 and torch.equal(half.model.norm.weight, got[0]["state"]["model.norm.weight"].bfloat16())
+    assert half.dtype == torch.bfloat16 and torch.equal(half.get_submodule(norm).weight,
+                                                        got[0]["state"][f"{norm}.weight"].bfloat16())
