@@ -51,7 +51,7 @@ def _recipes() -> dict[str, Recipe]:
     from paratrain.models.hf_gpt2 import GPT2_RECIPE
 
     return {"llama": LLAMA_RECIPE, "mistral": LLAMA_RECIPE, "qwen2": LLAMA_RECIPE, "qwen3": QWEN3_RECIPE,
-            "gemma": LLAMA_RECIPE, "gpt2": GPT2_RECIPE}
+            "gemma": LLAMA_RECIPE, "gemma2": LLAMA_RECIPE, "gemma3_text": QWEN3_RECIPE, "gpt2": GPT2_RECIPE}
 
 
 def check_tp(config: Any, tp: int, *, sequence_parallel: bool = False, pad_vocab: bool = False) -> None:
@@ -209,6 +209,9 @@ def _config(folder: Path) -> Any:
         raise ConfigError(f"{folder} has no config.json: give a folder save_pretrained wrote")
     config = AutoConfig.from_pretrained(folder)
     config.use_cache = False
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ConfigError(f"{folder}: a {config.model_type} model with use_bidirectional_attention: paratrain trains "
+                          "causal language models; set it false")
     if getattr(config, "use_sliding_window", False):
         raise ConfigError(f"{folder}: a {config.model_type} model with use_sliding_window: paratrain's pipeline and "
                           "context-parallel runners build full causal masks for it; set use_sliding_window false")

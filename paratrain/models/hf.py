@@ -78,7 +78,7 @@ LLAMA_WRAP = r"model\.layers\.\d+"
 """ZeRO-3 units: each decoder layer (parallelize's `wrap=`); the root unit holds the embedding, the
 final norm and lm_head."""
 
-_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 
 
 def check_llama_tp(config: Any, tp: int, *, sequence_parallel: bool = False, pad_vocab: bool = False) -> None:
@@ -154,9 +154,9 @@ def llama_layers(model: nn.Module) -> list[Layer]:
         # same for every layer, so leaving them out shifts only the balance against the two ends.
         matmuls = sum(p.numel() for p in block.parameters() if p.dim() == 2)
         layers.append(Layer(name, {name: block, "model.rotary_emb": base.rotary_emb},
-                            _decoder_runner(name, config), 2.0 * matmuls, positions=True))
-    layers.append(Layer("lm_head", {"model.norm": base.norm, "lm_head": model.lm_head}, _head, 2.0 * d * v,
-                        positions=True))
+                            _decoder_runner(name, config, i), 2.0 * matmuls, positions=True))
+    layers.append(Layer("lm_head", {"model.norm": base.norm, "lm_head": model.lm_head}, _head_runner(config),
+                        2.0 * d * v, positions=True))
     return layers
 
 
@@ -164,29 +164,48 @@ def _embed(stage: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor | 
     return stage.get_submodule("model.embed_tokens")(input_ids)  # [B, S] -> [B, S, D]
 
 
-def _head(stage: nn.Module, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-    return stage.get_submodule("lm_head")(stage.get_submodule("model.norm")(x))  # [B, S, D] -> [B, S, V]
+def _head_runner(config: Any) -> Run:
+    cap = getattr(config, "final_logit_softcapping", None)  # Gemma 2 / 3: logits = cap * tanh(logits / cap)
+
+    def head(stage: nn.Module, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        logits = stage.get_submodule("lm_head")(stage.get_submodule("model.norm")(x))  # [B, S, D] -> [B, S, V]
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    return head
 
 
-def _decoder_runner(name: str, config: Any) -> Run:
+def _layer_type(config: Any, index: int) -> str:
+    """'sliding_attention' or 'full_attention': the config's layer_types (Gemma 2 / 3 alternate), else Mistral's
+    window on every layer."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return types[index]
+    sliding = config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None
+    return "sliding_attention" if sliding else "full_attention"
+
+
+def _decoder_runner(name: str, config: Any, index: int) -> Run:
+    layer_type = _layer_type(config, index)
+    per_type = config.model_type == "gemma3_text"  # its rotary embedding differs by layer type (local / global)
+
     def run(stage: nn.Module, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # [1, S]: 0 .. S-1
-        mask = _causal_mask(config, x, positions)  # None under sdpa without documents (causal by itself)
-        cos_sin = stage.get_submodule("model.rotary_emb")(x, position_ids=positions)  # 2 x [1, S, hd]
+        mask = _causal_mask(config, x, positions, layer_type)  # None under sdpa without documents (causal itself)
+        rotary = stage.get_submodule("model.rotary_emb")
+        cos_sin = rotary(x, positions, layer_type) if per_type else rotary(x, position_ids=positions)  # 2 x [1, S, hd]
         out = stage.get_submodule(name)(x, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin)
         return out[0] if isinstance(out, tuple) else out  # [B, S, D] (older transformers return a tuple)
 
     return run
 
 
-def _causal_mask(config: Any, x: torch.Tensor, positions: torch.Tensor) -> Any:
+def _causal_mask(config: Any, x: torch.Tensor, positions: torch.Tensor, layer_type: str) -> Any:
     """The mask LlamaModel / MistralModel.forward builds for inputs without padding or cache (from restarting
     positions, packed documents: transformers' masking_utils finds their borders)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    sliding = config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None
-    build = create_sliding_window_causal_mask if sliding else create_causal_mask
+    build = create_sliding_window_causal_mask if layer_type == "sliding_attention" else create_causal_mask
     return build(config, x, None, None, position_ids=positions)  # (config, embeds, attention mask, cache): none of the two
 
 
@@ -233,9 +252,9 @@ class PositionsOf(Wrapper):
         super().__init__(module)
         self.shard = shard
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> Any:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *rest: Any) -> Any:
         whole = self.shard.positions(position_ids.shape[-1], position_ids.device)[position_ids]
-        return self.wrapped.forward(x, position_ids=whole)
+        return self.wrapped.forward(x, whole, *rest)  # rest: Gemma 3's layer type
 
 
 def _attend_through(shard: SequenceSplit, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -244,6 +263,9 @@ def _attend_through(shard: SequenceSplit, module: nn.Module, query: torch.Tensor
     """HF's attention-function signature: query [B, H, n, hd], key, value [B, KV, n, hd] (this rank's
     tokens) -> ([B, n, H, hd], no weights)."""
     whole = query.shape[2] * shard.parts
+    if kwargs.get("softcap"):
+        raise ConfigError(f"context parallelism with attention soft-capping ({kwargs['softcap']}, Gemma 2 / 3): the "
+                          "ring and Ulysses attentions compute plain softmax(q k^T) v; set cp to 1")
     if sliding_window is not None and sliding_window < whole:
         raise ConfigError(f"context parallelism attends causally over the whole sequence ({whole} tokens), and this "
                           f"model's sliding window is {sliding_window}: train on sequences of at most "

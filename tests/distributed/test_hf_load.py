@@ -4,6 +4,8 @@ the first step's loss is the cross-entropy of HF's own forward on the same batch
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -24,7 +26,7 @@ def folders(tmp_path_factory) -> dict[str, str]:
     tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     out = {}
-    for kind in ("llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma", "gpt2"):
+    for kind in ("llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "gemma2", "gemma3"):
         folder = tmp_path_factory.mktemp(kind)
         build(kind).float().save_pretrained(folder, max_shard_size="20KB")
         tokenizer.save(str(folder / "tokenizer.json"))
@@ -37,7 +39,9 @@ def _hf_loss(folder: str, dtype: torch.dtype) -> float:
     """Mean cross-entropy of transformers' own forward of the folder's model on step 0's global batch."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+    config = json.loads((Path(folder) / "config.json").read_text())
+    eager = config["model_type"] in ("gemma2", "gemma3_text")  # soft-capping: HF's eager attention only
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager" if eager else "sdpa")
     inputs, labels = batch(0)
     logits = model(input_ids=inputs, use_cache=False).logits
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), labels.flatten(), ignore_index=-100).item()
@@ -77,8 +81,10 @@ def _files(folder: str) -> dict[str, torch.Tensor]:
     ("gemma", dict(dp=1, tp=2)),                        # the embedding's scale rebuilt, kept under tp
     ("qwen3", dict(dp=1, tp=2, pp=2)),                  # per-head q / k norms, tied
     ("gpt2", dict(dp=2, tp=2, zero=1)),                 # each rank reads its heads' rows of each q / k / v block
+    ("gemma2", dict(dp=1, tp=2)),
+    ("gemma3", dict(dp=1, pp=2)),
 ], ids=["tied-zero3", "tp2", "mistral-pp2", "tied-dp2xtp2-zero1", "qwen2-zero3", "gemma-tp2", "tp2xpp2",
-        "qwen3-tp2xpp2", "gpt2-dp2xtp2-zero1"])
+        "qwen3-tp2xpp2", "gpt2-dp2xtp2-zero1", "gemma2-tp2", "gemma3-pp2"])
 def test_loaded_pieces_are_the_files_and_the_first_loss_is_hfs(pools, folders, kind, layout):
     """float32: engine.state_dict()["model"] equals the files bit for bit (a tied head is one tensor: the
     files hold the embedding only), and the first step's loss HF's forward's within 1e-6 (measured 2.2e-8);
@@ -91,7 +97,10 @@ def test_loaded_pieces_are_the_files_and_the_first_loss_is_hfs(pools, folders, k
         assert got[0]["state"][name].dtype == tensor.dtype and torch.equal(got[0]["state"][name], tensor), name
     within(rel_diff([got[0]["loss"]], [_hf_loss(folders[kind], torch.float32)]), 1e-6, "first loss vs HF (float32)")
     wide = pools(world).run(_loaded, folders[kind], "float64", **layout)
-    within(rel_diff([wide[0]["loss"]], [_hf_loss(folders[kind], torch.float64)]), 1e-12, "first loss vs HF (float64)")
+    # Gemma 2 / 3: eager attention's softmax and the q / k norms in float32 (HF's), so micro-batches of other sizes
+    # round apart there: measured <= 2.2e-10 (Gemma 3 pp 2, default kernels; 7.6e-11 avx2); bound 3e-9
+    wide_bound = 3e-9 if kind in ("gemma2", "gemma3") else 1e-12
+    within(rel_diff([wide[0]["loss"]], [_hf_loss(folders[kind], torch.float64)]), wide_bound, "first loss vs HF (float64)")
 
 
 def test_files_that_do_not_match_the_model_are_refused_by_name(folders, tmp_path):
@@ -135,7 +144,7 @@ def _trained(folder: str, root: str, steps: int, **layout) -> dict:
     return {"logits": logits, "state": engine.state_dict()["model"]}
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "gemma2", "gemma3"])
 def test_an_untrained_load_exports_bitwise_the_input(pools, folders, tmp_path, kind):
     """Each family loaded under ZeRO-3 (dp 2), saved, exported: the same tensors, bit for bit and by name, as
     the folder it came from, the tokenizer files byte for byte, config.json's dtype the exported one."""
