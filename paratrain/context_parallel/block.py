@@ -6,6 +6,8 @@ Shapes: B batch, H query heads, Hkv key/value heads (H % Hkv == 0, g = H / Hkv: 
 head h // g, as F.scaled_dot_product_attention(enable_gqa=True) does), Sq queries, Sk keys, D head dim.
 
     s = scale q k^T, masked to -inf where causal and key position > query position   [B, H, Sq, Sk]
+        (and, for packed documents, where the key lies before the query's document: query position - key
+        position > q_doc, the query's position in its document; paratrain.nn.documents)
     lse = logsumexp_k s                                                               [B, H, Sq]
     out = exp(s - lse) v                                                              [B, H, Sq, D]
 
@@ -46,11 +48,13 @@ class Scoring:
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                    scoring: Scoring, drop: Drop | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, H, Sq, D], k, v [B, Hkv, Sk, D], q_pos [Sq], k_pos [Sk] (global positions, LongTensor)
+                    scoring: Scoring, drop: Drop | None = None,
+                    q_doc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, Sq, D], k, v [B, Hkv, Sk, D], q_pos [Sq], k_pos [Sk] (global positions, LongTensor), q_doc
+    [B, Sq] (packed documents: each query's position in its document, or None)
     -> (out [B, H, Sq, D], lse [B, H, Sq]). Plain differentiable torch ops, so autograd (and gradcheck)
     can also differentiate it; ring attention uses block_attention_backward instead."""
-    scores = _scores(q, k, q_pos, k_pos, scoring)  # [B, Hkv, g Sq, Sk]
+    scores = _scores(q, k, q_pos, k_pos, scoring, q_doc)  # [B, Hkv, g Sq, Sk]
     lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, g Sq]; -inf where every key is masked
     probs = torch.exp(scores - _finite(lse).unsqueeze(-1))  # 0 on fully masked rows
     out = _dropped(probs, q.shape[1], q_pos, k_pos, drop) @ v  # [B, Hkv, g Sq, D]
@@ -59,7 +63,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
 
 def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                              k_pos: torch.Tensor, merged: tuple[torch.Tensor, torch.Tensor], grad_out: torch.Tensor,
-                             scoring: Scoring, drop: Drop | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             scoring: Scoring, drop: Drop | None = None,
+                             q_doc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of the gradients of the *whole* attention, recomputed from its inputs.
 
     merged = (out [B, H, Sq, D], lse [B, H, Sq]): the results over every block (not this block's),
@@ -75,7 +80,7 @@ def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     over the query rows of every rank give the whole attention's gradients.
     """
     h, (out, lse), scale = q.shape[1], merged, scoring.scale
-    scores = _scores(q, k, q_pos, k_pos, scoring)  # [B, Hkv, g Sq, Sk]
+    scores = _scores(q, k, q_pos, k_pos, scoring, q_doc)  # [B, Hkv, g Sq, Sk]
     p = torch.exp(scores - _finite(_fold(lse.unsqueeze(-1), k.shape[1]).squeeze(-1)).unsqueeze(-1))
     d_o = _fold(grad_out, k.shape[1])  # [B, Hkv, g Sq, D]
     delta = (d_o * _fold(out, k.shape[1])).sum(dim=-1, keepdim=True)  # rowsum(dO * O) [B, Hkv, g Sq, 1]
@@ -101,15 +106,18 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
     return weight_a * out_a + weight_b * out_b, lse
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-            scoring: Scoring) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scoring: Scoring,
+            q_doc: torch.Tensor | None = None) -> torch.Tensor:
     """scale q k^T with the causal mask applied: [B, Hkv, g Sq, Sk], row i g-major (i = j Sq + s: q head
-    kv_head * g + j, query s)."""
+    kv_head * g + j, query s); with q_doc [B, Sq], keys before each query's document masked too."""
     hkv, g = k.shape[1], q.shape[1] // k.shape[1]
     scores = _fold(q, hkv) @ k.transpose(-1, -2) * scoring.scale
     if scoring.causal:
         masked = k_pos.unsqueeze(0) > q_pos.repeat(g).unsqueeze(1)  # [g Sq, Sk]
         scores = scores.masked_fill(masked, float("-inf"))
+    if q_doc is not None:  # key j before query i's document: i - j > q_doc[i]   [B, 1, g Sq, Sk]
+        back = q_pos.repeat(g).unsqueeze(1) - k_pos.unsqueeze(0)  # [g Sq, Sk]
+        scores = scores.masked_fill((back.unsqueeze(0) > q_doc.repeat(1, g).unsqueeze(-1)).unsqueeze(1), float("-inf"))
     return scores
 
 

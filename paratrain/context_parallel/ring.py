@@ -44,9 +44,8 @@ rank) per forward.
 
 On the CPU each block runs on the fused flash kernel, cut into runs of consecutive positions
 (paratrain.context_parallel.fused: O(S) memory, no [S_l, S_l] scores held); with keyed attention dropout,
-positions in many short runs, or on CUDA (no fused path built yet) the plain block kernel
-(paratrain.context_parallel.block: matmul and softmax, float64 exact on CPU) computes the rows and columns
-of a block that can meet.
+packed documents, positions in many short runs, or on CUDA (no fused path yet) the plain block kernel
+(paratrain.context_parallel.block) computes the rows and columns of a block that can meet.
 """
 
 from __future__ import annotations
@@ -68,7 +67,7 @@ from paratrain.topology.mesh import AxisGroup
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup, *,
                    q_positions: torch.Tensor, kv_positions: torch.Tensor | None = None,
                    group_positions: torch.Tensor | None = None, causal: bool = True, scale: float | None = None,
-                   dropout: KeyedDropout | None = None) -> torch.Tensor:
+                   dropout: KeyedDropout | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the keys and values of every rank of `group` (the cp axis).
 
     q [B, H, S_l, D], k, v [B, Hkv, S_l, D] (H % Hkv == 0: GQA, q head h reads kv head h // (H / Hkv)),
@@ -79,7 +78,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Axi
     SequenceShard does): then no rank asks the others, and the ring's plan is made on the host without
     waiting for the device. dropout: a KeyedDropout on the attention probabilities, drawn per block at
     its (query, key) positions of the whole sequence (cp S_l long), as one process would draw them.
+    documents: [B, S_l], each query's position in its packed document (paratrain.nn.documents; causal only).
     """
+    if documents is not None and (not causal or documents.shape != (q.shape[0], q.shape[2])):
+        raise ValueError(f"ring_attention: documents must be [B, S_l] = [{q.shape[0]}, {q.shape[2]}] positions of "
+                         f"causal attention's queries, got {tuple(documents.shape)} (causal={causal})")
     if group_positions is not None and kv_positions is not None:
         raise ValueError("ring_attention: group_positions gives every rank's positions, its queries' and keys' "
                          "alike; pass kv_positions only without it")
@@ -94,9 +97,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Axi
     else:
         host_q = group_positions[group.index]
     steps = _plan(host_q, group_positions, group, causal=causal, device=q.device,
-                  fused=dropout is None and fused_available(q.device, q.dtype), heads=q.shape[0] * q.shape[1])
+                  fused=dropout is None and documents is None and fused_available(q.device, q.dtype),
+                  heads=q.shape[0] * q.shape[1])
     drop = None if dropout is None else functools.partial(_drop_block, dropout, group.size * k.shape[2])
-    return _RingAttention.apply(q, k, v, group, q_positions, steps, Scoring(causal, scale), drop)
+    return _RingAttention.apply(q, k, v, group, q_positions, steps, Scoring(causal, scale), drop, documents)
 
 
 def _drop_block(dropout: KeyedDropout, seq_len: int, probs: torch.Tensor, q_pos: torch.Tensor,
@@ -127,21 +131,23 @@ class _Step:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup,
-                q_positions: torch.Tensor, steps: list[_Step], scoring: Scoring, drop: Drop | None) -> torch.Tensor:
-        out, lse = _forward(q, k, v, q_positions, steps, group, scoring, drop)
+                q_positions: torch.Tensor, steps: list[_Step], scoring: Scoring, drop: Drop | None,
+                documents: torch.Tensor | None) -> torch.Tensor:
+        out, lse = _forward(q, k, v, q_positions, steps, group, scoring, drop, documents)
         ctx.save_for_backward(q, k, v, q_positions, out, lse)
-        ctx.steps, ctx.group, ctx.scoring, ctx.drop = steps, group, scoring, drop
+        ctx.steps, ctx.group, ctx.scoring, ctx.drop, ctx.documents = steps, group, scoring, drop, documents
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         dq, dk, dv = _backward(ctx.saved_tensors, grad_out.contiguous(), ctx.steps, ctx.group, ctx.scoring,
-                               ctx.drop)
-        return dq, dk, dv, None, None, None, None, None
+                               ctx.drop, ctx.documents)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, steps: list[_Step],
-             group: AxisGroup, scoring: Scoring, drop: Drop | None) -> tuple[torch.Tensor, torch.Tensor]:
+             group: AxisGroup, scoring: Scoring, drop: Drop | None,
+             documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (out [B, H, S_l, D] in q's dtype, lse [B, H, S_l] in at least float32) merged over every block of
     the ring (accumulated in at least float32)."""
     wide = torch.promote_types(q.dtype, torch.float32)
@@ -155,7 +161,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Ten
         elif not step.skip:
             k_b, v_b, k_pos_b = _take(kv[0], step.cols), _take(kv[1], step.cols), _take(step.k_pos, step.cols)
             for rows in step.rows:
-                out_b, lse_b = block_attention(_take(q, rows), k_b, v_b, _take(q_pos, rows), k_pos_b, scoring, drop)
+                out_b, lse_b = block_attention(_take(q, rows), k_b, v_b, _take(q_pos, rows), k_pos_b, scoring, drop,
+                                               _rows_of(documents, rows))
                 merged_out, merged_lse = merge_partials(_take(out, rows), _take(lse, rows), out_b, lse_b)
                 out, lse = _put(out, rows, merged_out), _put(lse, rows, merged_lse)
         if hop is not None:
@@ -164,7 +171,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Ten
 
 
 def _backward(saved: tuple[torch.Tensor, ...], grad_out: torch.Tensor, steps: list[_Step], group: AxisGroup,
-              scoring: Scoring, drop: Drop | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              scoring: Scoring, drop: Drop | None,
+              documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """saved = (q, k, v, q_pos, out, lse) of the forward -> (dq [B, H, S_l, D], dk, dv [B, Hkv, S_l, D]):
     the K/V blocks go round again, each followed by its (dk, dv) accumulator, which comes home after cp
     hops."""
@@ -186,7 +194,8 @@ def _backward(saved: tuple[torch.Tensor, ...], grad_out: torch.Tensor, steps: li
             for rows in step.rows:
                 dq_b, dk_b, dv_b = block_attention_backward(
                     _take(q, rows), k_b, v_b, _take(q_pos, rows), k_pos_b,
-                    (_take(out, rows), _take(lse, rows).to(q.dtype)), _take(grad_out, rows), scoring, drop)
+                    (_take(out, rows), _take(lse, rows).to(q.dtype)), _take(grad_out, rows), scoring, drop,
+                    _rows_of(documents, rows))
                 dq = dq + dq_b if rows is None else dq.index_add_(2, rows, dq_b)
                 share = torch.stack([dk_b, dv_b]) if share is None else share + torch.stack([dk_b, dv_b])
         if d_hop is not None:  # the previous rank's accumulator for this step's block
@@ -265,6 +274,11 @@ def _take(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     if index is None:
         return x
     return x.index_select(0 if x.dim() == 1 else 2, index)
+
+
+def _rows_of(documents: torch.Tensor | None, index: torch.Tensor | None) -> torch.Tensor | None:
+    """The document positions [B, S_l] of the query rows at `index` (all of them: None)."""
+    return documents if documents is None or index is None else documents.index_select(1, index)
 
 
 def _put(x: torch.Tensor, index: torch.Tensor | None, values: torch.Tensor) -> torch.Tensor:

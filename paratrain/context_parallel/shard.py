@@ -85,17 +85,18 @@ class SequenceShard:
         return shard_sequence(tensor, 1, self.group.index, self.group.size)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-               dropout: KeyedDropout | None = None) -> torch.Tensor:
+               dropout: KeyedDropout | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention for this rank's q [B, H, n, hd] over the whole sequence's k, v [B, Hkv, n, hd]
         (each rank holds n of its positions): [B, H, n, hd]. dropout: on the attention probabilities, keyed
-        by (row, head, query position, key position) as one process draws them."""
+        by (row, head, query position, key position) as one process draws them. documents: [B, n], this
+        rank's tokens' positions in their packed documents (paratrain.nn.documents): attention inside them."""
         n = q.shape[-2]
         positions, everyone = self.positions(n, q.device), self.group_positions(n)
         if self.mode == "ulysses":
             return ulysses_attention(q, k, v, self.group, q_positions=positions, group_positions=everyone,
-                                     causal=True, scale=scale, dropout=dropout)
+                                     causal=True, scale=scale, dropout=dropout, documents=documents)
         return ring_attention(q, k, v, self.group, q_positions=positions, group_positions=everyone, causal=True,
-                              scale=scale, dropout=dropout)
+                              scale=scale, dropout=dropout, documents=documents)
 
     def attention_core(self, dropout: nn.Module | None = None) -> nn.Module:
         """A module that stands where a model's attention core (softmax(q k^T) v) stood; dropout: that
@@ -136,6 +137,8 @@ class ContextParallelCore(nn.Module):
         self.shard = shard
         self.dropout = dropout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """positions [B, n]: packed documents (this rank's tokens' positions in them)."""
         dropping = self.dropout is not None and self.dropout.training and self.dropout.p > 0
-        return self.shard.attend(q, k, v, dropout=self.dropout if dropping else None)
+        return self.shard.attend(q, k, v, dropout=self.dropout if dropping else None, documents=positions)

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.comm import all_gather_async, all_to_all
+from paratrain.nn.documents import document_mask
 from paratrain.nn.dropout import KeyedDropout
 from paratrain.topology.mesh import AxisGroup
 
@@ -143,7 +144,8 @@ def _position_order(q_positions: torch.Tensor, group: AxisGroup, device: torch.d
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup, *,
                       q_positions: torch.Tensor, group_positions: torch.Tensor | None = None, causal: bool = True,
-                      scale: float | None = None, dropout: KeyedDropout | None = None) -> torch.Tensor:
+                      scale: float | None = None, dropout: KeyedDropout | None = None,
+                      documents: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over the whole sequence of the cp group, from and to this rank's sequence shard.
 
     q [B, H, S_l, D], k and v [B, Hkv, S_l, D]: the tokens at global positions q_positions [S_l]
@@ -154,7 +156,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     SequenceShard does; else they are all-gathered). dropout: a KeyedDropout on the attention
     probabilities (causal only): attention is then written out (the scores, the mask and the
     probabilities of this rank's H / cp heads over the whole sequence are kept), the mask keyed by
-    (row, head of this tp rank, query position, key position) as one process draws it.
+    (row, head of this tp rank, query position, key position) as one process draws it. documents: [B, S_l],
+    each token's position in its packed document (paratrain.nn.documents; causal only): all-gathered with the
+    sequence (8 B S bytes per rank), so the whole sequence's document mask is one process's.
     """
     cp, heads, kv_heads = group.size, q.shape[1], k.shape[1]
     check_ulysses_heads(heads, kv_heads, cp)
@@ -162,8 +166,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         raise ValueError(f"ulysses_attention takes q [B, H, S_l, D], k, v [B, Hkv, S_l, D] and q_positions [S_l]; "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"q_positions {tuple(q_positions.shape)}")
-    if dropout is not None and not causal:
-        raise ValueError("ulysses_attention draws dropout keyed by position for causal attention only")
+    if (dropout is not None or documents is not None) and not causal:
+        raise ValueError("ulysses_attention draws dropout and masks documents for causal attention only")
     if kv_heads < cp:  # replicate: cp heads, one per rank, each the kv head its rank's q heads read
         k, v = (t.repeat_interleave(cp // kv_heads, dim=1) for t in (k, v))
     q, k, v = (sequence_to_heads(t, group) for t in (q, k, v))  # [B, H/cp or Hkv'/cp, S, D], gathered order
@@ -173,15 +177,25 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         return heads_to_sequence(out, group)
     order, inverse = _position_order(q_positions, group, q.device, group_positions)
     q, k, v = (t.index_select(2, order) for t in (q, k, v))  # position order: is_causal is key <= query
+    mask = None if documents is None else document_mask(_gathered(documents, group).index_select(1, order))
     if dropout is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                             enable_gqa=gqa)
     else:
-        out = _attention_with_dropout(q, k, v, dropout, scale=scale, head_block=(group.index, heads))
+        out = _attention_with_dropout(q, k, v, dropout, scale=scale, head_block=(group.index, heads), mask=mask)
     return heads_to_sequence(out.index_select(2, inverse), group)
 
 
+def _gathered(documents: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """[B, S_l] of every rank -> [B, cp S_l] in gathered order (rank 0's shard, rank 1's, ...)."""
+    flat = torch.empty(group.size * documents.numel(), dtype=documents.dtype, device=documents.device)
+    all_gather_async(flat, documents.contiguous().view(-1), group).wait()
+    return flat.view(group.size, *documents.shape).permute(1, 0, 2).reshape(documents.shape[0], -1)
+
+
 def _attention_with_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: KeyedDropout, *,
-                            scale: float | None, head_block: tuple[int, int]) -> torch.Tensor:
+                            scale: float | None, head_block: tuple[int, int],
+                            mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention written out, q [B, h, S, D] in position order, k, v [B, hkv, S, D], with keyed
     dropout on the probabilities: this rank's heads are block head_block[0] of h (= H / cp) heads of the
     H the tp rank holds, so their mask is the one the tp rank's (and one process's) heads draw."""
@@ -190,8 +204,8 @@ def _attention_with_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
     if k.shape[1] != h:  # GQA: each kv head serves h / hkv consecutive q heads
         k, v = (t.repeat_interleave(h // k.shape[1], dim=1) for t in (k, v))
     scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
-    wide = scores.masked_fill(~causal, float("-inf"))
+    allowed = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril() if mask is None else mask
+    wide = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(wide.to(torch.promote_types(wide.dtype, torch.float32)), dim=-1).type_as(q)
     positions = torch.arange(seq, device=q.device)
     dropped = dropout.at(probs, {1: (torch.arange(index * h, (index + 1) * h, device=q.device), heads),

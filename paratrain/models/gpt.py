@@ -104,11 +104,7 @@ class Attention(nn.Module):
         batch, seq = qkv.shape[:2]
         qkv = qkv.view(batch, seq, -1, 3, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))
-        if positions is not None:  # packed documents: each token's own position, per row
-            if self.sequence is not None:
-                raise ValueError("document masking under context parallelism is not supported: the ring and "
-                                 "Ulysses attentions are causal over the whole sequence; set cp to 1 or train "
-                                 "without document positions")
+        if positions is not None:  # packed documents: each token's position in its own (cp: this rank's tokens')
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [B, 1, S, hd / 2]
         elif self.sequence is None:  # positions 0 .. S-1
             cos, sin = cos[:seq], sin[:seq]

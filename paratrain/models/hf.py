@@ -32,19 +32,16 @@ transformers is imported inside functions only: `import paratrain` never imports
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import re
 from typing import Any
 
 import torch
 from torch import nn
 
 from paratrain.config.errors import ConfigError
+from paratrain.models.hf_context import DOCUMENTS_UNDER_CP, PositionsOf, llama_split_sequence
 from paratrain.nn.loss import VocabOutput
 from paratrain.nn.recipe import Layer, Recipe, Run, stage_loss
-from paratrain.nn.sequence import SequenceSplit
-from paratrain.nn.wrap import Wrapper
 
 LLAMA_TP_PLAN: dict[str, str] = {
     # Both vocabulary ends split along the vocabulary (dim 0 of their weights), so a tied model
@@ -122,6 +119,8 @@ def llama_loss(model: nn.Module, batch: Any, *, vocab: int | None = None) -> tup
     ids as packed sequences and masks attention at their borders); the same numbers as llama_pipeline_loss on
     the last pipeline stage."""
     input_ids, labels, *positions = batch
+    if positions and any(isinstance(m, PositionsOf) for m in model.modules()):
+        raise ConfigError(DOCUMENTS_UNDER_CP)
     logits = model(input_ids=input_ids, position_ids=positions[0] if positions else None, use_cache=False).logits
     return llama_pipeline_loss(logits, labels, vocab=vocab)
 
@@ -189,10 +188,12 @@ def _decoder_runner(name: str, config: Any, index: int) -> Run:
     per_type = config.model_type == "gemma3_text"  # its rotary embedding differs by layer type (local / global)
 
     def run(stage: nn.Module, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        rotary = stage.get_submodule("model.rotary_emb")
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # [1, S]: 0 .. S-1
+        elif isinstance(rotary, PositionsOf):
+            raise ConfigError(DOCUMENTS_UNDER_CP)
         mask = _causal_mask(config, x, positions, layer_type)  # None under sdpa without documents (causal itself)
-        rotary = stage.get_submodule("model.rotary_emb")
         cos_sin = rotary(x, positions, layer_type) if per_type else rotary(x, position_ids=positions)  # 2 x [1, S, hd]
         out = stage.get_submodule(name)(x, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin)
         return out[0] if isinstance(out, tuple) else out  # [B, S, D] (older transformers return a tuple)
@@ -207,73 +208,6 @@ def _causal_mask(config: Any, x: torch.Tensor, positions: torch.Tensor, layer_ty
 
     build = create_sliding_window_causal_mask if layer_type == "sliding_attention" else create_causal_mask
     return build(config, x, None, None, position_ids=positions)  # (config, embeds, attention mask, cache): none of the two
-
-
-LLAMA_ATTENTIONS = r"model\.layers\.\d+\.self_attn"
-LLAMA_ROTARY = r"model\.rotary_emb"
-
-
-def llama_split_sequence(model: nn.Module, shard: SequenceSplit) -> None:
-    """Context parallelism on an HF Llama / Mistral, or a pipeline stage of it (whole-model names).
-
-    Each rank holds `shard`'s part of every sequence, and the model runs on it as on a shorter sequence
-    (position ids 0 .. n-1). Two things follow the shard:
-      - model.rotary_emb is wrapped (PositionsOf, same names) so that local position p becomes the
-        token's position in the whole sequence: cos/sin, hence q and k, are one process's;
-      - attention goes through HF's own extension point (transformers' AttentionInterface): a function
-        registered for this shard calls shard.attend (ring or Ulysses, GQA included) with the layer's
-        scaling, and the config's attention implementation names it. No attention mask is built for it
-        (HF builds none for a registered function without a mask function): causality is by position.
-    Refused, naming the setting: attention dropout (HF draws it from torch's generator, which no rank can
-    draw for another's tokens) and a Mistral sliding window shorter than the sequence."""
-    from transformers import AttentionInterface
-
-    attentions = [m for n, m in model.named_modules() if re.fullmatch(LLAMA_ATTENTIONS, n)]
-    if attentions:
-        config = attentions[0].config
-        if getattr(config, "attention_dropout", 0.0):
-            raise ConfigError(f"context parallelism with attention_dropout ({config.attention_dropout}): HF draws it "
-                              "from torch's generator, which no rank can draw for another rank's tokens; set "
-                              "attention_dropout=0.0 or cp to 1")
-        name = f"paratrain_context_parallel_{id(shard):x}"
-        AttentionInterface.register(name, functools.partial(_attend_through, shard))
-        config._attn_implementation = name  # the config's setter; every layer reads it when it runs
-    for rotary_name, rotary in list(model.named_modules()):
-        if re.fullmatch(LLAMA_ROTARY, rotary_name):
-            parent, _, child = rotary_name.rpartition(".")
-            model.get_submodule(parent).register_module(child, PositionsOf(rotary, shard))
-
-
-class PositionsOf(Wrapper):
-    """HF's rotary embedding fed the whole sequence's positions of this rank's tokens: position_ids are
-    the local 0 .. n-1 (as the model or a pipeline stage makes them), mapped through the shard."""
-
-    def __init__(self, module: nn.Module, shard: SequenceSplit) -> None:
-        super().__init__(module)
-        self.shard = shard
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *rest: Any) -> Any:
-        whole = self.shard.positions(position_ids.shape[-1], position_ids.device)[position_ids]
-        return self.wrapped.forward(x, whole, *rest)  # rest: Gemma 3's layer type
-
-
-def _attend_through(shard: SequenceSplit, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
-                    sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """HF's attention-function signature: query [B, H, n, hd], key, value [B, KV, n, hd] (this rank's
-    tokens) -> ([B, n, H, hd], no weights)."""
-    whole = query.shape[2] * shard.parts
-    if kwargs.get("softcap"):
-        raise ConfigError(f"context parallelism with attention soft-capping ({kwargs['softcap']}, Gemma 2 / 3): the "
-                          "ring and Ulysses attentions compute plain softmax(q k^T) v; set cp to 1")
-    if sliding_window is not None and sliding_window < whole:
-        raise ConfigError(f"context parallelism attends causally over the whole sequence ({whole} tokens), and this "
-                          f"model's sliding window is {sliding_window}: train on sequences of at most "
-                          f"{sliding_window} tokens under cp, or set cp to 1")
-    if dropout:
-        raise ConfigError(f"context parallelism with attention dropout ({dropout}): set attention_dropout=0.0")
-    out = shard.attend(query, key, value, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
 
 
 LLAMA_RECIPE = Recipe(tp_plan=LLAMA_TP_PLAN, blocks=LLAMA_WRAP, layers=llama_layers,

@@ -50,9 +50,9 @@ def check_data(plan: RunPlan, source: TokenSource) -> None:
     if documents == "on" and source.train_documents is None:
         raise ConfigError(f"document masking (--documents on) needs a document index, and {source.name!r} has none: "
                           "tokenize the corpus with `paratrain tokenize` (or use Megatron's .bin/.idx), or --documents off")
-    if documents == "on" and plan.config.parallel.cp > 1:
-        raise ConfigError(f"document masking under context parallelism (cp {plan.config.parallel.cp}) is not supported: "
-                          "the ring and Ulysses attentions are causal over the whole sequence; --cp 1 or --documents off")
+    if documents == "on" and plan.config.parallel.cp > 1 and plan.config.model.hf:
+        raise ConfigError(f"document masking under context parallelism (cp {plan.config.parallel.cp}) is not supported "
+                          "for Hugging Face models (the GPT supports it): --cp 1 or --documents off")
     for split, tokens in (("train", source.train), ("val", source.val)):
         samples = (len(tokens) - 1) // plan.seq_len
         if samples < plan.batch.global_batch:

@@ -1,0 +1,90 @@
+"""Hugging Face Llama-family models under context parallelism: each rank's part of every sequence.
+
+llama_split_sequence is LLAMA_RECIPE's split_sequence (paratrain.models.hf): the rotary embedding fed the
+whole sequence's positions of this rank's tokens, and attention through transformers' AttentionInterface to
+the shard's ring or Ulysses attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from paratrain.config.errors import ConfigError
+from paratrain.nn.sequence import SequenceSplit
+from paratrain.nn.wrap import Wrapper
+
+DOCUMENTS_UNDER_CP = ("packed documents under context parallelism are not supported for Hugging Face models (their "
+                      "rotary embedding takes this rank's positions from the shard, not the documents'); set cp to 1 "
+                      "or train without document positions (--documents off); paratrain's GPT supports both")
+
+
+LLAMA_ATTENTIONS = r"model\.layers\.\d+\.self_attn"
+LLAMA_ROTARY = r"model\.rotary_emb"
+
+
+def llama_split_sequence(model: nn.Module, shard: SequenceSplit) -> None:
+    """Context parallelism on an HF Llama / Mistral, or a pipeline stage of it (whole-model names).
+
+    Each rank holds `shard`'s part of every sequence, and the model runs on it as on a shorter sequence
+    (position ids 0 .. n-1). Two things follow the shard:
+      - model.rotary_emb is wrapped (PositionsOf, same names) so that local position p becomes the
+        token's position in the whole sequence: cos/sin, hence q and k, are one process's;
+      - attention goes through HF's own extension point (transformers' AttentionInterface): a function
+        registered for this shard calls shard.attend (ring or Ulysses, GQA included) with the layer's
+        scaling, and the config's attention implementation names it. No attention mask is built for it
+        (HF builds none for a registered function without a mask function): causality is by position.
+    Refused, naming the setting: attention dropout (HF draws it from torch's generator, which no rank can
+    draw for another's tokens) and a Mistral sliding window shorter than the sequence."""
+    from transformers import AttentionInterface
+
+    attentions = [m for n, m in model.named_modules() if re.fullmatch(LLAMA_ATTENTIONS, n)]
+    if attentions:
+        config = attentions[0].config
+        if getattr(config, "attention_dropout", 0.0):
+            raise ConfigError(f"context parallelism with attention_dropout ({config.attention_dropout}): HF draws it "
+                              "from torch's generator, which no rank can draw for another rank's tokens; set "
+                              "attention_dropout=0.0 or cp to 1")
+        name = f"paratrain_context_parallel_{id(shard):x}"
+        AttentionInterface.register(name, functools.partial(_attend_through, shard))
+        config._attn_implementation = name  # the config's setter; every layer reads it when it runs
+    for rotary_name, rotary in list(model.named_modules()):
+        if re.fullmatch(LLAMA_ROTARY, rotary_name):
+            parent, _, child = rotary_name.rpartition(".")
+            model.get_submodule(parent).register_module(child, PositionsOf(rotary, shard))
+
+
+class PositionsOf(Wrapper):
+    """HF's rotary embedding fed the whole sequence's positions of this rank's tokens: position_ids are
+    the local 0 .. n-1 (as the model or a pipeline stage makes them), mapped through the shard."""
+
+    def __init__(self, module: nn.Module, shard: SequenceSplit) -> None:
+        super().__init__(module)
+        self.shard = shard
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *rest: Any) -> Any:
+        whole = self.shard.positions(position_ids.shape[-1], position_ids.device)[position_ids]
+        return self.wrapped.forward(x, whole, *rest)  # rest: Gemma 3's layer type
+
+
+def _attend_through(shard: SequenceSplit, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                    sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """HF's attention-function signature: query [B, H, n, hd], key, value [B, KV, n, hd] (this rank's
+    tokens) -> ([B, n, H, hd], no weights)."""
+    whole = query.shape[2] * shard.parts
+    if kwargs.get("softcap"):
+        raise ConfigError(f"context parallelism with attention soft-capping ({kwargs['softcap']}, Gemma 2 / 3): the "
+                          "ring and Ulysses attentions compute plain softmax(q k^T) v; set cp to 1")
+    if sliding_window is not None and sliding_window < whole:
+        raise ConfigError(f"context parallelism attends causally over the whole sequence ({whole} tokens), and this "
+                          f"model's sliding window is {sliding_window}: train on sequences of at most "
+                          f"{sliding_window} tokens under cp, or set cp to 1")
+    if dropout:
+        raise ConfigError(f"context parallelism with attention dropout ({dropout}): set attention_dropout=0.0")
+    out = shard.attend(query, key, value, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
