@@ -70,7 +70,14 @@ def prepare_launch(config: RunConfig, *, gpus: int) -> RunPlan:
                               "taken) or one of its step_* folders") from None
         except CheckpointError as error:
             raise ConfigError(f"train.resume: {error}") from None
-    if config.launch.memory_check and not config.model.hf:  # (the planner models the GPT, not HF's families)
+    if config.launch.memory_check and config.model.hf:  # another family: its ranks dry-run and measured
+        from paratrain.planner.check import available_memory, check_memory_hf
+
+        device = resolve_device(config.launch.device, gpus=gpus)
+        available = available_memory(device)
+        if available is not None:
+            check_memory_hf(plan, device=device, available_bytes=available, processes=config.launch.nproc)
+    elif config.launch.memory_check:
         from paratrain.planner.check import available_memory, check_memory
 
         device = resolve_device(config.launch.device, gpus=gpus)

@@ -57,7 +57,9 @@ class ActivationMeter:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.weights = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        self.params = list(model.parameters())
+        """Their storages are weights, not activations, whenever they are saved (read at each save: ZeRO-3 gathers a
+        unit's parameters into storages of their own while it runs)."""
         self.live = 0
         self.peak = 0
         self._counts: dict[int, int] = {}
@@ -72,8 +74,8 @@ class ActivationMeter:
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         storage = _local(tensor).untyped_storage()
-        ptr, size = storage.data_ptr(), storage.nbytes()
-        if ptr in self.weights or not size:
+        ptr, size = _key(storage), storage.nbytes()
+        if not size or ptr in {_key(_local(p).untyped_storage()) for p in self.params}:
             return tensor
         self._counts[ptr] = self._counts.get(ptr, 0) + 1
         if self._counts[ptr] == 1:
@@ -90,6 +92,12 @@ class ActivationMeter:
         if self._counts[ptr] == 0:
             del self._counts[ptr]
             self.live -= size
+
+
+def _key(storage: torch.UntypedStorage) -> int:
+    """Which storage: its address, or on the meta device (no address: a dry run) its storage object's, which
+    every view of it shares."""
+    return storage.data_ptr() or storage._cdata
 
 
 class _Saved:

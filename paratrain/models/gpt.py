@@ -109,10 +109,11 @@ class Attention(nn.Module):
         elif self.sequence is None:  # positions 0 .. S-1
             cos, sin = cos[:seq], sin[:seq]
         else:  # this rank's part of the sequence: its tokens' own positions
-            positions = self.sequence.positions(seq, x.device)
-            cos, sin = cos[positions], sin[positions]
+            mine = self.sequence.positions(seq, x.device)
+            cos, sin = cos[mine], sin[mine]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = (self.core(q, k, v) if positions is None else self.core(q, k, v, positions)).transpose(1, 2).reshape(batch, seq, -1)  # [B, S, H * hd]
+        y = self.core(q, k, v) if positions is None else self.core(q, k, v, positions)  # [B, H, S, hd]
+        y = y.transpose(1, 2).reshape(batch, seq, -1)  # [B, S, H * hd]
         return self.out_dropout(self.out(y))
 
 

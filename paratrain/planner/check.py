@@ -49,6 +49,29 @@ def check_memory(plan: RunPlan, *, device: str, available_bytes: float, processe
     return predicted
 
 
+def check_memory_hf(plan: RunPlan, *, device: str, available_bytes: float, processes: int) -> list[dict[str, int]]:
+    """check_memory for a --hf model: the first rank of each pipeline stage dry-run and measured
+    (paratrain.planner.hf), the busiest against what a process may use."""
+    from paratrain.planner.hf import hf_memory
+
+    ranks = hf_memory(plan.config.model.hf, plan.parallel, global_batch=plan.batch.global_batch,
+                      micro_batch=plan.batch.micro_batch, seq_len=plan.seq_len, precision=plan.config.train.precision,
+                      recompute=plan.config.train.recompute)
+    per_process = available_bytes / (processes if device == "cpu" else 1)
+    busiest = max(ranks, key=lambda r: r.peak)
+    need = busiest.peak + RUNTIME_BYTES[device]
+    if need > per_process:
+        where = "GPU memory" if device == "cuda" else f"available CPU memory shared by {processes} processes"
+        raise ConfigError(
+            f"rank {busiest.rank} (pipeline stage {busiest.stage}) is measured on the meta device to need "
+            f"{need / 1e9:.2f} GB (model states {busiest.states['in_step'] / 1e9:.2f}, saved activations "
+            f"{busiest.activations / 1e9:.2f}, + {RUNTIME_BYTES[device] / 1e9:.1f} runtime), but each process has "
+            f"{per_process / 1e9:.2f} GB of {where}: shard more (--zero 3, or more ranks), recompute (--recompute), "
+            "a smaller --micro-batch or --seq-len; --no-memory-check launches anyway")
+    return [{"rank": r.rank, "stage": r.stage, **r.states, "activations": r.activations, "peak": r.peak}
+            for r in ranks]
+
+
 def available_memory(device: str) -> float | None:
     """Bytes a run may use on this node: the first GPU's total memory, or the CPU's MemAvailable
     (Linux; None elsewhere, and the check is skipped)."""

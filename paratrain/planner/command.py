@@ -5,6 +5,8 @@
     paratrain plan --model gpt2 --gpus 8 --global-batch 96 --ps-mode sync --ps-servers 2   # 6 trainers
     paratrain plan --model gpt3-175b --gpus 1024 --dp 16 --tp 8 --pp 8 --zero 1 --sequence-parallel \
         --global-batch 16 --dry-run --rank 1000       # rank 1000 built and stepped on shapes only
+    paratrain plan --hf ./my-llama --gpus 8 --tp 2 --pp 2 --zero 1 --global-batch 64 --seq-len 2048
+                                                  # a Hugging Face folder's model: each stage's first rank measured
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "on the meta device with a fake process group, run one step on shapes only, and report its "
                              "model-state bytes, collectives and pipeline actions against the planner's")
     parser.add_argument("--rank", type=int, default=0, help="with --dry-run: the rank to build (default 0)")
+    parser.add_argument("--hf", metavar="DIR", help="a local Hugging Face folder's model in the pinned layout "
+                        "(--gpus; --dp/--tp/--pp/--zero/--micro-batch): the first rank of each pipeline stage built "
+                        "and stepped on the meta device, its model states and peak saved activations measured")
     parser.add_argument("--schedule", default="1f1b", help="with --dry-run: the pipeline schedule")
     parser.add_argument("--grad-reduce", default="reduce_scatter", choices=("reduce_scatter", "all_reduce"),
                         help="with --dry-run: ZeRO's gradient reduction (default NCCL's, reduce_scatter)")
@@ -85,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--gpus ({devices}) and --global-batch ({args.global_batch}) must be >= 1")
     pins: dict[str, Any] = {field: getattr(args, flag[2:].replace("-", "_")) for flag, field in _PINS.items()
                             if getattr(args, flag[2:].replace("-", "_")) is not None}
+    if args.hf:
+        return _hf_plan(args, devices, pins)
     if args.dry_run:
         return _dry_run(args, model, devices, pins)
     if args.recompute is not None:
@@ -132,6 +139,32 @@ def _dry_run(args: argparse.Namespace, model: Any, devices: int, pins: dict[str,
                   micro_batch=micro_batch, precision=args.precision, recompute=args.recompute or "none")
     print(json.dumps(run.to_dict()) if args.json else format_dry_run(run))
     return 0 if run.exact else 1
+
+
+def _hf_plan(args: argparse.Namespace, devices: int, pins: dict[str, Any]) -> int:
+    from paratrain.config.parallel import ParallelConfig
+    from paratrain.hf.load import stand_in
+    from paratrain.planner.hf import hf_memory
+
+    micro_batch = pins.pop("micro_batch", 1)
+    parallel = ParallelConfig(**pins, sequence_parallel=bool(args.sequence_parallel), schedule=args.schedule,
+                              cp_mode=args.cp_mode or "ring").resolved(devices)
+    shape = stand_in(args.hf, tp=parallel.tp, sequence_parallel=parallel.sequence_parallel)  # its family's tp rules
+    ranks = hf_memory(args.hf, parallel, global_batch=args.global_batch, micro_batch=micro_batch,
+                      seq_len=args.seq_len or shape.seq_len, precision=args.precision, recompute=args.recompute or "none")
+    rows = [{"rank": r.rank, "stage": r.stage, **r.states, "activations": r.activations, "peak": r.peak,
+             "seconds": round(r.seconds, 2)} for r in ranks]
+    if args.json:
+        print(json.dumps({"hf": args.hf, "devices": devices, "ranks": rows}))
+        return 0
+    gb = 1e9
+    print(f"{args.hf} on {devices} ranks, dp{parallel.dp} tp{parallel.tp} pp{parallel.pp} z{parallel.zero} "
+          f"mb{micro_batch}, measured on the meta device (GB):")
+    print(f"{'rank':>6} {'stage':>5} {'peak':>8} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8}")
+    for r in rows:
+        print(f"{r['rank']:>6} {r['stage']:>5} {r['peak'] / gb:>8.2f} {r['params'] / gb:>8.2f} {r['grads'] / gb:>8.2f} "
+              f"{r['optimizer'] / gb:>8.2f} {r['activations'] / gb:>8.2f}")
+    return 0
 
 
 def _calibrate(args: argparse.Namespace) -> int:
