@@ -83,8 +83,9 @@ def _files(folder: str) -> dict[str, torch.Tensor]:
     ("gpt2", dict(dp=2, tp=2, zero=1)),                 # each rank reads its heads' rows of each q / k / v block
     ("gemma2", dict(dp=1, tp=2)),
     ("gemma3", dict(dp=1, pp=2)),
+    ("llama-tied", dict(dp=2, tp=2, pp=2, zero=1)),     # 3D on 8 ranks: slices of shards of a stage's layers
 ], ids=["tied-zero3", "tp2", "mistral-pp2", "tied-dp2xtp2-zero1", "qwen2-zero3", "gemma-tp2", "tp2xpp2",
-        "qwen3-tp2xpp2", "gpt2-dp2xtp2-zero1", "gemma2-tp2", "gemma3-pp2"])
+        "qwen3-tp2xpp2", "gpt2-dp2xtp2-zero1", "gemma2-tp2", "gemma3-pp2", "tied-3d-zero1"])
 def test_loaded_pieces_are_the_files_and_the_first_loss_is_hfs(pools, folders, kind, layout):
     """float32: engine.state_dict()["model"] equals the files bit for bit (a tied head is one tensor: the
     files hold the embedding only), and the first step's loss HF's forward's within 1e-6 (measured 2.2e-8);
