@@ -1,9 +1,11 @@
-"""Pictures of runs (matplotlib; `pip install 'paratrain[viz]'`).
+"""Pictures of runs and plans (matplotlib; `pip install 'paratrain[viz]'`).
 
     paratrain plot RUN.jsonl [RUN2.jsonl ...] -o curves.png
+    paratrain plan --model gpt3-xl --gpus 16 --global-batch 512 --plot plan.png
 
-draws the training loss (lines) and validation loss (dots) of each run's `--log-json` records on one
-figure; plot_scaling draws wall time and accuracy against the process count (paratrain scaling).
+plot_runs draws the training loss (lines) and validation loss (dots) of each run's `--log-json` records on one
+figure; plot_scaling wall time and accuracy against the process count (paratrain scaling); plot_plan the per-rank
+memory of the planner's top layouts and the pipeline schedule of the best one.
 """
 
 from __future__ import annotations
@@ -110,3 +112,59 @@ def plot_scaling(runs: Sequence[dict[str, Any]], out: str | Path, *, title: str 
         figure.suptitle(title)
     figure.tight_layout()
     return _save(plt, figure, out)
+
+
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations")
+
+
+def plot_plan(record: dict[str, Any], out: str | Path, *, global_batch: int, top: int = 8) -> Path:
+    """Two panels from a `paratrain plan` record (planner.search's): the busiest rank's memory of the top layouts,
+    stacked by what holds it against the device's memory; and the best layout's pipeline schedule, each pipeline
+    rank's forward / backward of each micro-batch on a time line (the schedule run in simulated time at the
+    planner's compute time per micro-batch; the blank between bars is the bubble)."""
+    from paratrain.pipeline.schedules import program
+    from paratrain.pipeline.simulate import simulate
+
+    plt = _pyplot()
+    candidates = record["candidates"][:top]
+    if not candidates:
+        raise ValueError("the plan has no candidate layout to draw (every layout was refused)")
+    figure, (memory_axes, gantt) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [1, 1.4]})
+    names = [_layout_label(c["layout"]) for c in candidates]
+    bottom = [0.0] * len(candidates)
+    for part in MEMORY_PARTS:
+        values = [c["memory"].get(part, 0) / 1e9 for c in candidates]
+        memory_axes.barh(names, values, left=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    others = [c["memory"]["peak"] / 1e9 - b for c, b in zip(candidates, bottom)]
+    memory_axes.barh(names, [max(o, 0.0) for o in others], left=bottom, label="other (buffers, transient)")
+    memory_axes.axvline(record["hardware"]["memory_bytes"] / 1e9, color="black", linestyle="--", label="device")
+    memory_axes.invert_yaxis()
+    memory_axes.set_xlabel("GB on the busiest rank (peak)")
+    memory_axes.legend(fontsize=8, loc="lower right")
+    best = candidates[0]["layout"]
+    stages, chunks = best["pp"], best["virtual_stages"]
+    microbatches = global_batch // (best["dp"] * best["micro_batch"])
+    events: list[tuple[int, str, int, int, float, float]] = []
+    forward = candidates[0]["compute_s"] / (3 * microbatches)  # per stage and micro-batch, backward twice it
+    costs = {"F": forward, "B": 2 * forward, "I": forward, "W": forward}
+    simulate([program(best["schedule"], stages, microbatches, r, chunks) for r in range(stages)], stages=stages,
+             microbatches=microbatches, chunks=chunks, costs=costs, events=events)
+    colors = {"F": "tab:blue", "B": "tab:orange", "I": "tab:orange", "W": "tab:green"}
+    edges = {"edgecolor": "white", "linewidth": 0.5} if len(events) <= 400 else {"linewidth": 0}
+    for rank, kind, chunk, mb, start, end in events:
+        gantt.barh(rank, end - start, left=start, color=colors[kind], **edges)
+        if microbatches <= 16:
+            gantt.text((start + end) / 2, rank, str(mb), ha="center", va="center", fontsize=6, color="white")
+    gantt.set_yticks(range(stages), labels=[f"stage {r}" for r in range(stages)])
+    gantt.invert_yaxis()
+    gantt.set_xlabel("seconds of the step's compute (simulated)")
+    gantt.set_title(f"{names[0]}: {best['schedule']}, {microbatches} micro-batches "
+                    f"(F blue, B / I orange, W green)", fontsize=9)
+    figure.tight_layout()
+    return _save(plt, figure, out)
+
+
+def _layout_label(layout: dict[str, Any]) -> str:
+    text = f"dp{layout['dp']} tp{layout['tp']} pp{layout['pp']} z{layout['zero']} mb{layout['micro_batch']}"
+    return text + (f" {layout['recompute']}" if layout.get("recompute", "none") != "none" else "")

@@ -92,13 +92,14 @@ def _check_matching(programs: list[list[Action]], stages: int) -> None:
 def simulate(programs: list[list[Action]], *, stages: int, microbatches: int, chunks: int = 1,
              costs: Mapping[str, float] | Sequence[Mapping[str, float]] = DEFAULT_COSTS,
              durations: Sequence[Mapping[tuple[str, int, int], float]] | None = None,
-             latency: float = 0.0) -> Simulation:
+             latency: float = 0.0, events: list[tuple[int, str, int, int, float, float]] | None = None) -> Simulation:
     """Check the programs of all ranks (see the module doc) and run them in simulated time.
     costs: time of each action kind for a whole stage, the same on every rank or one mapping per rank
     (unbalanced stages); a chunk of the interleaved schedule costs 1 / chunks of it.
     durations: instead, each rank's time of each compute action, (kind, chunk, micro-batch) -> time
     (a replay of measured actions, paratrain.pipeline.timeline).
-    latency: time a message takes from its send to its receiver (0: free communication)."""
+    latency: time a message takes from its send to its receiver (0: free communication).
+    events: a list to append every compute action to, as (rank, kind, chunk, micro-batch, start, end)."""
     per_rank = [costs] * stages if isinstance(costs, Mapping) else list(costs)
     if durations is not None and len(durations) != stages:
         raise ScheduleError(f"durations for {len(durations)} ranks, {stages} stages")
@@ -129,6 +130,8 @@ def simulate(programs: list[list[Action]], *, stages: int, microbatches: int, ch
                 else:
                     cost = (per_rank[r][a.kind] / chunks if durations is None
                             else durations[r][(a.kind, a.chunk, a.mb)])
+                    if events is not None:
+                        events.append((r, a.kind, a.chunk, a.mb, clock[r], clock[r] + cost))
                     clock[r] += cost
                     busy[r] += cost
                     if a.kind == "F":

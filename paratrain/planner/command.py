@@ -47,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--tokens", type=float, help="a token budget: adds training days")
     parser.add_argument("--top", type=int, default=10, help="rows of the table")
+    parser.add_argument("--plot", metavar="OUT.png", help="also draw the busiest rank's memory of the top layouts and "
+                        "the best one's pipeline schedule (matplotlib)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     for flag, field in _PINS.items():
         parser.add_argument(flag, type=int, help=f"pin {field}")
@@ -117,10 +119,16 @@ def run(args: argparse.Namespace) -> int:
     record = {"model": {"preset": args.model, **{k: getattr(model, k) for k in ("n_layer", "d_model", "n_head")},
                         "params": model.num_params()},
               "hardware": hw.to_dict(), "devices": devices, **result}
+    if args.plot:
+        from paratrain.plot import plot_plan
+
+        plot_plan(record, args.plot, global_batch=args.global_batch, top=min(args.top, 8))
     if args.json:
         print(json.dumps(record))
         return 0
     print(_table(record, args.top, tokens=args.tokens))
+    if args.plot:
+        print(f"drew {args.plot}")
     return 0
 
 

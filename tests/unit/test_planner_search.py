@@ -234,3 +234,25 @@ def test_parameter_server_is_priced_when_pinned(capsys):
 
     with pytest.raises(ConfigError, match="CUDA trainers are not built"):  # before launch, GPU or not
         check_run(build_run_config(None, {"launch.device": "cuda", "parallel.ps_mode": "sync"}), 2)
+
+
+def test_plan_plot_draws_memory_and_the_best_layouts_schedule(tmp_path, capsys):
+    """`paratrain plan --plot` writes a picture; its Gantt chart is the simulated schedule: every compute action
+    of every stage once, none overlapping another of its stage, each stage busy for its share of the step."""
+    pytest.importorskip("matplotlib")
+    from paratrain.cli import main
+    from paratrain.pipeline.schedules import program
+    from paratrain.pipeline.simulate import simulate
+
+    out = tmp_path / "plan.png"
+    assert main(["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "16", "--pp", "4", "--dp", "2",
+                 "--micro-batch", "1", "--plot", str(out)]) == 0
+    assert out.stat().st_size > 10_000 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"drew {out}" in capsys.readouterr().out
+    events: list = []
+    programs = [program("1f1b", 4, 8, r) for r in range(4)]
+    simulate(programs, stages=4, microbatches=8, events=events)
+    assert len(events) == sum(a.kind in ("F", "B") for p in programs for a in p) == 4 * 8 * 2
+    for stage in range(4):
+        spans = sorted((start, end) for rank, _, _, _, start, end in events if rank == stage)
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
