@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -123,6 +124,25 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
             "launched_during_backward": getattr(engine.grads, "launched_during_backward", None),
             "buckets": len(getattr(engine.grads, "buckets", getattr(engine.grads, "groups", []))),
             "timeline": engine.pipeline.times if engine.pipeline is not None else None}
+
+
+def plain_token_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, logits: torch.Tensor,
+                     labels: torch.Tensor, lr: float) -> tuple[float, float]:
+    """One step of the plain-PyTorch oracle of a language model, as the engine counts it: the *sum* of the token
+    cross-entropies backpropagated (labels -100 left out), the gradients divided by the token count, AdamW at lr.
+    -> (mean loss, gradient norm)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    total = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                              reduction="sum")
+    count = int((labels != -100).sum())
+    optimizer.zero_grad()
+    total.backward()
+    for p in model.parameters():
+        p.grad /= count
+    norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters()))
+    optimizer.step()
+    return total.item() / count, norm
 
 
 def rel_diff(a: list[float], b: list[float]) -> float:

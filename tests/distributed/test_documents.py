@@ -7,8 +7,6 @@ must give its per-step losses, gradient norms and final weights (float64)."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -16,7 +14,7 @@ import torch
 from paratrain.data import GlobalBatchLoader
 from paratrain.data.loader import document_positions
 from paratrain.nn.documents import document_mask, positions_after
-from tests.helpers import lr_at, max_state_diff, rel_diff
+from tests.helpers import lr_at, max_state_diff, plain_token_step, rel_diff
 from tests.margins import within
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 3, 8, 16, 64
@@ -77,19 +75,11 @@ def plain(kind: str) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr_at(0), weight_decay=0.1)
         losses, norms = [], []
         for step in range(STEPS):
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step)
             inputs, targets, positions = batch(step)
-            logits = torch.stack(apart(model, inputs, positions))
-            total = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
-            count = int((targets != -100).sum())
-            optimizer.zero_grad()
-            total.backward()
-            for p in model.parameters():
-                p.grad /= count
-            norms.append(math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters())))
-            optimizer.step()
-            losses.append(total.item() / count)
+            loss, norm = plain_token_step(model, optimizer, torch.stack(apart(model, inputs, positions)), targets,
+                                          lr_at(step))
+            losses.append(loss)
+            norms.append(norm)
         # a tied head is one tensor in paratrain's state, under the embedding's name
         tied = {"lm_head.weight", "head.weight"}
         state = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in tied}

@@ -4,14 +4,13 @@ eager attention would run its softmax in float32)."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from tests.helpers import lr_at, max_state_diff, rel_diff  # noqa: E402
+from tests.helpers import lr_at, max_state_diff, plain_token_step, rel_diff  # noqa: E402
 from tests.margins import within  # noqa: E402
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 5, 8, 16, 64
@@ -105,20 +104,11 @@ def plain(kind: str) -> dict:
         optimizer = _adamw(list(model.parameters()))
         losses, norms = [], []
         for step in range(STEPS):
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(step)
             inputs, labels = batch(step)
-            logits = model(input_ids=inputs, use_cache=False).logits
-            total = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
-                                                      reduction="sum")
-            count = int((labels != -100).sum())
-            optimizer.zero_grad()
-            total.backward()
-            for p in model.parameters():
-                p.grad /= count
-            norms.append(math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters())))
-            optimizer.step()
-            losses.append(total.item() / count)
+            loss, norm = plain_token_step(model, optimizer, model(input_ids=inputs, use_cache=False).logits, labels,
+                                          lr_at(step))
+            losses.append(loss)
+            norms.append(norm)
         _PLAIN[kind] = {"losses": losses, "grad_norms": norms,
                         "model": {k: v.detach().clone() for k, v in model.state_dict().items()}}
     return _PLAIN[kind]

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 
 from tests.distributed.test_hf import batch as hf_batch  # noqa: E402
-from tests.helpers import lr_at  # noqa: E402
+from tests.helpers import lr_at, plain_token_step  # noqa: E402
 from tests.margins import within  # noqa: E402
 
 VOCAB, STEPS = 63, 3
@@ -72,18 +72,9 @@ def test_a_padded_vocabulary_trains_as_the_unpadded_model_and_exports_trimmed(po
     assert torch.equal(got["loaded"][:VOCAB], model.model.embed_tokens.weight.detach())
     optimizer, losses = _adamw(model.parameters()), []
     for step in range(STEPS):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
         inputs, labels = batch(step)
         logits = model(input_ids=inputs, use_cache=False).logits
-        total = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
-        count = int((labels != -100).sum())
-        optimizer.zero_grad()
-        total.backward()
-        for p in model.parameters():
-            p.grad /= count
-        optimizer.step()
-        losses.append(total.item() / count)
+        losses.append(plain_token_step(model, optimizer, logits, labels, lr_at(step))[0])
     within(max(abs(a - b) / b for a, b in zip(got["losses"], losses)), 1e-12, "loss (float64)")
     trained = got["state"]
     assert not trained["model.embed_tokens.weight"][VOCAB:].any()  # the padding row never moved
