@@ -27,7 +27,7 @@ from paratrain.hybrid.state import model_state
 from paratrain.hybrid.step import NonFiniteWatch, PendingStep, StepStats, non_finite_ranks
 from paratrain.hybrid.view import MemoryReader, StateView
 from paratrain.memory import autocast
-from paratrain.memory.precision import overflowed
+from paratrain.memory.precision import casts_once, overflowed
 from paratrain.nn.dropout import KeyedDropout
 from paratrain.rng import DropoutStream
 from paratrain.comm.flat import FlatGroup, optimizer_state_bytes
@@ -228,7 +228,7 @@ class Engine:
         self.grads.begin_micro_batch(sync=False)  # the schedule interleaves micro-batches: reduce once, in finish()
         if self.router_log is not None:
             self.router_log.scale_gradients(scale)
-        with contextlib.nullcontext() if train else torch.no_grad():
+        with (contextlib.nullcontext() if train else torch.no_grad()), casts_once(self.precision, self.ctx.device):
             totals = self.pipeline.run(pairs, dropout=self.dropout, first_row=first_row, loss_scale=scale,
                                        train=train, forward_context=lambda: autocast(self.precision, self.ctx.device))
         if train:  # this stage's MoE layers' auxiliary losses

@@ -37,6 +37,19 @@ def autocast(precision: str, device: torch.device) -> ContextManager[object]:
     raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
 
 
+def casts_once(precision: str, device: torch.device) -> ContextManager[object]:
+    """Around a pipeline step: every forward's autocast reuses one 16-bit copy of each weight, so a stage keeps one
+    copy whatever its micro-batches in flight (without it each forward casts anew, and each micro-batch's graph
+    keeps its own copy until its backward: p copies on the first stage of 1F1B).
+
+    torch.autocast caches the casts of weights (leaf tensors that require grad) until the outermost autocast
+    region exits; this is that outer region, itself disabled (the backward actions between the forwards run
+    outside autocast, as before). The weights do not change inside a step, so the cache never goes stale."""
+    if precision not in LOW_DTYPES or device.type == "meta":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 @dataclass
 class LossScaler:
     """Dynamic loss scale (Micikevicius et al. 2018, "Mixed Precision Training", section 3.2).

@@ -93,13 +93,26 @@ def block_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode
     casts = 0.0
     if mode != "fp32":  # each apply_rope keeps 16-bit copies of the float32 cos and sin tables
         casts += 4 * s * (model.head_dim // 2) * 2
-    if mode == "autocast":  # and autocast keeps a 16-bit copy of every weight it casts: under sequence
-        # parallelism the column layers (qkv, up) cast inside their own autograd function and keep the
-        # float32 weight, so only the row layers' (out, down) copies are kept
-        mlp_weights = 0 if moe else d * f  # (a MoE layer counts its own)
-        column = 0 if sequence_parallel else 3 * d * d + mlp_weights
-        casts += 2 * (column + d * d + mlp_weights) / t
-    return norms + attention + mlp + casts
+    return norms + attention + mlp + casts + block_weight_casts(model, layout, mode=mode, moe=moe)
+
+
+def block_weight_casts(model: ModelConfig, layout: Layout, *, mode: str, moe: bool = False) -> float:
+    """The 16-bit copies of a block's linear weights autocast keeps (zero 0 with bf16 / fp16; nothing else): under
+    sequence parallelism the column layers (qkv, up) cast inside their own autograd function and keep the float32
+    weight, so only the row layers' (out, down) copies are kept; a MoE layer counts its own (moe_activation_bytes).
+    Under pp one copy per stage for the whole step, whatever the micro-batches in flight (paratrain.memory.
+    precision.casts_once); without pp one per micro-batch, released by its backward."""
+    if mode != "autocast":
+        return 0.0
+    d, f, t = model.d_model, model.ff_dim, layout.tp
+    mlp_weights = 0 if moe else d * f
+    column = 0 if layout.sequence_parallel else 3 * d * d + mlp_weights
+    return 2 * (column + d * d + mlp_weights) / t
+
+
+def head_weight_cast(model: ModelConfig, *, tp: int, sequence_parallel: bool, mode: str) -> float:
+    """The head's 16-bit weight copy under autocast (see block_weight_casts)."""
+    return model.padded_vocab // tp * model.d_model * 2 if mode == "autocast" and not sequence_parallel else 0.0
 
 
 def moe_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, mode: str = "fp32",
@@ -180,9 +193,8 @@ def head_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, tp:
     b, s, d, t = micro_batch, seq, model.d_model, tp
     n = b * s
     q = t if sequence_parallel else 1
-    total = _norm_and_column_input(n / q, d, mode)
-    if mode == "autocast" and not sequence_parallel:  # the head's 16-bit weight copy (see the block's)
-        total += model.padded_vocab // t * d * 2
+    total = _norm_and_column_input(n / q, d, mode) + head_weight_cast(model, tp=t, sequence_parallel=sequence_parallel,
+                                                                    mode=mode)
     logit_bytes = 4 if mode == "fp32" else 2  # the chunked losses keep the logits themselves, in the head's dtype
     if t == 1:  # logits [n, Vp], targets int64, the ignore mask, float32 log-sum-exp
         total += n * model.padded_vocab * logit_bytes + n * 13
@@ -232,21 +244,44 @@ def activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str,
             + positions_bytes(layout, seq=seq)) if has_block else 0.0
     if layout.pp == 1:
         return sizes[0] + rope
-    return _peak_in_flight(layout.schedule, layout.pp, microbatches, stage, layout.virtual_stages, tuple(sizes)) + rope
+    casts = _chunk_casts(model, layout, mode, pp_split)
+    per_micro_batch = tuple(size - cast for size, cast in zip(sizes, casts))
+    return _peak_in_flight(layout.schedule, layout.pp, microbatches, stage, layout.virtual_stages, per_micro_batch,
+                           casts) + rope
 
 
 @functools.lru_cache(maxsize=8192)
 def _peak_in_flight(schedule: str, pp: int, microbatches: int, stage: int, chunks: int,
-                    sizes: tuple[float, ...]) -> float:
-    """The most bytes a stage's schedule keeps saved at once: F saves a chunk's, B or W releases them."""
+                    sizes: tuple[float, ...], casts: tuple[float, ...] = ()) -> float:
+    """The most bytes a stage's schedule keeps saved at once: F saves a chunk's, B or W releases them; a chunk's
+    weight casts (one copy for the step) from its first F to the release of its last micro-batch."""
     live = peak = 0.0
+    holding: set[int] = set()  # the chunks whose weight casts are held
     for action in _compute_program(schedule, pp, microbatches, stage, chunks):
         if action.kind == "F":
             live += sizes[action.chunk]
+            if casts and action.chunk not in holding:
+                live += casts[action.chunk]
+                holding.add(action.chunk)
             peak = max(peak, live)
         elif action.kind in ("B", "W"):
             live -= sizes[action.chunk]
+            if casts and action.mb == microbatches - 1:  # its last micro-batch released: no forward reuses them
+                live -= casts[action.chunk]
     return peak
+
+
+@functools.lru_cache(maxsize=8192)
+def _chunk_casts(model: ModelConfig, layout: Layout, mode: str, pp_split: tuple[int, ...]) -> tuple[float, ...]:
+    """Each pipeline chunk's weight casts under autocast: its dense blocks' and the head's (one copy per step)."""
+    block = block_weight_casts(model, layout, mode=mode)
+    head = head_weight_cast(model, tp=layout.tp, sequence_parallel=layout.sequence_parallel, mode=mode)
+    casts = []
+    for start, end in chunk_layers(model, layout.dims, pp_split):
+        held = range(max(start, 1), min(end, model.n_layer + 1))
+        dense = sum(not model.is_moe(i - 1) for i in held)
+        casts.append(dense * block + (head if end == model.n_layer + 2 else 0.0))
+    return tuple(casts)
 
 
 @functools.lru_cache(maxsize=1024)
