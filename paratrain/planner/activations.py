@@ -8,7 +8,7 @@ Derived from the model's code op by op and checked to the byte on one process an
   autocast  16-bit matmuls over float32 weights (zero 0 with bf16 / fp16): the residual stream and
             norms stay float32, each linear keeps a 16-bit copy of its input and of its weight;
   low       parameters stored in 16 bits (ZeRO with bf16 / fp16; buffers stay float32): the residual
-            stream is 16-bit, each norm keeps a float32 copy of its input (it normalises in float32).
+            stream is 16-bit; each norm keeps its 16-bit input and recomputes its float32 copy in backward.
 tokens n = micro_batch x seq / cp; t = tp; q = t with sequence parallelism (norms and residuals hold
 n / t tokens), else 1.
 
@@ -43,13 +43,14 @@ def storage_mode(precision: str, zero: int) -> str:
 
 
 def _norm_and_column_input(tokens: float, d: int, mode: str) -> float:
-    """An RMSNorm and the input the next (column) linear keeps: its input, 1/rms, the normalised x,
-    and x * weight (or, under autocast, the linear's 16-bit copy of it)."""
+    """An RMSNorm and the input the next (column) linear keeps: the norm's input in its own dtype and 1/rms in
+    float32 (paratrain.models.norms recomputes the rest), and x * weight (under autocast the linear's 16-bit
+    copy of it)."""
     if mode == "fp32":
-        return tokens * (3 * d * 4 + 4)
+        return tokens * (2 * d * 4 + 4)
     if mode == "autocast":
-        return tokens * (2 * d * 4 + 4 + d * 2)
-    return tokens * (d * 4 + 4 + 2 * d * 2)  # low: a float32 copy of x, 16-bit normed and x * weight
+        return tokens * (d * 4 + 4 + d * 2)
+    return tokens * (d * 2 + 4 + d * 2)  # low: the 16-bit input, 1/rms, the 16-bit x * weight
 
 
 def block_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str = "fp32",
