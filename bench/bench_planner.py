@@ -1,7 +1,7 @@
 """The planner's predicted step time against measured steps, on this machine's CPU (gloo).
 
     paratrain plan --calibrate               # first: this machine's profile (about 10 s)
-    python -m bench.bench_planner            # 8 layouts of the tiny and small GPT, about 2 minutes on 2 cores
+    python -m bench.bench_planner            # 10 layouts of the tiny, small and tiny-moe GPT, about 2 minutes
 
 Each layout trains `--steps` steps (after 2 warm-up steps) on 1 or 2 gloo processes of one thread
 each, float32, AdamW; the median step time is set against paratrain.planner.estimate with the
@@ -27,6 +27,9 @@ LAYOUTS = [  # (model, global batch, layout fields)
     ("small", 16, dict(pp=2, micro_batch=2)),
     ("tiny", 32, dict(dp=2, zero=1, micro_batch=16)),
     ("tiny", 32, dict(pp=2, micro_batch=4, schedule="gpipe")),
+    ("tiny-moe", 32, dict(micro_batch=16)),  # 4 experts, top-2, dropless: the experts' compute
+    ("tiny-moe", 32, dict(dp=2, micro_batch=16)),  # dp 2 without ep: what the all-to-alls add is the difference
+    ("tiny-moe", 32, dict(dp=2, ep=2, micro_batch=16)),  # the all-to-alls of expert parallelism
 ]
 
 
@@ -37,7 +40,7 @@ def _measure(model_name: str, global_batch: int, fields: dict, steps: int) -> fl
     from paratrain.config import preset
 
     config = preset(model_name)
-    parallel = {k: v for k, v in fields.items() if k in ("dp", "tp", "pp", "zero", "sequence_parallel", "schedule")}
+    parallel = {k: v for k, v in fields.items() if k in ("dp", "tp", "pp", "zero", "sequence_parallel", "schedule", "ep")}
     ctx = paratrain.init(paratrain.ParallelConfig(**parallel), device="cpu")
     model = paratrain.build_gpt(config, seed=0)
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),

@@ -150,6 +150,8 @@ def document_positions(window_starts: np.ndarray, seq_len: int,
     (int64[n, S]), and where its target is the first token of another document (bool[n, S]: no loss there,
     nothing in the window's own document predicts it)."""
     flat = window_starts[:, None] + np.arange(seq_len, dtype=np.int64)[None, :]  # [n, S]: each input's offset
+    if len(document_starts) == 0:  # no document index entries: one document, from each window's start
+        return flat - window_starts[:, None], np.zeros(flat.shape, dtype=bool)
     holder = np.searchsorted(document_starts, flat, side="right") - 1  # the document each token belongs to
     begins = np.where(holder >= 0, document_starts[np.maximum(holder, 0)], 0)
     positions = flat - np.maximum(begins, window_starts[:, None])

@@ -86,18 +86,20 @@ def launch_workers(model: nn.Module | None, launch: LaunchSection, *, max_restar
     return result
 
 
-def hand_over(engine: Engine, result: FitResult) -> None:
-    """In a worker of a launching Trainer: leave the trained weights and the result in the handoff
-    folder (rank 0 of each node), and exit, so that the code after fit runs in the launching process only."""
+def hand_over(engine: Engine, result: FitResult, *, weights: bool = True) -> None:
+    """In a worker of a launching Trainer: leave the trained weights (unless `weights` is False: a Trainer(hf=)
+    model, which save_pretrained exports from the checkpoints, is never gathered whole) and the result in the
+    handoff folder (rank 0 of each node), and exit, so that the code after fit runs in the launching process only."""
     from safetensors.torch import save_file
 
     from paratrain.launch import leave
 
     folder = Path(os.environ[HANDOFF_ENV])
-    model = engine.state_dict()["model"]  # collective: every rank gathers the whole model
+    model = engine.state_dict()["model"] if weights else None  # collective: every rank gathers the whole model
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        save_file({name: tensor.detach().cpu().clone().contiguous() for name, tensor in model.items()},
-                  str(folder / "model.safetensors"))
+        if model is not None:
+            save_file({name: tensor.detach().cpu().clone().contiguous() for name, tensor in model.items()},
+                      str(folder / "model.safetensors"))
         (folder / "result.json").write_text(json.dumps(asdict(result)))
     leave()
 

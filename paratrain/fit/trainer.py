@@ -214,9 +214,9 @@ class Trainer:
             val_data, global_batch=self.batch.global_batch, dp=dp, dp_index=dp_index, seed=self.seed, shuffle=False)
         source, recipe = None, self.recipe
         if self.hf:  # built on the meta device: each rank reads the pieces it keeps
-            from paratrain.hf import from_pretrained
+            from paratrain.hf.load import from_pretrained, vocab_multiple
 
-            pretrained = from_pretrained(self.hf, dtype=torch.float32, pad_vocab_to=self.parallel.tp)
+            pretrained = from_pretrained(self.hf, dtype=torch.float32, pad_vocab_to=vocab_multiple(self.parallel.tp))
             model, source, recipe = pretrained.model, pretrained.init, recipe or pretrained.recipe
             loss_fn = loss_fn or pretrained.loss
         assert model is not None and loss_fn is not None
@@ -245,7 +245,7 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_fit_end(self, result)
         if launched_by_trainer():  # hand the result and the weights over, and leave
-            hand_over(engine, result)
+            hand_over(engine, result, weights=not self.hf)
         return result
 
     def save_pretrained(self, out: str, *, dtype: torch.dtype | None = None,
@@ -258,7 +258,7 @@ class Trainer:
             raise ConfigError("save_pretrained exports the newest checkpoint under save= of a Trainer(hf=DIR, "
                               f"save=...) (this one has hf={self.hf!r}, save={self.save!r}); for a model you built, "
                               "call its own save_pretrained after fit")
-        if not self.is_main:
+        if not self.is_main or self.node_rank != 0:  # one writer: each node's launching process is "main"
             return None
         from paratrain.hf import export_pretrained
 

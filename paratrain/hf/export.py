@@ -73,9 +73,11 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, source: str | 
         raise ConfigError(f"the checkpoint {folder} and the model {source}/config.json builds differ: missing from "
                           f"the checkpoint {missing[:6]}, not in the model {unexpected[:6]}: export with the --hf "
                           "folder the run started from")
-    for name in names:
+    vocab = json.loads((source / "config.json").read_text()).get("vocab_size")
+    for name in names:  # only a vocabulary's rows may be more (from_pretrained's padding, trimmed here)
         saved = tuple(reader.open(name).shape)
-        if saved != shapes[name] and not (saved[1:] == shapes[name][1:] and saved[:1] > shapes[name][:1]):
+        padded = shapes[name][:1] == (vocab,) and saved[1:] == shapes[name][1:] and saved[:1] > shapes[name][:1]
+        if saved != shapes[name] and not padded:
             raise ConfigError(f"{name} is {list(saved)} in the checkpoint {folder} and {list(shapes[name])} in the "
                               f"model {source}/config.json builds: export with the --hf folder the run started from")
     shards = _plan(reader, shapes, names, dtype, parse_size(max_shard_size))

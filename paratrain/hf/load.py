@@ -15,10 +15,11 @@ read here). `from_pretrained(folder)`:
    to the model's dtype. Buffers the files do not hold (non-persistent ones: rotary frequencies) come from
    their module built again on the CPU from the config.
 
-pad_vocab_to=tp pads a vocabulary tp does not divide (GPT-2's 50,257 under tp 2) to the next multiple: the
+pad_vocab_to=N pads a vocabulary N does not divide (GPT-2's 50,257) to the next multiple of N: the
 embedding's and lm_head's extra rows are zeros, never looked up, and the losses (Pretrained.loss, the
 recipe's stage loss) read only the real vocabulary's logits, so the padding changes no number; export
-trims it (paratrain.hf.export).
+trims it (paratrain.hf.export). `--hf` and Trainer(hf=) pad to vocab_multiple(tp): the same rows for every tp
+that divides 128, so their checkpoints resume under any of those layouts.
 
 The model families: the recipe of each (paratrain.models.hf: Llama, Mistral, Qwen2, Qwen3 and Gemma;
 paratrain.models.hf_gpt2: GPT-2) says how the strategies split it; a family without one is refused with what is
@@ -154,6 +155,13 @@ def _files_dtype(folder: Path, files: dict[str, str]) -> torch.dtype:
         if first.is_floating_point():
             return first.dtype
     return torch.float32
+
+
+def vocab_multiple(tp: int) -> int:
+    """What `--hf` and Trainer(hf=) pad a vocabulary to a multiple of: 128 (as Megatron's default), or its least
+    common multiple with tp: a vocabulary already divisible stays as it is, and the padded size is the same for
+    every tp dividing 128 (checkpoints move between those layouts)."""
+    return math.lcm(128, tp)
 
 
 def from_pretrained(folder: str | Path, *, dtype: torch.dtype | None = None, pad_vocab_to: int = 1) -> Pretrained:

@@ -62,6 +62,9 @@ class PositionsOf(Wrapper):
     """HF's rotary embedding fed the whole sequence's positions of this rank's tokens: position_ids are
     the local 0 .. n-1 (as the model or a pipeline stage makes them), mapped through the shard."""
 
+    refuses_positions = DOCUMENTS_UNDER_CP
+    """Read by a pipeline before a step with document positions (paratrain.pipeline.stages.check_positions)."""
+
     def __init__(self, module: nn.Module, shard: SequenceSplit) -> None:
         super().__init__(module)
         self.shard = shard

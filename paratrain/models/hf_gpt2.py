@@ -58,16 +58,22 @@ def check_gpt2_tp(config: Any, tp: int, *, sequence_parallel: bool = False, pad_
     if sequence_parallel:
         raise ConfigError("sequence parallelism does not apply to HF GPT-2 (its attention reshapes with the input's "
                           "sequence length); set sequence_parallel=False")
+    dropouts = {k: getattr(config, k, 0.0) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
+    if tp > 1 and any(dropouts.values()):
+        raise ConfigError(f"GPT-2's dropout {dropouts} under tp {tp}: transformers draws it from each rank's own "
+                          "generator, so the activations tp keeps equal on every rank would differ (silently wrong "
+                          "training); set resid_pdrop, embd_pdrop and attn_pdrop to 0 in config.json, or tp 1")
     if getattr(config, "add_cross_attention", False):
         raise ConfigError("a GPT-2 with add_cross_attention (an encoder-decoder's decoder) has no recipe: paratrain "
                           "trains GPT-2 as a causal language model; set add_cross_attention false")
 
 
 def gpt2_tp_local(model: nn.Module, tp: int) -> None:
-    """Each attention splits its c_attn output (now [q_r | k_r | v_r]) into three of D / tp."""
+    """Each attention splits its c_attn output ([q_r | k_r | v_r] when the plan split it) into its three
+    thirds: the width c_attn now has, whatever the plan did to it."""
     for name, module in model.named_modules():
         if re.fullmatch(GPT2_ATTENTIONS, name):
-            module.split_size = module.embed_dim // tp
+            module.split_size = module.c_attn.weight.shape[1] // 3
 
 
 def gpt2_layers(model: nn.Module) -> list[Layer]:

@@ -120,6 +120,8 @@ class PipelineExecutor:
         into the parameters' .grad (or the strategy's buffers). Returns float64 [2]: the sum of the
         losses computed on this rank and their token count, as the loss function counted them (zeros
         unless this rank holds the last chunk)."""
+        if len(micro_batches[0]) > 2:  # every rank alike, before anything is sent: none waits on a refusal
+            self.stage.check_positions()
         prog = self.program(len(micro_batches)) if train else self.forward_program(len(micro_batches))
         self._forward_context = forward_context
         rows = micro_batches[0][0].shape[0]

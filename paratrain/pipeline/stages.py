@@ -145,6 +145,20 @@ class StageModel(nn.Module):
                 self.tied[name] = names[0]
             self.tied_name = here[0]
 
+    def check_positions(self) -> None:
+        """Refuse micro-batches with document positions that the model cannot take: a layer whose run takes none
+        (any layer of the whole model, so every rank refuses alike), or a module of this stage that says why it
+        cannot (a `refuses_positions` message: Hugging Face rotary embeddings under context parallelism)."""
+        missing = [layer.name for layer in self.layers if not layer.positions]
+        if missing:
+            raise ValueError(f"the micro-batches carry document positions (a third tensor) and pipeline layers "
+                             f"{missing[:4]} do not take them (Layer.positions is False): give their runs a "
+                             "positions argument, or batches of (inputs, targets) only")
+        for module in self.modules():
+            refusal = getattr(module, "refuses_positions", "")
+            if refusal:
+                raise ValueError(refusal)
+
     def run_chunk(self, chunk: int, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """positions[B, S]: the micro-batch's packed documents (paratrain.nn.documents), for every layer."""
         start, end = self.ranges[chunk]

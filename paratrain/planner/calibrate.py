@@ -7,6 +7,8 @@ Ranks on a CPU run one thread each (as the launcher starts them), so every figur
                     time = FLOPs / (peak x efficiency) + overhead x blocks x micro-batches for the
                     tiny and the small GPT (one micro-batch of 8 each); efficiency is the rate over
                     the matmul peak
+    moe_overhead_s  what a MoE layer adds per micro-batch: the tiny-moe GPT's step time beyond the two
+                    terms above, per MoE layer
     intra_node_bw   gloo all-reduce bus bandwidth between `processes` local processes (16 MiB)
     latency_s       the time of a 4-byte gloo all-reduce between them
     memory_bytes    the memory available now, shared by `processes` processes
@@ -130,9 +132,18 @@ def calibrate(processes: int = 2) -> Hardware:
     try:
         peak = matmul_flops()
         reached, overhead = compute_rate(step_seconds("tiny"), step_seconds("small"))
+        moe_time, moe_flops, moe_blocks = step_seconds("tiny-moe")
+        moe_overhead = max(0.0, moe_time - moe_flops / reached - overhead * moe_blocks) / _moe_layers("tiny-moe")
     finally:
         torch.set_num_threads(threads)
     bus, latency = gloo_bandwidth(processes)
     return Hardware("cpu", peak_flops=peak, memory_bytes=available_memory() / processes, intra_node_bw=bus,
                     inter_node_bw=bus, devices_per_node=os.cpu_count() or processes,
-                    efficiency=min(1.0, reached / peak), latency_s=latency, overhead_s=overhead)
+                    efficiency=min(1.0, reached / peak), latency_s=latency, overhead_s=overhead,
+                    moe_overhead_s=moe_overhead)
+
+
+def _moe_layers(name: str) -> int:
+    from paratrain.config import preset
+
+    return preset(name).moe_layers

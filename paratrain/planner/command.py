@@ -188,7 +188,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     path.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
     print(json.dumps(profile.to_dict()) if args.json else
           f"saved {path}: {profile.peak_flops / 1e9:.1f} GFLOP/s float32 matmul per process, a GPT step reaches "
-          f"{profile.efficiency:.0%} of it plus {profile.overhead_s * 1e3:.2f} ms per block and micro-batch; gloo {profile.intra_node_bw / 1e9:.2f} GB/s bus bandwidth, "
+          f"{profile.efficiency:.0%} of it plus {profile.overhead_s * 1e3:.2f} ms per block and micro-batch "
+          f"({profile.moe_overhead_s * 1e3:.2f} ms more per MoE layer); gloo {profile.intra_node_bw / 1e9:.2f} GB/s bus bandwidth, "
           f"{profile.latency_s * 1e6:.0f} us latency; {profile.memory_bytes / 1e9:.1f} GB per process")
     return 0
 

@@ -41,6 +41,9 @@ class Hardware:
     """Fixed time per transformer block and micro-batch (forward and backward) that FLOPs do not
     count: operator launches and Python. Measured by --calibrate on a CPU; 0 (not modelled) in the
     GPU profiles."""
+    moe_overhead_s: float = 0.0
+    """A MoE layer's fixed time per micro-batch beyond a dense block's (router, top-k, the sort by expert, one
+    launch per expert). Measured by --calibrate on a CPU; 0 in the GPU profiles."""
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)

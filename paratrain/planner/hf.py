@@ -66,7 +66,7 @@ def hf_rank_memory(folder: str, parallel: ParallelConfig, *, rank: int, world_si
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     from paratrain.config.run import OptimSection
-    from paratrain.hf import from_pretrained
+    from paratrain.hf.load import from_pretrained, vocab_multiple
     from paratrain.hybrid import parallelize
     from paratrain.memory.activations import ActivationMeter
     from paratrain.topology import init
@@ -81,7 +81,7 @@ def hf_rank_memory(folder: str, parallel: ParallelConfig, *, rank: int, world_si
         dp = ctx.mesh.degree("dp")
         if global_batch % (dp * micro_batch):
             raise ValueError(f"global batch {global_batch} must be a multiple of dp x micro-batch ({dp} x {micro_batch})")
-        pretrained = from_pretrained(folder, dtype=torch.float32, pad_vocab_to=parallel.tp)
+        pretrained = from_pretrained(folder, dtype=torch.float32, pad_vocab_to=vocab_multiple(parallel.tp))
         engine = parallelize(pretrained.model, ctx, optimizer=adamw_factory(pretrained.model, OptimSection()),
                              micro_batch=micro_batch, precision=precision, recompute=recompute,
                              init=pretrained.init, recipe=pretrained.recipe)

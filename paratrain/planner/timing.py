@@ -4,7 +4,8 @@ Korthikanti et al. 2022, section 4), each term named so that a measurement can b
 
     compute    model FLOPs (6 N per token + attention, PaLM's count) of the busiest pipeline stage,
                times 4/3 with full recomputation (one more forward), over peak x efficiency; plus
-               the profile's fixed overhead per block and micro-batch (launches, Python)
+               the profile's fixed overhead per block and micro-batch (launches, Python), and per MoE layer
+               and micro-batch what routing adds to it (the router, top-k, the sort, per-expert launches)
     tp         per block and micro-batch 4 all-reduces of b s h (2 forward, 2 backward; sequence
                parallelism: 4 all-gathers and 4 reduce-scatters, and 2 all-gathers again in
                backward): on the critical path, so added to each micro-batch's time
@@ -123,7 +124,9 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     moe_flops *= hardware_flops / model_flops
     moe_tp = tp if layout.expert_tp or layout.sequence_parallel else 1
     per_rank = (hardware_flops - moe_flops) / (dp * tp * cp) + moe_flops / (dp * cp * moe_tp)
-    compute = per_rank * share / rate + hw.overhead_s * blocks_here * m
+    moe_here = round(model.moe_layers * blocks_here / model.n_layer) if model.n_experts else 0
+    # the profile's fixed time per block and micro-batch, and a MoE layer's own beyond it (routing, sorting)
+    compute = per_rank * share / rate + (hw.overhead_s * blocks_here + hw.moe_overhead_s * moe_here) * m
     act = BYTES[precision]
     # tensor parallelism, on the critical path, per block and micro-batch: 4 all-reduces of b s h; with
     # sequence parallelism 4 all-gathers and 4 reduce-scatters (each half an all-reduce's traffic)
@@ -140,7 +143,6 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     # leaves the rank), over the link its ep ranks (consecutive in dp) span
     ep_time = 0.0
     rows_bytes = layout.micro_batch * seq // cp * model.top_k * model.d_model * act  # a micro-batch's routed rows
-    moe_here = round(model.moe_layers * blocks_here / model.n_layer) if model.n_experts else 0
     if layout.ep > 1:  # (under sequence parallelism each tp rank sends its chunk's rows)
         sent = rows_bytes / tp if layout.sequence_parallel else rows_bytes
         ep_time = m * moe_here * 4 * _bus_time(sent, layout.ep, _bandwidth(hw, tp * cp * layout.ep),

@@ -88,8 +88,11 @@ class Trainer:
         if config.model.hf:
             from paratrain.hf import from_pretrained
 
-            # a vocabulary tp does not divide is padded with rows the loss never reads (export trims them)
-            pretrained = from_pretrained(config.model.hf, dtype=torch.float32, pad_vocab_to=config.parallel.tp)
+            from paratrain.hf.load import vocab_multiple
+
+            # an odd vocabulary is padded with rows the loss never reads (export trims them), alike for every tp
+            pretrained = from_pretrained(config.model.hf, dtype=torch.float32,
+                                         pad_vocab_to=vocab_multiple(config.parallel.tp))
             self.model, source, recipe, loss_fn = pretrained.model, pretrained.init, pretrained.recipe, pretrained.loss
         else:
             self.model = build_gpt(plan.model, seed=config.seed, device="meta")

@@ -185,22 +185,23 @@ def test_positions_after_eos_and_the_mask():
     assert mask[7].tolist() == [False] * 6 + [True, True]
 
 
-def _hf_under_cp() -> str:
+def _hf_under_cp(pp: int) -> str:
     import paratrain
-    from paratrain.config import ConfigError
     from paratrain.models.hf import LLAMA_RECIPE, llama_loss
 
-    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(cp=2))
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(cp=2, pp=pp))
     engine = paratrain.parallelize(build("llama-tied"), ctx, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-                                   recipe=LLAMA_RECIPE)
+                                   recipe=LLAMA_RECIPE, micro_batch=4)
     try:
         engine.train_step(batch(0), llama_loss)
-    except ConfigError as error:
+    except ValueError as error:  # ConfigError is one
         return str(error)
     return "trained"
 
 
-def test_packed_documents_of_hf_models_under_cp_are_refused(pools):
-    """HF's rotary embedding reads this rank's positions from the shard: documents there are refused by name."""
-    for message in pools(2).run(_hf_under_cp):
+@pytest.mark.parametrize("pp", [1, 2])
+def test_packed_documents_of_hf_models_under_cp_are_refused(pools, pp):
+    """HF's rotary embedding reads this rank's positions from the shard: documents there are refused by name, on
+    every rank before anything is sent under a pipeline (no stage left waiting for a refused one)."""
+    for message in pools(2 * pp).run(_hf_under_cp, pp):
         assert "not supported for Hugging Face models" in message and "--documents off" in message

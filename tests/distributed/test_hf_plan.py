@@ -28,11 +28,12 @@ def _measured(folder: str, **layout) -> dict:
     import paratrain
     import paratrain.hf
     from paratrain.config.run import OptimSection
+    from paratrain.hf.load import vocab_multiple
     from paratrain.memory.activations import ActivationMeter
     from paratrain.train.optim import adamw_factory
 
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(**layout))
-    pretrained = paratrain.hf.from_pretrained(folder, dtype=torch.float32, pad_vocab_to=ctx.mesh.degree("tp"))
+    pretrained = paratrain.hf.from_pretrained(folder, dtype=torch.float32, pad_vocab_to=vocab_multiple(ctx.mesh.degree("tp")))
     engine = paratrain.parallelize(pretrained.model, ctx, optimizer=adamw_factory(pretrained.model, OptimSection()),
                                    micro_batch=MICRO, init=pretrained.init, recipe=pretrained.recipe)
     tokens = torch.zeros(GLOBAL_BATCH // ctx.mesh.degree("dp"), SEQ, dtype=torch.long)

@@ -101,3 +101,27 @@ def test_an_undivided_vocabulary_without_padding_names_the_fix(folder):
 
     with pytest.raises(ConfigError, match=r"vocab_size \(63\).*pad_vocab_to=2"):
         check_llama_tp(AutoConfig.from_pretrained(folder), 2)
+
+
+def test_the_cli_pads_alike_for_every_tp_dividing_128(folder):
+    """--hf and Trainer(hf=) pad to vocab_multiple(tp): 128 rows for tp 1, 2, 4 and 8 alike, so a checkpoint
+    saved under one resumes under another; a vocabulary already divisible stays as the files hold it."""
+    import paratrain.hf
+    from paratrain.hf.load import vocab_multiple
+
+    rows = {paratrain.hf.from_pretrained(folder, pad_vocab_to=vocab_multiple(tp)).model.model.embed_tokens.weight.shape[0]
+            for tp in (1, 2, 4, 8)}
+    assert rows == {128} and vocab_multiple(3) == 384
+
+
+def test_gpt2_dropout_under_tp_is_refused():
+    """transformers draws GPT-2's dropout from each rank's generator: under tp the replicated activations would
+    differ between ranks, so tp > 1 with dropout is refused with the fix."""
+    from transformers import GPT2Config
+
+    from paratrain.config import ConfigError
+    from paratrain.models.hf_gpt2 import check_gpt2_tp
+
+    check_gpt2_tp(GPT2Config(vocab_size=64, n_embd=32, n_head=4), 1)  # tp 1: its own generator, nothing to agree
+    with pytest.raises(ConfigError, match=r"resid_pdrop.*tp 2.*set resid_pdrop, embd_pdrop and attn_pdrop to 0"):
+        check_gpt2_tp(GPT2Config(vocab_size=64, n_embd=32, n_head=4), 2)
