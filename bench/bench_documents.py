@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from bench.world import median_step_seconds
 
 
 def run(model_name: str, seq: int, batch: int, doc: int, steps: int) -> dict:
@@ -45,13 +45,7 @@ def run(model_name: str, seq: int, batch: int, doc: int, steps: int) -> dict:
         engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
         with saved_activations(engine.model) as saved:
             paratrain.lm_loss(engine.model, data)
-        times = []
-        for i in range(steps + 2):
-            start = time.perf_counter()
-            engine.train_step(data, paratrain.lm_loss)
-            if i >= 2:
-                times.append(time.perf_counter() - start)
-        result[name] = {"step_s": statistics.median(times), "saved_bytes": saved.bytes}
+        result[name] = {"step_s": median_step_seconds(engine, data, paratrain.lm_loss, steps), "saved_bytes": saved.bytes}
     result["ratio"] = result["documents"]["step_s"] / result["causal"]["step_s"]
     return result
 

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
-from bench.world import run_world
+from bench.world import median_step_seconds, run_world
 
 LAYOUTS = [  # (model, global batch, layout fields)
     ("small", 16, dict(micro_batch=8)),
@@ -47,14 +45,7 @@ def _measure(model_name: str, global_batch: int, fields: dict, steps: int) -> fl
                                    micro_batch=fields["micro_batch"], recompute=fields.get("recompute", "none"))
     rows = global_batch // ctx.mesh.degree("dp")
     x = torch.randint(0, config.vocab_size, (rows, config.seq_len + 1), generator=torch.Generator().manual_seed(0))
-    batch = (x[:, :-1], x[:, 1:])
-    times = []
-    for i in range(steps + 2):
-        start = time.perf_counter()
-        engine.train_step(batch, paratrain.lm_loss)
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_step_seconds(engine, (x[:, :-1], x[:, 1:]), paratrain.lm_loss, steps)
 
 
 def _single(model_name: str, global_batch: int, fields: dict, steps: int) -> float:

@@ -27,3 +27,17 @@ def without_missing(contenders: list[str], package: str = "deepspeed") -> list[s
               "to install it)")
         return [c for c in contenders if not c.startswith(package)]
     return contenders
+
+
+def median_step_seconds(engine: Any, batch: Any, loss_fn: Callable[..., Any], steps: int, warmup: int = 2) -> float:
+    """The median time of `steps` engine.train_step calls on one batch, after `warmup` untimed ones."""
+    import statistics
+    import time
+
+    times = []
+    for i in range(steps + warmup):
+        start = time.perf_counter()
+        engine.train_step(batch, loss_fn)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
