@@ -34,6 +34,7 @@ from paratrain.comm import all_gather_async, all_reduce
 from paratrain.context_parallel.layout import local_positions, shard_sequence
 from paratrain.context_parallel.ring import ring_attention
 from paratrain.context_parallel.ulysses import ulysses_attention
+from paratrain.nn.documents import Documents
 from paratrain.nn.dropout import KeyedDropout
 from paratrain.topology.mesh import AxisGroup
 
@@ -138,7 +139,8 @@ class ContextParallelCore(nn.Module):
         self.dropout = dropout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        """positions [B, n]: packed documents (this rank's tokens' positions in them)."""
+                documents: Documents | None = None) -> torch.Tensor:
+        """documents: packed documents (this rank's tokens' positions in them, [B, n])."""
         dropping = self.dropout is not None and self.dropout.training and self.dropout.p > 0
-        return self.shard.attend(q, k, v, dropout=self.dropout if dropping else None, documents=positions)
+        return self.shard.attend(q, k, v, dropout=self.dropout if dropping else None,
+                                 documents=None if documents is None else documents.positions)

@@ -40,7 +40,7 @@ from paratrain.config.model import ModelConfig
 from paratrain.models.gpt_recipe import GPT_PLAN, GPT_RECIPE
 from paratrain.models.init import Constant, Given, KeyedNormal, ParamInit, init_tensor_
 from paratrain.models.norms import RMSNorm, apply_rope, rope_tables, upcast
-from paratrain.nn.documents import document_mask
+from paratrain.nn.documents import Documents
 from paratrain.nn.dropout import KeyedDropout
 from paratrain.nn.loss import VocabOutput
 from paratrain.nn.moe import MoE, RouterLog
@@ -63,14 +63,15 @@ class AttentionCore(nn.Module):
         self.dropout = KeyedDropout(dropout)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        """positions[B, S]: packed documents (paratrain.nn.documents), each token attending within its own."""
-        mask = None if positions is None else document_mask(positions)  # [B, 1, S, S]
+                documents: Documents | None = None) -> torch.Tensor:
+        """documents: packed documents (paratrain.nn.documents), each token attending within its own."""
         if not (self.training and self.p > 0):
+            mask = None if documents is None else documents.mask(q.dtype)  # [B, 1, S, S], one for every layer
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         seq = q.shape[-2]
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-        allowed = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril() if mask is None else mask
+        allowed = (torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril() if documents is None
+                   else documents.mask(torch.bool))
         probs = torch.softmax(upcast(scores.masked_fill(~allowed, float("-inf"))), dim=-1).type_as(q)
         return self.dropout(probs) @ v
 
@@ -95,24 +96,26 @@ class Attention(nn.Module):
         self.core = shard.attention_core(self.core.dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | Documents | None = None) -> torch.Tensor:
         """x [B, S, D]; cos, sin the rotary tables of the whole sequence ([seq_len, hd / 2]): row p is
-        position p. positions[B, S]: packed documents, each token at its position in its own document and
-        attending within it (paratrain.nn.documents); None: one sequence, positions 0 .. S-1."""
+        position p. positions: packed documents (positions[B, S], or the forward's shared Documents), each token
+        at its position in its own document and attending within it (paratrain.nn.documents); None: one
+        sequence, positions 0 .. S-1."""
+        documents = Documents.of(positions)
         # x[B, S, D] @ Wqkv[D, 3D] -> [B, S, H, 3, hd] -> q, k, v each [B, H, S, hd]
         qkv = self.qkv(x)
         batch, seq = qkv.shape[:2]
         qkv = qkv.view(batch, seq, -1, 3, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))
-        if positions is not None:  # packed documents: each token's position in its own (cp: this rank's tokens')
-            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [B, 1, S, hd / 2]
+        if documents is not None:  # packed documents: each token's position in its own (cp: this rank's tokens')
+            cos, sin = cos[documents.positions].unsqueeze(1), sin[documents.positions].unsqueeze(1)  # [B, 1, S, hd/2]
         elif self.sequence is None:  # positions 0 .. S-1
             cos, sin = cos[:seq], sin[:seq]
         else:  # this rank's part of the sequence: its tokens' own positions
             mine = self.sequence.positions(seq, x.device)
             cos, sin = cos[mine], sin[mine]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.core(q, k, v) if positions is None else self.core(q, k, v, positions)  # [B, H, S, hd]
+        y = self.core(q, k, v) if documents is None else self.core(q, k, v, documents)  # [B, H, S, hd]
         y = y.transpose(1, 2).reshape(batch, seq, -1)  # [B, S, H * hd]
         return self.out_dropout(self.out(y))
 
@@ -144,7 +147,7 @@ class Block(nn.Module):
             self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | Documents | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, positions)
         return x + (self.moe if self.has_moe else self.mlp)(self.mlp_norm(x))
 
@@ -181,8 +184,9 @@ class GPT(nn.Module):
         if seq > self.config.seq_len:
             raise ValueError(f"sequence of {seq} tokens is longer than the model's seq_len {self.config.seq_len}")
         x = self.tok_emb(idx)
+        documents = Documents.of(positions)  # one mask for every layer
         for block in self.blocks:  # each attention takes the rows of the rotary tables its tokens are at
-            x = block(x, self.rope_cos, self.rope_sin, positions)
+            x = block(x, self.rope_cos, self.rope_sin, documents)
         return self.head(self.norm(x))
 
     def split_sequence(self, shard: SequenceSplit) -> None:

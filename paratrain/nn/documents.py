@@ -39,3 +39,26 @@ def positions_after(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
     return index - last_start
 
+
+class Documents:
+    """One batch's packed documents, positions[B, S], and their attention mask built once per dtype and shared by
+    every attention of a forward that is given this object: a kernel keeping its mask for backward then keeps one
+    for the whole model, not one per layer. (A pipeline stage's layers are each given the micro-batch's positions
+    alone, and build their own.)"""
+
+    def __init__(self, positions: torch.Tensor) -> None:
+        self.positions = positions
+        self._masks: dict[torch.dtype, torch.Tensor] = {}
+
+    @staticmethod
+    def of(given: torch.Tensor | Documents | None) -> Documents | None:
+        return given if given is None or isinstance(given, Documents) else Documents(given)
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, S, S]: bool (True where a query may attend), or additive in a floating dtype (0 there, -inf
+        elsewhere: what scaled_dot_product_attention would turn a bool mask into, call by call)."""
+        if dtype not in self._masks:
+            allowed = document_mask(self.positions)
+            self._masks[dtype] = allowed if dtype == torch.bool else torch.zeros(
+                allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+        return self._masks[dtype]

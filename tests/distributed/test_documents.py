@@ -205,3 +205,23 @@ def test_packed_documents_of_hf_models_under_cp_are_refused(pools, pp):
     every rank before anything is sent under a pipeline (no stage left waiting for a refused one)."""
     for message in pools(2 * pp).run(_hf_under_cp, pp):
         assert "not supported for Hugging Face models" in message and "--documents off" in message
+
+
+def test_one_mask_is_kept_for_every_layer():
+    """The GPT builds its document mask once per forward and every attention shares it (paratrain.nn.documents.
+    Documents): what masking adds to the bytes kept for backward is one additive float32 mask [B, 1, S, S] and
+    each layer's gathered rotary rows [B, 1, S, hd / 2] (cos and sin), less the rotary tables the causal run
+    keeps as views, to the byte (a mask per layer would add (L - 1) B S^2 x 4 more)."""
+    from paratrain.memory import saved_activations
+
+    model = build("gpt").float()
+    config = model.config
+    inputs, _, positions = batch(0)
+    kept = {}
+    for name, args in (("causal", (inputs,)), ("documents", (inputs, positions))):
+        with saved_activations(model) as saved:
+            model(*args)
+        kept[name] = saved.bytes
+    b, s, half = inputs.shape[0], inputs.shape[1], config.head_dim // 2
+    expected = b * s * s * 4 + 2 * config.n_layer * b * s * half * 4 - 2 * config.seq_len * half * 4
+    assert kept["documents"] - kept["causal"] == expected
