@@ -47,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--tokens", type=float, help="a token budget: adds training days")
     parser.add_argument("--top", type=int, default=10, help="rows of the table")
+    parser.add_argument("--explain", action="store_true", help="also print the best layout's step time by term")
     parser.add_argument("--plot", metavar="OUT.png", help="also draw the busiest rank's memory of the top layouts and "
                         "the best one's pipeline schedule (matplotlib)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -127,6 +128,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(record))
         return 0
     print(_table(record, args.top, tokens=args.tokens))
+    if args.explain and record["candidates"]:
+        best = record["candidates"][0]
+        print(f"\n{_layout_text(best['layout'])}: {best['step_time_s']:.4g} s per step, by term")
+        for term, seconds in best["terms"].items():
+            print(f"  {term:<36} {seconds:>10.4g} s  {seconds / best['step_time_s']:>6.1%}")
     if args.plot:
         print(f"drew {args.plot}")
     return 0

@@ -124,7 +124,7 @@ def _record(model_config: ModelConfig, layout: Layout, hardware: Hardware, *, gl
     mem = memory(model_config, layout, global_batch=global_batch, seq=seq, precision=precision)
     t = step_time(model_config, layout, hardware, global_batch=global_batch, seq=seq, precision=precision)
     return {"layout": layout.to_dict(), "memory": mem, "step_time_s": t.step_s, "compute_s": t.compute_s,
-            "comm_s": t.comm_s, "bubble": t.bubble, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
+            "comm_s": t.comm_s, "bubble": t.bubble, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu, "terms": t.terms,
             "fits": mem["peak"] <= hardware.memory_bytes}
 
 

@@ -36,7 +36,7 @@ group when tp x cp x dp <= devices per node, and pp only when the whole world fi
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from paratrain.config.model import ModelConfig
 from paratrain.planner.hardware import Hardware
@@ -59,6 +59,8 @@ class StepTime:
     tokens_per_s: float
     mfu: float
     """Model FLOPs per second over the peak of every device."""
+    terms: dict[str, float] = field(default_factory=dict)
+    """The step time by term (module docstring), seconds: they add up to step_s (`paratrain plan --explain`)."""
 
 
 def _bus_time(nbytes: float, ranks: int, bw: float, latency: float, *, factor: float) -> float:
@@ -126,7 +128,8 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     per_rank = (hardware_flops - moe_flops) / (dp * tp * cp) + moe_flops / (dp * cp * moe_tp)
     moe_here = round(model.moe_layers * blocks_here / model.n_layer) if model.n_experts else 0
     # the profile's fixed time per block and micro-batch, and a MoE layer's own beyond it (routing, sorting)
-    compute = per_rank * share / rate + (hw.overhead_s * blocks_here + hw.moe_overhead_s * moe_here) * m
+    overhead = (hw.overhead_s * blocks_here + hw.moe_overhead_s * moe_here) * m
+    compute = per_rank * share / rate + overhead
     act = BYTES[precision]
     # tensor parallelism, on the critical path, per block and micro-batch: 4 all-reduces of b s h; with
     # sequence parallelism 4 all-gathers and 4 reduce-scatters (each half an all-reduce's traffic)
@@ -174,6 +177,10 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     if layout.ps_mode != "off":  # the push and the pull after backward (paratrain.planner.param_server)
         dp_exposed = exchange_time(model, layout, hw)
     step = pipelined + pp_time + dp_exposed
+    terms = {"compute: FLOPs at peak x efficiency": compute - overhead, "compute: fixed overhead": overhead,
+             "tp collectives": tp_time, "ep all-to-alls": ep_time, "cp exchange": cp_time,
+             "pipeline bubble": pipelined - (compute + tp_time + ep_time + cp_time), "pp fill and drain": pp_time,
+             "dp (or parameter server) exposed": dp_exposed}
     return StepTime(step_s=step, compute_s=compute, comm_s=tp_time + ep_time + cp_time + pp_time + dp_exposed,
-                    bubble=bubble,
-                    tokens_per_s=tokens / step, mfu=model_flops / step / (layout.world_size * hw.peak_flops))
+                    bubble=bubble, tokens_per_s=tokens / step,
+                    mfu=model_flops / step / (layout.world_size * hw.peak_flops), terms=terms)

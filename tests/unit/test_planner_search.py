@@ -256,3 +256,17 @@ def test_plan_plot_draws_memory_and_the_best_layouts_schedule(tmp_path, capsys):
     for stage in range(4):
         spans = sorted((start, end) for rank, _, _, _, start, end in events if rank == stage)
         assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+
+
+def test_step_time_terms_add_up_and_explain_prints_them(capsys):
+    """Every term of the step-time model is named and they add up to the predicted step (`plan --explain`)."""
+    for fields in (dict(pp=4, dp=2, micro_batch=2), dict(tp=4, dp=2, sequence_parallel=True), dict(dp=8, zero=3),
+                   dict(cp=2, dp=4), dict(pp=2, tp=2, dp=2, virtual_stages=2, schedule="interleaved", micro_batch=1)):
+        record = estimate(preset("gpt3-xl"), Layout.of(**fields), hardware("h100-80gb"), global_batch=64)
+        assert abs(sum(record["terms"].values()) - record["step_time_s"]) <= 1e-12 * record["step_time_s"], fields
+        assert all(seconds >= 0 for seconds in record["terms"].values()), record["terms"]
+    moe = estimate(preset("tiny-moe"), Layout.of(dp=2, ep=2, micro_batch=4), hardware("h100-80gb"), global_batch=16)
+    assert moe["terms"]["ep all-to-alls"] > 0
+    assert main(["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "16", "--pp", "2", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "s per step, by term" in out and "pipeline bubble" in out and "dp (or parameter server) exposed" in out
