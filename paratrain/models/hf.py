@@ -39,7 +39,8 @@ import torch
 from torch import nn
 
 from paratrain.config.errors import ConfigError
-from paratrain.models.hf_context import DOCUMENTS_UNDER_CP, PositionsOf, llama_split_sequence
+from paratrain.models.hf_context import llama_split_sequence
+from paratrain.nn.documents import refuse_documents
 from paratrain.nn.loss import VocabOutput
 from paratrain.nn.recipe import Layer, Recipe, Run, stage_loss
 
@@ -119,8 +120,8 @@ def llama_loss(model: nn.Module, batch: Any, *, vocab: int | None = None) -> tup
     ids as packed sequences and masks attention at their borders); the same numbers as llama_pipeline_loss on
     the last pipeline stage."""
     input_ids, labels, *positions = batch
-    if positions and any(isinstance(m, PositionsOf) for m in model.modules()):
-        raise ConfigError(DOCUMENTS_UNDER_CP)
+    if positions:
+        refuse_documents(model)
     logits = model(input_ids=input_ids, position_ids=positions[0] if positions else None, use_cache=False).logits
     return llama_pipeline_loss(logits, labels, vocab=vocab)
 
@@ -189,10 +190,8 @@ def _decoder_runner(name: str, config: Any, index: int) -> Run:
 
     def run(stage: nn.Module, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         rotary = stage.get_submodule("model.rotary_emb")
-        if positions is None:
+        if positions is None:  # (documents: the pipeline's check_positions refused what cannot take them)
             positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # [1, S]: 0 .. S-1
-        elif isinstance(rotary, PositionsOf):
-            raise ConfigError(DOCUMENTS_UNDER_CP)
         mask = _causal_mask(config, x, positions, layer_type)  # None under sdpa without documents (causal itself)
         cos_sin = rotary(x, positions, layer_type) if per_type else rotary(x, position_ids=positions)  # 2 x [1, S, hd]
         out = stage.get_submodule(name)(x, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin)

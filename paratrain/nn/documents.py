@@ -17,6 +17,18 @@ paratrain.data.GlobalBatchLoader(document_starts=...) makes both from a corpus's
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+from paratrain.config.errors import ConfigError
+
+
+def refuse_documents(model: nn.Module) -> None:
+    """Raise ConfigError if a module of `model` says it cannot take document positions (a `refuses_positions`
+    message: Hugging Face rotary embeddings under context parallelism), before a step runs on them."""
+    for module in model.modules():
+        refusal = getattr(module, "refuses_positions", "")
+        if refusal:
+            raise ConfigError(refusal)
 
 
 def document_mask(positions: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm.placement import Placements
+from paratrain.nn.documents import refuse_documents
 from paratrain.config.errors import ConfigError
 from paratrain.nn.recipe import Layer, Run
 from paratrain.nn.ties import tied_parameters
@@ -154,23 +155,13 @@ class StageModel(nn.Module):
             raise ValueError(f"the micro-batches carry document positions (a third tensor) and pipeline layers "
                              f"{missing[:4]} do not take them (Layer.positions is False): give their runs a "
                              "positions argument, or batches of (inputs, targets) only")
-        for module in self.modules():
-            refusal = getattr(module, "refuses_positions", "")
-            if refusal:
-                raise ValueError(refusal)
+        refuse_documents(self)
 
     def run_chunk(self, chunk: int, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """positions[B, S]: the micro-batch's packed documents (paratrain.nn.documents), for every layer."""
         start, end = self.ranges[chunk]
-        for layer in self.layers[start:end]:
-            if positions is None:
-                x = layer.run(self, x)
-            elif layer.positions:
-                x = layer.run(self, x, positions)
-            else:
-                raise ValueError(f"the micro-batch carries document positions (its third tensor) and pipeline layer "
-                                 f"{layer.name!r} does not take them (Layer.positions is False): give its run a "
-                                 "positions argument, or batches of (inputs, targets) only")
+        for layer in self.layers[start:end]:  # (check_positions refused positions a layer cannot take)
+            x = layer.run(self, x) if positions is None else layer.run(self, x, positions)
         return x
 
 

@@ -35,10 +35,9 @@ def check_memory(plan: RunPlan, *, device: str, available_bytes: float, processe
                        pp_split=tuple(parallel.pp_split))
     # the trainer builds on the meta device and materialises only this rank's pieces: nothing bigger
     # than the training state is ever held (docs/scale.md)
-    per_process = available_bytes / (processes if device == "cpu" else 1)
+    per_process, where = _budget(device, available_bytes, processes)
     need = predicted["peak"] + RUNTIME_BYTES[device]
     if need > per_process:
-        where = "GPU memory" if device == "cuda" else f"available CPU memory shared by {processes} processes"
         parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in predicted.items() if k != "peak")
         raise ConfigError(
             f"the layout is predicted to need {need / 1e9:.2f} GB per process (training: {parts} GB; "
@@ -57,11 +56,10 @@ def check_memory_hf(plan: RunPlan, *, device: str, available_bytes: float, proce
     ranks = hf_memory(plan.config.model.hf, plan.parallel, global_batch=plan.batch.global_batch,
                       micro_batch=plan.batch.micro_batch, seq_len=plan.seq_len, precision=plan.config.train.precision,
                       recompute=plan.config.train.recompute)
-    per_process = available_bytes / (processes if device == "cpu" else 1)
+    per_process, where = _budget(device, available_bytes, processes)
     busiest = max(ranks, key=lambda r: r.peak)
     need = busiest.peak + RUNTIME_BYTES[device]
     if need > per_process:
-        where = "GPU memory" if device == "cuda" else f"available CPU memory shared by {processes} processes"
         raise ConfigError(
             f"rank {busiest.rank} (pipeline stage {busiest.stage}) is measured on the meta device to need "
             f"{need / 1e9:.2f} GB (model states {busiest.states['in_step'] / 1e9:.2f}, saved activations "
@@ -70,6 +68,13 @@ def check_memory_hf(plan: RunPlan, *, device: str, available_bytes: float, proce
             "a smaller --micro-batch or --seq-len; --no-memory-check launches anyway")
     return [{"rank": r.rank, "stage": r.stage, **r.states, "activations": r.activations, "peak": r.peak}
             for r in ranks]
+
+
+def _budget(device: str, available_bytes: float, processes: int) -> tuple[float, str]:
+    """(bytes one process may use, what they are): the GPU's, or the node's CPU memory shared by its processes."""
+    if device == "cuda":
+        return available_bytes, "GPU memory"
+    return available_bytes / processes, f"available CPU memory shared by {processes} processes"
 
 
 def available_memory(device: str) -> float | None:

@@ -14,11 +14,13 @@ on 1,024 ranks runs here in about 5 s per rank.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,9 @@ from paratrain.config.run import OptimSection
 from paratrain.planner.comm import StepSettings, step_volume
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import model_state_bytes
+
+if TYPE_CHECKING:
+    from paratrain.topology import Context
 
 _FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "broadcast": 1}
 
@@ -72,19 +77,37 @@ class DryRun:
         return {**dataclasses.asdict(self), "exact": self.exact}
 
 
+@contextlib.contextmanager
+def fake_rank(parallel: ParallelConfig, *, rank: int, world_size: int, global_batch: int,
+              micro_batch: int) -> Iterator[Context]:
+    """Rank `rank` of a `world_size`-rank job of `parallel` in this process (which must not be in a process group
+    already): torch's fake process group (every collective returns at once, moving nothing) and the layout's
+    context on the meta device; the group is destroyed on the way out."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    from paratrain.topology import init
+
+    if dist.is_initialized():
+        raise RuntimeError("a dry run needs a process without a process group (it creates a fake one)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        ctx = dataclasses.replace(init(device="cpu", config=parallel), device=torch.device("meta"))
+        dp = ctx.mesh.degree("dp")
+        if global_batch % (dp * micro_batch):
+            raise ValueError(f"global batch {global_batch} must be a multiple of dp x micro-batch ({dp} x {micro_batch})")
+        yield ctx
+    finally:
+        dist.destroy_process_group()
+
+
 def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_size: int, global_batch: int,
             micro_batch: int = 1, precision: str = "fp32", recompute: str = "none") -> DryRun:
     """Build and step rank `rank` of a `world_size`-rank job of `parallel` on the meta device with a
     fake process group (in this process, which must not be in a process group already)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
     from paratrain.hybrid import parallelize
     from paratrain.models import build_gpt, lm_loss
-    from paratrain.topology import init
     from paratrain.train.optim import adamw_factory
 
-    if dist.is_initialized():
-        raise RuntimeError("a dry run needs a process without a process group (it creates a fake one)")
     if not 0 <= rank < world_size:
         raise ConfigError(f"--rank must be in [0, {world_size}), got {rank}")
     if model.n_experts:
@@ -95,15 +118,12 @@ def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_si
                          "dry run has no values; dry-run bf16, which moves the same bytes (fp16 adds one 4-byte "
                          "overflow flag per axis)")
     started = time.perf_counter()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        ctx = dataclasses.replace(init(device="cpu", config=parallel), device=torch.device("meta"))
+    with fake_rank(parallel, rank=rank, world_size=world_size, global_batch=global_batch,
+                   micro_batch=micro_batch) as ctx:
         dp = ctx.mesh.degree("dp")
         if ctx.config.zero and ctx.config.shard_group == 1:
             raise ConfigError("shard_group 1 (ZeRO with replicated state): the planner's volume model does not "
                               "cover it, so a dry run cannot check it; use zero 0, or a shard group of 2 or more")
-        if global_batch % (dp * micro_batch):
-            raise ValueError(f"global batch {global_batch} must be a multiple of dp x micro-batch ({dp} x {micro_batch})")
         gpt = build_gpt(model, seed=0, device="meta")
         engine = parallelize(gpt, ctx, optimizer=adamw_factory(gpt, OptimSection()),  # as the trainer
                                        micro_batch=micro_batch, precision=precision, recompute=recompute)
@@ -141,8 +161,6 @@ def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_si
         coords = {axis: ctx.mesh.index(axis) for axis in ("dp", "cp", "tp", "pp") if axis != "cp" or ctx.dims.cp > 1}
         return DryRun(rank, world_size, coords, engine.memory_report(), predicted_memory, collectives, volume,
                       predicted_volume, actions, time.perf_counter() - started, notes)
-    finally:
-        dist.destroy_process_group()
 
 
 def _collective(entry: Any) -> Collective:

@@ -21,13 +21,11 @@ dtype: the meta device runs no autocast (bf16 under zero 0 moves less than count
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from paratrain.config.parallel import ParallelConfig
@@ -63,24 +61,17 @@ def hf_rank_memory(folder: str, parallel: ParallelConfig, *, rank: int, world_si
                    micro_batch: int, seq_len: int, precision: str = "fp32", recompute: str = "none") -> HFRankMemory:
     """Build rank `rank` of the layout from the folder on the meta device, step it once, and measure it (in this
     process, which must not be in a process group already)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
     from paratrain.config.run import OptimSection
     from paratrain.hf.load import from_pretrained, vocab_multiple
     from paratrain.hybrid import parallelize
     from paratrain.memory.activations import ActivationMeter
-    from paratrain.topology import init
+    from paratrain.planner.dryrun import fake_rank
     from paratrain.train.optim import adamw_factory
 
-    if dist.is_initialized():
-        raise RuntimeError("a dry run needs a process without a process group (it creates a fake one)")
     started = time.perf_counter()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        ctx = dataclasses.replace(init(device="cpu", config=parallel), device=torch.device("meta"))
+    with fake_rank(parallel, rank=rank, world_size=world_size, global_batch=global_batch,
+                   micro_batch=micro_batch) as ctx:
         dp = ctx.mesh.degree("dp")
-        if global_batch % (dp * micro_batch):
-            raise ValueError(f"global batch {global_batch} must be a multiple of dp x micro-batch ({dp} x {micro_batch})")
         pretrained = from_pretrained(folder, dtype=torch.float32, pad_vocab_to=vocab_multiple(parallel.tp))
         engine = parallelize(pretrained.model, ctx, optimizer=adamw_factory(pretrained.model, OptimSection()),
                              micro_batch=micro_batch, precision=precision, recompute=recompute,
@@ -90,8 +81,6 @@ def hf_rank_memory(folder: str, parallel: ParallelConfig, *, rank: int, world_si
             engine.step((tokens, tokens), pretrained.loss)  # never read back: nothing waits on the device
         return HFRankMemory(rank, ctx.mesh.index("pp"), engine.memory_report(), meter.peak,
                             time.perf_counter() - started)
-    finally:
-        dist.destroy_process_group()
 
 
 @contextlib.contextmanager
