@@ -95,6 +95,18 @@ def broadcast(tensor: torch.Tensor, group: AxisGroup, *, src_index: int = 0) -> 
     _close(entry, "done")
 
 
+def reduce(tensor: torch.Tensor, group: AxisGroup, *, dst_index: int,
+           op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+    """In place on the group's `dst_index`-th rank: the reduction of all ranks' `tensor` (elsewhere `tensor`
+    is left undefined: a buffer, not a value)."""
+    entry = _enter("reduce", group, tensor)
+    try:
+        dist.reduce(tensor, dst=group.ranks[dst_index], op=op, group=group.pg)
+    except RuntimeError as error:
+        raise _fail("reduce", group, tensor, error, entry) from error
+    _close(entry, "done")
+
+
 def reduce_scatter_async(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup,
                          *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending:
     """Start output = (sum over the group of `tensor`)[index * n : (index + 1) * n], n = output.numel()."""

@@ -43,6 +43,9 @@ class Placement:
     """Summed over this group after the reduction (the other end of a weight tied across stages)."""
     counted: bool = True
     """False: another rank counts it in the gradient norm."""
+    copies: AxisGroup | None = None
+    """Other tensor-parallel ranks of this group hold the same value (a 2d grid's bias down its column): its
+    gradient is summed inside the layer, and only the group's first rank writes it."""
     served: bool = False
     """Held with its optimizer state by dedicated parameter servers (paratrain.param_server): they write it
     to checkpoints and load its optimizer state; a trainer's copy is only a copy."""
@@ -72,6 +75,8 @@ class Placement:
         copies = self.replicate if sharded else self.reduce
         if copies is not None and copies.index != 0:
             return False
+        if self.copies is not None:  # the tensor-parallel copies are these, not the whole tp group
+            return self.copies.index == 0
         return tp is None or tp.index == 0 or any(group is tp for group in self.split)
 
     @property

@@ -8,6 +8,8 @@ Each is an identity, a collective or a split in forward, and its conjugate in ba
     scatter_to_tp_region(x)       fwd: keep this rank's slice of the last dim   bwd: all-gather
     gather_from_sequence_region(x, dim)       fwd: all-gather along dim   bwd: reduce-scatter
     reduce_scatter_to_sequence_region(x, dim) fwd: reduce-scatter along dim   bwd: all-gather
+    sum_in_region(x)              fwd: all-reduce               bwd: all-reduce (a sum every rank goes on
+                                  to use: the 2d grid's norm statistics over a row's blocks of the width)
 
 Why they pair up: a column-parallel linear needs the same input on every tp rank (copy-to: forward
 nothing, but the input's gradient is the sum of every rank's partial), a row-parallel linear
@@ -117,7 +119,11 @@ def reduce_scatter_to_sequence_region(x: torch.Tensor, group: AxisGroup, dim: in
     return _region(x, group, dim, reduce_scatter_along, all_gather_along)
 
 
+def sum_in_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    return _region(x, group, -1, _sum, _sum)
+
+
 __all__ = [
     "all_gather_along", "reduce_scatter_along", "copy_to_tp_region", "gather_from_sequence_region", "gather_from_tp_region", "reduce_from_tp_region",
-    "reduce_scatter_to_sequence_region", "scatter_to_tp_region",
+    "reduce_scatter_to_sequence_region", "scatter_to_tp_region", "sum_in_region",
 ]

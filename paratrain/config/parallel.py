@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from paratrain.config.errors import ConfigError
@@ -52,6 +53,10 @@ def check_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -
 
 
 
+TP_MODES = ("1d", "2d")
+"""How tensor parallelism splits each layer (ParallelConfig.tp_mode)."""
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Degrees of parallelism. Their product (dp x tp x pp) is the world size."""
@@ -61,6 +66,10 @@ class ParallelConfig:
     world size leaves after tp and pp."""
     tp: int = 1
     """Tensor-parallel degree: each layer's weights split over tp ranks (Megatron-style)."""
+    tp_mode: str = "1d"
+    """How tp splits each layer: '1d' (Megatron: weights sliced along one dim, activations whole between a
+    column and a row layer) or '2d' (Optimus / SUMMA: tp = q x q ranks, weights and activations each in q x q
+    blocks; paratrain.tensor_parallel.grid)."""
     sequence_parallel: bool = False
     """With tp > 1: norms, dropout and residuals between the split layers run on 1/tp of the
     sequence, all-gather / reduce-scatter replacing the all-reduces (Korthikanti et al. 2022)."""
@@ -171,6 +180,7 @@ class ParallelConfig:
             )
         if self.expert_tp and self.tp == 1:
             raise ConfigError("expert_tp cuts every expert over the tp ranks, and tp is 1: set tp > 1 or drop expert_tp")
+        self._check_tp_mode()
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"zero must be one of 0, 1, 2, 3, got {self.zero}")
         if self.grad_reduce not in ("auto", "reduce_scatter", "all_reduce"):
@@ -222,6 +232,24 @@ class ParallelConfig:
             raise ConfigError(f"ep ({self.ep}) must divide dp ({dp}): expert parallelism divides the experts among "
                               f"dp ranks; choose ep in {choices}")
         return replace(self, dp=dp)
+
+    def _check_tp_mode(self) -> None:
+        if self.tp_mode not in TP_MODES:
+            raise ConfigError(f"tp_mode must be one of {', '.join(TP_MODES)}, got {self.tp_mode!r}")
+        if self.tp_mode == "1d":
+            return
+        q = math.isqrt(self.tp)
+        if q < 2 or q * q != self.tp:
+            raise ConfigError(f"tp_mode 2d lays the tp ranks out as a q x q grid, so tp must be a square of at least 4, "
+                              f"got tp {self.tp}: choose tp in 4, 9, 16, 25, 36, 49, 64, or tp_mode 1d")
+        others = {"sequence_parallel": self.sequence_parallel, "cp": self.cp > 1, "pp": self.pp > 1,
+                  "expert_tp": self.expert_tp, "ep": self.ep > 1, "ps_mode": self.ps_mode != "off"}
+        given = [name for name, on in others.items() if on]
+        if given:
+            raise ConfigError(f"tp_mode 2d with {', '.join(given)}: the grid splits every activation over its rows "
+                              "(batch) and columns (hidden), which this version composes with data parallelism and "
+                              "ZeRO 1-3 only (sequence parallelism is 1d's way to split activations); drop "
+                              f"{', '.join(given)}, or use tp_mode 1d")
 
     def _check_context_parallel(self) -> None:
         if self.cp_mode not in CP_MODES:

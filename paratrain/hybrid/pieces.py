@@ -201,8 +201,9 @@ class Pieces:
         splits: dict[str, tuple[Cut, ...]] = {}
         for layout in layouts:
             tied.update(layout.tied)
-            for name, cut in layout.splits.items():
-                splits[name] = (*splits.get(name, ()), cut)
+            for name, cut in layout.splits.items():  # one cut, or several (a 2d grid's block)
+                cuts = cut if cut and isinstance(cut[0], tuple) else (cut,)
+                splits[name] = (*splits.get(name, ()), *cuts)
         return cls(whole, tied=tied, splits=splits)
 
     def piece(self, local_name: str) -> Piece:

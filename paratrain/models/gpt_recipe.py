@@ -16,6 +16,9 @@ from paratrain.nn.sequence import SequenceSplit
 
 GPT_PLAN: dict[str, str] = {
     "tok_emb": "embedding",
+    "attn_norm": "norm",  # replicated under 1d, split along the width under 2d
+    "mlp_norm": "norm",
+    "norm": "norm",
     "attn.qkv": "column",  # output [heads, 3, head_dim]: a column split is a split of the heads
     "attn.core.dropout": "heads_dropout",
     "attn.out": "row",

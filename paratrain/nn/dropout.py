@@ -68,8 +68,9 @@ class KeyedDropout(nn.Module):
         this rank, so its split comes first)."""
 
     def split_along(self, dim: int, index: int, parts: int) -> None:
-        """This rank holds part `index` of `parts` equal slices of `dim` (>= 1) of the input (tensor or
-        sequence parallelism): its masks are that slice of the single-device mask."""
+        """This rank holds part `index` of `parts` equal slices of `dim` of the input (tensor or sequence
+        parallelism; dim 0: the 2d grid's block of the micro-batch's rows): its masks are that slice of the
+        single-device mask."""
         self._add(dim, EvenSplit(index, parts))
 
     def place_along(self, dim: int, positions: Callable[[int, torch.device], torch.Tensor], parts: int) -> None:
@@ -78,8 +79,9 @@ class KeyedDropout(nn.Module):
         self._add(dim, Placed(positions, parts))
 
     def _add(self, dim: int, split: DimSplit) -> None:
-        if dim < 1:
-            raise ValueError(f"dim 0 (the batch rows) is keyed by DropoutStream.at_rows, not split; got dim {dim}")
+        if dim < 0 or (dim == 0 and not isinstance(split, EvenSplit)):
+            raise ValueError(f"dim {dim}: a split is of a dim >= 1, or an even split of dim 0 (the micro-batch's rows "
+                             "cut over the 2d grid's rows; DropoutStream.at_rows keys where the micro-batch starts)")
         self.split = {**self.split, dim: (*self.split.get(dim, ()), split)}
 
     def attach(self, stream: DropoutStream, name: str) -> None:
@@ -116,9 +118,11 @@ class KeyedDropout(nn.Module):
         assert self.stream is not None
         index = torch.zeros((), dtype=torch.int64, device=x.device)
         for dim, size in enumerate(x.shape):
-            if dim == 0:
-                coords, full = torch.arange(self.stream.row_offset, self.stream.row_offset + size,
-                                            device=x.device), size
+            if dim == 0:  # the global-batch rows: a split of them widens from the micro-batch's first row
+                coords, full = torch.arange(size, device=x.device), size
+                for split in self.split.get(0, ()):
+                    coords, full = split.widen(coords, full)
+                coords = coords + self.stream.row_offset
             else:
                 coords, full = given[dim] if dim in given else (torch.arange(size, device=x.device), size)
                 for split in self.split.get(dim, ()):

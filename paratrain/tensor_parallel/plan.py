@@ -19,6 +19,9 @@ A plan key names modules by suffix ("attn.qkv" matches "blocks.3.attn.qkv") or b
     conv1d_column     GPT-2's Conv1D (weight [in, out]) split on the output dim, as "column"
     conv1d_qkv        the same for a fused q | k | v Conv1D: each third split alike (whole heads of each)
     conv1d_row        Conv1D split on the input dim, as "row"
+    norm              a norm over the width (RMSNorm, LayerNorm): replicated here (under sequence parallelism its
+                      gradient summed over tp as any replicated parameter's); tp_mode 2d splits it
+                      (paratrain.tensor_parallel.grid_plan)
 
 Every split parameter is a slice of the full, layout-free one, so tp = 1 and tp = N start from the
 same numbers; a weight shared by two modules (a tied embedding and head) stays one parameter when
@@ -54,7 +57,7 @@ from paratrain.state_layout import DimCuts
 from paratrain.topology.mesh import AxisGroup, Mesh
 
 STYLES = ("column", "column_gather", "row", "embedding", "vocab_output", "heads_dropout", "sequence_dropout",
-          "head_partial", "conv1d_column", "conv1d_qkv", "conv1d_row")
+          "head_partial", "conv1d_column", "conv1d_qkv", "conv1d_row", "norm")
 _BLOCKS = {"conv1d_qkv": 3}
 """Styles that split each of several equal blocks of a dim alike (paratrain.state_layout.DimCuts.blocks)."""
 
@@ -125,6 +128,8 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
     partial: set[str] = set()
     for name, style in resolved.items():
         module = model.get_submodule(name)
+        if style == "norm":
+            continue
         if style == "head_partial":
             partial.update(f"{name}.{p}" for p, _ in module.named_parameters())
             continue

@@ -17,6 +17,7 @@ grid: ranks grid_size .. world_size - 1.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from itertools import product
 
@@ -46,11 +47,17 @@ class ParallelDims:
     """Context parallelism: each sequence split over cp ranks (paratrain.context_parallel)."""
     servers: int = 0
     """Dedicated parameter servers, ranks after the grid (0: none, or colocated on the trainers)."""
+    tp_mode: str = "1d"
+    """How tp splits the layers: '1d' (Megatron's column / row slices) or '2d' (a q x q grid, tp = q^2: the
+    tp ranks laid out row by row, tp_index = row * q + column; paratrain.tensor_parallel.grid)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if getattr(self, f.name) < (0 if f.name == "servers" else 1):
+            if f.name != "tp_mode" and getattr(self, f.name) < (0 if f.name == "servers" else 1):
                 raise ConfigError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
+        if self.tp_mode == "2d" and self.grid_side ** 2 != self.tp:
+            raise ConfigError(f"tp_mode 2d lays the tp ranks out as a q x q grid, and tp ({self.tp}) is not a square: "
+                              "choose tp in 4, 9, 16, 25, 36, 49, 64")
         if self.dp % self.ep:
             choices = [e for e in range(1, self.dp + 1) if self.dp % e == 0]
             raise ConfigError(f"ep ({self.ep}) must divide dp ({self.dp}): expert parallelism divides the experts "
@@ -58,12 +65,12 @@ class ParallelDims:
 
     @classmethod
     def of(cls, *, dp: int = 1, tp: int = 1, pp: int = 1, virtual_stages: int = 1, ep: int = 1,
-           dp_shard: int = 1, cp: int = 1, servers: int = 0) -> ParallelDims:
+           dp_shard: int = 1, cp: int = 1, servers: int = 0, tp_mode: str = "1d") -> ParallelDims:
         """From the data-parallel degree as a whole, split into dp / dp_shard replicas of dp_shard ranks."""
         if dp_shard < 1 or dp < 1 or dp % dp_shard:
             raise ConfigError(f"shard group ({dp_shard}) must divide dp ({dp})")
         return cls(pp=pp, virtual_stages=virtual_stages, dp_replicate=dp // dp_shard, dp_shard=dp_shard, ep=ep,
-                   tp=tp, cp=cp, servers=servers)
+                   tp=tp, cp=cp, servers=servers, tp_mode=tp_mode)
 
     @classmethod
     def from_config(cls, config: ParallelConfig) -> ParallelDims:
@@ -73,11 +80,26 @@ class ParallelDims:
             raise ConfigError("dp is not resolved yet: call ParallelConfig.resolved(world_size) first")
         shard = (config.shard_group or config.dp) if config.zero else 1
         return cls.of(dp=config.dp, tp=config.tp, pp=config.pp, virtual_stages=config.virtual_stages, ep=config.ep,
-                      dp_shard=shard, cp=config.cp, servers=config.ps_servers)
+                      dp_shard=shard, cp=config.cp, servers=config.ps_servers, tp_mode=config.tp_mode)
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def grid_side(self) -> int:
+        """q of a 2d tensor-parallel grid (q x q = tp ranks); 1 under 1d."""
+        return math.isqrt(self.tp) if self.tp_mode == "2d" else 1
+
+    def tp_grid_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(row groups, column groups) of every tp group laid out as a q x q grid, row by row: a row group
+        is q consecutive tp ranks (one grid row, its column index varying), a column group every q-th."""
+        q = self.grid_side
+        rows, cols = [], []
+        for ranks in self.all_groups("tp"):
+            rows += [ranks[r * q:(r + 1) * q] for r in range(q)]
+            cols += [ranks[c::q] for c in range(q)]
+        return rows, cols
 
     @property
     def grid_size(self) -> int:
