@@ -17,28 +17,32 @@ from paratrain.config.world import DEVICES, check_min_nodes
 def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len: int) -> None:
     """tp splits attention heads, the MLP's hidden width and the padded vocabulary; sequence
     parallelism splits the sequence. Each must divide evenly."""
-    tp = parallel.tp
-    if tp == 1:
+    if parallel.tp == 1:
         return
+    tp = math.isqrt(parallel.tp) if parallel.tp_mode == "2d" else parallel.tp  # 2d: the grid side q splits each
+    what = f"the 2d grid side q ({tp}, tp {parallel.tp})" if parallel.tp_mode == "2d" else f"tp ({tp})"
+    if parallel.tp_mode == "2d" and model.d_model % tp:
+        raise ConfigError(f"tp_mode 2d splits the model width over the grid side q = {tp} (tp {parallel.tp}), and "
+                          f"d_model ({model.d_model}) is not a multiple of it: choose d_model a multiple of {tp}")
 
     def divisors(n: int) -> list[int]:
         return [t for t in range(1, n + 1) if n % t == 0 and t <= 64]
 
     if model.n_head % tp:
         raise ConfigError(
-            f"tp ({tp}) must divide the attention heads (n_head = {model.n_head}), since each tp rank "
+            f"{what} must divide the attention heads (n_head = {model.n_head}), since each tp rank "
             f"computes whole heads: choose tp in {divisors(model.n_head)}"
         )
     if model.ff_dim % tp:
         raise ConfigError(
-            f"tp ({tp}) must divide the MLP width (ff_dim = {model.ff_dim}): choose tp in "
+            f"{what} must divide the MLP width (ff_dim = {model.ff_dim}): choose tp in "
             f"{divisors(model.ff_dim)} or set model.d_ff to a multiple of {tp}"
         )
     if model.padded_vocab % tp:
         multiple = math.lcm(model.vocab_multiple, tp)
         padded = -(-model.vocab_size // multiple) * multiple
         raise ConfigError(
-            f"tp ({tp}) must divide the padded vocabulary: vocab_size {model.vocab_size} rounded up to a "
+            f"{what} must divide the padded vocabulary: vocab_size {model.vocab_size} rounded up to a "
             f"multiple of vocab_multiple ({model.vocab_multiple}) is {model.padded_vocab}. Set "
             f"model.vocab_multiple = {multiple} (pads to {padded}; padding rows are never predicted)"
         )
@@ -48,6 +52,15 @@ def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len:
             f"sequence parallelism splits each sequence over tp ({tp}) ranks, and seq_len ({seq_len}) "
             f"is not a multiple of it: set data.seq_len to {lower} or {lower + tp}"
         )
+
+
+def check_grid_rows(parallel: ParallelConfig, batch: BatchLayout) -> None:
+    """tp_mode 2d splits each micro-batch's rows over the grid's q rows."""
+    q = math.isqrt(parallel.tp) if parallel.tp_mode == "2d" else 1
+    if batch.micro_batch % q:
+        raise ConfigError(f"tp_mode 2d splits each micro-batch's rows over the grid's q = {q} rows, and micro_batch "
+                          f"is {batch.micro_batch}: set micro_batch to a multiple of {q} (global_batch "
+                          f"{batch.global_batch} = micro_batch x accumulation x dp {batch.dp})")
 
 
 def check_context_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len: int) -> None:
@@ -199,6 +212,7 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
     if not micro_batch and parallel.microbatches and data.global_batch % (parallel.dp * parallel.microbatches) == 0:
         micro_batch = data.global_batch // (parallel.dp * parallel.microbatches)  # SMP's way: say the count
     batch = batch_layout(data.global_batch, micro_batch, parallel.dp)
+    check_grid_rows(parallel, batch)
     check_pipeline(model, parallel, batch)
     optim, train = config.optim, config.train
     if optim.lr <= 0:

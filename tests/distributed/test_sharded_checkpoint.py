@@ -37,14 +37,17 @@ def _verify(folder: str) -> str | None:
 SAVED = {  # 4 ranks each: ZeRO shards cutting through tensors; tensor slices and pipeline stages
     "dp4-zero3": dict(dp=4, zero=3, micro_batch=4),
     "tp2-pp2-sp": dict(dp=1, tp=2, pp=2, sequence_parallel=True, micro_batch=4),
+    "tp4-2d": dict(dp=1, tp=4, tp_mode="2d", micro_batch=4),  # blocks cut two ways
 }
 LOADED = {
     "pp2-dp2-interleaved": dict(dp=2, pp=2, schedule="interleaved", virtual_stages=2, zero=1, micro_batch=2),
     "tp4-sp": dict(dp=1, tp=4, sequence_parallel=True, micro_batch=4),
     "dp4-zero3": dict(dp=4, zero=3, micro_batch=4),
+    "tp4-2d": dict(dp=1, tp=4, tp_mode="2d", micro_batch=4),
 }
 
-LOADS = {"dp4-zero3": ["tp4-sp", "pp2-dp2-interleaved"], "tp2-pp2-sp": ["dp4-zero3", "tp4-sp"]}
+LOADS = {"dp4-zero3": ["tp4-sp", "pp2-dp2-interleaved", "tp4-2d"], "tp2-pp2-sp": ["dp4-zero3", "tp4-sp"],
+         "tp4-2d": ["tp4-sp"]}
 
 
 @pytest.mark.parametrize("saved", list(SAVED))
