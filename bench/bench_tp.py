@@ -13,6 +13,9 @@ collectives of one training step, counted at torch's dispatcher for every conten
 (paratrain.comm.CollectiveCounter), against the Megatron formula: per block 2 all-reduces of
 b x s x h in forward and 2 in backward.
 
+"-2d" is the same GPT_PLAN on a 2 x 2 grid (tp_mode 2d: SUMMA, every weight and activation in q x q blocks;
+its collectives are broadcasts and reduces, counted as n bytes each: paratrain.comm.volume).
+
 Two paratrain plans: "tp" is GPT_PLAN (blocks, and the vocabulary of the tied embedding / head with
 a vocab-parallel loss), "blocks" splits only the blocks, exactly what the DTensor plan splits.
 """
@@ -32,7 +35,7 @@ MODEL = {"vocab_size": 256, "seq_len": 128, "n_layer": 4, "n_head": 8, "d_model"
 BATCH = 8
 BLOCKS_PLAN = {"attn.qkv": "column", "attn.out": "row", "mlp.up": "column", "mlp.down": "row"}
 CONTENDERS = ["paratrain-tp1", "paratrain-tp2", "paratrain-tp2-sp", "paratrain-tp2-blocks", "dtensor-tp2",
-              "paratrain-tp4", "paratrain-tp4-sp", "paratrain-tp4-blocks", "dtensor-tp4"]
+              "paratrain-tp4", "paratrain-tp4-sp", "paratrain-tp4-blocks", "dtensor-tp4", "paratrain-tp4-2d"]
 
 
 def _contender(name: str, steps: int) -> dict:
@@ -51,7 +54,9 @@ def _contender(name: str, steps: int) -> dict:
     model = paratrain.build_gpt(config, seed=0)
     if name.startswith("paratrain"):
         sp = name.endswith("-sp")
-        ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=1, tp=world, sequence_parallel=sp))
+        mode = "2d" if name.endswith("-2d") else "1d"
+        ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=1, tp=world, sequence_parallel=sp,
+                                                                           tp_mode=mode))
         engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                                        tp_plan=BLOCKS_PLAN if name.endswith("-blocks") else None)
 
@@ -118,6 +123,13 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{ours} / {peer}: step time x{rows[ours]['step_s'] / rows[peer]['step_s']:.2f}, "
                       f"activations x{rows[ours]['activations_mb'] / rows[peer]['activations_mb']:.2f}, "
                       f"live tensors x{rows[ours]['live_mb'] / rows[peer]['live_mb']:.2f}")
+        grid = f"paratrain-tp{tp}-2d"
+        for ours in (f"paratrain-tp{tp}", f"paratrain-tp{tp}-sp", f"dtensor-tp{tp}"):
+            if grid in rows and ours in rows:
+                print(f"{grid} / {ours}: step time x{rows[grid]['step_s'] / rows[ours]['step_s']:.2f}, "
+                      f"bytes moved x{rows[grid]['comm_mb'] / rows[ours]['comm_mb']:.2f}, "
+                      f"activations x{rows[grid]['activations_mb'] / rows[ours]['activations_mb']:.2f}, "
+                      f"live tensors x{rows[grid]['live_mb'] / rows[ours]['live_mb']:.2f}")
         if "paratrain-tp1" in rows and f"paratrain-tp{tp}-sp" in rows:
             ratio = rows[f"paratrain-tp{tp}-sp"]["activations_mb"] / rows["paratrain-tp1"]["activations_mb"]
             print(f"paratrain-tp{tp}-sp activations / tp1: {ratio:.3f} (1/tp = {1 / tp:.3f})")

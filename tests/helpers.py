@@ -42,7 +42,8 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
              precision: str = "fp32", ep: int = 1, model: str = "tiny", overrides: tuple[tuple[str, Any], ...] = (),
              cp: int = 1, cp_mode: str = "ring", ps_mode: str = "off", ps_servers: int = 0,
              staleness: int = 0, ps_sparse: tuple[str, ...] = (), optimizer: str = "adamw",
-             expert_tp: bool = False, keep_grads: bool = False, tp_mode: str = "1d") -> dict[str, Any]:
+             expert_tp: bool = False, keep_grads: bool = False, tp_mode: str = "1d",
+             tp_depth: int = 1) -> dict[str, Any]:
     """Train the tiny GPT `steps` steps on the built-in corpus under a layout; per-step losses and
     grad norms, and the final full state. dp None: the single-process reference (no process group).
     start, start_step: resume from a full state (engine.state_dict()) taken after start_step steps.
@@ -59,7 +60,8 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
                                                   grad_reduce=grad_reduce, offload=offload, ep=ep, cp=cp,
                                                   cp_mode=cp_mode, ps_mode=ps_mode, ps_servers=ps_servers,
                                                   staleness=staleness, ps_sparse=ps_sparse,
-                                                  expert_tp=expert_tp, keep_grads=keep_grads, tp_mode=tp_mode))
+                                                  expert_tp=expert_tp, keep_grads=keep_grads, tp_mode=tp_mode,
+                                                  tp_depth=tp_depth))
     config = (preset(model, seq_len=32, dropout=dropout, n_layer=n_layer, **dict(overrides))
               if dropout or n_layer != 4 or model != "tiny" or overrides else TINY)
     gpt = paratrain.build_gpt(config, seed=seed, dtype=getattr(torch, dtype))

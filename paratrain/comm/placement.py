@@ -43,9 +43,10 @@ class Placement:
     """Summed over this group after the reduction (the other end of a weight tied across stages)."""
     counted: bool = True
     """False: another rank counts it in the gradient norm."""
-    copies: AxisGroup | None = None
-    """Other tensor-parallel ranks of this group hold the same value (a 2d grid's bias down its column): its
-    gradient is summed inside the layer, and only the group's first rank writes it."""
+    copies: tuple[AxisGroup, ...] | None = None
+    """The tensor-parallel groups whose other ranks hold the same value (a 2d grid's bias down its column, a 2.5d
+    grid's blocks over depth): its gradient is summed inside the layer, and only their first rank writes it.
+    None: tensor parallelism's copies are the whole tp group's, unless `split` names it."""
     served: bool = False
     """Held with its optimizer state by dedicated parameter servers (paratrain.param_server): they write it
     to checkpoints and load its optimizer state; a trainer's copy is only a copy."""
@@ -76,7 +77,7 @@ class Placement:
         if copies is not None and copies.index != 0:
             return False
         if self.copies is not None:  # the tensor-parallel copies are these, not the whole tp group
-            return self.copies.index == 0
+            return all(group.index == 0 for group in self.copies)
         return tp is None or tp.index == 0 or any(group is tp for group in self.split)
 
     @property

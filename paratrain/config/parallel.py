@@ -53,7 +53,7 @@ def check_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -
 
 
 
-TP_MODES = ("1d", "2d")
+TP_MODES = ("1d", "2d", "2.5d")
 """How tensor parallelism splits each layer (ParallelConfig.tp_mode)."""
 
 
@@ -69,7 +69,10 @@ class ParallelConfig:
     tp_mode: str = "1d"
     """How tp splits each layer: '1d' (Megatron: weights sliced along one dim, activations whole between a
     column and a row layer) or '2d' (Optimus / SUMMA: tp = q x q ranks, weights and activations each in q x q
-    blocks; paratrain.tensor_parallel.grid)."""
+    blocks; paratrain.tensor_parallel.grid) or '2.5d' (Tesseract: tp = tp_depth x q x q, tp_depth such grids,
+    each on its own share of the batch rows, their weight gradients summed over depth)."""
+    tp_depth: int = 1
+    """tp_mode 2.5d: the grids stacked (d); tp = d x q^2. 1 is the 2d layout exactly."""
     sequence_parallel: bool = False
     """With tp > 1: norms, dropout and residuals between the split layers run on 1/tp of the
     sequence, all-gather / reduce-scatter replacing the all-reduces (Korthikanti et al. 2022)."""
@@ -146,6 +149,16 @@ class ParallelConfig:
         if self.dp is None:
             raise ConfigError("dp is not resolved yet: call ParallelConfig.resolved(world_size)")
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def tp_split(self) -> int:
+        """What tp splits the heads, widths and vocabulary by: tp under 1d, the grid side q under 2d and 2.5d."""
+        return self.tp if self.tp_mode == "1d" else math.isqrt(self.tp // max(self.tp_depth, 1))
+
+    @property
+    def tp_row_parts(self) -> int:
+        """The parts tp splits each micro-batch's rows into: 1 under 1d, q under 2d, tp_depth x q under 2.5d."""
+        return 1 if self.tp_mode == "1d" else self.tp_depth * self.tp_split
 
     @property
     def offloaded(self) -> frozenset[str]:
@@ -236,17 +249,23 @@ class ParallelConfig:
     def _check_tp_mode(self) -> None:
         if self.tp_mode not in TP_MODES:
             raise ConfigError(f"tp_mode must be one of {', '.join(TP_MODES)}, got {self.tp_mode!r}")
+        if self.tp_depth < 1 or (self.tp_depth > 1 and self.tp_mode != "2.5d"):
+            raise ConfigError(f"tp_depth ({self.tp_depth}) stacks the grids of tp_mode 2.5d, and tp_mode is "
+                              f"{self.tp_mode!r}: set tp_mode 2.5d, or drop tp_depth")
         if self.tp_mode == "1d":
             return
-        q = math.isqrt(self.tp)
-        if q < 2 or q * q != self.tp:
-            raise ConfigError(f"tp_mode 2d lays the tp ranks out as a q x q grid, so tp must be a square of at least 4, "
-                              f"got tp {self.tp}: choose tp in 4, 9, 16, 25, 36, 49, 64, or tp_mode 1d")
+        d = self.tp_depth
+        q = math.isqrt(self.tp // d)
+        if q < 2 or d * q * q != self.tp:
+            shape = "a q x q grid" if d == 1 else f"tp_depth ({d}) q x q grids"
+            choices = ", ".join(str(d * n * n) for n in range(2, 7))
+            raise ConfigError(f"tp_mode {self.tp_mode} lays the tp ranks out as {shape}, so tp must be "
+                              f"{'' if d == 1 else f'{d} x '}a square of at least 4, got tp {self.tp}: choose tp in {choices}, or tp_mode 1d")
         others = {"sequence_parallel": self.sequence_parallel, "cp": self.cp > 1, "pp": self.pp > 1,
                   "expert_tp": self.expert_tp, "ep": self.ep > 1, "ps_mode": self.ps_mode != "off"}
         given = [name for name, on in others.items() if on]
         if given:
-            raise ConfigError(f"tp_mode 2d with {', '.join(given)}: the grid splits every activation over its rows "
+            raise ConfigError(f"tp_mode {self.tp_mode} with {', '.join(given)}: the grid splits every activation over its rows "
                               "(batch) and columns (hidden), which this version composes with data parallelism and "
                               "ZeRO 1-3 only (sequence parallelism is 1d's way to split activations); drop "
                               f"{', '.join(given)}, or use tp_mode 1d")

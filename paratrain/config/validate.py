@@ -19,11 +19,13 @@ def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len:
     parallelism splits the sequence. Each must divide evenly."""
     if parallel.tp == 1:
         return
-    tp = math.isqrt(parallel.tp) if parallel.tp_mode == "2d" else parallel.tp  # 2d: the grid side q splits each
-    what = f"the 2d grid side q ({tp}, tp {parallel.tp})" if parallel.tp_mode == "2d" else f"tp ({tp})"
-    if parallel.tp_mode == "2d" and model.d_model % tp:
-        raise ConfigError(f"tp_mode 2d splits the model width over the grid side q = {tp} (tp {parallel.tp}), and "
-                          f"d_model ({model.d_model}) is not a multiple of it: choose d_model a multiple of {tp}")
+    tp = parallel.tp_split  # 2d / 2.5d: the grid side q splits each
+    grid = parallel.tp_mode != "1d"
+    what = f"the {parallel.tp_mode} grid side q ({tp}, tp {parallel.tp})" if grid else f"tp ({tp})"
+    if grid and model.d_model % tp:
+        raise ConfigError(f"tp_mode {parallel.tp_mode} splits the model width over the grid side q = {tp} (tp "
+                          f"{parallel.tp}), and d_model ({model.d_model}) is not a multiple of it: choose d_model a "
+                          f"multiple of {tp}")
 
     def divisors(n: int) -> list[int]:
         return [t for t in range(1, n + 1) if n % t == 0 and t <= 64]
@@ -55,10 +57,11 @@ def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len:
 
 
 def check_grid_rows(parallel: ParallelConfig, batch: BatchLayout) -> None:
-    """tp_mode 2d splits each micro-batch's rows over the grid's q rows."""
-    q = math.isqrt(parallel.tp) if parallel.tp_mode == "2d" else 1
+    """tp_mode 2d splits each micro-batch's rows over the grid's q rows, 2.5d over tp_depth x q."""
+    q = parallel.tp_row_parts
     if batch.micro_batch % q:
-        raise ConfigError(f"tp_mode 2d splits each micro-batch's rows over the grid's q = {q} rows, and micro_batch "
+        raise ConfigError(f"tp_mode {parallel.tp_mode} splits each micro-batch's rows into {q} parts (the grid's rows"
+                          f"{' times its depth' if parallel.tp_mode == '2.5d' else ''}), and micro_batch "
                           f"is {batch.micro_batch}: set micro_batch to a multiple of {q} (global_batch "
                           f"{batch.global_batch} = micro_batch x accumulation x dp {batch.dp})")
 

@@ -98,7 +98,7 @@ def apply_tensor_layout(model: nn.Module, ctx: Context, recipe: Recipe, *,
     tp_group = ctx.mesh.groups.get("tp")
     if tp_group is None or recipe.tp_plan is None:
         return None
-    if ctx.mesh.dims.tp_mode == "2d":
+    if ctx.mesh.dims.tp_mode in ("2d", "2.5d"):
         return apply_grid_tensor_parallel(model, recipe.tp_plan, Grid.of(ctx.mesh), allow_missing=staged)
     layout = apply_tensor_parallel(model, recipe.tp_plan, tp_group, sequence_parallel=ctx.config.sequence_parallel,
                                    allow_missing=staged, hooks=False)  # hooked once every layout is applied

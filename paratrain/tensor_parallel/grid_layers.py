@@ -12,6 +12,10 @@ slicing it, so tp 1, 1d and 2d start from the same numbers. Rank (i, j) of a q x
     GridOutput       the loss on logits[B_i, S, V_j]: the vocab-parallel cross-entropy along the row on the
                      targets' rows B_i, then the loss summed down the column (every tp rank holds the whole sum)
 
+2.5d (tp_depth d > 1): every grid runs the above on its own share of the rows (GridEmbedding takes grid k's
+share of the ids first, GridOutput sums the loss over depth too), and every parameter's gradient is summed over
+depth in the layer's backward (a vector's with its column's).
+
 Backward of each (collectives on gradients of the same shapes):
     GridEmbedding    all-gather of dx[B_i, S, h_j] down the column, then the lookup's backward
     GridNorm         the statistics' gradient summed along the row; dg[h_j] summed down the column
@@ -49,9 +53,24 @@ def _parameter(full: torch.Tensor, value: torch.Tensor) -> nn.Parameter:
 
 
 def _rows(x: torch.Tensor, grid: Grid, what: str) -> None:
-    if x.shape[0] % grid.q:
-        raise ValueError(f"{what}: the 2d grid splits the micro-batch's {x.shape[0]} rows over its q = {grid.q} grid "
-                         f"rows: make the micro-batch a multiple of {grid.q}")
+    if x.shape[0] % grid.row_parts:
+        raise ValueError(f"{what}: the grid splits the micro-batch's {x.shape[0]} rows into {grid.row_parts} blocks "
+                         f"(q = {grid.q} grid rows x depth {grid.d}): make the micro-batch a multiple of {grid.row_parts}")
+
+
+def _copied(param: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """A vector block every rank of its column (and depth) adds to its own rows: its gradient summed over them."""
+    for group in grid.copies:
+        param = copy_to_tp_region(param, group)
+    return param
+
+
+def _share(x: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """2.5d: grid k's share of the micro-batch's rows (the rows of every grid, whole, under 2d)."""
+    if grid.d == 1:
+        return x
+    part = x.shape[0] // grid.d
+    return x.narrow(0, grid.k * part, part)
 
 
 class GridLinear(nn.Module):
@@ -66,7 +85,7 @@ class GridLinear(nn.Module):
         y = summa_linear(x, self.weight, self.grid)
         if self.bias is None:
             return y
-        return y + copy_to_tp_region(self.bias, self.grid.col).to(y.dtype)  # every row adds it: summed down
+        return y + _copied(self.bias, self.grid).to(y.dtype)  # every row adds it: summed down
 
 
 class GridEmbedding(nn.Module):
@@ -84,9 +103,11 @@ class GridEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         _rows(ids, self.grid, "2d embedding")
+        ids = _share(ids, self.grid)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
-        rows = F.embedding(local, self.weight, self.padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
+        weight = self.weight if self.grid.depth is None else copy_to_tp_region(self.weight, self.grid.depth)
+        rows = F.embedding(local, weight, self.padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
         if hasattr(self, "embed_scale"):
             rows = rows * self.embed_scale.to(self.weight.dtype)
         return reduce_scatter_to_sequence_region(rows, self.grid.col, 0)  # [B_i, S, h_j], the column's sum
@@ -113,8 +134,8 @@ class GridNorm(nn.Module):
             wide = wide - sum_in_region(wide.sum(-1, keepdim=True), self.grid.row) / self.width
         squares = sum_in_region(wide.pow(2).sum(-1, keepdim=True), self.grid.row)
         y = (wide * torch.rsqrt(squares / self.width + self.eps)).type_as(x)
-        y = y * copy_to_tp_region(self.weight, self.grid.col)
-        return y + copy_to_tp_region(self.bias, self.grid.col) if self.bias is not None else y
+        y = y * _copied(self.weight, self.grid)
+        return y + _copied(self.bias, self.grid) if self.bias is not None else y
 
 
 class GridOutput(nn.Module):
@@ -128,13 +149,18 @@ class GridOutput(nn.Module):
         """(sum of per-token cross-entropies, number of tokens) over the whole micro-batch, the same on every tp
         rank; targets[B, S] whole, as every tp rank reads them."""
         _rows(targets, self.grid, "2d loss")
-        part = targets.shape[0] // self.grid.q
-        mine = targets.narrow(0, self.grid.i * part, part)
+        part = targets.shape[0] // self.grid.row_parts
+        mine = targets.narrow(0, self.grid.row_block * part, part)
         losses = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), mine.reshape(-1), self.grid.row,
                                               ignore_index=self.ignore_index, vocab_size=self.vocab_size)
-        return reduce_from_tp_region(losses.sum(), self.grid.col), (targets != self.ignore_index).sum()
+        total = losses.sum()
+        for group in self.grid.copies:  # every row block's: down the column, and over depth
+            total = reduce_from_tp_region(total, group)
+        return total, (targets != self.ignore_index).sum()
 
     def full(self, logits: torch.Tensor) -> torch.Tensor:
         """logits[B, S, vocab_size]: every rank's block gathered (for sampling), padding dropped."""
         whole = gather_from_sequence_region(gather_from_tp_region(logits, self.grid.row), self.grid.col, 0)
+        if self.grid.depth is not None:
+            whole = gather_from_sequence_region(whole, self.grid.depth, 0)
         return whole[..., : self.vocab_size]

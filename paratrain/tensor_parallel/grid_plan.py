@@ -65,10 +65,13 @@ class GridLayout:
         return {}
 
     def place(self, placements: Placements, mesh: Mesh) -> None:
-        """Matrix blocks: one rank each, their norm's squares added over the grid. Vectors: a block per column,
-        its gradient already summed down the column (in the layer's backward), counted and saved once."""
-        placements.add(placements.default.split_over(self.grid.tp), self.matrix_ids)
-        placements.add(dataclasses.replace(placements.default.split_over(self.grid.row), copies=self.grid.col),
+        """Matrix blocks: one rank each (per stacked grid: 2.5d counts and saves grid 0's), their norm's squares
+        added over the grid. Vectors: a block per column, its gradient already summed down the column and over
+        depth (in the layer's backward), counted and saved once."""
+        depth = (self.grid.depth,) if self.grid.depth is not None else ()
+        placements.add(dataclasses.replace(placements.default.split_over(self.grid.tp), copies=depth,
+                                           counted=self.grid.k == 0), self.matrix_ids)
+        placements.add(dataclasses.replace(placements.default.split_over(self.grid.row), copies=self.grid.copies),
                        self.vector_ids)
 
     def register_grad_hooks(self, model: nn.Module, *, split: frozenset[int] = frozenset()) -> None:
@@ -100,7 +103,7 @@ def apply_grid_tensor_parallel(model: nn.Module, plan: Mapping[str, str], grid: 
             if not isinstance(module, KeyedDropout):
                 raise TypeError(f"tensor-parallel style {style!r} applies to KeyedDropout, but {name!r} is a "
                                 f"{type(module).__name__}: change the plan entry for it")
-            module.split_along(0, grid.i, grid.q)  # the micro-batch's rows
+            module.split_along(0, grid.row_block, grid.row_parts)  # the micro-batch's rows
             module.split_along(1 if style == "heads_dropout" else 2, grid.j, grid.q)
             continue
         replacement = _build(module, name, style, grid)

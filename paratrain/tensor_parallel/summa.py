@@ -16,8 +16,9 @@ reduce of n elements as n (paratrain.comm.volume):
     forward  T out / q + |W| / q        backward  T out / q + 2 |W| / q        |W| = out in
 
 Only this rank's blocks are saved for backward (X_ij and W_ij); the broadcast blocks are received again. A weight
-block's gradient is whole over the grid's rows when it arrives (the reduce sums every row's tokens), so the
-gradient strategies see it as they see any parameter's.
+block's gradient is whole over the grid's rows when it arrives (the reduce sums every row's tokens); under 2.5D an
+all-reduce over depth (2 |W| / q^2) adds the other grids' rows. The gradient strategies then see it as they see any
+parameter's.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from paratrain.comm.collectives import broadcast, reduce
+from paratrain.comm.collectives import all_reduce, broadcast, reduce
 from paratrain.eager import eager
 from paratrain.tensor_parallel.grid import Grid
 
@@ -83,6 +84,8 @@ class _SummaLinear(torch.autograd.Function):
             if grid.i == s:
                 grad_weight = partial
         assert grad_weight is not None
+        if grid.depth is not None:  # 2.5d: every stacked grid's rows
+            all_reduce(grad_weight, grid.depth)
         return grad_rows.view_as(x), grad_weight.to(ctx.weight_dtype), None
 
 

@@ -48,16 +48,19 @@ class ParallelDims:
     servers: int = 0
     """Dedicated parameter servers, ranks after the grid (0: none, or colocated on the trainers)."""
     tp_mode: str = "1d"
-    """How tp splits the layers: '1d' (Megatron's column / row slices) or '2d' (a q x q grid, tp = q^2: the
-    tp ranks laid out row by row, tp_index = row * q + column; paratrain.tensor_parallel.grid)."""
+    """How tp splits the layers: '1d' (Megatron's column / row slices), '2d' (a q x q grid, tp = q^2: the tp ranks
+    laid out row by row, tp_index = row * q + column) or '2.5d' (tp_depth such grids, tp = d q^2, tp_index =
+    depth * q^2 + row * q + column); paratrain.tensor_parallel.grid."""
+    tp_depth: int = 1
+    """2.5d: the grids stacked (d), each on its own share of the batch rows."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             if f.name != "tp_mode" and getattr(self, f.name) < (0 if f.name == "servers" else 1):
                 raise ConfigError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
-        if self.tp_mode == "2d" and self.grid_side ** 2 != self.tp:
-            raise ConfigError(f"tp_mode 2d lays the tp ranks out as a q x q grid, and tp ({self.tp}) is not a square: "
-                              "choose tp in 4, 9, 16, 25, 36, 49, 64")
+        if self.tp_mode in ("2d", "2.5d") and self.tp_depth * self.grid_side ** 2 != self.tp:
+            raise ConfigError(f"tp_mode {self.tp_mode} lays the tp ranks out as tp_depth ({self.tp_depth}) q x q grids, "
+                              f"and tp ({self.tp}) is not tp_depth x a square: choose tp = tp_depth x q^2")
         if self.dp % self.ep:
             choices = [e for e in range(1, self.dp + 1) if self.dp % e == 0]
             raise ConfigError(f"ep ({self.ep}) must divide dp ({self.dp}): expert parallelism divides the experts "
@@ -65,12 +68,12 @@ class ParallelDims:
 
     @classmethod
     def of(cls, *, dp: int = 1, tp: int = 1, pp: int = 1, virtual_stages: int = 1, ep: int = 1,
-           dp_shard: int = 1, cp: int = 1, servers: int = 0, tp_mode: str = "1d") -> ParallelDims:
+           dp_shard: int = 1, cp: int = 1, servers: int = 0, tp_mode: str = "1d", tp_depth: int = 1) -> ParallelDims:
         """From the data-parallel degree as a whole, split into dp / dp_shard replicas of dp_shard ranks."""
         if dp_shard < 1 or dp < 1 or dp % dp_shard:
             raise ConfigError(f"shard group ({dp_shard}) must divide dp ({dp})")
         return cls(pp=pp, virtual_stages=virtual_stages, dp_replicate=dp // dp_shard, dp_shard=dp_shard, ep=ep,
-                   tp=tp, cp=cp, servers=servers, tp_mode=tp_mode)
+                   tp=tp, cp=cp, servers=servers, tp_mode=tp_mode, tp_depth=tp_depth)
 
     @classmethod
     def from_config(cls, config: ParallelConfig) -> ParallelDims:
@@ -80,7 +83,8 @@ class ParallelDims:
             raise ConfigError("dp is not resolved yet: call ParallelConfig.resolved(world_size) first")
         shard = (config.shard_group or config.dp) if config.zero else 1
         return cls.of(dp=config.dp, tp=config.tp, pp=config.pp, virtual_stages=config.virtual_stages, ep=config.ep,
-                      dp_shard=shard, cp=config.cp, servers=config.ps_servers, tp_mode=config.tp_mode)
+                      dp_shard=shard, cp=config.cp, servers=config.ps_servers, tp_mode=config.tp_mode,
+                      tp_depth=config.tp_depth)
 
     @property
     def dp(self) -> int:
@@ -88,18 +92,22 @@ class ParallelDims:
 
     @property
     def grid_side(self) -> int:
-        """q of a 2d tensor-parallel grid (q x q = tp ranks); 1 under 1d."""
-        return math.isqrt(self.tp) if self.tp_mode == "2d" else 1
+        """q of a 2d / 2.5d tensor-parallel grid (tp_depth x q x q = tp ranks); 1 under 1d."""
+        return math.isqrt(self.tp // self.tp_depth) if self.tp_mode in ("2d", "2.5d") else 1
 
-    def tp_grid_groups(self) -> tuple[list[list[int]], list[list[int]]]:
-        """(row groups, column groups) of every tp group laid out as a q x q grid, row by row: a row group
-        is q consecutive tp ranks (one grid row, its column index varying), a column group every q-th."""
-        q = self.grid_side
-        rows, cols = [], []
+    def tp_grid_groups(self) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+        """(row groups, column groups, depth groups) of every tp group laid out as tp_depth q x q grids, each row
+        by row: a row group is q consecutive tp ranks (one grid row, its column index varying), a column group
+        every q-th of one grid, a depth group the ranks at one (row, column) of every grid."""
+        q, d = self.grid_side, self.tp_depth
+        rows, cols, depths = [], [], []
         for ranks in self.all_groups("tp"):
-            rows += [ranks[r * q:(r + 1) * q] for r in range(q)]
-            cols += [ranks[c::q] for c in range(q)]
-        return rows, cols
+            for k in range(d):
+                grid = ranks[k * q * q:(k + 1) * q * q]
+                rows += [grid[r * q:(r + 1) * q] for r in range(q)]
+                cols += [grid[c::q] for c in range(q)]
+            depths += [ranks[at::q * q] for at in range(q * q)]
+        return rows, cols, depths
 
     @property
     def grid_size(self) -> int:

@@ -15,7 +15,8 @@ from paratrain.topology.recorder import FlightRecorder
 from paratrain.topology.dims import AXES, ParallelDims
 
 
-SUB_AXES = ("dp_shard", "dp_replicate", "ep", "edp", "tied", "dp_cp", "edp_cp", "servers", "tp_row", "tp_col")
+SUB_AXES = ("dp_shard", "dp_replicate", "ep", "edp", "tied", "dp_cp", "edp_cp", "servers", "tp_row", "tp_col",
+            "tp_depth")
 """Groups inside the dp or tp axis (or across pp's ends) whose degree is their group's size, 1 without one."""
 
 
@@ -63,7 +64,8 @@ class Mesh:
         cp > 1 adds "cp" (the ranks splitting one sequence) and "dp_cp" (dp x cp: the ranks holding the same
         parameters, which data parallelism reduces over and ZeRO shards over); with ep > 1 also "edp_cp"
         (edp x cp: the ranks holding the same experts).
-        tp_mode 2d adds the grid's "tp_row" (the q ranks of one grid row) and "tp_col" (of one column).
+        tp_mode 2d adds the grid's "tp_row" (the q ranks of one grid row) and "tp_col" (of one column); 2.5d with
+        tp_depth > 1 also "tp_depth" (the ranks at one grid position of every stacked grid).
         Two or more dedicated parameter servers add "servers" (the ranks after the grid: a clock's norm is
         summed over them); the servers build the mesh too (new_group is collective over the world) and
         belong to no other group.
@@ -96,10 +98,12 @@ class Mesh:
             add("dp_cp", dims.data_groups())
             if dims.dp_shard == dims.dp:  # ZeRO over all of dp x cp (plain dp: no strategy reads dp_shard)
                 groups["dp_shard"] = groups["dp_cp"]
-        if dims.tp_mode == "2d":
-            rows, cols = dims.tp_grid_groups()
+        if dims.tp_mode in ("2d", "2.5d"):
+            rows, cols, depths = dims.tp_grid_groups()
             add("tp_row", rows)
             add("tp_col", cols)
+            if dims.tp_depth > 1:
+                add("tp_depth", depths)
         if dims.servers > 1:
             add("servers", [list(range(dims.grid_size, dims.world_size))])
         if dims.ep > 1:  # a process group of its own even when ep = dp: the all-to-alls in backward must not

@@ -158,7 +158,7 @@ class Trainer:
         ids = torch.tensor([self.source.encode_text(prompt)], device=self.ctx.device)
         generator = torch.Generator().manual_seed(self.plan.config.seed)
         split = self.ctx.config.tp if self.ctx.config.sequence_parallel else 1  # equal sequence parts
-        rows = self.ctx.mesh.dims.grid_side  # a 2d grid splits the rows over its q grid rows: q copies, the first read
+        rows = self.ctx.config.tp_row_parts  # a 2d / 2.5d grid splits the rows: that many copies, the first read
         out = self.model.generate(ids.expand(rows, -1), length, generator=generator, pad_to=split)
         self.model.train()
         return self.source.decode(out[0].tolist())

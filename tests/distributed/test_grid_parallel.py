@@ -112,11 +112,12 @@ def _job(**kwargs) -> dict:
     return ranked_run(dtype="float64", **kwargs)
 
 
-LAYOUTS = {  # (world, kwargs): 2d on 4 ranks (tied embedding, dropout, untied), with dp and ZeRO on 8
+LAYOUTS = {  # (world, kwargs): 2d on 4 ranks (tied embedding, dropout, untied), with dp and ZeRO on 8; 2.5d on 8
     "2d": (4, dict(dp=1, tp=4, tp_mode="2d", micro_batch=4, dropout=0.1)),
     "2d-untied": (4, dict(dp=1, tp=4, tp_mode="2d", micro_batch=2, overrides=(("tie_embeddings", False),))),
     "dp2-2d-zero1": (8, dict(dp=2, tp=4, tp_mode="2d", zero=1, micro_batch=4)),
     "dp2-2d-zero3": (8, dict(dp=2, tp=4, tp_mode="2d", zero=3, micro_batch=4)),
+    "2.5d": (8, dict(dp=1, tp=8, tp_mode="2.5d", tp_depth=2, micro_batch=4, dropout=0.1)),  # d = 2, q = 2
 }
 
 
@@ -136,10 +137,20 @@ def test_2d_gpt_matches_the_single_process(pools, name):
     within(max_state_diff(got[0]["optimizer"], ref["optimizer"]), 1e-12, f"{name} optimizer state (float64)")
 
 
+def test_2_5d_of_depth_1_is_2d_exactly(pools):
+    """One grid in the stack is the 2d layout: the same collectives in the same order, bit for bit."""
+    kwargs = dict(steps=3, dp=1, tp=4, micro_batch=4, dropout=0.1)
+    flat, stacked = pools(4).run(_job, tp_mode="2d", **kwargs), pools(4).run(_job, tp_mode="2.5d", **kwargs)
+    assert flat[0]["losses"] == stacked[0]["losses"] and flat[0]["grad_norms"] == stacked[0]["grad_norms"]
+    assert max_state_diff(flat[0]["model"], stacked[0]["model"]) == 0.0
+
+
 @pytest.mark.parametrize("config,message", [
     (dict(tp=8, tp_mode="2d"), "tp must be a square of at least 4"),
     (dict(tp=4, tp_mode="2d", sequence_parallel=True), "tp_mode 2d with sequence_parallel"),
-    (dict(tp=4, tp_mode="3d"), "tp_mode must be one of 1d, 2d"),
+    (dict(tp=4, tp_mode="4d"), "tp_mode must be one of 1d, 2d"),
+    (dict(tp=12, tp_mode="2.5d", tp_depth=2), "tp must be 2 x a square of at least 4"),
+    (dict(tp=8, tp_mode="2d", tp_depth=2), "tp_depth .2. stacks the grids of tp_mode 2.5d"),
 ])
 def test_2d_refusals_give_the_rule(config, message):
     with pytest.raises(ConfigError, match=message):
