@@ -59,8 +59,8 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--aux-loss-coef": ("model.overrides.aux_loss_coef", float, "weight of the Switch load-balancing loss (default 0.01)"),
     "--z-loss-coef": ("model.overrides.z_loss_coef", float, "weight of the router z-loss (default 0.001)"),
     "--tp-mode": ("parallel.tp_mode", str, "how tp splits each layer: 1d (Megatron's slices, default), 2d (a q x q "
-                  "grid, tp = q^2: weights and activations in blocks, SUMMA) or 2.5d (--tp-depth such grids, tp = d "
-                  "q^2, the batch split over depth too); with dp and ZeRO"),
+                  "grid, tp = q^2: weights and activations in blocks, SUMMA), 2.5d (--tp-depth such grids, tp = d "
+                  "q^2, the batch split over depth too) or 3d (a q^3 cube); with dp and ZeRO"),
     "--tp-depth": ("parallel.tp_depth", int, "2.5d: the grids stacked, each on its share of the batch rows"),
     "--cp": ("parallel.cp", int, "context-parallel degree: each sequence split over cp ranks (composes with every "
                                  "axis; the sequence must divide into 2 x cp chunks)"),

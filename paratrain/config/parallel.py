@@ -53,7 +53,7 @@ def check_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -
 
 
 
-TP_MODES = ("1d", "2d", "2.5d")
+TP_MODES = ("1d", "2d", "2.5d", "3d")
 """How tensor parallelism splits each layer (ParallelConfig.tp_mode)."""
 
 
@@ -70,7 +70,8 @@ class ParallelConfig:
     """How tp splits each layer: '1d' (Megatron: weights sliced along one dim, activations whole between a
     column and a row layer) or '2d' (Optimus / SUMMA: tp = q x q ranks, weights and activations each in q x q
     blocks; paratrain.tensor_parallel.grid) or '2.5d' (Tesseract: tp = tp_depth x q x q, tp_depth such grids,
-    each on its own share of the batch rows, their weight gradients summed over depth)."""
+    each on its own share of the batch rows, their weight gradients summed over depth) or '3d' (a q x q x q cube,
+    tp = q^3: all-gathers over two axes, reduce-scatters over the third; paratrain.tensor_parallel.cube)."""
     tp_depth: int = 1
     """tp_mode 2.5d: the grids stacked (d); tp = d x q^2. 1 is the 2d layout exactly."""
     sequence_parallel: bool = False
@@ -153,11 +154,16 @@ class ParallelConfig:
     @property
     def tp_split(self) -> int:
         """What tp splits the heads, widths and vocabulary by: tp under 1d, the grid side q under 2d and 2.5d."""
+        if self.tp_mode == "3d":
+            return round(self.tp ** (1 / 3))
         return self.tp if self.tp_mode == "1d" else math.isqrt(self.tp // max(self.tp_depth, 1))
 
     @property
     def tp_row_parts(self) -> int:
-        """The parts tp splits each micro-batch's rows into: 1 under 1d, q under 2d, tp_depth x q under 2.5d."""
+        """The parts tp splits each micro-batch's rows into: 1 under 1d, q under 2d, tp_depth x q under 2.5d, q^2
+        under 3d."""
+        if self.tp_mode == "3d":
+            return self.tp_split ** 2
         return 1 if self.tp_mode == "1d" else self.tp_depth * self.tp_split
 
     @property
@@ -254,9 +260,14 @@ class ParallelConfig:
                               f"{self.tp_mode!r}: set tp_mode 2.5d, or drop tp_depth")
         if self.tp_mode == "1d":
             return
+        if self.tp_mode == "3d":
+            q = round(self.tp ** (1 / 3))
+            if q < 2 or q ** 3 != self.tp:
+                raise ConfigError(f"tp_mode 3d lays the tp ranks out as a q x q x q cube, so tp must be a cube of at "
+                                  f"least 8, got tp {self.tp}: choose tp in 8, 27, 64, or tp_mode 1d / 2d")
         d = self.tp_depth
         q = math.isqrt(self.tp // d)
-        if q < 2 or d * q * q != self.tp:
+        if self.tp_mode != "3d" and (q < 2 or d * q * q != self.tp):
             shape = "a q x q grid" if d == 1 else f"tp_depth ({d}) q x q grids"
             choices = ", ".join(str(d * n * n) for n in range(2, 7))
             raise ConfigError(f"tp_mode {self.tp_mode} lays the tp ranks out as {shape}, so tp must be "

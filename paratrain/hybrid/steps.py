@@ -31,6 +31,7 @@ from paratrain.nn.recipe import Recipe
 from paratrain.pipeline.runtime import PipelineExecutor
 from paratrain.pipeline.stages import PipelineLayout, StageModel, chunk_ranges, model_layers
 from paratrain.tensor_parallel import TensorParallelLayout, apply_tensor_parallel, check_ties
+from paratrain.tensor_parallel.cube import Cube
 from paratrain.tensor_parallel.grid import Grid
 from paratrain.tensor_parallel.grid_plan import GridLayout, apply_grid_tensor_parallel
 from paratrain.tensor_parallel.sequence import route_sequence_chunks
@@ -94,12 +95,13 @@ def apply_batch_norm(model: nn.Module, ctx: Context, mode: str) -> tuple[tuple[s
 
 def apply_tensor_layout(model: nn.Module, ctx: Context, recipe: Recipe, *,
                            staged: bool) -> TensorParallelLayout | GridLayout | None:
-    """tp > 1: the recipe's plan applied as 1d slices, or as the blocks of a 2d grid (tp_mode '2d')."""
+    """tp > 1: the recipe's plan applied as 1d slices, or as the blocks of a 2d / 2.5d grid or a 3d cube."""
     tp_group = ctx.mesh.groups.get("tp")
     if tp_group is None or recipe.tp_plan is None:
         return None
-    if ctx.mesh.dims.tp_mode in ("2d", "2.5d"):
-        return apply_grid_tensor_parallel(model, recipe.tp_plan, Grid.of(ctx.mesh), allow_missing=staged)
+    if ctx.mesh.dims.tp_mode != "1d":
+        grid = Cube.of(ctx.mesh) if ctx.mesh.dims.tp_mode == "3d" else Grid.of(ctx.mesh)
+        return apply_grid_tensor_parallel(model, recipe.tp_plan, grid, allow_missing=staged)
     layout = apply_tensor_parallel(model, recipe.tp_plan, tp_group, sequence_parallel=ctx.config.sequence_parallel,
                                    allow_missing=staged, hooks=False)  # hooked once every layout is applied
     if recipe.tp_local is not None:

@@ -24,9 +24,52 @@ d = 1 is the 2D layout exactly. (Colossal-AI's 2.5D split neither the batch over
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from paratrain.topology.mesh import AxisGroup, Mesh
+
+Cut = tuple[int, int, int]
+"""(dim, index, parts): block `index` of `parts` equal blocks along `dim` (paratrain.hybrid.pieces)."""
+
+
+@dataclass(frozen=True)
+class Block:
+    """How a grid (or cube) layer's parameter is cut, made whole, counted and saved: what its layout reports."""
+
+    cuts: tuple[Cut, ...]
+    """This rank's block of the whole tensor, one cut per split dim."""
+    gathers: tuple[tuple[AxisGroup, int], ...]
+    """The (group, dim) all-gathers, in order, that make the whole tensor from the blocks."""
+    split: AxisGroup
+    """The ranks holding different blocks of it: the gradient norm's squares add up over them."""
+    copies: tuple[AxisGroup, ...] = ()
+    """The groups whose other ranks hold the same block (its gradient is summed over them inside the layer): only
+    their first rank saves it."""
+    counted: bool = True
+    """False: a copy on another rank counts it in the gradient norm (2.5d: grid 0's)."""
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Where a layout keeps an activation [B, S, h]: its width cut along one group, its rows in blocks over others."""
+
+    width: AxisGroup
+    """Cuts h: a norm's statistics are summed over it; a vector's block is this group's index."""
+    rows: tuple[AxisGroup, ...]
+    """Cut the micro-batch's rows, innermost first: block sum_n rows[n].index x prod_{m < n} rows[m].size. These
+    ranks hold the same block of a vector along h (its gradient summed over them)."""
+
+    @property
+    def row_parts(self) -> int:
+        return math.prod(group.size for group in self.rows)
+
+    @property
+    def row_block(self) -> int:
+        block, stride = 0, 1
+        for group in self.rows:
+            block, stride = block + group.index * stride, stride * group.size
+        return block
 
 
 @dataclass(frozen=True)
@@ -74,16 +117,7 @@ class Grid:
         return self.depth.index if self.depth is not None else 0
 
     @property
-    def row_parts(self) -> int:
-        """The blocks a micro-batch's rows are cut into: d q (the stacked grids' shares, each cut over its rows)."""
-        return self.d * self.q
-
-    @property
-    def row_block(self) -> int:
-        """This rank's block of the micro-batch's rows: grid k's share, then row i of it."""
-        return self.k * self.q + self.i
-
-    @property
-    def copies(self) -> tuple[AxisGroup, ...]:
-        """The groups holding the same block of a vector (a bias, a norm's weight): down the column, and over depth."""
-        return (self.col,) if self.depth is None else (self.col, self.depth)
+    def stream(self) -> Activations:
+        """Every activation's layout: the width along the row, the rows down the column, then over depth (block
+        k q + i of d q)."""
+        return Activations(self.row, (self.col,) if self.depth is None else (self.col, self.depth))

@@ -49,8 +49,9 @@ class ParallelDims:
     """Dedicated parameter servers, ranks after the grid (0: none, or colocated on the trainers)."""
     tp_mode: str = "1d"
     """How tp splits the layers: '1d' (Megatron's column / row slices), '2d' (a q x q grid, tp = q^2: the tp ranks
-    laid out row by row, tp_index = row * q + column) or '2.5d' (tp_depth such grids, tp = d q^2, tp_index =
-    depth * q^2 + row * q + column); paratrain.tensor_parallel.grid."""
+    laid out row by row, tp_index = row * q + column), '2.5d' (tp_depth such grids, tp = d q^2, tp_index =
+    depth * q^2 + row * q + column; paratrain.tensor_parallel.grid) or '3d' (a q x q x q cube, tp_index =
+    input * q^2 + weight * q + output; paratrain.tensor_parallel.cube)."""
     tp_depth: int = 1
     """2.5d: the grids stacked (d), each on its own share of the batch rows."""
 
@@ -58,6 +59,9 @@ class ParallelDims:
         for f in fields(self):
             if f.name != "tp_mode" and getattr(self, f.name) < (0 if f.name == "servers" else 1):
                 raise ConfigError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
+        if self.tp_mode == "3d" and self.grid_side ** 3 != self.tp:
+            raise ConfigError(f"tp_mode 3d lays the tp ranks out as a q x q x q cube, and tp ({self.tp}) is not a cube: "
+                              "choose tp in 8, 27, 64")
         if self.tp_mode in ("2d", "2.5d") and self.tp_depth * self.grid_side ** 2 != self.tp:
             raise ConfigError(f"tp_mode {self.tp_mode} lays the tp ranks out as tp_depth ({self.tp_depth}) q x q grids, "
                               f"and tp ({self.tp}) is not tp_depth x a square: choose tp = tp_depth x q^2")
@@ -92,8 +96,23 @@ class ParallelDims:
 
     @property
     def grid_side(self) -> int:
-        """q of a 2d / 2.5d tensor-parallel grid (tp_depth x q x q = tp ranks); 1 under 1d."""
+        """q of a 2d / 2.5d tensor-parallel grid (tp_depth x q x q = tp ranks) or a 3d cube (q^3); 1 under 1d."""
+        if self.tp_mode == "3d":
+            return round(self.tp ** (1 / 3))
         return math.isqrt(self.tp // self.tp_depth) if self.tp_mode in ("2d", "2.5d") else 1
+
+    def tp_cube_groups(self) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+        """(input, weight, output) groups of every tp group laid out as a q x q x q cube, tp_index = a q^2 + b q + c:
+        an input group varies a, a weight group b, an output group c (the consecutive ranks)."""
+        q = self.grid_side
+        axes: tuple[list[list[int]], list[list[int]], list[list[int]]] = ([], [], [])
+        for ranks in self.all_groups("tp"):
+            for fixed in product(range(q), range(q)):
+                for axis, groups in enumerate(axes):
+                    coords = list(fixed)
+                    groups.append([ranks[sum(c * q ** (2 - n) for n, c in enumerate(coords[:axis] + [v] + coords[axis:]))]
+                                   for v in range(q)])
+        return axes
 
     def tp_grid_groups(self) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
         """(row groups, column groups, depth groups) of every tp group laid out as tp_depth q x q grids, each row

@@ -16,7 +16,7 @@ from paratrain.topology.dims import AXES, ParallelDims
 
 
 SUB_AXES = ("dp_shard", "dp_replicate", "ep", "edp", "tied", "dp_cp", "edp_cp", "servers", "tp_row", "tp_col",
-            "tp_depth")
+            "tp_depth", "tp_input", "tp_weight", "tp_output")
 """Groups inside the dp or tp axis (or across pp's ends) whose degree is their group's size, 1 without one."""
 
 
@@ -65,7 +65,8 @@ class Mesh:
         parameters, which data parallelism reduces over and ZeRO shards over); with ep > 1 also "edp_cp"
         (edp x cp: the ranks holding the same experts).
         tp_mode 2d adds the grid's "tp_row" (the q ranks of one grid row) and "tp_col" (of one column); 2.5d with
-        tp_depth > 1 also "tp_depth" (the ranks at one grid position of every stacked grid).
+        tp_depth > 1 also "tp_depth" (the ranks at one grid position of every stacked grid); 3d the cube's
+        "tp_input", "tp_weight" and "tp_output" (paratrain.tensor_parallel.cube).
         Two or more dedicated parameter servers add "servers" (the ranks after the grid: a clock's norm is
         summed over them); the servers build the mesh too (new_group is collective over the world) and
         belong to no other group.
@@ -104,6 +105,9 @@ class Mesh:
             add("tp_col", cols)
             if dims.tp_depth > 1:
                 add("tp_depth", depths)
+        if dims.tp_mode == "3d":
+            for axis, ranks_of_axis in zip(("tp_input", "tp_weight", "tp_output"), dims.tp_cube_groups()):
+                add(axis, ranks_of_axis)
         if dims.servers > 1:
             add("servers", [list(range(dims.grid_size, dims.world_size))])
         if dims.ep > 1:  # a process group of its own even when ep = dp: the all-to-alls in backward must not

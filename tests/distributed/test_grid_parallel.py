@@ -13,7 +13,7 @@ from paratrain.config import ConfigError, ParallelConfig
 from paratrain.models.norms import RMSNorm
 from paratrain.nn.loss import VocabOutput
 from paratrain.tensor_parallel.grid import Grid
-from paratrain.tensor_parallel.grid_layers import GridEmbedding, GridLinear, GridNorm, GridOutput
+from paratrain.tensor_parallel.grid_layers import GridEmbedding, GridLinear, SplitNorm, SplitOutput
 from paratrain.topology import Mesh, ParallelDims
 from tests.helpers import max_state_diff, ranked_run, reference_run, rel_diff
 from tests.margins import within
@@ -57,7 +57,7 @@ def _layers_job() -> dict[str, float]:
     counters: dict[str, dict[str, int]] = {}
     for name in ("linear", "rms", "layer"):
         layer = dense[name]
-        grid_layer = GridLinear(layer, grid) if name == "linear" else GridNorm(layer, grid)
+        grid_layer = GridLinear(layer, grid) if name == "linear" else SplitNorm(layer, grid.stream)
         x_dense = x.clone().requires_grad_()
         y_dense = layer(x_dense)
         y_dense.pow(3).sum().backward()
@@ -85,7 +85,7 @@ def _layers_job() -> dict[str, float]:
     loss_dense, count_dense = VocabOutput(V - 2).loss(logits, targets)
     loss_dense.backward()
     logits_grid = _block(logits.detach(), grid, (0, i), (2, j)).clone().requires_grad_()
-    loss_grid, count_grid = GridOutput(V - 2, grid).loss(logits_grid, targets)
+    loss_grid, count_grid = SplitOutput(V - 2, grid.stream).loss(logits_grid, targets)
     loss_grid.backward()
     out["loss"] = _diff([(loss_grid, loss_dense), (logits_grid.grad, _block(logits.grad, grid, (0, i), (2, j)))])
     out["count"] = float(count_grid != count_dense)
