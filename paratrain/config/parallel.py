@@ -272,13 +272,13 @@ class ParallelConfig:
             choices = ", ".join(str(d * n * n) for n in range(2, 7))
             raise ConfigError(f"tp_mode {self.tp_mode} lays the tp ranks out as {shape}, so tp must be "
                               f"{'' if d == 1 else f'{d} x '}a square of at least 4, got tp {self.tp}: choose tp in {choices}, or tp_mode 1d")
-        others = {"sequence_parallel": self.sequence_parallel, "cp": self.cp > 1, "pp": self.pp > 1,
+        others = {"sequence_parallel": self.sequence_parallel, "cp": self.cp > 1,
                   "expert_tp": self.expert_tp, "ep": self.ep > 1, "ps_mode": self.ps_mode != "off"}
         given = [name for name, on in others.items() if on]
         if given:
             raise ConfigError(f"tp_mode {self.tp_mode} with {', '.join(given)}: the grid splits every activation over its rows "
-                              "(batch) and columns (hidden), which this version composes with data parallelism and "
-                              "ZeRO 1-3 only (sequence parallelism is 1d's way to split activations); drop "
+                              "(batch) and columns (hidden), which this version composes with data parallelism, ZeRO "
+                              "1-3 and pipeline stages (sequence parallelism is 1d's way to split activations); drop "
                               f"{', '.join(given)}, or use tp_mode 1d")
 
     def _check_context_parallel(self) -> None:

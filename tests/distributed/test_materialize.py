@@ -61,6 +61,7 @@ def materialize_job(*, precision: str = "fp32", fallback: bool = False, model: s
     dict(tp=2, pp=2, fallback=True),  # FromRank0: broadcast along each axis
     dict(dp=2, ep=2, tp=2, model="tiny-moe"),  # each ep rank fills its experts' slice
     dict(dp=2, ep=2, tp=2, expert_tp=True, sequence_parallel=True, zero=1, model="tiny-moe"),  # cut along 2 dims
+    dict(tp=4, tp_mode="2d", zero=1, precision="bf16"),  # a 2 x 2 grid's blocks, cut two ways, into flat shards
 ], ids=lambda layout: "-".join(f"{k}{v}" for k, v in layout.items()))
 def test_meta_build_holds_the_whole_builds_pieces_bitwise(pools, layout):
     results = pools(4).run(materialize_job, **layout)
