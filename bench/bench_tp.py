@@ -14,7 +14,9 @@ collectives of one training step, counted at torch's dispatcher for every conten
 b x s x h in forward and 2 in backward.
 
 "-2d" is the same GPT_PLAN on a 2 x 2 grid (tp_mode 2d: SUMMA, every weight and activation in q x q blocks;
-its collectives are broadcasts and reduces, counted as n bytes each: paratrain.comm.volume).
+its collectives are broadcasts and reduces, counted as n bytes each: paratrain.comm.volume); at 8 ranks "-2.5d"
+stacks two such grids (tp_depth 2) and "-3d" is a 2 x 2 x 2 cube, against 1d tp 8 (8 processes on 2 cores: the
+step times are oversubscribed, the bytes and memory are not).
 
 Two paratrain plans: "tp" is GPT_PLAN (blocks, and the vocabulary of the tied embedding / head with
 a vocab-parallel loss), "blocks" splits only the blocks, exactly what the DTensor plan splits.
@@ -35,7 +37,8 @@ MODEL = {"vocab_size": 256, "seq_len": 128, "n_layer": 4, "n_head": 8, "d_model"
 BATCH = 8
 BLOCKS_PLAN = {"attn.qkv": "column", "attn.out": "row", "mlp.up": "column", "mlp.down": "row"}
 CONTENDERS = ["paratrain-tp1", "paratrain-tp2", "paratrain-tp2-sp", "paratrain-tp2-blocks", "dtensor-tp2",
-              "paratrain-tp4", "paratrain-tp4-sp", "paratrain-tp4-blocks", "dtensor-tp4", "paratrain-tp4-2d"]
+              "paratrain-tp4", "paratrain-tp4-sp", "paratrain-tp4-blocks", "dtensor-tp4", "paratrain-tp4-2d",
+              "paratrain-tp8", "paratrain-tp8-sp", "paratrain-tp8-2.5d", "paratrain-tp8-3d"]
 
 
 def _contender(name: str, steps: int) -> dict:
@@ -54,9 +57,10 @@ def _contender(name: str, steps: int) -> dict:
     model = paratrain.build_gpt(config, seed=0)
     if name.startswith("paratrain"):
         sp = name.endswith("-sp")
-        mode = "2d" if name.endswith("-2d") else "1d"
+        mode = next((m for m in ("2d", "2.5d", "3d") if name.endswith(f"-{m}")), "1d")
         ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=1, tp=world, sequence_parallel=sp,
-                                                                           tp_mode=mode))
+                                                                           tp_mode=mode,
+                                                                           tp_depth=2 if mode == "2.5d" else 1))
         engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                                        tp_plan=BLOCKS_PLAN if name.endswith("-blocks") else None)
 
@@ -92,11 +96,31 @@ def _contender(name: str, steps: int) -> dict:
         if i >= 2:
             times.append(time.perf_counter() - started)
     bsh = BATCH * config.seq_len * config.d_model
-    return {"name": name, "world": world, "step_s": statistics.median(times),
+    mode = next((m for m in ("2d", "2.5d", "3d") if name.endswith(f"-{m}")), "1d")
+    return {"name": name, "linears_formula_mb": grid_linears_bytes(config, mode, world, BATCH * config.seq_len) / 2**20, "world": world, "step_s": statistics.median(times),
             "activations_mb": saved.bytes / 2**20, "live_mb": _live_tensor_mb(),
             "comm_mb": counter.volume.total / 2**20, "collectives": len(counter.calls),
             "bsh_collectives": sum(1 for _, n in counter.calls if n == bsh),
             "megatron_mb": 4 * config.n_layer * 2 * bsh * 4 / 2**20}
+
+
+def grid_linears_bytes(config, mode: str, tp: int, tokens: int) -> float:  # type: ignore[no-untyped-def]
+    """The documented bytes (float32) every linear of a step moves per rank, forward and backward, under a grid mode
+    (paratrain.tensor_parallel.summa and .cube): 2d 2 T out / q + 3 |W| / q; 2.5d the same on each grid's T / d
+    tokens, + 2 |W| / q^2 over depth; 3d 3 T in / q^2 + 2 T out / q^2 + 3 |W| / q^2. 0 under 1d."""
+    d, f, v = config.d_model, config.ff_dim, config.padded_vocab
+    shapes = [(3 * d, d), (d, d), (f, d), (d, f)] * config.n_layer + [(v, d)]  # (out, in) of qkv, out, up, down, head
+    total = 0.0
+    for out, inp in shapes:
+        w = out * inp
+        if mode in ("2d", "2.5d"):
+            depth = 2 if mode == "2.5d" else 1
+            q = round((tp // depth) ** 0.5)
+            total += 2 * tokens / depth * out / q + 3 * w / q + (2 * w / q**2 if depth > 1 else 0)
+        elif mode == "3d":
+            q = round(tp ** (1 / 3))
+            total += (3 * tokens * inp + 2 * tokens * out + 3 * w) / q**2
+    return 4 * total
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -113,18 +137,20 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:<22} step {result['step_s']:6.3f} s   activations {result['activations_mb']:6.1f} MB   "
               f"live tensors {result['live_mb']:6.1f} MB   comm {result['comm_mb']:6.1f} MB in "
               f"{result['collectives']:3d} collectives ({result['bsh_collectives']} of b x s x h; "
-              f"Megatron's blocks: {result['megatron_mb']:.1f} MB)", flush=True)
+              f"Megatron's blocks: {result['megatron_mb']:.1f} MB"
+              + (f"; grid linears' formula {result['linears_formula_mb']:.1f} MB" if result["linears_formula_mb"] else "")
+              + ")", flush=True)
     rows = {r["name"]: r for r in results}
     print(f"\nGPT {MODEL}, {BATCH} samples, AdamW, gloo on CPU (dp = 1)")
-    for tp in (2, 4):
+    for tp in (2, 4, 8):
         for ours in (f"paratrain-tp{tp}", f"paratrain-tp{tp}-blocks", f"paratrain-tp{tp}-sp"):
             peer = f"dtensor-tp{tp}"
             if ours in rows and peer in rows:
                 print(f"{ours} / {peer}: step time x{rows[ours]['step_s'] / rows[peer]['step_s']:.2f}, "
                       f"activations x{rows[ours]['activations_mb'] / rows[peer]['activations_mb']:.2f}, "
                       f"live tensors x{rows[ours]['live_mb'] / rows[peer]['live_mb']:.2f}")
-        grid = f"paratrain-tp{tp}-2d"
-        for ours in (f"paratrain-tp{tp}", f"paratrain-tp{tp}-sp", f"dtensor-tp{tp}"):
+        for grid, ours in ((f"paratrain-tp{tp}-{m}", o) for m in ("2d", "2.5d", "3d")
+                           for o in (f"paratrain-tp{tp}", f"paratrain-tp{tp}-sp", f"dtensor-tp{tp}")):
             if grid in rows and ours in rows:
                 print(f"{grid} / {ours}: step time x{rows[grid]['step_s'] / rows[ours]['step_s']:.2f}, "
                       f"bytes moved x{rows[grid]['comm_mb'] / rows[ours]['comm_mb']:.2f}, "
