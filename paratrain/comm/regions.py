@@ -10,6 +10,8 @@ Each is an identity, a collective or a split in forward, and its conjugate in ba
     reduce_scatter_to_sequence_region(x, dim) fwd: reduce-scatter along dim   bwd: all-gather
     sum_in_region(x)              fwd: all-reduce               bwd: all-reduce (a sum every rank goes on
                                   to use: the 2d grid's norm statistics over a row's blocks of the width)
+    gather_along_region(x, dim)   fwd: all-gather along dim     bwd: keep this rank's slice (what every rank
+                                  goes on to use alike: a grid's logits gathered whole for a loss)
 
 Why they pair up: a column-parallel linear needs the same input on every tp rank (copy-to: forward
 nothing, but the input's gradient is the sum of every rank's partial), a row-parallel linear
@@ -123,7 +125,12 @@ def sum_in_region(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     return _region(x, group, -1, _sum, _sum)
 
 
+def gather_along_region(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
+    return _region(x, group, dim, all_gather_along, _split)
+
+
 __all__ = [
     "all_gather_along", "reduce_scatter_along", "copy_to_tp_region", "gather_from_sequence_region", "gather_from_tp_region", "reduce_from_tp_region",
     "reduce_scatter_to_sequence_region", "scatter_to_tp_region", "sum_in_region",
+    "gather_along_region",
 ]

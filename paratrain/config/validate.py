@@ -193,7 +193,7 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
     if config.model.hf:  # a Hugging Face folder: its family's rules, then the GPT's read of its shape
         from paratrain.hf.load import stand_in
 
-        model = stand_in(config.model.hf, tp=parallel.tp, sequence_parallel=parallel.sequence_parallel)
+        model = stand_in(config.model.hf, tp=parallel.tp_split, sequence_parallel=parallel.sequence_parallel)
     else:
         model = preset(config.model.preset, **config.model.overrides)  # type: ignore[arg-type]
     data = config.data

@@ -150,7 +150,7 @@ class Trainer:
         if hf:  # the family's rules (heads, widths divisible by tp), before any process starts
             from paratrain.hf.load import stand_in
 
-            stand_in(hf, tp=self.parallel.tp, sequence_parallel=self.parallel.sequence_parallel)
+            stand_in(hf, tp=self.parallel.tp_split, sequence_parallel=self.parallel.sequence_parallel)
         self.ctx: Context | None = None
         self.engine: Engine | None = None
         self.loop: TrainLoop | None = None

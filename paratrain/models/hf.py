@@ -60,6 +60,9 @@ LLAMA_TP_PLAN: dict[str, str] = {
     "mlp.up_proj": "column",
     "mlp.down_proj": "row",
     "lm_head": "column_gather",  # W[V/tp, D] per rank, logits all-gathered to [B, S, V]
+    "input_layernorm": "norm",  # replicated under 1d; cut along the width with the grid modes
+    "post_attention_layernorm": "norm",
+    "model.norm": "norm",
 }
 """The Megatron layout of HF Llama / Mistral: one all-reduce per attention and per MLP, each way,
 and one for the embedding.

@@ -163,7 +163,7 @@ def _hf_plan(args: argparse.Namespace, devices: int, pins: dict[str, Any]) -> in
     micro_batch = pins.pop("micro_batch", 1)
     parallel = ParallelConfig(**pins, sequence_parallel=bool(args.sequence_parallel), schedule=args.schedule,
                               cp_mode=args.cp_mode or "ring").resolved(devices)
-    shape = stand_in(args.hf, tp=parallel.tp, sequence_parallel=parallel.sequence_parallel)  # its family's tp rules
+    shape = stand_in(args.hf, tp=parallel.tp_split, sequence_parallel=parallel.sequence_parallel)  # its family's tp rules
     ranks = hf_memory(args.hf, parallel, global_batch=args.global_batch, micro_batch=micro_batch,
                       seq_len=args.seq_len or shape.seq_len, precision=args.precision, recompute=args.recompute or "none")
     rows = [{"rank": r.rank, "stage": r.stage, **r.states, "activations": r.activations, "peak": r.peak,

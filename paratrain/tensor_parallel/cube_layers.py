@@ -20,7 +20,8 @@ from torch import nn
 from paratrain.comm.regions import reduce_scatter_to_sequence_region
 from paratrain.tensor_parallel.cube import Cube, cube_linear
 from paratrain.tensor_parallel.grid import Block
-from paratrain.tensor_parallel.grid_layers import check_rows, copied, local_padding, lookup, parameter, vector_block
+from paratrain.tensor_parallel.grid_layers import (check_rows, copied, gathered, local_padding, lookup, parameter,
+                                                  vector_block)
 
 
 def cube_matrix(cube: Cube, style: str) -> Block:
@@ -31,9 +32,10 @@ def cube_matrix(cube: Cube, style: str) -> Block:
 
 
 class CubeLinear(nn.Module):
-    def __init__(self, full: nn.Linear, cube: Cube, style: str) -> None:
+    def __init__(self, full: nn.Linear, cube: Cube, style: str, *, gather: bool = False) -> None:
+        """gather: the output gathered whole on every rank (the column_gather style)."""
         super().__init__()
-        self.cube, self.style = cube, style
+        self.cube, self.style, self.gather = cube, style, gather
         self.output = cube.turned if style == "column" else cube.stream
         self.weight = parameter(full.weight, cube_matrix(cube, style), f"3d {style} weight")
         self.bias = parameter(full.bias, vector_block(self.output), f"3d {style} bias") if full.bias is not None else None
@@ -43,7 +45,9 @@ class CubeLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = cube_linear(x, self.weight, self.cube, self.style)
-        return y if self.bias is None else y + copied(self.bias, self.output.rows).to(y.dtype)
+        if self.bias is not None:
+            y = y + copied(self.bias, self.output.rows).to(y.dtype)
+        return gathered(y, self.output) if self.gather else y
 
 
 class CubeEmbedding(nn.Module):

@@ -31,9 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paratrain.comm.regions import (copy_to_tp_region, gather_from_sequence_region, gather_from_tp_region,
-                                    reduce_from_tp_region, reduce_scatter_to_sequence_region, sum_in_region)
-from paratrain.models.norms import RMSNorm, upcast
+from paratrain.comm.regions import (copy_to_tp_region, gather_along_region, gather_from_sequence_region,
+                                    gather_from_tp_region, reduce_from_tp_region, reduce_scatter_to_sequence_region,
+                                    sum_in_region)
+from paratrain.models.norms import upcast
 from paratrain.tensor_parallel.grid import Activations, Block, Grid
 from paratrain.tensor_parallel.loss import vocab_parallel_cross_entropy
 from paratrain.tensor_parallel.summa import summa_linear
@@ -83,9 +84,10 @@ def matrix_block(grid: Grid) -> Block:
 
 
 class GridLinear(nn.Module):
-    def __init__(self, full: nn.Linear, grid: Grid) -> None:
+    def __init__(self, full: nn.Linear, grid: Grid, *, gather: bool = False) -> None:
+        """gather: the output gathered whole on every rank (the column_gather style)."""
         super().__init__()
-        self.grid = grid
+        self.grid, self.gather = grid, gather
         self.weight = parameter(full.weight, matrix_block(grid), "2d linear weight")
         self.bias = parameter(full.bias, vector_block(grid.stream), "2d linear bias") if full.bias is not None else None
 
@@ -94,9 +96,9 @@ class GridLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = summa_linear(x, self.weight, self.grid)
-        if self.bias is None:
-            return y
-        return y + copied(self.bias, self.grid.stream.rows).to(y.dtype)  # every row adds it: summed down
+        if self.bias is not None:
+            y = y + copied(self.bias, self.grid.stream.rows).to(y.dtype)  # every row adds it: summed down
+        return gathered(y, self.grid.stream) if self.gather else y
 
 
 class GridEmbedding(nn.Module):
@@ -139,15 +141,18 @@ def lookup(ids: torch.Tensor, weight: torch.Tensor, start: int, padding_idx: int
 
 
 class SplitNorm(nn.Module):
-    """RMSNorm (paratrain's, torch's) or LayerNorm over a width cut along `acts.width`."""
+    """RMSNorm (paratrain's, torch's, Hugging Face's: x / rms(x) in float32, back to x's dtype, times the weight) or
+    LayerNorm over a width cut along `acts.width`."""
 
     def __init__(self, full: nn.Module, acts: Activations) -> None:
         super().__init__()
         self.acts = acts
-        self.rms = isinstance(full, (RMSNorm, nn.RMSNorm))
+        self.rms = not isinstance(full, nn.LayerNorm)  # paratrain's, torch's or Hugging Face's (variance_epsilon)
+        self.float32 = hasattr(full, "variance_epsilon")  # Hugging Face's computes in float32 whatever x's dtype
         weight = full.weight
         self.width = weight.numel()
-        self.eps = float(full.eps if full.eps is not None else torch.finfo(weight.dtype).eps)
+        eps = getattr(full, "eps", None) if hasattr(full, "eps") else getattr(full, "variance_epsilon", None)
+        self.eps = float(eps if eps is not None else torch.finfo(weight.dtype).eps)
         self.weight = parameter(weight, vector_block(acts), "split norm weight")
         bias = getattr(full, "bias", None)
         self.bias = parameter(bias, vector_block(acts), "split norm bias") if bias is not None else None
@@ -156,13 +161,22 @@ class SplitNorm(nn.Module):
         return {"weight": vector_block(self.acts), "bias": vector_block(self.acts)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide, group = upcast(x), self.acts.width
+        wide, group = (x.to(torch.float32) if self.float32 else upcast(x)), self.acts.width
         if not self.rms:  # LayerNorm: centred first, by the mean over the whole width
             wide = wide - sum_in_region(wide.sum(-1, keepdim=True), group) / self.width
         squares = sum_in_region(wide.pow(2).sum(-1, keepdim=True), group)
         y = (wide * torch.rsqrt(squares / self.width + self.eps)).type_as(x)
         y = y * copied(self.weight, self.acts.rows)
         return y + copied(self.bias, self.acts.rows) if self.bias is not None else y
+
+
+def gathered(y: torch.Tensor, acts: Activations) -> torch.Tensor:
+    """A block gathered whole on every rank ([B, S, out]: HF's lm_head before its loss), as 1d's column_gather:
+    every rank then computes the same thing, so backward keeps this rank's block of the gradient."""
+    y = gather_along_region(y, acts.width, -1)
+    for group in acts.rows:
+        y = gather_along_region(y, group, 0)
+    return y
 
 
 class SplitOutput(nn.Module):

@@ -8,7 +8,9 @@ The 1D styles map to grid (or cube) layers by what the module is:
     column, row          nn.Linear      -> GridLinear (every SUMMA product alike) / CubeLinear (column: stream ->
                                            turned, row: back)
     embedding            nn.Embedding   -> GridEmbedding / CubeEmbedding (the batch's rows are split here)
-    norm                 RMSNorm, nn.RMSNorm, nn.LayerNorm -> SplitNorm on the stream (1d keeps it replicated)
+    column_gather        nn.Linear      -> the column layer, its output gathered whole on every rank (HF's lm_head)
+    norm                 RMSNorm, nn.RMSNorm, nn.LayerNorm, HF's plain RMSNorm -> SplitNorm on the stream (1d keeps
+                                           it replicated)
     vocab_output         VocabOutput    -> SplitOutput on the head's logits (a column head's layout)
     heads_dropout        KeyedDropout over [B, H, S, S]: rows and heads as a column layer's output
     sequence_dropout     KeyedDropout over [B, S, D]: rows and width as the stream
@@ -16,7 +18,7 @@ The 1D styles map to grid (or cube) layers by what the module is:
 Every activation between the embedding and the loss is a block, so a module with parameters that the plan leaves
 out would compute on blocks as if they were whole: the plan must name every one, or it is refused before anything
 runs (1d leaves such modules replicated; here there is no replicated activation for them). Styles with no grid
-meaning (column_gather, head_partial, the Conv1D styles) are refused with the rule.
+meaning (head_partial, the Conv1D styles) are refused with the rule.
 """
 
 from __future__ import annotations
@@ -138,16 +140,26 @@ def _check_covered(model: nn.Module, resolved: Mapping[str, str], grid: Grid | C
                          "norm for RMSNorm / LayerNorm), or use tp_mode 1d")
 
 
+def _hf_rms_norm(module: nn.Module) -> bool:
+    """Hugging Face's plain RMSNorm (Llama's, Mistral's, Qwen's: x / rms(x) * weight, eps as variance_epsilon);
+    Gemma's (1 + weight) is not one."""
+    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and \
+        isinstance(getattr(module, "weight", None), torch.Tensor)
+
+
 def _build(module: nn.Module, name: str, style: str, grid: Grid | Cube) -> nn.Module:
     cube = isinstance(grid, Cube)
     if style in ("column", "row") and type(module) is nn.Linear:
         return CubeLinear(module, grid, style) if isinstance(grid, Cube) else GridLinear(module, grid)
+    if style == "column_gather" and type(module) is nn.Linear:  # logits whole on every rank (HF's lm_head)
+        return CubeLinear(module, grid, "column", gather=True) if isinstance(grid, Cube) else GridLinear(
+            module, grid, gather=True)
     if style == "embedding" and isinstance(module, nn.Embedding):
         if module.max_norm is not None:
             raise ValueError(f"{name}: a grid embedding does not support max_norm (it renormalises rows other ranks "
                              "hold); use tp_mode 1d")
         return CubeEmbedding(module, grid) if isinstance(grid, Cube) else GridEmbedding(module, grid)
-    if style == "norm" and isinstance(module, NORMS):
+    if style == "norm" and (isinstance(module, NORMS) or _hf_rms_norm(module)):
         if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) != 1:
             raise ValueError(f"{name}: a grid norm normalises over the last dim only, and {name} over "
                              f"{tuple(module.normalized_shape)}; use tp_mode 1d")
@@ -156,7 +168,7 @@ def _build(module: nn.Module, name: str, style: str, grid: Grid | Cube) -> nn.Mo
         return SplitNorm(module, grid.stream)
     if style == "vocab_output" and isinstance(module, VocabOutput):  # the logits of a column head
         return SplitOutput(module.vocab_size, grid.turned if isinstance(grid, Cube) else grid.stream)
-    kinds = {"column": "nn.Linear", "row": "nn.Linear", "embedding": "nn.Embedding",
+    kinds = {"column": "nn.Linear", "row": "nn.Linear", "column_gather": "nn.Linear", "embedding": "nn.Embedding",
              "norm": "RMSNorm or nn.LayerNorm", "vocab_output": "VocabOutput"}
     mode = "3d" if cube else "2d"
     if style in kinds:
