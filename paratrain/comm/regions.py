@@ -37,7 +37,9 @@ def _split(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:
     size = x.shape[dim]
     if size % group.size:
         raise ValueError(f"dim {dim} of size {size} does not split evenly over {group.describe()}")
-    return x.narrow(dim, group.index * (size // group.size), size // group.size).contiguous()
+    part = x.narrow(dim, group.index * (size // group.size), size // group.size)
+    # a copy even where the slice is contiguous (along dim 0): a view would keep the whole tensor's storage alive
+    return part.clone(memory_format=torch.contiguous_format) if group.size > 1 else part
 
 
 def all_gather_along(x: torch.Tensor, group: AxisGroup, dim: int) -> torch.Tensor:

@@ -10,7 +10,9 @@ Derived from the model's code op by op and checked to the byte on one process an
   low       parameters stored in 16 bits (ZeRO with bf16 / fp16; buffers stay float32): the residual
             stream is 16-bit; each norm keeps its 16-bit input and recomputes its float32 copy in backward.
 tokens n = micro_batch x seq / cp; t = tp; q = t with sequence parallelism (norms and residuals hold
-n / t tokens), else 1.
+n / t tokens), else 1. The grid modes (2d, 2.5d, 3d) cut every tensor into blocks of rows and width, rows x width =
+tp (grid_cuts): the same terms at n / rows tokens of d / width, heads h / width; each linear keeps its own 16-bit
+weight block under autocast, per micro-batch.
 
 Context parallelism (cp ranks each holding seq / cp tokens of every sequence, paratrain.context_parallel)
 changes three things, checked to the byte like the rest (tests/distributed/test_planner.py):
@@ -53,6 +55,17 @@ def _norm_and_column_input(tokens: float, d: int, mode: str) -> float:
     return tokens * (d * 2 + 4 + d * 2)  # low: the 16-bit input, 1/rms, the 16-bit x * weight
 
 
+def grid_cuts(layout: Layout) -> tuple[int, int, int]:
+    """(row blocks, width blocks, weight blocks) of a grid mode: how its activations' rows and width and its
+    matrices are cut (1d: (1, 1, tp) for the matrices; its activations are whole or split by tp alone)."""
+    mode, q = layout.tp_mode, layout.dims.grid_side
+    if mode == "1d":
+        return 1, 1, layout.tp
+    if mode == "3d":
+        return q * q, q, q ** 3
+    return layout.tp_depth * q, q, q * q  # 2d; 2.5d: every grid of the stack holds the same blocks
+
+
 def block_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str = "fp32",
                            moe: bool = False) -> float:
     """Bytes one transformer block keeps for backward, per micro-batch of `layout` (its micro-batch, tp,
@@ -65,23 +78,29 @@ def block_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode
     n = b * s
     q = t if sequence_parallel else 1
     res = 2 if mode == "low" else 4
+    # the norms' rows and width on this rank (sequence parallelism: n / tp tokens; a grid: n / rows tokens of
+    # d / width). A grid cuts every other tensor into rows x width = tp blocks too: its attention and MLP terms
+    # below (n d / t, n f / t elements a tensor) hold as they are; its heads per rank are h / width.
+    rows, width, _ = grid_cuts(layout)
+    tokens, wide = (n / q, d) if layout.tp_mode == "1d" else (n / rows, d // width)
+    heads, lse_rows = (h // t, b) if layout.tp_mode == "1d" else (h // width, b / rows)
     if recompute == "full":
-        return n / q * d * res  # the block's input
+        return tokens * wide * res  # the block's input
     if recompute not in ("none", "selective"):
         raise ValueError(f"recompute must be 'none', 'full' or 'selective', got {recompute!r}")
     act = 4 if mode == "fp32" else 2
-    norms = _norm_and_column_input(n / q, d, mode)
+    norms = _norm_and_column_input(tokens, wide, mode)
     # qkv output (3), rotated q and k (2), attention output (1), and its [B, S, D] copy that `out` keeps
     # (1; a view, not a copy, when a rank holds one head), + the softmax's log-sum-exp in float32.
     # Selective recompute keeps the core's inputs (q, k, v: counted) and drops what the fused kernel
     # saved: its log-sum-exp, and its output unless `out` keeps that very storage (one head).
-    copy = 0 if h // t == 1 or s == 1 else 1
+    copy = 0 if heads == 1 or s == 1 else 1
     if recompute == "selective":
         attention = 6 * n * d / t * act
     elif cp > 1 and layout.cp_mode == "ulysses":  # head-sharded q, k, v, out; lse; the sort orders
         attention = (4 + copy) * n * d / t * act + b * (h // t) * s * 4 + 2 * 8 * whole
     else:  # SDPA's or the ring's own backward: q, k, v (a view of qkv's output), out, float32 log-sum-exp
-        attention = (6 + copy) * n * d / t * act + b * (h // t) * s * 4
+        attention = (6 + copy) * n * d / t * act + lse_rows * heads * s * 4
     if cp > 1 and mode == "fp32":  # the rotation keeps this block's float32 cos and sin at its positions
         attention += 2 * s * (model.head_dim // 2) * 4
     if moe:  # the MoE layer keeps its own copies of the normed input (moe_activation_bytes)
@@ -89,7 +108,7 @@ def block_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode
         mlp = moe_activation_bytes(model, micro_batch=b, seq=s // q, mode=mode, ep=ep,
                                    expert_tp=t if layout.expert_tp else 1, gathered=sequence_parallel and layout.expert_tp)
     else:
-        norms += _norm_and_column_input(n / q, d, mode)
+        norms += _norm_and_column_input(tokens, wide, mode)
         mlp = 2 * n * f / t * act  # up's output (GELU's input) and GELU's output (down's input)
     casts = 0.0
     if mode != "fp32":  # each apply_rope keeps 16-bit copies of the float32 cos and sin tables
@@ -106,13 +125,15 @@ def block_weight_casts(model: ModelConfig, layout: Layout, *, mode: str, moe: bo
     if mode != "autocast":
         return 0.0
     d, f, t = model.d_model, model.ff_dim, layout.tp
+    if layout.tp_mode != "1d":  # every grid linear casts its own block inside its autograd function and keeps it
+        return 2 * (4 * d * d + 2 * d * f) / grid_cuts(layout)[2]
     mlp_weights = 0 if moe else d * f
     column = 0 if layout.sequence_parallel else 3 * d * d + mlp_weights
     return 2 * (column + d * d + mlp_weights) / t
 
 
 def head_weight_cast(model: ModelConfig, *, tp: int, sequence_parallel: bool, mode: str) -> float:
-    """The head's 16-bit weight copy under autocast (see block_weight_casts)."""
+    """The head's 16-bit weight copy under autocast (see block_weight_casts; tp: the blocks its weight is cut into)."""
     return model.padded_vocab // tp * model.d_model * 2 if mode == "autocast" and not sequence_parallel else 0.0
 
 
@@ -176,23 +197,32 @@ def positions_bytes(layout: Layout, *, seq: int) -> float:
     return 8 * seq // layout.cp
 
 
-def embedding_activation_bytes(*, micro_batch: int, seq: int, tp: int = 1, cp: int = 1) -> float:
+def embedding_activation_bytes(*, micro_batch: int, seq: int, tp: int = 1, cp: int = 1, share: int = 1) -> float:
     """The embedding keeps the token ids (int64; the batch holds one more column of targets; under cp a
     copy of this rank's seq / cp positions); split over tp, each rank keeps its local ids and the mask
-    of ids outside its vocabulary slice."""
-    n = micro_batch * seq // cp
+    of ids outside its vocabulary slice (a grid looks every row of the micro-batch up, 2.5d its grid's
+    share: 1 / share of them)."""
+    n = micro_batch * seq // cp // share
     if tp > 1:
         return n * 9
     return n * 8 if cp > 1 else micro_batch * (seq + 1) * 8
 
 
 def head_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, tp: int = 1,
-                          sequence_parallel: bool = False, mode: str = "fp32") -> float:
+                          sequence_parallel: bool = False, mode: str = "fp32",
+                          grid: tuple[int, int, int] | None = None) -> float:
     """The final norm, the head's input (and 16-bit weight copy under autocast), and the loss, which
     keeps the logits in their own dtype and O(n) per-row values (paratrain.nn.loss; under tp the
-    vocabulary-parallel loss likewise for this rank's slice): never a float32 copy of the logits."""
+    vocabulary-parallel loss likewise for this rank's slice): never a float32 copy of the logits.
+    grid: a grid mode's (row, width, weight) blocks (grid_cuts): the logits a block of rows and vocabulary."""
     b, s, d, t = micro_batch, seq, model.d_model, tp
     n = b * s
+    if grid is not None:
+        rows, width, blocks = grid
+        logit_bytes = 4 if mode == "fp32" else 2
+        return (_norm_and_column_input(n / rows, d // width, mode)
+                + head_weight_cast(model, tp=blocks, sequence_parallel=False, mode=mode)
+                + n / rows * (model.padded_vocab // width * logit_bytes + 18))
     q = t if sequence_parallel else 1
     total = _norm_and_column_input(n / q, d, mode) + head_weight_cast(model, tp=t, sequence_parallel=sequence_parallel,
                                                                     mode=mode)
@@ -220,8 +250,10 @@ def _chunk_sizes(model: ModelConfig, layout: Layout, seq: int, mode: str,
     block = block_activation_bytes(model, layout, seq=seq, mode=mode)
     moe_block = block_activation_bytes(model, layout, seq=seq, mode=mode, moe=True)
     kwargs = dict(micro_batch=layout.micro_batch, seq=seq // layout.cp, tp=layout.tp)
-    head = head_activation_bytes(model, sequence_parallel=layout.sequence_parallel, mode=mode, **kwargs)
-    embedding = embedding_activation_bytes(micro_batch=layout.micro_batch, seq=seq, tp=layout.tp, cp=layout.cp)
+    grid = grid_cuts(layout) if layout.tp_mode != "1d" else None
+    head = head_activation_bytes(model, sequence_parallel=layout.sequence_parallel, mode=mode, grid=grid, **kwargs)
+    embedding = embedding_activation_bytes(micro_batch=layout.micro_batch, seq=seq, tp=layout.tp, cp=layout.cp,
+                                           share=layout.tp_depth if layout.tp_mode == "2.5d" else 1)
     sizes = []
     for start, end in chunk_layers(model, layout.dims, pp_split):
         held = range(max(start, 1), min(end, model.n_layer + 1))  # GPT layer i + 1 is block i
@@ -274,7 +306,10 @@ def _peak_in_flight(schedule: str, pp: int, microbatches: int, stage: int, chunk
 
 @functools.lru_cache(maxsize=8192)
 def _chunk_casts(model: ModelConfig, layout: Layout, mode: str, pp_split: tuple[int, ...]) -> tuple[float, ...]:
-    """Each pipeline chunk's weight casts under autocast: its dense blocks' and the head's (one copy per step)."""
+    """Each pipeline chunk's weight casts under autocast: its dense blocks' and the head's (one copy per step). A
+    grid's linears cast their blocks inside their own autograd functions, once per micro-batch: none held once."""
+    if layout.tp_mode != "1d":
+        return tuple(0.0 for _ in chunk_layers(model, layout.dims, pp_split))
     block = block_weight_casts(model, layout, mode=mode)
     head = head_weight_cast(model, tp=layout.tp, sequence_parallel=layout.sequence_parallel, mode=mode)
     casts = []

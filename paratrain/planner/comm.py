@@ -254,4 +254,4 @@ def _activation_bytes(layout: Layout, precision: str) -> int:
 
 def _root_groups(params: list) -> int:
     """How many of ZeRO-3's flat groups belong to the root unit (one per optimizer group and role)."""
-    return len({(len(p.shape) >= 2, p.tp_split, p.tied, p.norm_skip) for p in params if not p.unit})
+    return len({(len(p.shape) >= 2, p.tp_split, p.tied, p.norm_skip, p.grid_vector) for p in params if not p.unit})

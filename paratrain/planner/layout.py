@@ -61,7 +61,8 @@ class Layout:
         unknown = sorted(set(fields) - set(LAYOUT_FIELDS))
         if unknown:
             raise ConfigError(f"unknown layout fields {unknown}: a layout has {list(LAYOUT_FIELDS)}")
-        axes = {name: fields.pop(name) for name in ("dp", "tp", "pp", "virtual_stages", "ep", "cp") if name in fields}
+        axes = {name: fields.pop(name) for name in ("dp", "tp", "pp", "virtual_stages", "ep", "cp", "tp_mode", "tp_depth")
+                if name in fields}
         if "ps_servers" in fields:
             axes["servers"] = fields.pop("ps_servers")
         shard_group, zero, dp = fields.pop("shard_group", None), fields.get("zero", 0), axes.get("dp", 1)
@@ -81,6 +82,15 @@ class Layout:
     @property
     def tp(self) -> int:
         return self.dims.tp
+
+    @property
+    def tp_mode(self) -> str:
+        """How tp splits each layer: 1d, 2d, 2.5d or 3d (paratrain.tensor_parallel)."""
+        return self.dims.tp_mode
+
+    @property
+    def tp_depth(self) -> int:
+        return self.dims.tp_depth
 
     @property
     def pp(self) -> int:
@@ -132,7 +142,7 @@ class Layout:
 
 LAYOUT_FIELDS = ("dp", "tp", "pp", "virtual_stages", "zero", "shard_group", "micro_batch", "recompute",
                  "sequence_parallel", "schedule", "offload", "ep", "cp", "cp_mode", "ps_mode", "ps_servers", "staleness",
-                 "expert_tp")
+                 "expert_tp", "tp_mode", "tp_depth")
 """A layout's flat fields (to_dict, Layout.of), in the order the planner's records list them."""
 
 
@@ -150,6 +160,8 @@ class RankParam:
     """Counted in the norm by another rank (the last stage's tied copy)."""
     expert: bool = False
     """Stacked expert weights of a MoE layer (this rank's E / ep experts), reduced and sharded over edp."""
+    grid_vector: bool = False
+    """A norm's weight cut along a grid's width (tp_mode 2d, 2.5d, 3d): its own placement, so its own flat groups."""
 
     @property
     def numel(self) -> int:
@@ -190,8 +202,48 @@ def rank_params(model: ModelConfig, dims: ParallelDims, stage: int, pp_split: tu
     order), with tensor parallelism's slices (GPT_PLAN: qkv, up and head split by rows, out and down
     by columns, the embedding by vocabulary rows; norms and MoE layers replicated, the experts cut along
     their width with expert_tp) and expert parallelism's (each rank E / ep experts of every MoE layer)."""
+    if dims.tp_mode != "1d":
+        return list(_grid_params(model, dims.tp_mode, dims.grid_side, dims.pp, dims.virtual_stages, stage,
+                                 tuple(pp_split)))
     return list(_rank_params(model, dims.tp, dims.pp, dims.virtual_stages, stage, tuple(pp_split), dims.ep,
                              expert_tp and dims.tp > 1))
+
+
+@functools.lru_cache(maxsize=4096)
+def _grid_params(model: ModelConfig, mode: str, q: int, pp: int, v_stages: int, stage: int,
+                 pp_split: tuple[int, ...]) -> tuple[RankParam, ...]:
+    """rank_params under a grid mode (paratrain.tensor_parallel.grid_plan): every matrix W[out, in] a block of
+    [out / q, in / q] (2d, 2.5d: the same blocks on every grid of the stack) or [out / q^2, in / q] (3d), the
+    embedding and the head as a [V, d] matrix, norms [d / q]. The GPT's MoE layers are refused there."""
+    d, f, v = model.d_model, model.ff_dim, model.padded_vocab
+    rows = q * q if mode == "3d" else q
+
+    def matrix(name: str, out: int, inp: int, **kw: bool) -> RankParam:
+        return RankParam(name, (out // rows, inp // q), True, **kw)
+
+    def vector(name: str) -> RankParam:
+        return RankParam(name, (d // q,), False, grid_vector=True)
+
+    ranges = _chunk_layers(model, pp * v_stages, pp_split)
+    mine = [c for c in range(len(ranges)) if c % pp == stage]
+    layers = {i for c in mine for i in range(*ranges[c])}
+    first, last = 0 in mine, len(ranges) - 1 in mine
+    params: list[RankParam] = []
+    if 0 in layers:
+        params.append(matrix("tok_emb.weight", v, d, tied=model.tie_embeddings and not last))
+    for i in range(model.n_layer):
+        if i + 1 in layers:
+            b = f"blocks.{i}"
+            params += [vector(f"{b}.attn_norm.weight"), matrix(f"{b}.attn.qkv.weight", 3 * d, d),
+                       matrix(f"{b}.attn.out.weight", d, d), vector(f"{b}.mlp_norm.weight"),
+                       matrix(f"{b}.mlp.up.weight", f, d), matrix(f"{b}.mlp.down.weight", d, f)]
+    if model.n_layer + 1 in layers:
+        params.append(vector("norm.weight"))
+        if not model.tie_embeddings:
+            params.append(matrix("head.weight", v, d))
+        elif not first:
+            params.append(matrix("head.weight", v, d, tied=True, norm_skip=True))
+    return tuple(params)
 
 
 @functools.lru_cache(maxsize=4096)

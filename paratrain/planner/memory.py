@@ -51,9 +51,10 @@ def optimizer_group(param: RankParam) -> int:
     return 0 if len(param.shape) >= 2 else 1
 
 
-def _role(param: RankParam) -> tuple[bool, bool, bool, bool]:
-    """ZeroSync keys flat groups by paratrain.comm.placement.Placement: different placements never share one."""
-    return param.tp_split, param.tied, param.norm_skip, param.expert
+def _role(param: RankParam) -> tuple[bool, bool, bool, bool, bool]:
+    """ZeroSync keys flat groups by paratrain.comm.placement.Placement: different placements never share one.
+    The last is whether it is an expert group (split over expert_shards)."""
+    return param.tp_split, param.tied, param.norm_skip, param.grid_vector, param.expert
 
 
 def flat_groups(params: list[RankParam], *, zero: int, shards: int, bucket_bytes: int,
@@ -74,11 +75,11 @@ def flat_groups(params: list[RankParam], *, zero: int, shards: int, bucket_bytes
         blocks = [u for u in units if u]
         sizes = []
         for unit in [*reversed(blocks), *([""] if "" in units else [])]:
-            by_key: dict[tuple[int, tuple[bool, bool, bool, bool]], int] = {}
+            by_key: dict[tuple[int, tuple[bool, ...]], int] = {}
             for p in units[unit]:
                 key = (group_of[id(p)], _role(p))
                 by_key[key] = by_key.get(key, 0) + p.numel
-            sizes += [(n, role[3]) for (_, role), n in by_key.items()]  # role[3]: an expert group
+            sizes += [(n, role[-1]) for (_, role), n in by_key.items()]  # role[-1]: an expert group
     plans = []
     for n, expert in sizes:
         parts = expert_shards if expert else shards

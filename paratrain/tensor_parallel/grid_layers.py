@@ -8,7 +8,8 @@ slicing it, so tp 1, 1d and 2d start from the same numbers. Rank (i, j) of a q x
                      ids[B, S] (whole, as every tp rank reads them) -> x[B_i, S, h_j]: each rank looks up
                      every row in its vocabulary block (zeros elsewhere), and a reduce-scatter down the column
                      sums the blocks and leaves rank (i, j) its rows B_i: this is where the batch is split
-    SplitNorm        RMSNorm / LayerNorm over h: statistics of x[B_i, S, h_j] summed along the row; g[h] -> g[h_j]
+    SplitNorm        RMSNorm / LayerNorm over h: statistics of x[B_i, S, h_j] summed along the row; g[h] -> g[h_j];
+                     an RMSNorm keeps only x and 1 / rms, as paratrain's own (paratrain.models.norms)
     SplitOutput      the loss on logits[B_i, S, V_j]: the vocab-parallel cross-entropy along the row on the
                      targets' rows B_i, then the loss summed down the column (every tp rank holds the whole sum)
 
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.comm.collectives import all_reduce
 from paratrain.comm.regions import (copy_to_tp_region, gather_along_region, gather_from_sequence_region,
                                     gather_from_tp_region, reduce_from_tp_region, reduce_scatter_to_sequence_region,
                                     sum_in_region)
@@ -161,6 +163,9 @@ class SplitNorm(nn.Module):
         return {"weight": vector_block(self.acts), "bias": vector_block(self.acts)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms and self.bias is None:
+            weight = copied(self.weight, self.acts.rows)
+            return _SplitRMSNorm.apply(x, weight, self.eps, self.width, self.acts.width, self.float32)
         wide, group = (x.to(torch.float32) if self.float32 else upcast(x)), self.acts.width
         if not self.rms:  # LayerNorm: centred first, by the mean over the whole width
             wide = wide - sum_in_region(wide.sum(-1, keepdim=True), group) / self.width
@@ -168,6 +173,36 @@ class SplitNorm(nn.Module):
         y = (wide * torch.rsqrt(squares / self.width + self.eps)).type_as(x)
         y = y * copied(self.weight, self.acts.rows)
         return y + copied(self.bias, self.acts.rows) if self.bias is not None else y
+
+
+class _SplitRMSNorm(torch.autograd.Function):
+    """x / rms(x) * weight over a width cut along `group` (paratrain.models.norms._RMSNorm's arithmetic, the sums over
+    the width all-reduced): keeps x in its own dtype and 1 / rms (one per row), recomputing the rest in backward, so a
+    norm on the grid keeps what the 1d one keeps for its rows and width."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, width: int,  # type: ignore[override]
+                group: AxisGroup, float32: bool) -> torch.Tensor:
+        wide = x.to(torch.float32) if float32 else upcast(x)
+        squares = wide.pow(2).sum(-1, keepdim=True)
+        all_reduce(squares, group)
+        rstd = torch.rsqrt(squares / width + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.width, ctx.group, ctx.float32 = width, group, float32
+        return (wide * rstd).type_as(x) * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, weight, rstd = ctx.saved_tensors
+        wide = x.to(torch.float32) if ctx.float32 else upcast(x)
+        normed = (wide * rstd).type_as(x)
+        grad_weight = (grad * normed).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)  # this rank's rows
+        grad_normed = (grad * weight).to(wide.dtype)
+        grad_rstd = (grad_normed * wide).sum(-1, keepdim=True)
+        all_reduce(grad_rstd, ctx.group)  # over the whole width
+        grad_mean = grad_rstd * -0.5 * rstd.pow(3)
+        grad_wide = grad_normed * rstd + grad_mean * (2.0 / ctx.width) * wide
+        return grad_wide.to(x.dtype), grad_weight, None, None, None, None
 
 
 def gathered(y: torch.Tensor, acts: Activations) -> torch.Tensor:

@@ -24,11 +24,12 @@ def _report(layout: dict, precision: str, model: str = "tiny") -> dict:
     config = paratrain.ParallelConfig(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], zero=layout["zero"],
                                       shard_group=layout["shard_group"], virtual_stages=layout["virtual_stages"],
                                       schedule=layout["schedule"], offload="optimizer" if layout["offload"] else "none",
-                                      bucket_mb=BUCKET_MB, ep=layout["ep"], expert_tp=layout["expert_tp"])
+                                      bucket_mb=BUCKET_MB, ep=layout["ep"], expert_tp=layout["expert_tp"],
+                                      tp_mode=layout["tp_mode"], tp_depth=layout["tp_depth"])
     ctx = paratrain.init(device="cpu", config=config)
     model = paratrain.build_gpt(TINY if model == "tiny" else MOE, seed=0)
-    engine = paratrain.parallelize(model, ctx, optimizer=adamw_factory(model, OptimSection()), micro_batch=1,
-                                   precision=precision)
+    engine = paratrain.parallelize(model, ctx, optimizer=adamw_factory(model, OptimSection()),
+                                   micro_batch=config.tp_row_parts, precision=precision)
     rows = 8 // ctx.mesh.degree("dp")
     x = torch.randint(0, 256, (rows, TINY.seq_len), generator=torch.Generator().manual_seed(0))
     engine.train_step((x, x.roll(-1, 1)), paratrain.lm_loss)  # the optimizer state exists after a step
@@ -49,7 +50,11 @@ CASES = {
         dict(model="tiny-moe", dp=2, ep=2, pp=2, zero=1),
         # expert tensor parallelism: every expert cut over tp (with ZeRO: its slices sharded over edp)
         dict(model="tiny-moe", dp=2, ep=2, tp=2, expert_tp=True), dict(model="tiny-moe", dp=2, tp=2, expert_tp=True,
-                                                                        zero=2)],
+                                                                        zero=2),
+        # a 2 x 2 grid: matrix blocks and norm blocks in flat groups of their own
+        dict(tp=4, tp_mode="2d"), dict(tp=4, tp_mode="2d", zero=1, precision="bf16")],
+    8: [dict(dp=2, tp=4, tp_mode="2d", zero=3), dict(tp=8, tp_mode="3d"),
+        dict(tp=8, tp_mode="2.5d", tp_depth=2, pp=1, zero=0)],
 }
 
 
@@ -151,6 +156,37 @@ def test_tensor_parallel_activations_equal_what_autograd_keeps(pools, world):
                 expected = activation_bytes(TINY, layout, seq=TINY.seq_len, mode=storage_mode(precision, zero))
                 for got in pools(world).run(_tp_activations, sp, precision, zero, recompute):
                     assert got == expected, (sp, precision, zero, recompute, got, expected)
+
+
+def _grid_activations(tp_mode: str, tp_depth: int, precision: str, zero: int, recompute: str) -> int:
+    import paratrain
+    from paratrain.memory import autocast
+    from paratrain.memory.activations import saved_activations
+
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(
+        dp=1, tp=dist.get_world_size(), tp_mode=tp_mode, tp_depth=tp_depth, zero=zero))
+    model = paratrain.build_gpt(TINY, seed=0)
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), precision=precision,
+                                   recompute=recompute)
+    x = torch.randint(0, 256, (4, TINY.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    with saved_activations(engine.model) as saved, autocast(precision, ctx.device):
+        paratrain.lm_loss(engine.model, (x[:, :-1], x[:, 1:]))
+    return saved.bytes
+
+
+@pytest.mark.parametrize("world,tp_mode,tp_depth", [(4, "2d", 1), (8, "2.5d", 2), (8, "3d", 1)])
+def test_grid_activations_equal_what_autograd_keeps(pools, world, tp_mode, tp_depth):
+    """2d, 2.5d and 3d, each storage mode, no / selective / full recompute: the planner's bytes, to the byte."""
+    from paratrain.planner.layout import Layout
+    from paratrain.planner.activations import activation_bytes, storage_mode
+
+    for precision, zero in (("fp32", 0), ("bf16", 0), ("bf16", 1)):
+        for recompute in ("none", "selective", "full"):
+            layout = Layout.of(tp=world, tp_mode=tp_mode, tp_depth=tp_depth, micro_batch=4, zero=zero,
+                               recompute=recompute)
+            expected = activation_bytes(TINY, layout, seq=TINY.seq_len, mode=storage_mode(precision, zero))
+            for got in pools(world).run(_grid_activations, tp_mode, tp_depth, precision, zero, recompute):
+                assert got == expected, (tp_mode, precision, zero, recompute, got, expected)
 
 
 def _context_parallel_activations(case: dict, precision: str, zero: int, recompute: str) -> int:
