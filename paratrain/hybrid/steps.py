@@ -172,7 +172,8 @@ def pipeline_executor(layout: PipelineLayout, ctx: Context, recipe: Recipe, *, f
         dtype = LOW_DTYPES.get(precision, torch.float32) if ctx.config.zero else torch.float32
         tp_group = ctx.mesh.groups.get("tp")
         split = tp_group.size if tp_group is not None and ctx.config.sequence_parallel else 1
-        boundary = functools.partial(_boundary, split=split, hidden=hidden, dtype=dtype)
+        rows, width = ctx.config.tp_row_parts, ctx.config.tp_split if ctx.config.tp_mode != "1d" else 1
+        boundary = functools.partial(_boundary, split=split, hidden=hidden // width, rows=rows, dtype=dtype)
     return PipelineExecutor(layout.stage, layout.group, schedule=ctx.config.schedule, chunks=ctx.config.virtual_stages,
                             loss=recipe.stage_loss, device=ctx.device, recomputed=recomputed, boundary_shape=boundary)
 
@@ -189,10 +190,11 @@ def values_source(model: nn.Module, init: Source | Mapping[str, ParamInit] | Non
     return Inits(init) if isinstance(init, Mapping) else init
 
 
-def _boundary(tokens: torch.Size, *, split: int, hidden: int, dtype: torch.dtype) -> tuple[torch.Size, torch.dtype]:
-    """The activation between pipeline stages for micro-batch tokens [rows, seq]: [rows, seq / split,
-    hidden] (split: tp under sequence parallelism)."""
-    return torch.Size((tokens[0], tokens[1] // split, hidden)), dtype
+def _boundary(tokens: torch.Size, *, split: int, hidden: int, rows: int = 1,
+              dtype: torch.dtype) -> tuple[torch.Size, torch.dtype]:
+    """The activation between pipeline stages for micro-batch tokens [rows, seq]: [rows / rows, seq / split,
+    hidden] (split: tp under sequence parallelism; rows and hidden: a grid mode's blocks of them)."""
+    return torch.Size((tokens[0] // rows, tokens[1] // split, hidden)), dtype
 
 
 def grad_reduce_op(ctx: Context) -> str:

@@ -39,6 +39,8 @@ Tensor parallelism (`tensor_parallel_calls`), per micro-batch, A = micro-batch x
               too); without it, each module's own weight-gradient pass, which moves nothing without
               sequence parallelism and, with it, what the gathered columns' and the rows' backward
               move (4 all-gathers and 2 reduce-scatters per block, the head's gather and scatter)
+The grid modes (2d, 2.5d, 3d): paratrain.planner.grid, over their sub-axes (tp_row, tp_col, tp_depth; tp_input,
+    tp_weight, tp_output).
 Pipeline: each micro-batch's activation [micro-batch, seq (/ tp under sequence parallelism), d_model]
     sent forward from every chunk but the last, its gradient backward from every chunk but the first;
     the tied embedding's gradient (its shard under ZeRO) all-reduced between the first and last stage.
@@ -59,10 +61,12 @@ from collections import Counter
 from dataclasses import dataclass
 
 from paratrain.config.model import ModelConfig
+from paratrain.planner.activations import grid_cuts
+from paratrain.planner.grid import grid_calls
 from paratrain.planner.layout import Layout, chunk_layers, rank_params
 from paratrain.planner.memory import BYTES, flat_groups
 
-_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "send": 1}
+_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "send": 1, "broadcast": 1, "reduce": 1}
 
 Call = tuple[str, str, int, int]
 """(axis, op, elements of the full tensor (all-reduce buffer, reduce-scatter input, all-gather
@@ -159,6 +163,8 @@ def tensor_parallel_calls(model: ModelConfig, layout: Layout, *, stage: int, pre
         return []
     blocks, first, last = _held(model, layout, stage, pp_split)
     act = _activation_bytes(layout, precision)
+    if layout.tp_mode != "1d":  # 2d, 2.5d, 3d: paratrain.planner.grid
+        return grid_calls(model, layout, blocks=blocks, first=first, last=last, act=act)
     full = layout.micro_batch * model.seq_len // layout.cp * model.d_model  # this rank's tokens
     tokens = layout.micro_batch * model.seq_len // layout.cp
     again = blocks if layout.recompute == "full" else 0
@@ -191,7 +197,9 @@ def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str
             calls.append(("tied", "all_reduce", group.shard_numel, BYTES[precision]))
         else:
             calls.append(("tied", "all_reduce", params[0].numel, 4))
-    parts = 2 if layout.tp > 1 else 1  # tp slices and replicated weights sum over different axes
+    # tp slices and replicated weights sum over different axes; a grid's matrices, its norms' blocks (along the
+    # row) and the replicated kind (none of its parameters) over three
+    parts = (3 if layout.tp_mode != "1d" else 2) if layout.tp > 1 else 1
     if layout.dp * layout.cp > 1:
         calls.append((data_axis(layout), "all_reduce", 2, 8))
         if layout.zero:  # the norm's squares add up over the ranks that hold different shards
@@ -199,6 +207,8 @@ def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str
             calls += [(shard_axis, "all_reduce", 1, 4)] * parts
     if layout.tp > 1:
         calls.append(("tp", "all_reduce", 1, 4))
+        if layout.tp_mode != "1d":  # the norms' blocks, along the row (3d: the output axis)
+            calls.append(("tp_output" if layout.tp_mode == "3d" else "tp_row", "all_reduce", 1, 4))
     if layout.pp > 1:
         calls.append(("pp", "all_reduce", 2, 8))
         calls += [("pp", "all_reduce", 1, 4)] * parts
@@ -214,7 +224,9 @@ def pipeline_sends(model: ModelConfig, layout: Layout, *, stage: int, micro_batc
     mine = [c for c in range(chunks) if c % layout.pp == stage]
     messages = sum((c < chunks - 1) + (c > 0) for c in mine) * micro_batches
     split = (layout.tp if layout.sequence_parallel else 1) * layout.cp
-    message = layout.micro_batch * (model.seq_len // split) * model.d_model * _activation_bytes(layout, precision)
+    rows, width = (1, 1) if layout.tp_mode == "1d" else grid_cuts(layout)[:2]  # a grid's block of the activation
+    message = (layout.micro_batch // rows * (model.seq_len // split) * (model.d_model // width)
+               * _activation_bytes(layout, precision))
     return messages * message
 
 

@@ -45,6 +45,15 @@ GRID = [  # (model, world, rank, layout, global batch, micro-batch, precision, r
     ("tiny", 8, 3, dict(dp=4, cp=2, zero=2, shard_group=2, grad_reduce="reduce_scatter"), 8, 1, "fp32", "none"),
     ("gpt3-175b", 1024, 1000, dict(dp=4, cp=4, tp=8, pp=8, zero=1, sequence_parallel=True, cp_mode="ulysses",
                                    grad_reduce="reduce_scatter"), 16, 1, "bf16", "none"),
+    # the grid modes: SUMMA's broadcasts and reduces on tp_row / tp_col, the cube's gathers on tp_input / tp_weight /
+    # tp_output, 2.5d's depth all-reduces; blocks between pipeline stages
+    ("tiny", 4, 1, dict(tp=4, tp_mode="2d"), 8, 2, "fp32", "full"),
+    (SHORT, 8, 6, dict(pp=2, tp=4, tp_mode="2d", zero=1, schedule="interleaved", virtual_stages=2), 8, 2, "bf16",
+     "none"),
+    ("tiny", 8, 5, dict(tp=8, tp_mode="3d"), 8, 4, "fp32", "selective"),
+    ("tiny", 16, 9, dict(dp=2, tp=8, tp_mode="2.5d", tp_depth=2, zero=3), 16, 4, "fp32", "none"),
+    ("gpt3-175b", 1024, 700, dict(dp=2, tp=64, pp=8, tp_mode="3d", zero=1, grad_reduce="reduce_scatter"), 64, 16,
+     "bf16", "none"),
 ]
 
 
@@ -66,7 +75,8 @@ def test_a_dry_run_equals_the_planner_exactly(model, world, rank, layout, global
     axes = {"tp": layout.get("tp", 1), "pp": layout.get("pp", 1), "dp_cp" if cp > 1 else "dp": layout.get("dp", 1) * cp,
             "cp": cp if layout.get("cp_mode") == "ulysses" else 1}
     hierarchical = {"dp_shard", "dp_replicate"} if layout.get("shard_group") else set()
-    assert set(run.volume) - {"tied"} - hierarchical == {axis for axis, degree in axes.items() if degree > 1}
+    grid = {"tp_row", "tp_col", "tp_depth", "tp_input", "tp_weight", "tp_output"}
+    assert set(run.volume) - {"tied"} - hierarchical - grid == {axis for axis, degree in axes.items() if degree > 1}
     assert bool(run.actions) == (layout.get("pp", 1) > 1) == ("send" in run.volume.get("pp", {}))
 
 

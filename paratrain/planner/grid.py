@@ -1,0 +1,136 @@
+"""The grid modes' tensor-parallel traffic and time (2d, 2.5d, 3d: paratrain.tensor_parallel.grid, .summa, .cube),
+per micro-batch on a pipeline stage, exactly as the engine issues it (checked by `paratrain plan --dry-run`:
+tests/unit/test_dryrun.py). T: the micro-batch's tokens (micro_batch x seq), q the grid side, d the depth; a
+linear W[out, in]; elements in the activations' dtype unless said.
+
+    2d / 2.5d, per linear (each grid on its T / d tokens, r = T / (d q) rows a rank)
+        forward    q broadcasts of W[out/q, in/q] down the column, q reduces of Y[r, out/q] along the row
+        backward   q broadcasts of dY[r, out/q] along the row, q of W down the column, q reduces of dW down
+                   the column; 2.5d: dW all-reduced over depth
+        norm       forward and backward an all-reduce of [r] (float32 at least) along the row; its weight's
+                   gradient [d_model / q] all-reduced down the column (and over depth)
+        embedding  a reduce-scatter down the column of [T / d, d_model / q] (backward: the all-gather); 2.5d: its
+                   gradient [V / q, d_model / q] all-reduced over depth
+        loss       3 all-reduces of [r] (float32 at least) along the row; the loss summed down the column (and over
+                   depth): a scalar each
+    3d, per linear (r = T / q^2 rows a rank; a column layer gathers over input and scatters over output, a row
+        layer the other way round)
+        forward    all-gather of X[r q, in/q] over G, of W[out/q, in/q] over the weight axis, reduce-scatter of
+                   [r q, out/q] over R
+        backward   all-gather of dY over R, X over G and W over the weight axis again; reduce-scatters of
+                   dX[r q, in/q] over G and dW[out/q, in/q] over the weight axis
+        norm, loss as 2d on the stream's rows (width: output axis) and the logits' (width: input axis; the loss
+                   summed over output and weight)
+        embedding  reduce-scatters of [T, d_model / q] over the weight axis, then of [T / q, d_model / q] over
+                   the input axis (backward: the all-gathers)
+
+Full recompute runs each block's forward again in backward, its traffic included: a grid linear's autograd
+function saves its tensors when it returns, so torch's checkpoint cannot stop inside the block's last one.
+"""
+
+from __future__ import annotations
+
+from paratrain.config.model import ModelConfig
+from paratrain.planner.hardware import Hardware
+from paratrain.planner.layout import Layout
+
+Call = tuple[str, str, int, int]
+
+
+def _linears(model: ModelConfig) -> list[tuple[int, int, str]]:
+    """(out, in, style) of a GPT block's linears, in forward order."""
+    d, f = model.d_model, model.ff_dim
+    return [(3 * d, d, "column"), (d, d, "row"), (f, d, "column"), (d, f, "row")]
+
+
+def _linear_calls(layout: Layout, out: int, inp: int, style: str, tokens: int, act: int, *,
+                  forward_only: bool = False) -> list[Call]:
+    q, mode = layout.dims.grid_side, layout.tp_mode
+    calls: list[Call] = []
+    if mode == "3d":
+        rows = tokens // (q * q) * q  # the rows a linear gathers: r q
+        g, r = ("tp_input", "tp_output") if style == "column" else ("tp_output", "tp_input")
+        w = out // q * inp // q
+        calls += [(g, "all_gather", rows * inp // q, act), ("tp_weight", "all_gather", w, act),
+                  (r, "reduce_scatter", rows * out // q, act)]
+        if not forward_only:
+            calls += [(r, "all_gather", rows * out // q, act), (g, "all_gather", rows * inp // q, act),
+                      ("tp_weight", "all_gather", w, act), (g, "reduce_scatter", rows * inp // q, act),
+                      ("tp_weight", "reduce_scatter", w, act)]
+        return calls
+    rows = tokens // (layout.tp_depth * q)
+    w, y = out // q * inp // q, rows * out // q
+    calls += [("tp_col", "broadcast", w, act)] * q + [("tp_row", "reduce", y, act)] * q
+    if not forward_only:
+        calls += ([("tp_row", "broadcast", y, act)] * q + [("tp_col", "broadcast", w, act)] * q
+                  + [("tp_col", "reduce", w, act)] * q)
+        if layout.tp_depth > 1:
+            calls.append(("tp_depth", "all_reduce", w, act))
+    return calls
+
+
+def _norm_calls(layout: Layout, rows: int, d: int, act: int, *, forward_only: bool = False) -> list[Call]:
+    width, copies = ("tp_output", ("tp_input", "tp_weight")) if layout.tp_mode == "3d" else (
+        "tp_row", ("tp_col",) + (("tp_depth",) if layout.tp_depth > 1 else ()))
+    calls: list[Call] = [(width, "all_reduce", rows, max(act, 4))]
+    if not forward_only:
+        calls.append((width, "all_reduce", rows, max(act, 4)))
+        calls += [(axis, "all_reduce", d, act) for axis in reversed(copies)]
+    return calls
+
+
+def grid_calls(model: ModelConfig, layout: Layout, *, blocks: int, first: bool, last: bool,
+               act: int) -> list[Call]:
+    """The tp collectives of one micro-batch on a stage holding `blocks` blocks, the embedding (first) and the
+    final norm, head and loss (last)."""
+    q, d, v = layout.dims.grid_side, model.d_model, model.padded_vocab
+    tokens = layout.micro_batch * model.seq_len
+    rows = tokens // (q * q) if layout.tp_mode == "3d" else tokens // (layout.tp_depth * q)
+    block: list[Call] = []
+    for index, (out, inp, style) in enumerate(_linears(model)):
+        if index in (0, 2):
+            block += _norm_calls(layout, rows, d // q, act)
+        block += _linear_calls(layout, out, inp, style, tokens, act)
+    if layout.recompute == "full":  # the block's forward again (a linear's autograd function saves on return)
+        for index, (out, inp, style) in enumerate(_linears(model)):
+            if index in (0, 2):
+                block += _norm_calls(layout, rows, d // q, act, forward_only=True)
+            block += _linear_calls(layout, out, inp, style, tokens, act, forward_only=True)
+    calls = block * blocks
+    if first:
+        if layout.tp_mode == "3d":
+            calls += [("tp_weight", "reduce_scatter", tokens * d // q, act),
+                      ("tp_input", "reduce_scatter", tokens // q * d // q, act),
+                      ("tp_input", "all_gather", tokens // q * d // q, act),
+                      ("tp_weight", "all_gather", tokens * d // q, act)]
+        else:
+            calls += [("tp_col", op, tokens // layout.tp_depth * d // q, act) for op in ("reduce_scatter", "all_gather")]
+            if layout.tp_depth > 1:
+                calls.append(("tp_depth", "all_reduce", v // q * d // q, act))
+    if last:
+        calls += _norm_calls(layout, rows, d // q, act) + _linear_calls(layout, v, d, "column", tokens, act)
+        vocab, sums = ("tp_input", ("tp_output", "tp_weight")) if layout.tp_mode == "3d" else (
+            "tp_row", ("tp_col",) + (("tp_depth",) if layout.tp_depth > 1 else ()))
+        calls += [(vocab, "all_reduce", rows, 4)] * 3 + [(axis, "all_reduce", 1, 4) for axis in sums]
+    return calls
+
+
+def _span(layout: Layout, axis: str) -> int:
+    """How many consecutive ranks a grid sub-axis's group spans (tp_index = ... row q + column; 3d: a q^2 + b q + c)."""
+    q = layout.dims.grid_side
+    return {"tp_row": q, "tp_output": q, "tp_col": q * q, "tp_weight": q * q, "tp_input": q ** 3,
+            "tp_depth": layout.tp}.get(axis, layout.tp)
+
+
+def grid_time(model: ModelConfig, layout: Layout, hw: Hardware, *, blocks: int, last: bool, act: int) -> float:
+    """Seconds one micro-batch's grid collectives take on a stage (on the critical path, as 1d's): each call over
+    the links its group spans; a broadcast or reduce of n bytes takes n / bw (pipelined), an all-gather or
+    reduce-scatter (k - 1) / k of its full tensor, an all-reduce twice that."""
+    q = layout.dims.grid_side
+    total = 0.0
+    for axis, op, numel, size in grid_calls(model, layout, blocks=blocks, first=False, last=last, act=act):
+        ranks = layout.tp_depth if axis == "tp_depth" else q
+        bw = hw.intra_node_bw if _span(layout, axis) <= hw.devices_per_node else hw.inter_node_bw
+        factor = {"broadcast": ranks / (ranks - 1), "reduce": ranks / (ranks - 1), "all_reduce": 2.0}.get(op, 1.0)
+        total += hw.latency_s + factor * (ranks - 1) / ranks * numel * size / bw
+    return total
