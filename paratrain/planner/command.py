@@ -22,7 +22,7 @@ from paratrain.planner.search import search
 from paratrain.planner.textbook import training_days
 
 _PINS = {"--dp": "dp", "--tp": "tp", "--pp": "pp", "--virtual-stages": "virtual_stages", "--zero": "zero",
-         "--micro-batch": "micro_batch", "--ep": "ep", "--cp": "cp"}
+         "--micro-batch": "micro_batch", "--ep": "ep", "--cp": "cp", "--tp-depth": "tp_depth"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, type=int, help=f"pin {field}")
     parser.add_argument("--recompute", choices=("none", "selective", "full"), help="pin recomputation")
     parser.add_argument("--cp-mode", choices=("ring", "ulysses"), help="pin context parallelism's attention")
+    parser.add_argument("--tp-mode", choices=("1d", "2d", "2.5d", "3d"),
+                        help="pin how tp splits each layer (the search tries 2d, 2.5d and 3d wherever tp is a square, "
+                             "depth x a square or a cube, across nodes too; 1d within a node)")
     parser.add_argument("--ps-mode", choices=("sync", "async"),
                         help="price the parameter server: data parallelism over the trainers, the update on servers")
     parser.add_argument("--ps-servers", type=int, default=0,
@@ -93,14 +96,16 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--gpus ({devices}) and --global-batch ({args.global_batch}) must be >= 1")
     pins: dict[str, Any] = {field: getattr(args, flag[2:].replace("-", "_")) for flag, field in _PINS.items()
                             if getattr(args, flag[2:].replace("-", "_")) is not None}
-    if args.hf:
-        return _hf_plan(args, devices, pins)
-    if args.dry_run:
-        return _dry_run(args, model, devices, pins)
+    if args.hf or args.dry_run:
+        if args.tp_mode is not None:
+            pins["tp_mode"] = args.tp_mode
+        return _hf_plan(args, devices, pins) if args.hf else _dry_run(args, model, devices, pins)
     if args.recompute is not None:
         pins["recompute"] = args.recompute
     if args.cp_mode is not None:
         pins["cp_mode"] = args.cp_mode
+    if args.tp_mode is not None:
+        pins["tp_mode"] = args.tp_mode
     if args.sequence_parallel:
         pins["sequence_parallel"] = True
     if args.ps_mode is not None:
@@ -218,6 +223,8 @@ def _layout_text(layout: dict[str, Any]) -> str:
         text += " sp"
     if layout.get("expert_tp"):
         text += " etp"
+    if layout.get("tp_mode", "1d") != "1d":
+        text += f" {layout['tp_mode']}" + (f"x{layout['tp_depth']}" if layout["tp_mode"] == "2.5d" else "")
     return text
 
 

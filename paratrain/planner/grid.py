@@ -30,6 +30,8 @@ function saves its tensors when it returns, so torch's checkpoint cannot stop in
 
 from __future__ import annotations
 
+import functools
+
 from paratrain.config.model import ModelConfig
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
@@ -80,11 +82,11 @@ def _norm_calls(layout: Layout, rows: int, d: int, act: int, *, forward_only: bo
 
 
 def grid_calls(model: ModelConfig, layout: Layout, *, blocks: int, first: bool, last: bool,
-               act: int) -> list[Call]:
+               act: int, seq: int | None = None) -> list[Call]:
     """The tp collectives of one micro-batch on a stage holding `blocks` blocks, the embedding (first) and the
-    final norm, head and loss (last)."""
+    final norm, head and loss (last); seq: a sequence's tokens (default the model's)."""
     q, d, v = layout.dims.grid_side, model.d_model, model.padded_vocab
-    tokens = layout.micro_batch * model.seq_len
+    tokens = layout.micro_batch * (seq or model.seq_len)
     rows = tokens // (q * q) if layout.tp_mode == "3d" else tokens // (layout.tp_depth * q)
     block: list[Call] = []
     for index, (out, inp, style) in enumerate(_linears(model)):
@@ -115,22 +117,38 @@ def grid_calls(model: ModelConfig, layout: Layout, *, blocks: int, first: bool, 
     return calls
 
 
-def _span(layout: Layout, axis: str) -> int:
-    """How many consecutive ranks a grid sub-axis's group spans (tp_index = ... row q + column; 3d: a q^2 + b q + c)."""
+def _spans(layout: Layout) -> dict[str, int]:
+    """How many consecutive ranks each grid sub-axis's group spans (tp_index = ... row q + column; 3d: a q^2 + b q +
+    c; 2.5d's depth: the whole tp group)."""
     q = layout.dims.grid_side
     return {"tp_row": q, "tp_output": q, "tp_col": q * q, "tp_weight": q * q, "tp_input": q ** 3,
-            "tp_depth": layout.tp}.get(axis, layout.tp)
+            "tp_depth": layout.tp}
 
 
-def grid_time(model: ModelConfig, layout: Layout, hw: Hardware, *, blocks: int, last: bool, act: int) -> float:
+def grid_time(model: ModelConfig, layout: Layout, hw: Hardware, *, blocks: int, last: bool, act: int,
+              seq: int) -> float:
     """Seconds one micro-batch's grid collectives take on a stage (on the critical path, as 1d's): each call over
     the links its group spans; a broadcast or reduce of n bytes takes n / bw (pipelined), an all-gather or
     reduce-scatter (k - 1) / k of its full tensor, an all-reduce twice that."""
-    q = layout.dims.grid_side
-    total = 0.0
-    for axis, op, numel, size in grid_calls(model, layout, blocks=blocks, first=False, last=last, act=act):
-        ranks = layout.tp_depth if axis == "tp_depth" else q
-        bw = hw.intra_node_bw if _span(layout, axis) <= hw.devices_per_node else hw.inter_node_bw
-        factor = {"broadcast": ranks / (ranks - 1), "reduce": ranks / (ranks - 1), "all_reduce": 2.0}.get(op, 1.0)
-        total += hw.latency_s + factor * (ranks - 1) / ranks * numel * size / bw
-    return total
+    return _grid_time(model, layout.tp_mode, layout.tp, layout.tp_depth, layout.micro_batch, layout.recompute, hw,
+                      blocks, last, act, seq)
+
+
+@functools.lru_cache(maxsize=8192)
+def _grid_time(model: ModelConfig, mode: str, tp: int, depth: int, micro_batch: int, recompute: str, hw: Hardware,
+               blocks: int, last: bool, act: int, seq: int) -> float:
+    layout = Layout.of(tp=tp, tp_mode=mode, tp_depth=depth, micro_batch=micro_batch, recompute=recompute)
+    spans, q = _spans(layout), layout.dims.grid_side
+
+    def seconds(calls: list[Call]) -> float:
+        total = 0.0
+        for axis, op, numel, size in calls:
+            ranks = depth if axis == "tp_depth" else q
+            bw = hw.intra_node_bw if spans[axis] <= hw.devices_per_node else hw.inter_node_bw
+            factor = {"broadcast": ranks / (ranks - 1), "reduce": ranks / (ranks - 1), "all_reduce": 2.0}.get(op, 1.0)
+            total += hw.latency_s + factor * (ranks - 1) / ranks * numel * size / bw
+        return total
+
+    block = seconds(grid_calls(model, layout, blocks=1, first=False, last=False, act=act, seq=seq))
+    ends = seconds(grid_calls(model, layout, blocks=0, first=False, last=True, act=act, seq=seq)) if last else 0.0
+    return blocks * block + ends

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import Any, Mapping
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import ParallelConfig
 from paratrain.config.plan import batch_layout
-from paratrain.config.validate import check_context_parallel, check_experts, check_pipeline, check_tensor_parallel
+from paratrain.config.validate import (check_context_parallel, check_experts, check_grid_rows, check_pipeline,
+                                      check_tensor_parallel)
 from paratrain.nn.loss import CHUNK_BYTES
 from paratrain.planner import param_server
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
-from paratrain.planner.activations import activation_bytes, storage_mode
+from paratrain.planner.activations import activation_bytes, grid_cuts, storage_mode
 from paratrain.planner.memory import BYTES, model_state_bytes
 from paratrain.planner.timing import step_time
 
@@ -35,6 +37,7 @@ def check_fields(model: ModelConfig, fields: Mapping[str, Any], *, global_batch:
                               ep=fields["ep"], cp=fields["cp"], cp_mode=fields["cp_mode"],
                               ps_mode=fields["ps_mode"], ps_servers=fields["ps_servers"],
                               staleness=fields["staleness"], expert_tp=fields["expert_tp"],
+                              tp_mode=fields["tp_mode"], tp_depth=fields["tp_depth"],
                               ).resolved(fields["dp"] * fields["tp"] * fields["pp"] * fields["cp"] + fields["ps_servers"])
     if fields["recompute"] not in ("none", "full", "selective"):
         raise ConfigError(f"recompute must be 'none', 'full' or 'selective', got {fields['recompute']!r}")
@@ -42,6 +45,7 @@ def check_fields(model: ModelConfig, fields: Mapping[str, Any], *, global_batch:
     check_context_parallel(model, parallel, seq)
     check_experts(model, parallel)
     batch = batch_layout(global_batch, fields["micro_batch"], fields["dp"])
+    check_grid_rows(parallel, batch)
     check_pipeline(model, parallel, batch)
 
 
@@ -83,8 +87,9 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, p
             logits = tokens * model.padded_vocab / layout.tp
             other += logits * act + min(2 * CHUNK_BYTES, 2 * 4 * logits)
         if layout.zero == 3:  # the largest block, gathered, and the next one prefetched
-            unit = 4 * model.d_model ** 2 / layout.tp + max(
-                2 * model.d_model * model.ff_dim / layout.tp,
+            blocks = grid_cuts(layout)[2]  # tp, or a grid's blocks of each matrix
+            unit = 4 * model.d_model ** 2 / blocks + max(
+                2 * model.d_model * model.ff_dim / blocks,
                 model.moe_layer_params(model.n_experts // layout.ep) / (layout.tp if layout.expert_tp else 1)
                 if model.n_experts else 0)
             other += 2 * unit * BYTES[precision if mode == "low" else "fp32"]
@@ -134,7 +139,8 @@ def _divisors(n: int) -> list[int]:
 
 def candidates(model: ModelConfig, devices: int, hardware: Hardware, *, global_batch: int,
                pins: dict[str, Any] | None = None, seq: int | None = None) -> list[Layout]:
-    """Every layout of `devices` ranks the search considers: tp within a node, cp dividing the sequence into
+    """Every layout of `devices` ranks the search considers: tp within a node (any tp for the grid modes: 2d on a
+    square tp, 2.5d on depth x a square, 3d on a cube; without sequence parallelism, cp or ep), cp dividing the sequence into
     2 cp chunks of which each rank keeps at least CP_MIN_TOKENS tokens (ring, and Ulysses where the heads
     divide), pp up to the layers, 1 or 2 virtual stages, ZeRO 0-3 over
     all of dp, power-of-two micro-batches, no / selective / full recompute, sequence parallelism with tp, and
@@ -162,8 +168,14 @@ def _candidate_fields(model: ModelConfig, devices: int, hardware: Hardware, *, g
     for tp, cp in itertools.product(_divisors(devices), _divisors(devices)):
         if served and tp * cp > 1:  # the parameter server composes with data parallelism only
             continue
-        if tp > hardware.devices_per_node or devices % (tp * cp) or (cp > 1 and seq % (2 * cp)):
+        grids = grid_modes(tp) if cp == 1 and not model.n_experts and not served and (
+            tp <= GRID_MAX_TP or pins.get("tp") == tp) else []
+        if devices % (tp * cp) or (cp > 1 and seq % (2 * cp)):
             continue
+        if tp > hardware.devices_per_node and not grids and pins.get("tp") != tp:  # 1d stays in a node
+            continue
+        if pins.get("tp_mode", "1d") != "1d" and tp > 1 and not grids and pins.get("tp") != tp:
+            continue  # a pinned grid mode: the tp degrees that have its shape
         if cp > 1 and seq // cp < CP_MIN_TOKENS and pins.get("cp") != cp:
             continue
         modes = ["ring"] + (["ulysses"] if cp > 1 and (model.n_head // tp) % cp == 0 else [])
@@ -177,12 +189,22 @@ def _candidate_fields(model: ModelConfig, devices: int, hardware: Hardware, *, g
             micro = [m for m in (1, 2, 4, 8, 16, 32) if per_rank % m == 0]
             eps = [e for e in _divisors(dp) if model.n_experts % e == 0] if model.n_experts and not served else [1]
             cuts = (False, True) if tp > 1 and model.n_experts else (False,)
-            for v, zero, mb, recompute, sp, ep, mode, cut in itertools.product(
+            shapes = ([("1d", 1)] if tp <= hardware.devices_per_node or pins.get("tp") == tp else []) + grids
+            if "tp_mode" in pins:  # a pinned mode (and depth): its shapes only, or itself to be refused with the rule
+                pinned = [(m, d) for m, d in [("1d", 1), *grids] if m == pins["tp_mode"]
+                          and d == pins.get("tp_depth", d)]
+                shapes = pinned or [(pins["tp_mode"], pins.get("tp_depth", 1))]
+            for v, zero, mb, recompute, sp, ep, mode, cut, (tp_mode, depth) in itertools.product(
                     (1, 2) if pp > 1 else (1,), (0,) if served else (0, 1, 2, 3), micro, ("none", "selective", "full"),
-                    (False, True) if tp > 1 else (False,), eps, modes, cuts):
+                    (False, True) if tp > 1 else (False,), eps, modes, cuts, shapes):
+                if tp_mode != "1d" and (sp or ep > 1 or cut):  # the grid modes compose with none of these
+                    continue
+                if tp_mode != "1d" and mb % _row_parts(tp_mode, tp, depth) and "micro_batch" not in pins:
+                    continue  # the grid splits the micro-batch's rows
                 fields = dict(_DEFAULTS, dp=dp, tp=tp, pp=pp, virtual_stages=v, zero=zero, micro_batch=mb,
                               recompute=recompute, sequence_parallel=sp,
-                              schedule="interleaved" if v > 1 else "1f1b", ep=ep, cp=cp, cp_mode=mode, expert_tp=cut)
+                              schedule="interleaved" if v > 1 else "1f1b", ep=ep, cp=cp, cp_mode=mode, expert_tp=cut,
+                              tp_mode=tp_mode, tp_depth=depth)
                 if pins:
                     fields.update({k: pins[k] for k in pins if k in fields})
                     if fields["dp"] * fields["tp"] * fields["pp"] * fields["cp"] != devices:
@@ -190,6 +212,31 @@ def _candidate_fields(model: ModelConfig, devices: int, hardware: Hardware, *, g
                 out.setdefault(tuple(fields.values()), fields)
     return list(out.values())
 
+
+def grid_modes(tp: int) -> list[tuple[str, int]]:
+    """The grid layouts of tp ranks the search tries, (tp_mode, tp_depth): 2d when tp is a square, 2.5d at depth 2
+    or 4 leaving a square of at least 4 (pin --tp-depth for others), 3d when tp is a cube (of at least 8)."""
+    modes: list[tuple[str, int]] = []
+    if tp >= 4 and math.isqrt(tp) ** 2 == tp:
+        modes.append(("2d", 1))
+    modes += [("2.5d", d) for d in (2, 4) if tp % d == 0 and tp // d >= 4 and math.isqrt(tp // d) ** 2 == tp // d]
+    q = round(tp ** (1 / 3))
+    if tp >= 8 and q ** 3 == tp:
+        modes.append(("3d", 1))
+    return modes
+
+
+def _row_parts(tp_mode: str, tp: int, depth: int) -> int:
+    """ParallelConfig.tp_row_parts of a grid shape."""
+    if tp_mode == "3d":
+        return round(tp ** (1 / 3)) ** 2
+    return depth * math.isqrt(tp // depth)
+
+
+GRID_MAX_TP = 64
+"""The search tries the grid modes up to this tp (pin --tp to try more): the largest grids of the papers (Optimus,
+Tesseract, 3D: 64 GPUs), and where each micro-batch still holds rows for every block (an assumption of the search,
+not a rule of the engine)."""
 
 CP_MIN_TOKENS = 1024
 """The search tries a cp degree only where each rank keeps at least this many tokens of a sequence (pin cp to

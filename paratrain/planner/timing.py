@@ -8,7 +8,9 @@ Korthikanti et al. 2022, section 4), each term named so that a measurement can b
                and micro-batch what routing adds to it (the router, top-k, the sort, per-expert launches)
     tp         per block and micro-batch 4 all-reduces of b s h (2 forward, 2 backward; sequence
                parallelism: 4 all-gathers and 4 reduce-scatters, and 2 all-gathers again in
-               backward): on the critical path, so added to each micro-batch's time
+               backward): on the critical path, so added to each micro-batch's time. The grid modes (2d,
+               2.5d, 3d): every collective paratrain.planner.grid lists for the blocks (and the head without pp),
+               each over the links its sub-axis spans
     bubble     the schedule's idle share (paratrain.planner.textbook.bubble_fraction), stretching
                the pipelined time
     pp         an activation forward and a gradient backward per micro-batch and stage boundary; the
@@ -39,6 +41,7 @@ import functools
 from dataclasses import dataclass, field
 
 from paratrain.config.model import ModelConfig
+from paratrain.planner.grid import grid_time
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout, chunk_layers, layer_costs, rank_params
 from paratrain.planner.memory import BYTES
@@ -140,6 +143,9 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     else:
         per_block = 4 * _bus_time(tp_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=2)
     tp_time = m * blocks_here * per_block
+    if layout.tp_mode != "1d" and tp > 1:  # a grid's collectives, each over the links its sub-axis spans; its
+        # head's SUMMA too (its weight term is large): paratrain.planner.grid
+        tp_time = m * grid_time(model, layout, hw, blocks=blocks_here, last=pp == 1, act=act, seq=seq // cp)
     cp_time = m * blocks_here * _context_parallel_time(model, layout, hw, seq=seq, act=act, rate=rate)
     # expert parallelism, on the critical path, per MoE layer and micro-batch: the rows to the experts and
     # back, forward and backward (4 all-to-alls of micro-batch x seq x top_k rows; a share (ep - 1) / ep
