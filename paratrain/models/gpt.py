@@ -40,7 +40,7 @@ from paratrain.config.model import ModelConfig
 from paratrain.models.gpt_recipe import GPT_PLAN, GPT_RECIPE
 from paratrain.models.init import Constant, Given, KeyedNormal, ParamInit, init_tensor_
 from paratrain.models.norms import RMSNorm, apply_rope, rope_tables, upcast
-from paratrain.nn.documents import Documents
+from paratrain.nn.documents import Documents, refuse_documents
 from paratrain.nn.dropout import KeyedDropout
 from paratrain.nn.loss import VocabOutput
 from paratrain.nn.moe import MoE, RouterLog
@@ -261,6 +261,8 @@ def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Te
     depend on how the batch was split into ranks and micro-batches.
     """
     inputs, targets, *positions = batch
+    if positions:  # a layout that cannot take them says so (paratrain.nn.documents)
+        refuse_documents(model)
     logits = model(inputs, *positions)
     output = getattr(model, "output", None)
     if hasattr(output, "loss"):

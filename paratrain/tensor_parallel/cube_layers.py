@@ -20,7 +20,7 @@ from torch import nn
 from paratrain.comm.regions import reduce_scatter_to_sequence_region
 from paratrain.tensor_parallel.cube import Cube, cube_linear
 from paratrain.tensor_parallel.grid import Block
-from paratrain.tensor_parallel.grid_layers import (check_rows, copied, gathered, local_padding, lookup, parameter,
+from paratrain.tensor_parallel.grid_layers import (GRID_DOCUMENTS, check_rows, copied, gathered, local_padding, lookup, parameter,
                                                   vector_block)
 
 
@@ -51,6 +51,9 @@ class CubeLinear(nn.Module):
 
 
 class CubeEmbedding(nn.Module):
+    refuses_positions = GRID_DOCUMENTS
+    """paratrain.nn.documents.refuse_documents reads it: the rows' blocks do not cut the documents' masks yet."""
+
     def __init__(self, full: nn.Embedding, cube: Cube) -> None:
         super().__init__()
         self.cube = cube

@@ -43,6 +43,11 @@ from paratrain.tensor_parallel.summa import summa_linear
 from paratrain.topology.mesh import AxisGroup
 
 
+GRID_DOCUMENTS = ("packed documents (positions) under tp_mode 2d, 2.5d or 3d: the grid cuts each micro-batch's rows "
+                  "into blocks, and the documents' attention masks are not cut with them yet; train without "
+                  "--documents, or with tp_mode 1d")
+
+
 def cut(tensor: torch.Tensor, what: str, cuts: tuple[tuple[int, int, int], ...]) -> torch.Tensor:
     """This rank's block of a whole tensor: block `index` of `parts` along `dim` for each (dim, index, parts)."""
     part = tensor.detach()
@@ -104,6 +109,9 @@ class GridLinear(nn.Module):
 
 
 class GridEmbedding(nn.Module):
+    refuses_positions = GRID_DOCUMENTS
+    """paratrain.nn.documents.refuse_documents reads it: the rows' blocks do not cut the documents' masks yet."""
+
     def __init__(self, full: nn.Embedding, grid: Grid) -> None:
         super().__init__()
         self.grid = grid

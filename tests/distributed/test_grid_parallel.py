@@ -235,6 +235,25 @@ def test_a_2d_checkpoint_continues_under_3d_1d_and_one_process(pools, tmp_path):
         within(rel_diff(got["losses"], ref), 1e-12, f"2d checkpoint resumed under {name} (float64)")
 
 
+def _documents_job() -> str:
+    import paratrain
+    from tests.helpers import TINY
+
+    ctx = paratrain.init(device="cpu", config=ParallelConfig(tp=4, tp_mode="2d"))
+    engine = paratrain.parallelize(paratrain.build_gpt(TINY, seed=0), ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    x = torch.randint(0, 256, (4, TINY.seq_len))
+    try:
+        engine.train_step((x, x, torch.zeros_like(x)), paratrain.lm_loss)
+    except ConfigError as error:
+        return str(error)
+    return "trained"
+
+
+def test_packed_documents_are_refused_on_the_grid(pools):
+    for message in pools(4).run(_documents_job):
+        assert "packed documents (positions) under tp_mode 2d" in message, message
+
+
 @pytest.mark.parametrize("config,message", [
     (dict(tp=8, tp_mode="2d"), "tp must be a square of at least 4"),
     (dict(tp=4, tp_mode="2d", sequence_parallel=True), "tp_mode 2d with sequence_parallel"),
