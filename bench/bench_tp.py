@@ -38,7 +38,7 @@ BATCH = 8
 BLOCKS_PLAN = {"attn.qkv": "column", "attn.out": "row", "mlp.up": "column", "mlp.down": "row"}
 CONTENDERS = ["paratrain-tp1", "paratrain-tp2", "paratrain-tp2-sp", "paratrain-tp2-blocks", "dtensor-tp2",
               "paratrain-tp4", "paratrain-tp4-sp", "paratrain-tp4-blocks", "dtensor-tp4", "paratrain-tp4-2d",
-              "paratrain-tp8", "paratrain-tp8-sp", "paratrain-tp8-2.5d", "paratrain-tp8-3d"]
+              "paratrain-tp8", "paratrain-tp8-sp", "dtensor-tp8", "paratrain-tp8-2.5d", "paratrain-tp8-3d"]
 
 
 def _contender(name: str, steps: int) -> dict:

@@ -113,7 +113,8 @@ class Placements:
     def tie(self, param: torch.Tensor, group: AxisGroup | None, *, counted: bool) -> None:
         """`param` is one end of a weight tied across stages over `group`; counted: this end is the one
         the gradient norm counts. The tied placement's norm axes are its untied one's."""
-        self._of[id(param)] = dataclasses.replace(self(param), tied=group, counted=counted)
+        placed = self(param)  # a copy another layout already leaves to another rank (2.5d's depth) stays uncounted
+        self._of[id(param)] = dataclasses.replace(placed, tied=group, counted=counted and placed.counted)
 
     def norm_parts(self, grads: Iterable[tuple[torch.Tensor, torch.Tensor]], *, sharded: bool) -> list[NormPart]:
         """The gradient norm's parts from (a parameter, the gradient buffer holding it) of each bucket or

@@ -4,7 +4,8 @@ An all-reduce of n bytes moves 2n per rank (a reduce-scatter and an all-gather, 
 NCCL implementations do); a reduce-scatter whose input is n bytes, or an all-gather whose output is
 n bytes, moves n; an all-to-all moves its input (what this rank sends, its own rows included); a broadcast
 or a reduce of n bytes moves n per rank (a pipelined ring or tree passes each byte through every rank once: the
-root sends n, the others receive n), a send or a receive its tensor. So plain data parallelism moves 2 psi per step, ZeRO-1/2 2 psi (reduce-scatter
+root sends n, the others receive n), a point-to-point send its tensor (the receiving end is counted at its
+sender, as paratrain.planner.comm counts a pipeline's messages). So plain data parallelism moves 2 psi per step, ZeRO-1/2 2 psi (reduce-scatter
 psi + all-gather psi), ZeRO-3 3 psi (all-gather in forward and in backward, reduce-scatter).
 """
 
@@ -16,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "all_to_all": 1, "broadcast": 1, "reduce": 1,
-           "send": 1, "recv": 1}
+           "send": 1}
 
 
 @dataclass
@@ -42,7 +43,7 @@ _KIND = {  # c10d (torch.distributed's calls) and _c10d_functional (DTensor, fun
              "_allgather_base_": "all_gather", "allgather_": "all_gather",
              "allgather_into_tensor_coalesced_": "all_gather",
              "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-             "broadcast_": "broadcast", "reduce_": "reduce", "send": "send", "recv_": "recv",
+             "broadcast_": "broadcast", "reduce_": "reduce", "send": "send",
              "reduce_scatter_tensor_coalesced_": "reduce_scatter", "alltoall_base_": "all_to_all"},
     "_c10d_functional": {"all_reduce": "all_reduce", "all_reduce_": "all_reduce",
                          "all_reduce_coalesced": "all_reduce", "all_gather_into_tensor": "all_gather",

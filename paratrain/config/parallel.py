@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, replace
 
 from paratrain.config.errors import ConfigError
+from paratrain.config.rules import PS_MODES, TP_MODES, check_parameter_server, check_tp_mode
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 """The pipeline schedules paratrain.pipeline.schedules builds, by name (config is the ground floor:
@@ -18,9 +19,6 @@ _NOT_YET: dict[str, str] = {}
 CP_MODES: tuple[str, ...] = ("ring", "ulysses")
 """How context parallelism's attention reaches the other ranks' keys and values (ParallelConfig.cp_mode)."""
 
-PS_MODES: tuple[str, ...] = ("off", "sync", "async")
-"""The parameter server (ParallelConfig.ps_mode): off (collective data parallelism), synchronous, or
-asynchronous with bounded staleness (paratrain.param_server)."""
 PS_ON_CPU = ("the parameter server exchanges CPU tensors over gloo point-to-point: CUDA trainers are not built in "
              "this version (their buffers would have to be staged through host memory); use --device cpu, or data "
              "parallelism / ZeRO (--zero 1-3) on CUDA")
@@ -51,10 +49,6 @@ def check_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -
     elif chunks != 1:
         raise ScheduleError(f"--virtual-stages {chunks} needs the interleaved schedule (got {name!r})")
 
-
-
-TP_MODES = ("1d", "2d", "2.5d", "3d")
-"""How tensor parallelism splits each layer (ParallelConfig.tp_mode)."""
 
 
 @dataclass(frozen=True)
@@ -199,7 +193,7 @@ class ParallelConfig:
             )
         if self.expert_tp and self.tp == 1:
             raise ConfigError("expert_tp cuts every expert over the tp ranks, and tp is 1: set tp > 1 or drop expert_tp")
-        self._check_tp_mode()
+        check_tp_mode(self)
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"zero must be one of 0, 1, 2, 3, got {self.zero}")
         if self.grad_reduce not in ("auto", "reduce_scatter", "all_reduce"):
@@ -207,7 +201,7 @@ class ParallelConfig:
         if self.bucket_mb <= 0:
             raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb}")
         self._check_context_parallel()
-        self._check_parameter_server(world_size)
+        check_parameter_server(self, world_size)
         world_size -= self.ps_servers  # dedicated servers train nothing: the layout is the trainers'
         model_parallel = self.tp * self.pp * self.cp
         axes = ("tp", "pp", "cp") if self.cp > 1 else ("tp", "pp")  # cp named where it is used
@@ -252,73 +246,9 @@ class ParallelConfig:
                               f"dp ranks; choose ep in {choices}")
         return replace(self, dp=dp)
 
-    def _check_tp_mode(self) -> None:
-        if self.tp_mode not in TP_MODES:
-            raise ConfigError(f"tp_mode must be one of {', '.join(TP_MODES)}, got {self.tp_mode!r}")
-        if self.tp_depth < 1 or (self.tp_depth > 1 and self.tp_mode != "2.5d"):
-            raise ConfigError(f"tp_depth ({self.tp_depth}) stacks the grids of tp_mode 2.5d, and tp_mode is "
-                              f"{self.tp_mode!r}: set tp_mode 2.5d, or drop tp_depth")
-        if self.tp_mode == "1d":
-            return
-        if self.tp_mode == "3d":
-            q = round(self.tp ** (1 / 3))
-            if q < 2 or q ** 3 != self.tp:
-                raise ConfigError(f"tp_mode 3d lays the tp ranks out as a q x q x q cube, so tp must be a cube of at "
-                                  f"least 8, got tp {self.tp}: choose tp in 8, 27, 64, or tp_mode 1d / 2d")
-        d = self.tp_depth
-        q = math.isqrt(self.tp // d)
-        if self.tp_mode != "3d" and (q < 2 or d * q * q != self.tp):
-            shape = "a q x q grid" if d == 1 else f"tp_depth ({d}) q x q grids"
-            choices = ", ".join(str(d * n * n) for n in range(2, 7))
-            raise ConfigError(f"tp_mode {self.tp_mode} lays the tp ranks out as {shape}, so tp must be "
-                              f"{'' if d == 1 else f'{d} x '}a square of at least 4, got tp {self.tp}: choose tp in {choices}, or tp_mode 1d")
-        others = {"sequence_parallel": self.sequence_parallel, "cp": self.cp > 1,
-                  "expert_tp": self.expert_tp, "ep": self.ep > 1, "ps_mode": self.ps_mode != "off"}
-        given = [name for name, on in others.items() if on]
-        if given:
-            raise ConfigError(f"tp_mode {self.tp_mode} with {', '.join(given)}: the grid splits every activation over its rows "
-                              "(batch) and columns (hidden), which this version composes with data parallelism, ZeRO "
-                              "1-3 and pipeline stages (sequence parallelism is 1d's way to split activations); drop "
-                              f"{', '.join(given)}, or use tp_mode 1d")
-
     def _check_context_parallel(self) -> None:
         if self.cp_mode not in CP_MODES:
             raise ConfigError(f"cp_mode must be one of {', '.join(CP_MODES)}, got {self.cp_mode!r}")
-
-    def _check_parameter_server(self, world_size: int) -> None:
-        """The parameter server holds whole slices of flat buckets of every parameter: it replaces data
-        parallelism's collectives and ZeRO, and does not compose with what splits parameters otherwise."""
-        if self.ps_mode not in PS_MODES:
-            raise ConfigError(f"ps_mode must be one of {', '.join(PS_MODES)}, got {self.ps_mode!r}")
-        if self.ps_servers < 0 or self.staleness < 0:
-            raise ConfigError(f"ps_servers ({self.ps_servers}) and staleness ({self.staleness}) must be >= 0")
-        if self.ps_mode == "off":
-            if self.ps_sparse:
-                raise ConfigError(f"ps_sparse ({', '.join(self.ps_sparse)}) names tables the parameter server sends "
-                                  "row by row, and ps_mode is 'off': set ps_mode to 'sync' or 'async'")
-            if self.ps_servers or self.staleness:
-                raise ConfigError(f"ps_servers ({self.ps_servers}) and staleness ({self.staleness}) configure the "
-                                  "parameter server, and ps_mode is 'off': set ps_mode to 'sync' or 'async'")
-            return
-        other = {"tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep, "zero": self.zero}
-        given = {k: v for k, v in other.items() if (v > 1 if k != "zero" else v > 0)}
-        if given or self.shard_group is not None or self.offload != "none":
-            names = ", ".join(f"{k}={v}" for k, v in given.items()) or (
-                "shard_group" if self.shard_group is not None else f"offload={self.offload}")
-            raise ConfigError(f"ps_mode {self.ps_mode!r} with {names}: the parameter server holds whole slices of "
-                              "every parameter's flat bucket with their optimizer state (it is the sharding), and "
-                              "it composes with data parallelism only in this version: drop them, or set ps_mode "
-                              "to 'off'")
-        if self.ps_mode == "async" and self.ps_servers == 0:
-            raise ConfigError("ps_mode 'async' needs dedicated servers (ps_servers >= 1): a colocated server would "
-                              "have to answer other trainers' pushes in the middle of its own step; use ps_mode "
-                              "'sync' with ps_servers 0, or give ps_servers")
-        if self.ps_mode == "sync" and self.staleness:
-            raise ConfigError(f"staleness ({self.staleness}) bounds the asynchronous mode; ps_mode 'sync' has none: "
-                              "set ps_mode to 'async' or drop staleness")
-        if world_size - self.ps_servers < 1:
-            raise ConfigError(f"ps_servers ({self.ps_servers}) leaves no trainer among {world_size} processes: run "
-                              f"more processes (--nproc trainers + {self.ps_servers} servers)")
 
     @property
     def world_size(self) -> int:

@@ -30,6 +30,14 @@ def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len:
     def divisors(n: int) -> list[int]:
         return [t for t in range(1, n + 1) if n % t == 0 and t <= 64]
 
+    if parallel.tp_mode == "3d":  # a matrix's output dim is cut q^2 ways (paratrain.tensor_parallel.cube)
+        widths = {"d_model": model.d_model, "ff_dim": model.ff_dim, "the padded vocabulary": model.padded_vocab}
+        for name, width in widths.items():
+            if width % (tp * tp):
+                raise ConfigError(f"tp_mode 3d cuts every weight's output dim into q^2 = {tp * tp} blocks (q = {tp}), "
+                                  f"and {name} ({width}) is not a multiple of {tp * tp}: choose tp so that q^2 divides "
+                                  f"it, or tp_mode 1d / 2d")
+
     if model.n_head % tp:
         raise ConfigError(
             f"{what} must divide the attention heads (n_head = {model.n_head}), since each tp rank "

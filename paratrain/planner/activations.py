@@ -47,7 +47,7 @@ def storage_mode(precision: str, zero: int) -> str:
 
 def _norm_and_column_input(tokens: float, d: int, mode: str) -> float:
     """An RMSNorm and the input the next (column) linear keeps: the norm's input in its own dtype and 1/rms in
-    float32 (paratrain.models.norms recomputes the rest), and x * weight (under autocast the linear's 16-bit
+    float32 (paratrain.nn.norms recomputes the rest), and x * weight (under autocast the linear's 16-bit
     copy of it)."""
     if mode == "fp32":
         return tokens * (2 * d * 4 + 4)

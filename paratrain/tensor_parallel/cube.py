@@ -95,7 +95,8 @@ class _CubeLinear(torch.autograd.Function):
         xg, wg = all_gather_along(x, gather, 0), all_gather_along(w, across, 0)
         grad_x = reduce_scatter_along(g @ wg, gather, 0)
         grad_w = g.reshape(-1, g.shape[-1]).t() @ xg.reshape(-1, xg.shape[-1])  # [out_g, in_r], rows b's share
-        return grad_x, reduce_scatter_along(grad_w, across, 0).to(ctx.weight_dtype), None, None, None
+        # summed in the weight's dtype (float32 under autocast)
+        return grad_x, reduce_scatter_along(grad_w.to(ctx.weight_dtype), across, 0), None, None, None
 
 
 @eager  # collectives run eagerly: torch.compile breaks its graph here

@@ -9,7 +9,7 @@ slicing it, so tp 1, 1d and 2d start from the same numbers. Rank (i, j) of a q x
                      every row in its vocabulary block (zeros elsewhere), and a reduce-scatter down the column
                      sums the blocks and leaves rank (i, j) its rows B_i: this is where the batch is split
     SplitNorm        RMSNorm / LayerNorm over h: statistics of x[B_i, S, h_j] summed along the row; g[h] -> g[h_j];
-                     an RMSNorm keeps only x and 1 / rms, as paratrain's own (paratrain.models.norms)
+                     an RMSNorm keeps only x and 1 / rms, as paratrain's own (paratrain.nn.norms)
     SplitOutput      the loss on logits[B_i, S, V_j]: the vocab-parallel cross-entropy along the row on the
                      targets' rows B_i, then the loss summed down the column (every tp rank holds the whole sum)
 
@@ -36,7 +36,7 @@ from paratrain.comm.collectives import all_reduce
 from paratrain.comm.regions import (copy_to_tp_region, gather_along_region, gather_from_sequence_region,
                                     gather_from_tp_region, reduce_from_tp_region, reduce_scatter_to_sequence_region,
                                     sum_in_region)
-from paratrain.models.norms import upcast
+from paratrain.nn.norms import upcast
 from paratrain.tensor_parallel.grid import Activations, Block, Grid
 from paratrain.tensor_parallel.loss import vocab_parallel_cross_entropy
 from paratrain.tensor_parallel.summa import summa_linear
@@ -162,7 +162,8 @@ class SplitNorm(nn.Module):
         weight = full.weight
         self.width = weight.numel()
         eps = getattr(full, "eps", None) if hasattr(full, "eps") else getattr(full, "variance_epsilon", None)
-        self.eps = float(eps if eps is not None else torch.finfo(weight.dtype).eps)
+        self.eps = float(eps) if eps is not None else None
+        """None: torch's nn.RMSNorm default, the input's dtype's machine epsilon."""
         self.weight = parameter(weight, vector_block(acts), "split norm weight")
         bias = getattr(full, "bias", None)
         self.bias = parameter(bias, vector_block(acts), "split norm bias") if bias is not None else None
@@ -171,20 +172,21 @@ class SplitNorm(nn.Module):
         return {"weight": vector_block(self.acts), "bias": vector_block(self.acts)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         if self.rms and self.bias is None:
             weight = copied(self.weight, self.acts.rows)
-            return _SplitRMSNorm.apply(x, weight, self.eps, self.width, self.acts.width, self.float32)
+            return _SplitRMSNorm.apply(x, weight, eps, self.width, self.acts.width, self.float32)
         wide, group = (x.to(torch.float32) if self.float32 else upcast(x)), self.acts.width
         if not self.rms:  # LayerNorm: centred first, by the mean over the whole width
             wide = wide - sum_in_region(wide.sum(-1, keepdim=True), group) / self.width
         squares = sum_in_region(wide.pow(2).sum(-1, keepdim=True), group)
-        y = (wide * torch.rsqrt(squares / self.width + self.eps)).type_as(x)
+        y = (wide * torch.rsqrt(squares / self.width + eps)).type_as(x)
         y = y * copied(self.weight, self.acts.rows)
         return y + copied(self.bias, self.acts.rows) if self.bias is not None else y
 
 
 class _SplitRMSNorm(torch.autograd.Function):
-    """x / rms(x) * weight over a width cut along `group` (paratrain.models.norms._RMSNorm's arithmetic, the sums over
+    """x / rms(x) * weight over a width cut along `group` (paratrain.nn.norms._RMSNorm's arithmetic, the sums over
     the width all-reduced): keeps x in its own dtype and 1 / rms (one per row), recomputing the rest in backward, so a
     norm on the grid keeps what the 1d one keeps for its rows and width."""
 

@@ -32,14 +32,15 @@ from torch import nn
 
 from paratrain.comm.placement import Placements
 from paratrain.comm.regions import all_gather_along
-from paratrain.models.norms import RMSNorm
+from paratrain.nn.norms import RMSNorm
 from paratrain.nn.dropout import KeyedDropout
 from paratrain.nn.loss import VocabOutput
 from paratrain.state_layout import ModelState, OptimizerState, per_element
 from paratrain.tensor_parallel.cube import Cube
-from paratrain.tensor_parallel.cube_layers import CubeEmbedding, CubeLinear
+from paratrain.tensor_parallel.cube_layers import CubeEmbedding, CubeLinear, cube_matrix
 from paratrain.tensor_parallel.grid import Activations, Block, Cut, Grid
-from paratrain.tensor_parallel.grid_layers import GridEmbedding, GridLinear, SplitNorm, SplitOutput
+from paratrain.tensor_parallel.grid_layers import (GridEmbedding, GridLinear, SplitNorm, SplitOutput, matrix_block,
+                                                  vector_block)
 from paratrain.tensor_parallel.plan import check_ties, resolve_plan
 from paratrain.topology.mesh import Mesh
 
@@ -55,6 +56,10 @@ class GridLayout:
     """Parameter name -> how it is cut, made whole, counted and saved."""
     ids: dict[int, Block] = field(default_factory=dict)
     """The same by id() of the parameter, for the gradient placements."""
+    kinds: tuple[Block, ...] = ()
+    """A block of every kind the grid makes (a matrix, a vector along each activation layout's width), in one order:
+    every rank places each kind, holding parameters of it or not, so every pipeline stage reduces the same parts of
+    the gradient norm (a stage of only the embedding has no norm's vector)."""
 
     @property
     def splits(self) -> dict[str, tuple[Cut, ...]]:
@@ -67,7 +72,7 @@ class GridLayout:
     def place(self, placements: Placements, mesh: Mesh) -> None:
         """Each block: its norm's squares added over the ranks holding other blocks of it, its gradient already
         summed over its copies (in the layer's backward), counted and saved once."""
-        kinds: dict[tuple, list[int]] = {}
+        kinds: dict[tuple, list[int]] = {(b.split, b.copies, b.counted): [] for b in self.kinds}
         for key, block in self.ids.items():
             kinds.setdefault((block.split, block.copies, block.counted), []).append(key)
         for (split, copies, counted), ids in kinds.items():
@@ -121,7 +126,9 @@ def apply_grid_tensor_parallel(model: nn.Module, plan: Mapping[str, str], grid: 
             blocks[id(param)] = described[attr]
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, replacement)
-    layout = GridLayout()
+    kinds = ((cube_matrix(grid, "column"), vector_block(grid.stream), vector_block(grid.turned))
+             if isinstance(grid, Cube) else (matrix_block(grid), vector_block(grid.stream)))
+    layout = GridLayout(kinds=kinds)
     for pname, param in model.named_parameters():
         if id(param) in blocks:
             layout.blocks[pname] = layout.ids[id(param)] = blocks[id(param)]

@@ -79,14 +79,15 @@ class _SummaLinear(torch.autograd.Function):
             w_s = _received(w, w_received, grid.i == s)
             broadcast(w_s, grid.col, src_index=s)  # W[out_s, in_j]
             grad_rows += g_s @ w_s
-            partial = g_s.t() @ rows  # [out/q, in/q]: row i's share of dW[out_s, in_j]
+            # [out/q, in/q]: row i's share of dW[out_s, in_j], summed in the weight's dtype (float32 under autocast)
+            partial = (g_s.t() @ rows).to(ctx.weight_dtype)
             reduce(partial, grid.col, dst_index=s)
             if grid.i == s:
                 grad_weight = partial
         assert grad_weight is not None
         if grid.depth is not None:  # 2.5d: every stacked grid's rows
             all_reduce(grad_weight, grid.depth)
-        return grad_rows.view_as(x), grad_weight.to(ctx.weight_dtype), None
+        return grad_rows.view_as(x), grad_weight, None
 
 
 @eager  # collectives run eagerly: torch.compile breaks its graph here

@@ -235,6 +235,16 @@ def test_a_2d_checkpoint_continues_under_3d_1d_and_one_process(pools, tmp_path):
         within(rel_diff(got["losses"], ref), 1e-12, f"2d checkpoint resumed under {name} (float64)")
 
 
+def test_a_tie_keeps_a_copy_uncounted():
+    """2.5d counts a matrix block on grid 0 only; a pipeline's tie of that block must not count it again."""
+    from paratrain.comm.placement import Placement, Placements
+
+    weight, placements = torch.nn.Parameter(torch.zeros(2)), Placements()
+    placements.add(Placement(counted=False), [id(weight)])
+    placements.tie(weight, None, counted=True)
+    assert not placements(weight).counted
+
+
 def _documents_job() -> str:
     import paratrain
     from tests.helpers import TINY

@@ -48,6 +48,8 @@ GRID = [  # (model, world, rank, layout, global batch, micro-batch, precision, r
     # the grid modes: SUMMA's broadcasts and reduces on tp_row / tp_col, the cube's gathers on tp_input / tp_weight /
     # tp_output, 2.5d's depth all-reduces; blocks between pipeline stages
     ("tiny", 4, 1, dict(tp=4, tp_mode="2d"), 8, 2, "fp32", "full"),
+    # a first stage of only the embedding: no norm's block there, still every part of the gradient norm reduced
+    ("tiny", 8, 0, dict(tp=4, pp=2, tp_mode="2d", pp_split=(1,)), 4, 2, "fp32", "none"),
     (SHORT, 8, 6, dict(pp=2, tp=4, tp_mode="2d", zero=1, schedule="interleaved", virtual_stages=2), 8, 2, "bf16",
      "none"),
     ("tiny", 8, 5, dict(tp=8, tp_mode="3d"), 8, 4, "fp32", "selective"),

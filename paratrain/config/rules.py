@@ -1,0 +1,86 @@
+"""Rules of ParallelConfig.resolved that each concern one strategy: how tp splits each layer, and the parameter
+server (kept apart so that the config's own file stays the layout's fields and their arithmetic)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from paratrain.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from paratrain.config.parallel import ParallelConfig
+
+TP_MODES = ("1d", "2d", "2.5d", "3d")
+"""How tensor parallelism splits each layer (ParallelConfig.tp_mode)."""
+
+PS_MODES: tuple[str, ...] = ("off", "sync", "async")
+"""The parameter server (ParallelConfig.ps_mode): off (collective data parallelism), synchronous, or
+asynchronous with bounded staleness (paratrain.param_server)."""
+
+
+def check_tp_mode(config: ParallelConfig) -> None:
+    """How tp splits each layer (tp_mode, tp_depth), and what the grid modes compose with."""
+    if config.tp_mode not in TP_MODES:
+        raise ConfigError(f"tp_mode must be one of {', '.join(TP_MODES)}, got {config.tp_mode!r}")
+    if config.tp_depth < 1 or (config.tp_depth > 1 and config.tp_mode != "2.5d"):
+        raise ConfigError(f"tp_depth ({config.tp_depth}) stacks the grids of tp_mode 2.5d, and tp_mode is "
+                          f"{config.tp_mode!r}: set tp_mode 2.5d, or drop tp_depth")
+    if config.tp_mode == "1d":
+        return
+    if config.tp_mode == "3d":
+        q = round(config.tp ** (1 / 3))
+        if q < 2 or q ** 3 != config.tp:
+            raise ConfigError(f"tp_mode 3d lays the tp ranks out as a q x q x q cube, so tp must be a cube of at "
+                              f"least 8, got tp {config.tp}: choose tp in 8, 27, 64, or tp_mode 1d / 2d")
+    d = config.tp_depth
+    q = math.isqrt(config.tp // d)
+    if config.tp_mode != "3d" and (q < 2 or d * q * q != config.tp):
+        shape = "a q x q grid" if d == 1 else f"tp_depth ({d}) q x q grids"
+        choices = ", ".join(str(d * n * n) for n in range(2, 7))
+        raise ConfigError(f"tp_mode {config.tp_mode} lays the tp ranks out as {shape}, so tp must be "
+                          f"{'' if d == 1 else f'{d} x '}a square of at least 4, got tp {config.tp}: choose tp in {choices}, or tp_mode 1d")
+    others = {"sequence_parallel": config.sequence_parallel, "cp": config.cp > 1,
+              "expert_tp": config.expert_tp, "ep": config.ep > 1, "ps_mode": config.ps_mode != "off"}
+    given = [name for name, on in others.items() if on]
+    if given:
+        raise ConfigError(f"tp_mode {config.tp_mode} with {', '.join(given)}: the grid splits every activation over its rows "
+                          "(batch) and columns (hidden), which this version composes with data parallelism, ZeRO "
+                          "1-3 and pipeline stages (sequence parallelism is 1d's way to split activations); drop "
+                          f"{', '.join(given)}, or use tp_mode 1d")
+
+
+def check_parameter_server(config: ParallelConfig, world_size: int) -> None:
+    """The parameter server holds whole slices of flat buckets of every parameter: it replaces data
+    parallelism's collectives and ZeRO, and does not compose with what splits parameters otherwise."""
+    if config.ps_mode not in PS_MODES:
+        raise ConfigError(f"ps_mode must be one of {', '.join(PS_MODES)}, got {config.ps_mode!r}")
+    if config.ps_servers < 0 or config.staleness < 0:
+        raise ConfigError(f"ps_servers ({config.ps_servers}) and staleness ({config.staleness}) must be >= 0")
+    if config.ps_mode == "off":
+        if config.ps_sparse:
+            raise ConfigError(f"ps_sparse ({', '.join(config.ps_sparse)}) names tables the parameter server sends "
+                              "row by row, and ps_mode is 'off': set ps_mode to 'sync' or 'async'")
+        if config.ps_servers or config.staleness:
+            raise ConfigError(f"ps_servers ({config.ps_servers}) and staleness ({config.staleness}) configure the "
+                              "parameter server, and ps_mode is 'off': set ps_mode to 'sync' or 'async'")
+        return
+    other = {"tp": config.tp, "pp": config.pp, "cp": config.cp, "ep": config.ep, "zero": config.zero}
+    given = {k: v for k, v in other.items() if (v > 1 if k != "zero" else v > 0)}
+    if given or config.shard_group is not None or config.offload != "none":
+        names = ", ".join(f"{k}={v}" for k, v in given.items()) or (
+            "shard_group" if config.shard_group is not None else f"offload={config.offload}")
+        raise ConfigError(f"ps_mode {config.ps_mode!r} with {names}: the parameter server holds whole slices of "
+                          "every parameter's flat bucket with their optimizer state (it is the sharding), and "
+                          "it composes with data parallelism only in this version: drop them, or set ps_mode "
+                          "to 'off'")
+    if config.ps_mode == "async" and config.ps_servers == 0:
+        raise ConfigError("ps_mode 'async' needs dedicated servers (ps_servers >= 1): a colocated server would "
+                          "have to answer other trainers' pushes in the middle of its own step; use ps_mode "
+                          "'sync' with ps_servers 0, or give ps_servers")
+    if config.ps_mode == "sync" and config.staleness:
+        raise ConfigError(f"staleness ({config.staleness}) bounds the asynchronous mode; ps_mode 'sync' has none: "
+                          "set ps_mode to 'async' or drop staleness")
+    if world_size - config.ps_servers < 1:
+        raise ConfigError(f"ps_servers ({config.ps_servers}) leaves no trainer among {world_size} processes: run "
+                          f"more processes (--nproc trainers + {config.ps_servers} servers)")
