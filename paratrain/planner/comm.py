@@ -197,9 +197,10 @@ def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str
             calls.append(("tied", "all_reduce", group.shard_numel, BYTES[precision]))
         else:
             calls.append(("tied", "all_reduce", params[0].numel, 4))
-    # tp slices and replicated weights sum over different axes; a grid's matrices, its norms' blocks (along the
-    # row) and the replicated kind (none of its parameters) over three
-    parts = (3 if layout.tp_mode != "1d" else 2) if layout.tp > 1 else 1
+    # tp slices and replicated weights sum over different axes; a grid's matrices, the replicated kind (none of its
+    # parameters) and its vectors' blocks along each activation layout's width (2d: the row; 3d: the output and the
+    # input axis) over three or four
+    parts = {"1d": 2, "3d": 4}.get(layout.tp_mode, 3) if layout.tp > 1 else 1
     if layout.dp * layout.cp > 1:
         calls.append((data_axis(layout), "all_reduce", 2, 8))
         if layout.zero:  # the norm's squares add up over the ranks that hold different shards
@@ -207,8 +208,9 @@ def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str
             calls += [(shard_axis, "all_reduce", 1, 4)] * parts
     if layout.tp > 1:
         calls.append(("tp", "all_reduce", 1, 4))
-        if layout.tp_mode != "1d":  # the norms' blocks, along the row (3d: the output axis)
-            calls.append(("tp_output" if layout.tp_mode == "3d" else "tp_row", "all_reduce", 1, 4))
+        if layout.tp_mode != "1d":  # the vectors' blocks, along the row (3d: the output, then the input axis)
+            widths = ("tp_output", "tp_input") if layout.tp_mode == "3d" else ("tp_row",)
+            calls += [(axis, "all_reduce", 1, 4) for axis in widths]
     if layout.pp > 1:
         calls.append(("pp", "all_reduce", 2, 8))
         calls += [("pp", "all_reduce", 1, 4)] * parts
