@@ -126,17 +126,17 @@ def test_parameter_server_states_and_traffic_equal_the_run(pools, world, mode, s
         assert rank["moved"] == {"push": moved["push"], "pull": moved["pull"]}
 
 
-def _tp_activations(sequence_parallel: bool, precision: str, zero: int, recompute: bool) -> int:
+def _saved_bytes(layout: dict, precision: str, recompute: bool | str, rows: int) -> int:
+    """What autograd keeps in one forward of the tiny GPT under dp 1 x tp (the world) and `layout`'s other fields."""
     import paratrain
     from paratrain.memory import autocast
     from paratrain.memory.activations import saved_activations
 
-    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(
-        dp=1, tp=dist.get_world_size(), sequence_parallel=sequence_parallel, zero=zero))
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=1, tp=dist.get_world_size(), **layout))
     model = paratrain.build_gpt(TINY, seed=0)
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), precision=precision,
                                    recompute=recompute)
-    x = torch.randint(0, 256, (2, TINY.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    x = torch.randint(0, 256, (rows, TINY.seq_len + 1), generator=torch.Generator().manual_seed(0))
     with saved_activations(engine.model) as saved, autocast(precision, ctx.device):
         paratrain.lm_loss(engine.model, (x[:, :-1], x[:, 1:]))
     return saved.bytes
@@ -154,24 +154,9 @@ def test_tensor_parallel_activations_equal_what_autograd_keeps(pools, world):
                 layout = Layout.of(tp=world, sequence_parallel=sp, micro_batch=2, zero=zero,
                                 recompute="full" if recompute else "none")
                 expected = activation_bytes(TINY, layout, seq=TINY.seq_len, mode=storage_mode(precision, zero))
-                for got in pools(world).run(_tp_activations, sp, precision, zero, recompute):
+                for got in pools(world).run(_saved_bytes, dict(sequence_parallel=sp, zero=zero), precision,
+                                            recompute, 2):
                     assert got == expected, (sp, precision, zero, recompute, got, expected)
-
-
-def _grid_activations(tp_mode: str, tp_depth: int, precision: str, zero: int, recompute: str) -> int:
-    import paratrain
-    from paratrain.memory import autocast
-    from paratrain.memory.activations import saved_activations
-
-    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(
-        dp=1, tp=dist.get_world_size(), tp_mode=tp_mode, tp_depth=tp_depth, zero=zero))
-    model = paratrain.build_gpt(TINY, seed=0)
-    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), precision=precision,
-                                   recompute=recompute)
-    x = torch.randint(0, 256, (4, TINY.seq_len + 1), generator=torch.Generator().manual_seed(0))
-    with saved_activations(engine.model) as saved, autocast(precision, ctx.device):
-        paratrain.lm_loss(engine.model, (x[:, :-1], x[:, 1:]))
-    return saved.bytes
 
 
 @pytest.mark.parametrize("world,tp_mode,tp_depth", [(4, "2d", 1), (8, "2.5d", 2), (8, "3d", 1)])
@@ -185,7 +170,8 @@ def test_grid_activations_equal_what_autograd_keeps(pools, world, tp_mode, tp_de
             layout = Layout.of(tp=world, tp_mode=tp_mode, tp_depth=tp_depth, micro_batch=4, zero=zero,
                                recompute=recompute)
             expected = activation_bytes(TINY, layout, seq=TINY.seq_len, mode=storage_mode(precision, zero))
-            for got in pools(world).run(_grid_activations, tp_mode, tp_depth, precision, zero, recompute):
+            for got in pools(world).run(_saved_bytes, dict(tp_mode=tp_mode, tp_depth=tp_depth, zero=zero), precision,
+                                        recompute, 4):
                 assert got == expected, (tp_mode, precision, zero, recompute, got, expected)
 
 
