@@ -29,19 +29,52 @@ def _worker(rank: int, world_size: int, store: str, conn: Any, collective_timeou
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=collective_timeout_s))
-    conn.send(("ready", None))
+    conn.send(("ready", None, _threads()))
     while True:
         message = conn.recv()
         if message is None:
             break
         fn, args, kwargs = message
         try:
-            conn.send(("ok", fn(*args, **kwargs)))
+            result = ("ok", fn(*args, **kwargs))
         except BaseException:  # noqa: BLE001 - report everything to the parent
-            conn.send(("error", traceback.format_exc()))
+            result = ("error", traceback.format_exc())
+        _release_groups()
+        conn.send((*result, _threads()))
     dist.destroy_process_group()
-    conn.send(("closed", None))
+    conn.send(("closed", None, 0))
     os._exit(0)
+
+
+def _release_groups() -> None:
+    """Destroy the process groups a job created (its Mesh's), keeping the world's: each gloo group holds threads and
+    sockets, and a pool runs hundreds of jobs (left alive, they reached thousands of threads per suite and slowed
+    every later test several times over)."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in list(c10d._world.pg_map):
+        if group is not c10d.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+    gc.collect()  # the job's engine and mesh hold the groups in reference cycles: their threads end with them
+
+
+def _threads() -> int:
+    """This process's threads (Linux; 0 elsewhere)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
+MAX_THREADS = 300
+"""A rank's threads past which its pool is replaced before the next test. A job whose engine registered gradient hooks
+(ZeRO's, sequence parallelism's) leaves its process groups in reference cycles through torch's C++ hook tables that
+no collector frees, each group with its gloo threads (3 a group); a few hundred such jobs made thousands of threads
+and slowed every later test several times over (measured: a 15-minute suite took 30). A replaced pool costs its
+start (seconds), so the bound is loose (300 threads: about 100 leaked groups a rank)."""
 
 
 class RankPool:
@@ -49,6 +82,8 @@ class RankPool:
         """collective_timeout_s: how long a rank's collective waits for its peers (the benchmarks, whose
         ranks may build a large model while others wait, give more)."""
         self.world_size = world_size
+        self.threads = 0
+        """The most threads any rank reported after a job."""
         self._dir = tempfile.TemporaryDirectory(prefix=f"paratrain-pool{world_size}-")
         context = mp.get_context("spawn")
         self._conns, self._procs = [], []
@@ -76,7 +111,8 @@ class RankPool:
                 silent.append(rank)
                 continue
             try:
-                status, payload = conn.recv()
+                status, payload, threads = conn.recv()
+                self.threads = max(self.threads, threads)
             except EOFError:
                 silent.append(rank)
                 continue
@@ -103,7 +139,8 @@ class RankPool:
 
     @property
     def alive(self) -> bool:
-        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+        """Its ranks live and have not piled up threads (MAX_THREADS): a worn pool is replaced like a dead one."""
+        return bool(self._procs) and all(p.is_alive() for p in self._procs) and self.threads <= MAX_THREADS
 
     def close(self) -> None:
         for conn in self._conns:

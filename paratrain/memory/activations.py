@@ -35,7 +35,10 @@ def saved_activations(model: nn.Module) -> Iterator[SavedActivations]:
         storage = _local(tensor).untyped_storage()
         if storage.data_ptr() not in weights and storage.nbytes():
             record.storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
+        # detached (the same storage and version counter): a node's own output held with its grad_fn would be a
+        # reference cycle through C++ that Python's collector never frees, keeping a forward-only graph, and
+        # everything it references (process groups: their threads), alive for the life of the process
+        return tensor.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield record
