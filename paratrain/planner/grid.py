@@ -71,9 +71,16 @@ def _linear_calls(layout: Layout, out: int, inp: int, style: str, tokens: int, a
     return calls
 
 
+def _axes(layout: Layout, *, turned: bool = False) -> tuple[str, tuple[str, ...]]:
+    """(width axis, rows' axes) of an activation's layout, as paratrain.tensor_parallel's Grid.stream and Cube.stream /
+    Cube.turned name them: the axis a norm's or the loss's sums run along, and the ones a vector's copies span."""
+    if layout.tp_mode == "3d":
+        return ("tp_input", ("tp_output", "tp_weight")) if turned else ("tp_output", ("tp_input", "tp_weight"))
+    return "tp_row", ("tp_col",) + (("tp_depth",) if layout.tp_depth > 1 else ())
+
+
 def _norm_calls(layout: Layout, rows: int, d: int, act: int, *, forward_only: bool = False) -> list[Call]:
-    width, copies = ("tp_output", ("tp_input", "tp_weight")) if layout.tp_mode == "3d" else (
-        "tp_row", ("tp_col",) + (("tp_depth",) if layout.tp_depth > 1 else ()))
+    width, copies = _axes(layout)
     calls: list[Call] = [(width, "all_reduce", rows, max(act, 4))]
     if not forward_only:
         calls.append((width, "all_reduce", rows, max(act, 4)))
@@ -89,15 +96,12 @@ def grid_calls(model: ModelConfig, layout: Layout, *, blocks: int, first: bool, 
     tokens = layout.micro_batch * (seq or model.seq_len)
     rows = tokens // (q * q) if layout.tp_mode == "3d" else tokens // (layout.tp_depth * q)
     block: list[Call] = []
-    for index, (out, inp, style) in enumerate(_linears(model)):
-        if index in (0, 2):
-            block += _norm_calls(layout, rows, d // q, act)
-        block += _linear_calls(layout, out, inp, style, tokens, act)
-    if layout.recompute == "full":  # the block's forward again (a linear's autograd function saves on return)
+    # full recompute runs the block's forward again (a linear's autograd function saves on return)
+    for forward_only in (False, True) if layout.recompute == "full" else (False,):
         for index, (out, inp, style) in enumerate(_linears(model)):
-            if index in (0, 2):
-                block += _norm_calls(layout, rows, d // q, act, forward_only=True)
-            block += _linear_calls(layout, out, inp, style, tokens, act, forward_only=True)
+            if index in (0, 2):  # the attention's and the MLP's norms
+                block += _norm_calls(layout, rows, d // q, act, forward_only=forward_only)
+            block += _linear_calls(layout, out, inp, style, tokens, act, forward_only=forward_only)
     calls = block * blocks
     if first:
         if layout.tp_mode == "3d":
@@ -111,8 +115,7 @@ def grid_calls(model: ModelConfig, layout: Layout, *, blocks: int, first: bool, 
                 calls.append(("tp_depth", "all_reduce", v // q * d // q, act))
     if last:
         calls += _norm_calls(layout, rows, d // q, act) + _linear_calls(layout, v, d, "column", tokens, act)
-        vocab, sums = ("tp_input", ("tp_output", "tp_weight")) if layout.tp_mode == "3d" else (
-            "tp_row", ("tp_col",) + (("tp_depth",) if layout.tp_depth > 1 else ()))
+        vocab, sums = _axes(layout, turned=True)  # the logits of a column head
         calls += [(vocab, "all_reduce", rows, 4)] * 3 + [(axis, "all_reduce", 1, 4) for axis in sums]
     return calls
 

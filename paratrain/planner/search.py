@@ -199,7 +199,8 @@ def _candidate_fields(model: ModelConfig, devices: int, hardware: Hardware, *, g
                     (False, True) if tp > 1 else (False,), eps, modes, cuts, shapes):
                 if tp_mode != "1d" and (sp or ep > 1 or cut):  # the grid modes compose with none of these
                     continue
-                if tp_mode != "1d" and mb % _row_parts(tp_mode, tp, depth) and "micro_batch" not in pins:
+                if tp_mode != "1d" and "micro_batch" not in pins and mb % ParallelConfig(
+                        tp=tp, tp_mode=tp_mode, tp_depth=depth).tp_row_parts:
                     continue  # the grid splits the micro-batch's rows
                 fields = dict(_DEFAULTS, dp=dp, tp=tp, pp=pp, virtual_stages=v, zero=zero, micro_batch=mb,
                               recompute=recompute, sequence_parallel=sp,
@@ -224,13 +225,6 @@ def grid_modes(tp: int) -> list[tuple[str, int]]:
     if tp >= 8 and q ** 3 == tp:
         modes.append(("3d", 1))
     return modes
-
-
-def _row_parts(tp_mode: str, tp: int, depth: int) -> int:
-    """ParallelConfig.tp_row_parts of a grid shape."""
-    if tp_mode == "3d":
-        return round(tp ** (1 / 3)) ** 2
-    return depth * math.isqrt(tp // depth)
 
 
 GRID_MAX_TP = 64

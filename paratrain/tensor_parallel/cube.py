@@ -37,7 +37,7 @@ import torch
 from paratrain.comm.regions import all_gather_along, reduce_scatter_along
 from paratrain.eager import eager
 from paratrain.tensor_parallel.grid import Activations
-from paratrain.tensor_parallel.summa import _compute_dtype
+from paratrain.tensor_parallel.layers import compute_dtype
 from paratrain.topology.mesh import AxisGroup, Mesh
 
 
@@ -80,7 +80,7 @@ class _CubeLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, gather: AxisGroup, across: AxisGroup,
                 scatter: AxisGroup) -> torch.Tensor:
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         x, w = x.to(dtype), weight.to(dtype)
         ctx.save_for_backward(x, w)
         ctx.groups, ctx.weight_dtype = (gather, across, scatter), weight.dtype

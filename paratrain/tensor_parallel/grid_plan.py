@@ -156,11 +156,11 @@ def _hf_rms_norm(module: nn.Module) -> bool:
 
 def _build(module: nn.Module, name: str, style: str, grid: Grid | Cube) -> nn.Module:
     cube = isinstance(grid, Cube)
-    if style in ("column", "row") and type(module) is nn.Linear:
-        return CubeLinear(module, grid, style) if isinstance(grid, Cube) else GridLinear(module, grid)
-    if style == "column_gather" and type(module) is nn.Linear:  # logits whole on every rank (HF's lm_head)
-        return CubeLinear(module, grid, "column", gather=True) if isinstance(grid, Cube) else GridLinear(
-            module, grid, gather=True)
+    if style in ("column", "row", "column_gather") and type(module) is nn.Linear:
+        gather = style == "column_gather"  # logits whole on every rank (HF's lm_head)
+        if isinstance(grid, Cube):
+            return CubeLinear(module, grid, "column" if gather else style, gather=gather)
+        return GridLinear(module, grid, gather=gather)
     if style == "embedding" and isinstance(module, nn.Embedding):
         if module.max_norm is not None:
             raise ValueError(f"{name}: a grid embedding does not support max_norm (it renormalises rows other ranks "

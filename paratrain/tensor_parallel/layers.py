@@ -46,6 +46,14 @@ def _slice(tensor: torch.Tensor, dim: int, group: AxisGroup, what: str) -> torch
     return tensor.detach().narrow(dim, group.index * part, part).clone()
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a layer computes x in: autocast's when it is on for x's device (a dry run's meta tensors have none),
+    else x's own."""
+    if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
 def _parameter(full: torch.Tensor, value: torch.Tensor) -> nn.Parameter:
     """`value` (a slice or copy of the parameter `full`) as a parameter that trains, or stays frozen, as `full` does."""
     return nn.Parameter(value, requires_grad=full.requires_grad)
@@ -63,9 +71,7 @@ class _GatheredLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: AxisGroup,
                 dim: int) -> torch.Tensor:
         ctx.input_dtype = x.dtype
-        # gather (and keep) the input in the compute dtype (a dry run's meta tensors have no autocast)
-        if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):
-            x = x.to(torch.get_autocast_dtype(x.device.type))
+        x = x.to(compute_dtype(x))  # gather (and keep) the input in the compute dtype
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.dim, ctx.bias_dtype = group, dim, bias.dtype if bias is not None else None
         return F.linear(all_gather_along(x, group, dim), weight, bias)

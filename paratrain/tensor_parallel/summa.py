@@ -30,13 +30,7 @@ import torch
 from paratrain.comm.collectives import all_reduce, broadcast, reduce
 from paratrain.eager import eager
 from paratrain.tensor_parallel.grid import Grid
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The autocast dtype when autocast is on for x's device (a meta tensor has none), else x's own."""
-    if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
+from paratrain.tensor_parallel.layers import compute_dtype
 
 
 def _received(own: torch.Tensor, buffer: torch.Tensor, mine: bool) -> torch.Tensor:
@@ -47,7 +41,7 @@ def _received(own: torch.Tensor, buffer: torch.Tensor, mine: bool) -> torch.Tens
 class _SummaLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, grid: Grid) -> torch.Tensor:
-        dtype = _compute_dtype(x)
+        dtype = compute_dtype(x)
         x, w = x.to(dtype), weight.to(dtype).contiguous()  # blocks travel in the compute dtype
         ctx.save_for_backward(x, w)
         ctx.grid, ctx.weight_dtype = grid, weight.dtype
