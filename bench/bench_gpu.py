@@ -118,13 +118,13 @@ def _host_syncs(step: Callable, batch: Any) -> int | str:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def _planner(config: Any, batch: int, micro: int, recompute: str) -> dict[str, float]:
+def _planner(config: Any, batch: int, micro: int, recompute: str, compiled: bool) -> dict[str, float]:
     from paratrain.planner import estimate
     from paratrain.planner.hardware import hardware
     from paratrain.planner.layout import Layout
 
     record = estimate(config, Layout(micro_batch=micro, recompute=recompute), hardware("h100-80gb"),
-                      global_batch=batch, precision="bf16")
+                      global_batch=batch, precision="bf16", kernels="compiled" if compiled else "eager")
     return {"predicted_peak_gb": record["memory"]["peak"] / 1e9, "predicted_step_s": record["step_time_s"]}
 
 
@@ -152,7 +152,7 @@ def _measure(name: str, variant: dict[str, Any], config: Any, batch: int, micro:
         row["host_syncs_quiet_step"] = _host_syncs(step, batches[0])
         row["memory_report_gb"] = {k: v / 1e9 for k, v in holder.memory_report().items()}
         if variant.get("offload", "none") == "none":
-            row.update(_planner(config, batch, micro, variant.get("recompute", "none")))
+            row.update(_planner(config, batch, micro, variant.get("recompute", "none"), variant["compile"]))
     del step, holder
     return row
 

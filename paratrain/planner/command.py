@@ -17,7 +17,7 @@ from typing import Any
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import PRESETS, preset
-from paratrain.planner.hardware import CPU_PROFILE, PROFILES, hardware
+from paratrain.planner.hardware import CPU_PROFILE, GPU_PROFILE, PROFILES, hardware
 from paratrain.planner.search import search
 from paratrain.planner.textbook import training_days
 
@@ -34,14 +34,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"{', '.join(PROFILES)}, cpu (measured by --calibrate), or a JSON profile file")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure this machine's CPU profile (matmul rate, a GPT step's efficiency, gloo bandwidth "
-                             "and latency; about 10 s), save it and print it; then --hardware cpu uses it")
-    parser.add_argument("--save-hardware", help=f"with --calibrate: save the profile here (default {CPU_PROFILE})")
+                             "and latency; about 10 s), save it and print it; then --hardware cpu uses it. On a CUDA "
+                             "machine: the GPU's GEMM table, memory bandwidth, attention rate and launch time (under a "
+                             "minute) for --hardware gpu")
+    parser.add_argument("--save-hardware", help=f"with --calibrate: save the profile here (default {CPU_PROFILE}, "
+                        f"or {GPU_PROFILE} on CUDA)")
     parser.add_argument("--processes", type=int, default=2, help="with --calibrate: local processes for gloo (default 2)")
     parser.add_argument("--peak-tflops", type=float, help="override: dense 16-bit TFLOP/s per device")
     parser.add_argument("--memory-gb", type=float, help="override: memory per device, GB (1e9 bytes)")
     parser.add_argument("--intra-node-gbps", type=float, help="override: bus bandwidth inside a node, GB/s per device")
     parser.add_argument("--inter-node-gbps", type=float, help="override: bus bandwidth between nodes, GB/s per device")
-    parser.add_argument("--efficiency", type=float, help="override: share of the peak the matmuls reach (default 0.5)")
+    parser.add_argument("--efficiency", type=float, help="override: price every FLOP at this share of the peak (one "
+                        "efficiency, no per-operation model)")
+    parser.add_argument("--compile", action="store_true", help="price the blocks compiled (torch.compile: fewer "
+                        "kernels and bytes; a per-operation profile only)")
     parser.add_argument("--global-batch", type=int, help="samples per optimizer step (required unless --calibrate)")
     parser.add_argument("--seq-len", type=int, help="tokens per sample (default: the model's)")
     parser.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
@@ -118,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
         model = replace(model, seq_len=args.seq_len)
     result = search(model, devices, hw, global_batch=args.global_batch, seq_len=args.seq_len,
-                    precision=args.precision, pins=pins)
+                    precision=args.precision, pins=pins, kernels="compiled" if args.compile else "eager")
     if args.tokens:
         for record in result["candidates"]:
             record["train_days"] = args.tokens / record["tokens_per_s"] / 86400
@@ -191,6 +197,21 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from paratrain.planner.calibrate import calibrate
 
+    import torch
+
+    if torch.cuda.is_available():
+        from paratrain.planner.calibrate_device import calibrate_device
+
+        profile = calibrate_device(torch.device("cuda"))
+        path = Path(args.save_hardware or GPU_PROFILE)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
+        best = max(max(row[1:]) for row in profile.gemm)
+        print(json.dumps(profile.to_dict()) if args.json else
+              f"saved {path}: {profile.name}, GEMMs up to {best:.0%} of {profile.peak_flops / 1e12:.0f} TFLOP/s, "
+              f"attention {profile.attention_efficiency:.0%}, memory {profile.memory_bw / 1e12:.2f} TB/s, "
+              f"{profile.launch_s * 1e6:.1f} us per eager launch; --hardware gpu uses it")
+        return 0
     if args.processes < 2:
         raise ConfigError(f"--processes must be >= 2 (gloo between local processes), got {args.processes}")
     profile = calibrate(args.processes)
@@ -244,8 +265,9 @@ def _why(record: dict[str, Any], best: dict[str, Any]) -> str:
 def _table(record: dict[str, Any], top: int, *, tokens: float | None) -> str:
     gb = 1e9
     model, hw, candidates = record["model"], record["hardware"], record["candidates"]
+    rate = ("priced by operation" if hw["memory_bw"] and hw["gemm"] else f"x {hw['efficiency']:g}")
     lines = [f"{model['preset']} ({model['params'] / 1e9:.2f}B parameters) on {record['devices']} x {hw['name']} "
-             f"({hw['memory_bytes'] / gb:.0f} GB, {hw['peak_flops'] / 1e12:.0f} TFLOP/s peak x {hw['efficiency']:g})"]
+             f"({hw['memory_bytes'] / gb:.0f} GB, {hw['peak_flops'] / 1e12:.0f} TFLOP/s peak {rate})"]
     if not candidates:
         lines.append(f"no layout passes paratrain's rules ({len(record['rejected'])} refused); first reason: "
                      + (record["rejected"][0]["reason"] if record["rejected"] else "none"))

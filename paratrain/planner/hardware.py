@@ -1,11 +1,15 @@
 """Hardware profiles: what the time and memory models need to know of a device and its links.
 
-Data-sheet figures (dense 16-bit tensor-core peak, memory, link bandwidth per GPU) and an efficiency
-that turns a peak into what large matmuls reach. Bandwidths are *bus* bandwidths as NCCL-tests define
-them (an all-reduce of n bytes takes 2 (k - 1) / k x n / bw on k ranks), per GPU, one direction.
-Every field can be overridden (`paratrain plan --peak-tflops ...`); `cpu` is measured on this machine
-by `paratrain plan --calibrate` (paratrain.planner.calibrate), which saves it where `--hardware cpu`
-reads it (CPU_PROFILE).
+Data-sheet figures (dense 16-bit tensor-core peak, memory, link bandwidth per GPU) and the rates the
+per-operation step time prices a step with (paratrain.planner.ops: a GEMM table by arithmetic intensity,
+attention, achieved memory bandwidth, launch time), fitted to measured or published steps for the shipped
+GPU profiles (paratrain.planner.fit); or, without those rates, one efficiency that turns the peak into what a
+step reaches (the CPU profile, with its fixed overhead per block). Bandwidths are *bus* bandwidths as
+NCCL-tests define them (an all-reduce of n bytes takes 2 (k - 1) / k x n / bw on k ranks), per GPU, one
+direction. Every field can be overridden (`paratrain plan --peak-tflops ...`); `cpu` is measured on this
+machine by `paratrain plan --calibrate` (paratrain.planner.calibrate), which saves it where `--hardware cpu`
+reads it (CPU_PROFILE); on a CUDA machine it measures the GPU's rates (paratrain.planner.calibrate_device)
+for `--hardware gpu` (GPU_PROFILE).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from paratrain.config.errors import ConfigError
 GIB = 2**30
 CPU_PROFILE = Path.home() / ".cache" / "paratrain" / "cpu.json"
 """Where `paratrain plan --calibrate` saves this machine's profile and `--hardware cpu` reads it."""
+GPU_PROFILE = Path.home() / ".cache" / "paratrain" / "gpu.json"
+"""Where `paratrain plan --calibrate` on a CUDA machine saves its GPU's profile and `--hardware gpu` reads it."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +40,8 @@ class Hardware:
     """Bus bandwidth, bytes/s per device, between nodes (the network)."""
     devices_per_node: int = 8
     efficiency: float = 0.5
-    """Share of the peak that the model's matmuls reach (MFU of a well-tuned run is 0.4-0.55 on GPUs)."""
+    """Without per-operation rates: the share of the peak a step's FLOPs reach (an MFU; the measured CPU
+    profile's). With them (`per_operation`) only the 8 T P / (n X) estimate reads it."""
     latency_s: float = 10e-6
     """Fixed cost of one collective or point-to-point message."""
     overhead_s: float = 0.0
@@ -44,31 +51,88 @@ class Hardware:
     moe_overhead_s: float = 0.0
     """A MoE layer's fixed time per micro-batch beyond a dense block's (router, top-k, the sort by expert, one
     launch per expert). Measured by --calibrate on a CPU; 0 in the GPU profiles."""
+    memory_bw: float = 0.0
+    """Achieved device-memory bandwidth, bytes/s: the rate of memory-bound operations. With `gemm` it turns on
+    the per-operation model (paratrain.planner.ops); 0: step time is FLOPs at peak x efficiency + overhead_s."""
+    gemm: tuple[tuple[float, float, float, float], ...] = ()
+    """Matmul efficiency by shape: rows (arithmetic intensity 1 / (1/m + 1/n + 1/k); share of peak forward, data
+    gradient, weight gradient), ascending (paratrain.planner.ops.gemm_efficiency)."""
+    attention_efficiency: float = 0.0
+    """Share of peak the fused attention kernel reaches on its FLOPs."""
+    launch_s: float = 0.0
+    """Device time lost per kernel launched (eager launches one by one; compiled blocks launch fewer)."""
+
+    @property
+    def per_operation(self) -> bool:
+        """Whether step time is priced by operation (paratrain.planner.ops) rather than one efficiency."""
+        return self.memory_bw > 0 and bool(self.gemm)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
+def roofline_table(peak: float, memory_bw: float, best: float, dims: tuple[int, ...] = (
+        128, 256, 512, 1024, 2048, 4096, 8192, 16384), tokens: int = 16384) -> tuple[tuple[float, ...], ...]:
+    """A GEMM table (Hardware.gemm) where none was measured: [tokens, d] x [d, d] products, each at
+    1 / (1 / best + peak / (intensity x bandwidth)) of peak (a roofline whose loads are not hidden), the
+    same for the three kinds."""
+    rows = []
+    for d in dims:
+        intensity = 1.0 / (1.0 / tokens + 2.0 / d)
+        eff = 1.0 / (1.0 / best + peak / (intensity * memory_bw))
+        rows.append((intensity, eff, eff, eff))
+    return tuple(rows)
+
+
+def with_rates(base: Hardware, *, best: float, attention: float, bandwidth: float, launch_s: float,
+               datasheet_bw: float) -> Hardware:
+    """`base` priced by operation (paratrain.planner.ops): memory at `bandwidth` x the data sheet's, the
+    roofline table up to `best`, attention at `attention` of peak, launch_s per kernel."""
+    bw = datasheet_bw * bandwidth
+    return replace(base, memory_bw=bw, gemm=roofline_table(base.peak_flops, bw, best), attention_efficiency=attention,
+                   launch_s=launch_s)
+
+
 # NVIDIA data sheets: A100 312 TFLOP/s bf16 dense, NVLink 3 600 GB/s both ways (300 one way), HDR
-# 200 Gb/s per GPU; H100 SXM 989 TFLOP/s, NVLink 4 900 GB/s (450 one way), NDR 400 Gb/s per GPU; H200
-# as H100 with 141 GB. Achieved bus bandwidths are below the link's: 0.75 of it is taken here.
-PROFILES: dict[str, Hardware] = {
+# 200 Gb/s per GPU, HBM2e 2.04 TB/s (80 GB; 1.56 for 40 GB); H100 SXM 989 TFLOP/s, NVLink 4 900 GB/s (450 one
+# way), NDR 400 Gb/s per GPU, HBM3 3.35 TB/s; H200 as H100 with 141 GB of HBM3e at 4.8 TB/s. Achieved bus
+# bandwidths are below the link's: 0.75 of it is taken here.
+DATASHEET_MEMORY_BW = {"a100-40gb": 1.555e12, "a100-80gb": 2.039e12, "h100-80gb": 3.35e12, "h200": 4.8e12}
+"""Device-memory bandwidth of the data sheets, bytes/s."""
+DATASHEETS: dict[str, Hardware] = {
     "a100-40gb": Hardware("a100-40gb", 312e12, 40 * GIB, 0.75 * 300e9, 0.75 * 25e9),
     "a100-80gb": Hardware("a100-80gb", 312e12, 80 * GIB, 0.75 * 300e9, 0.75 * 25e9),
     "h100-80gb": Hardware("h100-80gb", 989e12, 80 * GIB, 0.75 * 450e9, 0.75 * 50e9),
     "h200": Hardware("h200", 989e12, 141e9, 0.75 * 450e9, 0.75 * 50e9),
 }
+"""The data sheets alone: one efficiency for every FLOP (what paratrain.planner.fit starts from)."""
+FITTED_RATES = {
+    # python -m paratrain.planner.fit bench/results/h100-gpt2-*.json bench/results/h100-gpt3xl-*.json: the
+    # repo's one-H100 runs (gpt2, gpt3-xl; eager and compiled; no, selective and full recomputation)
+    "h100-80gb": dict(best=0.9164, attention=0.592, bandwidth=0.7064, launch_s=1.6832e-5),
+    # python -m paratrain.planner.fit --published: Korthikanti et al. 2022, Table 5 (Megatron-LM on 80 GB A100s,
+    # paratrain.planner.published)
+    "a100-80gb": dict(best=0.8492, attention=0.25, bandwidth=0.6, launch_s=2e-5),
+}
+FITTED_RATES["h200"] = FITTED_RATES["h100-80gb"]  # not measured: the H100's rates, the H200's bandwidth
+FITTED_RATES["a100-40gb"] = FITTED_RATES["a100-80gb"]
+PROFILES: dict[str, Hardware] = {name: with_rates(sheet, **FITTED_RATES[name], datasheet_bw=DATASHEET_MEMORY_BW[name])
+                                 for name, sheet in DATASHEETS.items()}
+"""The shipped GPU profiles, priced by operation with the rates fitted to measured or published steps."""
 
 
 def hardware(name_or_path: str, **overrides: float) -> Hardware:
-    """A profile by name, or from a JSON file (what --calibrate saves), with fields overridden."""
-    if name_or_path == "cpu" and not CPU_PROFILE.exists():
-        raise ConfigError(f"no CPU profile at {CPU_PROFILE}: measure this machine first with `paratrain plan --calibrate` "
-                          "(about 10 seconds)")
+    """A profile by name, or from a JSON file (what --calibrate saves), with fields overridden (an efficiency
+    prices every FLOP at it: the per-operation tables are dropped)."""
+    saved = {"cpu": CPU_PROFILE, "gpu": GPU_PROFILE}
+    if name_or_path in saved and not saved[name_or_path].exists():
+        raise ConfigError(f"no {name_or_path.upper()} profile at {saved[name_or_path]}: measure this machine first with "
+                          f"`paratrain plan --calibrate`{' on a CUDA machine' if name_or_path == 'gpu' else ''} "
+                          "(under a minute)")
     if name_or_path in PROFILES:
         profile = PROFILES[name_or_path]
-    elif name_or_path == "cpu" or name_or_path.endswith(".json"):
-        path = CPU_PROFILE if name_or_path == "cpu" else Path(name_or_path)
+    elif name_or_path in saved or name_or_path.endswith(".json"):
+        path = saved.get(name_or_path, Path(name_or_path))
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError) as error:
@@ -77,13 +141,16 @@ def hardware(name_or_path: str, **overrides: float) -> Hardware:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"hardware profile {name_or_path!r} has unknown fields {unknown}: it may hold {sorted(known)}")
+        data["gemm"] = tuple(tuple(float(x) for x in row) for row in data.get("gemm", ()))
         profile = Hardware(**data)
     else:
-        raise ConfigError(f"unknown hardware {name_or_path!r}: choose one of {', '.join(PROFILES)}, cpu (after "
+        raise ConfigError(f"unknown hardware {name_or_path!r}: choose one of {', '.join(PROFILES)}, cpu or gpu (after "
                           "`paratrain plan --calibrate`), or a profile file written by `paratrain plan --calibrate "
                           "--save-hardware FILE.json`")
     given = {k: v for k, v in overrides.items() if v is not None}
     for key, value in given.items():
         if not value > 0:
             raise ConfigError(f"hardware {key} must be > 0, got {value}")
+    if "efficiency" in given:  # one efficiency for every FLOP: the per-operation model off
+        given["gemm"] = ()
     return replace(profile, **given) if given else profile

@@ -116,18 +116,21 @@ def context_parallel_transient(model: ModelConfig, layout: Layout, *, seq: int, 
 
 
 def estimate(model_config: ModelConfig, layout: Layout, hardware: Hardware, *, global_batch: int,
-             seq_len: int | None = None, precision: str = "bf16") -> dict[str, Any]:
-    """The candidate record of one layout: its memory (worst rank, bytes) and predicted step time."""
+             seq_len: int | None = None, precision: str = "bf16", kernels: str = "eager") -> dict[str, Any]:
+    """The candidate record of one layout: its memory (worst rank, bytes) and predicted step time (kernels:
+    eager or compiled blocks, paratrain.planner.ops.KERNELS)."""
     seq = seq_len or model_config.seq_len
     check_layout(model_config, layout, global_batch=global_batch, seq=seq)
-    return _record(model_config, layout, hardware, global_batch=global_batch, seq=seq, precision=precision)
+    return _record(model_config, layout, hardware, global_batch=global_batch, seq=seq, precision=precision,
+                   kernels=kernels)
 
 
 def _record(model_config: ModelConfig, layout: Layout, hardware: Hardware, *, global_batch: int, seq: int,
-            precision: str) -> dict[str, Any]:
+            precision: str, kernels: str = "eager") -> dict[str, Any]:
     """estimate's record of a layout already checked."""
     mem = memory(model_config, layout, global_batch=global_batch, seq=seq, precision=precision)
-    t = step_time(model_config, layout, hardware, global_batch=global_batch, seq=seq, precision=precision)
+    t = step_time(model_config, layout, hardware, global_batch=global_batch, seq=seq, precision=precision,
+                  kernels=kernels)
     return {"layout": layout.to_dict(), "memory": mem, "step_time_s": t.step_s, "compute_s": t.compute_s,
             "comm_s": t.comm_s, "bubble": t.bubble, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu, "terms": t.terms,
             "fits": mem["peak"] <= hardware.memory_bytes}
@@ -243,7 +246,7 @@ _DEFAULTS = Layout().to_dict()
 
 def search(model_config: ModelConfig, devices: int, hardware: Hardware, *, global_batch: int,
            seq_len: int | None = None, precision: str = "bf16", pins: dict[str, Any] | None = None,
-           ) -> dict[str, list[dict[str, Any]]]:
+           kernels: str = "eager") -> dict[str, list[dict[str, Any]]]:
     """{"candidates": fitting layouts, fastest first, then those that do not fit, smallest peak first;
     "rejected": [{"layout", "reason"}] for layouts paratrain's rules refuse}."""
     if seq_len and seq_len > model_config.seq_len:  # the model is built for sequences this long
@@ -255,7 +258,7 @@ def search(model_config: ModelConfig, devices: int, hardware: Hardware, *, globa
         try:
             check_fields(model_config, fields, global_batch=global_batch, seq=seq)
             record = _record(model_config, Layout.of(**fields), hardware, global_batch=global_batch, seq=seq,
-                             precision=precision)
+                             precision=precision, kernels=kernels)
         except ConfigError as error:
             rejected.append({"layout": fields, "reason": str(error)})
             continue

@@ -45,6 +45,7 @@ from paratrain.planner.grid import grid_time
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout, chunk_layers, layer_costs, rank_params
 from paratrain.planner.memory import BYTES
+from paratrain.planner.ops import busiest_rank
 from paratrain.planner.param_server import exchange_time
 from paratrain.planner.textbook import bubble_fraction
 from paratrain.topology.dims import ParallelDims
@@ -113,7 +114,9 @@ def _context_parallel_time(model: ModelConfig, layout: Layout, hw: Hardware, *, 
 
 
 def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch: int, seq: int,
-              precision: str = "bf16", grad_reduce: str = "reduce_scatter") -> StepTime:
+              precision: str = "bf16", grad_reduce: str = "reduce_scatter", kernels: str = "eager") -> StepTime:
+    """kernels: how the blocks run, for a per-operation profile (paratrain.planner.ops.KERNELS): eager,
+    compiled (torch.compile) or Megatron's fused kernels."""
     dp, tp, pp, v, cp = layout.dp, layout.tp, layout.pp, layout.virtual_stages, layout.cp
     m = global_batch // (dp * layout.micro_batch)  # micro-batches per rank and step
     tokens = global_batch * seq
@@ -134,14 +137,25 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     overhead = (hw.overhead_s * blocks_here + hw.moe_overhead_s * moe_here) * m
     compute = per_rank * share / rate + overhead
     act = BYTES[precision]
+    by_operation = {"compute: FLOPs at peak x efficiency": compute - overhead, "compute: fixed overhead": overhead}
+    if hw.per_operation and not model.n_experts:  # paratrain.planner.ops (MoE layers: the first-order model)
+        work = busiest_rank(model, hw, pp=pp, v=v, micro_batches=m, micro_batch=layout.micro_batch, seq=seq, cp=cp,
+                            tp=tp, sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
+                            kernels=kernels, act=act, stage_elements=numel / tp / (dp * cp if layout.zero else 1))
+        compute = work.total
+        by_operation = {"compute: GEMMs": work.gemm, "compute: attention": work.attention,
+                        "compute: memory-bound ops": work.memory, "compute: kernel launches": work.launches}
     # tensor parallelism, on the critical path, per block and micro-batch: 4 all-reduces of b s h; with
     # sequence parallelism 4 all-gathers and 4 reduce-scatters (each half an all-reduce's traffic)
     # and 2 more all-gathers in backward (the column layers keep only their slice of the input)
     tp_bytes = layout.micro_batch * seq // cp * model.d_model * act
+    # (full recomputation runs the forward's again: 2 all-reduces, or 2 all-gathers and 2 reduce-scatters, whose
+    # gathered inputs backward then keeps, so it gathers nothing again)
+    full = layout.recompute == "full"
     if layout.sequence_parallel:
-        per_block = 10 * _bus_time(tp_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=1)
+        per_block = (12 if full else 10) * _bus_time(tp_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=1)
     else:
-        per_block = 4 * _bus_time(tp_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=2)
+        per_block = (6 if full else 4) * _bus_time(tp_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=2)
     tp_time = m * blocks_here * per_block
     if layout.tp_mode != "1d" and tp > 1:  # a grid's collectives, each over the links its sub-axis spans; its
         # head's SUMMA too (its weight term is large): paratrain.planner.grid
@@ -183,8 +197,7 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     if layout.ps_mode != "off":  # the push and the pull after backward (paratrain.planner.param_server)
         dp_exposed = exchange_time(model, layout, hw)
     step = pipelined + pp_time + dp_exposed
-    terms = {"compute: FLOPs at peak x efficiency": compute - overhead, "compute: fixed overhead": overhead,
-             "tp collectives": tp_time, "ep all-to-alls": ep_time, "cp exchange": cp_time,
+    terms = {**by_operation, "tp collectives": tp_time, "ep all-to-alls": ep_time, "cp exchange": cp_time,
              "pipeline bubble": pipelined - (compute + tp_time + ep_time + cp_time), "pp fill and drain": pp_time,
              "dp (or parameter server) exposed": dp_exposed}
     return StepTime(step_s=step, compute_s=compute, comm_s=tp_time + ep_time + cp_time + pp_time + dp_exposed,

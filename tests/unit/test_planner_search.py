@@ -184,7 +184,8 @@ def test_long_sequences_find_context_parallel_layouts(capsys):
 def test_context_parallel_memory_and_time_terms():
     """Under cp a rank holds seq / cp tokens of each sequence: its saved activations fall with cp (ring's and
     Ulysses' own terms, checked to the byte in tests/distributed/test_planner.py), ZeRO's state is split over
-    dp x cp, and compute falls by cp while the exchange adds communication."""
+    dp x cp, and compute falls by cp while the exchange adds communication (on a per-operation GPU profile the
+    kernels' launches do not fall, nor the optimizer step each rank makes without ZeRO)."""
     from paratrain.planner.search import estimate, memory
     from paratrain.topology.dims import ParallelDims
 
@@ -199,7 +200,10 @@ def test_context_parallel_memory_and_time_terms():
     h100 = hardware("h100-80gb")
     alone = estimate(model, Layout(micro_batch=1), h100, global_batch=4)
     split = estimate(model, Layout(dims=ParallelDims.of(cp=4), micro_batch=1, cp_mode="ulysses"), h100, global_batch=4)
-    assert split["compute_s"] < alone["compute_s"] / 3.9 and split["comm_s"] > alone["comm_s"]
+    work = ("compute: GEMMs", "compute: attention", "compute: memory-bound ops")
+    assert sum(split["terms"][t] for t in work) < sum(alone["terms"][t] for t in work) / 3.5
+    assert split["terms"]["compute: kernel launches"] == alone["terms"]["compute: kernel launches"]
+    assert split["comm_s"] > alone["comm_s"]
 
 
 def test_parameter_server_is_priced_when_pinned(capsys):

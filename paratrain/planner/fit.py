@@ -1,0 +1,117 @@
+"""Fit a GPU profile's per-operation rates to measured steps (issue 28's calibration from runs).
+
+A row is a measured training step: a GPT preset or shape, its layout, eager or compiled, and the seconds
+it took. `fit` searches the four rates paratrain.planner.ops prices a step with (the best matmul
+efficiency, from which the shape table follows by the roofline; the attention kernel's efficiency; the
+achieved memory bandwidth; the time lost per kernel launch) for the least squared log error over the
+rows, coarse to fine on a grid inside physical bounds. The shipped GPU profiles carry what it found:
+`h100-80gb` from the repo's one-H100 runs (bench/results/h100-*.json, `python -m paratrain.planner.fit
+bench/results/h100-*.json`), `a100-80gb` from the published Megatron runs (tests/unit/published.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from paratrain.config.model import ModelConfig, preset
+from paratrain.planner.hardware import DATASHEET_MEMORY_BW, DATASHEETS, Hardware, with_rates
+from paratrain.planner.layout import Layout
+from paratrain.planner.timing import step_time
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measured step."""
+    name: str
+    model: ModelConfig
+    layout: Layout
+    global_batch: int
+    seconds: float
+    kernels: str = "eager"
+    """paratrain.planner.ops.KERNELS: eager, compiled or fused (Megatron)."""
+    precision: str = "bf16"
+
+
+BOUNDS = {"best": (0.6, 0.95), "attention": (0.25, 0.7), "bandwidth": (0.6, 0.95), "launch_s": (2e-6, 20e-6)}
+"""The searched range of each rate (bandwidth as a share of the data sheet's memory bandwidth)."""
+
+
+def predict(row: Row, hw: Hardware) -> float:
+    return step_time(row.model, row.layout, hw, global_batch=row.global_batch, seq=row.model.seq_len,
+                     precision=row.precision, kernels=row.kernels).step_s
+
+
+def error(rows: list[Row], hw: Hardware) -> float:
+    """Sum over rows of log(predicted / measured)^2."""
+    return sum(math.log(predict(r, hw) / r.seconds) ** 2 for r in rows)
+
+
+def fit(rows: list[Row], base: Hardware, *, rounds: int = 3, points: int = 6) -> tuple[Hardware, dict[str, float]]:
+    """The rates (BOUNDS' names) with the least `error`, and the profile they make."""
+    bw = DATASHEET_MEMORY_BW[base.name]
+    ranges = dict(BOUNDS)
+    best_params: dict[str, float] = {}
+    for _ in range(rounds):
+        grids = {k: [lo + (hi - lo) * i / (points - 1) for i in range(points)] for k, (lo, hi) in ranges.items()}
+        scored = []
+        for values in itertools.product(*grids.values()):
+            params = dict(zip(grids, values))
+            scored.append((error(rows, with_rates(base, **params, datasheet_bw=bw)), params))
+        best_params = min(scored, key=lambda pair: pair[0])[1]
+        ranges = {k: (max(BOUNDS[k][0], v - (hi - lo) / (points - 1)), min(BOUNDS[k][1], v + (hi - lo) / (points - 1)))
+                  for (k, (lo, hi)), v in zip(ranges.items(), best_params.values())}
+    return with_rates(base, **best_params, datasheet_bw=bw), best_params
+
+
+def bench_rows(paths: list[str]) -> list[Row]:
+    """The engine's rows of bench/bench_gpu.py results (one GPU): each variant's fastest repeat (interference
+    only slows a step). Offloaded activations and the full-logits loss are not what the model prices."""
+    fastest: dict[tuple, dict] = {}
+    for path in paths:
+        for record in json.loads(Path(path).read_text()):
+            if record["kind"] != "engine" or record.get("offload") or record.get("loss"):
+                continue
+            key = (record["model"], record["compile"], record.get("recompute", "none"), record["global_batch"],
+                   record["micro_batch"])
+            if key not in fastest or record["step_s"] < fastest[key]["step_s"]:
+                fastest[key] = record
+    rows = []
+    for (model, compiled, recompute, batch, micro), record in sorted(fastest.items()):
+        layout = Layout.of(micro_batch=micro, recompute=recompute)
+        name = f"{model} {'compiled' if compiled else 'eager'} recompute {recompute}"
+        rows.append(Row(name, preset(model), layout, batch, record["step_s"], "compiled" if compiled else "eager"))
+    return rows
+
+
+def published_rows() -> list[Row]:
+    """Korthikanti et al. 2022's Table 5 (paratrain.planner.published) as rows: Megatron's fused kernels, fp16."""
+    from paratrain.planner.published import korthikanti_table5
+
+    return [Row(r.name, r.model, r.layout, r.global_batch, r.step_s, "fused", r.precision)
+            for r in korthikanti_table5()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="*", help="bench/bench_gpu.py result files")
+    parser.add_argument("--published", action="store_true", help="fit the a100-80gb profile to Korthikanti et al. "
+                        "2022's Table 5 instead")
+    parser.add_argument("--hardware", default="h100-80gb", choices=sorted(DATASHEETS))
+    args = parser.parse_args(argv)
+    if not args.published and not args.results:
+        parser.error("give bench/bench_gpu.py result files, or --published")
+    rows = published_rows() if args.published else bench_rows(args.results)
+    hw, params = fit(rows, DATASHEETS["a100-80gb" if args.published else args.hardware])
+    print(json.dumps({k: round(v, 9) for k, v in params.items()}))
+    for row in rows:
+        print(f"{row.name:40s} measured {row.seconds:.4f} s predicted {predict(row, hw):.4f} s "
+              f"({predict(row, hw) / row.seconds:.3f})")
+
+
+if __name__ == "__main__":
+    main()

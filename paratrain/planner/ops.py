@@ -1,0 +1,202 @@
+"""The compute of a step by operation (issue 28): what a GPU profile with per-operation rates predicts.
+
+One efficiency for every FLOP cannot describe a 124M model and a 1T one: a narrow model spends its step
+in memory-bound operations, the vocabulary's loss and kernel launches, a wide one in large matmuls that
+run near the card's best. So each pipeline rank's work per micro-batch is priced by what bounds it:
+
+    GEMMs         2 m n k FLOPs at peak x the profile's efficiency for that shape and kind (forward,
+                  data gradient, weight gradient): Hardware.gemm, a table by arithmetic intensity
+                  (measured by `paratrain plan --calibrate` on a GPU, or the roofline of gemm_table())
+    attention     the fused kernel's FLOPs (causal: half of 4 s h per token forward, 2.5x that backward) at
+                  peak x attention_efficiency
+    memory-bound  norms, residual adds, RoPE, GELU, layout copies, the chunked loss, gradient accumulation,
+                  the weight casts and the optimizer step: bytes read and written over memory_bw
+    launches      kernels x launch_s: the device idles between short kernels an eager run launches one by
+                  one (compiled blocks launch fewer)
+
+Eager, compiled and Megatron's fused kernels move and launch different amounts (KERNELS).
+
+Recomputation repeats the forward (full) or the attention core's forward (selective). The byte and kernel
+counts are those of paratrain's GPT (paratrain.models.gpt: RMSNorm, RoPE, GELU MLP, fused attention, the
+chunked loss, fused AdamW).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import math
+from dataclasses import dataclass
+
+from paratrain.config.model import ModelConfig
+from paratrain.planner.hardware import Hardware
+from paratrain.planner.layout import chunk_layers
+from paratrain.topology.dims import ParallelDims
+
+@dataclass(frozen=True)
+class Kernels:
+    """What one way of running a block moves and launches beyond its matmuls and attention kernel.
+
+    element_bytes: bytes read and written per element by the memory-bound operations of one block,
+    (forward, backward), in 16-bit units (x 2 for float32): "stream" per element of the [T, h] residual
+    stream a tp rank holds (two RMSNorms: the input read, its square, the mean, the scaled output; two
+    residual adds); "heads" per element of q (its h / tp columns: RoPE of q and k, the transposes to the
+    attention kernel's layout and back); "ffn" per element of the MLP's hidden [T, f / tp] (GELU)."""
+    element_bytes: dict[str, tuple[float, float]]
+    kernels: tuple[int, int]
+    """Kernels of one block, (forward, backward), the matmuls and attention included."""
+    accumulate_bytes: float
+    """Per parameter element and micro-batch: the weight gradient added into its float32 accumulator."""
+    optimizer_bytes: float
+    """Per parameter element a rank steps, once per step: the optimizer, clipping, the 16-bit weight copy."""
+    recompute_pointwise: bool
+    """Whether full recomputation moves the forward's pointwise bytes again (compiled: fused into backward)."""
+
+
+KERNELS = {
+    # paratrain eager: autograd's kernels one by one; gradients cast to float32 and added into .grad (2 + 4 + 8
+    # bytes); fused AdamW (p, g, m, v read, p, m, v written: 28), clipping with the token-count scale (12), the
+    # weights cast to 16-bit once per step (6)
+    "eager": Kernels({"stream": (48.0, 96.0), "heads": (40.0, 80.0), "ffn": (4.0, 10.0)}, (40, 90), 14.0, 46.0, True),
+    # paratrain with --compile: each block's pointwise operations fused by torch.compile, the rest as eager
+    "compiled": Kernels({"stream": (20.0, 40.0), "heads": (16.0, 32.0), "ffn": (4.0, 8.0)}, (10, 20), 14.0, 46.0,
+                        False),
+    # Megatron-LM (the published runs): fused kernels, weight gradients accumulated into float32 main_grad by the
+    # GEMM itself; its fp16 optimizer over float32 main parameters (unscale and inf check 8, clipping 12, Adam
+    # 28, the fp16 copy 6, main_grad zeroed 4)
+    "fused": Kernels({"stream": (20.0, 40.0), "heads": (16.0, 32.0), "ffn": (4.0, 8.0)}, (10, 20), 0.0, 58.0,
+                     False),
+}
+LOSS_BYTES = 32.0
+"""The chunked loss (eager in every mode), bytes per logit: the logits written, each chunk upcast, its
+log-sum-exp, and in backward upcast again, softmax, minus the target, cast back."""
+
+
+@dataclass(frozen=True)
+class Gemm:
+    m: int
+    n: int
+    k: int
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k
+
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte moved in 16-bit: 2 m n k / (2 (m k + k n + m n)), what bounds a product's rate."""
+        return 1.0 / (1.0 / self.m + 1.0 / self.n + 1.0 / self.k)
+
+
+def gemm_efficiency(hw: Hardware, gemm: Gemm, kind: int) -> float:
+    """kind 1 forward, 2 data gradient, 3 weight gradient: the table's column at the product's intensity,
+    interpolated in log(intensity)."""
+    x = gemm.intensity
+    keys = [row[0] for row in hw.gemm]
+    i = bisect.bisect_left(keys, x)
+    if i == 0:
+        return hw.gemm[0][kind] * x / keys[0]  # below the table: bandwidth-bound, proportionally less
+    if i == len(keys):
+        return hw.gemm[-1][kind]
+    lo, hi = hw.gemm[i - 1], hw.gemm[i]
+    w = math.log(x / lo[0]) / math.log(hi[0] / lo[0])
+    return lo[kind] + w * (hi[kind] - lo[kind])
+
+
+def gemm_seconds(hw: Hardware, gemms: list[Gemm]) -> tuple[float, float]:
+    """(forward, backward) seconds of products: backward is the data and the weight gradient."""
+    fwd = sum(g.flops / (hw.peak_flops * gemm_efficiency(hw, g, 1)) for g in gemms)
+    bwd = sum(g.flops / (hw.peak_flops * gemm_efficiency(hw, g, 2)) + g.flops / (hw.peak_flops * gemm_efficiency(
+        hw, g, 3)) for g in gemms)
+    return fwd, bwd
+
+
+@dataclass(frozen=True)
+class Work:
+    """Seconds of one micro-batch (or of a step's once-only work) by kind, forward and backward together."""
+    gemm: float = 0.0
+    attention: float = 0.0
+    memory: float = 0.0
+    launches: float = 0.0
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.gemm + other.gemm, self.attention + other.attention, self.memory + other.memory,
+                    self.launches + other.launches)
+
+    def __mul__(self, factor: float) -> Work:
+        return Work(self.gemm * factor, self.attention * factor, self.memory * factor, self.launches * factor)
+
+    @property
+    def total(self) -> float:
+        return self.gemm + self.attention + self.memory + self.launches
+
+
+def block_work(model: ModelConfig, hw: Hardware, *, tokens: int, seq: int, tp: int, sequence_parallel: bool,
+               recompute: str, kernels: str, act: int) -> Work:
+    """One dense block and one micro-batch of `tokens` rows on one tp rank (attention over `seq` keys)."""
+    h, f = model.d_model, model.ff_dim
+    cut_h, cut_f = max(1, h // tp), max(1, f // tp)
+    gemms = [Gemm(tokens, 3 * cut_h, h), Gemm(tokens, h, cut_h), Gemm(tokens, cut_f, h), Gemm(tokens, h, cut_f)]
+    g_fwd, g_bwd = gemm_seconds(hw, gemms)
+    rate = hw.peak_flops * hw.attention_efficiency
+    a_fwd = 0.5 * 4.0 * tokens * seq * h / tp / rate  # causal: half of q k^T and p v
+    stream = tokens * h / (tp if sequence_parallel else 1)
+    sizes = {"stream": stream, "heads": tokens * h / tp, "ffn": tokens * f / tp}
+    mode = KERNELS[kernels]
+    counts = mode.element_bytes
+    m_fwd = sum(sizes[k] * counts[k][0] for k in sizes) * act / 2 / hw.memory_bw
+    m_bwd = sum(sizes[k] * counts[k][1] for k in sizes) * act / 2 / hw.memory_bw
+    m_bwd += (4 * h * h + 2 * h * f) / tp * mode.accumulate_bytes / hw.memory_bw
+    k_fwd, k_bwd = mode.kernels
+    forward = Work(g_fwd, a_fwd, m_fwd, k_fwd * hw.launch_s)
+    work = forward + Work(g_bwd, 2.5 * a_fwd, m_bwd, k_bwd * hw.launch_s)
+    if recompute == "full":
+        work = work + (forward if mode.recompute_pointwise else Work(g_fwd, a_fwd, 0.0, k_fwd * hw.launch_s))
+    elif recompute == "selective":
+        work = work + Work(0.0, a_fwd, 0.0, hw.launch_s)
+    return work
+
+
+def head_work(model: ModelConfig, hw: Hardware, *, tokens: int, tp: int, act: int, kernels: str) -> Work:
+    """The last stage's final norm, vocabulary matmul and chunked loss, one micro-batch (eager)."""
+    v, h = model.padded_vocab, model.d_model
+    g_fwd, g_bwd = gemm_seconds(hw, [Gemm(tokens, max(1, v // tp), h)])
+    logits = tokens * v / tp
+    memory = (logits * LOSS_BYTES + tokens * h * KERNELS["eager"].element_bytes["stream"][0]) / hw.memory_bw * act / 2
+    memory += v * h / tp * KERNELS[kernels].accumulate_bytes / hw.memory_bw
+    return Work(g_fwd + g_bwd, 0.0, memory, 30 * hw.launch_s)
+
+
+def optimizer_work(hw: Hardware, elements: float, kernels: str) -> Work:
+    """Once per step: the optimizer, clipping and the weight casts over the `elements` a rank steps."""
+    return Work(memory=elements * KERNELS[kernels].optimizer_bytes / hw.memory_bw, launches=20 * hw.launch_s)
+
+
+def busiest_rank(model: ModelConfig, hw: Hardware, *, pp: int, v: int, micro_batches: int, micro_batch: int,
+                 seq: int, cp: int, tp: int, sequence_parallel: bool, recompute: str, kernels: str, act: int,
+                 stage_elements: float) -> Work:
+    """The pipeline rank whose compute is longest: its blocks and (the last rank) the head for every
+    micro-batch, and once its optimizer step over `stage_elements` parameter elements."""
+    tokens = micro_batch * seq // cp
+    block = block_work(model, hw, tokens=tokens, seq=seq, tp=tp, sequence_parallel=sequence_parallel,
+                       recompute=recompute, kernels=kernels, act=act)
+    head = head_work(model, hw, tokens=tokens, tp=tp, act=act, kernels=kernels)
+    best = Work()
+    for blocks, has_head in _rank_shapes(model, pp, v):
+        mine = block * blocks + (head if has_head else Work())
+        if mine.total > best.total:
+            best = mine
+    return best * micro_batches + optimizer_work(hw, stage_elements, kernels)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_shapes(model: ModelConfig, pp: int, v: int) -> frozenset[tuple[int, bool]]:
+    """The distinct (blocks, holds the head) of the pipeline ranks, as the engine cuts the layers."""
+    ranges = chunk_layers(model, ParallelDims(pp=pp, virtual_stages=v))
+    shapes = set()
+    for rank in range(pp):
+        chunks = [ranges[c] for c in range(len(ranges)) if c % pp == rank]
+        blocks = sum(len(range(max(lo, 1), min(hi, model.n_layer + 1))) for lo, hi in chunks)
+        shapes.add((blocks, any(hi == model.n_layer + 2 for _, hi in chunks)))
+    return frozenset(shapes)

@@ -1,0 +1,138 @@
+"""The per-operation step-time model (paratrain.planner.ops, issue 28) against what runs measured: the repo's
+one-H100 steps (bench/results/h100-*.json) and Korthikanti et al. 2022's Table 5 (paratrain.planner.published).
+Every figure here is a deterministic function of committed data: the bounds are the issue's (15 %), the values
+reached are written next to them."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from paratrain.config import preset
+from paratrain.planner import fit
+from paratrain.planner.hardware import DATASHEETS, GIB, PROFILES, hardware
+from paratrain.planner.layout import Layout
+from paratrain.planner.published import korthikanti_table5
+from paratrain.planner.search import memory
+from paratrain.planner.timing import step_time
+
+RESULTS = sorted(str(p) for p in (Path(__file__).parents[2] / "bench" / "results").glob("h100-gpt*.json"))
+
+
+@pytest.fixture(scope="module")
+def h100_rows() -> list[fit.Row]:
+    rows = fit.bench_rows(RESULTS)
+    assert {r.model.d_model for r in rows} == {768, 2048} and len(rows) == 12  # gpt2, gpt3-xl x 2 modes x 3 recomputes
+    return rows
+
+
+def _worst(rows: list[fit.Row], hw) -> float:
+    return max(abs(fit.predict(r, hw) / r.seconds - 1) for r in rows)
+
+
+@pytest.mark.parametrize("fitted, held_out", [("gpt3-xl", "gpt2"), ("gpt2", "gpt3-xl")])
+def test_rates_fitted_on_one_model_predict_the_other(h100_rows, fitted, held_out):
+    """The issue's calibration split: the rates fitted on one model's six rows (eager and compiled; no, selective
+    and full recomputation) predict every row of the other within 15 % (reached: gpt2 from gpt3-xl 11.3 %,
+    gpt3-xl from gpt2 10.4 %), and the step-time ratios eager / compiled and recompute / none within 12 %
+    (reached 10.4 %): the shape dependence comes from the operations, not from the fit."""
+    train = [r for r in h100_rows if r.model == preset(fitted)]
+    test = [r for r in h100_rows if r.model == preset(held_out)]
+    hw, _ = fit.fit(train, DATASHEETS["h100-80gb"])
+    assert _worst(test, hw) < 0.15
+    by_name = {r.name.split(" ", 1)[1]: r for r in test}
+    for a, b in [("eager recompute none", "compiled recompute none"),
+                 ("eager recompute full", "eager recompute none"), ("compiled recompute full", "compiled recompute none"),
+                 ("eager recompute selective", "eager recompute none"),
+                 ("compiled recompute selective", "compiled recompute none")]:
+        measured = by_name[a].seconds / by_name[b].seconds
+        predicted = fit.predict(by_name[a], hw) / fit.predict(by_name[b], hw)
+        assert abs(predicted / measured - 1) < 0.12, (a, b, measured, predicted)
+
+
+def test_the_shipped_h100_profile_and_mfu_rising_with_width(h100_rows):
+    """The shipped h100-80gb rates are the fit on all twelve rows (python -m paratrain.planner.fit ...: every
+    row within 6.3 %); at a fixed layout the predicted MFU rises with the width, as published tables show and
+    one efficiency cannot (it predicts the same MFU for every width)."""
+    h100 = PROFILES["h100-80gb"]
+    assert _worst(h100_rows, h100) < 0.07
+    for family, seq in (("gpt2", 1024), ("gpt3", 2048)):
+        names = (["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"] if family == "gpt2" else
+                 ["gpt3-small", "gpt3-medium", "gpt3-large", "gpt3-xl", "gpt3-2.7b"])
+        for kernels in ("eager", "compiled"):
+            mfu = [step_time(preset(n), Layout.of(micro_batch=8), h100, global_batch=16, seq=seq,
+                             kernels=kernels).mfu for n in names]
+            assert mfu == sorted(mfu) and mfu[-1] > 1.5 * mfu[0], (family, kernels, mfu)
+    flat = hardware("h100-80gb", efficiency=0.5)
+    assert not flat.per_operation
+    mfu = {step_time(preset(n), Layout.of(micro_batch=8), flat, global_batch=16, seq=2048).mfu
+           for n in ("gpt3-small", "gpt3-2.7b")}
+    assert max(mfu) / min(mfu) < 1.05
+
+
+def test_published_megatron_runs_step_time_and_memory():
+    """Korthikanti et al. 2022, Table 5 (22B, 175B, 530B, 1T on 8-512 A100s; full recomputation, and sequence
+    parallelism with selective recomputation): every row within 15 % of its published seconds (reached 3.6 %
+    with the shipped a100-80gb rates, which were fitted to these rows); MFU rising from 22B to 175B to 530B as
+    published (41.7 -> 51.4 -> 56.0 % with seqsel); every run fits its 80 GB (peaks 55-65 GiB), the model states
+    near Figure 1's (paratrain keeps 16 bytes a parameter where Megatron keeps 18: its fp16 copy is ours per
+    step, among the activations). No single
+    efficiency gets every row within 15 %: the 22B and 1T rows need efficiencies 1.4x apart."""
+    a100 = hardware("a100-80gb")
+    runs = korthikanti_table5()
+    mfu = {}
+    for run in runs:
+        t = step_time(run.model, run.layout, a100, global_batch=run.global_batch, seq=2048, precision="fp16",
+                      kernels="fused")
+        assert abs(t.step_s / run.step_s - 1) < 0.15, (run.name, t.step_s, run.step_s)
+        mfu[run.name] = t.mfu
+        mem = memory(run.model, run.layout, global_batch=run.global_batch, seq=2048, precision="fp16")
+        assert mem["peak"] < 80 * GIB, (run.name, mem["peak"] / GIB)
+        if run.states_gib is not None:
+            states = (mem["params"] + mem["grads"] + mem["optimizer"]) / GIB
+            assert 0.88 < states / run.states_gib < 0.97, (run.name, states, run.states_gib)  # 0.902 .. 0.963
+    for recompute in ("full", "seqsel"):
+        assert mfu[f"22B {recompute}"] < mfu[f"175B {recompute}"] < mfu[f"530B {recompute}"]
+    for efficiency in [0.3 + 0.02 * i for i in range(31)]:  # 0.3 .. 0.9
+        flat = hardware("a100-80gb", efficiency=efficiency)
+        ratios = [step_time(r.model, r.layout, flat, global_batch=r.global_batch, seq=2048,
+                            precision="fp16").step_s / r.step_s for r in runs]
+        assert max(abs(x - 1) for x in ratios) > 0.15, efficiency
+
+
+def test_the_fit_recovers_known_rates():
+    """Rows priced by a profile of known rates are fitted back to within 1 % of their seconds (the search finds
+    the optimum of its grid; the rates themselves trade against each other on few rows)."""
+    known = fit.with_rates(DATASHEETS["h100-80gb"], best=0.8, attention=0.4, bandwidth=0.8, launch_s=8e-6,
+                           datasheet_bw=3.35e12)
+    rows = []
+    for name, micro in (("gpt2", 16), ("gpt3-xl", 8)):
+        for kernels in ("eager", "compiled"):
+            for recompute in ("none", "full"):
+                row = fit.Row(name, preset(name), Layout.of(micro_batch=micro, recompute=recompute), 2 * micro, 1.0,
+                              kernels)
+                rows.append(replace(row, seconds=fit.predict(row, known)))
+    hw, _ = fit.fit(rows, DATASHEETS["h100-80gb"])
+    assert _worst(rows, hw) < 0.01
+
+
+def test_device_calibration_measures_a_profile(tmp_path):
+    """The CUDA calibration's measurements run on any device: on the CPU, small, they make a per-operation
+    profile that the planner reads back from its JSON file and prices a step with."""
+    from paratrain.planner.calibrate_device import calibrate_device
+
+    hw = calibrate_device(torch.device("cpu"), dtype=torch.float32, tokens=128, dims=(16, 32, 64),
+                          copy_bytes=2**22, attention_shape=(1, 2, 64, 16))
+    assert hw.per_operation and hw.launch_s > 0 and hw.attention_efficiency > 0 and len(hw.gemm) == 3
+    assert all(0 < e <= 1 for row in hw.gemm for e in row[1:]) and [r[0] for r in hw.gemm] == sorted(r[0] for r in hw.gemm)
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(hw.to_dict()))
+    loaded = hardware(str(path))
+    assert loaded == hw
+    t = step_time(preset("tiny"), Layout.of(micro_batch=2), loaded, global_batch=4, seq=64)
+    assert math.isclose(sum(t.terms.values()), t.step_s, rel_tol=1e-9) and t.terms["compute: kernel launches"] > 0
