@@ -77,7 +77,7 @@ def test_the_shipped_h100_profile_and_mfu_rising_with_width(h100_rows):
 
 def test_published_megatron_runs_step_time_and_memory():
     """Korthikanti et al. 2022, Table 5 (22B, 175B, 530B, 1T on 8-512 A100s; full recomputation, and sequence
-    parallelism with selective recomputation): every row within 15 % of its published seconds (reached 3.6 %
+    parallelism with selective recomputation): every row within 15 % of its published seconds (reached 4.9 %
     with the shipped a100-80gb rates, which were fitted to these rows); MFU rising from 22B to 175B to 530B as
     published (41.7 -> 51.4 -> 56.0 % with seqsel); every run fits its 80 GB (peaks 55-65 GiB), the model states
     near Figure 1's (paratrain keeps 16 bytes a parameter where Megatron keeps 18: its fp16 copy is ours per
@@ -136,3 +136,13 @@ def test_device_calibration_measures_a_profile(tmp_path):
     assert loaded == hw
     t = step_time(preset("tiny"), Layout.of(micro_batch=2), loaded, global_batch=4, seq=64)
     assert math.isclose(sum(t.terms.values()), t.step_s, rel_tol=1e-9) and t.terms["compute: kernel launches"] > 0
+
+
+@pytest.mark.parametrize("held_out", ["22B", "1T"])
+def test_published_rates_predict_a_model_left_out(held_out):
+    """The a100-80gb rates are fitted to the rows they are checked on; fitted without the smallest or the
+    largest model, they still predict its two rows within 15 % (reached: 22B 4.2 %, 1T 6.6 %; 175B and 530B
+    left out: 3.1 %, 2.1 %)."""
+    rows = fit.published_rows()
+    hw, _ = fit.fit([r for r in rows if not r.name.startswith(held_out + " ")], DATASHEETS["a100-80gb"])
+    assert _worst([r for r in rows if r.name.startswith(held_out + " ")], hw) < 0.15
