@@ -109,10 +109,10 @@ DATASHEETS: dict[str, Hardware] = {
 FITTED_RATES = {
     # python -m paratrain.planner.fit bench/results/h100-gpt2-*.json bench/results/h100-gpt3xl-*.json: the
     # repo's one-H100 runs (gpt2, gpt3-xl; eager and compiled; no, selective and full recomputation)
-    "h100-80gb": dict(best=0.9164, attention=0.592, bandwidth=0.7064, launch_s=1.6832e-5),
+    "h100-80gb": dict(best=0.95, attention=0.42, bandwidth=0.7204, launch_s=1.7408e-5),
     # python -m paratrain.planner.fit --published: Korthikanti et al. 2022, Table 5 (Megatron-LM on 80 GB A100s,
     # paratrain.planner.published)
-    "a100-80gb": dict(best=0.8492, attention=0.25, bandwidth=0.6, launch_s=2e-5),
+    "a100-80gb": dict(best=0.8604, attention=0.2, bandwidth=0.6, launch_s=2e-5),
 }
 FITTED_RATES["h200"] = FITTED_RATES["h100-80gb"]  # not measured: the H100's rates, the H200's bandwidth
 FITTED_RATES["a100-40gb"] = FITTED_RATES["a100-80gb"]

@@ -38,9 +38,9 @@ def _worst(rows: list[fit.Row], hw) -> float:
 @pytest.mark.parametrize("fitted, held_out", [("gpt3-xl", "gpt2"), ("gpt2", "gpt3-xl")])
 def test_rates_fitted_on_one_model_predict_the_other(h100_rows, fitted, held_out):
     """The issue's calibration split: the rates fitted on one model's six rows (eager and compiled; no, selective
-    and full recomputation) predict every row of the other within 15 % (reached: gpt2 from gpt3-xl 11.3 %,
-    gpt3-xl from gpt2 10.4 %), and the step-time ratios eager / compiled and recompute / none within 12 %
-    (reached 10.4 %): the shape dependence comes from the operations, not from the fit."""
+    and full recomputation) predict every row of the other within 15 % (reached: gpt2 from gpt3-xl 10.9 %,
+    gpt3-xl from gpt2 10.2 %), and the step-time ratios eager / compiled and recompute / none within 12 %
+    (reached 10.3 %): the shape dependence comes from the operations, not from the fit."""
     train = [r for r in h100_rows if r.model == preset(fitted)]
     test = [r for r in h100_rows if r.model == preset(held_out)]
     hw, _ = fit.fit(train, DATASHEETS["h100-80gb"])
@@ -57,10 +57,10 @@ def test_rates_fitted_on_one_model_predict_the_other(h100_rows, fitted, held_out
 
 def test_the_shipped_h100_profile_and_mfu_rising_with_width(h100_rows):
     """The shipped h100-80gb rates are the fit on all twelve rows (python -m paratrain.planner.fit ...: every
-    row within 6.3 %); at a fixed layout the predicted MFU rises with the width, as published tables show and
+    row within 6.7 %); at a fixed layout the predicted MFU rises with the width, as published tables show and
     one efficiency cannot (it predicts the same MFU for every width)."""
     h100 = PROFILES["h100-80gb"]
-    assert _worst(h100_rows, h100) < 0.07
+    assert _worst(h100_rows, h100) < 0.08
     for family, seq in (("gpt2", 1024), ("gpt3", 2048)):
         names = (["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"] if family == "gpt2" else
                  ["gpt3-small", "gpt3-medium", "gpt3-large", "gpt3-xl", "gpt3-2.7b"])
@@ -77,7 +77,7 @@ def test_the_shipped_h100_profile_and_mfu_rising_with_width(h100_rows):
 
 def test_published_megatron_runs_step_time_and_memory():
     """Korthikanti et al. 2022, Table 5 (22B, 175B, 530B, 1T on 8-512 A100s; full recomputation, and sequence
-    parallelism with selective recomputation): every row within 15 % of its published seconds (reached 4.9 %
+    parallelism with selective recomputation): every row within 15 % of its published seconds (reached 4.5 %
     with the shipped a100-80gb rates, which were fitted to these rows); MFU rising from 22B to 175B to 530B as
     published (41.7 -> 51.4 -> 56.0 % with seqsel); every run fits its 80 GB (peaks 55-65 GiB), the model states
     near Figure 1's (paratrain keeps 16 bytes a parameter where Megatron keeps 18: its fp16 copy is ours per
@@ -141,8 +141,8 @@ def test_device_calibration_measures_a_profile(tmp_path):
 @pytest.mark.parametrize("held_out", ["22B", "1T"])
 def test_published_rates_predict_a_model_left_out(held_out):
     """The a100-80gb rates are fitted to the rows they are checked on; fitted without the smallest or the
-    largest model, they still predict its two rows within 15 % (reached: 22B 4.2 %, 1T 6.6 %; 175B and 530B
-    left out: 3.1 %, 2.1 %)."""
+    largest model, they still predict its two rows within 15 % (reached: 22B 3.2 %, 1T 5.8 %; 175B and 530B
+    left out: 2.9 %, 2.3 %)."""
     rows = fit.published_rows()
     hw, _ = fit.fit([r for r in rows if not r.name.startswith(held_out + " ")], DATASHEETS["a100-80gb"])
     assert _worst([r for r in rows if r.name.startswith(held_out + " ")], hw) < 0.15
