@@ -1,10 +1,11 @@
 """The planner against published Megatron runs, and against Calculon on the same runs.
 
     python -m bench.published                                   # paratrain's predictions vs Table 5
-    python -m bench.published --calculon DIR --calculon-python PY --out bench/results/published-korthikanti.json
+    python -m bench.published --calculon DIR --calculon-python PY --out bench/results/published-megatron.json
 
 Korthikanti et al. 2022, Table 5 (paratrain.planner.published): seconds per step and memory per GPU of
-Megatron-LM's 22B, 175B, 530B and 1T GPT models on 80 GB A100s. paratrain predicts each with the shipped
+Megatron-LM's 22B, 175B, 530B and 1T GPT models on 80 GB A100s; and Narayanan et al. 2021, Table 1 (1.7B-1T,
+weak scaling, its micro-batch not published: predicted with 1 and with 2). paratrain predicts each with the shipped
 a100-80gb profile (its rates fitted to these rows: paratrain.planner.fit --published) and Megatron's fused
 kernels. With --calculon, Calculon (Isaev et al., SC'23; a checkout of github.com/calculon-ai/calculon, whose
 Python needs pandas and psutil) runs its own validation of the same table (`calculon lv`), and its step
@@ -20,7 +21,7 @@ import subprocess
 from pathlib import Path
 
 from paratrain.planner.hardware import GIB, hardware
-from paratrain.planner.published import korthikanti_table5
+from paratrain.planner.published import NARAYANAN, korthikanti_table5, narayanan_table1
 from paratrain.planner.search import memory
 from paratrain.planner.timing import step_time
 
@@ -66,8 +67,21 @@ def main() -> None:
         print(f"{run.name:<12} {run.step_s:>11.2f} {t.step_s:>11.2f} {t.step_s / run.step_s:>6.3f} "
               f"{c.get('step_s', float('nan')):>10.2f} {c.get('step_s', float('nan')) / run.step_s:>6.3f} "
               f"{row['published_mfu']:>7.1%} {t.mfu:>8.1%} {row['peak_gib']:>8.1f} {c.get('memory_gib', float('nan')):>8.1f}")
+    print(f"\nNarayanan et al. 2021, Table 1 (micro-batch not published: predicted with 1 and with 2)\n"
+          f"{'run':<8} {'published s':>11} {'mb 1 s':>8} {'ratio':>6} {'mb 2 s':>8} {'ratio':>6} {'TFLOP/s pub':>11} "
+          f"{'pred (mb 1)':>11} {'peak GiB':>8}")
+    weak = []
+    for one, two in zip(narayanan_table1(1), narayanan_table1(2)):
+        t1, t2 = (step_time(r.model, r.layout, a100, global_batch=r.global_batch, seq=2048, precision=r.precision,
+                            kernels="fused").step_s for r in (one, two))
+        peak = memory(one.model, one.layout, global_batch=one.global_batch, seq=2048, precision=one.precision)["peak"]
+        tflops = NARAYANAN[one.name][7]
+        weak.append({"run": one.name, "published_s": one.step_s, "predicted_s_mb1": t1, "predicted_s_mb2": t2,
+                     "published_tflops": tflops, "peak_gib_mb1": peak / GIB})
+        print(f"{one.name:<8} {one.step_s:>11.2f} {t1:>8.2f} {t1 / one.step_s:>6.3f} {t2:>8.2f} {t2 / one.step_s:>6.3f} "
+              f"{tflops:>11} {tflops * one.step_s / t1:>11.1f} {peak / GIB:>8.1f}")
     if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"korthikanti_table5": rows, "narayanan_table1": weak}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,14 @@ Calculon (Isaev et al., SC'23) encodes them for its own validation (github.com/c
 validation/seqsel/tab5/*.json and calculon/llm/validation.py), where the step times and memory are
 also listed.
 
+Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
+(arXiv 2104.04473), Table 1: weak scaling from 1.7B to 1T parameters on 32-3,072 80 GB A100s, tensor and
+pipeline parallel sizes, GPUs, batch size and the achieved TFLOP/s per GPU, counted by the paper's formula with
+activation recomputation, F = 96 B s l h^2 (1 + s / 6h + V / 16 l h) per step (its section 5.1), so the step
+took F / (X n) seconds. Transcribed without a copy of the paper at hand (none could be read offline); every row
+is consistent with the table's own aggregate column (X n within 0.4 % of it). The table does not give the
+micro-batch size or the schedule, which the paper tuned per run.
+
 Megatron's GPT has LayerNorm, learned positions and biases where paratrain's has RMSNorm, RoPE and
 none: the same matmuls, a few parameters apart (under 0.01 %).
 """
@@ -58,4 +66,31 @@ def korthikanti_table5() -> list[PublishedRun]:
         runs.append(PublishedRun(f"{name} seqsel", model, Layout.of(**common, recompute="selective",
                                                                      sequence_parallel=True), batch, seqsel_s,
                                  states, acts))
+    return runs
+
+
+# billions of parameters: (heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU, aggregate PFLOP/s)
+NARAYANAN = {
+    "1.7B": (24, 2304, 24, 1, 1, 32, 512, 137, 4.4),
+    "3.6B": (32, 3072, 30, 2, 1, 64, 512, 138, 8.8),
+    "7.5B": (32, 4096, 36, 4, 1, 128, 512, 142, 18.2),
+    "18.4B": (48, 6144, 40, 8, 1, 256, 1024, 135, 34.6),
+    "39.1B": (64, 8192, 48, 8, 2, 512, 1536, 138, 70.8),
+    "76.1B": (80, 10240, 60, 8, 4, 1024, 1792, 140, 143.8),
+    "145.6B": (96, 12288, 80, 8, 8, 1536, 2304, 148, 227.1),
+    "310.1B": (128, 16384, 96, 8, 16, 1920, 2160, 155, 297.4),
+    "529.6B": (128, 20480, 105, 8, 35, 2520, 2520, 163, 410.2),
+    "1008.0B": (160, 25600, 128, 8, 64, 3072, 3072, 163, 502.0),
+}
+
+
+def narayanan_table1(micro_batch: int = 1) -> list[PublishedRun]:
+    """Table 1's runs with full recomputation, 1F1B and `micro_batch` (not published), no sequence
+    parallelism (it came a year later)."""
+    runs = []
+    for name, (heads, h, layers, tp, pp, gpus, batch, tflops, _) in NARAYANAN.items():
+        s, v = 2048, 51200
+        flops = 96.0 * batch * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+        layout = Layout.of(dp=gpus // (tp * pp), tp=tp, pp=pp, micro_batch=micro_batch, recompute="full")
+        runs.append(PublishedRun(name, megatron(h, layers, heads), layout, batch, flops / (tflops * 1e12 * gpus)))
     return runs

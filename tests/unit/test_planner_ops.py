@@ -146,3 +146,31 @@ def test_published_rates_predict_a_model_left_out(held_out):
     rows = fit.published_rows()
     hw, _ = fit.fit([r for r in rows if not r.name.startswith(held_out + " ")], DATASHEETS["a100-80gb"])
     assert _worst([r for r in rows if r.name.startswith(held_out + " ")], hw) < 0.15
+
+
+def test_published_weak_scaling_runs():
+    """Narayanan et al. 2021, Table 1 (1.7B-1T on 32-3,072 A100s, full recomputation; paratrain.planner.published),
+    which does not give the micro-batch. The pipelined runs (39.1B-1T) with micro-batch 1, as Table 5's pipelined
+    runs on the same machine used: every one within 15 % (reached 3.7 %), TFLOP/s per GPU rising with size as
+    published (138 -> 163), every run fitting 80 GB (peaks 26-39 GiB). The runs without a pipeline depend on the
+    unpublished micro-batch: with 1 they come within 5.1, 11.1, 22.8 and 13.2 %, with 2 within 4.8, 0.0, 10.3 and
+    3.3 %; asserted: some micro-batch of 1 or 2 within 15 %. The a100-80gb rates were not fitted to this table."""
+    from paratrain.planner.published import NARAYANAN, narayanan_table1
+
+    a100 = hardware("a100-80gb")
+
+    def ratio(run) -> float:
+        return step_time(run.model, run.layout, a100, global_batch=run.global_batch, seq=2048, precision="fp16",
+                         kernels="fused").step_s / run.step_s
+
+    by_micro = {mb: {r.name: r for r in narayanan_table1(micro_batch=mb)} for mb in (1, 2)}
+    rates = []
+    for name, run in by_micro[1].items():
+        mem = memory(run.model, run.layout, global_batch=run.global_batch, seq=2048, precision="fp16")
+        assert mem["peak"] < 80 * GIB, (name, mem["peak"] / GIB)
+        if run.layout.pp > 1:
+            assert abs(ratio(run) - 1) < 0.15, (name, ratio(run))
+            rates.append(NARAYANAN[name][7] / ratio(run))  # the paper's FLOPs over the predicted step, per GPU
+        else:
+            assert min(abs(ratio(by_micro[mb][name]) - 1) for mb in (1, 2)) < 0.15, name
+    assert rates == sorted(rates)
