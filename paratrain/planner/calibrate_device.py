@@ -8,15 +8,22 @@ In well under a minute on one GPU (the functions take any device; the tests run 
     attention_efficiency  causal fused attention (scaled_dot_product_attention) forward and backward,
                           [4, 16, 2048, 128], its FLOPs (half of 4 s^2 d a each way forward, 2.5x backward)
                           over the time, as a share of peak
-    launch_s              the host time of launching one tiny kernel eagerly (a device idles that long
-                          between kernels shorter than it)
-peak_flops is the data sheet's for a card paratrain knows (A100, H100, H200), else the best product
-measured; the links are the data sheet's (not measured: one process; give --intra-node-gbps). The result
-is a JSON profile: `paratrain plan --hardware gpu` (or the file) prices layouts with it.
+    launch_s              the host time of one eager kernel of autograd: a tiny GPT block's forward and
+                          backward, whose kernels take no device time to speak of, over the kernels the model
+                          counts for it (paratrain.planner.ops.KERNELS["eager"])
+Device times are taken with CUDA events over a queue the host filled while the device slept, so launches do not
+count in them. peak_flops is the data sheet's for a card paratrain knows (A100, H100, H200), else the best
+product measured; the links and GPUs per node are the data sheet's for a known card (not measured: one process),
+else the H100's links and the GPUs visible (override at plan time: --intra-node-gbps, --inter-node-gbps,
+--gpus-per-node). The result is a JSON profile: `paratrain plan --hardware gpu` (or the file) prices layouts
+with it. These are the primitives the shipped profiles' rates stand for; the shipped rates were fitted to whole
+steps instead (paratrain.planner.fit), where the model's byte and kernel counts are estimates, so the two differ:
+a calibrated profile has not yet been set against a measured step (no GPU in the session that wrote this).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -29,19 +36,37 @@ from paratrain.planner.hardware import GIB, PROFILES, Hardware
 GEMM_DIMS = (256, 512, 1024, 2048, 4096, 8192)
 
 
-def best_seconds(fn: Callable[[], object], device: torch.device, *, repeats: int = 5, inner: int = 3) -> float:
-    """The fastest of `repeats` timings of `inner` calls, per call (the device synchronised around each)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        sync()
+def best_seconds(fn: Callable[[], object], device: torch.device, *, repeats: int = 5) -> float:
+    """The fastest of `repeats` timings, per call, of enough calls to fill about 2 ms. On CUDA: device time
+    between two events, the calls queued while the device sleeps (their launches hidden)."""
+    if device.type != "cuda":
+        fn()
         start = time.perf_counter()
+        fn()
+        inner = max(3, min(200, math.ceil(2e-3 / max(time.perf_counter() - start, 1e-9))))
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            best = min(best, (time.perf_counter() - start) / inner)
+        return best
+    fn()
+    torch.cuda.synchronize(device)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    inner, best = 1, float("inf")
+    for attempt in range(repeats + 1):
+        torch.cuda._sleep(20_000_000)  # ~10 ms of device cycles: the host queues the calls meanwhile
+        begin.record()
         for _ in range(inner):
             fn()
-        sync()
-        best = min(best, (time.perf_counter() - start) / inner)
+        end.record()
+        torch.cuda.synchronize(device)
+        seconds = begin.elapsed_time(end) / 1e3 / inner
+        if attempt == 0:  # size the batch to about 2 ms of device time
+            inner = max(3, min(200, math.ceil(2e-3 / max(seconds, 1e-9))))
+        else:
+            best = min(best, seconds)
     return best
 
 
@@ -83,19 +108,35 @@ def attention_rate(device: torch.device, dtype: torch.dtype, *, shape: tuple[int
     return 3.5 * forward_flops / best_seconds(step, device, repeats=3)
 
 
-def launch_seconds(device: torch.device, *, kernels: int = 2000) -> float:
-    """Host seconds per tiny eager kernel (launches queue ahead of the device: their issue rate)."""
-    x = torch.zeros(1, device=device)
+def launch_seconds(device: torch.device, dtype: torch.dtype, *, repeats: int = 5) -> float:
+    """Host seconds per eager kernel of a block: a tiny GPT block's forward and backward under autocast, its
+    wall time over the kernels paratrain.planner.ops counts for a block (its device work is negligible)."""
+    from paratrain.config.model import ModelConfig
+    from paratrain.models.gpt import Block
+    from paratrain.models.norms import rope_tables
+    from paratrain.planner.ops import KERNELS
+
+    config = ModelConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=32)
+    block = Block(config).to(device)
+    x = torch.randn(1, 16, 32, device=device, requires_grad=True)
+    cos, sin = (t.to(device) for t in rope_tables(config.seq_len, config.head_dim, config.rope_theta))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            y = block(x, cos, sin)
+        y.sum().backward()
+
+    step()
     sync()
     best = float("inf")
-    for _ in range(3):
+    for _ in range(repeats):
         start = time.perf_counter()
-        for _ in range(kernels):
-            x.add_(1.0)
-        best = min(best, (time.perf_counter() - start) / kernels)
+        for _ in range(10):
+            step()
         sync()
-    return best
+        best = min(best, (time.perf_counter() - start) / 10)
+    return best / sum(KERNELS["eager"].kernels)
 
 
 def known_card(name: str, memory_bytes: float) -> Hardware | None:
@@ -117,7 +158,7 @@ def calibrate_device(device: torch.device, *, dtype: torch.dtype = torch.bfloat1
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         memory = float(torch.cuda.get_device_properties(device).total_memory)
-        per_node = torch.cuda.device_count()
+        per_node = max(1, torch.cuda.device_count())
     else:
         from paratrain.planner.calibrate import available_memory
 
@@ -125,9 +166,9 @@ def calibrate_device(device: torch.device, *, dtype: torch.dtype = torch.bfloat1
     rates = gemm_rates(device, dtype, tokens=tokens, dims=dims)
     card = known_card(name, memory)
     peak = card.peak_flops if card else max(max(r[1:]) for r in rates)
-    base = card or Hardware(name, peak, memory, 0.75 * 450e9, 0.75 * 50e9)
-    return replace(base, name=name, memory_bytes=memory, devices_per_node=per_node,
+    base = card or Hardware(name, peak, memory, 0.75 * 450e9, 0.75 * 50e9, devices_per_node=per_node)
+    return replace(base, name=name, memory_bytes=memory,
                    memory_bw=memory_bandwidth(device, nbytes=copy_bytes),
                    gemm=tuple((r[0], r[1] / peak, r[2] / peak, r[3] / peak) for r in rates),
                    attention_efficiency=attention_rate(device, dtype, shape=attention_shape) / peak,
-                   launch_s=launch_seconds(device))
+                   launch_s=launch_seconds(device, dtype))

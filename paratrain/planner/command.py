@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, help="devices per node (default: the hardware's, 8)")
     parser.add_argument("--hardware", default="h100-80gb",
-                        help=f"{', '.join(PROFILES)}, cpu (measured by --calibrate), or a JSON profile file")
+                        help=f"{', '.join(PROFILES)}, cpu or gpu (measured by --calibrate), or a JSON profile file")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure this machine's CPU profile (matmul rate, a GPT step's efficiency, gloo bandwidth "
                              "and latency; about 10 s), save it and print it; then --hardware cpu uses it. On a CUDA "

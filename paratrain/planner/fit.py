@@ -6,7 +6,10 @@ efficiency, from which the shape table follows by the roofline; the attention ke
 achieved memory bandwidth; the time lost per kernel launch) for the least squared log error over the
 rows, coarse to fine on a grid inside physical bounds. The shipped GPU profiles carry what it found:
 `h100-80gb` from the repo's one-H100 runs (bench/results/h100-*.json, `python -m paratrain.planner.fit
-bench/results/h100-*.json`), `a100-80gb` from the published Megatron runs (tests/unit/published.py).
+bench/results/h100-gpt2-*.json bench/results/h100-gpt3xl-*.json`), `a100-80gb` from the published Megatron runs
+(paratrain.planner.published; `python -m paratrain.planner.fit --published`). The fitted rates stand for the
+model's terms as a whole (its byte and kernel counts are estimates), so they differ from what the primitives
+measure alone (paratrain.planner.calibrate_device).
 """
 
 from __future__ import annotations

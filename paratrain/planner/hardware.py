@@ -41,7 +41,8 @@ class Hardware:
     devices_per_node: int = 8
     efficiency: float = 0.5
     """Without per-operation rates: the share of the peak a step's FLOPs reach (an MFU; the measured CPU
-    profile's). With them (`per_operation`) only the 8 T P / (n X) estimate reads it."""
+    profile's). With them (`per_operation`) it still prices a MoE model's compute (the first-order model) and the
+    8 T P / (n X) estimate."""
     latency_s: float = 10e-6
     """Fixed cost of one collective or point-to-point message."""
     overhead_s: float = 0.0
@@ -112,13 +113,29 @@ FITTED_RATES = {
     "h100-80gb": dict(best=0.95, attention=0.42, bandwidth=0.7204, launch_s=1.7408e-5),
     # python -m paratrain.planner.fit --published: Korthikanti et al. 2022, Table 5 (Megatron-LM on 80 GB A100s,
     # paratrain.planner.published)
-    "a100-80gb": dict(best=0.8604, attention=0.2, bandwidth=0.6, launch_s=2e-5),
+    "a100-80gb": dict(best=0.8716, attention=0.2, bandwidth=0.6, launch_s=2e-5),
 }
 FITTED_RATES["h200"] = FITTED_RATES["h100-80gb"]  # not measured: the H100's rates, the H200's bandwidth
 FITTED_RATES["a100-40gb"] = FITTED_RATES["a100-80gb"]
 PROFILES: dict[str, Hardware] = {name: with_rates(sheet, **FITTED_RATES[name], datasheet_bw=DATASHEET_MEMORY_BW[name])
                                  for name, sheet in DATASHEETS.items()}
 """The shipped GPU profiles, priced by operation with the rates fitted to measured or published steps."""
+
+
+def _gemm_rows(rows: object, source: str) -> tuple[tuple[float, float, float, float], ...]:
+    """A profile file's GEMM table, checked: rows of (intensity, forward, data-gradient, weight-gradient share of
+    peak), intensities ascending, shares in (0, 1]."""
+    try:
+        table = tuple((float(r[0]), float(r[1]), float(r[2]), float(r[3])) for r in rows)  # type: ignore[union-attr]
+        ok = all(len(r) == 4 for r in rows)  # type: ignore[union-attr]
+    except (TypeError, ValueError, IndexError):
+        table, ok = (), False
+    keys = [r[0] for r in table]
+    if not ok or keys != sorted(keys) or any(not 0 < e <= 1 for r in table for e in r[1:]):
+        raise ConfigError(f"hardware profile {source!r}: gemm must be rows [intensity, forward, data gradient, weight "
+                          f"gradient] with intensities ascending and shares of peak in (0, 1], got {rows!r}; "
+                          "re-measure it with `paratrain plan --calibrate` on the GPU")
+    return table
 
 
 def hardware(name_or_path: str, **overrides: float) -> Hardware:
@@ -141,7 +158,7 @@ def hardware(name_or_path: str, **overrides: float) -> Hardware:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"hardware profile {name_or_path!r} has unknown fields {unknown}: it may hold {sorted(known)}")
-        data["gemm"] = tuple(tuple(float(x) for x in row) for row in data.get("gemm", ()))
+        data["gemm"] = _gemm_rows(data.get("gemm") or (), name_or_path)
         profile = Hardware(**data)
     else:
         raise ConfigError(f"unknown hardware {name_or_path!r}: choose one of {', '.join(PROFILES)}, cpu or gpu (after "

@@ -6,7 +6,8 @@ run near the card's best. So each pipeline rank's work per micro-batch is priced
 
     GEMMs         2 m n k FLOPs at peak x the profile's efficiency for that shape and kind (forward,
                   data gradient, weight gradient): Hardware.gemm, a table by arithmetic intensity
-                  (measured by `paratrain plan --calibrate` on a GPU, or the roofline of gemm_table())
+                  (measured by `paratrain plan --calibrate` on a GPU, or hardware.roofline_table's); a
+                  grid mode's rank runs its SUMMA or cube products (Cut)
     attention     the fused kernel's FLOPs (causal: half of 4 s h per token forward, 2.5x that backward) at
                   peak x attention_efficiency
     memory-bound  norms, residual adds, RoPE, GELU, layout copies, the chunked loss, gradient accumulation,
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 from paratrain.config.model import ModelConfig
 from paratrain.planner.hardware import Hardware
-from paratrain.planner.layout import chunk_layers
+from paratrain.planner.layout import Layout, chunk_layers
 from paratrain.topology.dims import ParallelDims
 
 @dataclass(frozen=True)
@@ -50,7 +51,8 @@ class Kernels:
     optimizer_bytes: float
     """Per parameter element a rank steps, once per step: the optimizer, clipping, the 16-bit weight copy."""
     recompute_pointwise: bool
-    """Whether full recomputation moves the forward's pointwise bytes again (compiled: fused into backward)."""
+    """Whether full recomputation moves the forward's pointwise bytes again (torch.compile fuses them into
+    backward's kernels; eager and Megatron run the forward's kernels again)."""
 
 
 KERNELS = {
@@ -65,7 +67,7 @@ KERNELS = {
     # GEMM itself; its fp16 optimizer over float32 main parameters (unscale and inf check 8, clipping 12, Adam
     # 28, the fp16 copy 6, main_grad zeroed 4)
     "fused": Kernels({"stream": (20.0, 40.0), "heads": (16.0, 32.0), "ffn": (4.0, 8.0)}, (10, 20), 0.0, 58.0,
-                     False),
+                     True),
 }
 LOSS_BYTES = 32.0
 """The chunked loss (eager in every mode), bytes per logit: the logits written, each chunk upcast, its
@@ -132,23 +134,64 @@ class Work:
         return self.gemm + self.attention + self.memory + self.launches
 
 
-def block_work(model: ModelConfig, hw: Hardware, *, tokens: int, seq: int, tp: int, sequence_parallel: bool,
-               recompute: str, kernels: str, act: int) -> Work:
+@dataclass(frozen=True)
+class Cut:
+    """How tensor parallelism cuts a rank's work: its products, stream share and extra launches per block."""
+    mode: str = "1d"
+    tp: int = 1
+    side: int = 1
+    """A grid's q (2d, 2.5d: q x q grids; 3d: a q^3 cube)."""
+    depth: int = 1
+    sequence_parallel: bool = False
+
+    @classmethod
+    def of(cls, layout: Layout) -> Cut:
+        return cls(layout.tp_mode, layout.tp, layout.dims.grid_side, layout.tp_depth, layout.sequence_parallel)
+
+    def products(self, tokens: int, d_in: int, d_out: int) -> tuple[Gemm, int]:
+        """(the product one rank runs, how many times) for a linear [tokens, d_in] -> [tokens, d_out]: 1d a
+        [tokens, d_in] x [d_in, d_out / tp] (or d_in / tp for the row-parallel ones: the caller passes which);
+        SUMMA (2d, 2.5d) q products of [tokens / (depth q), d_in / q] x [d_in / q, d_out / q]; the cube one
+        [tokens / q, d_in / q] x [d_in / q, d_out / q]."""
+        if self.mode == "1d":
+            return Gemm(tokens, max(1, d_out), max(1, d_in)), 1
+        q = self.side
+        rows = q if self.mode == "3d" else self.depth * q
+        return Gemm(max(1, tokens // rows), max(1, d_out // q), max(1, d_in // q)), 1 if self.mode == "3d" else q
+
+    def stream(self, tokens: int, width: int) -> float:
+        """Elements of the residual stream a rank holds: all of it in 1d, 1/tp with sequence parallelism or a grid."""
+        return tokens * width / (self.tp if self.sequence_parallel or self.mode != "1d" else 1)
+
+
+def _gemm_work(hw: Hardware, cut: Cut, tokens: int, shapes: list[tuple[int, int, bool]]) -> tuple[float, float, int]:
+    """(forward, backward seconds, extra kernels per pass) of linears (d_in, d_out, cut along d_out in 1d)."""
+    fwd = bwd = 0.0
+    extra = 0
+    for d_in, d_out, column in shapes:
+        if cut.mode == "1d":
+            gemm, reps = cut.products(tokens, d_in if column else d_in // cut.tp, d_out // cut.tp if column else d_out)
+        else:
+            gemm, reps = cut.products(tokens, d_in, d_out)
+        f, b = gemm_seconds(hw, [gemm])
+        fwd, bwd, extra = fwd + reps * f, bwd + reps * b, extra + reps - 1
+    return fwd, bwd, extra
+
+
+def block_work(model: ModelConfig, hw: Hardware, *, tokens: int, seq: int, cut: Cut, recompute: str, kernels: str,
+               act: int) -> Work:
     """One dense block and one micro-batch of `tokens` rows on one tp rank (attention over `seq` keys)."""
-    h, f = model.d_model, model.ff_dim
-    cut_h, cut_f = max(1, h // tp), max(1, f // tp)
-    gemms = [Gemm(tokens, 3 * cut_h, h), Gemm(tokens, h, cut_h), Gemm(tokens, cut_f, h), Gemm(tokens, h, cut_f)]
-    g_fwd, g_bwd = gemm_seconds(hw, gemms)
+    h, f, tp = model.d_model, model.ff_dim, cut.tp
+    g_fwd, g_bwd, extra = _gemm_work(hw, cut, tokens, [(h, 3 * h, True), (h, h, False), (h, f, True), (f, h, False)])
     rate = hw.peak_flops * hw.attention_efficiency
     a_fwd = 0.5 * 4.0 * tokens * seq * h / tp / rate  # causal: half of q k^T and p v
-    stream = tokens * h / (tp if sequence_parallel else 1)
-    sizes = {"stream": stream, "heads": tokens * h / tp, "ffn": tokens * f / tp}
+    sizes = {"stream": cut.stream(tokens, h), "heads": tokens * h / tp, "ffn": tokens * f / tp}
     mode = KERNELS[kernels]
     counts = mode.element_bytes
     m_fwd = sum(sizes[k] * counts[k][0] for k in sizes) * act / 2 / hw.memory_bw
     m_bwd = sum(sizes[k] * counts[k][1] for k in sizes) * act / 2 / hw.memory_bw
     m_bwd += (4 * h * h + 2 * h * f) / tp * mode.accumulate_bytes / hw.memory_bw
-    k_fwd, k_bwd = mode.kernels
+    k_fwd, k_bwd = mode.kernels[0] + 2 * extra, mode.kernels[1] + 4 * extra  # a grid's products and their sums
     forward = Work(g_fwd, a_fwd, m_fwd, k_fwd * hw.launch_s)
     work = forward + Work(g_bwd, 2.5 * a_fwd, m_bwd, k_bwd * hw.launch_s)
     if recompute == "full":
@@ -158,36 +201,39 @@ def block_work(model: ModelConfig, hw: Hardware, *, tokens: int, seq: int, tp: i
     return work
 
 
-def head_work(model: ModelConfig, hw: Hardware, *, tokens: int, tp: int, act: int, kernels: str) -> Work:
+def head_work(model: ModelConfig, hw: Hardware, *, tokens: int, cut: Cut, act: int, kernels: str) -> Work:
     """The last stage's final norm, vocabulary matmul and chunked loss, one micro-batch (eager)."""
-    v, h = model.padded_vocab, model.d_model
-    g_fwd, g_bwd = gemm_seconds(hw, [Gemm(tokens, max(1, v // tp), h)])
+    v, h, tp = model.padded_vocab, model.d_model, cut.tp
+    g_fwd, g_bwd, extra = _gemm_work(hw, cut, tokens, [(h, v, True)])
     logits = tokens * v / tp
-    memory = (logits * LOSS_BYTES + tokens * h * KERNELS["eager"].element_bytes["stream"][0]) / hw.memory_bw * act / 2
+    memory = (logits * LOSS_BYTES + cut.stream(tokens, h) * KERNELS["eager"].element_bytes["stream"][0]) \
+        / hw.memory_bw * act / 2
     memory += v * h / tp * KERNELS[kernels].accumulate_bytes / hw.memory_bw
-    return Work(g_fwd + g_bwd, 0.0, memory, 30 * hw.launch_s)
+    return Work(g_fwd + g_bwd, 0.0, memory, (30 + 6 * extra) * hw.launch_s)
 
 
 def optimizer_work(hw: Hardware, elements: float, kernels: str) -> Work:
     """Once per step: the optimizer, clipping and the weight casts over the `elements` a rank steps."""
+    if not elements:
+        return Work()
     return Work(memory=elements * KERNELS[kernels].optimizer_bytes / hw.memory_bw, launches=20 * hw.launch_s)
 
 
-def busiest_rank(model: ModelConfig, hw: Hardware, *, pp: int, v: int, micro_batches: int, micro_batch: int,
-                 seq: int, cp: int, tp: int, sequence_parallel: bool, recompute: str, kernels: str, act: int,
-                 stage_elements: float) -> Work:
-    """The pipeline rank whose compute is longest: its blocks and (the last rank) the head for every
-    micro-batch, and once its optimizer step over `stage_elements` parameter elements."""
-    tokens = micro_batch * seq // cp
-    block = block_work(model, hw, tokens=tokens, seq=seq, tp=tp, sequence_parallel=sequence_parallel,
-                       recompute=recompute, kernels=kernels, act=act)
-    head = head_work(model, hw, tokens=tokens, tp=tp, act=act, kernels=kernels)
+def rank_work(model: ModelConfig, layout: Layout, hw: Hardware, *, micro_batches: int, seq: int, kernels: str,
+              act: int, stage_elements: float) -> tuple[Work, Work]:
+    """(the micro-batches' work of the pipeline rank whose compute is longest: its blocks and, on the last rank,
+    the head; once per step, its optimizer step over `stage_elements` parameter elements)."""
+    tokens = layout.micro_batch * seq // layout.cp
+    cut = Cut.of(layout)
+    block = block_work(model, hw, tokens=tokens, seq=seq, cut=cut, recompute=layout.recompute, kernels=kernels,
+                       act=act)
+    head = head_work(model, hw, tokens=tokens, cut=cut, act=act, kernels=kernels)
     best = Work()
-    for blocks, has_head in _rank_shapes(model, pp, v):
+    for blocks, has_head in _rank_shapes(model, layout.pp, layout.virtual_stages):
         mine = block * blocks + (head if has_head else Work())
         if mine.total > best.total:
             best = mine
-    return best * micro_batches + optimizer_work(hw, stage_elements, kernels)
+    return best * micro_batches, optimizer_work(hw, stage_elements, kernels)
 
 
 @functools.lru_cache(maxsize=4096)

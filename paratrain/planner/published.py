@@ -1,4 +1,4 @@
-"""Published training runs the planner is checked against (tests/unit/test_planner_published.py).
+"""Published training runs the planner is checked against (tests/unit/test_planner_ops.py, bench/published.py).
 
 Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (arXiv
 2205.05198): Megatron-LM GPT models on 80 GB A100s (DGX A100 nodes, fp16, sequence 2048, vocabulary

@@ -1,14 +1,18 @@
-"""Step time of a layout: compute at the hardware's rate, the pipeline bubble, and the communication
-of each axis over the links it crosses. A first-order model (Narayanan et al. 2021, section 3;
-Korthikanti et al. 2022, section 4), each term named so that a measurement can be set against it.
+"""Step time of a layout: compute at the hardware's rates, the pipeline bubble, and the communication
+of each axis over the links it crosses (Narayanan et al. 2021, section 3; Korthikanti et al. 2022,
+section 4), each term named so that a measurement can be set against it.
 
-    compute    model FLOPs (6 N per token + attention, PaLM's count) of the busiest pipeline stage,
-               times 4/3 with full recomputation (one more forward), over peak x efficiency; plus
-               the profile's fixed overhead per block and micro-batch (launches, Python), and per MoE layer
-               and micro-batch what routing adds to it (the router, top-k, the sort, per-expert launches)
+    compute    on a GPU profile with per-operation rates (Hardware.per_operation), the busiest pipeline rank's
+               GEMMs, attention, memory-bound operations and kernel launches per micro-batch, and once per
+               step its optimizer (paratrain.planner.ops). Otherwise (the CPU profile; any MoE model): model
+               FLOPs (6 N per token + attention, PaLM's count) of the busiest pipeline stage, times 4/3 with
+               full recomputation (one more forward), over peak x efficiency; plus the profile's fixed
+               overhead per block and micro-batch (launches, Python), and per MoE layer and micro-batch what
+               routing adds to it (the router, top-k, the sort, per-expert launches)
     tp         per block and micro-batch 4 all-reduces of b s h (2 forward, 2 backward; sequence
                parallelism: 4 all-gathers and 4 reduce-scatters, and 2 all-gathers again in
-               backward): on the critical path, so added to each micro-batch's time. The grid modes (2d,
+               backward), with full recomputation the forward's again as far as backward needs them: on
+               the critical path, so added to each micro-batch's time. The grid modes (2d,
                2.5d, 3d): every collective paratrain.planner.grid lists for the blocks (and the head without pp),
                each over the links its sub-axis spans
     bubble     the schedule's idle share (paratrain.planner.textbook.bubble_fraction), stretching
@@ -40,12 +44,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
 from paratrain.planner.grid import grid_time
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout, chunk_layers, layer_costs, rank_params
 from paratrain.planner.memory import BYTES
-from paratrain.planner.ops import busiest_rank
+from paratrain.planner.ops import KERNELS, rank_work
 from paratrain.planner.param_server import exchange_time
 from paratrain.planner.textbook import bubble_fraction
 from paratrain.topology.dims import ParallelDims
@@ -117,6 +122,9 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
               precision: str = "bf16", grad_reduce: str = "reduce_scatter", kernels: str = "eager") -> StepTime:
     """kernels: how the blocks run, for a per-operation profile (paratrain.planner.ops.KERNELS): eager,
     compiled (torch.compile) or Megatron's fused kernels."""
+    if kernels not in KERNELS:
+        raise ConfigError(f"kernels must be one of {sorted(KERNELS)} (how the blocks run: eager, compiled by "
+                          f"torch.compile, or Megatron's fused kernels), got {kernels!r}")
     dp, tp, pp, v, cp = layout.dp, layout.tp, layout.pp, layout.virtual_stages, layout.cp
     m = global_batch // (dp * layout.micro_batch)  # micro-batches per rank and step
     tokens = global_batch * seq
@@ -138,29 +146,37 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     compute = per_rank * share / rate + overhead
     act = BYTES[precision]
     by_operation = {"compute: FLOPs at peak x efficiency": compute - overhead, "compute: fixed overhead": overhead}
-    if hw.per_operation and not model.n_experts:  # paratrain.planner.ops (MoE layers: the first-order model)
-        work = busiest_rank(model, hw, pp=pp, v=v, micro_batches=m, micro_batch=layout.micro_batch, seq=seq, cp=cp,
-                            tp=tp, sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
-                            kernels=kernels, act=act, stage_elements=numel / tp / (dp * cp if layout.zero else 1))
-        compute = work.total
+    once = 0.0  # the per-operation model's optimizer step, after the pipelined part
+    attention_rate = rate
+    if hw.per_operation and not model.n_experts:  # paratrain.planner.ops (a MoE model: the first-order model)
+        # the optimizer steps on this device over its ZeRO shard (not when offloaded, nor under the parameter server)
+        stepped = 0.0 if layout.offload or layout.ps_mode != "off" else numel / tp / (layout.shards if layout.zero else 1)
+        work, optimizer = rank_work(model, layout, hw, micro_batches=m, seq=seq, kernels=kernels, act=act,
+                                    stage_elements=stepped)
+        compute, once = work.total, optimizer.total
+        attention_rate = hw.peak_flops * hw.attention_efficiency
         by_operation = {"compute: GEMMs": work.gemm, "compute: attention": work.attention,
-                        "compute: memory-bound ops": work.memory, "compute: kernel launches": work.launches}
+                        "compute: memory-bound ops": work.memory, "compute: kernel launches": work.launches,
+                        "optimizer step": once}
     # tensor parallelism, on the critical path, per block and micro-batch: 4 all-reduces of b s h; with
     # sequence parallelism 4 all-gathers and 4 reduce-scatters (each half an all-reduce's traffic)
     # and 2 more all-gathers in backward (the column layers keep only their slice of the input)
     tp_bytes = layout.micro_batch * seq // cp * model.d_model * act
-    # (full recomputation runs the forward's again: 2 all-reduces, or 2 all-gathers and 2 reduce-scatters, whose
-    # gathered inputs backward then keeps, so it gathers nothing again)
-    full = layout.recompute == "full"
-    if layout.sequence_parallel:
-        per_block = (12 if full else 10) * _bus_time(tp_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=1)
-    else:
-        per_block = (6 if full else 4) * _bus_time(tp_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=2)
+    # (full recomputation runs the forward's again as far as backward needs it: paratrain 1 all-reduce, or 2
+    # all-gathers and 1 reduce-scatter, as planner.comm counts them to the byte; Megatron's fused runs the whole
+    # forward's, 2 all-reduces, or 2 all-gathers and 2 reduce-scatters whose inputs backward then keeps)
+    full, megatron = layout.recompute == "full", kernels == "fused"
+    if layout.sequence_parallel:  # all-gathers and reduce-scatters
+        count = (12 if megatron else 13) if full else 10
+        per_block = count * _bus_time(tp_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=1)
+    else:  # all-reduces
+        count = (6 if megatron else 5) if full else 4
+        per_block = count * _bus_time(tp_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=2)
     tp_time = m * blocks_here * per_block
     if layout.tp_mode != "1d" and tp > 1:  # a grid's collectives, each over the links its sub-axis spans; its
         # head's SUMMA too (its weight term is large): paratrain.planner.grid
         tp_time = m * grid_time(model, layout, hw, blocks=blocks_here, last=pp == 1, act=act, seq=seq // cp)
-    cp_time = m * blocks_here * _context_parallel_time(model, layout, hw, seq=seq, act=act, rate=rate)
+    cp_time = m * blocks_here * _context_parallel_time(model, layout, hw, seq=seq, act=act, rate=attention_rate)
     # expert parallelism, on the critical path, per MoE layer and micro-batch: the rows to the experts and
     # back, forward and backward (4 all-to-alls of micro-batch x seq x top_k rows; a share (ep - 1) / ep
     # leaves the rank), over the link its ep ranks (consecutive in dp) span
@@ -196,10 +212,10 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     dp_exposed = max(0.0, dp_time - overlap)
     if layout.ps_mode != "off":  # the push and the pull after backward (paratrain.planner.param_server)
         dp_exposed = exchange_time(model, layout, hw)
-    step = pipelined + pp_time + dp_exposed
+    step = pipelined + once + pp_time + dp_exposed
     terms = {**by_operation, "tp collectives": tp_time, "ep all-to-alls": ep_time, "cp exchange": cp_time,
              "pipeline bubble": pipelined - (compute + tp_time + ep_time + cp_time), "pp fill and drain": pp_time,
              "dp (or parameter server) exposed": dp_exposed}
-    return StepTime(step_s=step, compute_s=compute, comm_s=tp_time + ep_time + cp_time + pp_time + dp_exposed,
+    return StepTime(step_s=step, compute_s=compute + once, comm_s=tp_time + ep_time + cp_time + pp_time + dp_exposed,
                     bubble=bubble, tokens_per_s=tokens / step,
                     mfu=model_flops / step / (layout.world_size * hw.peak_flops), terms=terms)

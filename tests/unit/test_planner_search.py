@@ -277,8 +277,9 @@ def test_step_time_terms_add_up_and_explain_prints_them(capsys):
 
 
 def test_the_search_tries_the_grid_modes_and_they_win_across_nodes(capsys):
-    """2d on a square tp, 2.5d at depth 2 or 4, 3d on a cube. Within a node 1d's all-reduces win; once a tp group of
-    16 crosses 8-GPU nodes, a grid whose row groups stay inside a node moves less over the slow links and wins
+    """2d on a square tp, 2.5d at depth 2 or 4, 3d on a cube. Within a node 1d (with sequence parallelism) and the
+    cube are close (gpt3-xl, tp 8: 0.311 s against 0.277 s); once a tp group of 16 crosses 8-GPU nodes, a grid
+    whose row groups stay inside a node moves less over the slow links and wins by more than 2x
     (bench/plan_tp_modes.py prints the whole table in docs/planner.md)."""
     from paratrain.planner.search import grid_modes
 
@@ -290,11 +291,14 @@ def test_the_search_tries_the_grid_modes_and_they_win_across_nodes(capsys):
     def best(tp: int) -> dict:
         return search(xl, tp, h100, global_batch=16, pins=dict(fixed, tp=tp))["candidates"][0]
 
-    assert best(8)["layout"]["tp_mode"] == "1d"
+    within = search(xl, 8, h100, global_batch=16, pins=dict(fixed, tp=8))["candidates"]
+    one_d_8 = min(r["step_time_s"] for r in within if r["layout"]["tp_mode"] == "1d")
+    grid_8 = min(r["step_time_s"] for r in within if r["layout"]["tp_mode"] != "1d")
+    assert 0.8 < grid_8 / one_d_8 < 1.25
     across = best(16)
     assert across["layout"]["tp_mode"] in ("2d", "2.5d")
     one_d = estimate(xl, Layout.of(tp=16, **fixed), h100, global_batch=16)
-    assert across["step_time_s"] < one_d["step_time_s"] / 2  # measured 0.143 s against 0.695 s
+    assert across["step_time_s"] < one_d["step_time_s"] / 2  # predicted 0.240 s against 1.074 s
     assert main(["plan", "--model", "gpt3-xl", "--gpus", "64", "--global-batch", "16", "--tp", "64", "--pp", "1",
                  "--tp-mode", "3d", "--micro-batch", "16", "--top", "1"]) == 0
     assert " 3d " in capsys.readouterr().out
