@@ -18,8 +18,9 @@ run near the card's best. So each pipeline rank's work per micro-batch is priced
 Eager, compiled and Megatron's fused kernels move and launch different amounts (KERNELS).
 
 Recomputation repeats the forward (full) or the attention core's forward (selective). The byte and kernel
-counts are those of paratrain's GPT (paratrain.models.gpt: RMSNorm, RoPE, GELU MLP, fused attention, the
-chunked loss, fused AdamW).
+counts are estimates from the operations of paratrain's GPT (paratrain.models.gpt: RMSNorm, RoPE, GELU MLP, fused
+attention, the chunked loss, fused AdamW); the rates fitted to measured steps (paratrain.planner.fit) absorb
+their error.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from paratrain.config.model import ModelConfig
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout, chunk_layers
 from paratrain.topology.dims import ParallelDims
+
 
 @dataclass(frozen=True)
 class Kernels:
