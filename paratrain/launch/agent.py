@@ -11,6 +11,8 @@ itself, before torch's own close finds them running.
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -58,7 +60,27 @@ class GraceAgent(LocalElasticAgent):
         failed = any(handler.proc.poll() not in (None, 0) for handler in handlers.values())
         if failed and running and not self.stopped:
             self.stopped = _stop(running, self.grace_s)
+        if failed:
+            _drop_unreadable(getattr(self._pcontext, "error_files", {}))
         return super()._monitor_workers(worker_group)  # torch's: the failures, and its close finds none running
+
+
+def _drop_unreadable(error_files: Mapping[int, str]) -> None:
+    """Remove a worker's error file that is not JSON: one SIGKILLed (or stopped) while torch's @record wrote it
+    leaves it empty or cut, and torch's ProcessFailure, which parses it, would raise instead of reporting the
+    failure (the agent then dies, and a run with restarts left is not restarted). Without the file torch reports
+    the worker by its exit code, as for any worker killed before it wrote one."""
+    for path in error_files.values():
+        try:
+            with open(path) as file:
+                json.load(file)
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError):
+            try:
+                os.remove(path)
+            except OSError:
+                pass
 
 
 def _stop(handlers: Mapping[int, SubprocessHandler], grace_s: float) -> dict[int, str]:

@@ -170,3 +170,19 @@ def test_the_launcher_kills_what_cannot_run_after_the_grace_not_30_s(tmp_path):
     assert stopped == {0: "", 1: "T"}
     assert handlers[0].proc.returncode == -signal.SIGTERM and handlers[1].proc.returncode == -signal.SIGKILL
     assert 0.5 <= elapsed < 3, elapsed
+
+
+def test_an_error_file_cut_by_a_kill_is_dropped_not_parsed(tmp_path):
+    """A worker killed while torch's @record wrote its error file leaves it empty or cut; torch's ProcessFailure
+    would raise parsing it and take the agent down (seen in CI: a run with restarts left was not restarted).
+    The agent drops such a file, so torch reports that worker by its exit code; a whole file stays."""
+    from paratrain.launch.agent import _drop_unreadable
+
+    whole, empty, cut, missing = (tmp_path / name for name in ("whole.json", "empty.json", "cut.json", "none.json"))
+    whole.write_text(json.dumps({"message": {"message": "RuntimeError: boom", "extraInfo": {"timestamp": "0"}}}))
+    empty.write_text("")
+    cut.write_text('{"message": {"mess')
+    _drop_unreadable({0: str(whole), 1: str(empty), 2: str(cut), 3: str(missing)})
+    assert whole.exists() and not empty.exists() and not cut.exists()
+    failure = ProcessFailure(local_rank=1, pid=1, exitcode=-9, error_file=str(empty))
+    assert failure.exitcode == -9 and "Signal 9" in failure.message
