@@ -60,9 +60,15 @@ class GraceAgent(LocalElasticAgent):
         failed = any(handler.proc.poll() not in (None, 0) for handler in handlers.values())
         if failed and running and not self.stopped:
             self.stopped = _stop(running, self.grace_s)
-        if failed:
-            _drop_unreadable(getattr(self._pcontext, "error_files", {}))
+        if failed:  # the error files of workers that have exited (a running one may be writing its own)
+            files = getattr(self._pcontext, "error_files", {})
+            _drop_unreadable({local: files[local] for local, handler in handlers.items()
+                              if local in files and handler.proc.poll() is not None})
         return super()._monitor_workers(worker_group)  # torch's: the failures, and its close finds none running
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        self.stopped = {}  # a new attempt: its failure stops its own workers (and WorkersFailed names those)
+        super()._restart_workers(worker_group)
 
 
 def _drop_unreadable(error_files: Mapping[int, str]) -> None:
