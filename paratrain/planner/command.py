@@ -204,25 +204,23 @@ def _calibrate(args: argparse.Namespace) -> int:
 
         profile = calibrate_device(torch.device("cuda"))
         path = Path(args.save_hardware or GPU_PROFILE)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
         best = max(max(row[1:]) for row in profile.gemm)
-        print(json.dumps(profile.to_dict()) if args.json else
-              f"saved {path}: {profile.name}, GEMMs up to {best:.0%} of {profile.peak_flops / 1e12:.0f} TFLOP/s, "
-              f"attention {profile.attention_efficiency:.0%}, memory {profile.memory_bw / 1e12:.2f} TB/s, "
-              f"{profile.launch_s * 1e6:.1f} us per eager launch; --hardware gpu uses it")
-        return 0
-    if args.processes < 2:
-        raise ConfigError(f"--processes must be >= 2 (gloo between local processes), got {args.processes}")
-    profile = calibrate(args.processes)
-    path = Path(args.save_hardware or CPU_PROFILE)
+        summary = (f"{profile.name}, GEMMs up to {best:.0%} of {profile.peak_flops / 1e12:.0f} TFLOP/s, attention "
+                   f"{profile.attention_efficiency:.0%}, memory {profile.memory_bw / 1e12:.2f} TB/s, "
+                   f"{profile.launch_s * 1e6:.1f} us per eager launch; --hardware gpu uses it")
+    else:
+        if args.processes < 2:
+            raise ConfigError(f"--processes must be >= 2 (gloo between local processes), got {args.processes}")
+        profile = calibrate(args.processes)
+        path = Path(args.save_hardware or CPU_PROFILE)
+        summary = (f"{profile.peak_flops / 1e9:.1f} GFLOP/s float32 matmul per process, a GPT step reaches "
+                   f"{profile.efficiency:.0%} of it plus {profile.overhead_s * 1e3:.2f} ms per block and micro-batch "
+                   f"({profile.moe_overhead_s * 1e3:.2f} ms more per MoE layer); gloo "
+                   f"{profile.intra_node_bw / 1e9:.2f} GB/s bus bandwidth, {profile.latency_s * 1e6:.0f} us latency; "
+                   f"{profile.memory_bytes / 1e9:.1f} GB per process")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
-    print(json.dumps(profile.to_dict()) if args.json else
-          f"saved {path}: {profile.peak_flops / 1e9:.1f} GFLOP/s float32 matmul per process, a GPT step reaches "
-          f"{profile.efficiency:.0%} of it plus {profile.overhead_s * 1e3:.2f} ms per block and micro-batch "
-          f"({profile.moe_overhead_s * 1e3:.2f} ms more per MoE layer); gloo {profile.intra_node_bw / 1e9:.2f} GB/s bus bandwidth, "
-          f"{profile.latency_s * 1e6:.0f} us latency; {profile.memory_bytes / 1e9:.1f} GB per process")
+    print(json.dumps(profile.to_dict()) if args.json else f"saved {path}: {summary}")
     return 0
 
 
