@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     table = rows(args.hardware, args.gpus_per_node)
     modes = sorted({k for r in table for k in r if k not in ("model", "d_model", "tp", "per_node")},
-                   key=lambda k: ("1d", "2d", "2.5d", "3d").index(k.split("-")[0]))
+                   key=lambda k: (("1d", "2d", "2.5d", "3d").index(k.split("-")[0]), k))
     print(f"{args.hardware}, {args.gpus_per_node} GPUs a node; step s (tp collectives s) per mode, micro-batch "
           f"{MICRO_BATCH}, full recompute, ZeRO-1, bf16")
     print(f"| model (d_model) | tp | {' | '.join(modes)} | fastest |")

@@ -4,8 +4,8 @@
     python -m bench.published --calculon DIR --calculon-python PY --out bench/results/published-megatron.json
 
 Korthikanti et al. 2022, Table 5 (paratrain.planner.published): seconds per step and memory per GPU of
-Megatron-LM's 22B, 175B, 530B and 1T GPT models on 80 GB A100s; and Narayanan et al. 2021, Table 1 (1.7B-1T,
-weak scaling, its micro-batch not published: predicted with 1 and with 2). paratrain predicts each with the shipped
+Megatron-LM's 22B, 175B, 530B and 1T GPT models on 80 GB A100s; Narayanan et al. 2021, Table 1 (1.7B-1T,
+weak scaling, its micro-batch not published: predicted with 1, 2 and 4) and Table 2 (PTD-P against ZeRO-3). paratrain predicts each with the shipped
 a100-80gb profile (its rates fitted to these rows: paratrain.planner.fit --published) and Megatron's fused
 kernels. With --calculon, Calculon (Isaev et al., SC'23; a checkout of github.com/calculon-ai/calculon, whose
 Python needs pandas and psutil) runs its own validation of the same table (`calculon lv`), and its step
@@ -21,7 +21,8 @@ import subprocess
 from pathlib import Path
 
 from paratrain.planner.hardware import GIB, hardware
-from paratrain.planner.published import NARAYANAN, korthikanti_table5, narayanan_table1
+from paratrain.planner.published import (NARAYANAN, NARAYANAN_TABLE2, korthikanti_table5, narayanan_table1,
+                                         narayanan_table2)
 from paratrain.planner.search import memory
 from paratrain.planner.timing import step_time
 
@@ -67,21 +68,40 @@ def main() -> None:
         print(f"{run.name:<12} {run.step_s:>11.2f} {t.step_s:>11.2f} {t.step_s / run.step_s:>6.3f} "
               f"{c.get('step_s', float('nan')):>10.2f} {c.get('step_s', float('nan')) / run.step_s:>6.3f} "
               f"{row['published_mfu']:>7.1%} {t.mfu:>8.1%} {row['peak_gib']:>8.1f} {c.get('memory_gib', float('nan')):>8.1f}")
-    print(f"\nNarayanan et al. 2021, Table 1 (micro-batch not published: predicted with 1 and with 2)\n"
-          f"{'run':<8} {'published s':>11} {'mb 1 s':>8} {'ratio':>6} {'mb 2 s':>8} {'ratio':>6} {'TFLOP/s pub':>11} "
-          f"{'pred (mb 1)':>11} {'peak GiB':>8}")
+    print(f"\nNarayanan et al. 2021, Table 1 (micro-batch not published: predicted with 1, 2 and 4)\n"
+          f"{'run':<8} {'published s':>11} {'mb 1 s':>8} {'ratio':>6} {'mb 2 s':>8} {'ratio':>6} {'mb 4 s':>8} "
+          f"{'ratio':>6} {'TFLOP/s pub':>11} {'pred (mb 1)':>11} {'peak GiB':>8}")
     weak = []
-    for one, two in zip(narayanan_table1(1), narayanan_table1(2)):
-        t1, t2 = (step_time(r.model, r.layout, a100, global_batch=r.global_batch, seq=2048, precision=r.precision,
-                            kernels="fused").step_s for r in (one, two))
+    for runs in zip(*(narayanan_table1(mb) for mb in (1, 2, 4))):
+        one = runs[0]
+        times = [predicted(r, a100) for r in runs]
         peak = memory(one.model, one.layout, global_batch=one.global_batch, seq=2048, precision=one.precision)["peak"]
         tflops = NARAYANAN[one.name][7]
-        weak.append({"run": one.name, "published_s": one.step_s, "predicted_s_mb1": t1, "predicted_s_mb2": t2,
+        weak.append({"run": one.name, "published_s": one.step_s, **{f"predicted_s_mb{mb}": t for mb, t in
+                                                                    zip((1, 2, 4), times)},
                      "published_tflops": tflops, "peak_gib_mb1": peak / GIB})
-        print(f"{one.name:<8} {one.step_s:>11.2f} {t1:>8.2f} {t1 / one.step_s:>6.3f} {t2:>8.2f} {t2 / one.step_s:>6.3f} "
-              f"{tflops:>11} {tflops * one.step_s / t1:>11.1f} {peak / GIB:>8.1f}")
+        print(f"{one.name:<8} {one.step_s:>11.2f} " + " ".join(f"{t:>8.2f} {t / one.step_s:>6.3f}" for t in times)
+              + f" {tflops:>11} {tflops * one.step_s / times[0]:>11.1f} {peak / GIB:>8.1f}")
+    print(f"\nNarayanan et al. 2021, Table 2 (PTD-P against ZeRO-3 without model parallelism)\n"
+          f"{'run':<20} {'published s':>11} {'paratrain s':>11} {'ratio':>6} {'TFLOP/s pub':>11} {'pred':>6} "
+          f"{'peak GiB':>8}")
+    table2 = []
+    for run, (*_, tflops, days) in zip(narayanan_table2(), NARAYANAN_TABLE2):
+        t = step_time(run.model, run.layout, a100, global_batch=run.global_batch, seq=2048, precision=run.precision,
+                      kernels="fused")
+        peak = memory(run.model, run.layout, global_batch=run.global_batch, seq=2048, precision=run.precision)["peak"]
+        table2.append({"run": run.name, "published_s": run.step_s, "predicted_s": t.step_s, "published_tflops": tflops,
+                       "published_days": days, "peak_gib": peak / GIB, "terms": t.terms})
+        print(f"{run.name:<20} {run.step_s:>11.2f} {t.step_s:>11.2f} {t.step_s / run.step_s:>6.3f} {tflops:>11} "
+              f"{tflops * run.step_s / t.step_s:>6.1f} {peak / GIB:>8.1f}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"korthikanti_table5": rows, "narayanan_table1": weak}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"korthikanti_table5": rows, "narayanan_table1": weak,
+                                              "narayanan_table2": table2}, indent=1) + "\n")
+
+
+def predicted(run, hw) -> float:
+    return step_time(run.model, run.layout, hw, global_batch=run.global_batch, seq=2048, precision=run.precision,
+                     kernels="fused").step_s
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from paratrain.planner.hardware import GIB, PROFILES, Hardware
+from paratrain.planner.hardware import GIB, OVERLAP_LOSS, PROFILES, Hardware
 
 GEMM_DIMS = (256, 512, 1024, 2048, 4096, 8192)
 
@@ -166,7 +166,9 @@ def calibrate_device(device: torch.device, *, dtype: torch.dtype = torch.bfloat1
     rates = gemm_rates(device, dtype, tokens=tokens, dims=dims)
     card = known_card(name, memory)
     peak = card.peak_flops if card else max(max(r[1:]) for r in rates)
-    base = card or Hardware(name, peak, memory, 0.75 * 450e9, 0.75 * 50e9, devices_per_node=per_node)
+    # links and the overlap loss are not measured here: a known card's, else the H100's links and the fitted loss
+    base = card or Hardware(name, peak, memory, 0.75 * 450e9, 0.75 * 50e9, devices_per_node=per_node,
+                            overlap_loss=OVERLAP_LOSS)
     return replace(base, name=name, memory_bytes=memory,
                    memory_bw=memory_bandwidth(device, nbytes=copy_bytes),
                    gemm=tuple((r[0], r[1] / peak, r[2] / peak, r[3] / peak) for r in rates),

@@ -7,7 +7,9 @@ achieved memory bandwidth; the time lost per kernel launch) for the least square
 rows, coarse to fine on a grid inside physical bounds. The shipped GPU profiles carry what it found:
 `h100-80gb` from the repo's one-H100 runs (bench/results/h100-*.json, `python -m paratrain.planner.fit
 bench/results/h100-gpt2-*.json bench/results/h100-gpt3xl-*.json`), `a100-80gb` from the published Megatron runs
-(paratrain.planner.published; `python -m paratrain.planner.fit --published`). The fitted rates stand for the
+(paratrain.planner.published; `python -m paratrain.planner.fit --published`), and every GPU profile's overlap loss
+from Narayanan et al. 2021's ZeRO-3 runs (`--overlap`: the share of a collective's overlap with compute still
+paid; those runs' steps hang on it, no other published row does). The fitted rates stand for the
 model's terms as a whole (its byte and kernel counts are estimates), so they differ from what the primitives
 measure alone (paratrain.planner.calibrate_device).
 """
@@ -18,11 +20,11 @@ import argparse
 import itertools
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from paratrain.config.model import ModelConfig, preset
-from paratrain.planner.hardware import DATASHEET_MEMORY_BW, DATASHEETS, Hardware, with_rates
+from paratrain.planner.hardware import DATASHEET_MEMORY_BW, DATASHEETS, PROFILES, Hardware, with_rates
 from paratrain.planner.layout import Layout
 from paratrain.planner.timing import step_time
 
@@ -74,6 +76,16 @@ def fit(rows: list[Row], base: Hardware, *, rounds: int = 3, points: int = 6) ->
     return with_rates(base, **best_params, datasheet_bw=bw), best_params
 
 
+def fit_overlap(rows: list[Row], base: Hardware, *, step: float = 0.05) -> tuple[Hardware, float]:
+    """The overlap loss in [0, 1] (a grid of `step`) with the least worst |log(predicted / measured)| over the rows
+    (the check is a bound on every row), and the profile with it."""
+    grid = [round(i * step, 6) for i in range(int(round(1 / step)) + 1)]
+    worst = {loss: max(abs(math.log(predict(r, replace(base, overlap_loss=loss)) / r.seconds)) for r in rows)
+             for loss in grid}
+    loss = min(grid, key=lambda value: worst[value])
+    return replace(base, overlap_loss=loss), loss
+
+
 def bench_rows(paths: list[str]) -> list[Row]:
     """The engine's rows of bench/bench_gpu.py results (one GPU): each variant's fastest repeat (interference
     only slows a step). Offloaded activations and the full-logits loss are not what the model prices."""
@@ -102,15 +114,33 @@ def published_rows() -> list[Row]:
             for r in korthikanti_table5()]
 
 
+def zero3_rows() -> list[Row]:
+    """Narayanan et al. 2021's Table 2, ZeRO-3 without model parallelism (paratrain.planner.published) as rows."""
+    from paratrain.planner.published import narayanan_table2
+
+    return [Row(r.name, r.model, r.layout, r.global_batch, r.step_s, "fused", r.precision)
+            for r in narayanan_table2() if r.layout.zero == 3]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="*", help="bench/bench_gpu.py result files")
     parser.add_argument("--published", action="store_true", help="fit the a100-80gb profile to Korthikanti et al. "
                         "2022's Table 5 instead")
+    parser.add_argument("--overlap", action="store_true", help="fit the overlap loss of the shipped a100-80gb profile "
+                        "to Narayanan et al. 2021's ZeRO-3 runs (Table 2) instead")
     parser.add_argument("--hardware", default="h100-80gb", choices=sorted(DATASHEETS))
     args = parser.parse_args(argv)
+    if args.overlap:
+        rows = zero3_rows()
+        hw, loss = fit_overlap(rows, PROFILES["a100-80gb"])
+        print(json.dumps({"overlap_loss": loss}))
+        for row in rows:
+            print(f"{row.name:40s} published {row.seconds:.2f} s predicted {predict(row, hw):.2f} s "
+                  f"({predict(row, hw) / row.seconds:.3f})")
+        return
     if not args.published and not args.results:
-        parser.error("give bench/bench_gpu.py result files, or --published")
+        parser.error("give bench/bench_gpu.py result files, --published or --overlap")
     rows = published_rows() if args.published else bench_rows(args.results)
     hw, params = fit(rows, DATASHEETS["a100-80gb" if args.published else args.hardware])
     print(json.dumps({k: round(v, 9) for k, v in params.items()}))

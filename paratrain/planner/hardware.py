@@ -62,6 +62,10 @@ class Hardware:
     """Share of peak the fused attention kernel reaches on its FLOPs."""
     launch_s: float = 0.0
     """Device time lost per kernel launched (eager launches one by one; compiled blocks launch fewer)."""
+    overlap_loss: float = 0.0
+    """The share of an overlap lost: while a data-parallel collective runs under compute, that much of the
+    overlapped time is still paid (compute slowed by the collective's SMs and memory traffic, a prefetch pipeline's
+    waits). 0: perfect overlap (the CPU profile, which has not measured it)."""
 
     @property
     def per_operation(self) -> bool:
@@ -86,12 +90,12 @@ def roofline_table(peak: float, memory_bw: float, best: float, dims: tuple[int, 
 
 
 def with_rates(base: Hardware, *, best: float, attention: float, bandwidth: float, launch_s: float,
-               datasheet_bw: float) -> Hardware:
+               datasheet_bw: float, overlap_loss: float = 0.0) -> Hardware:
     """`base` priced by operation (paratrain.planner.ops): memory at `bandwidth` x the data sheet's, the
     roofline table up to `best`, attention at `attention` of peak, launch_s per kernel."""
     bw = datasheet_bw * bandwidth
     return replace(base, memory_bw=bw, gemm=roofline_table(base.peak_flops, bw, best), attention_efficiency=attention,
-                   launch_s=launch_s)
+                   launch_s=launch_s, overlap_loss=overlap_loss)
 
 
 # NVIDIA data sheets: A100 312 TFLOP/s bf16 dense, NVLink 3 600 GB/s both ways (300 one way), HDR
@@ -115,6 +119,11 @@ FITTED_RATES = {
     # paratrain.planner.published)
     "a100-80gb": dict(best=0.8716, attention=0.2, bandwidth=0.6, launch_s=2e-5),
 }
+# overlap_loss: fitted to Narayanan et al. 2021, Table 2's ZeRO-3 rows (paratrain.planner.fit.overlap_loss), the
+# only published runs whose step hangs on a collective under compute; the H100 borrows it (not measured there)
+OVERLAP_LOSS = 0.45
+for _rates in FITTED_RATES.values():
+    _rates["overlap_loss"] = OVERLAP_LOSS
 FITTED_RATES["h200"] = FITTED_RATES["h100-80gb"]  # not measured: the H100's rates, the H200's bandwidth
 FITTED_RATES["a100-40gb"] = FITTED_RATES["a100-80gb"]
 PROFILES: dict[str, Hardware] = {name: with_rates(sheet, **FITTED_RATES[name], datasheet_bw=DATASHEET_MEMORY_BW[name])

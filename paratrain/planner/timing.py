@@ -27,9 +27,13 @@ section 4), each term named so that a measurement can be set against it.
                overlapping one block of attention compute (only what it takes longer is exposed), and the
                accumulators' last hop home; Ulysses: 4 all-to-alls of b s/cp h (q, k, v, out) each way,
                on the critical path
-    dp         gradient reduction (zero 0: all-reduce; ZeRO: reduce-scatter + all-gather; ZeRO-3 also
-               gathers parameters for every forward and backward), overlapped with the last
-               micro-batch's backward (not under pp: the reduction follows the schedule)
+    dp         the traffic paratrain.planner.comm counts for the engine: zero 0 an all-reduce of float32
+               gradients, zero 1 a reduce-scatter and an all-gather once, ZeRO-2 and 3 a reduce-scatter per
+               micro-batch (once under pp), ZeRO-3's gathers per micro-batch (each block for its forward and
+               its backward, the root once); overlapped with the last micro-batch's backward (zero 0 and 1),
+               every micro-batch's backward (ZeRO-2) or all compute (ZeRO-3's prefetched gathers), not under
+               pp (the reduction follows the schedule); the profile's overlap_loss of the overlapped time is
+               still paid (compute slowed while a collective runs under it)
     ps         the parameter server instead: the push and the pull after backward, each over the busiest
                link (paratrain.planner.param_server.exchange_time), not overlapped; the trainers are the dp
                ranks, and MFU counts the dedicated servers among the devices
@@ -42,7 +46,7 @@ group when tp x cp x dp <= devices per node, and pp only when the whole world fi
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
@@ -85,9 +89,9 @@ def _bandwidth(hw: Hardware, span: int) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def _stages(model: ModelConfig, pp: int, v: int) -> tuple[float, int, int]:
-    """The busiest pipeline rank's share of the model's work (layers are split by these costs), the
-    most blocks a rank holds, and the most parameter elements a rank holds before tensor parallelism."""
+def _stages(model: ModelConfig, pp: int, v: int) -> tuple[float, int]:
+    """The busiest pipeline rank's share of the model's work (layers are split by these costs), and the
+    most blocks a rank holds."""
     dims = ParallelDims(pp=pp, virtual_stages=v)
     costs = layer_costs(model)
     ranges = chunk_layers(model, dims)
@@ -95,8 +99,56 @@ def _stages(model: ModelConfig, pp: int, v: int) -> tuple[float, int, int]:
     share = max(sum(sum(costs[slice(*ranges[c])]) for c in chunks) for chunks in mine) / sum(costs)
     blocks = max(sum(len(range(max(ranges[c][0], 1), min(ranges[c][1], model.n_layer + 1))) for c in chunks)
                  for chunks in mine)
-    numel = max(sum(p.numel for p in rank_params(model, dims, r)) for r in {0, pp - 1})
-    return share, blocks, numel
+    return share, blocks
+
+
+@functools.lru_cache(maxsize=4096)
+def _held(model: ModelConfig, dims: ParallelDims, expert_tp: bool) -> tuple[int, int, int]:
+    """The most parameter elements a pipeline rank holds (first or last stage), and of them its blocks' and the
+    root's (embedding, final norm, head: ZeRO-3's root unit)."""
+    held = []
+    for stage in {0, dims.pp - 1}:
+        params = rank_params(model, dims, stage, expert_tp=expert_tp)
+        root = sum(p.numel for p in params if not p.name.startswith("blocks."))
+        held.append((sum(p.numel for p in params), root))
+    total, root = max(held)
+    return total, total - root, root
+
+
+def _rank_numel(model: ModelConfig, layout: Layout) -> int:
+    """Parameter elements on the busiest pipeline rank, tp's, the grids' (2.5d: numel x depth / tp) and ep's
+    slices taken."""
+    return _held(model, _sliced(layout), layout.expert_tp)[0]
+
+
+def _sliced(layout: Layout) -> ParallelDims:
+    """The layout's dims with what does not slice parameters (dp beyond ep, cp, the servers) set to 1."""
+    return replace(layout.dims, dp_replicate=layout.ep, dp_shard=1, cp=1, servers=0)
+
+
+def _data_parallel_time(model: ModelConfig, layout: Layout, hw: Hardware, *, compute: float, micro_batches: int,
+                        precision: str, grad_reduce: str) -> tuple[float, float]:
+    """Seconds of data-parallel traffic per step, as paratrain.planner.comm counts it for the engine, and the
+    compute it may run under (module docstring)."""
+    total, blocks, root = _held(model, _sliced(layout), layout.expert_tp)
+    replicas, m = layout.dp * layout.cp, micro_batches
+    bw = _bandwidth(hw, layout.tp * layout.cp * layout.dp)
+    elsize = BYTES[precision] if layout.zero else 4  # ZeRO keeps 16-bit gradients; zero 0 float32 ones
+
+    def bus(nbytes: float, factor: float) -> float:
+        return _bus_time(nbytes, replicas, bw, hw.latency_s, factor=factor)
+
+    backward = (2.0 / 3.0) * compute  # every micro-batch's backward
+    if layout.zero == 0:  # one all-reduce, under the last micro-batch's backward (after the schedule under pp)
+        return bus(total * elsize, 2), (backward / m if layout.pp == 1 else 0.0)
+    reductions = 1 if layout.zero == 1 or layout.pp > 1 else m  # ZeRO-2/3 reduce each micro-batch's gradients
+    reduce = reductions * bus(total * elsize, 1 if grad_reduce == "reduce_scatter" else 2)
+    overlap = 0.0 if layout.pp > 1 else (backward if reductions > 1 else backward / m)
+    if layout.zero < 3:  # the updated shards gathered once, after the optimizer step
+        return reduce + bus(total * elsize, 1), overlap
+    # ZeRO-3: every micro-batch gathers each block for its forward and again for its backward (its recomputed
+    # forward runs inside the backward's gather), the root once; prefetched under the compute of every micro-batch
+    return reduce + m * bus((2 * blocks + root) * elsize, 1), compute
 
 
 def _context_parallel_time(model: ModelConfig, layout: Layout, hw: Hardware, *, seq: int, act: int,
@@ -132,7 +184,7 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     hardware_flops = model_flops * (4.0 / 3.0 if layout.recompute == "full" else 1.0)
     if layout.recompute == "selective":  # the attention core's forward again: a third of its 12 L d s
         hardware_flops += 4.0 * model.n_layer * model.d_model * seq * tokens
-    share, blocks_here, numel = _stages(model, pp, v)
+    share, blocks_here = _stages(model, pp, v)
     rate = hw.peak_flops * hw.efficiency
     # MoE layers replicated over tp run whole on every tp rank (ep divides the rows, not the work); expert tensor
     # parallelism (each rank 1/tp of every expert) or sequence parallelism (each rank routes its chunk) divide them
@@ -150,7 +202,8 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     attention_rate = rate
     if hw.per_operation and not model.n_experts:  # paratrain.planner.ops (a MoE model: the first-order model)
         # the optimizer steps on this device over its ZeRO shard (not when offloaded, nor under the parameter server)
-        stepped = 0.0 if layout.offload or layout.ps_mode != "off" else numel / tp / (layout.shards if layout.zero else 1)
+        stepped = 0.0 if layout.offload or layout.ps_mode != "off" else _rank_numel(model, layout) / (
+            layout.shards if layout.zero else 1)
         work, optimizer = rank_work(model, layout, hw, micro_batches=m, seq=seq, kernels=kernels, act=act,
                                     stage_elements=stepped)
         compute, once = work.total, optimizer.total
@@ -194,22 +247,10 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     pipelined = (compute + tp_time + ep_time + cp_time) / (1.0 - bubble)
     # pipeline: the fill and drain expose 2 (p - 1) transfers of an activation (or its gradient)
     pp_time = 2 * (pp - 1) * (hw.latency_s + tp_bytes / tp / _bandwidth(hw, layout.world_size)) if pp > 1 else 0.0
-    # data parallelism over the dp x cp ranks holding the same parameters (ZeRO: its shard group)
-    grad_bytes = numel / tp * (BYTES[precision] if layout.zero else 4)
-    replicas = dp * cp
-    bw_dp = _bandwidth(hw, tp * cp * dp)
-    if layout.zero == 0:
-        dp_time = _bus_time(grad_bytes, replicas, bw_dp, hw.latency_s, factor=2)
-    else:
-        reduce_factor = 1 if grad_reduce == "reduce_scatter" else 2
-        dp_time = (_bus_time(grad_bytes, replicas, bw_dp, hw.latency_s, factor=reduce_factor)
-                   + _bus_time(grad_bytes, replicas, bw_dp, hw.latency_s, factor=1))
-        if layout.zero == 3:  # every micro-batch gathers the parameters for forward and for backward
-            dp_time += 2 * m * _bus_time(grad_bytes, replicas, bw_dp, hw.latency_s, factor=1)
-    overlap = (2.0 / 3.0) * compute / m if pp == 1 else 0.0  # the last micro-batch's backward
-    if layout.zero == 3:
-        overlap = compute  # prefetched gathers run under the compute of every micro-batch
-    dp_exposed = max(0.0, dp_time - overlap)
+    dp_time, overlap = _data_parallel_time(model, layout, hw, compute=compute, micro_batches=m,
+                                           precision=precision, grad_reduce=grad_reduce)
+    # what overlaps compute is hidden but for the profile's overlap loss (compute slowed while it runs)
+    dp_exposed = max(0.0, dp_time - overlap) + hw.overlap_loss * min(dp_time, overlap)
     if layout.ps_mode != "off":  # the push and the pull after backward (paratrain.planner.param_server)
         dp_exposed = exchange_time(model, layout, hw)
     step = pipelined + once + pp_time + dp_exposed
