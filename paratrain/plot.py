@@ -146,7 +146,10 @@ def plot_plan(record: dict[str, Any], out: str | Path, *, global_batch: int, top
     stages, chunks = best["pp"], best["virtual_stages"]
     microbatches = global_batch // (best["dp"] * best["micro_batch"])
     events: list[tuple[int, str, int, int, float, float]] = []
-    forward = candidates[0]["compute_s"] / (3 * microbatches)  # per stage and micro-batch, backward twice it
+    # the pipelined compute (the optimizer step runs once, after the schedule), per stage and micro-batch: a
+    # forward, and backward twice it
+    pipelined = candidates[0]["compute_s"] - candidates[0].get("terms", {}).get("optimizer step", 0.0)
+    forward = pipelined / (3 * microbatches)
     costs = {"F": forward, "B": 2 * forward, "I": forward, "W": forward}
     simulate([program(best["schedule"], stages, microbatches, r, chunks) for r in range(stages)], stages=stages,
              microbatches=microbatches, chunks=chunks, costs=costs, events=events)

@@ -60,11 +60,20 @@ class GraceAgent(LocalElasticAgent):
         failed = any(handler.proc.poll() not in (None, 0) for handler in handlers.values())
         if failed and running and not self.stopped:
             self.stopped = _stop(running, self.grace_s)
-        if failed:  # the error files of workers that have exited (a running one may be writing its own)
-            files = getattr(self._pcontext, "error_files", {})
+        files = getattr(self._pcontext, "error_files", {})
+
+        def drop_exited() -> None:  # the error files of workers that have exited (a running one may be writing)
             _drop_unreadable({local: files[local] for local, handler in handlers.items()
                               if local in files and handler.proc.poll() is not None})
-        return super()._monitor_workers(worker_group)  # torch's: the failures, and its close finds none running
+
+        if failed:
+            drop_exited()
+        for _ in range(2):
+            try:
+                return super()._monitor_workers(worker_group)  # torch's: the failures; its close finds none running
+            except ValueError:  # a worker exited (or torch's close stopped one) with a cut error file after the
+                drop_exited()  # check above: torch's parser raised before it changed any state; poll again
+        return super()._monitor_workers(worker_group)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self.stopped = {}  # a new attempt: its failure stops its own workers (and WorkersFailed names those)
