@@ -181,19 +181,23 @@ def _gemm_work(hw: Hardware, cut: Cut, tokens: int, shapes: list[tuple[int, int,
 
 
 def block_work(model: ModelConfig, hw: Hardware, *, tokens: int, seq: int, cut: Cut, recompute: str, kernels: str,
-               act: int) -> Work:
-    """One dense block and one micro-batch of `tokens` rows on one tp rank (attention over `seq` keys)."""
+               act: int, mlp: bool = True) -> Work:
+    """One block and one micro-batch of `tokens` rows on one tp rank (attention over `seq` keys); without its
+    MLP when `mlp` is false (a MoE block: paratrain.planner.moe_ops prices the layer in its place)."""
     h, f, tp = model.d_model, model.ff_dim, cut.tp
-    g_fwd, g_bwd, extra = _gemm_work(hw, cut, tokens, [(h, 3 * h, True), (h, h, False), (h, f, True), (f, h, False)])
+    linears = [(h, 3 * h, True), (h, h, False)] + ([(h, f, True), (f, h, False)] if mlp else [])
+    g_fwd, g_bwd, extra = _gemm_work(hw, cut, tokens, linears)
     rate = hw.peak_flops * hw.attention_efficiency
     a_fwd = 0.5 * 4.0 * tokens * seq * h / tp / rate  # causal: half of q k^T and p v
-    sizes = {"stream": cut.stream(tokens, h), "heads": tokens * h / tp, "ffn": tokens * f / tp}
+    sizes = {"stream": cut.stream(tokens, h), "heads": tokens * h / tp, "ffn": tokens * f / tp if mlp else 0.0}
     mode = KERNELS[kernels]
     counts = mode.element_bytes
     m_fwd = sum(sizes[k] * counts[k][0] for k in sizes) * act / 2 / hw.memory_bw
     m_bwd = sum(sizes[k] * counts[k][1] for k in sizes) * act / 2 / hw.memory_bw
-    m_bwd += (4 * h * h + 2 * h * f) / tp * mode.accumulate_bytes / hw.memory_bw
-    k_fwd, k_bwd = mode.kernels[0] + 2 * extra, mode.kernels[1] + 4 * extra  # a grid's products and their sums
+    m_bwd += (4 * h * h + (2 * h * f if mlp else 0)) / tp * mode.accumulate_bytes / hw.memory_bw
+    # a grid's products and their sums; a MoE block's MLP kernels are the MoE layer's (4 forward, 10 backward)
+    k_fwd = mode.kernels[0] + 2 * extra - (0 if mlp else 4)
+    k_bwd = mode.kernels[1] + 4 * extra - (0 if mlp else 10)
     forward = Work(g_fwd, a_fwd, m_fwd, k_fwd * hw.launch_s)
     work = forward + Work(g_bwd, 2.5 * a_fwd, m_bwd, k_bwd * hw.launch_s)
     if recompute == "full":
@@ -222,29 +226,34 @@ def optimizer_work(hw: Hardware, elements: float, kernels: str) -> Work:
 
 
 def rank_work(model: ModelConfig, layout: Layout, hw: Hardware, *, micro_batches: int, seq: int, kernels: str,
-              act: int, stage_elements: float) -> tuple[Work, Work]:
+              act: int, stage_elements: float, moe_layer: Work = Work()) -> tuple[Work, Work]:
     """(the micro-batches' work of the pipeline rank whose compute is longest: its blocks and, on the last rank,
-    the head; once per step, its optimizer step over `stage_elements` parameter elements)."""
+    the head; once per step, its optimizer step over `stage_elements` parameter elements). moe_layer: a MoE
+    layer's work per micro-batch (paratrain.planner.moe_ops), in place of the MLP of each MoE block."""
     tokens = layout.micro_batch * seq // layout.cp
     cut = Cut.of(layout)
-    block = block_work(model, hw, tokens=tokens, seq=seq, cut=cut, recompute=layout.recompute, kernels=kernels,
-                       act=act)
+    common = dict(tokens=tokens, seq=seq, cut=cut, recompute=layout.recompute, kernels=kernels, act=act)
+    block = block_work(model, hw, **common)
+    # a MoE block: the block without its MLP, and the MoE layer in its place
+    moe_block = block_work(model, hw, **common, mlp=False) + moe_layer if model.n_experts else Work()
     head = head_work(model, hw, tokens=tokens, cut=cut, act=act, kernels=kernels)
     best = Work()
-    for blocks, has_head in _rank_shapes(model, layout.pp, layout.virtual_stages):
-        mine = block * blocks + (head if has_head else Work())
+    for blocks, moe_blocks, has_head in _rank_shapes(model, layout.pp, layout.virtual_stages):
+        mine = block * (blocks - moe_blocks) + moe_block * moe_blocks + (head if has_head else Work())
         if mine.total > best.total:
             best = mine
     return best * micro_batches, optimizer_work(hw, stage_elements, kernels)
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_shapes(model: ModelConfig, pp: int, v: int) -> frozenset[tuple[int, bool]]:
-    """The distinct (blocks, holds the head) of the pipeline ranks, as the engine cuts the layers."""
+def _rank_shapes(model: ModelConfig, pp: int, v: int) -> frozenset[tuple[int, int, bool]]:
+    """The distinct (blocks, of them MoE blocks, holds the head) of the pipeline ranks, as the engine cuts the
+    layers (layer i of the cut is block i - 1: the embedding is layer 0)."""
     ranges = chunk_layers(model, ParallelDims(pp=pp, virtual_stages=v))
     shapes = set()
     for rank in range(pp):
         chunks = [ranges[c] for c in range(len(ranges)) if c % pp == rank]
-        blocks = sum(len(range(max(lo, 1), min(hi, model.n_layer + 1))) for lo, hi in chunks)
-        shapes.add((blocks, any(hi == model.n_layer + 2 for _, hi in chunks)))
+        layers = [i for lo, hi in chunks for i in range(max(lo, 1), min(hi, model.n_layer + 1))]
+        shapes.add((len(layers), sum(model.is_moe(i - 1) for i in layers),
+                    any(hi == model.n_layer + 2 for _, hi in chunks)))
     return frozenset(shapes)

@@ -4,7 +4,8 @@ section 4), each term named so that a measurement can be set against it.
 
     compute    on a GPU profile with per-operation rates (Hardware.per_operation), the busiest pipeline rank's
                GEMMs, attention, memory-bound operations and kernel launches per micro-batch, and once per
-               step its optimizer (paratrain.planner.ops). Otherwise (the CPU profile; any MoE model): model
+               step its optimizer (paratrain.planner.ops; a MoE layer's routing, dispatch and experts:
+               paratrain.planner.moe_ops). Otherwise (the CPU profile, one efficiency): model
                FLOPs (6 N per token + attention, PaLM's count) of the busiest pipeline stage, times 4/3 with
                full recomputation (one more forward), over peak x efficiency; plus the profile's fixed
                overhead per block and micro-batch (launches, Python), and per MoE layer and micro-batch what
@@ -54,7 +55,8 @@ from paratrain.planner.grid import grid_time
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout, chunk_layers, layer_costs, rank_params
 from paratrain.planner.memory import BYTES
-from paratrain.planner.ops import KERNELS, rank_work
+from paratrain.planner.moe_ops import moe_layer_work
+from paratrain.planner.ops import KERNELS, Work, rank_work
 from paratrain.planner.param_server import exchange_time
 from paratrain.planner.textbook import bubble_fraction
 from paratrain.topology.dims import ParallelDims
@@ -200,12 +202,14 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     by_operation = {"compute: FLOPs at peak x efficiency": compute - overhead, "compute: fixed overhead": overhead}
     once = 0.0  # the per-operation model's optimizer step, after the pipelined part
     attention_rate = rate
-    if hw.per_operation and not model.n_experts:  # paratrain.planner.ops (a MoE model: the first-order model)
+    if hw.per_operation:  # paratrain.planner.ops (and a MoE layer's: paratrain.planner.moe_ops)
         # the optimizer steps on this device over its ZeRO shard (not when offloaded, nor under the parameter server)
         stepped = 0.0 if layout.offload or layout.ps_mode != "off" else _rank_numel(model, layout) / (
             layout.shards if layout.zero else 1)
+        moe = moe_layer_work(model, layout, hw, tokens=layout.micro_batch * seq // cp, act=act,
+                             kernels=kernels) if model.n_experts else Work()
         work, optimizer = rank_work(model, layout, hw, micro_batches=m, seq=seq, kernels=kernels, act=act,
-                                    stage_elements=stepped)
+                                    stage_elements=stepped, moe_layer=moe)
         compute, once = work.total, optimizer.total
         attention_rate = hw.peak_flops * hw.attention_efficiency
         by_operation = {"compute: GEMMs": work.gemm, "compute: attention": work.attention,
