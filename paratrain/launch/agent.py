@@ -72,7 +72,8 @@ class GraceAgent(LocalElasticAgent):
             try:
                 return super()._monitor_workers(worker_group)  # torch's: the failures; its close finds none running
             except ValueError:  # a worker exited (or torch's close stopped one) with a cut error file after the
-                drop_exited()  # check above: torch's parser raised before it changed any state; poll again
+                drop_exited()  # check above: torch's parser raised before it marked any worker done (it logs the
+                # parse error); a second poll finds the same workers, reports them by exit code, closes again
         return super()._monitor_workers(worker_group)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:

@@ -9,7 +9,7 @@ rows, coarse to fine on a grid inside physical bounds. The shipped GPU profiles 
 bench/results/h100-gpt2-*.json bench/results/h100-gpt3xl-*.json`), `a100-80gb` from the published Megatron runs
 (paratrain.planner.published; `python -m paratrain.planner.fit --published`), and every GPU profile's overlap loss
 from Narayanan et al. 2021's ZeRO-3 runs (`--overlap`: the share of a collective's overlap with compute still
-paid; those runs' steps hang on it, no other published row does). The fitted rates stand for the
+paid; those runs' steps hang on it). The fitted rates stand for the
 model's terms as a whole (its byte and kernel counts are estimates), so they differ from what the primitives
 measure alone (paratrain.planner.calibrate_device).
 """

@@ -119,8 +119,9 @@ FITTED_RATES = {
     # paratrain.planner.published)
     "a100-80gb": dict(best=0.8716, attention=0.2, bandwidth=0.6, launch_s=2e-5),
 }
-# overlap_loss: fitted to Narayanan et al. 2021, Table 2's ZeRO-3 rows (paratrain.planner.fit.overlap_loss), the
-# only published runs whose step hangs on a collective under compute; the H100 borrows it (not measured there)
+# overlap_loss: fitted to Narayanan et al. 2021, Table 2's ZeRO-3 rows (paratrain.planner.fit.fit_overlap), the
+# published runs whose step hangs on a collective under compute; charged on every overlapped dp collective of every
+# GPU layout; the H100 borrows it (not measured there)
 OVERLAP_LOSS = 0.45
 for _rates in FITTED_RATES.values():
     _rates["overlap_loss"] = OVERLAP_LOSS
@@ -177,6 +178,10 @@ def hardware(name_or_path: str, **overrides: float) -> Hardware:
     for key, value in given.items():
         if not value > 0:
             raise ConfigError(f"hardware {key} must be > 0, got {value}")
+    loss = given.get("overlap_loss", profile.overlap_loss)
+    if not 0 <= loss <= 1:
+        raise ConfigError(f"hardware overlap_loss must be in [0, 1] (the share of a collective's overlap with compute "
+                          f"still paid), got {loss}")
     if "efficiency" in given:  # one efficiency for every FLOP: the per-operation model off
         given["gemm"] = ()
     return replace(profile, **given) if given else profile

@@ -104,53 +104,81 @@ def _stages(model: ModelConfig, pp: int, v: int) -> tuple[float, int]:
     return share, blocks
 
 
+@dataclass(frozen=True)
+class _Held:
+    """Parameter elements of the busiest pipeline rank (first or last stage), tp's, the grids' (2.5d: numel x depth
+    / tp) and ep's slices taken."""
+    total: int
+    root: int
+    """The embedding, final norm and head: ZeRO-3's root unit (the rest are the blocks' units)."""
+    expert: int
+    """The MoE layers' experts (this rank's E / ep), reduced and sharded over their dp / ep replicas."""
+
+
 @functools.lru_cache(maxsize=4096)
-def _held(model: ModelConfig, dims: ParallelDims, expert_tp: bool) -> tuple[int, int, int]:
-    """The most parameter elements a pipeline rank holds (first or last stage), and of them its blocks' and the
-    root's (embedding, final norm, head: ZeRO-3's root unit)."""
+def _held(model: ModelConfig, dims: ParallelDims, expert_tp: bool) -> _Held:
     held = []
     for stage in {0, dims.pp - 1}:
         params = rank_params(model, dims, stage, expert_tp=expert_tp)
-        root = sum(p.numel for p in params if not p.name.startswith("blocks."))
-        held.append((sum(p.numel for p in params), root))
-    total, root = max(held)
-    return total, total - root, root
+        held.append(_Held(sum(p.numel for p in params), sum(p.numel for p in params if not p.unit),
+                          sum(p.numel for p in params if p.expert)))
+    return max(held, key=lambda h: h.total)
 
 
-def _rank_numel(model: ModelConfig, layout: Layout) -> int:
-    """Parameter elements on the busiest pipeline rank, tp's, the grids' (2.5d: numel x depth / tp) and ep's
-    slices taken."""
-    return _held(model, _sliced(layout), layout.expert_tp)[0]
+def _rank_held(model: ModelConfig, layout: Layout) -> _Held:
+    # what does not slice parameters (dp beyond ep, cp, the servers) set to 1
+    sliced = replace(layout.dims, dp_replicate=layout.ep, dp_shard=1, cp=1, servers=0)
+    return _held(model, sliced, layout.expert_tp)
 
 
-def _sliced(layout: Layout) -> ParallelDims:
-    """The layout's dims with what does not slice parameters (dp beyond ep, cp, the servers) set to 1."""
-    return replace(layout.dims, dp_replicate=layout.ep, dp_shard=1, cp=1, servers=0)
+def _stepped(model: ModelConfig, layout: Layout) -> float:
+    """Parameter elements this rank's optimizer steps: its ZeRO shard (the experts' over their own replicas)."""
+    if layout.offload or layout.ps_mode != "off":  # the optimizer runs on the host, or on the servers
+        return 0.0
+    held = _rank_held(model, layout)
+    if not layout.zero:
+        return float(held.total)
+    return (held.total - held.expert) / layout.shards + held.expert / layout.expert_shards
 
 
 def _data_parallel_time(model: ModelConfig, layout: Layout, hw: Hardware, *, compute: float, micro_batches: int,
                         precision: str, grad_reduce: str) -> tuple[float, float]:
-    """Seconds of data-parallel traffic per step, as paratrain.planner.comm counts it for the engine, and the
-    compute it may run under (module docstring)."""
-    total, blocks, root = _held(model, _sliced(layout), layout.expert_tp)
-    replicas, m = layout.dp * layout.cp, micro_batches
-    bw = _bandwidth(hw, layout.tp * layout.cp * layout.dp)
+    """Seconds of data-parallel traffic per step, as paratrain.planner.comm counts it for the engine, and how much
+    of them runs under compute (module docstring). The dense parameters are reduced over dp x cp; under ZeRO with
+    shard groups (MiCS / HSDP) reduce-scattered and gathered within a group of dp_shard x cp ranks and the shard
+    all-reduced across the groups; the experts over their dp / ep replicas x cp (not at all when ep = dp)."""
+    held, m = _rank_held(model, layout), micro_batches
+    tp, cp, dp = layout.tp, layout.cp, layout.dp
+    dense, expert = held.total - held.expert, held.expert
     elsize = BYTES[precision] if layout.zero else 4  # ZeRO keeps 16-bit gradients; zero 0 float32 ones
+    whole = tp * cp * dp  # the ranks a dp group spans (and the experts' replicas, ep apart)
+    replicas, expert_replicas = dp * cp, dp // layout.ep * cp
+    hierarchical = layout.zero and layout.shard_group is not None
+    shard = layout.shards if hierarchical else replicas
 
-    def bus(nbytes: float, factor: float) -> float:
-        return _bus_time(nbytes, replicas, bw, hw.latency_s, factor=factor)
+    def bus(elements: float, ranks: int, span: int, factor: float) -> float:  # (no experts: no collective)
+        return _bus_time(elements * elsize, ranks, _bandwidth(hw, span), hw.latency_s, factor=factor) if elements else 0.0
+
+    def gather(dense_elements: float, expert_elements: float) -> float:
+        return bus(dense_elements, shard, tp * cp * (layout.dims.dp_shard if hierarchical else dp), 1) + bus(
+            expert_elements, expert_replicas, whole, 1)
 
     backward = (2.0 / 3.0) * compute  # every micro-batch's backward
-    if layout.zero == 0:  # one all-reduce, under the last micro-batch's backward (after the schedule under pp)
-        return bus(total * elsize, 2), (backward / m if layout.pp == 1 else 0.0)
-    reductions = 1 if layout.zero == 1 or layout.pp > 1 else m  # ZeRO-2/3 reduce each micro-batch's gradients
-    reduce = reductions * bus(total * elsize, 1 if grad_reduce == "reduce_scatter" else 2)
-    overlap = 0.0 if layout.pp > 1 else (backward if reductions > 1 else backward / m)
-    if layout.zero < 3:  # the updated shards gathered once, after the optimizer step
-        return reduce + bus(total * elsize, 1), overlap
+    if not layout.zero or grad_reduce == "all_reduce":
+        reduce = bus(dense, replicas, whole, 2) + bus(expert, expert_replicas, whole, 2)
+    else:  # a reduce-scatter within the shard group (its shard then all-reduced across the groups)
+        reduce = gather(dense, expert) + (bus(dense / shard, dp // layout.dims.dp_shard, whole, 2)
+                                          if hierarchical else 0.0)
+    if not layout.zero:  # one all-reduce, under the last micro-batch's backward (after the schedule under pp)
+        return reduce, min(reduce, backward / m if layout.pp == 1 else 0.0)
+    reduce *= 1 if layout.zero == 1 or layout.pp > 1 else m  # ZeRO-2 and 3 reduce every micro-batch's gradients
+    if layout.zero < 3:  # the updated shards gathered once, after the optimizer step (not under backward)
+        window = 0.0 if layout.pp > 1 else (backward if layout.zero == 2 else backward / m)
+        return reduce + gather(dense, expert), min(reduce, window)
     # ZeRO-3: every micro-batch gathers each block for its forward and again for its backward (its recomputed
     # forward runs inside the backward's gather), the root once; prefetched under the compute of every micro-batch
-    return reduce + m * bus((2 * blocks + root) * elsize, 1), compute
+    traffic = reduce + m * gather(2 * (dense - held.root) + held.root, 2 * expert)
+    return traffic, min(traffic, compute)
 
 
 def _context_parallel_time(model: ModelConfig, layout: Layout, hw: Hardware, *, seq: int, act: int,
@@ -204,8 +232,7 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     attention_rate = rate
     if hw.per_operation:  # paratrain.planner.ops (and a MoE layer's: paratrain.planner.moe_ops)
         # the optimizer steps on this device over its ZeRO shard (not when offloaded, nor under the parameter server)
-        stepped = 0.0 if layout.offload or layout.ps_mode != "off" else _rank_numel(model, layout) / (
-            layout.shards if layout.zero else 1)
+        stepped = _stepped(model, layout)
         moe = moe_layer_work(model, layout, hw, tokens=layout.micro_batch * seq // cp, act=act,
                              kernels=kernels) if model.n_experts else Work()
         work, optimizer = rank_work(model, layout, hw, micro_batches=m, seq=seq, kernels=kernels, act=act,
@@ -254,7 +281,7 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     dp_time, overlap = _data_parallel_time(model, layout, hw, compute=compute, micro_batches=m,
                                            precision=precision, grad_reduce=grad_reduce)
     # what overlaps compute is hidden but for the profile's overlap loss (compute slowed while it runs)
-    dp_exposed = max(0.0, dp_time - overlap) + hw.overlap_loss * min(dp_time, overlap)
+    dp_exposed = dp_time - overlap + hw.overlap_loss * overlap
     if layout.ps_mode != "off":  # the push and the pull after backward (paratrain.planner.param_server)
         dp_exposed = exchange_time(model, layout, hw)
     step = pipelined + once + pp_time + dp_exposed
