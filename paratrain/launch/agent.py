@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -68,17 +68,24 @@ class GraceAgent(LocalElasticAgent):
 
         if failed:
             drop_exited()
-        for _ in range(2):
-            try:
-                return super()._monitor_workers(worker_group)  # torch's: the failures; its close finds none running
-            except ValueError:  # a worker exited (or torch's close stopped one) with a cut error file after the
-                drop_exited()  # check above: torch's parser raised before it marked any worker done (it logs the
-                # parse error); a second poll finds the same workers, reports them by exit code, closes again
-        return super()._monitor_workers(worker_group)
+        # torch's poll: the failures (its close finds none running)
+        return _poll_past_cut_files(lambda: super(GraceAgent, self)._monitor_workers(worker_group), drop_exited)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self.stopped = {}  # a new attempt: its failure stops its own workers (and WorkersFailed names those)
         super()._restart_workers(worker_group)
+
+
+def _poll_past_cut_files(poll: Callable[[], RunResult], drop_exited: Callable[[], None]) -> RunResult:
+    """poll(), again after drop_exited() when its parse of an error file raised: a worker exited (or torch's close
+    stopped one) with a cut file after the agent's check. torch raises before it marks any worker done (it logs the
+    parse error), so the next poll finds the same workers and reports them by exit code; tried three times."""
+    for _ in range(2):
+        try:
+            return poll()
+        except ValueError:
+            drop_exited()
+    return poll()
 
 
 def _drop_unreadable(error_files: Mapping[int, str]) -> None:

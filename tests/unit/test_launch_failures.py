@@ -186,3 +186,27 @@ def test_an_error_file_cut_by_a_kill_is_dropped_not_parsed(tmp_path):
     assert whole.exists() and not empty.exists() and not cut.exists()
     failure = ProcessFailure(local_rank=1, pid=1, exitcode=-9, error_file=str(empty))
     assert failure.exitcode == -9 and "Signal 9" in failure.message
+
+
+def test_a_poll_that_meets_a_cut_error_file_is_repeated_after_the_file_is_dropped():
+    """A worker that exits with a cut error file between the agent's check and torch's poll makes torch's parser
+    raise (a JSONDecodeError) before it changes any state: the agent drops the file and polls again, up to three
+    times, and a poll that keeps raising is not swallowed."""
+    from paratrain.launch.agent import _poll_past_cut_files
+
+    calls, drops = [], []
+
+    def poll_failing(times: int):
+        def poll():
+            calls.append(1)
+            if len(calls) <= times:
+                raise json.JSONDecodeError("cut", "", 0)
+            return "result"
+        return poll
+
+    assert _poll_past_cut_files(poll_failing(2), lambda: drops.append(1)) == "result"
+    assert len(calls) == 3 and len(drops) == 2
+    calls.clear()
+    with pytest.raises(ValueError):
+        _poll_past_cut_files(poll_failing(3), lambda: None)
+    assert len(calls) == 3
