@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from paratrain.param_server.protocol import INIT, PULL, PUSH, SAVE, STOP, ServerLost, recv_header, wait
+from paratrain.param_server.protocol import INIT, PULL, PUSH, SAVE, STOP, ServerLost, recv_header
 
 if TYPE_CHECKING:
     from paratrain.param_server.server import Push, ShardServer
@@ -91,6 +91,7 @@ def serve_async(server: ShardServer, staleness: int) -> list[tuple[int, int, int
                 _answer_pulls(server, state, staleness)
         else:
             raise ServerLost(f"{peers.describe_server(server.index)} cannot serve a {header.name} message")
+    server.finish_replies()
     return state.log
 
 
@@ -111,10 +112,8 @@ def _answer_pulls(server: ShardServer, state: _State, staleness: int) -> None:
         return
     ready = [(t, c) for t, c in state.pulls if server.version >= c - staleness]
     state.pulls = [(t, c) for t, c in state.pulls if server.version < c - staleness]
-    peers = server.exchange.peers
-    for trainer, _ in ready:
-        for work in server.reply(trainer):
-            wait(work, f"{peers.describe_server(server.index)} sending parameters to {peers.describe_trainer(trainer)}")
+    for trainer, _ in ready:  # posted, not waited: its trainer may first wait for a server in an all-reduce with
+        server.post_reply(trainer)  # this one (ShardServer.apply completes them before the slices change)
 
 
 def _save_when_ready(server: ShardServer, state: _State) -> None:

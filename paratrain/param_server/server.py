@@ -115,6 +115,9 @@ class ShardServer:
     """Bytes of pushes received so far (dense slices, sparse ids and rows; headers aside)."""
     sent_bytes: int = 0
     """Bytes of parameters sent in replies so far (dense slices, sparse ids and rows; headers aside)."""
+    unsent: list[tuple[dist.Work, str]] = field(default_factory=list)
+    """Replies posted and not yet received (the asynchronous loop's): they read the slices, so they complete before
+    an update changes them (finish_replies)."""
 
     @property
     def slices(self) -> list[torch.Tensor]:
@@ -162,6 +165,9 @@ class ShardServer:
         shared = torch.stack([squares, bad])
         if self.exchange.servers is not None:
             all_reduce(shared, self.exchange.servers)
+        # the replies still reading the slices complete now, not before the servers' all-reduce: a trainer receives
+        # the servers' replies in order, and one it waits for may come from a server in that all-reduce
+        self.finish_replies()
         divisor = torch.tensor(max(tokens, 1.0) * scale, dtype=torch.float64)
         norm = shared[0].sqrt() / divisor
         overflow = scale != 1.0 and float(shared[1]) > 0
@@ -205,6 +211,18 @@ class ShardServer:
             works += [post_send(t, rank, BODY, pg) for t in (torch.tensor([ids.numel()]), ids.contiguous(), rows)]
             self.sent_bytes += nbytes([ids, rows])
         return works
+
+    def post_reply(self, trainer: int) -> None:
+        """Post a reply to trainer `trainer` and go on (the asynchronous loop): finish_replies completes it."""
+        what = f"{self.exchange.peers.describe_server(self.index)} sending parameters to " \
+               f"{self.exchange.peers.describe_trainer(trainer)}"
+        self.unsent += [(work, what) for work in self.reply(trainer)]
+
+    def finish_replies(self) -> None:
+        """Wait until every posted reply is received (before the slices change, and when the loop ends)."""
+        for work, what in self.unsent:
+            wait(work, what)
+        self.unsent.clear()
 
     def receive(self, trainer: int) -> tuple[list[torch.Tensor], list[dist.Work]]:
         """Post the receives of a push's dense slices from trainer `trainer`: (buffers, works)."""
