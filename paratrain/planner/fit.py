@@ -22,11 +22,15 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from paratrain.config.model import ModelConfig, preset
 from paratrain.planner.hardware import DATASHEET_MEMORY_BW, DATASHEETS, PROFILES, Hardware, with_rates
 from paratrain.planner.layout import Layout
 from paratrain.planner.timing import step_time
+
+if TYPE_CHECKING:
+    from paratrain.planner.published import PublishedRun
 
 
 @dataclass(frozen=True)
@@ -110,16 +114,19 @@ def published_rows() -> list[Row]:
     """Korthikanti et al. 2022's Table 5 (paratrain.planner.published) as rows: Megatron's fused kernels, fp16."""
     from paratrain.planner.published import korthikanti_table5
 
-    return [Row(r.name, r.model, r.layout, r.global_batch, r.step_s, "fused", r.precision)
-            for r in korthikanti_table5()]
+    return _rows(korthikanti_table5())
 
 
 def zero3_rows() -> list[Row]:
     """Narayanan et al. 2021's Table 2, ZeRO-3 without model parallelism (paratrain.planner.published) as rows."""
     from paratrain.planner.published import narayanan_table2
 
-    return [Row(r.name, r.model, r.layout, r.global_batch, r.step_s, "fused", r.precision)
-            for r in narayanan_table2() if r.layout.zero == 3]
+    return _rows([r for r in narayanan_table2() if r.layout.zero == 3])
+
+
+def _rows(runs: list[PublishedRun]) -> list[Row]:
+    """Published runs as rows: Megatron's fused kernels."""
+    return [Row(r.name, r.model, r.layout, r.global_batch, r.step_s, "fused", r.precision) for r in runs]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -123,12 +123,10 @@ FITTED_RATES = {
 # published runs whose step hangs on a collective under compute; charged on every overlapped dp collective of every
 # GPU layout; the H100 borrows it (not measured there)
 OVERLAP_LOSS = 0.45
-for _rates in FITTED_RATES.values():
-    _rates["overlap_loss"] = OVERLAP_LOSS
 FITTED_RATES["h200"] = FITTED_RATES["h100-80gb"]  # not measured: the H100's rates, the H200's bandwidth
 FITTED_RATES["a100-40gb"] = FITTED_RATES["a100-80gb"]
-PROFILES: dict[str, Hardware] = {name: with_rates(sheet, **FITTED_RATES[name], datasheet_bw=DATASHEET_MEMORY_BW[name])
-                                 for name, sheet in DATASHEETS.items()}
+PROFILES: dict[str, Hardware] = {name: with_rates(sheet, **FITTED_RATES[name], datasheet_bw=DATASHEET_MEMORY_BW[name],
+                                                  overlap_loss=OVERLAP_LOSS) for name, sheet in DATASHEETS.items()}
 """The shipped GPU profiles, priced by operation with the rates fitted to measured or published steps."""
 
 

@@ -159,7 +159,7 @@ def _data_parallel_time(model: ModelConfig, layout: Layout, hw: Hardware, *, com
     def bus(elements: float, ranks: int, span: int, factor: float) -> float:  # (no experts: no collective)
         return _bus_time(elements * elsize, ranks, _bandwidth(hw, span), hw.latency_s, factor=factor) if elements else 0.0
 
-    def gather(dense_elements: float, expert_elements: float) -> float:
+    def one_way(dense_elements: float, expert_elements: float) -> float:  # a reduce-scatter or an all-gather
         return bus(dense_elements, shard, tp * cp * (layout.dims.dp_shard if hierarchical else dp), 1) + bus(
             expert_elements, expert_replicas, whole, 1)
 
@@ -167,17 +167,17 @@ def _data_parallel_time(model: ModelConfig, layout: Layout, hw: Hardware, *, com
     if not layout.zero or grad_reduce == "all_reduce":
         reduce = bus(dense, replicas, whole, 2) + bus(expert, expert_replicas, whole, 2)
     else:  # a reduce-scatter within the shard group (its shard then all-reduced across the groups)
-        reduce = gather(dense, expert) + (bus(dense / shard, dp // layout.dims.dp_shard, whole, 2)
+        reduce = one_way(dense, expert) + (bus(dense / shard, dp // layout.dims.dp_shard, whole, 2)
                                           if hierarchical else 0.0)
     if not layout.zero:  # one all-reduce, under the last micro-batch's backward (after the schedule under pp)
         return reduce, min(reduce, backward / m if layout.pp == 1 else 0.0)
     reduce *= 1 if layout.zero == 1 or layout.pp > 1 else m  # ZeRO-2 and 3 reduce every micro-batch's gradients
     if layout.zero < 3:  # the updated shards gathered once, after the optimizer step (not under backward)
         window = 0.0 if layout.pp > 1 else (backward if layout.zero == 2 else backward / m)
-        return reduce + gather(dense, expert), min(reduce, window)
+        return reduce + one_way(dense, expert), min(reduce, window)
     # ZeRO-3: every micro-batch gathers each block for its forward and again for its backward (its recomputed
     # forward runs inside the backward's gather), the root once; prefetched under the compute of every micro-batch
-    traffic = reduce + m * gather(2 * (dense - held.root) + held.root, 2 * expert)
+    traffic = reduce + m * one_way(2 * (dense - held.root) + held.root, 2 * expert)
     return traffic, min(traffic, compute)
 
 
