@@ -73,10 +73,14 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--ps-servers": ("parallel.ps_servers", int, "dedicated parameter-server processes beside the --nproc trainers "
                      "(0: each trainer serves a slice, ZeRO-2's traffic)"),
     "--staleness": ("parallel.staleness", int, "--ps-mode async: clocks a trainer may run ahead of the slowest"),
-    "--data": ("data.source", str, "builtin, a .txt file, a folder `paratrain tokenize` wrote (or Megatron's "
-                                   "train/val .bin + .idx), or a folder with train.bin/val.bin (uint16)"),
+    "--data": ("data.source", str, "builtin, a .txt / .jsonl / .parquet file (bytes for the GPT; with --hf tokenized "
+                                   "by the model's tokenizer, cached), a folder `paratrain tokenize` wrote (or "
+                                   "Megatron's train/val .bin + .idx), or a folder with train.bin/val.bin (uint16)"),
+    "--val-fraction": ("data.val_fraction", float, "share of a text source held out for validation (default 0.1; "
+                       "documents: every 1/f-th, as `paratrain tokenize` splits)"),
+    "--data-cache": ("data.cache", str, "where text tokenized for --hf is kept (default: ~/.cache/paratrain/tokens)"),
     "--documents": ("data.documents", str, "document masking of packed windows: on (needs a tokenized folder's "
-                    "document index), off, or auto (default: on for --hf with an index and cp 1)"),
+                    "document index), off, or auto (default: on for --hf when the data has an index, in every layout)"),
     "--seq-len": ("data.seq_len", int, "tokens per sample (default: the model's)"),
     "--global-batch": ("data.global_batch", int, "samples per optimizer step, all ranks together"),
     "--micro-batch": ("data.micro_batch", int, "samples per forward/backward per rank (accumulation = G / (m x dp))"),

@@ -98,7 +98,7 @@ def train(args: argparse.Namespace) -> int:
     worker of an external torchrun)."""
     from paratrain.launch import JobFailed, launch, launched_by_torchrun
 
-    config = run_config_from_args(args)
+    config = tokenize_text_for_hf(run_config_from_args(args))
     if launched_by_torchrun():  # a worker of a job an external torchrun started: train here
         return train_worker(config)
     import torch
@@ -120,6 +120,22 @@ def train(args: argparse.Namespace) -> int:
             print(f"paratrain: {failure}", file=sys.stderr)
             return 1
     return 0
+
+
+def tokenize_text_for_hf(config: RunConfig) -> RunConfig:
+    """With --hf, text data (builtin, .txt, .jsonl, .parquet) tokenized by the model's own tokenizer, once and
+    cached (paratrain.data.text), and the run pointed at those token files; said in one line. Without --hf, or
+    with token files, the config as it is."""
+    from paratrain.data.text import is_text, tokenized
+
+    source = config.data.source
+    if not config.model.hf or not is_text(source):
+        return config
+    folder, cached = tokenized(source, config.model.hf, val_fraction=config.data.val_fraction, cache=config.data.cache)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"paratrain: --data {source} read as {config.model.hf}'s tokens: {'cached in' if cached else 'tokenized into'} "
+              f"{folder}", file=sys.stderr)
+    return dataclasses.replace(config, data=dataclasses.replace(config.data, source=str(folder)))
 
 
 def plan_auto(config: RunConfig, args: argparse.Namespace, *, gpus: int) -> RunConfig:

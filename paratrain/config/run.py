@@ -24,8 +24,11 @@ class ModelSection:
 @dataclass
 class DataSection:
     source: str = "builtin"
-    """'builtin' (CPython's pydoc topics, byte tokens), a .txt file (byte tokens), or a folder
-    holding train.bin / val.bin (uint16 tokens, nanoGPT layout)."""
+    """'builtin' (CPython's pydoc topics), a text file (.txt, .jsonl, .parquet), or a folder of token files
+    (`paratrain tokenize`'s or Megatron's indexed train / val, or nanoGPT's uint16 train.bin / val.bin). Text is
+    read as UTF-8 bytes by the GPT, and tokenized by the model's own tokenizer with --hf (paratrain.data.text)."""
+    cache: str = ""
+    """Where text tokenized for --hf is kept ('': $XDG_CACHE_HOME/paratrain/tokens, or ~/.cache/...)."""
     seq_len: int = 0
     """Tokens per sample; 0 means the model's seq_len."""
     global_batch: int = 32
@@ -38,7 +41,7 @@ class DataSection:
     """Document masking of packed windows (paratrain.nn.documents: positions restart at each document,
     attention stays inside it, no loss on the next document's first token): 'on' (needs a document index,
     a folder `paratrain tokenize` or Megatron wrote), 'off', or 'auto' (on for --hf models when the data has
-    an index and cp is 1)."""
+    an index; never a function of the layout)."""
 
 
 @dataclass

@@ -39,8 +39,7 @@ import torch
 from torch import nn
 
 from paratrain.config.errors import ConfigError
-from paratrain.models.hf_context import llama_split_sequence
-from paratrain.nn.documents import refuse_documents
+from paratrain.models.hf_context import DOCUMENTS_KEY, PositionsOf, llama_split_sequence
 from paratrain.nn.loss import VocabOutput
 from paratrain.nn.recipe import Layer, Recipe, Run, stage_loss
 
@@ -120,11 +119,10 @@ def llama_pipeline_loss(logits: torch.Tensor, labels: torch.Tensor, *,
 def llama_loss(model: nn.Module, batch: Any, *, vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's loss_fn for an HF causal LM: batch (input_ids, labels) in the module's convention, or
     (input_ids, labels, positions) of packed documents (paratrain.nn.documents: HF reads restarting position
-    ids as packed sequences and masks attention at their borders); the same numbers as llama_pipeline_loss on
+    ids as packed sequences and masks attention at their borders; under context parallelism paratrain.models.
+    hf_context's attention does); the same numbers as llama_pipeline_loss on
     the last pipeline stage."""
     input_ids, labels, *positions = batch
-    if positions:
-        refuse_documents(model)
     logits = model(input_ids=input_ids, position_ids=positions[0] if positions else None, use_cache=False).logits
     return llama_pipeline_loss(logits, labels, vocab=vocab)
 
@@ -192,12 +190,15 @@ def _decoder_runner(name: str, config: Any, index: int) -> Run:
     per_type = config.model_type == "gemma3_text"  # its rotary embedding differs by layer type (local / global)
 
     def run(stage: nn.Module, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        rotary = stage.get_submodule("model.rotary_emb")
-        if positions is None:  # (documents: the pipeline's check_positions refused what cannot take them)
-            positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # [1, S]: 0 .. S-1
+        rotary, extra = stage.get_submodule("model.rotary_emb"), {}
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # [1, S]: 0 .. S-1 (cp: mapped)
+        elif isinstance(rotary, PositionsOf):  # cp: documents' positions are each token's own, not to be mapped
+            rotary, extra = rotary.at, {DOCUMENTS_KEY: positions}
         mask = _causal_mask(config, x, positions, layer_type)  # None under sdpa without documents (causal itself)
         cos_sin = rotary(x, positions, layer_type) if per_type else rotary(x, position_ids=positions)  # 2 x [1, S, hd]
-        out = stage.get_submodule(name)(x, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin)
+        out = stage.get_submodule(name)(x, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin,
+                                        **extra)
         return out[0] if isinstance(out, tuple) else out  # [B, S, D] (older transformers return a tuple)
 
     return run

@@ -1,8 +1,9 @@
 """Hugging Face Llama-family models under context parallelism: each rank's part of every sequence.
 
 llama_split_sequence is LLAMA_RECIPE's split_sequence (paratrain.models.hf): the rotary embedding fed the
-whole sequence's positions of this rank's tokens, and attention through transformers' AttentionInterface to
-the shard's ring or Ulysses attention.
+whole sequence's positions of this rank's tokens (or, for packed documents, their positions in their documents),
+and attention through transformers' AttentionInterface to the shard's ring or Ulysses attention, masked to each
+document when the batch packs documents.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from paratrain.config.errors import ConfigError
 from paratrain.nn.sequence import SequenceSplit
 from paratrain.nn.wrap import Wrapper
 
-DOCUMENTS_UNDER_CP = ("packed documents under context parallelism are not supported for Hugging Face models (their "
-                      "rotary embedding takes this rank's positions from the shard, not the documents'); set cp to 1 "
-                      "or train without document positions (--documents off); paratrain's GPT supports both")
+DOCUMENTS_KEY = "paratrain_documents"
+"""The keyword that carries packed documents' positions ([B, n], this rank's tokens') from paratrain's callers
+through transformers' decoder layers (their **kwargs reach the attention function) to the ring or Ulysses
+attention: HF's own `position_ids` there cannot tell document positions from the whole sequence's."""
 
 
 LLAMA_ATTENTIONS = r"model\.layers\.\d+\.self_attn"
@@ -30,17 +32,21 @@ LLAMA_ROTARY = r"model\.rotary_emb"
 def llama_split_sequence(model: nn.Module, shard: SequenceSplit) -> None:
     """Context parallelism on an HF Llama / Mistral, or a pipeline stage of it (whole-model names).
 
-    Each rank holds `shard`'s part of every sequence, and the model runs on it as on a shorter sequence
-    (position ids 0 .. n-1). Two things follow the shard:
-      - model.rotary_emb is wrapped (PositionsOf, same names) so that local position p becomes the
-        token's position in the whole sequence: cos/sin, hence q and k, are one process's;
+    Each rank holds `shard`'s part of every sequence, and the model runs on it as on a shorter sequence. Two
+    things follow the shard:
+      - positions: on a whole model, its base (model.model) is wrapped (WholePositions, same names) so that a
+        call without position ids runs at the whole sequence's positions of this rank's tokens, and a call with
+        position ids (packed documents: each token's position in its document) runs at those and passes them on
+        to attention; on a pipeline stage, model.rotary_emb is wrapped (PositionsOf) to map the runner's local
+        positions 0 .. n-1 to the whole sequence's (paratrain.models.hf's runner passes documents' as they are);
       - attention goes through HF's own extension point (transformers' AttentionInterface): a function
         registered for this shard calls shard.attend (ring or Ulysses, GQA included) with the layer's
-        scaling, and the config's attention implementation names it. No attention mask is built for it
-        (HF builds none for a registered function without a mask function): causality is by position.
+        scaling and the documents' positions if any, and the config's attention implementation names it. No
+        attention mask is built for it (HF builds none for a registered function without a mask function):
+        causality is by position, documents by their positions.
     Refused, naming the setting: attention dropout (HF draws it from torch's generator, which no rank can
     draw for another's tokens) and a Mistral sliding window shorter than the sequence."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, PreTrainedModel
 
     attentions = [m for n, m in model.named_modules() if re.fullmatch(LLAMA_ATTENTIONS, n)]
     if attentions:
@@ -52,18 +58,40 @@ def llama_split_sequence(model: nn.Module, shard: SequenceSplit) -> None:
         name = f"paratrain_context_parallel_{id(shard):x}"
         AttentionInterface.register(name, functools.partial(_attend_through, shard))
         config._attn_implementation = name  # the config's setter; every layer reads it when it runs
-    for rotary_name, rotary in list(model.named_modules()):
+    base = getattr(model, "model", None)
+    if isinstance(base, PreTrainedModel):  # a whole causal LM: its base model takes the positions
+        model.register_module("model", WholePositions(base, shard))
+        return
+    for rotary_name, rotary in list(model.named_modules()):  # a pipeline stage: its runners call the rotary
         if re.fullmatch(LLAMA_ROTARY, rotary_name):
             parent, _, child = rotary_name.rpartition(".")
             model.get_submodule(parent).register_module(child, PositionsOf(rotary, shard))
 
 
-class PositionsOf(Wrapper):
-    """HF's rotary embedding fed the whole sequence's positions of this rank's tokens: position_ids are
-    the local 0 .. n-1 (as the model or a pipeline stage makes them), mapped through the shard."""
+class WholePositions(Wrapper):
+    """An HF base model (LlamaModel, ...) on this rank's part of each sequence: without position ids it runs at
+    the whole sequence's positions of this rank's tokens (HF's default, 0 .. n-1, would be the part's own); with
+    position ids (packed documents, this rank's tokens' positions in their documents) it runs at those, and
+    hands them to the attention function under DOCUMENTS_KEY so that attention stays inside each document."""
 
-    refuses_positions = DOCUMENTS_UNDER_CP
-    """Read by a pipeline before a step with document positions (paratrain.pipeline.stages.check_positions)."""
+    def __init__(self, module: nn.Module, shard: SequenceSplit) -> None:
+        super().__init__(module)
+        self.shard = shard
+
+    def forward(self, input_ids: torch.Tensor | None = None, *args: Any, position_ids: torch.Tensor | None = None,
+                **kwargs: Any) -> Any:
+        if position_ids is None:
+            tokens = input_ids if input_ids is not None else kwargs["inputs_embeds"]
+            position_ids = self.shard.positions(tokens.shape[1], tokens.device).unsqueeze(0)  # [1, n]
+        else:
+            kwargs[DOCUMENTS_KEY] = position_ids
+        return self.wrapped.forward(input_ids, *args, position_ids=position_ids, **kwargs)
+
+
+class PositionsOf(Wrapper):
+    """A pipeline stage's HF rotary embedding fed the whole sequence's positions of this rank's tokens:
+    position_ids are the local 0 .. n-1 (as paratrain.models.hf's runner makes them without documents), mapped
+    through the shard. `at` takes positions as they are (packed documents': already each token's own)."""
 
     def __init__(self, module: nn.Module, shard: SequenceSplit) -> None:
         super().__init__(module)
@@ -72,6 +100,9 @@ class PositionsOf(Wrapper):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *rest: Any) -> Any:
         whole = self.shard.positions(position_ids.shape[-1], position_ids.device)[position_ids]
         return self.wrapped.forward(x, whole, *rest)  # rest: Gemma 3's layer type
+
+    def at(self, x: torch.Tensor, position_ids: torch.Tensor, *rest: Any) -> Any:
+        return self.wrapped.forward(x, position_ids, *rest)
 
 
 def _attend_through(shard: SequenceSplit, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -89,5 +120,5 @@ def _attend_through(shard: SequenceSplit, module: nn.Module, query: torch.Tensor
                           f"{sliding_window} tokens under cp, or set cp to 1")
     if dropout:
         raise ConfigError(f"context parallelism with attention dropout ({dropout}): set attention_dropout=0.0")
-    out = shard.attend(query, key, value, scale=scaling)
+    out = shard.attend(query, key, value, scale=scaling, documents=kwargs.get(DOCUMENTS_KEY))
     return out.transpose(1, 2).contiguous(), None

@@ -37,9 +37,11 @@ class SequenceSplit(Protocol):
         """int64 [local_len]: the positions in the whole sequence of this rank's tokens, in its order."""
         ...
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+               documents: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of this rank's q [B, H, n, hd] over every rank's k, v [B, Hkv, n, hd] (GQA: H % Hkv
-        == 0); scale: 1 / sqrt(hd) by default. -> [B, H, n, hd]."""
+        == 0); scale: 1 / sqrt(hd) by default; documents: [B, n], this rank's tokens' positions in their packed
+        documents (paratrain.nn.documents), attention kept inside each. -> [B, H, n, hd]."""
         ...
 
     def attention_core(self, dropout: nn.Module | None = None) -> nn.Module:

@@ -35,10 +35,8 @@ def check_data(plan: RunPlan, source: TokenSource) -> None:
     """Rules that need the data: vocabulary fits the model (and, for --hf, the token files were written by the
     model's own tokenizer when both say which); enough samples for a batch."""
     hf = plan.config.model.hf
-    if hf and source.tokenizer is not None and (Path(hf) / "tokenizer.json").is_file():
-        from paratrain.data.tokenize import check_tokenizer
-
-        check_tokenizer(source.name, hf)
+    if hf:
+        check_hf_tokens(source, hf)
     if source.vocab_size > plan.model.vocab_size:
         raise ConfigError(
             f"the data uses token ids up to {source.vocab_size - 1}, but the model's vocab_size is "
@@ -50,9 +48,6 @@ def check_data(plan: RunPlan, source: TokenSource) -> None:
     if documents == "on" and source.train_documents is None:
         raise ConfigError(f"document masking (--documents on) needs a document index, and {source.name!r} has none: "
                           "tokenize the corpus with `paratrain tokenize` (or use Megatron's .bin/.idx), or --documents off")
-    if documents == "on" and plan.config.parallel.cp > 1 and plan.config.model.hf:
-        raise ConfigError(f"document masking under context parallelism (cp {plan.config.parallel.cp}) is not supported "
-                          "for Hugging Face models (the GPT supports it): --cp 1 or --documents off")
     for split, tokens in (("train", source.train), ("val", source.val)):
         samples = (len(tokens) - 1) // plan.seq_len
         if samples < plan.batch.global_batch:
@@ -62,11 +57,34 @@ def check_data(plan: RunPlan, source: TokenSource) -> None:
             )
 
 
+def check_hf_tokens(source: TokenSource, hf: str) -> None:
+    """Refuse data whose ids cannot be the HF model's tokenizer's: text read as bytes (paratrain.data.text
+    tokenizes it instead), token files another tokenizer wrote, or ids past the tokenizer's vocabulary."""
+    from paratrain.data.text import TEXT_SUFFIXES
+    from paratrain.data.tokenize import check_tokenizer, load_tokenizer
+
+    if source.name == "builtin" or Path(source.name).is_file():  # a file read as UTF-8 bytes
+        raise ConfigError(f"the data {source.name!r} is read as UTF-8 bytes (ids 0-255, the byte-level GPT's), which "
+                          f"mean nothing to the model in {hf}: `paratrain train --hf` tokenizes text files "
+                          f"({', '.join(TEXT_SUFFIXES)}) and builtin with the model's tokenizer "
+                          "(paratrain.data.text); for other files give token files written with it")
+    if not (Path(hf) / "tokenizer.json").is_file():
+        return  # no tokenizer beside the model: nothing to check the ids against
+    if source.tokenizer is not None:
+        check_tokenizer(source.name, hf)
+        return
+    vocab = load_tokenizer(hf)[0].get_vocab_size(with_added_tokens=True)
+    if source.vocab_size > vocab:
+        raise ConfigError(f"the token files in {source.name!r} hold ids up to {source.vocab_size - 1}, which "
+                          f"{hf}'s tokenizer ({vocab} entries) never writes: they were made with another tokenizer; "
+                          f"tokenize the corpus with `paratrain tokenize --tokenizer {hf}`")
+
+
 def uses_documents(plan: RunPlan, source: TokenSource) -> bool:
-    """Whether the run masks documents (DataSection.documents; check_data refused what cannot be)."""
+    """Whether the run masks documents (DataSection.documents; check_data refused what cannot be). 'auto' reads the
+    model and the data, never the layout: the same command trains alike on one process and on many."""
     documents, indexed = plan.config.data.documents, source.train_documents is not None
-    return documents == "on" or (documents == "auto" and indexed and bool(plan.config.model.hf)
-                                 and plan.config.parallel.cp == 1)
+    return documents == "on" or (documents == "auto" and indexed and bool(plan.config.model.hf))
 
 
 class Trainer:

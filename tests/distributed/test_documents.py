@@ -81,8 +81,10 @@ def plain(kind: str) -> dict:
             losses.append(loss)
             norms.append(norm)
         # a tied head is one tensor in paratrain's state, under the embedding's name
-        tied = {"lm_head.weight", "head.weight"}
-        state = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in tied}
+        whole = model.state_dict()
+        tied = {k for k in ("lm_head.weight", "head.weight") if k in whole and any(
+            whole[k].data_ptr() == v.data_ptr() for name, v in whole.items() if name != k)}
+        state = {k: v.detach().clone() for k, v in whole.items() if k not in tied}
         _PLAIN[kind] = {"losses": losses, "grad_norms": norms, "model": state}
     return _PLAIN[kind]
 
@@ -103,7 +105,8 @@ def _job(kind: str, **layout) -> dict:
     engine = paratrain.parallelize(model, ctx, optimizer=lambda p: torch.optim.AdamW(p, lr=lr_at(0), weight_decay=0.1),
                                    micro_batch=micro_batch, recipe=recipe)
     logits = None
-    if kind != "gpt" and ctx.mesh.degree("pp") == 1:  # HF's lm_head gathers the logits whole on every tp rank
+    if kind != "gpt" and ctx.mesh.degree("pp") == ctx.mesh.degree("cp") == 1:  # HF's lm_head gathers the logits
+        # whole on every tp rank (a cp rank's are its part of the sequence)
         inputs, _, positions = batch(0)
         with torch.no_grad():
             logits = logits_of(engine.model, inputs, positions)
@@ -126,7 +129,11 @@ def _job(kind: str, **layout) -> dict:
     ("gpt2", dict(pp=2, micro_batch=2)),  # learned positions: wpe indexed by each document's positions
     ("gpt", dict(cp=2, micro_batch=4)),  # ring: each block masked by its queries' document positions
     ("gpt", dict(cp=2, cp_mode="ulysses", micro_batch=4)),  # Ulysses: the positions gathered with the sequence
-], ids=["gpt-tp2-sp", "gpt-pp2", "gpt-zero3", "llama-tp2", "llama-pp2", "gpt2-pp2", "gpt-cp2-ring", "gpt-cp2-ulysses"])
+    ("llama-tied", dict(cp=2, micro_batch=4)),  # HF under ring: the documents' positions passed to its attention
+    ("llama", dict(cp=2, cp_mode="ulysses", micro_batch=4)),  # ... and Ulysses, GQA
+    ("llama", dict(cp=2, pp=2, micro_batch=2)),  # the pipeline's runner: rotary at the documents' positions
+], ids=["gpt-tp2-sp", "gpt-pp2", "gpt-zero3", "llama-tp2", "llama-pp2", "gpt2-pp2", "gpt-cp2-ring", "gpt-cp2-ulysses",
+        "llama-cp2-ring", "llama-cp2-ulysses", "llama-cp2-pp2"])
 def test_packed_documents_train_as_apart(pools, kind, layout):
     world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
     got = pools(world).run(_job, kind, **layout)
@@ -183,28 +190,6 @@ def test_positions_after_eos_and_the_mask():
     assert mask[2].tolist() == [True, True, True, False, False, False, False, False]
     assert mask[4].tolist() == [False, False, False, True, True, False, False, False]
     assert mask[7].tolist() == [False] * 6 + [True, True]
-
-
-def _hf_under_cp(pp: int) -> str:
-    import paratrain
-    from paratrain.models.hf import LLAMA_RECIPE, llama_loss
-
-    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(cp=2, pp=pp))
-    engine = paratrain.parallelize(build("llama-tied"), ctx, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-                                   recipe=LLAMA_RECIPE, micro_batch=4)
-    try:
-        engine.train_step(batch(0), llama_loss)
-    except ValueError as error:  # ConfigError is one
-        return str(error)
-    return "trained"
-
-
-@pytest.mark.parametrize("pp", [1, 2])
-def test_packed_documents_of_hf_models_under_cp_are_refused(pools, pp):
-    """HF's rotary embedding reads this rank's positions from the shard: documents there are refused by name, on
-    every rank before anything is sent under a pipeline (no stage left waiting for a refused one)."""
-    for message in pools(2 * pp).run(_hf_under_cp, pp):
-        assert "not supported for Hugging Face models" in message and "--documents off" in message
 
 
 def test_one_mask_is_kept_for_every_layer():

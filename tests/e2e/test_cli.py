@@ -499,23 +499,17 @@ def test_tokenize_then_train_on_the_token_files(tmp_path):
     assert "sample:" in out.stdout
 
 
-def test_the_hugging_face_loop_tokenize_train_export_generate(tmp_path):
-    """The loop of docs/huggingface.md: a tiny Llama saved with save_pretrained in several shards, with a
-    tokenizer -> `paratrain tokenize` with that tokenizer -> `paratrain train --hf` under dp 2 x tp 2 ZeRO-1
-    -> `paratrain export --hf` -> transformers' from_pretrained (nothing missing, unexpected or mismatched)
-    and generate; token files of another tokenizer are refused before launch."""
+def llama_with_bpe(tmp_path: Path, documents: list[str]) -> Path:
+    """tmp_path/corpus.jsonl (a document a line) and tmp_path/llama: a tiny tied Llama (seed 0) saved in several
+    shards with a byte-level BPE of 500 entries trained on the corpus by `paratrain tokenize`."""
     import shutil
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from paratrain.data.sources import builtin_text
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     with open(tmp_path / "corpus.jsonl", "w") as out:
-        for text in builtin_text().split("\n\n\n"):
+        for text in documents:
             out.write(json.dumps({"text": text}) + "\n")
-    corpus = str(tmp_path / "corpus.jsonl")
-    assert paratrain("tokenize", corpus, "--train-bpe", "500", "--out", str(tmp_path / "bpe"),
+    assert paratrain("tokenize", str(tmp_path / "corpus.jsonl"), "--train-bpe", "500", "--out", str(tmp_path / "bpe"),
                      "--val-fraction", "0.05", "--no-progress").returncode == 0
     torch.manual_seed(0)
     model = tmp_path / "llama"
@@ -525,6 +519,70 @@ def test_the_hugging_face_loop_tokenize_train_export_generate(tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(tmp_path / "bpe" / "tokenizer" / name, model / name)
     assert len(list(model.glob("model-*.safetensors"))) > 1
+    return model
+
+
+def test_hf_on_text_trains_on_its_tokenizer_tokens_alike_in_every_layout(tmp_path):
+    """`paratrain train --hf DIR --data corpus.jsonl`, the first command a user types: the text is tokenized by the
+    model's tokenizer (once, cached; the bytes `paratrain tokenize` writes), not read as bytes; the same command
+    under --cp 2 (documents masked by default in both: --documents auto reads no layout) gives the one-process
+    losses; the exported model's loss on held-out text, tokenized by transformers, falls as training's did."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from paratrain.data.indexed import IndexedTokens
+    from paratrain.data.sources import builtin_text
+
+    documents = [p for p in builtin_text().split("\n\n") if p.strip()]  # ~2,800 short paragraphs
+    model = llama_with_bpe(tmp_path, documents)
+    run = ["train", "--hf", str(model), "--data", str(tmp_path / "corpus.jsonl"), "--data-cache", str(tmp_path / "cache"),
+           "--device", "cpu", "--seq-len", "32", "--global-batch", "8", "--micro-batch", "4", "--eval-every", "0",
+           "--no-progress", "--warmup", "2", "--steps", "6", "--val-fraction", "0.05"]
+    logs = {}
+    for name, layout in (("one", ["--nproc", "1"]), ("cp2", ["--nproc", "2", "--cp", "2", "--save",
+                                                             str(tmp_path / "ckpt"), "--save-every", "6"])):
+        logs[name] = tmp_path / f"{name}.jsonl"
+        out = paratrain(*run, *layout, "--log-json", str(logs[name]))
+        assert out.returncode == 0, out.stderr
+        assert ("tokenized into" if name == "one" else "cached in") in out.stderr, out.stderr
+    one, cp = losses(logs["one"]), losses(logs["cp2"])
+    assert sorted(cp) == list(range(1, 7))
+    for step in cp:  # float32, documents masked under ring attention; measured 9.7e-8 relative
+        assert cp[step] == pytest.approx(one[step], rel=2e-5)
+    # the cache holds what `paratrain tokenize --tokenizer DIR` writes, byte for byte
+    out = paratrain("tokenize", str(tmp_path / "corpus.jsonl"), "--tokenizer", str(model), "--out",
+                    str(tmp_path / "data"), "--val-fraction", "0.05", "--no-progress")
+    assert out.returncode == 0, out.stderr
+    cached = next((tmp_path / "cache").iterdir())
+    for split in ("train", "val"):
+        assert (cached / f"{split}.bin").read_bytes() == (tmp_path / "data" / f"{split}.bin").read_bytes()
+        assert IndexedTokens(cached / split).documents > 100
+    # the exported model scores better than the initial one on validation text, tokenized by transformers
+    out = paratrain("export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--hf", str(model))
+    assert out.returncode == 0, out.stderr
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    held_out = [json.loads(line)["text"] for i, line in enumerate((tmp_path / "corpus.jsonl").read_text().splitlines())
+                if int((i + 1) * 0.05) > int(i * 0.05)]
+    ids = torch.tensor([tokenizer(" ".join(held_out[:40]), add_special_tokens=False).input_ids[:512]])
+
+    def score(folder: Path) -> float:
+        with torch.no_grad():
+            return float(AutoModelForCausalLM.from_pretrained(folder)(input_ids=ids, labels=ids).loss)
+
+    before, after = score(model), score(tmp_path / "out")
+    assert after < before - 0.05, (before, after)  # measured 6.218 -> 6.127
+
+
+def test_the_hugging_face_loop_tokenize_train_export_generate(tmp_path):
+    """The loop of docs/huggingface.md: a tiny Llama saved with save_pretrained in several shards, with a
+    tokenizer -> `paratrain tokenize` with that tokenizer -> `paratrain train --hf` under dp 2 x tp 2 ZeRO-1
+    -> `paratrain export --hf` -> transformers' from_pretrained (nothing missing, unexpected or mismatched)
+    and generate; token files of another tokenizer are refused before launch."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from paratrain.data.sources import builtin_text
+
+    corpus = str(tmp_path / "corpus.jsonl")
+    model = llama_with_bpe(tmp_path, builtin_text().split("\n\n\n"))
     out = paratrain("tokenize", corpus, "--tokenizer", str(model), "--out", str(tmp_path / "data"),
                     "--val-fraction", "0.05", "--workers", "2", "--no-progress")
     assert out.returncode == 0, out.stderr

@@ -1,0 +1,118 @@
+"""Text given to a Hugging Face model: tokenized by the model's own tokenizer, once, and cached.
+
+A model loaded with `--hf DIR` reads the ids of DIR's tokenizer. Reading a text file as UTF-8 bytes (ids 0-255)
+is the byte-level GPT's way, and for an HF model it trains on ids that mean nothing to it, with no error: every
+id fits its vocabulary. So with --hf a text source is tokenized here, in the launching process, before any worker
+starts, into the layout `paratrain tokenize` writes (Megatron's .bin/.idx with a document index, tokens.json naming
+the tokenizer), and the run reads that folder:
+
+    builtin          CPython's pydoc topics, one document per topic (paratrain.data.sources.builtin_text's order)
+    .jsonl / .json   one document per line (its "text" field), as `paratrain tokenize` reads them
+    .parquet         one document per row of the "text" column
+    .txt / .md       one document; its token stream's tail (val_fraction of it) held out for validation, as
+                     the byte-level reading holds out the tail of the bytes
+
+Documents go to the validation split as `paratrain tokenize` sends them (every 1/f-th, by index alone), so
+`--data corpus.jsonl` and `--data $(paratrain tokenize corpus.jsonl --tokenizer DIR --val-fraction f)` give
+the same tokens. The folder lives under the cache (data.cache, else $XDG_CACHE_HOME/paratrain or
+~/.cache/paratrain), named by the SHA-256 of the text, of the tokenizer's tokenizer.json and of the split: a
+changed file or tokenizer makes a new folder, and a second run with the same inputs reads the first's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from paratrain.config.errors import ConfigError
+
+TEXT_SUFFIXES = (".txt", ".md", ".text", ".jsonl", ".json", ".parquet")
+ONE_DOCUMENT = (".txt", ".md", ".text")
+
+
+def is_text(source: str) -> bool:
+    """Whether a data source string names text (to tokenize) rather than token files."""
+    return source == "builtin" or (Path(source).is_file() and Path(source).suffix.lower() in TEXT_SUFFIXES)
+
+
+def cache_root(configured: str = "") -> Path:
+    """Where tokenized text is kept: `configured`, else $XDG_CACHE_HOME/paratrain/tokens (~/.cache by default)."""
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "paratrain" / "tokens"
+
+
+def tokenized(source: str, model_dir: str, *, val_fraction: float, cache: str = "") -> tuple[Path, bool]:
+    """(the folder of `source` tokenized by `model_dir`'s tokenizer, whether it was already cached)."""
+    from paratrain.data.tokenize import load_tokenizer
+
+    tokenizer_json = Path(model_dir) / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        raise ConfigError(f"--hf {model_dir} has no tokenizer.json, so the text {source!r} cannot be read as the "
+                          f"model's tokens: save the model's tokenizer into {model_dir} (tokenizer.save_pretrained), "
+                          "or give token files written with it (`paratrain tokenize --tokenizer TOKENIZER_DIR`)")
+    load_tokenizer(model_dir)  # refuses a tokenizer without an end-of-sequence token now, naming the fix
+    digest = hashlib.sha256()
+    for part in (_text_bytes(source), tokenizer_json.read_bytes(), f"val_fraction={val_fraction!r}".encode()):
+        digest.update(hashlib.sha256(part).digest())
+    name = "builtin" if source == "builtin" else Path(source).name
+    folder = cache_root(cache) / f"{name}-{digest.hexdigest()[:16]}"
+    if (folder / "tokens.json").is_file():
+        return folder, True
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".text-", dir=folder.parent) as scratch:
+        staging = Path(scratch) / "out"
+        _write(source, model_dir, staging, Path(scratch), val_fraction)
+        try:
+            staging.rename(folder)
+        except OSError:  # another process of the job published the same folder first: the same bytes
+            if not (folder / "tokens.json").is_file():
+                raise
+    return folder, False
+
+
+def _text_bytes(source: str) -> bytes:
+    if source == "builtin":
+        from paratrain.data.sources import builtin_text
+
+        return builtin_text().encode("utf-8")
+    return Path(source).read_bytes()
+
+
+def _write(source: str, model_dir: str, out: Path, scratch: Path, val_fraction: float) -> None:
+    from paratrain.data.tokenize import tokenize_corpus
+
+    if source == "builtin":  # one document per topic, as a .jsonl `paratrain tokenize` reads
+        from pydoc_data.topics import topics
+
+        lines = scratch / "builtin.jsonl"
+        lines.write_text("".join(json.dumps({"text": topics[key]}) + "\n" for key in sorted(topics)))
+        tokenize_corpus([lines], out, tokenizer=model_dir, val_fraction=val_fraction, progress=False)
+    elif Path(source).suffix.lower() in ONE_DOCUMENT:
+        tokenize_corpus([source], out, tokenizer=model_dir, val_fraction=0.0, progress=False)
+        _split_tail(out, val_fraction)
+    else:
+        tokenize_corpus([source], out, tokenizer=model_dir, val_fraction=val_fraction, progress=False)
+
+
+def _split_tail(folder: Path, val_fraction: float) -> None:
+    """One document in `folder`'s train split: its last val_fraction of tokens become the validation split."""
+    from paratrain.data.indexed import IndexedTokens, IndexedWriter
+
+    record = json.loads((folder / "tokens.json").read_text())
+    tokens = np.array(IndexedTokens(folder / "train").tokens)
+    cut = int(len(tokens) * (1.0 - val_fraction))
+    for split, part in (("train", tokens[:cut]), ("val", tokens[cut:])):
+        writer = IndexedWriter(folder / split, tokens.dtype)
+        writer.add(part)
+        writer.close()
+        record[split] = {"documents": 1, "tokens": int(part.size)}
+    record["val_fraction"], record["split"] = val_fraction, "the one document's tail"
+    (folder / "tokens.json").write_text(json.dumps(record, indent=1))
+
