@@ -135,9 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "distribution dict) as inline JSON or a JSON file; flags given explicitly win "
                             "(docs/sagemaker.md)")
     train.add_argument("--plan", choices=("auto",), default=None,
-                       help="auto: the planner picks the layout (dp, tp, pp, ZeRO, micro-batch, recompute, sequence "
-                            "parallelism) for the processes at hand and prints why; layout flags given are kept "
-                            "(on a CPU, run `paratrain plan --calibrate` once first)")
+                       help="auto: the planner picks the layout (every axis and saver of paratrain.config.layout) "
+                            "for the processes at hand and prints why; layout settings given are kept (on a CPU "
+                            "without a profile it measures this machine once first)")
     train.add_argument("--no-memory-check", dest="memory_check", action="store_false", default=None,
                        help="launch even when the planner predicts the layout will not fit in memory")
     train.add_argument("--keep-params", dest="reshard_after_forward", action="store_false", default=None,
@@ -214,9 +214,21 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         from paratrain.config.sagemaker import read_smp, smp_overrides
 
         overrides.update(smp_overrides(read_smp(args.smp)))
-    paths = {flag.lstrip("-").replace("-", "_"): path for flag, (path, _, _) in TRAIN_FLAGS.items()}
-    for attribute, path in {**paths, **OTHER_ARGS}.items():
+    for attribute, path in ARGUMENT_PATHS.items():
         value = getattr(args, attribute)
         if value is not None:
             overrides[path] = value
     return build_run_config(table, overrides)
+
+
+ARGUMENT_PATHS = {**{flag.lstrip("-").replace("-", "_"): path for flag, (path, _, _) in TRAIN_FLAGS.items()},
+                  **OTHER_ARGS}
+"""`paratrain train`'s argparse attribute -> the config path it sets."""
+
+
+def given_paths(args: argparse.Namespace) -> set[str]:
+    """The config paths `paratrain train`'s flags and its --config TOML set explicitly (--plan auto's pins)."""
+    paths = {path for attribute, path in ARGUMENT_PATHS.items() if getattr(args, attribute) is not None}
+    table = load_toml(args.config) if args.config else {}
+    paths |= {f"{section}.{key}" for section, keys in table.items() if isinstance(keys, dict) for key in keys}
+    return paths

@@ -140,13 +140,15 @@ def tokenize_text_for_hf(config: RunConfig) -> RunConfig:
 
 def plan_auto(config: RunConfig, args: argparse.Namespace, *, gpus: int) -> RunConfig:
     """The run with the planner's layout for this job's processes (flags given are pins it keeps)."""
-    from paratrain.planner.auto import PINNABLE, choose_layout, device_hardware
+    from paratrain.cli.flags import given_paths
+    from paratrain.config.layout import layout_of
+    from paratrain.planner.auto import choose_layout, device_hardware
     from paratrain.planner.check import available_memory
 
     world_size = launch_world_size(config, gpus=gpus)
     device = resolve_device(config.launch.device, gpus=gpus)
     hw = device_hardware(device, processes=world_size // config.launch.nnodes, available_bytes=available_memory(device))
-    pins = {field: getattr(args, dest) for field, dest in PINNABLE.items() if getattr(args, dest, None) is not None}
+    pins = layout_of(config, given_paths(args))  # every layout setting given is a pin the search keeps
     seq_len = config.data.seq_len or preset(config.model.preset, **config.model.overrides).seq_len
     config, text = choose_layout(config, world_size=world_size, hw=hw, pins=pins, seq_len=seq_len)
     print(f"paratrain: {text}", file=sys.stderr)

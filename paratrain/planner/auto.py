@@ -4,7 +4,7 @@ Before launch, on the launching process: the device's profile (a CUDA card by it
 its calibrated profile, `paratrain plan --calibrate`), the layouts of the world size that
 paratrain's rules accept, ranked by predicted step time among those predicted to fit; the best one
 becomes the run's dp, tp, pp, virtual stages, ZeRO stage, micro-batch, recomputation, sequence
-parallelism and schedule. The chosen run is the run plan the launcher writes for its workers
+parallelism, schedule, grid mode, shard groups, offload: every field of paratrain.config.layout. The chosen run is the run plan the launcher writes for its workers
 (paratrain.config.plan.write_run), so every rank runs exactly the printed layout. Axes given on the
 command line are pins the search keeps.
 """
@@ -15,14 +15,13 @@ import dataclasses
 from typing import Any
 
 from paratrain.config.errors import ConfigError
+from paratrain.config.layout import LAYOUT_SETTINGS, apply_layout
 from paratrain.config.run import RunConfig
 from paratrain.planner.hardware import Hardware, hardware
 from paratrain.planner.search import search
 
-PINNABLE = {"dp": "dp", "tp": "tp", "pp": "pp", "virtual_stages": "virtual_stages", "zero": "zero",
-            "micro_batch": "micro_batch", "recompute": "recompute", "sequence_parallel": "sequence_parallel",
-            "schedule": "schedule", "ep": "ep", "cp": "cp", "cp_mode": "cp_mode", "expert_tp": "expert_tp"}
-"""Layout fields -> the `paratrain train` argument (argparse dest) that pins each."""
+PINNABLE = tuple(setting.name for setting in LAYOUT_SETTINGS)
+"""The layout fields a run's settings pin (paratrain.config.layout: every one the planner has)."""
 
 _GPUS = [("H200", "h200"), ("H100", "h100-80gb"), ("A100", None)]
 
@@ -40,6 +39,9 @@ def device_hardware(device: str, *, processes: int, available_bytes: float | Non
                 return hardware(profile or ("a100-80gb" if memory > 50e9 else "a100-40gb"))
         raise ConfigError(f"--plan auto has no profile for {name!r}: give the layout (--dp/--tp/--pp ...), "
                           "comparing candidates with `paratrain plan --hardware FILE.json`")
+    from paratrain.planner.calibrate import ensure_cpu_profile
+
+    ensure_cpu_profile()
     profile = hardware("cpu")
     if available_bytes is not None:
         profile = dataclasses.replace(profile, memory_bytes=available_bytes / processes)
@@ -69,14 +71,7 @@ def choose_layout(config: RunConfig, *, world_size: int, hw: Hardware, pins: dic
                           f"{reason}; use more processes, a smaller --global-batch or model, or `paratrain plan`")
     best = fitting[0]
     layout = best["layout"]
-    parallel = dataclasses.replace(config.parallel, dp=layout["dp"], tp=layout["tp"], pp=layout["pp"],
-                                   virtual_stages=layout["virtual_stages"], zero=layout["zero"],
-                                   sequence_parallel=layout["sequence_parallel"], schedule=layout["schedule"],
-                                   ep=layout["ep"], cp=layout["cp"], cp_mode=layout["cp_mode"],
-                                   expert_tp=layout["expert_tp"])
-    chosen = dataclasses.replace(config, parallel=parallel,
-                                 data=dataclasses.replace(config.data, micro_batch=layout["micro_batch"]),
-                                 train=dataclasses.replace(config.train, recompute=layout["recompute"]))
+    chosen = apply_layout(config, layout)  # every field the planner chose, where the run keeps it
     text = (f"--plan auto on {world_size} x {hw.name}: {describe(layout)}, predicted {best['step_time_s']:.3g} s "
             f"per step, peak {best['memory']['peak'] / 1e9:.2f} GB of {hw.memory_bytes / 1e9:.1f} GB "
             f"({len(fitting)} of {len(result['candidates'])} layouts fit)")
@@ -88,7 +83,10 @@ def choose_layout(config: RunConfig, *, world_size: int, hw: Hardware, pins: dic
 
 
 def describe(layout: dict[str, Any]) -> str:
-    text = f"dp {layout['dp']} x tp {layout['tp']} x pp {layout['pp']}"
+    text = f"dp {layout['dp']} x tp {layout['tp']}"
+    if layout.get("tp_mode", "1d") != "1d":
+        text += f" ({layout['tp_mode']}" + (f", depth {layout['tp_depth']})" if layout["tp_mode"] == "2.5d" else ")")
+    text += f" x pp {layout['pp']}"
     if layout["pp"] > 1:
         text += f" ({layout['schedule']}" + (f", {layout['virtual_stages']} chunks)" if layout["virtual_stages"] > 1 else ")")
     if layout.get("ep", 1) > 1:
@@ -97,7 +95,15 @@ def describe(layout: dict[str, Any]) -> str:
         text += ", experts cut over tp"
     if layout.get("cp", 1) > 1:
         text += f", cp {layout['cp']} ({layout['cp_mode']})"
-    text += f", ZeRO {layout['zero']}, micro-batch {layout['micro_batch']}"
+    if layout.get("ps_mode", "off") != "off":
+        text += f", parameter server ({layout['ps_mode']}, {layout['ps_servers']} dedicated servers" + (
+            f", staleness {layout['staleness']})" if layout["ps_mode"] == "async" else ")")
+    text += f", ZeRO {layout['zero']}"
+    if layout.get("shard_group"):
+        text += f" in shard groups of {layout['shard_group']}"
+    if layout.get("offload"):
+        text += ", optimizer offloaded"
+    text += f", micro-batch {layout['micro_batch']}"
     if layout["recompute"] != "none":
         text += f", {layout['recompute']} recompute"
     if layout["sequence_parallel"]:

@@ -18,8 +18,10 @@ inter_node_bw is the same loopback figure: a network between machines is not mea
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -141,6 +143,18 @@ def calibrate(processes: int = 2) -> Hardware:
                     inter_node_bw=bus, devices_per_node=os.cpu_count() or processes,
                     efficiency=min(1.0, reached / peak), latency_s=latency, overhead_s=overhead,
                     moe_overhead_s=moe_overhead)
+
+
+def ensure_cpu_profile() -> None:
+    """Measure and save this machine's `cpu` profile (hardware.CPU_PROFILE) if none is saved yet, saying so in one
+    line: `--plan auto` and `paratrain plan --hardware cpu` then need no separate `paratrain plan --calibrate`."""
+    from paratrain.planner.hardware import CPU_PROFILE as path  # read when asked: a test may point it elsewhere
+    if path.exists():
+        return
+    print(f"paratrain: no CPU profile at {path}: measuring this machine once (about 10 s; "
+          "`paratrain plan --calibrate` measures it again)", file=sys.stderr)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(calibrate().to_dict(), indent=1) + "\n")
 
 
 def _moe_layers(name: str) -> int:

@@ -89,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
     if args.global_batch is None:
         raise ConfigError("paratrain plan needs --global-batch (samples per optimizer step)")
     model = preset(args.model)
+    if args.hardware == "cpu":
+        from paratrain.planner.calibrate import ensure_cpu_profile
+
+        ensure_cpu_profile()
     hw = hardware(args.hardware, peak_flops=args.peak_tflops and args.peak_tflops * 1e12,
                   memory_bytes=args.memory_gb and args.memory_gb * 1e9,
                   intra_node_bw=args.intra_node_gbps and args.intra_node_gbps * 1e9,

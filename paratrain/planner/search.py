@@ -9,9 +9,11 @@ import math
 from typing import Any, Mapping
 
 from paratrain.config.errors import ConfigError
+from paratrain.config.layout import apply_layout
 from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import ParallelConfig
 from paratrain.config.plan import batch_layout
+from paratrain.config.run import RunConfig
 from paratrain.config.validate import (check_context_parallel, check_experts, check_grid_rows, check_pipeline,
                                       check_tensor_parallel)
 from paratrain.nn.loss import CHUNK_BYTES
@@ -22,6 +24,10 @@ from paratrain.planner.activations import activation_bytes, grid_cuts, storage_m
 from paratrain.planner.memory import BYTES, model_state_bytes
 from paratrain.planner.timing import step_time
 
+_RUN = RunConfig()
+"""The run a candidate's fields are set on (its settings outside the layout do not matter to the rules)."""
+
+
 def check_layout(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int) -> None:
     """paratrain's own rules for the layout (the messages `paratrain train` gives), or ConfigError."""
     check_fields(model, layout.to_dict(), global_batch=global_batch, seq=seq)
@@ -30,15 +36,8 @@ def check_layout(model: ModelConfig, layout: Layout, *, global_batch: int, seq: 
 def check_fields(model: ModelConfig, fields: Mapping[str, Any], *, global_batch: int, seq: int) -> None:
     """check_layout on a layout's flat fields (Layout.to_dict's), before a Layout is built of them: the rules
     speak first, in `paratrain train`'s order."""
-    parallel = ParallelConfig(dp=fields["dp"], tp=fields["tp"], pp=fields["pp"],
-                              virtual_stages=fields["virtual_stages"], zero=fields["zero"], shard_group=fields["shard_group"], schedule=fields["schedule"],
-                              sequence_parallel=fields["sequence_parallel"],
-                              offload="optimizer" if fields["offload"] else "none",
-                              ep=fields["ep"], cp=fields["cp"], cp_mode=fields["cp_mode"],
-                              ps_mode=fields["ps_mode"], ps_servers=fields["ps_servers"],
-                              staleness=fields["staleness"], expert_tp=fields["expert_tp"],
-                              tp_mode=fields["tp_mode"], tp_depth=fields["tp_depth"],
-                              ).resolved(fields["dp"] * fields["tp"] * fields["pp"] * fields["cp"] + fields["ps_servers"])
+    run = apply_layout(_RUN, fields)  # the run's own settings of this layout (paratrain.config.layout)
+    parallel = run.parallel.resolved(fields["dp"] * fields["tp"] * fields["pp"] * fields["cp"] + fields["ps_servers"])
     if fields["recompute"] not in ("none", "full", "selective"):
         raise ConfigError(f"recompute must be 'none', 'full' or 'selective', got {fields['recompute']!r}")
     check_tensor_parallel(model, parallel, seq)
