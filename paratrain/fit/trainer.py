@@ -44,7 +44,7 @@ from paratrain.hybrid import Engine, parallelize
 from paratrain.hybrid.batches import Batch, batch_rows
 from paratrain.hybrid.parallelize import OptimizerFactory, PipelineLoss
 from paratrain.memory import PRECISIONS
-from paratrain.nn.recipe import Layer, Recipe
+from paratrain.nn.recipe import Layer, Recipe, recipe_for
 from paratrain.topology import Context, init
 from paratrain.train.loop import LoopSettings, TrainLoop
 from paratrain.train.optim import adamw_factory
@@ -168,7 +168,8 @@ class Trainer:
         under pp the loss is pipeline_loss on the last stage and loss_fn is not called. With Trainer(hf=DIR):
         no model (the folder's is trained; loss_fn defaults to its family's, over (input_ids, labels[,
         positions]) items)."""
-        from paratrain.data_parallel import batch_norms, buffer_rules, check_accumulation
+        from paratrain.data_parallel import batch_norms, check_accumulation
+        from paratrain.hybrid.steps import check_whole_model
         from paratrain.launch import launched_by_torchrun
 
         if self.hf and model is not None:
@@ -176,8 +177,10 @@ class Trainer:
                               "a model, or drop hf= to train the model you built")
         if train_data is None or (not self.hf and (model is None or loss_fn is None)):
             raise ConfigError("fit needs train_data, and a model and a loss_fn unless the Trainer has hf=")
-        if model is not None:
-            buffer_rules(model, self.buffers)  # before any process starts
+        if model is not None:  # the layout's rules on the model the caller holds, before any process starts
+            recipe = recipe_for(model, self.recipe, tp_plan=self.tp_plan, layers=self.layers,
+                                pipeline_loss=self.pipeline_loss)
+            check_whole_model(model, recipe, tp=self.parallel.tp, pp=self.parallel.pp, buffers=self.buffers)
         if model is not None and self.batch_norm == "sync" and self.parallel.pp == 1:  # (pp: the engine refuses)
             check_accumulation(batch_norms(model), dp=self.parallel.dp or 1, accumulation=self.batch.accumulation,
                                micro_batch=self.batch.micro_batch)

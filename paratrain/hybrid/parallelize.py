@@ -33,7 +33,7 @@ from paratrain.memory import LOW_DTYPES, LossScaler
 from paratrain.models.init import ParamInit
 from paratrain.nn.moe import MoE
 from paratrain.param_server import ServerClient, connect
-from paratrain.nn.recipe import Layer, PipelineLoss, Recipe, recipe_of, stage_loss
+from paratrain.nn.recipe import Layer, PipelineLoss, Recipe, recipe_for
 from paratrain.sharding import WrapPolicy, ZeroOptions, ZeroSync
 from paratrain.sharding.state import ShardedState
 from paratrain.state_layout import StateLayout
@@ -110,8 +110,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                           on_non_finite=on_non_finite)
     if batch_norm not in BATCH_NORM_MODES:
         raise ValueError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {batch_norm!r}")
-    recipe = (recipe or recipe_of(model)).with_overrides(
-        tp_plan=tp_plan, layers=layers, stage_loss=None if pipeline_loss is None else stage_loss(pipeline_loss))
+    recipe = recipe_for(model, recipe, tp_plan=tp_plan, layers=layers, pipeline_loss=pipeline_loss)
     savers = MemorySavers(recompute="full" if recompute is True else (recompute or "none"), compile=compile,
                           offload_activations="activations" in ctx.config.offloaded)
     meta = is_meta(model)
@@ -119,7 +118,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         raise ValueError("init= is for a model built on the meta device; this model already holds its values")
     whole = whole_shapes(model)
     source = values_source(model, init) if meta else None
-    check_whole_model(model, ctx, recipe, buffers or {})
+    check_whole_model(model, recipe, tp=ctx.config.tp, pp=ctx.config.pp, buffers=buffers or {})
     routed = any(isinstance(m, MoE) for m in model.modules())  # of the whole model, before a pipeline cut
     # 1. Pipeline: this rank keeps the layers of its chunks, under their names in the whole model.
     stage = apply_pipeline(model, ctx, recipe)

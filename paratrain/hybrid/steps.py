@@ -31,6 +31,7 @@ from paratrain.nn.recipe import Recipe
 from paratrain.pipeline.runtime import PipelineExecutor
 from paratrain.pipeline.stages import PipelineLayout, StageModel, chunk_ranges, model_layers
 from paratrain.tensor_parallel import TensorParallelLayout, apply_tensor_parallel, check_ties
+from paratrain.tensor_parallel.plan import resolve_plan
 from paratrain.tensor_parallel.cube import Cube
 from paratrain.tensor_parallel.grid import Grid
 from paratrain.tensor_parallel.grid_plan import GridLayout, apply_grid_tensor_parallel
@@ -50,15 +51,22 @@ class MemorySavers:
     """Each block's saved activations to CPU memory in forward, back in backward."""
 
 
-def check_whole_model(model: nn.Module, ctx: Context, recipe: Recipe, buffers: Mapping[str, str]) -> None:
-    """What must be refused on the whole model, before a pipeline cut hides part of it from this rank."""
-    tp_group = ctx.mesh.groups.get("tp")
-    if tp_group is not None:
+def check_whole_model(model: nn.Module, recipe: Recipe, *, tp: int, pp: int, buffers: Mapping[str, str]) -> None:
+    """What must be refused on the whole model, before a pipeline cut hides part of it from this rank; pure (no
+    process group), so paratrain.Trainer runs it in the launching process before any worker starts: tp without a
+    plan, a plan naming modules the model lacks or styles that do not fit them, ties a pipeline would split
+    unevenly, buffers without a rule."""
+    if tp > 1:
         if recipe.tp_plan is None:
-            raise ValueError(f"tp = {tp_group.size} needs a tensor-parallel plan for a {type(model).__name__}: "
-                             "pass tp_plan={module name: style} (see paratrain.tensor_parallel.STYLES)")
-        if ctx.mesh.groups.get("pp") is not None:  # each stage may hold one end of a tie only
-            check_ties(model, recipe.tp_plan)
+            raise ConfigError(f"tp = {tp} needs a tensor-parallel plan for a {type(model).__name__}: pass "
+                              "tp_plan={module name: style} (see paratrain.tensor_parallel.STYLES) or a recipe, or "
+                              "set tp to 1")
+        try:
+            resolve_plan(model, recipe.tp_plan)
+            if pp > 1:  # each stage may hold one end of a tie only
+                check_ties(model, recipe.tp_plan)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     buffer_rules(model, buffers)  # refused alike on every rank
 
 

@@ -92,3 +92,12 @@ def recipe_of(model: nn.Module) -> Recipe:
     """The model's own recipe (its `recipe()` method), or an empty one."""
     own = getattr(model, "recipe", None)
     return own() if callable(own) else Recipe()
+
+
+def recipe_for(model: nn.Module, recipe: Recipe | None = None, *, tp_plan: Mapping[str, str] | None = None,
+               layers: Callable[[nn.Module], list[Layer]] | None = None,
+               pipeline_loss: PipelineLoss | None = None) -> Recipe:
+    """The recipe a run of `model` uses: `recipe` (else the model's own), with the pieces given one by one
+    replacing its fields (parallelize's and paratrain.Trainer's keywords)."""
+    return (recipe or recipe_of(model)).with_overrides(
+        tp_plan=tp_plan, layers=layers, stage_loss=None if pipeline_loss is None else stage_loss(pipeline_loss))

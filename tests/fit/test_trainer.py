@@ -144,6 +144,28 @@ def test_bad_settings_are_refused_with_the_rule():
         paratrain.Trainer(max_steps=1, global_batch=16).fit(model, lambda m, b: m(b[0]), train)
 
 
+def test_a_layout_the_model_cannot_take_is_refused_before_any_process_starts():
+    """The launching process holds the model: tp without a plan, a plan naming modules it lacks, a tie a pipeline
+    would split across tp alike: a ConfigError there, at once, no worker started (before, two workers died
+    with a ValueError each and the caller got a FileNotFoundError for the result file)."""
+    import time
+
+    from paratrain.models.hf import LLAMA_TP_PLAN
+    from tests.zoo import build as build_zoo
+
+    model, train, _ = fit_script.build()
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match="tp = 2 needs a tensor-parallel plan"):
+        paratrain.Trainer(devices=2, strategy="tp", max_steps=1, global_batch=16).fit(model, fit_script.loss_fn, train)
+    with pytest.raises(ConfigError, match="matches no module of the model"):
+        paratrain.Trainer(devices=2, strategy="tp", tp_plan={"attn.qkv": "column"}, max_steps=1,
+                          global_batch=16).fit(model, fit_script.loss_fn, train)
+    assert time.perf_counter() - start < 2.0  # measured 0.01 s
+    with pytest.raises(ConfigError, match="matches no module of the model"):
+        paratrain.Trainer(devices=2, strategy="tp", tp_plan=LLAMA_TP_PLAN, max_steps=1,
+                          global_batch=16).fit(build_zoo("gpt2"), fit_script.loss_fn, train)
+
+
 @pytest.mark.e2e
 def test_two_nodes_each_launching_its_worker(tmp_path):
     """num_nodes=2 on 127.0.0.1 (MASTER_ADDR, MASTER_PORT, NODE_RANK as Lightning reads them): both
