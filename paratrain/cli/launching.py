@@ -22,6 +22,13 @@ from paratrain.config import (ConfigError, RunConfig, RunPlan, check_run, launch
                               resolve_device, write_run)
 
 
+def checked_run(config: RunConfig, world_size: int) -> RunPlan:
+    """check_run for a run of any model: a Hugging Face folder's shape read from its config.json."""
+    from paratrain.hf.load import run_model_shape  # torch: imported when a run is checked, not for --help
+
+    return check_run(config, world_size, model_shape=run_model_shape)
+
+
 def prepare_launch(config: RunConfig, *, gpus: int) -> RunPlan:
     """Every check the launching process makes before any worker starts: the world size and devices,
     every rule of the run, the data, and (unless switched off) the planner's memory prediction.
@@ -35,11 +42,11 @@ def prepare_launch(config: RunConfig, *, gpus: int) -> RunPlan:
                           "last ranks")
     config.launch.servers = servers if config.launch.node_rank == config.launch.nnodes - 1 else 0
     config.launch.first_server = world_size if servers else 0
-    plan = check_run(config, world_size + servers)
+    plan = checked_run(config, world_size + servers)
     fewer = {}  # a relaunch that goes on with fewer nodes (--min-nodes) must have a valid layout too
     for nodes in range(config.launch.min_nodes or config.launch.nnodes, config.launch.nnodes):
         try:
-            fewer[nodes] = check_run(config, config.launch.nproc * nodes)
+            fewer[nodes] = checked_run(config, config.launch.nproc * nodes)
         except ConfigError as error:
             raise ConfigError(f"with {nodes} of {config.launch.nnodes} nodes (--min-nodes "
                               f"{config.launch.min_nodes}): {error}") from None
@@ -175,7 +182,7 @@ def train_worker(config: RunConfig) -> int:
 
     @record
     def main() -> None:
-        plan = check_run(config, int(os.environ["WORLD_SIZE"]))
+        plan = checked_run(config, int(os.environ["WORLD_SIZE"]))
         train_on_this_rank(plan)
 
     main()

@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from paratrain.config.parallel import ParallelConfig
 from paratrain.config.run import RunConfig
 
 
@@ -74,7 +75,15 @@ LAYOUT_SETTINGS: tuple[LayoutSetting, ...] = (
 )
 """Every setting of a layout, in the order a plan describes them."""
 
-SETTING_OF_PATH = {setting.path: setting for setting in LAYOUT_SETTINGS}
+_PARALLEL = tuple((s.name, s.path.split(".")[1], s.to_config) for s in LAYOUT_SETTINGS if s.path.startswith("parallel."))
+
+
+def parallel_config(fields: Mapping[str, Any]) -> ParallelConfig:
+    """The ParallelConfig of a layout's fields (planner names; the parallel section's settings only, the others
+    at their defaults): what the planner's search checks with the run's own rules, once per candidate."""
+    default = ParallelConfig()
+    return ParallelConfig(**{attribute: to_config(fields[name], getattr(default, attribute))
+                             for name, attribute, to_config in _PARALLEL if name in fields})
 
 
 def apply_layout(config: RunConfig, fields: Mapping[str, Any]) -> RunConfig:

@@ -4,12 +4,30 @@ server (kept apart so that the config's own file stays the layout's fields and t
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from paratrain.config.errors import ConfigError
 
-if TYPE_CHECKING:
-    from paratrain.config.parallel import ParallelConfig
+
+class LayoutFields(Protocol):
+    """What these rules read of a layout (ParallelConfig has it; this file does not import it, which imports
+    this file)."""
+
+    tp: int
+    tp_mode: str
+    tp_depth: int
+    pp: int
+    cp: int
+    ep: int
+    zero: int
+    expert_tp: bool
+    sequence_parallel: bool
+    shard_group: int | None
+    offload: str
+    ps_mode: str
+    ps_servers: int
+    staleness: int
+    ps_sparse: tuple[str, ...]
 
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 """How tensor parallelism splits each layer (ParallelConfig.tp_mode)."""
@@ -19,7 +37,7 @@ PS_MODES: tuple[str, ...] = ("off", "sync", "async")
 asynchronous with bounded staleness (paratrain.param_server)."""
 
 
-def check_tp_mode(config: ParallelConfig) -> None:
+def check_tp_mode(config: LayoutFields) -> None:
     """How tp splits each layer (tp_mode, tp_depth), and what the grid modes compose with."""
     if config.tp_mode not in TP_MODES:
         raise ConfigError(f"tp_mode must be one of {', '.join(TP_MODES)}, got {config.tp_mode!r}")
@@ -50,7 +68,7 @@ def check_tp_mode(config: ParallelConfig) -> None:
                           f"{', '.join(given)}, or use tp_mode 1d")
 
 
-def check_parameter_server(config: ParallelConfig, world_size: int) -> None:
+def check_parameter_server(config: LayoutFields, world_size: int) -> None:
     """The parameter server holds whole slices of flat buckets of every parameter: it replaces data
     parallelism's collectives and ZeRO, and does not compose with what splits parameters otherwise."""
     if config.ps_mode not in PS_MODES:

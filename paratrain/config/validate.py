@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields
+from typing import Callable
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig, preset
@@ -171,7 +172,21 @@ def check_numbers(config: RunConfig) -> None:
                           f"got {config.parallel.microbatches}")
 
 
-def check_run(config: RunConfig, world_size: int) -> RunPlan:
+ModelShape = Callable[[RunConfig, ParallelConfig], ModelConfig]
+"""A run's model as the rules read it (widths, heads, layers, vocabulary), given the run and its resolved layout."""
+
+
+def preset_shape(config: RunConfig, parallel: ParallelConfig) -> ModelConfig:
+    """check_run's default ModelShape: the GPT preset with the run's overrides. A Hugging Face folder's shape is
+    read from its config.json by paratrain.hf.load.run_model_shape (a room above this one), which the CLI passes."""
+    if config.model.hf:
+        raise ConfigError(f"model.hf {config.model.hf!r}: a Hugging Face folder's shape is read by "
+                          "paratrain.hf.load.run_model_shape: call check_run(config, world_size, "
+                          "model_shape=run_model_shape)")
+    return preset(config.model.preset, **config.model.overrides)  # type: ignore[arg-type]
+
+
+def check_run(config: RunConfig, world_size: int, *, model_shape: ModelShape = preset_shape) -> RunPlan:
     """All the rules of a run, in the order a user would want to hear of them."""
     if world_size < 1:
         raise ConfigError(f"the world size must be >= 1, got {world_size}")
@@ -198,12 +213,7 @@ def check_run(config: RunConfig, world_size: int) -> RunPlan:
             "the same on every node"
         )
     parallel = config.parallel.resolved(world_size)
-    if config.model.hf:  # a Hugging Face folder: its family's rules, then the GPT's read of its shape
-        from paratrain.hf.load import stand_in
-
-        model = stand_in(config.model.hf, tp=parallel.tp_split, sequence_parallel=parallel.sequence_parallel)
-    else:
-        model = preset(config.model.preset, **config.model.overrides)  # type: ignore[arg-type]
+    model = model_shape(config, parallel)
     data = config.data
     seq_len = data.seq_len or model.seq_len
     if seq_len > model.seq_len:

@@ -41,6 +41,9 @@ from torch import nn
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
+from paratrain.config.parallel import ParallelConfig
+from paratrain.config.run import RunConfig
+from paratrain.config.validate import preset_shape
 from paratrain.models.init import Given, ParamInit
 from paratrain.nn.recipe import Recipe
 
@@ -194,6 +197,14 @@ def from_pretrained(folder: str | Path, *, dtype: torch.dtype | None = None, pad
         recipe = dataclasses.replace(recipe, stage_loss=stage_loss(functools.partial(llama_pipeline_loss, vocab=vocab)))
     return Pretrained(model, HFCheckpoint(folder, buffers, padded), recipe, config, folder, vocab,
                       functools.partial(llama_loss, vocab=vocab))
+
+
+def run_model_shape(config: RunConfig, parallel: ParallelConfig) -> ModelConfig:
+    """check_run's model_shape for any run: with model.hf the folder's (stand_in, after its family's tensor-parallel
+    rules), else the GPT preset's."""
+    if not config.model.hf:
+        return preset_shape(config, parallel)
+    return stand_in(config.model.hf, tp=parallel.tp_split, sequence_parallel=parallel.sequence_parallel)
 
 
 def stand_in(folder: str | Path, *, tp: int = 1, sequence_parallel: bool = False) -> ModelConfig:

@@ -9,24 +9,19 @@ import math
 from typing import Any, Mapping
 
 from paratrain.config.errors import ConfigError
-from paratrain.config.layout import apply_layout
+from paratrain.config.layout import parallel_config
 from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import ParallelConfig
 from paratrain.config.plan import batch_layout
-from paratrain.config.run import RunConfig
 from paratrain.config.validate import (check_context_parallel, check_experts, check_grid_rows, check_pipeline,
                                       check_tensor_parallel)
 from paratrain.nn.loss import CHUNK_BYTES
-from paratrain.planner import param_server
+import paratrain.planner.param_server as param_server
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
 from paratrain.planner.activations import activation_bytes, grid_cuts, storage_mode
 from paratrain.planner.memory import BYTES, model_state_bytes
 from paratrain.planner.timing import step_time
-
-_RUN = RunConfig()
-"""The run a candidate's fields are set on (its settings outside the layout do not matter to the rules)."""
-
 
 def check_layout(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int) -> None:
     """paratrain's own rules for the layout (the messages `paratrain train` gives), or ConfigError."""
@@ -36,8 +31,8 @@ def check_layout(model: ModelConfig, layout: Layout, *, global_batch: int, seq: 
 def check_fields(model: ModelConfig, fields: Mapping[str, Any], *, global_batch: int, seq: int) -> None:
     """check_layout on a layout's flat fields (Layout.to_dict's), before a Layout is built of them: the rules
     speak first, in `paratrain train`'s order."""
-    run = apply_layout(_RUN, fields)  # the run's own settings of this layout (paratrain.config.layout)
-    parallel = run.parallel.resolved(fields["dp"] * fields["tp"] * fields["pp"] * fields["cp"] + fields["ps_servers"])
+    parallel = parallel_config(fields).resolved(  # the run's own settings of this layout (paratrain.config.layout)
+        fields["dp"] * fields["tp"] * fields["pp"] * fields["cp"] + fields["ps_servers"])
     if fields["recompute"] not in ("none", "full", "selective"):
         raise ConfigError(f"recompute must be 'none', 'full' or 'selective', got {fields['recompute']!r}")
     check_tensor_parallel(model, parallel, seq)
