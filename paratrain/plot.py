@@ -122,7 +122,7 @@ def plot_plan(record: dict[str, Any], out: str | Path, *, global_batch: int, top
     stacked by what holds it against the device's memory; and the best layout's pipeline schedule, each pipeline
     rank's forward / backward of each micro-batch on a time line (the schedule run in simulated time at the
     planner's compute time per micro-batch; the blank between bars is the bubble)."""
-    from paratrain.pipeline.schedules import program
+    from paratrain.pipeline.schedules import Schedule
     from paratrain.pipeline.simulate import simulate
 
     plt = _pyplot()
@@ -151,8 +151,9 @@ def plot_plan(record: dict[str, Any], out: str | Path, *, global_batch: int, top
     pipelined = candidates[0]["compute_s"] - candidates[0].get("terms", {}).get("optimizer step", 0.0)
     forward = pipelined / (3 * microbatches)
     costs = {"F": forward, "B": 2 * forward, "I": forward, "W": forward}
-    simulate([program(best["schedule"], stages, microbatches, r, chunks) for r in range(stages)], stages=stages,
-             microbatches=microbatches, chunks=chunks, costs=costs, events=events)
+    schedule = Schedule(best["schedule"], stages, chunks)
+    simulate([schedule.program(r, microbatches) for r in range(stages)], schedule, microbatches=microbatches,
+             costs=costs, events=events)
     colors = {"F": "tab:blue", "B": "tab:orange", "I": "tab:orange", "W": "tab:green"}
     edges = {"edgecolor": "white", "linewidth": 0.5} if len(events) <= 400 else {"linewidth": 0}
     for rank, kind, chunk, mb, start, end in events:

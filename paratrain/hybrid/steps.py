@@ -29,6 +29,7 @@ from paratrain.memory import LOW_DTYPES, apply_activation_offload, apply_recompu
 from paratrain.models.init import ParamInit
 from paratrain.nn.recipe import Recipe
 from paratrain.pipeline.runtime import PipelineExecutor
+from paratrain.pipeline.schedules import Schedule
 from paratrain.pipeline.stages import PipelineLayout, StageModel, chunk_ranges, model_layers
 from paratrain.tensor_parallel import TensorParallelLayout, apply_tensor_parallel, check_ties
 from paratrain.tensor_parallel.plan import resolve_plan
@@ -78,7 +79,7 @@ def apply_pipeline(model: nn.Module, ctx: Context, recipe: Recipe) -> PipelineLa
     cut = (recipe.layers or model_layers)(model)
     v = ctx.config.virtual_stages
     ranges = chunk_ranges(cut, pp_group.size * v, ctx.config.pp_split or None)
-    stage = StageModel(model, cut, ranges, [pp_group.index + k * pp_group.size for k in range(v)])
+    stage = StageModel(model, cut, ranges, Schedule(ctx.config.schedule, pp_group.size, v), pp_group.index)
     return PipelineLayout(stage, pp_group)
 
 
@@ -182,7 +183,8 @@ def pipeline_executor(layout: PipelineLayout, ctx: Context, recipe: Recipe, *, f
         split = tp_group.size if tp_group is not None and ctx.config.sequence_parallel else 1
         rows, width = ctx.config.tp_row_parts, ctx.config.tp_split if ctx.config.tp_mode != "1d" else 1
         boundary = functools.partial(_boundary, split=split, hidden=hidden // width, rows=rows, dtype=dtype)
-    return PipelineExecutor(layout.stage, layout.group, schedule=ctx.config.schedule, chunks=ctx.config.virtual_stages,
+    schedule = Schedule(ctx.config.schedule, layout.group.size, ctx.config.virtual_stages)
+    return PipelineExecutor(layout.stage, layout.group, schedule=schedule,
                             loss=recipe.stage_loss, device=ctx.device, recomputed=recomputed, boundary_shape=boundary)
 
 

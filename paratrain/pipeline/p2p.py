@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratrain.pipeline.schedules import Action, peer
+from paratrain.pipeline.schedules import Action, Schedule
 from paratrain.topology.mesh import AxisGroup
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64]
@@ -74,11 +74,12 @@ class _Traffic:
 class PeerExchange:
     """One rank's sends and receives over its pipeline group, step after step."""
 
-    def __init__(self, group: AxisGroup, device: torch.device, *, local_chunks: set[int], last_chunk: int,
+    def __init__(self, group: AxisGroup, device: torch.device, schedule: Schedule, *, local_chunks: frozenset[int],
+                 last_chunk: int,
                  boundary_shape: Callable[[torch.Size], tuple[torch.Size, torch.dtype]] | None = None) -> None:
         """boundary_shape: on the meta device (a dry run), the activation every chunk sends for a
         micro-batch of the given input shape; elsewhere a header message tells it (None)."""
-        self.group, self.device = group, device
+        self.group, self.device, self.schedule = group, device, schedule
         self.stages = group.size
         self.local_chunks, self.last_chunk = local_chunks, last_chunk
         self.boundary_shape = boundary_shape
@@ -167,7 +168,7 @@ class PeerExchange:
         for action in actions:
             if not action.kind.startswith("SEND"):
                 continue
-            to = peer(action, self.stages)
+            to = self.schedule.peer(action)
             key = (action.chunk, action.mb)
             if action.kind == "SEND_F":
                 out = tensors.outputs[key]
@@ -201,7 +202,7 @@ class PeerExchange:
         if not headers:
             return
         t0 = time.perf_counter()
-        for work in self._post([(False, b, peer(a, self.stages)) for a, b in headers]):
+        for work in self._post([(False, b, self.schedule.peer(a)) for a, b in headers]):
             work.wait()
         self._events.append(("WAIT_HEADER", headers[0][0].chunk, 0, t0 - self._started,
                              time.perf_counter() - self._started))
@@ -221,7 +222,7 @@ class PeerExchange:
             if known is None:  # later receives wait for the forward that tells their shape
                 break
             buffer = torch.empty(known[0], dtype=known[1], device=self.device)
-            ops.append((False, buffer, peer(action, self.stages)))
+            ops.append((False, buffer, self.schedule.peer(action)))
             buffers.append((action, buffer))
             traffic.next_post += 1
         if ops:

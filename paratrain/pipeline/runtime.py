@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from paratrain.pipeline.p2p import BoundaryTensors, Event, PeerExchange
-from paratrain.pipeline.schedules import Action, program
+from paratrain.pipeline.schedules import Action, Schedule
 from paratrain.pipeline.stages import StageModel
 from paratrain.rng import DropoutStream
 from paratrain.topology.mesh import AxisGroup
@@ -70,24 +70,26 @@ class _Step(BoundaryTensors):
 
 
 class PipelineExecutor:
-    def __init__(self, stage: StageModel, group: AxisGroup, *, schedule: str, chunks: int,
+    def __init__(self, stage: StageModel, group: AxisGroup, *, schedule: Schedule,
                  loss: LossOnOutput, device: torch.device, recomputed: bool = False,
                  boundary_shape: Callable[[torch.Size], tuple[torch.Size, torch.dtype]] | None = None) -> None:
         """recomputed: modules of the stage are recomputed in backward (then zero-bubble's W runs as one
         pass, not module by module: a recomputed block would be recomputed once per module).
         boundary_shape: on the meta device (a dry run), the activation every chunk sends for a
         micro-batch of the given input shape; elsewhere a header message tells it (None)."""
-        self.stage, self.group, self.schedule, self.chunks = stage, group, schedule, chunks
+        if schedule.stages != group.size:
+            raise ValueError(f"a schedule of {schedule.stages} stages on a pipeline group of {group.size} ranks")
+        self.stage, self.group, self.schedule = stage, group, schedule
         self.loss, self.device = loss, device
         self.stages, self.rank = group.size, group.index
-        self.last_chunk = self.stages * chunks - 1
-        self.p2p = PeerExchange(group, device, local_chunks=frozenset(stage.chunks), last_chunk=self.last_chunk,
-                                boundary_shape=boundary_shape)
+        self.last_chunk = self.stages * schedule.chunks - 1
+        self.p2p = PeerExchange(group, device, schedule, local_chunks=frozenset(stage.chunks),
+                                last_chunk=self.last_chunk, boundary_shape=boundary_shape)
         self.times = StepTimes()
         self._programs: dict[int, list[Action]] = {}
         # Zero bubble: W from each parameter-holding module's output gradient (captured during I)
         # runs only the weight-gradient ops; otherwise W walks the whole chunk again.
-        self._weight_modules = _weight_modules(stage) if schedule == "zero-bubble" and not recomputed else []
+        self._weight_modules = _weight_modules(stage) if schedule.splits_backward and not recomputed else []
         self._capture: list[tuple[nn.Module, torch.Tensor]] | None = None
         for module in self._weight_modules:
             module.register_forward_hook(self._record_output)
@@ -98,7 +100,7 @@ class PipelineExecutor:
 
     def program(self, microbatches: int) -> list[Action]:
         if microbatches not in self._programs:
-            self._programs[microbatches] = program(self.schedule, self.stages, microbatches, self.rank, self.chunks)
+            self._programs[microbatches] = self.schedule.program(self.rank, microbatches)
         return self._programs[microbatches]
 
     def forward_program(self, microbatches: int) -> list[Action]:

@@ -25,11 +25,18 @@ Schedules:
   is on the critical path and W fills what 1F1B leaves idle, with 1F1B's in-flight bound (p - r).
   Each rank idles (p - 1)(F + I), 1F1B's (p - 1)(F + I + W) less W: not the paper's ZB-H1 bound
   (p - 1)(F + I - W), which lets later stages hold up to p micro-batches.
+
+`Schedule` is the one object the executor (paratrain.pipeline.runtime), the simulator, the point-to-point
+exchange and the planner read: which rank holds each chunk, each rank's program, whether the backward is split
+into I and W, and the bubble. Nothing outside this file branches on a schedule's name; a new schedule (a
+V-shaped one placing two chunks a rank in a V) is a new entry here, its name and rules in
+paratrain.config.parallel, and its test.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from paratrain.config.parallel import ScheduleError, check_schedule  # the names and rules: config; the programs: here
@@ -45,6 +52,66 @@ class Action(NamedTuple):
 
     def __repr__(self) -> str:
         return f"{self.kind}{self.chunk}.{self.mb}"
+
+
+SPLIT_BACKWARD = frozenset({"zero-bubble"})
+"""The schedules whose backward runs as I (input gradient) and W (weight gradient) apart."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule over `stages` ranks and `chunks` model chunks a rank (stages x chunks in all)."""
+
+    name: str
+    stages: int
+    chunks: int = 1
+
+    def __post_init__(self) -> None:
+        # the rules that do not depend on the micro-batch count (stages micro-batches satisfy those that do)
+        check_schedule(self.name, self.stages, self.stages, self.chunks)
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the backward runs as I and W apart (a W keeps the chunk's weight-gradient inputs)."""
+        return self.name in SPLIT_BACKWARD
+
+    def rank_of(self, chunk: int) -> int:
+        """The pipeline rank holding chunk `chunk` (0 .. stages x chunks - 1): chunk c on rank c % p."""
+        return chunk % self.stages
+
+    def chunks_of(self, rank: int) -> list[int]:
+        """The chunks rank `rank` holds, in model order."""
+        return [c for c in range(self.stages * self.chunks) if self.rank_of(c) == rank]
+
+    def order(self, rank: int, microbatches: int) -> list[Action]:
+        """The compute actions of `rank`, in the order it runs them."""
+        return compute_order(self.name, self.stages, microbatches, rank, self.chunks)
+
+    def program(self, rank: int, microbatches: int) -> list[Action]:
+        """The whole program of `rank`: compute actions and the communication they imply."""
+        return with_communication(self.order(rank, microbatches), self.stages, self.chunks)
+
+    def peer(self, action: Action) -> int:
+        """The pipeline rank a send goes to, or a receive comes from: the rank of the chunk after (forward) or
+        before (backward) the action's."""
+        return self.rank_of(action.chunk + _STEP[action.kind])
+
+    def bubble(self, microbatches: int) -> float:
+        """Idle share of a step (idle over total time per rank) with equal stages: gpipe, 1f1b (p - 1) / (m + p - 1);
+        interleaved (p - 1) / (v m + p - 1) (the bubble is (p - 1) / (v m) of the ideal time); zero-bubble as
+        paratrain schedules it, with F = I = W: each rank idles (p - 1)(F + I) against m (F + I + W) of work,
+        2 (p - 1) / (3 m + 2 (p - 1))."""
+        p, m, v = self.stages, microbatches, self.chunks
+        if m < 1:
+            raise ValueError(f"micro-batches must be >= 1, got {m}")
+        if self.name == "interleaved":
+            return (p - 1) / (v * m + p - 1)
+        if self.splits_backward:
+            return 2.0 * (p - 1) / (3.0 * m + 2.0 * (p - 1))
+        return (p - 1) / (m + p - 1)
+
+
+_STEP = {"SEND_F": 1, "RECV_F": -1, "SEND_B": -1, "RECV_B": 1}
 
 
 def compute_order(name: str, stages: int, microbatches: int, rank: int, chunks: int = 1) -> list[Action]:
@@ -182,13 +249,7 @@ def program(name: str, stages: int, microbatches: int, rank: int, chunks: int = 
 
 
 def peer(action: Action, stages: int) -> int:
-    """The pipeline rank a send goes to, or a receive comes from."""
-    if action.kind == "SEND_F":
-        return (action.chunk + 1) % stages
-    if action.kind == "RECV_F":
-        return (action.chunk - 1) % stages
-    if action.kind == "SEND_B":
-        return (action.chunk - 1) % stages
-    if action.kind == "RECV_B":
-        return (action.chunk + 1) % stages
-    raise ValueError(f"{action!r} is not a communication action")
+    """The pipeline rank a send goes to, or a receive comes from (Schedule.peer of a one-chunk placement)."""
+    if action.kind not in _STEP:
+        raise ValueError(f"{action!r} is not a communication action")
+    return Schedule("1f1b", stages).peer(action)

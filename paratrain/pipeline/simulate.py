@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from paratrain.config.parallel import ScheduleError
-from paratrain.pipeline.schedules import Action, peer
+from paratrain.pipeline.schedules import Action, Schedule
 
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 """Relative times of a whole stage's forward and backward (backward ~ 2 forwards); a chunk of the
@@ -47,9 +47,9 @@ class Simulation:
         return sum((self.makespan - b) / b for b in self.busy) / len(self.busy)
 
 
-def _check_coverage(programs: list[list[Action]], stages: int, chunks: int, microbatches: int) -> None:
+def _check_coverage(programs: list[list[Action]], schedule: Schedule, microbatches: int) -> None:
     for rank, prog in enumerate(programs):
-        mine = [c for c in range(stages * chunks) if c % stages == rank]
+        mine = schedule.chunks_of(rank)
         counts = Counter((a.kind, a.chunk, a.mb) for a in prog if a.kind in ("F", "B", "I", "W"))
         split = any(a.kind in ("I", "W") for a in prog)
         wanted = ("F", "I", "W") if split else ("F", "B")
@@ -67,7 +67,7 @@ def _check_coverage(programs: list[list[Action]], stages: int, chunks: int, micr
             done.add((action.kind, action.chunk, action.mb))
 
 
-def _check_matching(programs: list[list[Action]], stages: int) -> None:
+def _check_matching(programs: list[list[Action]], schedule: Schedule) -> None:
     """Between two ranks, the receiver takes the messages (activations and gradients alike) in the
     order the sender sends them: NCCL matches point-to-point operations between a pair by order."""
     sends: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
@@ -77,9 +77,9 @@ def _check_matching(programs: list[list[Action]], stages: int) -> None:
             if a.kind.startswith("SEND_"):
                 # the receiver of SEND_F(c) waits for RECV_F(c + 1); of SEND_B(c), RECV_B(c - 1)
                 target = a.chunk + 1 if a.kind == "SEND_F" else a.chunk - 1
-                sends.setdefault((rank, peer(a, stages)), []).append((a.kind[-1], target, a.mb))
+                sends.setdefault((rank, schedule.peer(a)), []).append((a.kind[-1], target, a.mb))
             elif a.kind.startswith("RECV_"):
-                receives.setdefault((peer(a, stages), rank), []).append((a.kind[-1], a.chunk, a.mb))
+                receives.setdefault((schedule.peer(a), rank), []).append((a.kind[-1], a.chunk, a.mb))
     for key in sorted(set(sends) | set(receives)):
         sent, got = sends.get(key, []), receives.get(key, [])
         if sent != got:
@@ -89,24 +89,26 @@ def _check_matching(programs: list[list[Action]], stages: int) -> None:
                 f"order {got[:6]}{'...' if len(got) > 6 else ''}: point-to-point messages match in order")
 
 
-def simulate(programs: list[list[Action]], *, stages: int, microbatches: int, chunks: int = 1,
+def simulate(programs: list[list[Action]], schedule: Schedule, *, microbatches: int,
              costs: Mapping[str, float] | Sequence[Mapping[str, float]] = DEFAULT_COSTS,
              durations: Sequence[Mapping[tuple[str, int, int], float]] | None = None,
              latency: float = 0.0, events: list[tuple[int, str, int, int, float, float]] | None = None) -> Simulation:
-    """Check the programs of all ranks (see the module doc) and run them in simulated time.
+    """Check the programs of all ranks (see the module doc) and run them in simulated time. schedule: where the
+    chunks live (which rank holds each, whom each send reaches); the programs are its ranks', in rank order.
     costs: time of each action kind for a whole stage, the same on every rank or one mapping per rank
     (unbalanced stages); a chunk of the interleaved schedule costs 1 / chunks of it.
     durations: instead, each rank's time of each compute action, (kind, chunk, micro-batch) -> time
     (a replay of measured actions, paratrain.pipeline.timeline).
     latency: time a message takes from its send to its receiver (0: free communication).
     events: a list to append every compute action to, as (rank, kind, chunk, micro-batch, start, end)."""
+    stages, chunks = schedule.stages, schedule.chunks
     per_rank = [costs] * stages if isinstance(costs, Mapping) else list(costs)
     if durations is not None and len(durations) != stages:
         raise ScheduleError(f"durations for {len(durations)} ranks, {stages} stages")
     if len(programs) != stages:
         raise ScheduleError(f"{len(programs)} programs for {stages} stages")
-    _check_coverage(programs, stages, chunks, microbatches)
-    _check_matching(programs, stages)
+    _check_coverage(programs, schedule, microbatches)
+    _check_matching(programs, schedule)
     position = [0] * stages
     clock = [0.0] * stages
     busy = [0.0] * stages

@@ -30,10 +30,11 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm.placement import Placements
-from paratrain.nn.documents import refuse_documents
 from paratrain.config.errors import ConfigError
+from paratrain.nn.documents import refuse_documents
 from paratrain.nn.recipe import Layer, Run
 from paratrain.nn.ties import tied_parameters
+from paratrain.pipeline.schedules import Schedule
 from paratrain.state_layout import ModelState, OptimizerState
 from paratrain.topology.mesh import AxisGroup, Mesh
 
@@ -108,9 +109,15 @@ def chunk_ranges(layers: Sequence[Layer], parts: int, split: Sequence[int] | Non
 class StageModel(nn.Module):
     """The layers of one pipeline rank's chunks, registered under their names in the whole model."""
 
-    def __init__(self, model: nn.Module, layers: list[Layer], ranges: list[tuple[int, int]],
-                 chunks: list[int]) -> None:
+    def __init__(self, model: nn.Module, layers: list[Layer], ranges: list[tuple[int, int]], schedule: Schedule,
+                 rank: int) -> None:
+        """ranges: each of the schedule's stages x chunks chunks' [start, end) layers; this pipeline rank keeps
+        the chunks the schedule places on it."""
         super().__init__()
+        if len(ranges) != schedule.stages * schedule.chunks:
+            raise ValueError(f"{len(ranges)} layer ranges for a schedule of {schedule.stages} x {schedule.chunks} "
+                             "chunks")
+        chunks = schedule.chunks_of(rank)
         self.layers = layers
         self.ranges = {c: ranges[c] for c in chunks}
         """Chunk index -> [start, end) layers, for this rank's chunks."""
@@ -129,9 +136,8 @@ class StageModel(nn.Module):
         """Name of a tied copy on this rank -> the name the checkpoint keeps it under."""
         self.tied_name: str | None = None
         """This rank's end of a weight tied across stages: its gradient is summed with the other end's."""
-        pp = len(ranges) // len(chunks)
         own = {name for name, _ in self.named_parameters(remove_duplicate=False)}
-        for names in _ties_across_ranks(model, layers, ranges, pp):
+        for names in _ties_across_ranks(model, layers, ranges, schedule):
             here = [name for name in names if name in own]
             if not here:
                 continue
@@ -166,15 +172,15 @@ class StageModel(nn.Module):
 
 
 def _ties_across_ranks(model: nn.Module, layers: list[Layer], ranges: list[tuple[int, int]],
-                       pp: int) -> list[tuple[str, ...]]:
-    """The tied weights of `model` whose ends lie on different pipeline ranks (chunk c on rank c % pp);
+                       schedule: Schedule) -> list[tuple[str, ...]]:
+    """The tied weights of `model` whose ends lie on different pipeline ranks (the schedule's placement);
     refused unless their ranks are the first and the last, which the mesh's "tied" group joins."""
     rank_of: dict[str, int] = {}
     for chunk, (start, end) in enumerate(ranges):
         for layer in layers[start:end]:
             for module_name in layer.modules:
-                rank_of[module_name] = chunk % pp
-    across = []
+                rank_of[module_name] = schedule.rank_of(chunk)
+    pp, across = schedule.stages, []
     for names in tied_parameters(model):
         ranks = {rank for name in names for module_name, rank in rank_of.items()
                  if name.startswith(module_name + ".")}

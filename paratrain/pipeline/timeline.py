@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from paratrain.pipeline.runtime import StepTimes
-from paratrain.pipeline.schedules import program
+from paratrain.pipeline.schedules import Schedule
 from paratrain.pipeline.simulate import Simulation, simulate
 
 
@@ -29,9 +29,9 @@ def replay(times: Sequence[StepTimes], schedule: str, *, microbatches: int, chun
     stages = len(times)
     durations = [{(k, c, mb): end - start for k, c, mb, start, end in t.events if not k.startswith("WAIT")}
                  for t in times]
-    programs = [program(schedule, stages, microbatches, r, chunks) for r in range(stages)]
-    return simulate(programs, stages=stages, microbatches=microbatches, chunks=chunks, durations=durations,
-                    latency=latency)
+    plan = Schedule(schedule, stages, chunks)
+    programs = [plan.program(r, microbatches) for r in range(stages)]
+    return simulate(programs, plan, microbatches=microbatches, durations=durations, latency=latency)
 
 
 def chrome_trace(times: Sequence[StepTimes]) -> dict:

@@ -34,7 +34,7 @@ import functools
 from dataclasses import replace
 
 from paratrain.config.model import ModelConfig
-from paratrain.pipeline.schedules import Action, compute_order
+from paratrain.pipeline.schedules import Action, Schedule
 from paratrain.planner.layout import Layout, chunk_layers
 from paratrain.planner.moe_activations import moe_activation_bytes
 
@@ -232,7 +232,7 @@ def activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str,
     own program walked action by action (F saves a chunk's activations, B or W releases them)."""
     sizes = chunk_activation_bytes(model, layout, seq=seq, mode=mode, pp_split=pp_split)
     ranges = chunk_layers(model, layout.dims, pp_split)
-    mine = [c for c in range(len(ranges)) if c % layout.pp == stage]
+    mine = layout.chunks_of(stage)
     has_block = any(max(ranges[c][0], 1) < min(ranges[c][1], model.n_layer + 1) for c in mine)
     rope = (rope_bytes(model, seq=seq, mode=mode, recompute=layout.recompute, cp=layout.cp)
             + positions_bytes(layout, seq=seq)) if has_block else 0.0
@@ -240,18 +240,18 @@ def activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str,
         return sizes[0] + rope
     casts = _chunk_casts(model, layout, mode, pp_split)
     per_micro_batch = tuple(size - cast for size, cast in zip(sizes, casts))
-    return _peak_in_flight(layout.schedule, layout.pp, microbatches, stage, layout.virtual_stages, per_micro_batch,
-                           casts) + rope
+    assert layout.pipeline is not None
+    return _peak_in_flight(layout.pipeline, microbatches, stage, per_micro_batch, casts) + rope
 
 
 @functools.lru_cache(maxsize=8192)
-def _peak_in_flight(schedule: str, pp: int, microbatches: int, stage: int, chunks: int,
-                    sizes: tuple[float, ...], casts: tuple[float, ...] = ()) -> float:
+def _peak_in_flight(schedule: Schedule, microbatches: int, stage: int, sizes: tuple[float, ...],
+                    casts: tuple[float, ...] = ()) -> float:
     """The most bytes a stage's schedule keeps saved at once: F saves a chunk's, B or W releases them; a chunk's
     weight casts (one copy for the step) from its first F to the release of its last micro-batch."""
     live = peak = 0.0
     holding: set[int] = set()  # the chunks whose weight casts are held
-    for action in _compute_program(schedule, pp, microbatches, stage, chunks):
+    for action in _compute_program(schedule, microbatches, stage):
         if action.kind == "F":
             live += sizes[action.chunk]
             if casts and action.chunk not in holding:
@@ -282,5 +282,5 @@ def _chunk_casts(model: ModelConfig, layout: Layout, mode: str, pp_split: tuple[
 
 
 @functools.lru_cache(maxsize=1024)
-def _compute_program(schedule: str, pp: int, microbatches: int, stage: int, chunks: int) -> tuple[Action, ...]:
-    return tuple(compute_order(schedule, pp, microbatches, stage, chunks))
+def _compute_program(schedule: Schedule, microbatches: int, stage: int) -> tuple[Action, ...]:
+    return tuple(schedule.order(stage, microbatches))

@@ -127,7 +127,8 @@ def data_parallel_volume(model: ModelConfig, layout: Layout, *, stage: int, micr
     def add(axis: str, op: str, n: int) -> None:
         volume.setdefault(axis, {})[op] = volume.get(axis, {}).get(op, 0) + n
 
-    params = rank_params(model, layout.dims, stage, settings.pp_split, expert_tp=layout.expert_tp)
+    params = rank_params(model, layout.dims, stage, settings.pp_split, expert_tp=layout.expert_tp,
+                         pipeline=layout.pipeline)
     if layout.zero == 0:
         add(data, "all_reduce", 2 * 4 * sum(p.numel for p in params))
         return volume
@@ -169,7 +170,7 @@ def tensor_parallel_calls(model: ModelConfig, layout: Layout, *, stage: int, pre
     tokens = layout.micro_batch * model.seq_len // layout.cp
     again = blocks if layout.recompute == "full" else 0
     # zero-bubble's W: the backward's traffic once more (stage 0's I does nothing, its W is the backward)
-    repeat = layout.schedule == "zero-bubble" and stage > 0
+    repeat = layout.pipeline is not None and layout.pipeline.splits_backward and stage > 0
     calls: list[Call] = []
     if layout.sequence_parallel:
         w_gather, w_scatter = (4 * blocks + last + 2 * again, 2 * blocks + last + again) if repeat else (0, 0)
@@ -190,7 +191,8 @@ def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str
     calls: list[Call] = []
     _, first, last = _held(model, layout, stage, pp_split)
     if model.tie_embeddings and layout.pp > 1 and (first or last):
-        params = [p for p in rank_params(model, layout.dims, stage, pp_split, expert_tp=layout.expert_tp) if p.tied]
+        params = [p for p in rank_params(model, layout.dims, stage, pp_split, expert_tp=layout.expert_tp,
+                                         pipeline=layout.pipeline) if p.tied]
         if layout.zero:
             (group,) = [g for g in flat_groups(params, zero=layout.zero, shards=layout.shards,
                                                bucket_bytes=int(bucket_mb * 2**20))]
@@ -223,7 +225,7 @@ def pipeline_sends(model: ModelConfig, layout: Layout, *, stage: int, micro_batc
     if layout.pp == 1:
         return 0
     chunks = layout.pp * layout.virtual_stages
-    mine = [c for c in range(chunks) if c % layout.pp == stage]
+    mine = layout.chunks_of(stage)
     messages = sum((c < chunks - 1) + (c > 0) for c in mine) * micro_batches
     split = (layout.tp if layout.sequence_parallel else 1) * layout.cp
     rows, width = (1, 1) if layout.tp_mode == "1d" else grid_cuts(layout)[:2]  # a grid's block of the activation
@@ -256,7 +258,7 @@ def data_axis(layout: Layout) -> str:
 def _held(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...]) -> tuple[int, bool, bool]:
     """(blocks, holds the embedding, holds the final norm and head) on pipeline rank `stage`."""
     ranges = chunk_layers(model, layout.dims, pp_split)
-    mine = [c for c in range(len(ranges)) if c % layout.pp == stage]
+    mine = layout.chunks_of(stage)
     layers = {i for c in mine for i in range(*ranges[c])}
     return len(layers & set(range(1, model.n_layer + 1))), 0 in layers, model.n_layer + 1 in layers
 

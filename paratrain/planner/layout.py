@@ -16,6 +16,7 @@ import torch
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
+from paratrain.pipeline.schedules import Schedule
 from paratrain.pipeline.stages import balanced_split
 from paratrain.topology.dims import ParallelDims
 
@@ -78,6 +79,15 @@ class Layout:
     @property
     def dp(self) -> int:
         return self.dims.dp
+
+    @property
+    def pipeline(self) -> Schedule | None:
+        """The pipeline schedule (paratrain.pipeline.schedules.Schedule: placement, programs, bubble); None at pp 1."""
+        return Schedule(self.schedule, self.pp, self.virtual_stages) if self.pp > 1 else None
+
+    def chunks_of(self, stage: int) -> tuple[int, ...]:
+        """The pipeline chunks rank `stage` holds (the schedule's placement)."""
+        return stage_chunks(self.dims, stage, self.pipeline)
 
     @property
     def tp(self) -> int:
@@ -196,21 +206,33 @@ def _chunk_layers(model: ModelConfig, parts: int, pp_split: tuple[int, ...]) -> 
     return tuple(zip(starts, [*starts[1:], model.n_layer + 2]))
 
 
+def stage_chunks(dims: ParallelDims, stage: int, pipeline: Schedule | None) -> tuple[int, ...]:
+    """The chunks pipeline rank `stage` holds: the schedule's placement (None: no pipeline, the one chunk)."""
+    if pipeline is None:
+        if dims.pp * dims.virtual_stages != 1:
+            raise ValueError(f"pp {dims.pp} x {dims.virtual_stages} chunks: give the pipeline schedule (Layout.pipeline)")
+        return (0,)
+    if (pipeline.stages, pipeline.chunks) != (dims.pp, dims.virtual_stages):
+        raise ValueError(f"a schedule of {pipeline.stages} x {pipeline.chunks} chunks for pp {dims.pp} x "
+                         f"{dims.virtual_stages}")
+    return tuple(pipeline.chunks_of(stage))
+
+
 def rank_params(model: ModelConfig, dims: ParallelDims, stage: int, pp_split: tuple[int, ...] = (), *,
-                expert_tp: bool = False) -> list[RankParam]:
+                expert_tp: bool = False, pipeline: Schedule | None = None) -> list[RankParam]:
     """The parameters pipeline rank `stage` holds, in the engine's order (the model's registration
     order), with tensor parallelism's slices (GPT_PLAN: qkv, up and head split by rows, out and down
     by columns, the embedding by vocabulary rows; norms and MoE layers replicated, the experts cut along
     their width with expert_tp) and expert parallelism's (each rank E / ep experts of every MoE layer)."""
     if dims.tp_mode != "1d":
-        return list(_grid_params(model, dims.tp_mode, dims.grid_side, dims.pp, dims.virtual_stages, stage,
-                                 tuple(pp_split)))
-    return list(_rank_params(model, dims.tp, dims.pp, dims.virtual_stages, stage, tuple(pp_split), dims.ep,
-                             expert_tp and dims.tp > 1))
+        return list(_grid_params(model, dims.tp_mode, dims.grid_side, dims.pp * dims.virtual_stages,
+                                 stage_chunks(dims, stage, pipeline), tuple(pp_split)))
+    return list(_rank_params(model, dims.tp, dims.pp * dims.virtual_stages, stage_chunks(dims, stage, pipeline),
+                             tuple(pp_split), dims.ep, expert_tp and dims.tp > 1))
 
 
 @functools.lru_cache(maxsize=4096)
-def _grid_params(model: ModelConfig, mode: str, q: int, pp: int, v_stages: int, stage: int,
+def _grid_params(model: ModelConfig, mode: str, q: int, parts: int, mine: tuple[int, ...],
                  pp_split: tuple[int, ...]) -> tuple[RankParam, ...]:
     """rank_params under a grid mode (paratrain.tensor_parallel.grid_plan): every matrix W[out, in] a block of
     [out / q, in / q] (2d, 2.5d: the same blocks on every grid of the stack) or [out / q^2, in / q] (3d), the
@@ -224,8 +246,7 @@ def _grid_params(model: ModelConfig, mode: str, q: int, pp: int, v_stages: int, 
     def vector(name: str) -> RankParam:
         return RankParam(name, (d // q,), False, grid_vector=True)
 
-    ranges = _chunk_layers(model, pp * v_stages, pp_split)
-    mine = [c for c in range(len(ranges)) if c % pp == stage]
+    ranges = _chunk_layers(model, parts, pp_split)
     layers = {i for c in mine for i in range(*ranges[c])}
     first, last = 0 in mine, len(ranges) - 1 in mine
     params: list[RankParam] = []
@@ -247,11 +268,10 @@ def _grid_params(model: ModelConfig, mode: str, q: int, pp: int, v_stages: int, 
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_params(model: ModelConfig, t: int, pp: int, v_stages: int, stage: int,
+def _rank_params(model: ModelConfig, t: int, parts: int, mine: tuple[int, ...],
                  pp_split: tuple[int, ...], ep: int = 1, expert_tp: bool = False) -> tuple[RankParam, ...]:
     d, f, v = model.d_model, model.ff_dim, model.padded_vocab
-    ranges = _chunk_layers(model, pp * v_stages, pp_split)
-    mine = [c for c in range(len(ranges)) if c % pp == stage]
+    ranges = _chunk_layers(model, parts, pp_split)
     layers = {i for c in mine for i in range(*ranges[c])}
     first, last = 0 in mine, len(ranges) - 1 in mine
     split = t > 1

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paratrain.pipeline.schedules import Schedule
 from paratrain.comm.buckets import plan_buckets
 from paratrain.config.model import ModelConfig
 from paratrain.planner.layout import Layout, RankParam, meta_tensors, rank_params
@@ -92,7 +93,7 @@ def _sharded_totals(model: ModelConfig, layout: Layout, stage: int, pp_split: tu
                     bucket_bytes: int) -> tuple[int, int, int]:
     """(padded elements, shard elements, flat groups) of a stage's ZeRO flat groups (`layout`: its dims and
     ZeRO stage, what they depend on)."""
-    params = rank_params(model, layout.dims, stage, pp_split, expert_tp=layout.expert_tp)
+    params = rank_params(model, layout.dims, stage, pp_split, expert_tp=layout.expert_tp, pipeline=layout.pipeline)
     groups = flat_groups(params, zero=layout.zero, shards=layout.shards, bucket_bytes=bucket_bytes,
                          expert_shards=layout.expert_shards)
     return sum(g.padded for g in groups), sum(g.shard_numel for g in groups), len(groups)
@@ -100,9 +101,9 @@ def _sharded_totals(model: ModelConfig, layout: Layout, stage: int, pp_split: tu
 
 @functools.lru_cache(maxsize=8192)
 def _plain_totals(model: ModelConfig, dims: ParallelDims, stage: int, pp_split: tuple[int, ...],
-                  expert_tp: bool = False) -> tuple[int, int]:
+                  expert_tp: bool = False, pipeline: Schedule | None = None) -> tuple[int, int]:
     """(elements, tensors) a stage holds."""
-    params = rank_params(model, dims, stage, pp_split, expert_tp=expert_tp)
+    params = rank_params(model, dims, stage, pp_split, expert_tp=expert_tp, pipeline=pipeline)
     return sum(p.numel for p in params), len(params)
 
 
@@ -124,12 +125,13 @@ def model_state_bytes(model: ModelConfig, layout: Layout, *, precision: str = "f
     under zero 0 they are autocast over fp32 storage. grad_reduce: ZeRO's reduction primitive
     ("all_reduce": gloo's choice; "reduce_scatter": NCCL's)."""
     if layout.zero == 0:
-        numel, tensors = _plain_totals(model, layout.dims, stage, tuple(pp_split), layout.expert_tp)
+        numel, tensors = _plain_totals(model, layout.dims, stage, tuple(pp_split), layout.expert_tp, layout.pipeline)
         return with_totals({"params": 4 * numel, "grads": 4 * numel,
                             "optimizer": 2 * MASTER_BYTES * numel + STEP_BYTES * tensors},
                            kept_grads=4 * numel if keep_grads else 0)
     elsize = BYTES[precision]
-    padded, shard, groups = _sharded_totals(model, Layout(dims=layout.dims, zero=layout.zero, expert_tp=layout.expert_tp),
+    padded, shard, groups = _sharded_totals(model, Layout(dims=layout.dims, zero=layout.zero, expert_tp=layout.expert_tp,
+                                                          schedule=layout.schedule),
                                             stage, tuple(pp_split),
                                             int(bucket_mb * 2**20))
     param_bytes = elsize * (shard if layout.zero == 3 else padded)

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 from paratrain.config.model import ModelConfig
 from paratrain.planner.hardware import Hardware
-from paratrain.planner.layout import Layout, chunk_layers
+from paratrain.pipeline.schedules import Schedule
+from paratrain.planner.layout import Layout, chunk_layers, stage_chunks
 from paratrain.topology.dims import ParallelDims
 
 
@@ -238,7 +239,8 @@ def rank_work(model: ModelConfig, layout: Layout, hw: Hardware, *, micro_batches
     moe_block = block_work(model, hw, **common, mlp=False) + moe_layer if model.n_experts else Work()
     head = head_work(model, hw, tokens=tokens, cut=cut, act=act, kernels=kernels)
     best = Work()
-    for blocks, moe_blocks, has_head in _rank_shapes(model, layout.pp, layout.virtual_stages):
+    for blocks, moe_blocks, has_head in _rank_shapes(model, layout.dims.pp, layout.dims.virtual_stages,
+                                                     layout.pipeline):
         mine = block * (blocks - moe_blocks) + moe_block * moe_blocks + (head if has_head else Work())
         if mine.total > best.total:
             best = mine
@@ -246,13 +248,14 @@ def rank_work(model: ModelConfig, layout: Layout, hw: Hardware, *, micro_batches
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_shapes(model: ModelConfig, pp: int, v: int) -> frozenset[tuple[int, int, bool]]:
+def _rank_shapes(model: ModelConfig, pp: int, v: int, pipeline: Schedule | None) -> frozenset[tuple[int, int, bool]]:
     """The distinct (blocks, of them MoE blocks, holds the head) of the pipeline ranks, as the engine cuts the
     layers (layer i of the cut is block i - 1: the embedding is layer 0)."""
-    ranges = chunk_layers(model, ParallelDims(pp=pp, virtual_stages=v))
+    dims = ParallelDims(pp=pp, virtual_stages=v)
+    ranges = chunk_layers(model, dims)
     shapes = set()
     for rank in range(pp):
-        chunks = [ranges[c] for c in range(len(ranges)) if c % pp == rank]
+        chunks = [ranges[c] for c in stage_chunks(dims, rank, pipeline)]
         layers = [i for lo, hi in chunks for i in range(max(lo, 1), min(hi, model.n_layer + 1))]
         shapes.add((len(layers), sum(model.is_moe(i - 1) for i in layers),
                     any(hi == model.n_layer + 2 for _, hi in chunks)))

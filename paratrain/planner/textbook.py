@@ -10,6 +10,9 @@ and phases).
 
 from __future__ import annotations
 
+from paratrain.config.parallel import ScheduleError
+from paratrain.pipeline.schedules import Schedule
+
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -57,20 +60,15 @@ def korthikanti_activation_bytes(*, seq: int, micro_batch: int, hidden: int, hea
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
-    """Idle share of a pipeline step (idle time over total time per rank) with equal stages.
-
-    gpipe, 1f1b: (p - 1) / (m + p - 1); interleaved over v chunks: (p - 1) / (v m + p - 1) (the
-    bubble is (p - 1) / (v m) of the ideal time); zero-bubble as paratrain schedules it, with F = I =
-    W: each rank idles (p - 1)(F + I) against m (F + I + W) of work: 2 (p - 1) / (3 m + 2 (p - 1))."""
+    """Idle share of a pipeline step (idle time over total time per rank) with equal stages: the schedule's own
+    formula (paratrain.pipeline.schedules.Schedule.bubble; gpipe, 1f1b (p - 1) / (m + p - 1), interleaved
+    (p - 1) / (v m + p - 1))."""
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"p, m and v must be >= 1, got p={p}, m={m}, v={v}")
-    if schedule in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
-    if schedule == "interleaved":
-        return (p - 1) / (v * m + p - 1)
-    if schedule == "zero-bubble":
-        return 2.0 * (p - 1) / (3.0 * m + 2.0 * (p - 1))
-    raise ValueError(f"unknown schedule {schedule!r}: choose gpipe, 1f1b, interleaved or zero-bubble")
+    try:
+        return Schedule(schedule, p, v).bubble(m)
+    except ScheduleError as error:
+        raise ValueError(str(error)) from None
 
 
 def training_days(tokens: float, params: float, gpus: int, flops_per_gpu: float) -> float:

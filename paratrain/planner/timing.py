@@ -16,7 +16,7 @@ section 4), each term named so that a measurement can be set against it.
                the critical path, so added to each micro-batch's time. The grid modes (2d,
                2.5d, 3d): every collective paratrain.planner.grid lists for the blocks (and the head without pp),
                each over the links its sub-axis spans
-    bubble     the schedule's idle share (paratrain.planner.textbook.bubble_fraction), stretching
+    bubble     the schedule's idle share (paratrain.pipeline.schedules.Schedule.bubble), stretching
                the pipelined time
     pp         an activation forward and a gradient backward per micro-batch and stage boundary; the
                steady state hides them, the fill and drain do not: 2 (p - 1) transfers exposed
@@ -53,12 +53,12 @@ from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
 from paratrain.planner.grid import grid_time
 from paratrain.planner.hardware import Hardware
-from paratrain.planner.layout import Layout, chunk_layers, layer_costs, rank_params
+from paratrain.pipeline.schedules import Schedule
+from paratrain.planner.layout import Layout, chunk_layers, layer_costs, rank_params, stage_chunks
 from paratrain.planner.memory import BYTES
 from paratrain.planner.moe_ops import moe_layer_work
 from paratrain.planner.ops import KERNELS, Work, rank_work
 from paratrain.planner.param_server import exchange_time
-from paratrain.planner.textbook import bubble_fraction
 from paratrain.topology.dims import ParallelDims
 
 @dataclass(frozen=True)
@@ -91,13 +91,13 @@ def _bandwidth(hw: Hardware, span: int) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def _stages(model: ModelConfig, pp: int, v: int) -> tuple[float, int]:
+def _stages(model: ModelConfig, pp: int, v: int, pipeline: Schedule | None) -> tuple[float, int]:
     """The busiest pipeline rank's share of the model's work (layers are split by these costs), and the
     most blocks a rank holds."""
     dims = ParallelDims(pp=pp, virtual_stages=v)
     costs = layer_costs(model)
     ranges = chunk_layers(model, dims)
-    mine = [[c for c in range(len(ranges)) if c % pp == r] for r in range(pp)]
+    mine = [stage_chunks(dims, r, pipeline) for r in range(pp)]
     share = max(sum(sum(costs[slice(*ranges[c])]) for c in chunks) for chunks in mine) / sum(costs)
     blocks = max(sum(len(range(max(ranges[c][0], 1), min(ranges[c][1], model.n_layer + 1))) for c in chunks)
                  for chunks in mine)
@@ -116,10 +116,10 @@ class _Held:
 
 
 @functools.lru_cache(maxsize=4096)
-def _held(model: ModelConfig, dims: ParallelDims, expert_tp: bool) -> _Held:
+def _held(model: ModelConfig, dims: ParallelDims, expert_tp: bool, pipeline: Schedule | None) -> _Held:
     held = []
     for stage in {0, dims.pp - 1}:
-        params = rank_params(model, dims, stage, expert_tp=expert_tp)
+        params = rank_params(model, dims, stage, expert_tp=expert_tp, pipeline=pipeline)
         held.append(_Held(sum(p.numel for p in params), sum(p.numel for p in params if not p.unit),
                           sum(p.numel for p in params if p.expert)))
     return max(held, key=lambda h: h.total)
@@ -128,7 +128,7 @@ def _held(model: ModelConfig, dims: ParallelDims, expert_tp: bool) -> _Held:
 def _rank_held(model: ModelConfig, layout: Layout) -> _Held:
     # what does not slice parameters (dp beyond ep, cp, the servers) set to 1
     sliced = replace(layout.dims, dp_replicate=layout.ep, dp_shard=1, cp=1, servers=0)
-    return _held(model, sliced, layout.expert_tp)
+    return _held(model, sliced, layout.expert_tp, layout.pipeline)
 
 
 def _stepped(model: ModelConfig, layout: Layout) -> float:
@@ -214,7 +214,7 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     hardware_flops = model_flops * (4.0 / 3.0 if layout.recompute == "full" else 1.0)
     if layout.recompute == "selective":  # the attention core's forward again: a third of its 12 L d s
         hardware_flops += 4.0 * model.n_layer * model.d_model * seq * tokens
-    share, blocks_here = _stages(model, pp, v)
+    share, blocks_here = _stages(model, pp, v, layout.pipeline)
     rate = hw.peak_flops * hw.efficiency
     # MoE layers replicated over tp run whole on every tp rank (ep divides the rows, not the work); expert tensor
     # parallelism (each rank 1/tp of every expert) or sequence parallelism (each rank routes its chunk) divide them
@@ -274,7 +274,7 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
         # under sequence parallelism the rows all-gathered and the outputs reduce-scattered, and back in backward
         ops, factor = (4, 1) if layout.sequence_parallel else (2, 2)
         ep_time += m * moe_here * ops * _bus_time(rows_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=factor)
-    bubble = bubble_fraction(layout.schedule if pp > 1 else "1f1b", pp, m, v) if pp > 1 else 0.0
+    bubble = layout.pipeline.bubble(m) if layout.pipeline is not None else 0.0
     pipelined = (compute + tp_time + ep_time + cp_time) / (1.0 - bubble)
     # pipeline: the fill and drain expose 2 (p - 1) transfers of an activation (or its gradient)
     pp_time = 2 * (pp - 1) * (hw.latency_s + tp_bytes / tp / _bandwidth(hw, layout.world_size)) if pp > 1 else 0.0

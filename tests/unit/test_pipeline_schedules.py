@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from paratrain.config.parallel import ScheduleError, check_schedule
-from paratrain.pipeline.schedules import Action, program
+from paratrain.pipeline.schedules import Action, Schedule, program
 from paratrain.pipeline.simulate import simulate
 
 CASES = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 16)]
 
 
 def _run(name: str, p: int, m: int, v: int = 1):
-    return simulate([program(name, p, m, r, v) for r in range(p)], stages=p, microbatches=m, chunks=v)
+    return simulate([program(name, p, m, r, v) for r in range(p)], Schedule(name, p, v), microbatches=m)
 
 
 @pytest.mark.parametrize("p,m", CASES)
@@ -53,7 +53,8 @@ def test_zero_bubble_idles_f_plus_i_per_stage_boundary(p, m, f, i, w):
     """With 1F1B's per-stage memory bound, each rank idles (p - 1)(F + I): 1F1B's (p - 1)(F + I + W)
     less the weight gradients moved into it (the order is built with equal costs and holds for others)."""
     costs = {"F": f, "I": i, "W": w, "B": i + w}
-    sim = simulate([program("zero-bubble", p, m, r) for r in range(p)], stages=p, microbatches=m, costs=costs)
+    sim = simulate([program("zero-bubble", p, m, r) for r in range(p)], Schedule("zero-bubble", p), microbatches=m,
+                   costs=costs)
     assert sim.makespan == pytest.approx(m * (f + i + w) + (p - 1) * (f + i), abs=1e-9)
 
 
@@ -62,15 +63,15 @@ def test_replay_with_measured_durations_and_latency():
     p, m = 2, 4
     programs = [program("1f1b", p, m, r) for r in range(p)]
     uniform = [{(k, c, mb): cost for k, cost in (("F", 1.0), ("B", 2.0)) for c in range(p) for mb in range(m)}] * p
-    base = simulate(programs, stages=p, microbatches=m, durations=uniform)
-    assert base.makespan == simulate(programs, stages=p, microbatches=m).makespan == 15.0
+    base = simulate(programs, Schedule("1f1b", p), microbatches=m, durations=uniform)
+    assert base.makespan == simulate(programs, Schedule("1f1b", p), microbatches=m).makespan == 15.0
     slow = [dict(uniform[0]), uniform[1]]
     slow[0][("B", 0, 3)] = 5.0  # the last backward of stage 0 is on the critical path
-    assert simulate(programs, stages=p, microbatches=m, durations=slow).makespan == 18.0
+    assert simulate(programs, Schedule("1f1b", p), microbatches=m, durations=slow).makespan == 18.0
     # 1F1B at p = 2 has no slack: worked by hand, its critical path crosses the stage boundary m times
-    assert simulate(programs, stages=p, microbatches=m, latency=0.1).makespan == pytest.approx(15.0 + 0.1 * m)
+    assert simulate(programs, Schedule("1f1b", p), microbatches=m, latency=0.1).makespan == pytest.approx(15.0 + 0.1 * m)
     with pytest.raises(ScheduleError, match="durations for 1 ranks, 2 stages"):
-        simulate(programs, stages=p, microbatches=m, durations=uniform[:1])
+        simulate(programs, Schedule("1f1b", p), microbatches=m, durations=uniform[:1])
 
 
 def test_invalid_schedules_are_refused_with_the_reason():
@@ -89,15 +90,15 @@ def test_simulator_finds_deadlocks_and_misordered_messages():
     a = [Action("RECV_B", 0, 0), Action("F", 0, 0), Action("SEND_F", 0, 0), Action("B", 0, 0)]
     b = [Action("RECV_F", 1, 0), Action("F", 1, 0), Action("B", 1, 0), Action("SEND_B", 1, 0)]
     with pytest.raises(ScheduleError, match="deadlock"):
-        simulate([a, b], stages=2, microbatches=1)
+        simulate([a, b], Schedule("1f1b", 2), microbatches=1)
     # activations of micro-batches 0 and 1 sent in one order and received in the other
     good = program("gpipe", 2, 2, 1)
     swapped = [good[2], good[3], good[0], good[1], *good[4:]]  # RECV_F1.1, F1.1 first
     with pytest.raises(ScheduleError, match="match in order"):
-        simulate([program("gpipe", 2, 2, 0), swapped], stages=2, microbatches=2)
+        simulate([program("gpipe", 2, 2, 0), swapped], Schedule("gpipe", 2), microbatches=2)
     # a backward before its forward
     with pytest.raises(ScheduleError, match="comes before F0.0"):
-        simulate([[Action("B", 0, 0), Action("F", 0, 0)]], stages=1, microbatches=1)
+        simulate([[Action("B", 0, 0), Action("F", 0, 0)]], Schedule("1f1b", 1), microbatches=1)
 
 
 def test_timeline_measures_replays_and_traces_a_step():

@@ -245,7 +245,7 @@ def test_plan_plot_draws_memory_and_the_best_layouts_schedule(tmp_path, capsys):
     of every stage once, none overlapping another of its stage, each stage busy for its share of the step."""
     pytest.importorskip("matplotlib")
     from paratrain.cli import main
-    from paratrain.pipeline.schedules import program
+    from paratrain.pipeline.schedules import Schedule, program
     from paratrain.pipeline.simulate import simulate
 
     out = tmp_path / "plan.png"
@@ -255,7 +255,7 @@ def test_plan_plot_draws_memory_and_the_best_layouts_schedule(tmp_path, capsys):
     assert f"drew {out}" in capsys.readouterr().out
     events: list = []
     programs = [program("1f1b", 4, 8, r) for r in range(4)]
-    simulate(programs, stages=4, microbatches=8, events=events)
+    simulate(programs, Schedule("1f1b", 4), microbatches=8, events=events)
     assert len(events) == sum(a.kind in ("F", "B") for p in programs for a in p) == 4 * 8 * 2
     for stage in range(4):
         spans = sorted((start, end) for rank, _, _, _, start, end in events if rank == stage)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.pipeline.schedules import program
+from paratrain.pipeline.schedules import Schedule, program
 from paratrain.pipeline.simulate import simulate
 from paratrain.planner.textbook import (
     bubble_fraction,
@@ -49,7 +49,7 @@ def test_korthikanti_table_2():
 def test_bubble_fraction_equals_the_simulator(p, m, v):
     def simulated(name: str, chunks: int = 1) -> float:
         costs = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
-        return simulate([program(name, p, m, r, chunks) for r in range(p)], stages=p, microbatches=m, chunks=chunks,
+        return simulate([program(name, p, m, r, chunks) for r in range(p)], Schedule(name, p, chunks), microbatches=m,
                         costs=costs).bubble_fraction
 
     if v == 1:

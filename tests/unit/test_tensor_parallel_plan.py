@@ -130,16 +130,17 @@ def test_a_tie_split_by_pipeline_stages_is_checked_on_the_whole_model():
 
 def test_a_tie_between_middle_pipeline_stages_is_refused():
     from paratrain.config import ConfigError
+    from paratrain.pipeline.schedules import Schedule
     from paratrain.pipeline.stages import StageModel, chunk_ranges, sequential_layers
 
     model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(4)))
     model[2].weight = model[1].weight
     layers = sequential_layers(model)
     with pytest.raises(ConfigError, match=r"1.weight and 2.weight are one tied parameter.*ranks \[1, 2\] of 4"):
-        StageModel(model, layers, chunk_ranges(layers, 4), [0])
+        StageModel(model, layers, chunk_ranges(layers, 4), Schedule("1f1b", 4), 0)
     end = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
     end[2].weight = end[0].weight  # first and last stage: kept by a copy on the last
     layers = sequential_layers(end)
-    last = StageModel(end, layers, chunk_ranges(layers, 2, [2]), [1])
+    last = StageModel(end, layers, chunk_ranges(layers, 2, [2]), Schedule("1f1b", 2), 1)
     assert last.tied == {"2.weight": "0.weight"} and last.tied_name == "2.weight"
     assert torch.equal(last.get_parameter("2.weight"), end[0].weight)
