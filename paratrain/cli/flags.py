@@ -78,6 +78,10 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
                                    "Megatron's train/val .bin + .idx), or a folder with train.bin/val.bin (uint16)"),
     "--val-fraction": ("data.val_fraction", float, "share of a text source held out for validation (default 0.1; "
                        "documents: every 1/f-th, as `paratrain tokenize` splits)"),
+    "--split": ("data.split", str, "a Megatron prefix's train,validation,test shares, split by sequence as "
+                "megatron-core splits (default 969,30,1)"),
+    "--data-schedule": ("data.schedule", str, "--data-path's weights by step: 'STEP:W1,W2,...;STEP:...' from step 0, "
+                        "e.g. '0:0.7,0.3;8000:0.4,0.6' (an anneal changes nothing before its step)"),
     "--data-cache": ("data.cache", str, "where text tokenized for --hf is kept (default: ~/.cache/paratrain/tokens)"),
     "--documents": ("data.documents", str, "document masking of packed windows: on (needs a tokenized folder's "
                     "document index), off, or auto (default: on for --hf when the data has an index, in every layout)"),
@@ -138,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="auto: the planner picks the layout (every axis and saver of paratrain.config.layout) "
                             "for the processes at hand and prints why; layout settings given are kept (on a CPU "
                             "without a profile it measures this machine once first)")
+    train.add_argument("--data-path", nargs="+", default=None, metavar="W SOURCE",
+                       help="a weighted mixture, Megatron's spelling: --data-path 0.3 A 0.7 B (weights normalised; "
+                            "each source a Megatron prefix split by --split, or a token folder); docs/data.md")
     train.add_argument("--no-memory-check", dest="memory_check", action="store_false", default=None,
                        help="launch even when the planner predicts the layout will not fit in memory")
     train.add_argument("--keep-params", dest="reshard_after_forward", action="store_false", default=None,
@@ -199,7 +206,7 @@ OTHER_ARGS = {"seed": "seed", "recompute": "train.recompute", "compile": "train.
                "check_collectives": "train.check_collectives", "sequence_parallel": "parallel.sequence_parallel",
                "progress": "train.progress", "reshard_after_forward": "parallel.reshard_after_forward",
                "memory_check": "launch.memory_check", "keep_grads": "parallel.keep_grads",
-               "expert_tp": "parallel.expert_tp",
+               "expert_tp": "parallel.expert_tp", "data_path": "data.path",
                "plan": "launch.plan"}
 
 

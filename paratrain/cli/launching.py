@@ -50,14 +50,18 @@ def prepare_launch(config: RunConfig, *, gpus: int) -> RunPlan:
         except ConfigError as error:
             raise ConfigError(f"with {nodes} of {config.launch.nnodes} nodes (--min-nodes "
                               f"{config.launch.min_nodes}): {error}") from None
-    from paratrain.data import load_source
+    from paratrain.data import open_data
     from paratrain.train import check_data
 
+    data = config.data
     try:
-        source = load_source(config.data.source, val_fraction=config.data.val_fraction)
+        opened = open_data(data.source, path=data.path, schedule=data.schedule, val_fraction=data.val_fraction,
+                           split=data.split)
+    except ConfigError:
+        raise
     except (FileNotFoundError, ValueError) as error:
-        raise ConfigError(f"data.source {config.data.source!r}: {error}") from None
-    check_data(plan, source)
+        raise ConfigError(f"data {' '.join(data.path) if data.path else repr(data.source)}: {error}") from None
+    check_data(plan, opened)
     if config.train.tensorboard:
         import importlib.util
 

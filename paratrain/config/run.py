@@ -29,6 +29,13 @@ class DataSection:
     read as UTF-8 bytes by the GPT, and tokenized by the model's own tokenizer with --hf (paratrain.data.text)."""
     cache: str = ""
     """Where text tokenized for --hf is kept ('': $XDG_CACHE_HOME/paratrain/tokens, or ~/.cache/...)."""
+    split: str = ""
+    """A Megatron prefix's train, validation and test shares ('': Megatron's 969,30,1; paratrain.data.corpora)."""
+    path: tuple[str, ...] = ()
+    """A weighted mixture, Megatron's spelling: weight, source, weight, source, ... (paratrain.data.mixture); each
+    source any `source` above but text. Replaces `source` when given."""
+    schedule: str = ""
+    """The mixture's weights by step, 'STEP:W1,W2,...;STEP:...' from step 0 ('': path's weights throughout)."""
     seq_len: int = 0
     """Tokens per sample; 0 means the model's seq_len."""
     global_batch: int = 32

@@ -91,11 +91,18 @@ class GlobalOrder:
         """Back to the first batch of epoch 0 (validation reads the same batches every time)."""
         self.state = LoaderState()
 
+    def log_fields(self) -> dict[str, Any]:
+        """What a step's log record says of the data (nothing for one source)."""
+        return {}
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.state.epoch, "cursor": self.state.cursor, "global_batch": self.global_batch,
                 "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        if "draws" in state:
+            raise ValueError("the checkpoint's loader mixed several sources (--data-path), and this run reads one: "
+                             "resume with the mixture it was trained on")
         for key in ("global_batch", "seed"):
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(

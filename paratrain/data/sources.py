@@ -5,7 +5,10 @@ Four kinds, one shape: a flat array of token ids for training and another for va
 - a text file: its UTF-8 bytes (vocab 256), the tail held out for validation;
 - a folder with train.bin / train.idx and val.bin / val.idx: Megatron's indexed layout, as `paratrain
   tokenize` writes it (paratrain.data.indexed; its tokens.json names the tokenizer), memory-mapped;
-- a folder with train.bin and val.bin alone: uint16 token ids, memory-mapped (nanoGPT's layout).
+- a folder with train.bin and val.bin alone: uint16 token ids, memory-mapped (nanoGPT's layout);
+- a Megatron prefix (PREFIX.bin + PREFIX.idx), split into train / validation at run time as megatron-core splits
+  it (paratrain.data.corpora).
+A run reads one source, or a weighted mixture of several (open_data; paratrain.data.mixture).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from paratrain.data.mixture import WeightSchedule
 
 BYTE_VOCAB = 256
 
@@ -68,8 +73,14 @@ def _split(data: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarra
     return data[:cut], data[cut:]
 
 
-def load_source(source: str, *, val_fraction: float = 0.1) -> TokenSource:
-    """Open a source by its config string: 'builtin', a .txt path, or a folder of .bin files."""
+def load_source(source: str, *, val_fraction: float = 0.1, split: str = "") -> TokenSource:
+    """Open a source by its config string: 'builtin', a .txt path, a folder of .bin files, or a Megatron prefix
+    (split by `split`, Megatron's default when '')."""
+    from paratrain.data.corpora import is_prefix
+
+    if split and (source == "builtin" or Path(source).is_dir() or not is_prefix(source)):
+        raise FileNotFoundError(f"--split {split} splits a Megatron prefix (PREFIX.bin + PREFIX.idx) at run time, "
+                                f"and {source!r} is not one: drop --split (a folder holds its own train and val)")
     if source == "builtin":
         data = np.frombuffer(builtin_text().encode("utf-8"), dtype=np.uint8)
         train, val = _split(data, val_fraction)
@@ -85,6 +96,8 @@ def load_source(source: str, *, val_fraction: float = 0.1) -> TokenSource:
         val = np.memmap(path / "val.bin", dtype=np.uint16, mode="r")
         vocab = int(max(train.max(initial=0), val.max(initial=0))) + 1
         return TokenSource(str(path), train, val, vocab)
+    if is_prefix(source):
+        return _prefix_source(source, split)
     if path.is_file():
         data = np.fromfile(path, dtype=np.uint8)
         train, val = _split(data, val_fraction)
@@ -108,6 +121,53 @@ def _indexed_source(path: Path) -> TokenSource:
     vocab = tokenizer["vocab_size"] if tokenizer else int(max(train.tokens.max(initial=0), val.tokens.max(initial=0))) + 1
     return TokenSource(str(path), train.tokens, val.tokens, vocab, tokenizer, train.document_starts,
                        val.document_starts)
+
+
+def _prefix_source(source: str, split: str) -> TokenSource:
+    """A Megatron prefix, split as megatron-core splits it (paratrain.data.corpora)."""
+    from paratrain.data.corpora import DEFAULT_SPLIT, prefix_parts
+
+    parts = prefix_parts(source, split or DEFAULT_SPLIT)
+    (train, train_starts), (val, val_starts) = parts["train"], parts["val"]
+    vocab = int(max(train.max(initial=0), val.max(initial=0))) + 1
+    name = source[:-4] if source.endswith((".bin", ".idx")) else source
+    return TokenSource(name, train, val, vocab, None, train_starts, val_starts)
+
+
+@dataclass(frozen=True)
+class RunData:
+    """What a run reads: one source, or a weighted mixture of several (weights: their schedule by step)."""
+
+    sources: tuple[TokenSource, ...]
+    weights: WeightSchedule | None = None
+
+    @property
+    def first(self) -> TokenSource:
+        """The source whose tokenizer decodes samples (a mixture's sources share one: check_data)."""
+        return self.sources[0]
+
+
+def open_data(source: str, *, path: tuple[str, ...] = (), schedule: str = "", val_fraction: float = 0.1,
+              split: str = "") -> RunData:
+    """The run's data: `path` (weight, source, ... : a mixture, Megatron's --data-path) when given, else `source`."""
+    if not path:
+        if schedule:
+            raise FileNotFoundError(f"--data-schedule {schedule!r} changes a mixture's weights, and there is no "
+                                    "mixture: give --data-path W1 SOURCE1 W2 SOURCE2 ...")
+        return RunData((load_source(source, val_fraction=val_fraction, split=split),))
+    if len(path) % 2:
+        raise FileNotFoundError(f"--data-path takes weight, source pairs (Megatron's spelling: 0.3 A 0.7 B), got "
+                                f"{len(path)} items: {list(path)}")
+    try:
+        weights = [float(w) for w in path[0::2]]
+    except ValueError:
+        raise FileNotFoundError(f"--data-path takes weight, source pairs (0.3 A 0.7 B): {list(path[0::2])} are not all "
+                                "numbers") from None
+    names = [str(p) for p in path[1::2]]
+    sources = tuple(load_source(name, val_fraction=val_fraction, split=split) for name in names)
+    plan = (WeightSchedule.parse(schedule, len(sources)) if schedule
+            else WeightSchedule.of([(0, weights)], len(sources)))
+    return RunData(sources, plan)
 
 
 def write_token_file(path: str | Path, tokens: np.ndarray) -> None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from paratrain.config import ConfigError, RunPlan, to_dict
-from paratrain.data import GlobalBatchLoader, TokenSource, load_source
+from paratrain.data import GlobalBatchLoader, MixtureLoader, RunData, Source, TokenSource, WeightSchedule, open_data
 from paratrain.hybrid import Engine, parallelize
 from paratrain.models import build_gpt, lm_loss
 from paratrain.topology import Context
@@ -31,9 +32,32 @@ class TrainResult:
     sample: str = ""
 
 
-def check_data(plan: RunPlan, source: TokenSource) -> None:
-    """Rules that need the data: vocabulary fits the model (and, for --hf, the token files were written by the
-    model's own tokenizer when both say which); enough samples for a batch."""
+def check_data(plan: RunPlan, data: RunData) -> None:
+    """Rules that need the data, for each source: vocabulary fits the model (and, for --hf, the token files were
+    written by the model's own tokenizer when both say which); a mixture's sources written by one tokenizer; enough
+    samples for a batch (a mixture's sources together)."""
+    for source in data.sources:
+        check_source(plan, source)
+    recorded = {s.tokenizer["sha256"] for s in data.sources if s.tokenizer is not None}
+    if len(recorded) > 1:
+        names = ", ".join(s.name for s in data.sources)
+        raise ConfigError(f"the mixture's sources were not all written by one tokenizer ({names}: {len(recorded)} "
+                          "tokenizers recorded): tokenize them with the same one")
+    for split in ("train", "val"):
+        sizes = [(len(getattr(s, split)) - 1) // plan.seq_len for s in data.sources]
+        if sum(sizes) < plan.batch.global_batch:
+            raise ConfigError(
+                f"the {split} split of {' + '.join(s.name for s in data.sources)} holds {sum(sizes)} samples of "
+                f"{plan.seq_len + 1} tokens, fewer than one global batch ({plan.batch.global_batch}): lower "
+                "global_batch or seq_len")
+        empty = [s.name for s, n in zip(data.sources, sizes) if n < 1]
+        if empty:
+            raise ConfigError(f"the {split} split of {empty} holds no sample of {plan.seq_len + 1} tokens: drop them "
+                              "from the mixture or lower seq_len")
+
+
+def check_source(plan: RunPlan, source: TokenSource) -> None:
+    """check_data's rules for one source."""
     hf = plan.config.model.hf
     if hf:
         check_hf_tokens(source, hf)
@@ -48,13 +72,6 @@ def check_data(plan: RunPlan, source: TokenSource) -> None:
     if documents == "on" and source.train_documents is None:
         raise ConfigError(f"document masking (--documents on) needs a document index, and {source.name!r} has none: "
                           "tokenize the corpus with `paratrain tokenize` (or use Megatron's .bin/.idx), or --documents off")
-    for split, tokens in (("train", source.train), ("val", source.val)):
-        samples = (len(tokens) - 1) // plan.seq_len
-        if samples < plan.batch.global_batch:
-            raise ConfigError(
-                f"the {split} split of {source.name!r} holds {samples} samples of {plan.seq_len + 1} tokens, "
-                f"fewer than one global batch ({plan.batch.global_batch}): lower global_batch or seq_len"
-            )
 
 
 def check_hf_tokens(source: TokenSource, hf: str) -> None:
@@ -74,17 +91,39 @@ def check_hf_tokens(source: TokenSource, hf: str) -> None:
         check_tokenizer(source.name, hf)
         return
     vocab = load_tokenizer(hf)[0].get_vocab_size(with_added_tokens=True)
+    if np.issubdtype(source.train.dtype, np.integer) and np.iinfo(source.train.dtype).max < vocab - 1:
+        raise ConfigError(f"the token files in {source.name!r} hold {source.train.dtype} ids, which cannot hold "
+                          f"{hf}'s vocabulary ({vocab} entries): they were made with another tokenizer; tokenize the "
+                          f"corpus again with `paratrain tokenize --tokenizer {hf}` (int32 ids past 65,535 entries)")
     if source.vocab_size > vocab:
         raise ConfigError(f"the token files in {source.name!r} hold ids up to {source.vocab_size - 1}, which "
                           f"{hf}'s tokenizer ({vocab} entries) never writes: they were made with another tokenizer; "
                           f"tokenize the corpus with `paratrain tokenize --tokenizer {hf}`")
 
 
-def uses_documents(plan: RunPlan, source: TokenSource) -> bool:
+def uses_documents(plan: RunPlan, data: RunData) -> bool:
     """Whether the run masks documents (DataSection.documents; check_data refused what cannot be). 'auto' reads the
     model and the data, never the layout: the same command trains alike on one process and on many."""
-    documents, indexed = plan.config.data.documents, source.train_documents is not None
+    documents = plan.config.data.documents
+    indexed = all(source.train_documents is not None for source in data.sources)
     return documents == "on" or (documents == "auto" and indexed and bool(plan.config.model.hf))
+
+
+def loaders(data: RunData, documents: bool, *, seq_len: int, global_batch: int, dp: int, dp_index: int,
+            seed: int) -> tuple[GlobalBatchLoader | MixtureLoader, GlobalBatchLoader | MixtureLoader]:
+    """The train and validation loaders of the run's data: one source's windows, or a mixture's (paratrain.data.
+    mixture; validation mixes the sources' validation parts by the weights of step 0)."""
+    args = dict(seq_len=seq_len, global_batch=global_batch, dp=dp, dp_index=dp_index, seed=seed)
+    if data.weights is None:
+        source = data.first
+        return (GlobalBatchLoader(source.train, **args, document_starts=source.train_documents if documents else None),
+                GlobalBatchLoader(source.val, shuffle=False, **args,
+                                  document_starts=source.val_documents if documents else None))
+    parts = {split: [Source(s.name, getattr(s, split), getattr(s, f"{split}_documents") if documents else None)
+                     for s in data.sources] for split in ("train", "val")}
+    first = WeightSchedule.of([(0, data.weights.at(0))], len(data.sources))
+    return (MixtureLoader(parts["train"], data.weights, **args),
+            MixtureLoader(parts["val"], first, shuffle=False, **args))
 
 
 class Trainer:
@@ -98,8 +137,10 @@ class Trainer:
         under train.save that verifies)."""
         config, train = plan.config, plan.config.train
         self.log = get_logger(ctx.rank)
-        self.source = load_source(config.data.source, val_fraction=config.data.val_fraction)
-        check_data(plan, self.source)
+        data = open_data(config.data.source, path=config.data.path, schedule=config.data.schedule,
+                         val_fraction=config.data.val_fraction, split=config.data.split)
+        check_data(plan, data)
+        self.source = data.first  # decodes samples (a mixture's sources share one tokenizer)
         # Built on the meta device: parallelize allocates and fills only this rank's pieces (keyed init, or
         # with --hf the rows of the folder's safetensors files its pieces need).
         loss_fn, source, recipe = lm_loss, None, None
@@ -124,11 +165,7 @@ class Trainer:
         dp, dp_index = ctx.mesh.degree("dp"), ctx.mesh.index("dp")
         loader_args = dict(seq_len=plan.seq_len, global_batch=plan.batch.global_batch, dp=dp,
                            dp_index=dp_index, seed=config.seed)
-        documents = uses_documents(plan, self.source)
-        self.train_loader = GlobalBatchLoader(self.source.train, **loader_args,  # type: ignore[arg-type]
-                                              document_starts=self.source.train_documents if documents else None)
-        self.val_loader = GlobalBatchLoader(self.source.val, shuffle=False, **loader_args,  # type: ignore[arg-type]
-                                            document_starts=self.source.val_documents if documents else None)
+        self.train_loader, self.val_loader = loaders(data, uses_documents(plan, data), **loader_args)
         settings = LoopSettings(
             steps=train.steps, lr=config.optim.lr, warmup_steps=config.optim.warmup_steps,
             min_lr_ratio=config.optim.min_lr_ratio, log_every=train.log_every, eval_every=train.eval_every,
