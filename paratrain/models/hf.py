@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from paratrain.config.errors import ConfigError
-from paratrain.models.hf_context import DOCUMENTS_KEY, PositionsOf, llama_split_sequence
+from paratrain.models.hf_context import DOCUMENTS_KEY, SHARD_KEY, PositionsOf, llama_split_sequence
 from paratrain.nn.loss import VocabOutput
 from paratrain.nn.recipe import Layer, Recipe, Run, stage_loss
 
@@ -191,10 +191,12 @@ def _decoder_runner(name: str, config: Any, index: int) -> Run:
 
     def run(stage: nn.Module, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         rotary, extra = stage.get_submodule("model.rotary_emb"), {}
+        if isinstance(rotary, PositionsOf):  # cp: attention is handed this rank's split
+            extra[SHARD_KEY] = rotary.shard
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # [1, S]: 0 .. S-1 (cp: mapped)
         elif isinstance(rotary, PositionsOf):  # cp: documents' positions are each token's own, not to be mapped
-            rotary, extra = rotary.at, {DOCUMENTS_KEY: positions}
+            rotary, extra[DOCUMENTS_KEY] = rotary.at, positions
         mask = _causal_mask(config, x, positions, layer_type)  # None under sdpa without documents (causal itself)
         cos_sin = rotary(x, positions, layer_type) if per_type else rotary(x, position_ids=positions)  # 2 x [1, S, hd]
         out = stage.get_submodule(name)(x, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin,

@@ -8,7 +8,6 @@ document when the batch packs documents.
 
 from __future__ import annotations
 
-import functools
 import re
 from typing import Any
 
@@ -18,6 +17,14 @@ from torch import nn
 from paratrain.config.errors import ConfigError
 from paratrain.nn.sequence import SequenceSplit
 from paratrain.nn.wrap import Wrapper
+
+ATTENTION = "paratrain_context_parallel"
+"""The attention implementation (transformers' AttentionInterface) of every HF model under context parallelism:
+registered once, with no state; the shard reaches it as a keyword (SHARD_KEY), so no registration keeps a shard, or
+its process group, alive after its engine."""
+
+SHARD_KEY = "paratrain_sequence_split"
+"""The keyword that carries this rank's SequenceSplit to the attention through transformers' decoder layers."""
 
 DOCUMENTS_KEY = "paratrain_documents"
 """The keyword that carries packed documents' positions ([B, n], this rank's tokens') from paratrain's callers
@@ -39,9 +46,9 @@ def llama_split_sequence(model: nn.Module, shard: SequenceSplit) -> None:
         position ids (packed documents: each token's position in its document) runs at those and passes them on
         to attention; on a pipeline stage, model.rotary_emb is wrapped (PositionsOf) to map the runner's local
         positions 0 .. n-1 to the whole sequence's (paratrain.models.hf's runner passes documents' as they are);
-      - attention goes through HF's own extension point (transformers' AttentionInterface): a function
-        registered for this shard calls shard.attend (ring or Ulysses, GQA included) with the layer's
-        scaling and the documents' positions if any, and the config's attention implementation names it. No
+      - attention goes through HF's own extension point (transformers' AttentionInterface): one function,
+        registered once (ATTENTION), calls the shard it is handed (SHARD_KEY, by the wrappers above) with the
+        layer's scaling and the documents' positions if any, and the config's attention implementation names it. No
         attention mask is built for it (HF builds none for a registered function without a mask function):
         causality is by position, documents by their positions.
     Refused, naming the setting: attention dropout (HF draws it from torch's generator, which no rank can
@@ -55,9 +62,8 @@ def llama_split_sequence(model: nn.Module, shard: SequenceSplit) -> None:
             raise ConfigError(f"context parallelism with attention_dropout ({config.attention_dropout}): HF draws it "
                               "from torch's generator, which no rank can draw for another rank's tokens; set "
                               "attention_dropout=0.0 or cp to 1")
-        name = f"paratrain_context_parallel_{id(shard):x}"
-        AttentionInterface.register(name, functools.partial(_attend_through, shard))
-        config._attn_implementation = name  # the config's setter; every layer reads it when it runs
+        AttentionInterface.register(ATTENTION, _attend_through)  # the same stateless function each time
+        config._attn_implementation = ATTENTION  # the config's setter; every layer reads it when it runs
     base = getattr(model, "model", None)
     if isinstance(base, PreTrainedModel):  # a whole causal LM: its base model takes the positions
         model.register_module("model", WholePositions(base, shard))
@@ -80,6 +86,7 @@ class WholePositions(Wrapper):
 
     def forward(self, input_ids: torch.Tensor | None = None, *args: Any, position_ids: torch.Tensor | None = None,
                 **kwargs: Any) -> Any:
+        kwargs[SHARD_KEY] = self.shard
         if position_ids is None:
             tokens = input_ids if input_ids is not None else kwargs["inputs_embeds"]
             position_ids = self.shard.positions(tokens.shape[1], tokens.device).unsqueeze(0)  # [1, n]
@@ -105,11 +112,16 @@ class PositionsOf(Wrapper):
         return self.wrapped.forward(x, position_ids, *rest)
 
 
-def _attend_through(shard: SequenceSplit, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+def _attend_through(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
                     sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """HF's attention-function signature: query [B, H, n, hd], key, value [B, KV, n, hd] (this rank's
     tokens) -> ([B, n, H, hd], no weights)."""
+    shard = kwargs.get(SHARD_KEY)
+    if shard is None:
+        raise ConfigError("an HF model under context parallelism ran without its sequence split: run it whole "
+                          "(model(input_ids=...), as paratrain.models.hf.llama_loss does) or through the recipe's "
+                          "pipeline layers, which hand the split to attention")
     whole = query.shape[2] * shard.parts
     if kwargs.get("softcap"):
         raise ConfigError(f"context parallelism with attention soft-capping ({kwargs['softcap']}, Gemma 2 / 3): the "
