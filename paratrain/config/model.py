@@ -6,6 +6,7 @@ which is why it lives in config/ rather than next to the module.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields, replace
 
@@ -76,8 +77,9 @@ class ModelConfig:
         """Whether block `block` (0-based) has a MoE layer instead of its MLP."""
         return self.n_experts > 0 and (block + 1) % self.moe_every == 0
 
-    @property
+    @functools.cached_property
     def moe_layers(self) -> int:
+        """Blocks with a MoE layer (counted once: the planner's search reads it for every candidate)."""
         return sum(self.is_moe(i) for i in range(self.n_layer))
 
     @property

@@ -33,6 +33,8 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
+import numpy as np
+
 from paratrain.config.model import ModelConfig
 from paratrain.pipeline.schedules import Action, Schedule
 from paratrain.planner.layout import Layout, chunk_layers
@@ -244,25 +246,36 @@ def activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str,
     return _peak_in_flight(layout.pipeline, microbatches, stage, per_micro_batch, casts) + rope
 
 
-@functools.lru_cache(maxsize=8192)
 def _peak_in_flight(schedule: Schedule, microbatches: int, stage: int, sizes: tuple[float, ...],
                     casts: tuple[float, ...] = ()) -> float:
     """The most bytes a stage's schedule keeps saved at once: F saves a chunk's, B or W releases them; a chunk's
     weight casts (one copy for the step) from its first F to the release of its last micro-batch."""
-    live = peak = 0.0
-    holding: set[int] = set()  # the chunks whose weight casts are held
+    saved, held = _in_flight_counts(schedule, microbatches, stage)  # [forwards, chunks] each
+    live = saved @ np.asarray(sizes, dtype=np.float64)
+    if casts:
+        live = live + held @ np.asarray(casts, dtype=np.float64)
+    return float(live.max(initial=0.0))
+
+
+@functools.lru_cache(maxsize=1024)
+def _in_flight_counts(schedule: Schedule, microbatches: int, stage: int) -> tuple[np.ndarray, np.ndarray]:
+    """After each forward of the stage's program (where the peaks are): how many micro-batches of each chunk hold
+    saved activations, and whether each chunk's weight casts are held ([forwards, chunks], float64)."""
+    chunks = schedule.stages * schedule.chunks
+    saved_now, held_now = np.zeros(chunks), np.zeros(chunks)
+    saved, held = [], []
     for action in _compute_program(schedule, microbatches, stage):
         if action.kind == "F":
-            live += sizes[action.chunk]
-            if casts and action.chunk not in holding:
-                live += casts[action.chunk]
-                holding.add(action.chunk)
-            peak = max(peak, live)
+            saved_now[action.chunk] += 1
+            held_now[action.chunk] = 1.0
+            saved.append(saved_now.copy())
+            held.append(held_now.copy())
         elif action.kind in ("B", "W"):
-            live -= sizes[action.chunk]
-            if casts and action.mb == microbatches - 1:  # its last micro-batch released: no forward reuses them
-                live -= casts[action.chunk]
-    return peak
+            saved_now[action.chunk] -= 1
+            if action.mb == microbatches - 1:  # its last micro-batch released: no forward reuses the casts
+                held_now[action.chunk] = 0.0
+    empty = np.zeros((0, chunks))
+    return (np.array(saved) if saved else empty), (np.array(held) if held else empty)
 
 
 @functools.lru_cache(maxsize=8192)

@@ -80,7 +80,7 @@ class Layout:
     def dp(self) -> int:
         return self.dims.dp
 
-    @property
+    @functools.cached_property
     def pipeline(self) -> Schedule | None:
         """The pipeline schedule (paratrain.pipeline.schedules.Schedule: placement, programs, bubble); None at pp 1."""
         return Schedule(self.schedule, self.pp, self.virtual_stages) if self.pp > 1 else None

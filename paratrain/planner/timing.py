@@ -51,9 +51,9 @@ from dataclasses import dataclass, field, replace
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
+from paratrain.pipeline.schedules import Schedule
 from paratrain.planner.grid import grid_time
 from paratrain.planner.hardware import Hardware
-from paratrain.pipeline.schedules import Schedule
 from paratrain.planner.layout import Layout, chunk_layers, layer_costs, rank_params, stage_chunks
 from paratrain.planner.memory import BYTES
 from paratrain.planner.moe_ops import moe_layer_work
@@ -126,9 +126,14 @@ def _held(model: ModelConfig, dims: ParallelDims, expert_tp: bool, pipeline: Sch
 
 
 def _rank_held(model: ModelConfig, layout: Layout) -> _Held:
+    return _sliced_held(model, layout.dims, layout.expert_tp, layout.pipeline)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sliced_held(model: ModelConfig, dims: ParallelDims, expert_tp: bool, pipeline: Schedule | None) -> _Held:
     # what does not slice parameters (dp beyond ep, cp, the servers) set to 1
-    sliced = replace(layout.dims, dp_replicate=layout.ep, dp_shard=1, cp=1, servers=0)
-    return _held(model, sliced, layout.expert_tp, layout.pipeline)
+    sliced = replace(dims, dp_replicate=dims.ep, dp_shard=1, cp=1, servers=0)
+    return _held(model, sliced, expert_tp, pipeline)
 
 
 def _stepped(model: ModelConfig, layout: Layout) -> float:
