@@ -62,12 +62,22 @@ def test_a_corpus_megatron_core_wrote_is_read_by_part(tmp_path):
 
 
 def test_bad_corpora_and_splits_are_refused_by_name(tmp_path):
+    from paratrain.data import load_source, open_data
     from paratrain.data.indexed import IndexedWriter
 
     writer = IndexedWriter(tmp_path / "c", np.dtype(np.uint16))
     for d in range(10):
         writer.add(np.arange(d, d + 5))
     writer.close()
+    source = load_source(str(tmp_path / "c"), split="80,20,0")  # `--data PREFIX --split 80,20,0`
+    assert source.train.tolist() == [t for d in range(8) for t in range(d, d + 5)]
+    assert source.val_documents.tolist() == [0, 5] and source.vocab_size == 14
+    with pytest.raises(FileNotFoundError, match="drop --split"):
+        load_source("builtin", split="98,2,0")
+    with pytest.raises(FileNotFoundError, match="weight, source pairs"):
+        open_data("builtin", path=(str(tmp_path / "c"),))
+    with pytest.raises(FileNotFoundError, match="no mixture"):
+        open_data("builtin", schedule="0:1")
     with pytest.raises(ConfigError, match="leaves the validation part"):
         prefix_parts(str(tmp_path / "c"), "100,0,0")
     with pytest.raises(ConfigError, match="leaves the training part"):

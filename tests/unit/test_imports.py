@@ -5,6 +5,7 @@ model, and no two modules import each other, directly or round a circle."""
 from __future__ import annotations
 
 import ast
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -43,6 +44,7 @@ def _room(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
+@functools.lru_cache(maxsize=1)
 def _imports() -> dict[str, set[str]]:
     """module -> the paratrain modules it imports (anywhere in it, `from a import b` counted as a.b when b is one)."""
     modules = {_module(p): p for p in ROOT.rglob("*.py")}
