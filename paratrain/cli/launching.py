@@ -140,7 +140,7 @@ def tokenize_text_for_hf(config: RunConfig) -> RunConfig:
     from paratrain.data.text import is_text, tokenized
 
     source = config.data.source
-    if not config.model.hf or not is_text(source):
+    if not config.model.hf or config.data.path or not is_text(source):  # (a mixture names its own sources)
         return config
     folder, cached = tokenized(source, config.model.hf, val_fraction=config.data.val_fraction, cache=config.data.cache)
     if os.environ.get("RANK", "0") == "0":
