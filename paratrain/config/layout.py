@@ -7,7 +7,7 @@ run keeps them in RunConfig's sections. Each is declared here once, with its pla
 RunConfig (also its TOML key: `[parallel] tp_mode`), and the conversion between the two where they differ;
 `paratrain train --plan auto` hands the whole chosen layout to the run through `apply_layout`, reads the
 flags given as pins through `layout_of`, and the search checks a candidate by the run's own rules on the
-ParallelConfig `apply_layout` builds. A field the planner adds without a declaration here fails
+ParallelConfig `parallel_config` builds. A field the planner adds without a declaration here fails
 tests/unit/test_layout_settings.py.
 """
 

@@ -247,9 +247,3 @@ def program(name: str, stages: int, microbatches: int, rank: int, chunks: int = 
     """The whole program of one rank: compute actions and the communication they imply."""
     return with_communication(compute_order(name, stages, microbatches, rank, chunks), stages, chunks)
 
-
-def peer(action: Action, stages: int) -> int:
-    """The pipeline rank a send goes to, or a receive comes from (Schedule.peer of a one-chunk placement)."""
-    if action.kind not in _STEP:
-        raise ValueError(f"{action!r} is not a communication action")
-    return Schedule("1f1b", stages).peer(action)
