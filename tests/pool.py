@@ -29,7 +29,7 @@ def _worker(rank: int, world_size: int, store: str, conn: Any, collective_timeou
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=collective_timeout_s))
-    conn.send(("ready", None, _threads()))
+    conn.send(("ready", None))
     while True:
         message = conn.recv()
         if message is None:
@@ -40,16 +40,16 @@ def _worker(rank: int, world_size: int, store: str, conn: Any, collective_timeou
         except BaseException:  # noqa: BLE001 - report everything to the parent
             result = ("error", traceback.format_exc())
         _release_groups()
-        conn.send((*result, _threads()))
+        conn.send(result)
     dist.destroy_process_group()
-    conn.send(("closed", None, 0))
+    conn.send(("closed", None))
     os._exit(0)
 
 
 def _release_groups() -> None:
-    """Destroy the process groups a job created (its Mesh's), keeping the world's: each gloo group holds threads and
-    sockets, and a pool runs hundreds of jobs (left alive, they reached thousands of threads per suite and slowed
-    every later test several times over)."""
+    """Destroy the process groups a job created (its Mesh's; a job need not close its Context), keeping the world's:
+    each gloo group holds threads and sockets, and a pool runs hundreds of jobs. The groups' objects, and their
+    threads, go with the job's engine and mesh (paratrain.comm.hooks: no gradient hook keeps them alive)."""
     import gc
 
     import torch.distributed as dist
@@ -61,29 +61,11 @@ def _release_groups() -> None:
     gc.collect()  # the job's engine and mesh hold the groups in reference cycles: their threads end with them
 
 
-def _threads() -> int:
-    """This process's threads (Linux; 0 elsewhere)."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return 0
-
-
-MAX_THREADS = 300
-"""A rank's threads past which its pool is replaced before the next test. A job whose engine registered gradient hooks
-(ZeRO's, sequence parallelism's) leaves its process groups in reference cycles through torch's C++ hook tables that
-no collector frees, each group with its gloo threads (3 a group); a few hundred such jobs made thousands of threads
-and slowed every later test several times over (measured: a 15-minute suite took 30). A replaced pool costs its
-start (seconds), so the bound is loose (300 threads: about 100 leaked groups a rank)."""
-
-
 class RankPool:
     def __init__(self, world_size: int, *, start_timeout: float = 120.0, collective_timeout_s: float = 60.0) -> None:
         """collective_timeout_s: how long a rank's collective waits for its peers (the benchmarks, whose
         ranks may build a large model while others wait, give more)."""
         self.world_size = world_size
-        self.threads = 0
-        """The most threads any rank reported after a job."""
         self._dir = tempfile.TemporaryDirectory(prefix=f"paratrain-pool{world_size}-")
         context = mp.get_context("spawn")
         self._conns, self._procs = [], []
@@ -111,8 +93,7 @@ class RankPool:
                 silent.append(rank)
                 continue
             try:
-                status, payload, threads = conn.recv()
-                self.threads = max(self.threads, threads)
+                status, payload = conn.recv()
             except EOFError:
                 silent.append(rank)
                 continue
@@ -139,8 +120,7 @@ class RankPool:
 
     @property
     def alive(self) -> bool:
-        """Its ranks live and have not piled up threads (MAX_THREADS): a worn pool is replaced like a dead one."""
-        return bool(self._procs) and all(p.is_alive() for p in self._procs) and self.threads <= MAX_THREADS
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def close(self) -> None:
         for conn in self._conns:

@@ -28,6 +28,7 @@ from torch import nn
 from paratrain.comm.buckets import Bucket, build_buckets
 from paratrain.comm.collectives import Pending, all_reduce, all_reduce_async
 from paratrain.comm.norms import NormPart
+from paratrain.comm.hooks import WeakHook
 from paratrain.comm.placement import Placements
 
 
@@ -65,9 +66,8 @@ class GradSync:
         self.times = SyncTimes()
         """The last synced backward's communication timeline (bench/bench_dp.py reads it)."""
         self._first_launch = self._backward_end = 0.0
-        if self.communicates:
-            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                           for b in self.buckets for p in b.params]
+        self._hooks = [p.register_post_accumulate_grad_hook(WeakHook(self._on_grad_ready))
+                       for b in self.buckets for p in b.params] if self.communicates else []
 
     def owned_grads(self) -> list[torch.Tensor]:
         """The flat gradient buffers: every gradient of the model, each exactly once."""
@@ -96,6 +96,12 @@ class GradSync:
         else:
             for bucket in self.buckets:
                 bucket.release()
+
+    def close(self) -> None:
+        """Remove the gradient hooks (GradientStrategy.close)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     params_sharded = False
     """Every rank holds the full parameters."""

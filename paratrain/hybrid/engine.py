@@ -19,15 +19,15 @@ from typing import Any, Callable, Mapping, Union
 import torch
 from torch import nn
 
-from paratrain.comm import all_reduce, divide_and_clip_, global_grad_norm
+from paratrain.comm import all_reduce
 from paratrain.hybrid.batches import Batch, batch_rows, split_batch, to_device
-from paratrain.hybrid.experts import add_step_aux, attach_router_log, routing_totals
+from paratrain.hybrid.experts import add_step_aux, attach_router_log
 from paratrain.hybrid.parts import EngineParts, GradientStrategy, StepOptions
 from paratrain.hybrid.state import model_state
 from paratrain.hybrid.step import NonFiniteWatch, PendingStep, StepStats, non_finite_ranks
 from paratrain.hybrid.view import MemoryReader, StateView
 from paratrain.memory import autocast
-from paratrain.memory.precision import casts_once, overflowed
+from paratrain.memory.precision import casts_once
 from paratrain.nn.dropout import KeyedDropout
 from paratrain.rng import DropoutStream
 from paratrain.comm.flat import FlatGroup, optimizer_state_bytes
@@ -52,12 +52,13 @@ class Engine:
         self.scaler = parts.scaler
         self.buffers = parts.buffers
         self.pieces = parts.pieces
-        self._dp_group = ctx.mesh.data_group()  # dp, or dp x cp: each holds a part of the global batch's tokens
-        self._pp_group = ctx.mesh.groups.get("pp")
-        self._agree = [g for g in (self._dp_group, ctx.mesh.groups.get("tp"), self._pp_group) if g is not None]
+        self.update = parts.update
+        self.dp_group = ctx.mesh.data_group()  # dp, or dp x cp: each holds a part of the global batch's tokens
+        self.pp_group = ctx.mesh.groups.get("pp")
+        self.agree = [g for g in (self.dp_group, ctx.mesh.groups.get("tp"), self.pp_group) if g is not None]
         """Axes over which an fp16 overflow decision, or a non-finite loss's ranks, must be shared."""
         self.watch = NonFiniteWatch(options.on_non_finite, functools.partial(
-            non_finite_ranks, rank=ctx.rank, world_size=ctx.world_size, groups=self._agree))
+            non_finite_ranks, rank=ctx.rank, world_size=ctx.world_size, groups=self.agree))
         """Non-finite steps not yet read back (on_non_finite="raise"), and the newest statistics read."""
         self.dropout = DropoutStream(options.seed)
         """Keys every KeyedDropout of the model by (seed, step, module name, global position)."""
@@ -66,8 +67,9 @@ class Engine:
                 module.attach(self.dropout, name)
         self.router_log = attach_router_log(model, routed=parts.routed)
         """The MoE layers' auxiliary losses and routing counts of the step in progress (None: no MoE layer)."""
-        self._routed_apart = ctx.mesh.groups.get("tp") if ctx.config.sequence_parallel else None
+        self.routed_apart = ctx.mesh.groups.get("tp") if ctx.config.sequence_parallel else None
         """Sequence parallelism: the tp ranks each routed their chunk, so their routing terms add up."""
+        self._closed = False
 
     @property
     def last(self) -> StepStats | None:
@@ -111,82 +113,45 @@ class Engine:
                 self.grads.begin_micro_batch(sync=i == len(micro_batches) - 1)  # communicate on the last only
                 self.dropout.at_rows(first_row + i * batch_rows(micro))
                 loss_sum, count = self._forward(self._on_device(micro), loss_fn)
-                scale = self.scaler.agreed(float(count), self.ctx.device, self._dp_group) if self.scaler else 1.0
+                scale = self.scaler.agreed(float(count), self.ctx.device, self.dp_group) if self.scaler else 1.0
                 if self.router_log is not None:  # the MoE layers' auxiliary terms get the loss sum's gradient
                     self.router_log.scale_gradients(scale)
                 (loss_sum * scale if self.scaler else loss_sum).backward()
                 self.grads.end_backward()
                 totals[0] += loss_sum.detach().double()
                 totals[1] += count
-            add_step_aux(totals, self.router_log, self._routed_apart)  # the auxiliary losses belong to the loss
+            add_step_aux(totals, self.router_log, self.routed_apart)  # the auxiliary losses belong to the loss
         self.grads.finish()
-        if self.parts.remote is not None:  # the parameter server: the update happens on the servers
-            return self._remote_update(totals, len(micro_batches))
-        local_loss = totals[0].clone()  # this rank's own, to name it if the step is not finite
-        if self._dp_group is not None:
-            all_reduce(totals, self._dp_group)
-        if self.buffers is not None:
-            self.buffers.end_step()
-        pending = PendingStep(self.watch, self.dropout.advance(), len(micro_batches), totals, local_loss)
-        if self.router_log is not None:
-            pending.routing = routing_totals(self.router_log, self.ctx.device, self._dp_group, self._pp_group,
-                                             self._routed_apart)
-        grads = self.grads.owned_grads()
-        scale = self.scaler.scale if self.scaler and self.scaler.scale else 1.0
-        if self.scaler is not None:
-            pending.loss_scale = scale
-            if overflowed(grads, self.ctx.device, self._agree):  # fp16 overflow somewhere: every rank skips
-                self.scaler.update(overflow=True)
-                self.grads.after_step()
-                pending.skipped = True
-                return pending
-        # The gradients are sums over the global batch (times the loss scale): their norm as means per
-        # token is the sums' norm over the divisor; one pass below divides and clips (no tokens:
-        # stats() says so).
-        divisor = totals[1].clamp(min=1.0) * scale
-        pending.grad_norm = global_grad_norm(self.grads.norm_parts()) / divisor
-        if wait or self.options.on_non_finite == "skip":
-            if pending.stats().non_finite:  # "raise" has raised; "skip": every rank skips alike
-                self.grads.after_step()
-                return pending
-        else:
-            self.watch.see(pending)
-        divide_and_clip_(grads, divisor, pending.grad_norm, self.options.grad_clip)
-        self.grads.before_optimizer_step()
-        self.optimizer.step()
-        self.grads.after_step()
-        if self.scaler is not None:
-            self.scaler.update(overflow=False)
-        return pending
-
-    def _remote_update(self, totals: torch.Tensor, micro_batches: int) -> PendingStep:
-        """Push the summed gradients, loss sum and token count to the parameter servers, which update; pull the
-        parameters back. Statistics: the servers' (async: this trainer's own loss, the newest clock's norm)."""
-        assert self.parts.remote is not None
-        scale = self.scaler.scale if self.scaler and self.scaler.scale else 1.0
-        loss, tokens = totals.tolist()  # one read of both
-        reply = self.parts.remote.update(loss=loss, tokens=tokens, scale=scale,
-                                         lrs=tuple(float(g["lr"]) for g in self.optimizer.param_groups))
-        reached = torch.tensor([reply.loss, reply.tokens, reply.norm], dtype=torch.float64, device=self.ctx.device)
-        pending = PendingStep(self.watch, self.dropout.advance(), micro_batches, reached[:2], totals[0].clone())
-        pending.grad_norm, pending.server = reached[2], reply
-        if self.scaler is not None:
-            pending.loss_scale, pending.skipped = scale, reply.skipped
-            self.scaler.update(overflow=reply.skipped)  # an overflow anywhere: every server skipped
-        elif self.options.on_non_finite == "raise":
-            self.watch.see(pending)
-        self.grads.after_step()
-        return pending
+        return self.update.apply(self, totals, len(micro_batches), wait=wait)
 
     def close(self) -> None:
-        """The run is over: the parameter servers' loops return (nothing without them)."""
-        if self.parts.remote is not None:
-            self.parts.remote.stop()
+        """The run is over: the update's place is told (the parameter servers' loops return), then the gradient
+        strategy's hooks and parallelize's are removed, so that this engine, its process groups and their threads
+        are freed once nothing else holds them. Once; later calls do nothing. `with parallelize(...) as engine:`
+        closes at the end of the block (after an exception only the hooks are removed: the servers may not answer)."""
+        if not self._closed:
+            self.update.close()
+            self._release()
+
+    def _release(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.grads.close()
+            for handle in self.parts.hooks:
+                handle.remove()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self._release()
 
     def before_save(self, step: int) -> None:
-        """A checkpoint of `step` steps is being written: the parameter servers write their slices of it."""
-        if self.parts.remote is not None:
-            self.parts.remote.save(step)
+        """A checkpoint of `step` steps is being written (the parameter servers write their slices of it)."""
+        self.update.before_save(step)
 
     def check(self) -> None:
         """Raise NonFiniteError if a step since the last check had a loss or gradient norm that was not
@@ -206,8 +171,8 @@ class Engine:
                 loss_sum, count = self._forward(self._on_device(micro), loss_fn)
                 totals[0] += loss_sum.double()
                 totals[1] += count
-        if self._dp_group is not None:
-            all_reduce(totals, self._dp_group)
+        if self.dp_group is not None:
+            all_reduce(totals, self.dp_group)
         self.model.train()
         return float(totals[0] / totals[1])
 
@@ -223,7 +188,7 @@ class Engine:
             pairs.append(tuple(self._on_device(micro)))
         # The first scale of fp16 comes from the first micro-batch's size, before any rank has run the
         # loss: only the last stage ever knows the loss's own count, and every stage needs the scale.
-        scale = (self.scaler.agreed(float(pairs[0][1].numel()), self.ctx.device, self._dp_group)
+        scale = (self.scaler.agreed(float(pairs[0][1].numel()), self.ctx.device, self.dp_group)
                  if self.scaler and train else 1.0)
         self.grads.begin_micro_batch(sync=False)  # the schedule interleaves micro-batches: reduce once, in finish()
         if self.router_log is not None:
@@ -232,9 +197,9 @@ class Engine:
             totals = self.pipeline.run(pairs, dropout=self.dropout, first_row=first_row, loss_scale=scale,
                                        train=train, forward_context=lambda: autocast(self.precision, self.ctx.device))
         if train:  # this stage's MoE layers' auxiliary losses
-            add_step_aux(totals, self.router_log, self._routed_apart)
-        assert self._pp_group is not None
-        all_reduce(totals, self._pp_group)  # only the last stage computed them
+            add_step_aux(totals, self.router_log, self.routed_apart)
+        assert self.pp_group is not None
+        all_reduce(totals, self.pp_group)  # only the last stage computed them
         return totals
 
     def _on_device(self, micro: Any) -> Any:
@@ -269,8 +234,7 @@ class Engine:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Load a state_dict() taken under any layout: this rank reads its own pieces of it (the path a
         sharded checkpoint loads by, over the dict in memory)."""
-        if self.parts.remote is not None:
-            self.parts.remote.check_memory_load()
+        self.update.before_load()
         reader = MemoryReader(state)
         self.view().load(reader, reader.meta)
 
@@ -282,8 +246,7 @@ class Engine:
     def _restarted(self) -> None:
         """State was loaded: the gradient strategy starts afresh (the parameter servers loaded theirs)."""
         self.grads.after_step()
-        if self.parts.remote is not None:
-            self.parts.remote.mark_loaded(self.dropout.step)
+        self.update.after_load(self.dropout.step)
 
     @property
     def flat_groups(self) -> list[FlatGroup]:

@@ -22,9 +22,10 @@ from paratrain.comm.placement import Placement, Placements
 from paratrain.data_parallel import BATCH_NORM_MODES, BufferSync, GradSync
 from paratrain.hybrid.engine import Engine
 from paratrain.hybrid.materialize import Source, is_meta
-from paratrain.hybrid.parts import EngineParts, GradientStrategy, StepOptions
+from paratrain.hybrid.parts import EngineParts, GradientStrategy, StepOptions, Update
 from paratrain.hybrid.pieces import Pieces, whole_shapes
 from paratrain.hybrid.state import optimizer_state
+from paratrain.hybrid.update import LocalUpdate, ServedUpdate
 from paratrain.hybrid.steps import (MemorySavers, apply_batch_norm, apply_context_parallel, apply_expert_layouts,
                                     apply_memory_savers, apply_pipeline,
                                     apply_tensor_layout, broadcast_weights, check_whole_model, grad_reduce_op,
@@ -135,8 +136,9 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     # 5. Experts: each cut over tp (expert_tp), then each ep rank keeps its share of every MoE layer's.
     expert_cut, experts = apply_expert_layouts(model, ctx)
     cut_over_tp = expert_cut.split_ids if expert_cut is not None else frozenset()
+    hooks = []  # Engine.close removes them
     if tp is not None and not meta:  # sequence parallelism: replicated parameters' gradients summed over tp
-        tp.register_grad_hooks(model, split=cut_over_tp)
+        hooks += tp.register_grad_hooks(model, split=cut_over_tp)
     # 5b. Context parallelism: each rank runs on its part of every sequence (no state is split).
     sequence = apply_context_parallel(model, ctx, recipe)
     layouts: tuple[StateLayout, ...] = tuple(x for x in (tp, experts, expert_cut, stage) if x is not None)
@@ -155,7 +157,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     if meta and ctx.config.zero == 0 and ctx.config.ps_mode == "off":
         place()
         if tp is not None:
-            tp.register_grad_hooks(model, split=cut_over_tp)
+            hooks += tp.register_grad_hooks(model, split=cut_over_tp)
     if sync_initial_weights and not meta:  # the same weights on every replica
         broadcast_weights(model, placements)
     # Buffers that forward changes (BatchNorm's under 'local', a user's counter) kept equal over dp.
@@ -168,12 +170,13 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     bucket_bytes = int(ctx.config.bucket_mb * 2**20)
     opt = optimizer(params)
     grads: GradientStrategy
-    remote = None
+    update: Update = LocalUpdate()
     if ctx.config.ps_mode != "off":  # 8b. the parameter server: pushes and pulls instead of collectives
         if meta:
             place()
-        grads = remote = connect(model, ctx, opt, grad_clip=grad_clip, on_non_finite=on_non_finite)
-        save_state = functools.partial(server_optimizer_state, remote, opt, names, ctx)
+        grads = client = connect(model, ctx, opt, grad_clip=grad_clip, on_non_finite=on_non_finite)
+        update = ServedUpdate(client)
+        save_state = functools.partial(server_optimizer_state, client, opt, names, ctx)
     elif ctx.config.zero == 0:
         grads = GradSync(params, placements, bucket_bytes=bucket_bytes, keep_grads=ctx.config.keep_grads)
         save_state = functools.partial(optimizer_state, opt, names)
@@ -188,15 +191,15 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         if meta:
             place(groups=grads.groups)
             if tp is not None:
-                tp.register_grad_hooks(model, split=cut_over_tp)
+                hooks += tp.register_grad_hooks(model, split=cut_over_tp)
         save_state = grads.optimizer_state
     # 9. fp16: dynamic loss scaling, its overflow decision shared by all ranks.
     scaler = LossScaler(scale=loss_scale) if precision == "fp16" else None
     # 10. Pipeline: the executor that runs the schedule's actions on this rank.
     executor = None if stage is None else pipeline_executor(stage, ctx, recipe, family=family, hidden=hidden,
                                                     precision=precision, recomputed=recomputed)
-    parts = EngineParts(opt, grads, save_state, pieces, placements, layouts=layouts, pipeline=executor, scaler=scaler,
-                        buffers=buffer_sync, sequence=sequence, remote=remote, routed=routed)
+    parts = EngineParts(opt, grads, save_state, pieces, placements, update, layouts=layouts, pipeline=executor,
+                        scaler=scaler, buffers=buffer_sync, sequence=sequence, hooks=tuple(hooks), routed=routed)
     return Engine(model, ctx, parts, options)
 
 

@@ -1,5 +1,6 @@
-"""What parallelize hands the Engine: the gradient strategy it drives (a protocol GradSync and
-ZeroSync implement), the other parts it built (EngineParts), and how a step runs (StepOptions)."""
+"""What parallelize hands the Engine: the gradient strategy it drives (a protocol GradSync, ZeroSync and the
+parameter server's ServerClient implement), where the update happens (Update: paratrain.hybrid.update), the other
+parts it built (EngineParts), and how a step runs (StepOptions)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,20 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from paratrain.comm import NormPart
 from paratrain.comm.placement import Placements
 from paratrain.context_parallel import SequenceShard
 from paratrain.data_parallel import BufferSync
+from paratrain.nn.moe import RouterLog
 from paratrain.hybrid.pieces import Pieces
 from paratrain.memory import PRECISIONS, LossScaler
-from paratrain.param_server import ServerClient
+from paratrain.hybrid.step import NonFiniteWatch, PendingStep
 from paratrain.pipeline.runtime import PipelineExecutor
+from paratrain.rng import DropoutStream
 from paratrain.state_layout import StateLayout
+from paratrain.topology import AxisGroup, Context
 
 
 class GradientStrategy(Protocol):
@@ -25,7 +30,8 @@ class GradientStrategy(Protocol):
     The engine calls, per step: begin_step(); per micro-batch: begin_micro_batch(sync=...), backward,
     end_backward();
     then finish() (gradients reduced), owned_grads() (divided by the token count, normed as
-    norm_parts() say, clipped), before_optimizer_step(), the optimizer step, and after_step().
+    norm_parts() say, clipped), before_optimizer_step(), the optimizer step, and after_step();
+    close() once, at the end (Engine.close).
     """
 
     def begin_micro_batch(self, *, sync: bool) -> None:
@@ -45,12 +51,44 @@ class GradientStrategy(Protocol):
     def after_step(self) -> None: ...
     def memory(self) -> dict[str, int]: ...
 
+    def close(self) -> None:
+        """Remove the hooks the strategy registered on the model (autograd keeps a parameter's hooks in tables the
+        collector cannot see through, so hooks holding the strategy would keep it and its process groups, with
+        their threads, alive for as long as the parameters live)."""
+        ...
+
     params_sharded: bool
     """True when a forward all-gathers parameters (ZeRO-3): every rank must run every forward."""
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """The parameters this strategy holds in a form of its own, full, by name (collective);
         empty when the model's own tensors are the full parameters."""
+        ...
+
+
+class Update(Protocol):
+    """Where a step's update happens once backward has run (paratrain.hybrid.update: LocalUpdate on this rank,
+    ServedUpdate on the parameter servers), and what that place needs told around checkpoints and at the end."""
+
+    def apply(self, engine: Stepping, totals: torch.Tensor, micro_batches: int, *, wait: bool) -> PendingStep:
+        """Update from the step's reduced gradients and this rank's (loss sum, token count); Engine.step documents
+        `wait`."""
+        ...
+
+    def before_save(self, step: int) -> None:
+        """A checkpoint of `step` steps is being written."""
+        ...
+
+    def before_load(self) -> None:
+        """A whole state dict is about to be loaded in memory (Engine.load_state_dict): refuse it if it cannot be."""
+        ...
+
+    def after_load(self, step: int) -> None:
+        """State of `step` steps was loaded."""
+        ...
+
+    def close(self) -> None:
+        """The run is over."""
         ...
 
 
@@ -75,6 +113,24 @@ class StepOptions:
             raise ValueError(f"on_non_finite must be 'raise' or 'skip', got {self.on_non_finite!r}")
 
 
+class Stepping(Protocol):
+    """What an Update reads of the engine whose step it finishes (paratrain.hybrid.engine.Engine)."""
+
+    ctx: Context
+    options: StepOptions
+    optimizer: torch.optim.Optimizer
+    grads: GradientStrategy
+    scaler: LossScaler | None
+    buffers: BufferSync | None
+    watch: NonFiniteWatch
+    dropout: DropoutStream
+    router_log: RouterLog | None
+    dp_group: AxisGroup | None
+    pp_group: AxisGroup | None
+    routed_apart: AxisGroup | None
+    agree: list[AxisGroup]
+
+
 @dataclass(frozen=True)
 class EngineParts:
     """What parallelize built for the engine to drive."""
@@ -87,6 +143,9 @@ class EngineParts:
     """How this rank's tensors map to the whole model's."""
     placements: Placements
     """Where each parameter's gradient is reduced, sharded and counted (and which rank saves it)."""
+    update: Update
+    """Where the update happens: on this rank (LocalUpdate), or on the parameter servers (ServedUpdate, whose
+    client is `grads` too)."""
     layouts: tuple[StateLayout, ...] = ()
     """What each strategy that splits the state changed (tensor, expert, pipeline), in the order applied."""
     pipeline: PipelineExecutor | None = None
@@ -97,8 +156,9 @@ class EngineParts:
     """Under dp > 1: buffers that forward changes, kept equal over dp after each step (None: dp = 1)."""
     sequence: SequenceShard | None = None
     """Under cp > 1: this rank's part of each sequence; the engine cuts every micro-batch to it."""
-    remote: ServerClient | None = None
-    """Under the parameter server: the update happens on the servers (push, then pull); `grads` is it too."""
+    hooks: tuple[RemovableHandle, ...] = ()
+    """Gradient hooks parallelize registered outside the gradient strategy (sequence parallelism's sums over tp):
+    Engine.close removes them."""
     routed: bool = False
     """The whole model has MoE layers (so every pipeline stage joins the routing statistics' collectives, with
     MoE layers of its own or not)."""

@@ -144,6 +144,9 @@ class ServerClient:
     def model_state(self) -> dict[str, torch.Tensor]:
         return {}
 
+    def close(self) -> None:
+        """No gradient hook to remove (the buckets' views accumulate; ServedUpdate.close stops the servers)."""
+
     def memory(self) -> dict[str, int]:
         groups = self.buckets + [t.group for t in self.tables]
         tables = sum(t.grad.numel() * t.grad.element_size() for t in self.tables)  # kept: sparse rows accumulate

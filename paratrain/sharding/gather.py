@@ -97,6 +97,12 @@ class ParamGatherer:
             root.module.register_forward_hook(lambda m, a, o: self._root_post_forward()),
         ]
 
+    def close(self) -> None:
+        """Remove the forward and backward hooks (the units gather no more)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
     def gather(self, unit: Unit, *, wait: bool = True) -> None:
         if unit.state == "free":
             for group in unit.groups:

@@ -28,6 +28,7 @@ from torch import nn
 from paratrain.comm import Pending, all_reduce, all_reduce_async, reduce_scatter_async
 from paratrain.comm.placement import Placement
 from paratrain.comm.flat import FlatGroup
+from paratrain.comm.hooks import WeakHook
 from paratrain.sharding.gather import ParamGatherer
 from paratrain.sharding.options import ZeroOptions
 
@@ -68,7 +69,7 @@ class GradReducer:
         self._next = 0
         self._finish_queued = False
         self._in_flight: list[_InFlight] = []
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        self._hooks = [p.register_post_accumulate_grad_hook(WeakHook(self._on_grad_ready)) for p in params]
 
     # ---- backward -------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -185,6 +186,12 @@ class GradReducer:
                 all_reduce(self.grad_shards[g.index], tied)
 
     # ---- after the optimizer step -------------------------------------------------------------
+    def close(self) -> None:
+        """Remove the gradient hooks."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
     def after_step(self) -> None:
         """The update is done: zero the gradient buffers (keep_grads), or release them and every .grad
         that views them."""

@@ -145,6 +145,12 @@ class ZeroSync:
         masters = sum(g.master.numel() * g.master.element_size() for g in self.groups if g.own_master)
         return {"params": params, **self.reducer.memory(), "masters": masters}
 
+    def close(self) -> None:
+        """Remove the gradient hooks and ZeRO-3's gather hooks (GradientStrategy.close)."""
+        self.reducer.close()
+        if self.gatherer is not None:
+            self.gatherer.close()
+
     @property
     def params_sharded(self) -> bool:
         """ZeRO-3: a forward all-gathers parameters, so every rank must run it."""

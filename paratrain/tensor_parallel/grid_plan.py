@@ -29,6 +29,7 @@ from typing import Mapping
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from paratrain.comm.placement import Placements
 from paratrain.comm.regions import all_gather_along
@@ -79,8 +80,10 @@ class GridLayout:
             placements.add(dataclasses.replace(placements.default.split_over(split), copies=copies, counted=counted),
                            ids)
 
-    def register_grad_hooks(self, model: nn.Module, *, split: frozenset[int] = frozenset()) -> None:
+    def register_grad_hooks(self, model: nn.Module, *,
+                            split: frozenset[int] = frozenset()) -> list[RemovableHandle]:
         """Nothing to hook: each grid layer's backward sums what the grid splits (the engine calls this for 1d)."""
+        return []
 
     def to_whole(self, model: ModelState, optimizer: OptimizerState) -> tuple[ModelState, OptimizerState]:
         return {name: self.full(name, model[name]) for name in sorted(model)}, per_element(optimizer, self.full)

@@ -43,6 +43,7 @@ from typing import Callable, Mapping
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from paratrain.comm.collectives import all_reduce
 from paratrain.comm.placement import Placements
@@ -76,16 +77,20 @@ class TensorParallelLayout(DimCuts):
     def is_split(self, param: torch.Tensor) -> bool:
         return id(param) in self.split_ids
 
-    def register_grad_hooks(self, model: nn.Module, *, split: frozenset[int] = frozenset()) -> None:
+    def register_grad_hooks(self, model: nn.Module, *,
+                            split: frozenset[int] = frozenset()) -> list[RemovableHandle]:
         """Under sequence parallelism, sum each replicated parameter's gradient over tp as autograd
         produces it. apply_tensor_parallel does this itself, unless the model is on the meta device or
         told not to (parallelize hooks once every layout is applied): then call it once the parameters
         are materialised (a hook does not survive materialisation). split: id() of parameters other
-        layouts cut over tp (expert tensor parallelism): their gradients are whole, not summed."""
+        layouts cut over tp (expert tensor parallelism): their gradients are whole, not summed.
+        Returns the hooks' handles (Engine.close removes them)."""
+        handles = []
         for name, param in model.named_parameters():
             replicated = param.requires_grad and id(param) not in self.split_ids and id(param) not in split
             if replicated and (self.sequence_parallel or name in self.partial_names):
-                param.register_hook(_sum_over_tp(self.group))
+                handles.append(param.register_hook(_sum_over_tp(self.group)))
+        return handles
 
 def resolve_plan(model: nn.Module, plan: Mapping[str, str], *, allow_missing: bool = False) -> dict[str, str]:
     """Module name -> style, every plan key matched to at least one module (unless allow_missing: a

@@ -41,6 +41,17 @@ class Context:
         """A dedicated parameter server (paratrain.param_server): it runs the servers' loop, not training."""
         return self.dims.is_server(self.rank)
 
+    def close(self) -> None:
+        """Release the mesh's process groups (Mesh.close); the job's default group stays. `with paratrain.init(...)
+        as ctx:` closes at the end of the block. Close the engines built on it first (Engine.close)."""
+        self.mesh.close()
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 @dataclass(frozen=True)
 class Member:

@@ -124,6 +124,12 @@ class Mesh:
     def single(cls) -> Mesh:
         return cls(dims=ParallelDims(), rank=0, groups={})
 
+    def close(self) -> None:
+        """Destroy this rank's process groups of the mesh (each gloo group holds threads and sockets); the world's
+        group stays. Nothing may communicate over the mesh afterwards. Local: no rank waits for another."""
+        for pg in {id(g.pg): g.pg for g in self.groups.values()}.values():
+            dist.destroy_process_group(pg)
+
     def degree(self, axis: str) -> int:
         if axis in SUB_AXES:
             return self.groups[axis].size if axis in self.groups else 1

@@ -80,6 +80,7 @@ def _held_back(staleness: int, delays: dict[tuple[int, int], float], steps: int)
 
     import paratrain
     from paratrain.data import GlobalBatchLoader, load_source
+    from paratrain.param_server import ServerClient
 
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(ps_mode="async", ps_servers=2,
                                                                         staleness=staleness, bucket_mb=0.05))
@@ -99,8 +100,8 @@ def _held_back(staleness: int, delays: dict[tuple[int, int], float], steps: int)
         assert engine.last is not None and engine.last.staleness is not None
         staleness_seen.append(engine.last.staleness["staleness"])
     engine.close()
-    assert engine.parts.remote is not None
-    return {"rank": dist.get_rank(), "times": times, "staleness": staleness_seen, "pulls": engine.parts.remote.record,
+    assert isinstance(engine.grads, ServerClient)
+    return {"rank": dist.get_rank(), "times": times, "staleness": staleness_seen, "pulls": engine.grads.record,
             "model": {k: v.clone() for k, v in engine.state_dict()["model"].items()}}
 
 

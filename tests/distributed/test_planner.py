@@ -79,6 +79,7 @@ def _served(mode: str, servers: int, staleness: int, steps: int, keep_grads: boo
     and bytes moved per step, or a server's memory."""
     import paratrain
     from paratrain.config.run import OptimSection
+    from paratrain.param_server import ServerClient
     from paratrain.train.optim import adamw_factory
 
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(ps_mode=mode, ps_servers=servers,
@@ -92,8 +93,8 @@ def _served(mode: str, servers: int, staleness: int, steps: int, keep_grads: boo
     x = torch.randint(0, 256, (4, TINY.seq_len), generator=torch.Generator().manual_seed(ctx.rank))
     for _ in range(steps):
         engine.train_step((x, x.roll(-1, 1)), paratrain.lm_loss)
-    client = engine.parts.remote
-    assert client is not None
+    client = engine.grads
+    assert isinstance(client, ServerClient)
     moved = {"push": client.pushed_bytes // steps, "pull": client.pulled_bytes // steps}
     engine.close()
     return {"report": engine.memory_report(), "moved": moved}

@@ -1,0 +1,119 @@
+"""Where a step's update happens once backward has run (the Update protocol of paratrain.hybrid.parts):
+
+    LocalUpdate    on this rank: the step's totals summed over the data ranks, fp16's overflow decision, the global
+                   gradient norm, one pass that divides and clips, the optimizer (every layout but the parameter
+                   server's)
+    ServedUpdate   on the parameter servers: push the summed gradients with the loss sum, token count, loss scale
+                   and learning rates; the servers update and the parameters are pulled back (their statistics)
+
+The engine runs forward and backward alike for both and calls `apply`; checkpoints and the end of the run reach the
+servers through the same object (before_save, before_load, after_load, close), so the engine has no branch on where
+the optimizer lives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from paratrain.comm import all_reduce, divide_and_clip_, global_grad_norm
+from paratrain.hybrid.experts import routing_totals
+from paratrain.hybrid.parts import Stepping
+from paratrain.hybrid.step import PendingStep
+from paratrain.memory.precision import overflowed
+from paratrain.param_server import ServerClient
+
+
+class LocalUpdate:
+    """The optimizer steps on this rank, over the gradients the gradient strategy reduced."""
+
+    def apply(self, engine: Stepping, totals: torch.Tensor, micro_batches: int, *, wait: bool) -> PendingStep:
+        local_loss = totals[0].clone()  # this rank's own, to name it if the step is not finite
+        if engine.dp_group is not None:
+            all_reduce(totals, engine.dp_group)
+        if engine.buffers is not None:
+            engine.buffers.end_step()
+        pending = PendingStep(engine.watch, engine.dropout.advance(), micro_batches, totals, local_loss)
+        if engine.router_log is not None:
+            pending.routing = routing_totals(engine.router_log, engine.ctx.device, engine.dp_group, engine.pp_group,
+                                             engine.routed_apart)
+        grads = engine.grads.owned_grads()
+        scaler = engine.scaler
+        scale = scaler.scale if scaler and scaler.scale else 1.0
+        if scaler is not None:
+            pending.loss_scale = scale
+            if overflowed(grads, engine.ctx.device, engine.agree):  # fp16 overflow somewhere: every rank skips
+                scaler.update(overflow=True)
+                engine.grads.after_step()
+                pending.skipped = True
+                return pending
+        # The gradients are sums over the global batch (times the loss scale): their norm as means per
+        # token is the sums' norm over the divisor; one pass below divides and clips (no tokens:
+        # stats() says so).
+        divisor = totals[1].clamp(min=1.0) * scale
+        pending.grad_norm = global_grad_norm(engine.grads.norm_parts()) / divisor
+        if wait or engine.options.on_non_finite == "skip":
+            if pending.stats().non_finite:  # "raise" has raised; "skip": every rank skips alike
+                engine.grads.after_step()
+                return pending
+        else:
+            engine.watch.see(pending)
+        divide_and_clip_(grads, divisor, pending.grad_norm, engine.options.grad_clip)
+        engine.grads.before_optimizer_step()
+        engine.optimizer.step()
+        engine.grads.after_step()
+        if scaler is not None:
+            scaler.update(overflow=False)
+        return pending
+
+    def before_save(self, step: int) -> None:
+        pass
+
+    def before_load(self) -> None:
+        pass
+
+    def after_load(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class ServedUpdate:
+    """The parameter servers update (paratrain.param_server.client); the statistics are theirs (asynchronous: this
+    trainer's own loss and the newest clock's norm)."""
+
+    client: ServerClient
+
+    def apply(self, engine: Stepping, totals: torch.Tensor, micro_batches: int, *, wait: bool) -> PendingStep:
+        scaler = engine.scaler
+        scale = scaler.scale if scaler and scaler.scale else 1.0
+        loss, tokens = totals.tolist()  # one read of both
+        reply = self.client.update(loss=loss, tokens=tokens, scale=scale,
+                                   lrs=tuple(float(g["lr"]) for g in engine.optimizer.param_groups))
+        reached = torch.tensor([reply.loss, reply.tokens, reply.norm], dtype=torch.float64, device=engine.ctx.device)
+        pending = PendingStep(engine.watch, engine.dropout.advance(), micro_batches, reached[:2], totals[0].clone())
+        pending.grad_norm, pending.server = reached[2], reply
+        if scaler is not None:
+            pending.loss_scale, pending.skipped = scale, reply.skipped
+            scaler.update(overflow=reply.skipped)  # an overflow anywhere: every server skipped
+        elif engine.options.on_non_finite == "raise":
+            engine.watch.see(pending)
+        engine.grads.after_step()
+        return pending
+
+    def before_save(self, step: int) -> None:
+        """The servers write their slices of the checkpoint."""
+        self.client.save(step)
+
+    def before_load(self) -> None:
+        self.client.check_memory_load()
+
+    def after_load(self, step: int) -> None:
+        self.client.mark_loaded(step)
+
+    def close(self) -> None:
+        """The servers' loops return."""
+        self.client.stop()
