@@ -77,7 +77,8 @@ def _contender(schedule: str, pp: int, unit: float, steps: int) -> dict:
         return ((output - target) ** 2).sum(), target.numel()
 
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3),
-                                   micro_batch=ROWS_PER_MICRO, pipeline_loss=squared_error)
+                                   options=paratrain.EngineOptions(micro_batch=ROWS_PER_MICRO),
+                                   recipe=paratrain.recipe_for(model, pipeline_loss=squared_error))
     x = torch.randn(ROWS_PER_MICRO * MICROBATCHES, WIDTH)
     latency = _latency(ctx.mesh.group("pp"), torch.zeros(ROWS_PER_MICRO, WIDTH))
     measured = []

@@ -77,7 +77,8 @@ def _model(name: str, steps: int) -> dict:
     spent = _timed_all_to_all()
     ctx = paratrain.init(paratrain.ParallelConfig(**fields), device="cpu")
     model = paratrain.build_gpt(ModelConfig(**MODEL), seed=0)
-    engine = paratrain.parallelize(model, ctx, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4), compile=compile)
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
+                                   options=paratrain.EngineOptions(compile=compile))
     experts = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters() if ".experts." in n)
     loader = GlobalBatchLoader(load_source("builtin").train, seq_len=MODEL["seq_len"], global_batch=GLOBAL_BATCH,
                                dp=ctx.mesh.degree("dp"), dp_index=ctx.mesh.index("dp"), seed=0)

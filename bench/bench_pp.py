@@ -52,7 +52,7 @@ def _contender(name: str, steps: int) -> dict:
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=1, pp=PP, schedule=schedule if name.startswith("paratrain")
                                                   else "1f1b", virtual_stages=v, pp_split=split))
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
-                                   micro_batch=MICRO)
+                                   options=paratrain.EngineOptions(micro_batch=MICRO))
     stage = engine.model
     if name.startswith("paratrain"):
         def step(b):

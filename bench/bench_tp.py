@@ -62,7 +62,8 @@ def _contender(name: str, steps: int) -> dict:
                                                                            tp_mode=mode,
                                                                            tp_depth=2 if mode == "2.5d" else 1))
         engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
-                                       tp_plan=BLOCKS_PLAN if name.endswith("-blocks") else None)
+                                       recipe=paratrain.recipe_for(
+                                           model, tp_plan=BLOCKS_PLAN if name.endswith("-blocks") else None))
 
         def step(b):
             engine.train_step((b[:, :-1], b[:, 1:]), paratrain.lm_loss)

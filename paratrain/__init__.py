@@ -1,7 +1,8 @@
 """paratrain: distributed training strategies as explicit, composable code on torch.distributed.
 
     ctx = paratrain.init(paratrain.ParallelConfig(dp=2))
-    engine = paratrain.parallelize(model, ctx, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+                                   options=paratrain.EngineOptions(micro_batch=4))
     loss = engine.train_step(batch, loss_fn)     # this rank's share of the global batch
     state = engine.state_dict()                  # full, layout-free
 
@@ -15,14 +16,16 @@ or, in the shape Lightning users know (paratrain.fit):
 
 from paratrain.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
 from paratrain.fit import Callback, FitResult, Trainer
-from paratrain.hybrid import Engine, parallelize
+from paratrain.hybrid import Engine, EngineOptions, parallelize
 from paratrain.models import GPT, build_gpt, lm_loss
+from paratrain.nn.recipe import Recipe, recipe_for
 from paratrain.topology import Context, init
 from paratrain.train.serve import ServeResult, serve
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "GPT", "Callback", "ConfigError", "Context", "Engine", "FitResult", "ModelConfig", "ParallelConfig", "RunConfig",
-    "ServeResult", "Trainer", "build_gpt", "init", "lm_loss", "parallelize", "serve",
+    "GPT", "Callback", "ConfigError", "Context", "Engine", "EngineOptions", "FitResult", "ModelConfig",
+    "ParallelConfig", "Recipe", "RunConfig", "ServeResult", "Trainer", "build_gpt", "init", "lm_loss", "parallelize",
+    "recipe_for", "serve",
 ]

@@ -79,11 +79,9 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
         served = paratrain.serve(gpt, ctx, optimizer=make_optimizer,
                                  grad_clip=grad_clip, save=save_sharded or "", resume=load_sharded or "")
         return {"server": True, "pushes": served.pushes}
-    engine = paratrain.parallelize(
-        gpt, ctx, optimizer=make_optimizer,
-        micro_batch=micro_batch, grad_clip=grad_clip, recompute=recompute, seed=seed, compile=compile,
-        precision=precision,
-    )
+    engine = paratrain.parallelize(gpt, ctx, optimizer=make_optimizer,
+                                   options=paratrain.EngineOptions(micro_batch=micro_batch, grad_clip=grad_clip, recompute=recompute,
+                                                                                  seed=seed, compile=compile, precision=precision))
     source = load_source("builtin")
     loader = GlobalBatchLoader(source.train, seq_len=TINY.seq_len, global_batch=global_batch,
                                dp=ctx.mesh.degree("dp"), dp_index=ctx.mesh.index("dp"), seed=seed)

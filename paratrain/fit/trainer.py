@@ -40,11 +40,11 @@ from paratrain.fit.callbacks import Callback, CallbackHooks
 from paratrain.fit.launcher import hand_over, launch_workers, launched_by_trainer, relaunch_attempt
 from paratrain.fit.result import FitResult
 from paratrain.fit.strategy import strategy_config
-from paratrain.hybrid import Engine, parallelize
+from paratrain.hybrid import Engine, EngineOptions, parallelize
 from paratrain.hybrid.batches import Batch, batch_rows
-from paratrain.hybrid.parallelize import OptimizerFactory, PipelineLoss
+from paratrain.hybrid.parallelize import OptimizerFactory
 from paratrain.memory import PRECISIONS
-from paratrain.nn.recipe import Layer, Recipe, recipe_for
+from paratrain.nn.recipe import Layer, PipelineLoss, Recipe, recipe_for
 from paratrain.topology import Context, init
 from paratrain.train.loop import LoopSettings, TrainLoop
 from paratrain.train.optim import adamw_factory
@@ -225,12 +225,12 @@ class Trainer:
         assert model is not None and loss_fn is not None
         optimizer = self.optimizer or adamw_factory(model, OptimSection(
             lr=self.lr, weight_decay=self.weight_decay, beta1=0.9, beta2=0.999))
-        engine = self.engine = parallelize(
-            model, ctx, optimizer=optimizer, micro_batch=self.batch.micro_batch, precision=self.precision,
-            grad_clip=self.grad_clip, recompute=self.recompute, seed=self.seed, tp_plan=self.tp_plan,
-            pipeline_loss=self.pipeline_loss, wrap=self.wrap, layers=self.layers, recipe=recipe, init=source,
-            batch_norm=self.batch_norm,
-            buffers=self.buffers, on_non_finite="skip" if self.nan_policy == "skip" else "raise")
+        options = EngineOptions(micro_batch=self.batch.micro_batch, precision=self.precision, grad_clip=self.grad_clip,
+                                recompute=self.recompute, seed=self.seed, wrap=self.wrap, batch_norm=self.batch_norm,
+                                buffers=self.buffers, on_non_finite="skip" if self.nan_policy == "skip" else "raise")
+        recipe = recipe_for(model, recipe, tp_plan=self.tp_plan, layers=self.layers, pipeline_loss=self.pipeline_loss)
+        engine = self.engine = parallelize(model, ctx, optimizer=optimizer, options=options, recipe=recipe,
+                                           init=source)
         settings = LoopSettings(
             steps=self.max_steps, lr=self.lr, warmup_steps=self.warmup_steps,
             min_lr_ratio=self.min_lr_ratio if self.lr_schedule == "cosine" else 1.0, eval_every=self.val_every,

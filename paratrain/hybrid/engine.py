@@ -22,7 +22,7 @@ from torch import nn
 from paratrain.comm import all_reduce
 from paratrain.hybrid.batches import Batch, batch_rows, split_batch, to_device
 from paratrain.hybrid.experts import add_step_aux, attach_router_log
-from paratrain.hybrid.parts import EngineParts, GradientStrategy, StepOptions
+from paratrain.hybrid.parts import EngineParts, GradientStrategy, EngineOptions
 from paratrain.hybrid.state import model_state
 from paratrain.hybrid.step import NonFiniteWatch, PendingStep, StepStats, non_finite_ranks
 from paratrain.hybrid.view import MemoryReader, StateView
@@ -33,7 +33,7 @@ from paratrain.rng import DropoutStream
 from paratrain.comm.flat import FlatGroup, optimizer_state_bytes
 from paratrain.topology import Context
 
-__all__ = ["Batch", "Engine", "EngineParts", "GradientStrategy", "LossFn", "StepOptions", "split_batch"]
+__all__ = ["Batch", "Engine", "EngineParts", "GradientStrategy", "LossFn", "EngineOptions", "split_batch"]
 
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, Union[torch.Tensor, int]]]
 
@@ -41,7 +41,7 @@ LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, Union[torch.Tensor, int]
 class Engine:
     """Built by paratrain.parallelize; owns the model, the gradient sync and the optimizer."""
 
-    def __init__(self, model: nn.Module, ctx: Context, parts: EngineParts, options: StepOptions) -> None:
+    def __init__(self, model: nn.Module, ctx: Context, parts: EngineParts, options: EngineOptions) -> None:
         self.model = model
         self.ctx = ctx
         self.parts = parts

@@ -1,11 +1,11 @@
 """What parallelize hands the Engine: the gradient strategy it drives (a protocol GradSync, ZeroSync and the
 parameter server's ServerClient implement), where the update happens (Update: paratrain.hybrid.update), the other
-parts it built (EngineParts), and how a step runs (StepOptions)."""
+parts it built (EngineParts), and the choices it was given (EngineOptions)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -13,12 +13,13 @@ from torch.utils.hooks import RemovableHandle
 from paratrain.comm import NormPart
 from paratrain.comm.placement import Placements
 from paratrain.context_parallel import SequenceShard
-from paratrain.data_parallel import BufferSync
+from paratrain.data_parallel import BATCH_NORM_MODES, BufferSync
 from paratrain.nn.moe import RouterLog
 from paratrain.hybrid.pieces import Pieces
 from paratrain.memory import PRECISIONS, LossScaler
 from paratrain.hybrid.step import NonFiniteWatch, PendingStep
 from paratrain.pipeline.runtime import PipelineExecutor
+from paratrain.sharding import WrapPolicy
 from paratrain.rng import DropoutStream
 from paratrain.state_layout import StateLayout
 from paratrain.topology import AxisGroup, Context
@@ -93,16 +94,54 @@ class Update(Protocol):
 
 
 @dataclass(frozen=True)
-class StepOptions:
-    """How the engine runs a step (paratrain.parallelize documents each)."""
+class EngineOptions:
+    """How parallelize builds the engine and how a step runs: every choice that is not the model, its context, its
+    optimizer, its recipe or where a meta model's values come from (paratrain.parallelize's other parameters).
+
+        engine = paratrain.parallelize(model, ctx, optimizer=make_adamw,
+                                       options=paratrain.EngineOptions(micro_batch=4, precision="bf16"))
+    """
 
     micro_batch: int | None = None
     """Rows per forward/backward; None: this rank's whole share in one pass."""
     precision: str = "fp32"
+    """'fp32'; 'bf16' / 'fp16': under zero 0, autocast with float32 weights and gradients; under zero >= 1,
+    parameters and gradients stored in the low dtype, float32 masters in the sharded optimizer. fp16 adds dynamic
+    loss scaling, starting at `loss_scale`."""
+    loss_scale: float | None = None
+    """fp16's first loss scale; None: 2^16 per token of the first micro-batch."""
     grad_clip: float = 0.0
+    """Clip the global gradient norm to this; 0 disables."""
     seed: int = 0
-    """Keys dropout masks (paratrain.nn.dropout)."""
+    """Keys dropout masks (paratrain.nn.dropout); use the run's seed."""
     on_non_finite: str = "raise"
+    """A step whose loss or gradient norm is nan or inf (outside fp16's own skip): 'raise'
+    paratrain.hybrid.NonFiniteError on every rank, or 'skip' its update on every rank."""
+    recompute: bool | str = False
+    """'full' (or True) recomputes each of the recipe's blocks in backward, 'selective' each block's attention core
+    (paratrain.memory.recompute); 'none' or False nothing; any other string is a regex of module names."""
+    compile: bool | str = False
+    """torch.compile each of the recipe's blocks (True: inductor; a string names another backend, e.g.
+    'aot_eager'), after tensor parallelism and recomputation, as torchtitan does: each block's forward is compiled
+    in place, so names, ZeRO-3's gathers and the pipeline see the same modules. Collectives and keyed dropout run
+    eagerly between the compiled pieces."""
+    sync_initial_weights: bool = True
+    """Broadcast dp rank 0's weights, so replicas start equal even for a model whose init was not layout-free
+    (cheap, once)."""
+    wrap: WrapPolicy = None
+    """ZeRO-3 units: a regex of module names or module class(es); None: the recipe's blocks (none: one unit, the
+    whole model)."""
+    reshard_after_forward: bool | None = None
+    """ZeRO-3 frees a unit's full parameters after its forward and gathers them again for backward; False keeps
+    them from forward to backward (more memory, less traffic). None: ctx.config.reshard_after_forward."""
+    batch_norm: str = "sync"
+    """Under dp > 1: 'sync' takes every BatchNorm's statistics over the forward's samples on every dp rank, as one
+    process with dp x the micro-batch would (layout-free; needs one micro-batch per step, refused otherwise);
+    'local' keeps each rank's own (DDP's default: the loss then depends on dp). paratrain.data_parallel.batch_norm."""
+    buffers: Mapping[str, str] | None = None
+    """Under dp > 1: buffer name or glob -> 'rank0' | 'sum' | 'mean': how a persistent buffer that forward changes
+    is kept equal over the dp ranks after each step (default 'rank0', with a warning naming the buffer).
+    paratrain.data_parallel.buffers."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -111,13 +150,15 @@ class StepOptions:
             raise ValueError(f"micro_batch must be >= 1 or None, got {self.micro_batch}")
         if self.on_non_finite not in ("raise", "skip"):
             raise ValueError(f"on_non_finite must be 'raise' or 'skip', got {self.on_non_finite!r}")
+        if self.batch_norm not in BATCH_NORM_MODES:
+            raise ValueError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {self.batch_norm!r}")
 
 
 class Stepping(Protocol):
     """What an Update reads of the engine whose step it finishes (paratrain.hybrid.engine.Engine)."""
 
     ctx: Context
-    options: StepOptions
+    options: EngineOptions
     optimizer: torch.optim.Optimizer
     grads: GradientStrategy
     scaler: LossScaler | None

@@ -54,14 +54,15 @@ def step_seconds(name: str, steps: int = 4) -> tuple[float, float, int]:
     """(seconds, model FLOPs, blocks) of a training step of a GPT preset on one process, one
     micro-batch of 8: the median of `steps` steps after a first one."""
     from paratrain.config import preset
-    from paratrain.hybrid import parallelize
+    from paratrain.hybrid import EngineOptions, parallelize
     from paratrain.models import build_gpt, lm_loss
     from paratrain.topology import init
 
     config = preset(name)
     ctx = init(device="cpu")
     model = build_gpt(config, seed=0)
-    engine = parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4), micro_batch=8)
+    engine = parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+                         options=EngineOptions(micro_batch=8))
     x = torch.randint(0, config.vocab_size, (8, config.seq_len + 1), generator=torch.Generator().manual_seed(0))
     batch = (x[:, :-1], x[:, 1:])
     engine.train_step(batch, lm_loss)

@@ -104,7 +104,7 @@ def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_si
             micro_batch: int = 1, precision: str = "fp32", recompute: str = "none") -> DryRun:
     """Build and step rank `rank` of a `world_size`-rank job of `parallel` on the meta device with a
     fake process group (in this process, which must not be in a process group already)."""
-    from paratrain.hybrid import parallelize
+    from paratrain.hybrid import EngineOptions, parallelize
     from paratrain.models import build_gpt, lm_loss
     from paratrain.train.optim import adamw_factory
 
@@ -126,7 +126,7 @@ def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_si
                               "cover it, so a dry run cannot check it; use zero 0, or a shard group of 2 or more")
         gpt = build_gpt(model, seed=0, device="meta")
         engine = parallelize(gpt, ctx, optimizer=adamw_factory(gpt, OptimSection()),  # as the trainer
-                                       micro_batch=micro_batch, precision=precision, recompute=recompute)
+                             options=EngineOptions(micro_batch=micro_batch, precision=precision, recompute=recompute))
         rows = global_batch // dp
         tokens = torch.zeros(rows, model.seq_len, dtype=torch.long, device="meta")
         engine.step((tokens, tokens), lm_loss)  # never read back: nothing waits on the device

@@ -63,7 +63,7 @@ def hf_rank_memory(folder: str, parallel: ParallelConfig, *, rank: int, world_si
     process, which must not be in a process group already)."""
     from paratrain.config.run import OptimSection
     from paratrain.hf.load import from_pretrained, vocab_multiple
-    from paratrain.hybrid import parallelize
+    from paratrain.hybrid import EngineOptions, parallelize
     from paratrain.memory.activations import ActivationMeter
     from paratrain.planner.dryrun import fake_rank
     from paratrain.train.optim import adamw_factory
@@ -74,8 +74,8 @@ def hf_rank_memory(folder: str, parallel: ParallelConfig, *, rank: int, world_si
         dp = ctx.mesh.degree("dp")
         pretrained = from_pretrained(folder, dtype=torch.float32, pad_vocab_to=vocab_multiple(parallel.tp))
         engine = parallelize(pretrained.model, ctx, optimizer=adamw_factory(pretrained.model, OptimSection()),
-                             micro_batch=micro_batch, precision=precision, recompute=recompute,
-                             init=pretrained.init, recipe=pretrained.recipe)
+                             options=EngineOptions(micro_batch=micro_batch, precision=precision, recompute=recompute),
+                             recipe=pretrained.recipe, init=pretrained.init)
         tokens = torch.zeros(global_batch // dp, seq_len, dtype=torch.long, device="meta")
         with meta_kernels(), ActivationMeter(engine.model) as meter:
             engine.step((tokens, tokens), pretrained.loss)  # never read back: nothing waits on the device

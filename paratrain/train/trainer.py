@@ -15,7 +15,7 @@ import torch
 
 from paratrain.config import ConfigError, RunPlan, to_dict
 from paratrain.data import GlobalBatchLoader, MixtureLoader, RunData, Source, TokenSource, WeightSchedule, open_data
-from paratrain.hybrid import Engine, parallelize
+from paratrain.hybrid import Engine, EngineOptions, parallelize
 from paratrain.models import build_gpt, lm_loss
 from paratrain.topology import Context
 from paratrain.train.faults import FaultInjection
@@ -155,13 +155,11 @@ class Trainer:
             self.model, source, recipe, loss_fn = pretrained.model, pretrained.init, pretrained.recipe, pretrained.loss
         else:
             self.model = build_gpt(plan.model, seed=config.seed, device="meta")
-        self.engine: Engine = parallelize(
-            self.model, ctx, optimizer=adamw_factory(self.model, config.optim),
-            micro_batch=plan.batch.micro_batch, precision=train.precision,
-            grad_clip=config.optim.grad_clip, recompute=train.recompute, seed=config.seed,
-            on_non_finite="skip" if train.nan_policy == "skip" else "raise", compile=train.compile,
-            init=source, recipe=recipe,
-        )
+        options = EngineOptions(micro_batch=plan.batch.micro_batch, precision=train.precision,
+                                grad_clip=config.optim.grad_clip, recompute=train.recompute, seed=config.seed,
+                                on_non_finite="skip" if train.nan_policy == "skip" else "raise", compile=train.compile)
+        self.engine: Engine = parallelize(self.model, ctx, optimizer=adamw_factory(self.model, config.optim),
+                                          options=options, recipe=recipe, init=source)
         dp, dp_index = ctx.mesh.degree("dp"), ctx.mesh.index("dp")
         loader_args = dict(seq_len=plan.seq_len, global_batch=plan.batch.global_batch, dp=dp,
                            dp_index=dp_index, seed=config.seed)

@@ -39,7 +39,8 @@ def _one_step(dp: int, tp: int, pp: int, zero: int) -> int:
     ctx = paratrain.init(paratrain.ParallelConfig(dp=dp, tp=tp, pp=pp, zero=zero, sequence_parallel=tp > 1),
                          device="cpu")
     engine = paratrain.parallelize(paratrain.build_gpt(TINY, seed=0), ctx,
-                                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), micro_batch=2, grad_clip=1.0)
+                                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                   options=paratrain.EngineOptions(micro_batch=2, grad_clip=1.0))
     x = torch.randint(0, 256, (8 // dp, TINY.seq_len + 1), generator=torch.Generator().manual_seed(ctx.rank))
     engine.train_step((x[:, :-1], x[:, 1:]), paratrain.lm_loss)
     return check_collective_order(ctx.mesh, ctx.device)

@@ -145,7 +145,7 @@ def _bf16_run(dp: int | None) -> list[float]:
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dp))
     model = paratrain.build_gpt(TINY, seed=1)
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
-                                   micro_batch=2, precision="bf16", grad_clip=1.0)
+                                   options=paratrain.EngineOptions(micro_batch=2, precision="bf16", grad_clip=1.0))
     loader = GlobalBatchLoader(load_source("builtin").train, seq_len=TINY.seq_len, global_batch=16,
                                dp=ctx.mesh.degree("dp"), dp_index=ctx.mesh.index("dp"), seed=1)
     assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 weights under bf16 compute

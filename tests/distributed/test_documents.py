@@ -103,7 +103,7 @@ def _job(kind: str, **layout) -> dict:
 
         loss_fn, recipe = llama_loss, GPT2_RECIPE if kind == "gpt2" else LLAMA_RECIPE
     engine = paratrain.parallelize(model, ctx, optimizer=lambda p: torch.optim.AdamW(p, lr=lr_at(0), weight_decay=0.1),
-                                   micro_batch=micro_batch, recipe=recipe)
+                                   options=paratrain.EngineOptions(micro_batch=micro_batch), recipe=recipe)
     logits = None
     if kind != "gpt" and ctx.mesh.degree("pp") == ctx.mesh.degree("cp") == 1:  # HF's lm_head gathers the logits
         # whole on every tp rank (a cp rank's are its part of the sequence)

@@ -132,7 +132,8 @@ def _job(kind: str, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: in
     model = build(kind)
     check_tp(model.config, config.tp_split)
     recipe = {"qwen3": QWEN3_RECIPE, "gemma3": QWEN3_RECIPE, "gpt2": GPT2_RECIPE}.get(kind, LLAMA_RECIPE)
-    engine = paratrain.parallelize(model, ctx, optimizer=_adamw, micro_batch=micro_batch, recipe=recipe)
+    engine = paratrain.parallelize(model, ctx, optimizer=_adamw,
+                                   options=paratrain.EngineOptions(micro_batch=micro_batch), recipe=recipe)
     losses, norms = [], []
     for step in range(STEPS):
         engine.set_lr(lr_at(step))

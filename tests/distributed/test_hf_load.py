@@ -56,7 +56,8 @@ def _loaded(folder: str, dtype: str, **layout) -> dict:
     pretrained = paratrain.hf.from_pretrained(folder, dtype=getattr(torch, dtype))
     assert all(p.is_meta for p in pretrained.model.parameters())  # nothing read before the layout is applied
     engine = paratrain.parallelize(pretrained.model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                                   init=pretrained.init, recipe=pretrained.recipe, micro_batch=2)
+                                   options=paratrain.EngineOptions(micro_batch=2), recipe=pretrained.recipe,
+                                   init=pretrained.init)
     state = {name: tensor.clone() for name, tensor in engine.state_dict()["model"].items()}  # before the update
     loss = engine.train_step(batch(0, ctx.mesh.degree("dp"), ctx.mesh.index("dp")), llama_loss)
     return {"state": state, "loss": loss}
@@ -136,7 +137,8 @@ def _trained(folder: str, root: str, steps: int, **layout) -> dict:
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(**layout))
     pretrained = paratrain.hf.from_pretrained(folder)
     engine = paratrain.parallelize(pretrained.model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
-                                   init=pretrained.init, recipe=pretrained.recipe, micro_batch=2)
+                                   options=paratrain.EngineOptions(micro_batch=2), recipe=pretrained.recipe,
+                                   init=pretrained.init)
     for step in range(steps):
         engine.train_step(batch(step, ctx.mesh.degree("dp"), ctx.mesh.index("dp")), llama_loss)
     save_sharded(root, steps, engine.view(), {})

@@ -46,8 +46,9 @@ def _padded(folder: str, root: str) -> dict:
 
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(tp=2))
     pretrained = paratrain.hf.from_pretrained(folder, dtype=torch.float64, pad_vocab_to=2)
-    engine = paratrain.parallelize(pretrained.model, ctx, optimizer=_adamw, init=pretrained.init,
-                                   recipe=pretrained.recipe, micro_batch=4)
+    engine = paratrain.parallelize(pretrained.model, ctx, optimizer=_adamw,
+                                   options=paratrain.EngineOptions(micro_batch=4), recipe=pretrained.recipe,
+                                   init=pretrained.init)
     loaded = engine.state_dict()["model"]["model.embed_tokens.weight"].clone()
     losses = []
     for step in range(STEPS):

@@ -17,8 +17,8 @@ def _reads(dp: int, tp: int, pp: int, zero: int, sequence_parallel: bool) -> tup
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(
         dp=dp, tp=tp, pp=pp, zero=zero, sequence_parallel=sequence_parallel, bucket_mb=0.05))
     model = paratrain.build_gpt(TINY, seed=0)
-    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), micro_batch=2,
-                                   grad_clip=1.0)
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                   options=paratrain.EngineOptions(micro_batch=2, grad_clip=1.0))
     x = torch.randint(0, 256, (8 // dp, TINY.seq_len + 1), generator=torch.Generator().manual_seed(ctx.rank))
     batch = (x[:, :-1], x[:, 1:])
     engine.step(batch, paratrain.lm_loss).stats()  # the first step sets up buffers and state

@@ -33,8 +33,9 @@ def _build(ctx: paratrain.Context, device: str, precision: str, fallback: bool =
         whole = paratrain.build_gpt(config, seed=3) if ctx.rank == 0 else None
         init = FromRank0(whole, ctx.mesh, ctx.device)
     model = paratrain.build_gpt(config, seed=3, device=device)
-    return paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), micro_batch=4,
-                                 precision=precision, seed=3, init=init)
+    return paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                 options=paratrain.EngineOptions(micro_batch=4, precision=precision, seed=3),
+                                 init=init)
 
 
 def materialize_job(*, precision: str = "fp32", fallback: bool = False, model: str = "tiny", **layout) -> dict:

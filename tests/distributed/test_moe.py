@@ -95,7 +95,7 @@ def _all_to_all_bytes(micro_batch: int) -> dict:
     ctx = paratrain.init(paratrain.ParallelConfig(dp=2, ep=2), device="cpu")
     model = paratrain.build_gpt(preset("tiny-moe", seq_len=32, capacity_factor=1.0), seed=7, dtype=torch.float64)
     engine = paratrain.parallelize(model, ctx, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
-                                   micro_batch=micro_batch)
+                                   options=paratrain.EngineOptions(micro_batch=micro_batch))
     assert model.blocks[1].moe.experts.up.shape[0] == 2  # 2 of the 4 experts on each rank
     loader = GlobalBatchLoader(load_source("builtin").train, seq_len=32, global_batch=8, dp=2,
                                dp_index=ctx.mesh.index("dp"), seed=7)
@@ -179,7 +179,8 @@ def _starved_job(ep: int, tp: int = 1, capacity_factor: float = 0.0, pp: int = 1
             weight[0].zero_()
             weight[1].zero_()
             weight[3].copy_(-weight[2])
-    engine = paratrain.parallelize(model, ctx, optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), micro_batch=2)
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda p: torch.optim.SGD(p, lr=1e-3),
+                                   options=paratrain.EngineOptions(micro_batch=2))
     loader = GlobalBatchLoader(load_source("builtin").train, seq_len=32, global_batch=8, dp=ctx.mesh.degree("dp"),
                                dp_index=ctx.mesh.index("dp"), seed=7)
     losses, routing = [], []

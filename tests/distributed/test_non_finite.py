@@ -28,8 +28,8 @@ def _run(dp: int | None, policy: str, steps: int = 6) -> dict:
 
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dp, bucket_mb=0.05))
     model = paratrain.build_gpt(TINY, seed=4)
-    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), micro_batch=2,
-                                   grad_clip=1.0, on_non_finite=policy)
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                   options=paratrain.EngineOptions(micro_batch=2, grad_clip=1.0, on_non_finite=policy))
     loader = GlobalBatchLoader(load_source("builtin").train, seq_len=TINY.seq_len, global_batch=16,
                                dp=ctx.mesh.degree("dp"), dp_index=ctx.mesh.index("dp"), seed=4)
     losses, skipped, ranks = [], [], []

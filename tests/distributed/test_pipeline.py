@@ -106,8 +106,10 @@ def _custom_loss_run(pp: int) -> list[float]:
 
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=1, pp=pp))
     model = paratrain.build_gpt(TINY, seed=3, dtype=torch.float64)
-    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), micro_batch=4,
-                                   pipeline_loss=_every_other_position if pp > 1 else None)
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                   options=paratrain.EngineOptions(micro_batch=4),
+                                   recipe=paratrain.recipe_for(
+                                       model, pipeline_loss=_every_other_position if pp > 1 else None))
     loader = GlobalBatchLoader(load_source("builtin").train, seq_len=TINY.seq_len, global_batch=8, dp=1, dp_index=0,
                                seed=3)
 

@@ -32,8 +32,10 @@ def _squared_error(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Te
 
 def paratrain_run(pp: int | None, schedule: str = "1f1b") -> list[float]:
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=1, pp=pp or 1, schedule=schedule, pp_split=(4,) if pp else ()))
-    engine = paratrain.parallelize(_model(), ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05),
-                                   micro_batch=4, pipeline_loss=_squared_error)
+    model = _model()
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05),
+                                   options=paratrain.EngineOptions(micro_batch=4),
+                                   recipe=paratrain.recipe_for(model, pipeline_loss=_squared_error))
     x, y = _data()
     return [engine.train_step((x, y), lambda m, b: _squared_error(m(b[0]), b[1])) for _ in range(STEPS)]
 

@@ -29,7 +29,7 @@ def _report(layout: dict, precision: str, model: str = "tiny") -> dict:
     ctx = paratrain.init(device="cpu", config=config)
     model = paratrain.build_gpt(TINY if model == "tiny" else MOE, seed=0)
     engine = paratrain.parallelize(model, ctx, optimizer=adamw_factory(model, OptimSection()),
-                                   micro_batch=config.tp_row_parts, precision=precision)
+                                   options=paratrain.EngineOptions(micro_batch=config.tp_row_parts, precision=precision))
     rows = 8 // ctx.mesh.degree("dp")
     x = torch.randint(0, 256, (rows, TINY.seq_len), generator=torch.Generator().manual_seed(0))
     engine.train_step((x, x.roll(-1, 1)), paratrain.lm_loss)  # the optimizer state exists after a step
@@ -89,7 +89,7 @@ def _served(mode: str, servers: int, staleness: int, steps: int, keep_grads: boo
     optimizer = adamw_factory(model, OptimSection())
     if ctx.is_server:
         return {"server": paratrain.serve(model, ctx, optimizer=optimizer).memory}
-    engine = paratrain.parallelize(model, ctx, optimizer=optimizer, micro_batch=1)
+    engine = paratrain.parallelize(model, ctx, optimizer=optimizer, options=paratrain.EngineOptions(micro_batch=1))
     x = torch.randint(0, 256, (4, TINY.seq_len), generator=torch.Generator().manual_seed(ctx.rank))
     for _ in range(steps):
         engine.train_step((x, x.roll(-1, 1)), paratrain.lm_loss)
@@ -135,8 +135,8 @@ def _saved_bytes(layout: dict, precision: str, recompute: bool | str, rows: int)
 
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=1, tp=dist.get_world_size(), **layout))
     model = paratrain.build_gpt(TINY, seed=0)
-    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), precision=precision,
-                                   recompute=recompute)
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0),
+                                   options=paratrain.EngineOptions(precision=precision, recompute=recompute))
     x = torch.randint(0, 256, (rows, TINY.seq_len + 1), generator=torch.Generator().manual_seed(0))
     with saved_activations(engine.model) as saved, autocast(precision, ctx.device):
         paratrain.lm_loss(engine.model, (x[:, :-1], x[:, 1:]))
@@ -185,8 +185,8 @@ def _context_parallel_activations(case: dict, precision: str, zero: int, recompu
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(
         dp=1, cp=2, cp_mode=case["mode"], tp=tp, sequence_parallel=case.get("sp", False), zero=zero))
     model = paratrain.build_gpt(DROPLESS if case.get("moe") else TINY, seed=0)
-    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), precision=precision,
-                                   recompute=recompute)
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0),
+                                   options=paratrain.EngineOptions(precision=precision, recompute=recompute))
     x = torch.randint(0, 256, (2, TINY.seq_len + 1), generator=torch.Generator().manual_seed(0))
     assert engine.parts.sequence is not None
     batch = engine.parts.sequence.shard_batch((x[:, :-1], x[:, 1:]))  # this rank's half of each sequence
@@ -225,7 +225,8 @@ def _expert_parallel_activations(precision: str, zero: int) -> int:
     world = dist.get_world_size()
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=world, ep=world, zero=zero))
     model = paratrain.build_gpt(DROPLESS, seed=0)
-    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), precision=precision)
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0),
+                                   options=paratrain.EngineOptions(precision=precision))
     x = torch.randint(0, 256, (2, DROPLESS.seq_len + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
     with saved_activations(engine.model) as saved, autocast(precision, ctx.device):
         paratrain.lm_loss(engine.model, (x[:, :-1], x[:, 1:]))
@@ -254,7 +255,8 @@ def _pipeline_peak(schedule: str, virtual_stages: int) -> dict:
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(
         dp=1, pp=dist.get_world_size(), schedule=schedule, virtual_stages=virtual_stages))
     model = paratrain.build_gpt(TINY, seed=0)
-    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), micro_batch=1)
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0),
+                                   options=paratrain.EngineOptions(micro_batch=1))
     x = torch.randint(0, 256, (8, TINY.seq_len + 1), generator=torch.Generator().manual_seed(0))
     with ActivationMeter(engine.model) as meter:
         engine.train_step((x[:, :-1], x[:, 1:]), paratrain.lm_loss)
@@ -300,8 +302,9 @@ def _bf16_pipeline_peak() -> dict:
     from paratrain.memory.activations import ActivationMeter
 
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=1, pp=2))
-    engine = paratrain.parallelize(paratrain.build_gpt(TINY, seed=0), ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0),
-                                   micro_batch=1, precision="bf16")
+    engine = paratrain.parallelize(paratrain.build_gpt(TINY, seed=0), ctx,
+                                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0),
+                                   options=paratrain.EngineOptions(micro_batch=1, precision="bf16"))
     x = torch.randint(0, 256, (4, TINY.seq_len + 1), generator=torch.Generator().manual_seed(0))
     with ActivationMeter(engine.model) as meter:
         engine.train_step((x[:, :-1], x[:, 1:]), paratrain.lm_loss)

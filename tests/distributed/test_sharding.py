@@ -99,9 +99,9 @@ def _save_zero2_load_dp(tmp: str) -> list[float]:
         ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dist.get_world_size(), zero=zero, bucket_mb=0.05))
         model = paratrain.build_gpt(TINY, seed=2)
         # the same optimizer and clipping as tests.helpers.tiny_run, the reference below
-        return ctx, paratrain.parallelize(
-            model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.1),
-            micro_batch=2, grad_clip=1.0)
+        return ctx, paratrain.parallelize(model, ctx,
+                                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.1),
+                                          options=paratrain.EngineOptions(micro_batch=2, grad_clip=1.0))
 
     source = load_source("builtin")
     ctx, engine = engine_for(2)
@@ -147,9 +147,9 @@ def _generic_zero3(dp: int | None, wrap, reshard: bool) -> list[float]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), *[_Residual(16) for _ in range(3)], torch.nn.Linear(16, 3))
     model = model.double()
-    kwargs = {"wrap": wrap, "reshard_after_forward": reshard} if dp else {}
-    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2), micro_batch=2,
-                                   **kwargs)
+    zero = {"wrap": wrap, "reshard_after_forward": reshard} if dp else {}
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
+                                   options=paratrain.EngineOptions(micro_batch=2, **zero))
     batch = regression_rows(ctx, 6, 3)
     return [engine.train_step(batch, squared_error) for _ in range(5)]
 

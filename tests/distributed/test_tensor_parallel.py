@@ -83,7 +83,9 @@ def _mlp_job(dp: int | None, tp: int) -> dict:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8),
                                 torch.nn.Linear(8, 4)).double()
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-                                   grad_clip=0.5, tp_plan={"0": "column", "2": "row", "3": "column_gather"})
+                                   options=paratrain.EngineOptions(grad_clip=0.5),
+                                   recipe=paratrain.recipe_for(model, tp_plan={"0": "column", "2": "row",
+                                                                                                "3": "column_gather"}))
     losses = [engine.train_step(regression_rows(ctx, 8, 4), squared_error) for _ in range(5)]
     return {"losses": losses, "model": engine.state_dict()["model"]}
 
@@ -103,7 +105,8 @@ def _count_step(sequence_parallel: bool) -> list[tuple[str, int]]:
 
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=1, tp=dist.get_world_size(), sequence_parallel=sequence_parallel))
     model = paratrain.build_gpt(TINY, seed=0)
-    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), grad_clip=1.0)
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                   options=paratrain.EngineOptions(grad_clip=1.0))
     x = torch.randint(0, 256, (4, TINY.seq_len))
     with CollectiveCounter() as counter:
         engine.train_step((x, x.roll(-1, 1)), paratrain.lm_loss)

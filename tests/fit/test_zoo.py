@@ -101,7 +101,7 @@ def _engine_with_accumulation() -> str:
 
     ctx = paratrain.init(paratrain.ParallelConfig(dp=2), device="cpu")
     engine = paratrain.parallelize(zoo.build("bn-cnn"), ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
-                                   micro_batch=2)
+                                   options=paratrain.EngineOptions(micro_batch=2))
     x, y = zoo.data("bn-cnn")[:4]
     try:
         engine.train_step((x, y), lambda model, batch: (zoo.loss_fn("bn-cnn")(model, batch) * 2, 2))
@@ -140,8 +140,9 @@ def _buffer_styles(dp: int) -> dict:
 
     ctx = paratrain.init(paratrain.ParallelConfig(dp=dp), device="cpu")
     torch.manual_seed(0)
-    engine = paratrain.parallelize(_Styles(), ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), micro_batch=2,
-                                   buffers={"count": "sum", "ema": "mean"})
+    engine = paratrain.parallelize(_Styles(), ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                   options=paratrain.EngineOptions(micro_batch=2,
+                                                                                  buffers={"count": "sum", "ema": "mean"}))
     x = torch.randn(16, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     rows = 8 // dp
     for step in range(2):

@@ -18,7 +18,7 @@ def test_single_gpu_bf16_step_learns():
     config = preset("small")
     model = paratrain.build_gpt(config, seed=0)
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3),
-                                   precision="bf16", micro_batch=8)
+                                   options=paratrain.EngineOptions(precision="bf16", micro_batch=8))
     x = torch.randint(0, 256, (16, config.seq_len), generator=torch.Generator().manual_seed(0))
     losses = [engine.train_step((x, torch.roll(x, -1, 1)), paratrain.lm_loss) for _ in range(20)]
     assert next(model.parameters()).device.type == "cuda"
@@ -47,7 +47,7 @@ def test_a_step_that_does_not_log_never_waits_for_the_gpu():
     config = preset("small")
     model = paratrain.build_gpt(config, seed=0)
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
-                                   precision="bf16", micro_batch=4, grad_clip=1.0)
+                                   options=paratrain.EngineOptions(precision="bf16", micro_batch=4, grad_clip=1.0))
     x = torch.randint(0, 256, (8, config.seq_len + 1), generator=torch.Generator().manual_seed(0)).cuda()
     batch = (x[:, :-1], x[:, 1:])
     engine.step(batch, paratrain.lm_loss).stats()  # buffers and optimizer state exist from here on
@@ -64,8 +64,9 @@ def _cuda_run(compile: bool, recompute: str = "none", steps: int = 5) -> list[fl
     ctx = paratrain.init(device="cuda")
     config = preset("small", dropout=0.0)
     model = paratrain.build_gpt(config, seed=0)
-    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), micro_batch=4,
-                                   grad_clip=1.0, compile=compile, recompute=recompute)
+    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                   options=paratrain.EngineOptions(micro_batch=4, grad_clip=1.0, compile=compile,
+                                                                                  recompute=recompute))
     x = torch.randint(0, 256, (8, config.seq_len + 1), generator=torch.Generator().manual_seed(0)).cuda()
     return [engine.train_step((x[:, :-1], x[:, 1:]), paratrain.lm_loss) for _ in range(steps)]
 

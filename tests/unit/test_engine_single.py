@@ -12,10 +12,10 @@ from paratrain.hybrid import split_batch
 TINY = preset("tiny", seq_len=16)
 
 
-def _engine(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), zero=0, **kwargs):
+def _engine(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), zero=0, **options):
     model = paratrain.build_gpt(TINY, seed=0, dtype=torch.float64)
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(zero=zero))
-    return paratrain.parallelize(model, ctx, optimizer=optimizer, **kwargs)
+    return paratrain.parallelize(model, ctx, optimizer=optimizer, options=paratrain.EngineOptions(**options))
 
 
 def test_single_process_context():
