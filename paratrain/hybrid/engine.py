@@ -26,8 +26,7 @@ from paratrain.hybrid.parts import EngineParts, GradientStrategy, EngineOptions
 from paratrain.hybrid.state import model_state
 from paratrain.hybrid.step import NonFiniteWatch, PendingStep, StepStats, non_finite_ranks
 from paratrain.hybrid.view import MemoryReader, StateView
-from paratrain.memory import autocast
-from paratrain.memory.precision import casts_once
+from paratrain.memory import precision_policy
 from paratrain.nn.dropout import KeyedDropout
 from paratrain.rng import DropoutStream
 from paratrain.comm.flat import FlatGroup, optimizer_state_bytes
@@ -53,6 +52,8 @@ class Engine:
         self.buffers = parts.buffers
         self.pieces = parts.pieces
         self.update = parts.update
+        self.policy = precision_policy(options.precision)
+        """The precision policy (paratrain.memory.precision): the forward's autocast, ZeRO's storage, loss scaling."""
         self.dp_group = ctx.mesh.data_group()  # dp, or dp x cp: each holds a part of the global batch's tokens
         self.pp_group = ctx.mesh.groups.get("pp")
         self.agree = [g for g in (self.dp_group, ctx.mesh.groups.get("tp"), self.pp_group) if g is not None]
@@ -193,9 +194,9 @@ class Engine:
         self.grads.begin_micro_batch(sync=False)  # the schedule interleaves micro-batches: reduce once, in finish()
         if self.router_log is not None:
             self.router_log.scale_gradients(scale)
-        with (contextlib.nullcontext() if train else torch.no_grad()), casts_once(self.precision, self.ctx.device):
+        with (contextlib.nullcontext() if train else torch.no_grad()), self.policy.casts_once(self.ctx.device):
             totals = self.pipeline.run(pairs, dropout=self.dropout, first_row=first_row, loss_scale=scale,
-                                       train=train, forward_context=lambda: autocast(self.precision, self.ctx.device))
+                                       train=train, forward_context=lambda: self.policy.autocast(self.ctx.device))
         if train:  # this stage's MoE layers' auxiliary losses
             add_step_aux(totals, self.router_log, self.routed_apart)
         assert self.pp_group is not None
@@ -208,7 +209,7 @@ class Engine:
         return micro if self.parts.sequence is None else self.parts.sequence.shard_batch(micro)
 
     def _forward(self, micro: Any, loss_fn: LossFn) -> tuple[torch.Tensor, torch.Tensor | int]:
-        with autocast(self.precision, self.ctx.device):
+        with self.policy.autocast(self.ctx.device):
             result = loss_fn(self.model, micro)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise TypeError(

@@ -30,7 +30,7 @@ from paratrain.hybrid.steps import (MemorySavers, apply_batch_norm, apply_contex
                                     apply_memory_savers, apply_pipeline,
                                     apply_tensor_layout, broadcast_weights, check_whole_model, grad_reduce_op,
                                     pipeline_executor, placer, values_source)
-from paratrain.memory import LOW_DTYPES, LossScaler
+from paratrain.memory import precision_policy
 from paratrain.models.init import ParamInit
 from paratrain.nn.moe import MoE
 from paratrain.param_server import ServerClient, connect
@@ -70,6 +70,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                          "trainers): it trains nothing; run paratrain.serve(model, ctx, optimizer=...) "
                          "there instead of parallelize")
     recipe = recipe_for(model, recipe)
+    policy = precision_policy(options.precision)
     recompute = options.recompute
     savers = MemorySavers(recompute="full" if recompute is True else (recompute or "none"), compile=options.compile,
                           offload_activations="activations" in ctx.config.offloaded)
@@ -145,7 +146,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                            reshard_after_forward=(ctx.config.reshard_after_forward
                                                   if options.reshard_after_forward is None
                                                   else options.reshard_after_forward),
-                           offload="optimizer" in ctx.config.offloaded, param_dtype=LOW_DTYPES.get(options.precision),
+                           offload="optimizer" in ctx.config.offloaded, param_dtype=policy.stored,
                            deferred=stage is not None, keep_grads=ctx.config.keep_grads)
         wrap = options.wrap if options.wrap is not None else recipe.blocks
         grads = ZeroSync(params, opt, names, zero, model=model, wrap=wrap,
@@ -155,11 +156,11 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
             if tp is not None:
                 hooks += tp.register_grad_hooks(model, split=cut_over_tp)
         save_state = grads.optimizer_state
-    # 9. fp16: dynamic loss scaling, its overflow decision shared by all ranks.
-    scaler = LossScaler(scale=options.loss_scale) if options.precision == "fp16" else None
+    # 9. Loss scaling where the policy needs it (fp16), its overflow decision shared by all ranks.
+    scaler = policy.scaler(options.loss_scale)
     # 10. Pipeline: the executor that runs the schedule's actions on this rank.
     executor = None if stage is None else pipeline_executor(stage, ctx, recipe, family=family, hidden=hidden,
-                                                    precision=options.precision, recomputed=recomputed)
+                                                    policy=policy, recomputed=recomputed)
     parts = EngineParts(opt, grads, save_state, pieces, placements, update, layouts=layouts, pipeline=executor,
                         scaler=scaler, buffers=buffer_sync, sequence=sequence, hooks=tuple(hooks), routed=routed)
     return Engine(model, ctx, parts, options)

@@ -16,7 +16,7 @@ from paratrain.context_parallel import SequenceShard
 from paratrain.data_parallel import BATCH_NORM_MODES, BufferSync
 from paratrain.nn.moe import RouterLog
 from paratrain.hybrid.pieces import Pieces
-from paratrain.memory import PRECISIONS, LossScaler
+from paratrain.memory import LossScaler, precision_policy
 from paratrain.hybrid.step import NonFiniteWatch, PendingStep
 from paratrain.pipeline.runtime import PipelineExecutor
 from paratrain.sharding import WrapPolicy
@@ -144,8 +144,7 @@ class EngineOptions:
     paratrain.data_parallel.buffers."""
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        precision_policy(self.precision)  # a name POLICIES holds
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1 or None, got {self.micro_batch}")
         if self.on_non_finite not in ("raise", "skip"):

@@ -25,7 +25,7 @@ from paratrain.expert_parallel.tensor import ExpertTensorLayout, apply_expert_te
 from paratrain.hybrid.compile import compile_blocks
 from paratrain.hybrid.materialize import Inits, Source, materialize
 from paratrain.hybrid.pieces import Pieces
-from paratrain.memory import LOW_DTYPES, apply_activation_offload, apply_recompute, recompute_pattern
+from paratrain.memory import Precision, apply_activation_offload, apply_recompute, recompute_pattern
 from paratrain.models.init import ParamInit
 from paratrain.nn.recipe import Recipe
 from paratrain.pipeline.runtime import PipelineExecutor
@@ -170,7 +170,7 @@ def broadcast_weights(model: nn.Module, placements: Placements) -> None:
 
 
 def pipeline_executor(layout: PipelineLayout, ctx: Context, recipe: Recipe, *, family: str, hidden: int | None,
-              precision: str, recomputed: bool) -> PipelineExecutor:
+              policy: Precision, recomputed: bool) -> PipelineExecutor:
     """The pipeline schedule's runner on this rank. family: the whole model's class (for the error);
     hidden: the width of the activation between stages (a dry run's boundary shape)."""
     if recipe.stage_loss is None:
@@ -178,7 +178,7 @@ def pipeline_executor(layout: PipelineLayout, ctx: Context, recipe: Recipe, *, f
                          "(output, targets) -> (sum, count), or a recipe with its stage_loss")
     boundary = None
     if ctx.device.type == "meta" and hidden is not None:  # a dry run: the activation between stages
-        dtype = LOW_DTYPES.get(precision, torch.float32) if ctx.config.zero else torch.float32
+        dtype = policy.stored_dtype(sharded=ctx.config.zero > 0)
         tp_group = ctx.mesh.groups.get("tp")
         split = tp_group.size if tp_group is not None and ctx.config.sequence_parallel else 1
         rows, width = ctx.config.tp_row_parts, ctx.config.tp_split if ctx.config.tp_mode != "1d" else 1

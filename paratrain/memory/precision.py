@@ -1,4 +1,4 @@
-"""Precision policy and dynamic loss scaling.
+"""Precision policies (Precision, one per name in POLICIES) and dynamic loss scaling.
 
     fp32   everything in float32.
     bf16   compute in bfloat16. Plain DP (zero 0): torch.autocast, weights and gradients float32.
@@ -23,31 +23,73 @@ import torch.distributed as dist
 from paratrain.comm import all_reduce
 from paratrain.topology.mesh import AxisGroup
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+@dataclass(frozen=True)
+class Precision:
+    """One precision policy: every dtype decision a run makes, read where a decision is made (the engine's forward,
+    ZeRO's flat storage, the pipeline's boundaries, loss scaling, the planner's byte counts), so a new format is one
+    policy and its casts.
+
+    The casts themselves stay torch's: autocast runs the matmuls in `compute`; under ZeRO the flat groups store
+    parameters and gradients in `stored` with float32 masters in the optimizer's shard."""
+
+    name: str
+    compute: torch.dtype
+    """The matmuls' dtype (torch.autocast; float32: no autocast)."""
+    stored: torch.dtype | None
+    """Under ZeRO (zero >= 1): the dtype parameters and gradients are stored, reduced and gathered in, float32
+    masters beside them; None: the parameters' own (float32). Plain data parallelism keeps float32 weights and
+    gradients and reduces in float32 whatever the policy (autocast only)."""
+    loss_scaling: bool = False
+    """Dynamic loss scaling (LossScaler): float16's narrow range would turn small gradients into zeros."""
+
+    @property
+    def low(self) -> bool:
+        """Compute in a 16-bit dtype."""
+        return self.compute != torch.float32
+
+    def autocast(self, device: torch.device) -> ContextManager[object]:
+        """The forward's region: matmuls in `compute` under torch.autocast (CPU and CUDA); nothing in float32, nor
+        on the meta device (a dry run: shapes only, which autocast does not serve)."""
+        if not self.low or device.type == "meta":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.compute)
+
+    def casts_once(self, device: torch.device) -> ContextManager[object]:
+        """Around a pipeline step: every forward's autocast reuses one 16-bit copy of each weight, so a stage keeps
+        one copy whatever its micro-batches in flight (without it each forward casts anew, and each micro-batch's
+        graph keeps its own copy until its backward: p copies on the first stage of 1F1B).
+
+        torch.autocast caches the casts of weights (leaf tensors that require grad) until the outermost autocast
+        region exits; this is that outer region, itself disabled (the backward actions between the forwards run
+        outside autocast, as before). The weights do not change inside a step, so the cache never goes stale."""
+        if not self.low or device.type == "meta":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, enabled=False)
+
+    def stored_dtype(self, *, sharded: bool) -> torch.dtype:
+        """The dtype of the parameters a rank holds: `stored` under ZeRO, float32 otherwise."""
+        return self.stored if sharded and self.stored is not None else torch.float32
+
+    def scaler(self, first_scale: float | None) -> LossScaler | None:
+        """The dynamic loss scale this policy needs (None without loss scaling), starting at `first_scale` (None:
+        from the first micro-batch's tokens)."""
+        return LossScaler(scale=first_scale) if self.loss_scaling else None
 
 
-def autocast(precision: str, device: torch.device) -> ContextManager[object]:
-    """bf16 / fp16: matmuls in the low dtype under torch.autocast (CPU and CUDA); fp32: nothing, nor on
-    the meta device (a dry run: shapes only, which autocast does not serve)."""
-    if precision == "fp32" or (device.type == "meta" and precision in LOW_DTYPES):
-        return contextlib.nullcontext()
-    if precision in LOW_DTYPES:
-        return torch.autocast(device_type=device.type, dtype=LOW_DTYPES[precision])
-    raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+POLICIES: dict[str, Precision] = {
+    "fp32": Precision("fp32", torch.float32, None),
+    "bf16": Precision("bf16", torch.bfloat16, torch.bfloat16),
+    "fp16": Precision("fp16", torch.float16, torch.float16, loss_scaling=True),
+}
+"""The precision policies by the name a config, a flag or EngineOptions gives."""
+PRECISIONS = tuple(POLICIES)
 
 
-def casts_once(precision: str, device: torch.device) -> ContextManager[object]:
-    """Around a pipeline step: every forward's autocast reuses one 16-bit copy of each weight, so a stage keeps one
-    copy whatever its micro-batches in flight (without it each forward casts anew, and each micro-batch's graph
-    keeps its own copy until its backward: p copies on the first stage of 1F1B).
-
-    torch.autocast caches the casts of weights (leaf tensors that require grad) until the outermost autocast
-    region exits; this is that outer region, itself disabled (the backward actions between the forwards run
-    outside autocast, as before). The weights do not change inside a step, so the cache never goes stale."""
-    if precision not in LOW_DTYPES or device.type == "meta":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, enabled=False)
+def precision_policy(name: str) -> Precision:
+    """The policy named `name`, or a ValueError naming the ones there are."""
+    if name not in POLICIES:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {name!r}")
+    return POLICIES[name]
 
 
 @dataclass

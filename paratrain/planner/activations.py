@@ -36,13 +36,16 @@ from dataclasses import replace
 import numpy as np
 
 from paratrain.config.model import ModelConfig
+from paratrain.memory import precision_policy
 from paratrain.pipeline.schedules import Action, Schedule
 from paratrain.planner.layout import Layout, chunk_layers
 from paratrain.planner.moe_activations import moe_activation_bytes
 
 
 def storage_mode(precision: str, zero: int) -> str:
-    if precision == "fp32":
+    """How activations are kept under a precision policy: 'fp32', 'autocast' (16-bit matmul outputs over float32
+    weights) or 'low' (ZeRO's 16-bit parameters: every activation 16-bit)."""
+    if not precision_policy(precision).low:
         return "fp32"
     return "low" if zero >= 1 else "autocast"
 

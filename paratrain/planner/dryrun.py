@@ -29,6 +29,7 @@ from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import ParallelConfig
 from paratrain.config.run import OptimSection
+from paratrain.memory import precision_policy
 from paratrain.planner.comm import StepSettings, step_volume
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import model_state_bytes
@@ -113,10 +114,11 @@ def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_si
     if model.n_experts:
         raise ConfigError("a Mixture-of-Experts model cannot be dry-run: its all-to-alls send as many rows as the "
                           "router sends each expert, which shapes alone do not say; plan it without --dry-run")
-    if precision == "fp16":
-        raise ConfigError("fp16 cannot be dry-run: its loss scale is read from the device at the first step, and a "
-                         "dry run has no values; dry-run bf16, which moves the same bytes (fp16 adds one 4-byte "
-                         "overflow flag per axis)")
+    policy = precision_policy(precision)
+    if policy.loss_scaling:
+        raise ConfigError(f"{precision} cannot be dry-run: its loss scale is read from the device at the first "
+                          "step, and a dry run has no values; dry-run bf16, which moves the same bytes (fp16 adds one "
+                          "4-byte overflow flag per axis)")
     started = time.perf_counter()
     with fake_rank(parallel, rank=rank, world_size=world_size, global_batch=global_batch,
                    micro_batch=micro_batch) as ctx:
@@ -155,7 +157,7 @@ def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_si
             actions = [f"{a.kind} chunk {a.chunk} mb {a.mb}" for a in engine.pipeline.program(rows // micro_batch)]
             volume.setdefault("pp", {})["send"] = engine.pipeline.times.sent_bytes
         notes = []
-        if precision != "fp32" and not ctx.config.zero:
+        if policy.low and not ctx.config.zero:
             notes.append(f"zero 0 with {precision}: the meta device runs no autocast, so activations are counted in "
                          f"float32; a real run's autocast moves the row outputs in {precision} (less)")
         coords = {axis: ctx.mesh.index(axis) for axis in ("dp", "cp", "tp", "pp") if axis != "cp" or ctx.dims.cp > 1}

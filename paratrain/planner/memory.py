@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paratrain.memory import POLICIES
 from paratrain.pipeline.schedules import Schedule
 from paratrain.comm.buckets import plan_buckets
 from paratrain.config.model import ModelConfig
@@ -29,8 +30,8 @@ from paratrain.planner.layout import Layout, RankParam, meta_tensors, rank_param
 from paratrain.topology.dims import ParallelDims
 
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-"""Bytes of one element stored in each precision."""
+BYTES = {name: policy.compute.itemsize for name, policy in POLICIES.items()}
+"""Bytes of one element stored in each precision (its policy's compute dtype: fp32 4, bf16 and fp16 2)."""
 MASTER_BYTES = 4
 """fp32: what the model is built in, so what ZeRO's masters and AdamW's moments are kept in."""
 STEP_BYTES = 4

@@ -130,7 +130,6 @@ def test_parameter_server_states_and_traffic_equal_the_run(pools, world, mode, s
 def _saved_bytes(layout: dict, precision: str, recompute: bool | str, rows: int) -> int:
     """What autograd keeps in one forward of the tiny GPT under dp 1 x tp (the world) and `layout`'s other fields."""
     import paratrain
-    from paratrain.memory import autocast
     from paratrain.memory.activations import saved_activations
 
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=1, tp=dist.get_world_size(), **layout))
@@ -138,7 +137,7 @@ def _saved_bytes(layout: dict, precision: str, recompute: bool | str, rows: int)
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0),
                                    options=paratrain.EngineOptions(precision=precision, recompute=recompute))
     x = torch.randint(0, 256, (rows, TINY.seq_len + 1), generator=torch.Generator().manual_seed(0))
-    with saved_activations(engine.model) as saved, autocast(precision, ctx.device):
+    with saved_activations(engine.model) as saved, engine.policy.autocast(ctx.device):
         paratrain.lm_loss(engine.model, (x[:, :-1], x[:, 1:]))
     return saved.bytes
 
@@ -178,7 +177,6 @@ def test_grid_activations_equal_what_autograd_keeps(pools, world, tp_mode, tp_de
 
 def _context_parallel_activations(case: dict, precision: str, zero: int, recompute: str) -> int:
     import paratrain
-    from paratrain.memory import autocast
     from paratrain.memory.activations import saved_activations
 
     tp = dist.get_world_size() // 2
@@ -190,7 +188,7 @@ def _context_parallel_activations(case: dict, precision: str, zero: int, recompu
     x = torch.randint(0, 256, (2, TINY.seq_len + 1), generator=torch.Generator().manual_seed(0))
     assert engine.parts.sequence is not None
     batch = engine.parts.sequence.shard_batch((x[:, :-1], x[:, 1:]))  # this rank's half of each sequence
-    with saved_activations(engine.model) as saved, autocast(precision, ctx.device):
+    with saved_activations(engine.model) as saved, engine.policy.autocast(ctx.device):
         paratrain.lm_loss(engine.model, batch)
     return saved.bytes
 
@@ -219,7 +217,6 @@ def test_context_parallel_activations_equal_what_autograd_keeps(pools, world, ca
 
 def _expert_parallel_activations(precision: str, zero: int) -> int:
     import paratrain
-    from paratrain.memory import autocast
     from paratrain.memory.activations import saved_activations
 
     world = dist.get_world_size()
@@ -228,7 +225,7 @@ def _expert_parallel_activations(precision: str, zero: int) -> int:
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0),
                                    options=paratrain.EngineOptions(precision=precision))
     x = torch.randint(0, 256, (2, DROPLESS.seq_len + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
-    with saved_activations(engine.model) as saved, autocast(precision, ctx.device):
+    with saved_activations(engine.model) as saved, engine.policy.autocast(ctx.device):
         paratrain.lm_loss(engine.model, (x[:, :-1], x[:, 1:]))
     return saved.bytes
 

@@ -8,7 +8,7 @@ import torch
 
 import paratrain
 from paratrain.config import preset
-from paratrain.memory import apply_recompute, autocast, recompute_pattern
+from paratrain.memory import apply_recompute, precision_policy, recompute_pattern
 from paratrain.models import GPT_RECIPE
 from paratrain.memory.activations import saved_activations
 from paratrain.planner.layout import Layout
@@ -29,7 +29,7 @@ def test_activations_equal_what_autograd_keeps(precision, zero, recompute, shape
     if recompute != "none":
         apply_recompute(model, recompute_pattern(recompute, GPT_RECIPE))
     x = torch.randint(0, 256, (rows, config.seq_len + 1), generator=torch.Generator().manual_seed(0))
-    with saved_activations(model) as saved, autocast(precision, torch.device("cpu")):
+    with saved_activations(model) as saved, precision_policy(precision).autocast(torch.device("cpu")):
         paratrain.lm_loss(model, (x[:, :-1], x[:, 1:]))
     predicted = activation_bytes(config, Layout(micro_batch=rows, recompute=recompute), seq=config.seq_len, mode=mode)
     assert predicted == saved.bytes
@@ -50,7 +50,7 @@ def test_moe_activations_equal_what_autograd_keeps(precision, zero, recompute, v
     if recompute != "none":
         apply_recompute(model, recompute_pattern(recompute, GPT_RECIPE))
     x = torch.randint(0, 256, (2, config.seq_len + 1), generator=torch.Generator().manual_seed(0))
-    with saved_activations(model) as saved, autocast(precision, torch.device("cpu")):
+    with saved_activations(model) as saved, precision_policy(precision).autocast(torch.device("cpu")):
         paratrain.lm_loss(model, (x[:, :-1], x[:, 1:]))
     predicted = activation_bytes(config, Layout(micro_batch=2, recompute=recompute), seq=config.seq_len, mode=mode)
     assert predicted == saved.bytes
