@@ -23,7 +23,7 @@ when every trainer has said STOP.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from paratrain.param_server.protocol import INIT, PULL, PUSH, SAVE, STOP, ServerLost, recv_header
 
@@ -54,13 +54,17 @@ class _State:
     """Checkpoint step -> the trainers that asked for it."""
     stopped: set[int] = field(default_factory=set)
     log: list[tuple[int, int, int]] = field(default_factory=list)
+    save: Callable[[int], None] | None = None
+    """Writes this server's pieces of the checkpoint of a step (serve_loop's `save`)."""
 
 
-def serve_async(server: ShardServer, staleness: int) -> list[tuple[int, int, int]]:
-    """Serve until every trainer has stopped; the pushes in arrival order as (clock, trainer, version)."""
+def serve_async(server: ShardServer, staleness: int,
+                save: Callable[[int], None] | None = None) -> list[tuple[int, int, int]]:
+    """Serve until every trainer has stopped; the pushes in arrival order as (clock, trainer, version). save: as
+    serve_loop's."""
     if staleness < 0:
         raise ValueError(f"staleness must be >= 0, got {staleness}")
-    peers, state = server.exchange.peers, _State()
+    peers, state = server.exchange.peers, _State(save=save)
     where = f"{peers.describe_server(server.index)} waiting for any trainer"
     while len(state.stopped) < peers.trainers:
         header, _ = recv_header(server.optimizer_groups, None, where, server.exchange.pg)
@@ -121,5 +125,5 @@ def _save_when_ready(server: ShardServer, state: _State) -> None:
     for step in sorted(state.saves):
         if len(state.saves[step]) == trainers and server.version == step:
             del state.saves[step]
-            if server.save is not None:
-                server.save(step)
+            if state.save is not None:
+                state.save(step)

@@ -13,17 +13,21 @@ Synchronous: each round, one header from every trainer, in trainer order; they m
 
 from __future__ import annotations
 
+from typing import Callable
+
 from paratrain.param_server.async_server import serve_async
 from paratrain.param_server.protocol import INIT, PULL, PUSH, SAVE, STOP, ServerLost, recv_header, wait
 from paratrain.param_server.server import ShardServer
 
 
-def serve_loop(server: ShardServer, *, staleness: int | None = None) -> list[tuple[int, int, int]]:
+def serve_loop(server: ShardServer, *, staleness: int | None = None,
+               save: Callable[[int], None] | None = None) -> list[tuple[int, int, int]]:
     """Serve until every trainer says STOP. staleness None: synchronous; an int: asynchronous with that bound.
-    Returns the pushes in the order they were applied, as (clock, trainer, version) (synchronous: trainer
-    order)."""
+    save: writes this server's pieces of the checkpoint of a step, when the trainers write theirs (collective
+    with them; None: a SAVE writes nothing). Returns the pushes in the order they were applied, as (clock, trainer,
+    version) (synchronous: trainer order)."""
     if staleness is not None:
-        return serve_async(server, staleness)
+        return serve_async(server, staleness, save)
     peers, log = server.exchange.peers, []
     where = server.exchange.peers.describe_server(server.index)
     while True:
@@ -41,8 +45,8 @@ def serve_loop(server: ShardServer, *, staleness: int | None = None) -> list[tup
             server.receive_init()
             continue
         if kind == SAVE:
-            if server.save is not None:
-                server.save(headers[0].clock)
+            if save is not None:
+                save(headers[0].clock)
             continue
         if kind == PUSH:
             server.sync_clock(headers)

@@ -99,8 +99,6 @@ class ShardServer:
     ready: bool = False
     """The slices hold the run's values: trainer 0's INIT arrived, or a checkpoint was loaded."""
     last: ClockResult = field(default_factory=lambda: ClockResult(0))
-    save: Callable[[int], None] | None = None
-    """Writes this server's pieces of a checkpoint after `step` steps (collective with the trainers)."""
     before_step: Callable[[int], None] | None = None
     """Called with the (1-based) step whose update is about to be applied (fault injection)."""
     tables: list[FlatGroup] = field(default_factory=list)
@@ -266,6 +264,12 @@ class ShardServer:
         for g in self.tables:
             wait(post_recv(g.master.data, self.exchange.peers.trainer_rank(0), BODY, self.exchange.pg),
                  f"the initial rows from {self.exchange.peers.describe_trainer(0)}")
+        self.ready = True
+
+    def loaded(self, step: int) -> None:
+        """This server's slices were loaded from the checkpoint of `step` steps: they hold the run's values, and the
+        next clock is `step` + 1."""
+        self.version = step
         self.ready = True
 
     def sync_clock(self, headers: list[Header], local: Push | None = None) -> ClockResult:

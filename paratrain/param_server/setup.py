@@ -96,9 +96,10 @@ def connect(model: nn.Module, ctx: Context, optimizer: torch.optim.Optimizer, *,
 
 
 def build_server(model: nn.Module, ctx: Context, optimizer: OptimizerFactory, *, grad_clip: float = 0.0,
-                 on_non_finite: str = "raise") -> ShardServer:
+                 on_non_finite: str = "raise", before_step: Callable[[int], None] | None = None) -> ShardServer:
     """A dedicated server's slices of `model` (built on the meta device, or whole: nothing of it runs here),
-    their masters and the optimizer over them (`optimizer` as parallelize takes it)."""
+    their masters and the optimizer over them (`optimizer` as parallelize takes it). before_step: called with
+    each (1-based) step whose update is about to be applied (fault injection)."""
     if not ctx.is_server:
         raise ValueError(f"rank {ctx.rank} trains (the grid's ranks 0 .. {ctx.dims.grid_size - 1}); the parameter "
                          "servers are the ranks after them: call parallelize on this rank")
@@ -116,4 +117,4 @@ def build_server(model: nn.Module, ctx: Context, optimizer: OptimizerFactory, *,
                           device=cpu)
     point_optimizer_at(opt, groups + sparse)
     return ShardServer(index, groups, opt, link, clip=grad_clip, on_non_finite=on_non_finite, tables=sparse,
-                       widths=[module.embedding_dim for _, module in tables])
+                       widths=[module.embedding_dim for _, module in tables], before_step=before_step)

@@ -52,8 +52,8 @@ def serve(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory, grad_c
     trainers' own (their checkpoints are written together: a server writes its pieces of each).
     before_step: called with each step (1-based) whose update is about to be applied."""
     shapes = whole_shapes(model)
-    server = build_server(model, ctx, optimizer, grad_clip=grad_clip, on_non_finite=on_non_finite)
-    server.before_step = before_step
+    server = build_server(model, ctx, optimizer, grad_clip=grad_clip, on_non_finite=on_non_finite,
+                          before_step=before_step)
     view = server_view(server, model, ctx, shapes)
     result = ServeResult()
     if resume:
@@ -61,18 +61,17 @@ def serve(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory, grad_c
         if found is not None:
             folder, meta = found
             load_sharded(folder, meta, view)
-            server.version = result.resumed_at = int(meta["step"])
-            server.ready = True
-    if save:
-        def write(step: int) -> None:
-            save_sharded(save, step, view, {}, keep_last=keep_last)
+            result.resumed_at = int(meta["step"])
+            server.loaded(result.resumed_at)
 
-        server.save = write
+    def write(step: int) -> None:
+        save_sharded(save, step, view, {}, keep_last=keep_last)
     get_logger(ctx.rank).info("parameter server %d serves %d slices (%d elements) to %d trainers", server.index,
                               len(server.groups), sum(s.numel() for s in server.slices),
                               server.exchange.peers.trainers)
     mode = ctx.config.ps_mode
-    result.pushes = serve_loop(server, staleness=ctx.config.staleness if mode == "async" else None)
+    result.pushes = serve_loop(server, staleness=ctx.config.staleness if mode == "async" else None,
+                               save=write if save else None)
     result.memory = server.memory()
     return result
 
