@@ -10,9 +10,11 @@ and the autograd engine between actions are real). Stages are balanced, so the f
 
     GPipe, 1F1B      (p - 1) / (m + p - 1) of the step
     interleaved      (p - 1) / (v m) of the ideal time, so (p - 1) / (v m + p - 1) of the step
-    zero-bubble      (p - 1)(F + I) / (m (F + I + W) + (p - 1)(F + I)) of the step: paratrain's ZB-H1
-                     keeps 1F1B's per-stage memory bound, which leaves (p - 1)(F + I) idle per rank
-                     instead of 1F1B's (p - 1)(F + I + W)
+    zero-bubble      (p - 1)(F + I) / (m (F + I + W) + (p - 1)(F + I)) of the step: paratrain's list-scheduled
+                     zero bubble keeps 1F1B's per-stage memory bound, which leaves (p - 1)(F + I) idle per
+                     rank instead of 1F1B's (p - 1)(F + I + W)
+    zb-h1            (p - 1)(F + I - W) / (m (F + I + W) + (p - 1)(F + I - W)) of the step: Qi et al.'s ZB-H1,
+                     every rank holding p micro-batches at most
 
 Measured bubble of a step: 1 - sum of compute time / (p x the longest rank's step time); the median
 over steps is reported with its ratio to the formula and the replay (the simulator fed with every
@@ -30,7 +32,7 @@ from pathlib import Path
 from bench.world import run_world
 
 LAYERS, WIDTH, ROWS_PER_MICRO, MICROBATCHES = 8, 16, 2, 8
-SCHEDULES = ["gpipe", "1f1b", "interleaved", "zero-bubble"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zero-bubble", "zb-h1"]
 
 
 def _contender(schedule: str, pp: int, unit: float, steps: int) -> dict:
@@ -133,6 +135,8 @@ def formula(schedule: str, p: int, m: int) -> float:
         return (p - 1) / (2 * m + p - 1)
     if schedule == "zero-bubble":
         return (p - 1) * (f + i) / (m * (f + i + w) + (p - 1) * (f + i))
+    if schedule == "zb-h1":
+        return (p - 1) * (f + i - w) / (m * (f + i + w) + (p - 1) * (f + i - w))
     return (p - 1) / (m + p - 1)
 
 

@@ -55,6 +55,7 @@ def _contender(name: str, steps: int) -> dict:
     import paratrain
     from paratrain.comm.volume import CollectiveCounter
     from paratrain.config import ModelConfig
+    from paratrain.param_server import ServerClient
 
     world = dist.get_world_size()
     servers = world // 2 if name == "ps-dedicated" else 0
@@ -95,7 +96,8 @@ def _contender(name: str, steps: int) -> dict:
             times.append(time.perf_counter() - started)
     psi = sum(p.numel() * 4 for p in model.parameters())
     if name.startswith("ps"):
-        client = engine.parts.remote
+        client = engine.grads  # the parameter server's client is the engine's gradient strategy
+        assert isinstance(client, ServerClient)
         # colocated, this rank is also a server: the pushes it received and the replies it sent
         local = client.local
         sent = client.pushed_bytes + (local.sent_bytes if local is not None else 0)

@@ -6,7 +6,7 @@ import argparse
 import os
 from typing import Any
 
-from paratrain.config import PRESETS, RunConfig, build_run_config, load_toml
+from paratrain.config import PRESETS, SCHEDULES, RunConfig, build_run_config, load_toml
 
 
 def _int_tuple(text: str) -> tuple[int, ...]:
@@ -34,7 +34,8 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--dp": ("parallel.dp", int, "data-parallel degree (default: world size / (tp x pp))"),
     "--tp": ("parallel.tp", int, "tensor-parallel degree: layers split over tp ranks (divides heads, ff and padded vocab)"),
     "--pp": ("parallel.pp", int, "pipeline-parallel degree: layers cut into pp stages"),
-    "--schedule": ("parallel.schedule", str, "pipeline schedule: gpipe, 1f1b (default), interleaved, zero-bubble"),
+    "--schedule": ("parallel.schedule", str, f"pipeline schedule: {', '.join(SCHEDULES)} (default 1f1b; "
+                   "docs/pipeline.md)"),
     "--virtual-stages": ("parallel.virtual_stages", int, "chunks per pipeline rank (interleaved schedule)"),
     "--pp-split": ("parallel.pp_split", _int_tuple, "first layer of each pipeline chunk after the first, e.g. 3,6,9 "
                    "(GPT layers: 0 embedding, 1..n blocks, n+1 head); default: balanced by cost"),

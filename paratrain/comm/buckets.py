@@ -71,11 +71,14 @@ def plan_buckets(params: list[nn.Parameter], *, cap_bytes: int,
     """
     planned: list[list[nn.Parameter]] = []
     pending: dict[Hashable, list[nn.Parameter]] = {}
+    filled: dict[Hashable, int] = {}  # bytes of each pending group
     for param in reversed([p for p in params if p.requires_grad]):
         group_key = (key(param), param.dtype, param.device)
         pending.setdefault(group_key, []).append(param)
-        if sum(p.numel() * p.element_size() for p in pending[group_key]) >= cap_bytes:
+        filled[group_key] = filled.get(group_key, 0) + param.numel() * param.element_size()
+        if filled[group_key] >= cap_bytes:
             planned.append(pending.pop(group_key))
+            del filled[group_key]
     planned.extend(pending.values())
     return planned
 

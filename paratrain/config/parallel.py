@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from paratrain.config.errors import ConfigError
 from paratrain.config.rules import PS_MODES, TP_MODES, check_parameter_server, check_tp_mode
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zero-bubble", "zb-h1")
 """The pipeline schedules paratrain.pipeline.schedules builds, by name (config is the ground floor:
 the names live here, the programs there)."""
 
@@ -48,6 +48,11 @@ def check_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -
                 f"{lower + stages} (global_batch / (micro_batch x dp))")
     elif chunks != 1:
         raise ScheduleError(f"--virtual-stages {chunks} needs the interleaved schedule (got {name!r})")
+    if name == "zb-h1" and microbatches < stages:
+        raise ScheduleError(
+            f"ZB-H1 fills the pipeline's bubble with the weight-gradient passes of micro-batches still in flight, "
+            f"which needs at least pp ({stages}) of them: micro-batches ({microbatches}) < pp; raise global_batch / "
+            f"(micro_batch x dp) to {stages} or more, or use --schedule zero-bubble")
 
 
 
@@ -74,7 +79,8 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree: the model's layers cut into pp stages on different ranks."""
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b, interleaved (needs virtual_stages >= 2) or zero-bubble."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved (needs virtual_stages >= 2), zero-bubble (I and W apart within
+    1F1B's per-stage memory) or zb-h1 (Qi et al.'s ZB-H1: W deferred into the bubble; needs micro-batches >= pp)."""
     virtual_stages: int = 1
     """Chunks per pipeline rank (the interleaved schedule): the model is cut into pp x this."""
     pp_split: tuple[int, ...] = ()

@@ -91,12 +91,19 @@ class PipelineExecutor:
         # runs only the weight-gradient ops; otherwise W walks the whole chunk again.
         self._weight_modules = _weight_modules(stage) if schedule.splits_backward and not recomputed else []
         self._capture: list[tuple[nn.Module, torch.Tensor]] | None = None
+        self._uncaptured = False
+        """A weight module of the forward in progress returned no single tensor that requires grad (a MoE router
+        returns its routing): its weights' gradient cannot come from its output's, so W walks the whole chunk."""
         for module in self._weight_modules:
             module.register_forward_hook(self._record_output)
 
     def _record_output(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._capture is not None and isinstance(output, torch.Tensor) and output.requires_grad:
+        if self._capture is None:
+            return
+        if isinstance(output, torch.Tensor) and output.requires_grad:
             self._capture.append((module, output))
+        else:
+            self._uncaptured = True
 
     def program(self, microbatches: int) -> list[Action]:
         if microbatches not in self._programs:
@@ -171,12 +178,13 @@ class PipelineExecutor:
         key = (action.chunk, action.mb)
         x = step.inputs.get(key) if action.chunk > 0 else micro_batches[action.mb][0]
         self._capture = [] if train and self._weight_modules else None
+        self._uncaptured = False
         with self._forward_context():  # autocast, for the forward only
             micro = micro_batches[action.mb]  # (inputs, targets) or (inputs, targets, positions)
             out = self.stage.run_chunk(action.chunk, x, micro[2] if len(micro) > 2 else None)
             if action.chunk == self.last_chunk:
                 loss_sum, count = self.loss(self.stage, out, micro_batches[action.mb][1])
-        if self._capture:
+        if self._capture and not self._uncaptured:  # else W walks the whole chunk (every weight module's path)
             step.module_outputs[key] = self._capture
         self._capture = None
         if action.chunk == self.last_chunk:

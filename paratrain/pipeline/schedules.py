@@ -23,8 +23,12 @@ Schedules:
   multiple of p. Bubble (p - 1) / (v m) of the ideal time instead of (p - 1) / m.
 - zero-bubble (after Qi et al. 2024's ZB-H1): backward split into I and W; list-scheduled so that I
   is on the critical path and W fills what 1F1B leaves idle, with 1F1B's in-flight bound (p - r).
-  Each rank idles (p - 1)(F + I), 1F1B's (p - 1)(F + I + W) less W: not the paper's ZB-H1 bound
-  (p - 1)(F + I - W), which lets later stages hold up to p micro-batches.
+  Each rank idles (p - 1)(F + I), 1F1B's (p - 1)(F + I + W) less W.
+- zb-h1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ZB-H1 as handcrafted there): 1F1B with the
+  backward split into I and W, rank r deferring its W passes by r micro-batches, so that W fills the bubble
+  1F1B leaves at the start of later stages and the tail of earlier ones. Each rank idles (p - 1)(F + I - W)
+  when W <= F and W <= I (m >= p; in general (p - 1)(F + I - min(F, I, W))) and holds at most p micro-batches'
+  activations or weight-gradient inputs: the first stage's 1F1B peak, on every stage.
 
 `Schedule` is the one object the executor (paratrain.pipeline.runtime), the simulator, the point-to-point
 exchange and the planner read: which rank holds each chunk, each rank's program, whether the backward is split
@@ -54,7 +58,7 @@ class Action(NamedTuple):
         return f"{self.kind}{self.chunk}.{self.mb}"
 
 
-SPLIT_BACKWARD = frozenset({"zero-bubble"})
+SPLIT_BACKWARD = frozenset({"zero-bubble", "zb-h1"})
 """The schedules whose backward runs as I (input gradient) and W (weight gradient) apart."""
 
 
@@ -100,12 +104,14 @@ class Schedule:
         """Idle share of a step (idle over total time per rank) with equal stages: gpipe, 1f1b (p - 1) / (m + p - 1);
         interleaved (p - 1) / (v m + p - 1) (the bubble is (p - 1) / (v m) of the ideal time); zero-bubble as
         paratrain schedules it, with F = I = W: each rank idles (p - 1)(F + I) against m (F + I + W) of work,
-        2 (p - 1) / (3 m + 2 (p - 1))."""
+        2 (p - 1) / (3 m + 2 (p - 1)); zb-h1 idles (p - 1)(F + I - W), (p - 1) / (3 m + p - 1)."""
         p, m, v = self.stages, microbatches, self.chunks
         if m < 1:
             raise ValueError(f"micro-batches must be >= 1, got {m}")
         if self.name == "interleaved":
             return (p - 1) / (v * m + p - 1)
+        if self.name == "zb-h1":
+            return (p - 1) / (3.0 * m + p - 1)
         if self.splits_backward:
             return 2.0 * (p - 1) / (3.0 * m + 2.0 * (p - 1))
         return (p - 1) / (m + p - 1)
@@ -126,6 +132,8 @@ def compute_order(name: str, stages: int, microbatches: int, rank: int, chunks: 
         return _one_f_one_b(p, m, r, backward="B")
     if name == "zero-bubble":
         return _zero_bubble_h1(p, m, r)
+    if name == "zb-h1":
+        return _zb_h1(p, m, r)
     return _interleaved(p, m, r, chunks)
 
 
@@ -136,6 +144,21 @@ def _one_f_one_b(p: int, m: int, r: int, backward: str) -> list[Action]:
         order += [Action("F", r, warmup + i), Action(backward, r, i)]
     order += [Action(backward, r, mb) for mb in range(m - warmup, m)]
     return order
+
+
+def _zb_h1(p: int, m: int, r: int) -> list[Action]:
+    """ZB-H1: 1F1B's warm-up (p - r - 1 forwards) and steady state, the backward as I then W, rank r's W passes each
+    r micro-batches behind its I (the first r I's followed by none; the last r W's at the end). Rank r then holds,
+    at its peak, the p - r micro-batches 1F1B would and r more waiting for W: p on every rank."""
+    warmup = min(p - r - 1, m)
+    order = [Action("F", r, mb) for mb in range(warmup)]
+    for i in range(m):
+        if i < m - warmup:
+            order.append(Action("F", r, warmup + i))
+        order.append(Action("I", r, i))
+        if i >= r:
+            order.append(Action("W", r, i - r))
+    return order + [Action("W", r, mb) for mb in range(max(m - r, 0), m)]
 
 
 def _zero_bubble_h1(p: int, m: int, r: int) -> list[Action]:

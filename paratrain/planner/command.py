@@ -232,6 +232,8 @@ def _layout_text(layout: dict[str, Any]) -> str:
     text = f"dp{layout['dp']} tp{layout['tp']} pp{layout['pp']}"
     if layout["virtual_stages"] > 1:
         text += f"x{layout['virtual_stages']}"
+    if layout["pp"] > 1 and layout["schedule"] not in ("1f1b", "interleaved"):  # those two: pp alone, or x chunks
+        text += f" {layout['schedule']}"
     if layout["ep"] > 1:
         text += f" ep{layout['ep']}"
     if layout["cp"] > 1:

@@ -191,9 +191,11 @@ def _candidate_fields(model: ModelConfig, devices: int, hardware: Hardware, *, g
                 pinned = [(m, d) for m, d in [("1d", 1), *grids] if m == pins["tp_mode"]
                           and d == pins.get("tp_depth", d)]
                 shapes = pinned or [(pins["tp_mode"], pins.get("tp_depth", 1))]
-            for v, zero, mb, recompute, sp, ep, mode, cut, (tp_mode, depth) in itertools.product(
-                    (1, 2) if pp > 1 else (1,), (0,) if served else (0, 1, 2, 3), micro, ("none", "selective", "full"),
-                    (False, True) if tp > 1 else (False,), eps, modes, cuts, shapes):
+            for (v, schedule), zero, mb, recompute, sp, ep, mode, cut, (tp_mode, depth) in itertools.product(
+                    PIPELINES if pp > 1 else ((1, "1f1b"),), (0,) if served else (0, 1, 2, 3), micro,
+                    ("none", "selective", "full"), (False, True) if tp > 1 else (False,), eps, modes, cuts, shapes):
+                if schedule == "zb-h1" and per_rank // mb < pp and "schedule" not in pins:
+                    continue  # ZB-H1 needs a micro-batch per stage at least (its rule, said when pinned)
                 if tp_mode != "1d" and (sp or ep > 1 or cut):  # the grid modes compose with none of these
                     continue
                 if tp_mode != "1d" and "micro_batch" not in pins and mb % ParallelConfig(
@@ -201,7 +203,7 @@ def _candidate_fields(model: ModelConfig, devices: int, hardware: Hardware, *, g
                     continue  # the grid splits the micro-batch's rows
                 fields = dict(_DEFAULTS, dp=dp, tp=tp, pp=pp, virtual_stages=v, zero=zero, micro_batch=mb,
                               recompute=recompute, sequence_parallel=sp,
-                              schedule="interleaved" if v > 1 else "1f1b", ep=ep, cp=cp, cp_mode=mode, expert_tp=cut,
+                              schedule=schedule, ep=ep, cp=cp, cp_mode=mode, expert_tp=cut,
                               tp_mode=tp_mode, tp_depth=depth)
                 if pins:
                     fields.update({k: pins[k] for k in pins if k in fields})
@@ -223,6 +225,10 @@ def grid_modes(tp: int) -> list[tuple[str, int]]:
         modes.append(("3d", 1))
     return modes
 
+
+PIPELINES = ((1, "1f1b"), (1, "zb-h1"), (2, "interleaved"))
+"""The (chunks a rank, schedule) pairs the search tries under pp > 1 (pin --schedule for the others: GPipe holds
+every micro-batch, and zero-bubble trades ZB-H1's later stages' memory for more idle time)."""
 
 GRID_MAX_TP = 64
 """The search tries the grid modes up to this tp (pin --tp to try more): the largest grids of the papers (Optimus,

@@ -40,7 +40,7 @@ def same_routing(got: dict, ref: dict) -> None:
     dict(dp=4, ep=4, micro_batch=4),                    # one expert per rank
     dict(dp=4, ep=2, micro_batch=4),                    # dp 2 x ep 2: each expert on two ranks (edp)
     dict(dp=2, ep=2, tp=2, micro_batch=8),              # experts over ep, attention over tp
-    dict(dp=2, ep=2, pp=2, micro_batch=2),              # a MoE layer on each stage
+    dict(dp=2, ep=2, pp=2, micro_batch=2, schedule="zb-h1"),  # a MoE layer a stage; ZB-H1's W over the experts
     dict(dp=4, ep=2, zero=3, micro_batch=2),            # experts sharded and gathered over edp, the rest over dp
     dict(dp=1, cp=2, micro_batch=8),                    # each sequence split: capacity and balance over the whole
     dict(dp=2, ep=2, cp=2, cp_mode="ulysses", micro_batch=4),  # experts over ep, their gradients over ep x cp

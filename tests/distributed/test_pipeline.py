@@ -21,7 +21,7 @@ def _job(**kwargs) -> dict:
 
 
 @pytest.mark.parametrize("pp,schedule", [(2, "gpipe"), (2, "1f1b"), (2, "interleaved"), (2, "zero-bubble"),
-                                         (4, "1f1b"), (4, "interleaved")])
+                                         (2, "zb-h1"), (4, "1f1b"), (4, "interleaved")])
 def test_every_schedule_matches_single_process(pools, pp, schedule):
     """8 micro-batches of 2 samples; interleaved: 2 chunks per rank (6 blocks, so 8 layers for pp 4)."""
     v = 2 if schedule == "interleaved" else 1
@@ -37,9 +37,10 @@ def test_every_schedule_matches_single_process(pools, pp, schedule):
     assert 0 < replay(times, schedule, microbatches=8, chunks=v).makespan <= max(t.total for t in times)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "zero-bubble"])
+@pytest.mark.parametrize("schedule", ["gpipe", "zero-bubble", "zb-h1"])
 def test_pipeline_float64_is_exact(pools, schedule):
-    """pp 4 (every schedule at pp 4 is covered here or above): float64 leaves only rounding."""
+    """pp 4 (every schedule at pp 4 is covered here or above), the tiny GPT's tied embedding on the first and last
+    stage: float64 leaves only rounding."""
     got = pools(4).run(_job, dp=1, pp=4, schedule=schedule, micro_batch=2, dtype="float64")
     ref = reference("float64")
     within(rel_diff(got[0]["losses"], ref["losses"]), 1e-13, "loss (float64)")
@@ -47,12 +48,13 @@ def test_pipeline_float64_is_exact(pools, schedule):
     within(max_state_diff(got[0]["model"], ref["model"]), 1e-12, "weights (float64)")
 
 
-@pytest.mark.parametrize("zero,sequence_parallel,recompute", [(1, True, True), (2, False, False)])
-def test_3d_hybrid_matches_single_process(pools, zero, sequence_parallel, recompute):
+@pytest.mark.parametrize("zero,sequence_parallel,recompute,schedule", [(1, True, True, "zb-h1"),
+                                                                       (2, False, False, "1f1b")])
+def test_3d_hybrid_matches_single_process(pools, zero, sequence_parallel, recompute, schedule):
     """dp 2 x tp 2 x pp 2 on 8 processes, with ZeRO over dp (DeepSpeed refuses ZeRO-2 with pipelining),
-    sequence parallelism and recomputation."""
+    sequence parallelism and recomputation; ZB-H1's weight-gradient passes over tp slices and ZeRO-1's buckets."""
     got = pools(8).run(_job, dp=2, tp=2, pp=2, zero=zero, sequence_parallel=sequence_parallel,
-                       recompute=recompute, micro_batch=2)
+                       recompute=recompute, micro_batch=2, schedule=schedule)
     ref = reference()
     assert_matches_reference(got, ref)
 

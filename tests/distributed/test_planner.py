@@ -260,7 +260,7 @@ def _pipeline_peak(schedule: str, virtual_stages: int) -> dict:
     return {"peak": meter.peak, "stage": ctx.mesh.index("pp")}
 
 
-@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero-bubble", 1)])
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero-bubble", 1), ("zb-h1", 1)])
 def test_pipeline_activation_peak_follows_the_schedule(pools, schedule, v):
     """pp 2, 8 micro-batches of 1: the peak the schedule's program gives, within 5 % (the token ids of
     the rank's whole batch are one storage, which the planner counts per micro-batch in flight)."""

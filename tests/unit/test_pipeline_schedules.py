@@ -58,6 +58,23 @@ def test_zero_bubble_idles_f_plus_i_per_stage_boundary(p, m, f, i, w):
     assert sim.makespan == pytest.approx(m * (f + i + w) + (p - 1) * (f + i), abs=1e-9)
 
 
+@pytest.mark.parametrize("p,m", [(p, m) for p, m in CASES if m >= p > 1])
+@pytest.mark.parametrize("f,i,w", [(1.0, 1.0, 1.0), (1.0, 1.5, 0.7), (0.6, 1.2, 1.5), (1.0, 1.0, 0.2)])
+def test_zb_h1_idles_f_plus_i_less_w_per_stage_boundary_holding_p_micro_batches(p, m, f, i, w):
+    """Qi et al.'s ZB-H1 bound: each rank idles (p - 1)(F + I - W) when W <= F and W <= I (half 1F1B's idle with equal
+    passes), (p - 1)(F + I - min(F, I, W)) in general (a W longer than the F or I beside it overhangs by the
+    difference); every rank holds at most p micro-batches (activations, or the inputs of a W still to run): 1F1B's
+    first stage."""
+    costs = {"F": f, "I": i, "W": w, "B": i + w}
+    schedule = Schedule("zb-h1", p)
+    sim = simulate([schedule.program(r, m) for r in range(p)], schedule, microbatches=m, costs=costs)
+    assert sim.makespan == pytest.approx(m * (f + i + w) + (p - 1) * (f + i - min(f, i, w)), abs=1e-9)
+    assert sim.peak_in_flight == (p,) * p
+    assert all({a.kind for a in schedule.order(r, m)} == {"F", "I", "W"} for r in range(p))
+    unit = simulate([schedule.program(r, m) for r in range(p)], schedule, microbatches=m)
+    assert unit.bubble_fraction == pytest.approx(schedule.bubble(m), abs=1e-12)
+
+
 def test_replay_with_measured_durations_and_latency():
     """durations replace the per-kind costs action by action; latency delays every message."""
     p, m = 2, 4
@@ -83,6 +100,8 @@ def test_invalid_schedules_are_refused_with_the_reason():
         check_schedule("1f1b", 4, 8, 2)
     with pytest.raises(ScheduleError, match="unknown schedule 'pipedream'"):
         check_schedule("pipedream", 4, 8)
+    with pytest.raises(ScheduleError, match=r"micro-batches \(3\) < pp; raise global_batch / \(micro_batch x dp\) to 4"):
+        check_schedule("zb-h1", 4, 3)
 
 
 def test_simulator_finds_deadlocks_and_misordered_messages():
