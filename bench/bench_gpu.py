@@ -87,7 +87,7 @@ def _engine(config: Any, micro: int, *, compile: bool, recompute: str = "none",
     model = paratrain.build_gpt(config, seed=0)
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True),
                                    options=paratrain.EngineOptions(micro_batch=micro, precision="bf16", grad_clip=1.0,
-                                                                                  recompute=recompute, compile=compile))
+                                                                   recompute=recompute, compile=compile))
 
     def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         engine.step(batch, lm_loss)

@@ -43,7 +43,7 @@ def _measure(model_name: str, global_batch: int, fields: dict, steps: int) -> fl
     model = paratrain.build_gpt(config, seed=0)
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                                    options=paratrain.EngineOptions(micro_batch=fields["micro_batch"],
-                                                                                  recompute=fields.get("recompute", "none")))
+                                                                   recompute=fields.get("recompute", "none")))
     rows = global_batch // ctx.mesh.degree("dp")
     x = torch.randint(0, config.vocab_size, (rows, config.seq_len + 1), generator=torch.Generator().manual_seed(0))
     return median_step_seconds(engine, (x[:, :-1], x[:, 1:]), paratrain.lm_loss, steps)

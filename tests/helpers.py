@@ -75,13 +75,13 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
             return torch.optim.Adagrad(params, lr=lr, eps=1e-2)
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
 
+    options = paratrain.EngineOptions(micro_batch=micro_batch, grad_clip=grad_clip, recompute=recompute, seed=seed,
+                                      compile=compile, precision=precision)
     if ctx.is_server:
-        served = paratrain.serve(gpt, ctx, optimizer=make_optimizer,
-                                 grad_clip=grad_clip, save=save_sharded or "", resume=load_sharded or "")
+        served = paratrain.serve(gpt, ctx, optimizer=make_optimizer, options=options, save=save_sharded or "",
+                                 resume=load_sharded or "")
         return {"server": True, "pushes": served.pushes}
-    engine = paratrain.parallelize(gpt, ctx, optimizer=make_optimizer,
-                                   options=paratrain.EngineOptions(micro_batch=micro_batch, grad_clip=grad_clip, recompute=recompute,
-                                                                                  seed=seed, compile=compile, precision=precision))
+    engine = paratrain.parallelize(gpt, ctx, optimizer=make_optimizer, options=options)
     source = load_source("builtin")
     loader = GlobalBatchLoader(source.train, seq_len=TINY.seq_len, global_batch=global_batch,
                                dp=ctx.mesh.degree("dp"), dp_index=ctx.mesh.index("dp"), seed=seed)

@@ -235,12 +235,11 @@ class Trainer:
             steps=self.max_steps, lr=self.lr, warmup_steps=self.warmup_steps,
             min_lr_ratio=self.min_lr_ratio if self.lr_schedule == "cosine" else 1.0, eval_every=self.val_every,
             eval_batches=self.val_batches, save=self.save or "", save_every=self.save_every, keep_last=self.keep_last,
-            nan_skips=self.nan_skips, log_json=self.log_json or "", tensorboard=self.tensorboard or "")
-        attempt = relaunch_attempt()
+            nan_skips=self.nan_skips, log_json=self.log_json or "", tensorboard=self.tensorboard or "",
+            checkpoint_meta={"trainer": "paratrain.Trainer"}, attempt=relaunch_attempt())
         self.loop = TrainLoop(engine, ctx, _batch_loss(loss_fn), loader, val_loader, settings,
-                              hooks=[CallbackHooks(self, self.callbacks)],
-                              checkpoint_meta={"trainer": "paratrain.Trainer"}, attempt=attempt)
-        resume = "auto" if attempt > 0 else self.resume
+                              hooks=[CallbackHooks(self, self.callbacks)])
+        resume = "auto" if settings.attempt > 0 else self.resume
         if resume:
             self.loop.resume(resume)
         done = self.loop.run()

@@ -72,6 +72,10 @@ class LoopSettings:
     """A progress bar on rank 0."""
     flops_per_token: float | None = None
     """Model FLOPs per token, for MFU in the records (None: no MFU)."""
+    checkpoint_meta: Mapping[str, Any] = field(default_factory=dict)
+    """Kept in every checkpoint's meta.json beside the loader's cursor (the run's config, who wrote it)."""
+    attempt: int = 0
+    """How many times the launcher relaunched the job (above 0 the JSON log keeps each step once)."""
 
 
 @dataclass
@@ -108,14 +112,10 @@ class Hook:
 
 class TrainLoop:
     def __init__(self, engine: Engine, ctx: Context, loss_fn: LossFn, train: Loader, val: Loader | None,
-                 settings: LoopSettings, *, hooks: Sequence[Hook] = (),
-                 checkpoint_meta: Mapping[str, Any] | None = None, attempt: int = 0) -> None:
-        """checkpoint_meta: kept in every checkpoint's meta.json beside the loader's cursor (the run's
-        config, who wrote it); attempt: how many times the launcher relaunched the job (above 0 the JSON
-        log keeps each step once)."""
+                 settings: LoopSettings, *, hooks: Sequence[Hook] = ()) -> None:
         self.engine, self.ctx, self.loss_fn = engine, ctx, loss_fn
         self.train, self.val, self.settings = train, val, settings
-        self.hooks, self.checkpoint_meta, self.attempt = list(hooks), dict(checkpoint_meta or {}), attempt
+        self.hooks = list(hooks)
         self.step = 0
         """Optimizer steps done (the next step's number is step + 1)."""
         self.log = get_logger(ctx.rank)
@@ -144,7 +144,7 @@ class TrainLoop:
 
     def save(self) -> None:
         """Collective: every rank writes its own pieces; rank 0 publishes the index once all are on disk."""
-        meta = {**self.checkpoint_meta, "loader": self.train.state_dict()}
+        meta = {**self.settings.checkpoint_meta, "loader": self.train.state_dict()}
         self.engine.before_save(self.step)  # the parameter servers write their pieces too
         folder = save_sharded(self.settings.save, self.step, self.engine.view(), meta, keep_last=self.settings.keep_last,
                               before_publish=lambda: [hook.before_publish(self) for hook in self.hooks])
@@ -173,7 +173,7 @@ class TrainLoop:
         result = LoopResult()
         logs = Records(
             JsonLog(s.log_json if self.ctx.is_main else None, append=self.step > 0,
-                    keep_until=(self.step if self.step > 0 else -1) if self.attempt > 0 else None),
+                    keep_until=(self.step if self.step > 0 else -1) if self.settings.attempt > 0 else None),
             TensorBoardLog(s.tensorboard, resumed_at=self.step) if s.tensorboard and self.ctx.is_main else None)
         peak = peak_flops(self.ctx.device)
         bar = self._progress_bar()

@@ -22,6 +22,7 @@ from torch import nn
 from paratrain.checkpoint import checkpoint_to_resume, load_sharded, save_sharded
 from paratrain.comm.placement import Placement, Placements
 from paratrain.config import RunPlan
+from paratrain.hybrid import EngineOptions
 from paratrain.hybrid.pieces import Pieces, whole_shapes
 from paratrain.hybrid.view import StateView
 from paratrain.param_server import ShardServer, build_server
@@ -45,14 +46,15 @@ class ServeResult:
     bytes of pushes held at once)."""
 
 
-def serve(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory, grad_clip: float = 0.0,
-          on_non_finite: str = "raise", save: str = "", resume: str = "", keep_last: int = 0,
+def serve(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
+          options: EngineOptions = EngineOptions(), save: str = "", resume: str = "", keep_last: int = 0,
           before_step: Callable[[int], None] | None = None) -> ServeResult:
-    """Run this rank as a dedicated parameter server (module docstring). save, resume, keep_last: the
-    trainers' own (their checkpoints are written together: a server writes its pieces of each).
-    before_step: called with each step (1-based) whose update is about to be applied."""
+    """Run this rank as a dedicated parameter server (module docstring). options: the trainers' (the server
+    applies their grad_clip and on_non_finite). save, resume, keep_last: the trainers' own (their checkpoints are
+    written together: a server writes its pieces of each). before_step: called with each step (1-based) whose
+    update is about to be applied."""
     shapes = whole_shapes(model)
-    server = build_server(model, ctx, optimizer, grad_clip=grad_clip, on_non_finite=on_non_finite,
+    server = build_server(model, ctx, optimizer, grad_clip=options.grad_clip, on_non_finite=options.on_non_finite,
                           before_step=before_step)
     view = server_view(server, model, ctx, shapes)
     result = ServeResult()
@@ -93,6 +95,7 @@ def serve_plan(plan: RunPlan, ctx: Context) -> ServeResult:
     model = build_gpt(plan.model, seed=config.seed, device="meta")
     resume = "auto" if config.launch.attempt > 0 else train.resume
     fault = FaultInjection(train.fail_at, rank=ctx.rank, attempt=config.launch.attempt) if train.fail_at else None
-    return serve(model, ctx, optimizer=adamw_factory(model, config.optim), grad_clip=config.optim.grad_clip,
-                 on_non_finite="skip" if train.nan_policy == "skip" else "raise", save=train.save, resume=resume,
-                 keep_last=train.keep_last, before_step=fault.at_step if fault is not None else None)
+    options = EngineOptions(grad_clip=config.optim.grad_clip,
+                            on_non_finite="skip" if train.nan_policy == "skip" else "raise")
+    return serve(model, ctx, optimizer=adamw_factory(model, config.optim), options=options, save=train.save,
+                 resume=resume, keep_last=train.keep_last, before_step=fault.at_step if fault is not None else None)

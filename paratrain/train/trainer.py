@@ -170,10 +170,10 @@ class Trainer:
             eval_batches=train.eval_batches or 1, save=train.save, save_every=train.save_every,
             keep_last=train.keep_last, nan_skips=train.nan_skips, check_collectives=train.check_collectives,
             log_json=train.log_json, tensorboard=train.tensorboard, progress=train.progress,
-            flops_per_token=plan.model.flops_per_token(plan.seq_len))
+            flops_per_token=plan.model.flops_per_token(plan.seq_len), checkpoint_meta={"config": to_dict(config)},
+            attempt=self.attempt)
         hooks = [FaultInjection(train.fail_at, rank=ctx.rank, attempt=self.attempt)] if train.fail_at else []
-        self.loop = TrainLoop(self.engine, ctx, loss_fn, self.train_loader, self.val_loader, settings, hooks=hooks,
-                              checkpoint_meta={"config": to_dict(config)}, attempt=self.attempt)
+        self.loop = TrainLoop(self.engine, ctx, loss_fn, self.train_loader, self.val_loader, settings, hooks=hooks)
         resume = "auto" if self.attempt > 0 else train.resume
         if resume and not self.loop.resume(resume):
             self.log.info("--resume auto: no checkpoint under %s verifies; starting at step 0", train.save)

@@ -87,7 +87,8 @@ def _held_back(staleness: int, delays: dict[tuple[int, int], float], steps: int)
     model = paratrain.build_gpt(TINY, seed=7, dtype=torch.float64)
     adamw = lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)  # noqa: E731
     if ctx.is_server:
-        return {"rank": dist.get_rank(), "pushes": paratrain.serve(model, ctx, optimizer=adamw, grad_clip=1.0).pushes}
+        served = paratrain.serve(model, ctx, optimizer=adamw, options=paratrain.EngineOptions(grad_clip=1.0))
+        return {"rank": dist.get_rank(), "pushes": served.pushes}
     engine = paratrain.parallelize(model, ctx, optimizer=adamw,
                                    options=paratrain.EngineOptions(micro_batch=4, grad_clip=1.0, seed=7))
     loader = GlobalBatchLoader(load_source("builtin").train, seq_len=TINY.seq_len, global_batch=16, dp=2,

@@ -29,7 +29,8 @@ def _report(layout: dict, precision: str, model: str = "tiny") -> dict:
     ctx = paratrain.init(device="cpu", config=config)
     model = paratrain.build_gpt(TINY if model == "tiny" else MOE, seed=0)
     engine = paratrain.parallelize(model, ctx, optimizer=adamw_factory(model, OptimSection()),
-                                   options=paratrain.EngineOptions(micro_batch=config.tp_row_parts, precision=precision))
+                                   options=paratrain.EngineOptions(micro_batch=config.tp_row_parts,
+                                                                   precision=precision))
     rows = 8 // ctx.mesh.degree("dp")
     x = torch.randint(0, 256, (rows, TINY.seq_len), generator=torch.Generator().manual_seed(0))
     engine.train_step((x, x.roll(-1, 1)), paratrain.lm_loss)  # the optimizer state exists after a step
@@ -260,7 +261,8 @@ def _pipeline_peak(schedule: str, virtual_stages: int) -> dict:
     return {"peak": meter.peak, "stage": ctx.mesh.index("pp")}
 
 
-@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero-bubble", 1), ("zb-h1", 1)])
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero-bubble", 1),
+                                        ("zb-h1", 1)])
 def test_pipeline_activation_peak_follows_the_schedule(pools, schedule, v):
     """pp 2, 8 micro-batches of 1: the peak the schedule's program gives, within 5 % (the token ids of
     the rank's whole batch are one storage, which the planner counts per micro-batch in flight)."""

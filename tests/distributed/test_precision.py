@@ -32,7 +32,7 @@ def _run(dp: int | None, zero: int, precision: str, steps: int = 8, loss_scale: 
     model = paratrain.build_gpt(TINY, seed=1)
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
                                    options=paratrain.EngineOptions(micro_batch=4, precision=precision, grad_clip=1.0,
-                                                                                  loss_scale=loss_scale))
+                                                                   loss_scale=loss_scale))
     loader = GlobalBatchLoader(load_source("builtin").train, seq_len=TINY.seq_len, global_batch=16,
                                dp=ctx.mesh.degree("dp"), dp_index=ctx.mesh.index("dp"), seed=1)
     losses, skipped, scales = [], [], []

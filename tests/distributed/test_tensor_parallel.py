@@ -85,7 +85,7 @@ def _mlp_job(dp: int | None, tp: int) -> dict:
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
                                    options=paratrain.EngineOptions(grad_clip=0.5),
                                    recipe=paratrain.recipe_for(model, tp_plan={"0": "column", "2": "row",
-                                                                                                "3": "column_gather"}))
+                                                                               "3": "column_gather"}))
     losses = [engine.train_step(regression_rows(ctx, 8, 4), squared_error) for _ in range(5)]
     return {"losses": losses, "model": engine.state_dict()["model"]}
 

@@ -142,7 +142,7 @@ def _buffer_styles(dp: int) -> dict:
     torch.manual_seed(0)
     engine = paratrain.parallelize(_Styles(), ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
                                    options=paratrain.EngineOptions(micro_batch=2,
-                                                                                  buffers={"count": "sum", "ema": "mean"}))
+                                                                   buffers={"count": "sum", "ema": "mean"}))
     x = torch.randn(16, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     rows = 8 // dp
     for step in range(2):

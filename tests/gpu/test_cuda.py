@@ -66,7 +66,7 @@ def _cuda_run(compile: bool, recompute: str = "none", steps: int = 5) -> list[fl
     model = paratrain.build_gpt(config, seed=0)
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
                                    options=paratrain.EngineOptions(micro_batch=4, grad_clip=1.0, compile=compile,
-                                                                                  recompute=recompute))
+                                                                   recompute=recompute))
     x = torch.randint(0, 256, (8, config.seq_len + 1), generator=torch.Generator().manual_seed(0)).cuda()
     return [engine.train_step((x[:, :-1], x[:, 1:]), paratrain.lm_loss) for _ in range(steps)]
 

@@ -100,7 +100,7 @@ def test_invalid_schedules_are_refused_with_the_reason():
         check_schedule("1f1b", 4, 8, 2)
     with pytest.raises(ScheduleError, match="unknown schedule 'pipedream'"):
         check_schedule("pipedream", 4, 8)
-    with pytest.raises(ScheduleError, match=r"micro-batches \(3\) < pp; raise global_batch / \(micro_batch x dp\) to 4"):
+    with pytest.raises(ScheduleError, match=r"micro-batches \(3\) < pp; raise global_batch / \(micro_batch x dp\)"):
         check_schedule("zb-h1", 4, 3)
 
 
