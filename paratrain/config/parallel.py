@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass, replace
 
 from paratrain.config.errors import ConfigError
-from paratrain.config.rules import PS_MODES, TP_MODES, check_parameter_server, check_tp_mode
+from paratrain.config.rules import (PS_MODES, TP_MODES, check_expert_parallel, check_parameter_server, check_shard_group,
+                                    check_tp_mode)
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zero-bubble", "zb-h1")
 """The pipeline schedules paratrain.pipeline.schedules builds, by name (config is the ground floor:
@@ -235,21 +236,8 @@ class ParallelConfig:
                 "offload=optimizer needs a ZeRO stage: with zero=0 the optimizer state is not held by "
                 "the sharding engine that offloads it; set zero to 1, 2 or 3"
             )
-        if self.shard_group is not None:
-            if self.zero == 0:
-                raise ConfigError(
-                    f"shard_group={self.shard_group} needs a ZeRO stage: with zero=0 nothing is sharded; "
-                    "set zero to 1 or 2, or drop shard_group"
-                )
-            if self.shard_group < 1 or dp % self.shard_group:
-                choices = [s for s in range(1, dp + 1) if dp % s == 0]
-                raise ConfigError(
-                    f"shard_group ({self.shard_group}) must divide dp ({dp}): choose shard_group in {choices}"
-                )
-        if dp % self.ep:
-            choices = [e for e in range(1, dp + 1) if dp % e == 0]
-            raise ConfigError(f"ep ({self.ep}) must divide dp ({dp}): expert parallelism divides the experts among "
-                              f"dp ranks; choose ep in {choices}")
+        check_shard_group(self.shard_group, self.zero, dp)
+        check_expert_parallel(self.ep, dp)
         return replace(self, dp=dp)
 
     def _check_context_parallel(self) -> None:

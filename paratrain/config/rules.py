@@ -37,6 +37,29 @@ PS_MODES: tuple[str, ...] = ("off", "sync", "async")
 asynchronous with bounded staleness (paratrain.param_server)."""
 
 
+def check_divides_dp(name: str, value: int, dp: int, why: str = "") -> None:
+    """A sub-axis of dp (ep, a ZeRO shard group) divides dp, or a ConfigError naming the values that do."""
+    if value < 1 or dp % value:
+        choices = [d for d in range(1, dp + 1) if dp % d == 0]
+        raise ConfigError(f"{name} ({value}) must divide dp ({dp}){why}; choose {name} in {choices}")
+
+
+def check_expert_parallel(ep: int, dp: int) -> None:
+    """ep divides dp: experts are divided among ep consecutive dp ranks (ParallelConfig, ParallelDims)."""
+    check_divides_dp("ep", ep, dp, ": expert parallelism divides the experts among dp ranks")
+
+
+def check_shard_group(shard_group: int | None, zero: int, dp: int) -> None:
+    """A ZeRO shard group (MiCS / HSDP) needs a ZeRO stage and divides dp (ParallelConfig, the planner's Layout,
+    ParallelDims)."""
+    if shard_group is None:
+        return
+    if not zero:
+        raise ConfigError(f"shard_group={shard_group} needs a ZeRO stage: with zero=0 nothing is sharded; "
+                          "set zero to 1 or 2, or drop shard_group")
+    check_divides_dp("shard_group", shard_group, dp, ": each group of that many dp ranks holds one copy of the state")
+
+
 def check_tp_mode(config: LayoutFields) -> None:
     """How tp splits each layer (tp_mode, tp_depth), and what the grid modes compose with."""
     if config.tp_mode not in TP_MODES:

@@ -16,6 +16,7 @@ import torch
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
+from paratrain.config.rules import check_shard_group
 from paratrain.pipeline.schedules import Schedule
 from paratrain.pipeline.stages import balanced_split
 from paratrain.topology.dims import ParallelDims
@@ -67,12 +68,7 @@ class Layout:
         if "ps_servers" in fields:
             axes["servers"] = fields.pop("ps_servers")
         shard_group, zero, dp = fields.pop("shard_group", None), fields.get("zero", 0), axes.get("dp", 1)
-        if shard_group is not None and not zero:
-            raise ConfigError(f"shard_group={shard_group} needs a ZeRO stage: with zero=0 nothing is sharded; "
-                              "set zero to 1 or 2, or drop shard_group")
-        if shard_group is not None and (shard_group < 1 or dp % shard_group):
-            choices = [s for s in range(1, dp + 1) if dp % s == 0]
-            raise ConfigError(f"shard_group ({shard_group}) must divide dp ({dp}): choose shard_group in {choices}")
+        check_shard_group(shard_group, zero, dp)
         shard = (shard_group or dp) if zero else 1
         return cls(dims=ParallelDims.of(**axes, dp_shard=shard), **fields)
 

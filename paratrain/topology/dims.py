@@ -23,6 +23,7 @@ from itertools import product
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.parallel import ParallelConfig
+from paratrain.config.rules import check_divides_dp, check_expert_parallel
 
 AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 """The axes of the rank grid, outermost first."""
@@ -65,17 +66,15 @@ class ParallelDims:
         if self.tp_mode in ("2d", "2.5d") and self.tp_depth * self.grid_side ** 2 != self.tp:
             raise ConfigError(f"tp_mode {self.tp_mode} lays the tp ranks out as tp_depth ({self.tp_depth}) q x q grids, "
                               f"and tp ({self.tp}) is not tp_depth x a square: choose tp = tp_depth x q^2")
-        if self.dp % self.ep:
-            choices = [e for e in range(1, self.dp + 1) if self.dp % e == 0]
-            raise ConfigError(f"ep ({self.ep}) must divide dp ({self.dp}): expert parallelism divides the experts "
-                              f"among dp ranks; choose ep in {choices}")
+        check_expert_parallel(self.ep, self.dp)
 
     @classmethod
     def of(cls, *, dp: int = 1, tp: int = 1, pp: int = 1, virtual_stages: int = 1, ep: int = 1,
            dp_shard: int = 1, cp: int = 1, servers: int = 0, tp_mode: str = "1d", tp_depth: int = 1) -> ParallelDims:
         """From the data-parallel degree as a whole, split into dp / dp_shard replicas of dp_shard ranks."""
-        if dp_shard < 1 or dp < 1 or dp % dp_shard:
-            raise ConfigError(f"shard group ({dp_shard}) must divide dp ({dp})")
+        if dp < 1:
+            raise ConfigError(f"dp must be >= 1, got {dp}")
+        check_divides_dp("shard group", dp_shard, dp)
         return cls(pp=pp, virtual_stages=virtual_stages, dp_replicate=dp // dp_shard, dp_shard=dp_shard, ep=ep,
                    tp=tp, cp=cp, servers=servers, tp_mode=tp_mode, tp_depth=tp_depth)
 
@@ -192,8 +191,7 @@ class ParallelDims:
         a shard group is `shard` consecutive dp indices times every cp index (shard x cp ranks holding one
         copy of the state), a replicate group the ranks at the same (dp index mod shard, cp index) of
         every shard group. At cp 1 this is dp_split(shard)."""
-        if shard < 1 or self.dp % shard:
-            raise ConfigError(f"shard group ({shard}) must divide dp ({self.dp})")
+        check_divides_dp("shard group", shard, self.dp)
         block = shard * self.cp  # data_groups order: dp index outer, cp inner
         shard_groups, replicate_groups = [], []
         for group in self.data_groups():
@@ -219,8 +217,7 @@ class ParallelDims:
         dp indices: dp_index = replicate_index * shard + shard_index. A shard group holds one copy of
         the state, split `shard` ways; a replicate group links the ranks that hold the same shard.
         """
-        if shard < 1 or self.dp % shard:
-            raise ConfigError(f"shard group ({shard}) must divide dp ({self.dp})")
+        check_divides_dp("shard group", shard, self.dp)
         shard_groups, replicate_groups = [], []
         for dp_group in self.all_groups("dp"):
             for start in range(0, self.dp, shard):

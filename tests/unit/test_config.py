@@ -25,7 +25,8 @@ def test_dp_fills_the_world():
     (ParallelConfig(ep=3), 4, "ep (3) must divide dp (4): expert parallelism divides the experts among dp ranks; "
                               "choose ep in [1, 2, 4]"),
     (ParallelConfig(dp=4, shard_group=2), 4, "needs a ZeRO stage"),
-    (ParallelConfig(dp=4, zero=1, shard_group=3), 4, "shard_group (3) must divide dp (4): choose shard_group in [1, 2, 4]"),
+    (ParallelConfig(dp=4, zero=1, shard_group=3), 4, "shard_group (3) must divide dp (4): each group of that many dp "
+                                                      "ranks holds one copy of the state; choose shard_group in [1, 2, 4]"),
     (ParallelConfig(zero=1, grad_reduce="ring"), 4, "grad_reduce must be"),
     (ParallelConfig(offload="optimizer"), 2, "offload=optimizer needs a ZeRO stage"),
     (ParallelConfig(zero=1, offload="nvme"), 2, "offload must be 'none', 'optimizer', 'activations'"),
