@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +41,7 @@ from paratrain.memory import precision_policy
 from paratrain.pipeline.schedules import Action, Schedule
 from paratrain.planner.layout import Layout, chunk_layers
 from paratrain.planner.moe_activations import moe_activation_bytes
+from paratrain.topology.dims import ParallelDims
 
 
 def storage_mode(precision: str, zero: int) -> str:
@@ -203,16 +205,18 @@ def head_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, tp:
 def chunk_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str,
                            pp_split: tuple[int, ...] = ()) -> list[float]:
     """Bytes one micro-batch leaves saved in each pipeline chunk (its layers' terms)."""
-    # ZeRO changes nothing here: cached on what does (the search asks for many ZeRO stages at once)
-    essential = Layout(dims=replace(layout.dims, dp_replicate=layout.dp, dp_shard=1), micro_batch=layout.micro_batch,
-                       recompute=layout.recompute, sequence_parallel=layout.sequence_parallel, cp_mode=layout.cp_mode,
-                       expert_tp=layout.expert_tp)
-    return list(_chunk_sizes(model, essential, seq, mode, pp_split))
+    # cached on what they depend on (the search asks for many ZeRO stages, schedules and pipeline ranks at once)
+    saved = (layout.dims, layout.micro_batch, layout.recompute, layout.sequence_parallel, layout.cp_mode,
+             layout.expert_tp)
+    return list(_chunk_sizes(model, saved, seq, mode, pp_split))
 
 
 @functools.lru_cache(maxsize=8192)
-def _chunk_sizes(model: ModelConfig, layout: Layout, seq: int, mode: str,
+def _chunk_sizes(model: ModelConfig, saved: tuple[Any, ...], seq: int, mode: str,
                  pp_split: tuple[int, ...]) -> tuple[float, ...]:
+    dims, micro_batch, recompute, sequence_parallel, cp_mode, expert_tp = saved
+    layout = Layout(dims=replace(dims, dp_replicate=dims.dp, dp_shard=1), micro_batch=micro_batch, recompute=recompute,
+                    sequence_parallel=sequence_parallel, cp_mode=cp_mode, expert_tp=expert_tp)
     block = block_activation_bytes(model, layout, seq=seq, mode=mode)
     moe_block = block_activation_bytes(model, layout, seq=seq, mode=mode, moe=True)
     kwargs = dict(micro_batch=layout.micro_batch, seq=seq // layout.cp, tp=layout.tp)
@@ -281,10 +285,16 @@ def _in_flight_counts(schedule: Schedule, microbatches: int, stage: int) -> tupl
     return (np.array(saved) if saved else empty), (np.array(held) if held else empty)
 
 
-@functools.lru_cache(maxsize=8192)
 def _chunk_casts(model: ModelConfig, layout: Layout, mode: str, pp_split: tuple[int, ...]) -> tuple[float, ...]:
     """Each pipeline chunk's weight casts under autocast: its dense blocks' and the head's (one copy per step). A
     grid's linears cast their blocks inside their own autograd functions, once per micro-batch: none held once."""
+    return _casts(model, layout.dims, layout.sequence_parallel, mode, pp_split)
+
+
+@functools.lru_cache(maxsize=8192)
+def _casts(model: ModelConfig, dims: ParallelDims, sequence_parallel: bool, mode: str,
+           pp_split: tuple[int, ...]) -> tuple[float, ...]:
+    layout = Layout(dims=replace(dims, dp_replicate=dims.dp, dp_shard=1), sequence_parallel=sequence_parallel)
     if layout.tp_mode != "1d":
         return tuple(0.0 for _ in chunk_layers(model, layout.dims, pp_split))
     block = block_weight_casts(model, layout, mode=mode)

@@ -181,6 +181,7 @@ def _gemm_work(hw: Hardware, cut: Cut, tokens: int, shapes: list[tuple[int, int,
     return fwd, bwd, extra
 
 
+@functools.lru_cache(maxsize=4096)  # the search prices the same block under many ZeRO stages, schedules and dp
 def block_work(model: ModelConfig, hw: Hardware, *, tokens: int, seq: int, cut: Cut, recompute: str, kernels: str,
                act: int, mlp: bool = True) -> Work:
     """One block and one micro-batch of `tokens` rows on one tp rank (attention over `seq` keys); without its
@@ -208,6 +209,7 @@ def block_work(model: ModelConfig, hw: Hardware, *, tokens: int, seq: int, cut: 
     return work
 
 
+@functools.lru_cache(maxsize=4096)
 def head_work(model: ModelConfig, hw: Hardware, *, tokens: int, cut: Cut, act: int, kernels: str) -> Work:
     """The last stage's final norm, vocabulary matmul and chunked loss, one micro-batch (eager)."""
     v, h, tp = model.padded_vocab, model.d_model, cut.tp
