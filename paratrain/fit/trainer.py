@@ -248,6 +248,7 @@ class Trainer:
             callback.on_fit_end(self, result)
         if launched_by_trainer():  # hand the result and the weights over, and leave
             hand_over(engine, result, weights=not self.hf)
+        engine.close()  # the parameter servers leave their loop; hooks and groups released
         return result
 
     def save_pretrained(self, out: str, *, dtype: torch.dtype | None = None,

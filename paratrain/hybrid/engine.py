@@ -95,6 +95,7 @@ class Engine:
         the updates in between are not undone, so read before saving a checkpoint.
         wait: read the values before the update (as train_step does): a non-finite step then raises
         or is skipped before it changes anything."""
+        self._check_open()
         self.model.train()
         rows = batch_rows(batch)
         micro_batches = split_batch(batch, self.micro_batch or rows)
@@ -141,6 +142,12 @@ class Engine:
             for handle in self.parts.hooks:
                 handle.remove()
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine was closed (Engine.close): its gradient hooks are removed, so a step "
+                               "would not reduce, and ZeRO-3's forward would not gather; build a new engine with "
+                               "paratrain.parallelize")
+
     def __enter__(self) -> Engine:
         return self
 
@@ -162,6 +169,7 @@ class Engine:
     @torch.no_grad()
     def eval_loss(self, batch: Batch, loss_fn: LossFn) -> float:
         """Mean per-token loss over the global batch (this rank's share given), without updating."""
+        self._check_open()
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         micro_batches = split_batch(batch, self.micro_batch or batch_rows(batch))

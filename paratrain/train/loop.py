@@ -239,7 +239,6 @@ class TrainLoop:
                     self.save()
                 interval_start = time.perf_counter()
             result.wall_s = time.perf_counter() - started
-            self.engine.close()  # the parameter servers leave their loop
         finally:
             if bar is not None:
                 bar.close()

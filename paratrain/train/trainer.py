@@ -203,6 +203,7 @@ class Trainer:
         elif sample_tokens and (self.ctx.is_main or sharded) and self.source.can_write:
             text = self.sample(sample_tokens)
             result.sample = text if self.ctx.is_main else ""
+        self.engine.close()  # the parameter servers leave their loop; hooks and groups released
         return result
 
     def sample(self, length: int, prompt: str = "The ") -> str:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 
-def _threads_left(close: bool) -> int:
+def _threads_left(close: bool) -> tuple[int, list[str]]:
     """Threads of this rank after three engines (ZeRO-3 over dp; ZeRO-2 under sequence parallelism; plain dp), each
-    with its own mesh, less those before them."""
+    with its own mesh, less those before them; and what a closed engine said when asked for another step."""
     import gc
     import os
 
@@ -24,6 +24,7 @@ def _threads_left(close: bool) -> int:
         return len(os.listdir("/proc/self/task"))
 
     before = threads()
+    refusals = []
     for layout in (dict(dp=2, zero=3), dict(dp=1, tp=2, sequence_parallel=True, zero=2), dict(dp=2)):
         ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(**layout))
         engine = paratrain.parallelize(paratrain.build_gpt(TINY, seed=1), ctx,
@@ -33,17 +34,23 @@ def _threads_left(close: bool) -> int:
         if close:
             with engine, ctx:
                 pass
+            try:
+                engine.train_step((x, x.roll(-1, 1)), paratrain.lm_loss)
+            except RuntimeError as error:
+                refusals.append(str(error))
         else:
             ctx.mesh.close()  # the groups leave torch's tables; their objects go with the last reference
         del engine, ctx
-    return threads() - before
+    return threads() - before, refusals
 
 
 @pytest.mark.parametrize("close", [True, False], ids=["closed", "dropped"])
 def test_an_engine_closed_or_dropped_frees_its_groups_threads(pools, close):
     # measured: 0 on every rank either way; before the hooks held their strategy weakly a dropped engine kept
     # 9 threads a layout here (3 groups of 3), 27 in all
-    assert pools(2).run(_threads_left, close) == [0, 0]
+    for left, refusals in pools(2).run(_threads_left, close):
+        assert left == 0
+        assert len(refusals) == (3 if close else 0) and all("this engine was closed" in r for r in refusals)
 
 
 def _backward_without_engine() -> str:
