@@ -138,9 +138,11 @@ def test_moe_under_sequence_parallelism_with_experts_cut_over_tp(tmp_path):
 
 
 def test_tensor_parallel_run_samples_on_every_tp_rank(tmp_path):
-    """dp 2 x tp 2 with sequence parallelism and ZeRO-1 (4 processes) trains and samples (every tp rank
-    generates). Its sharded checkpoint continuing elsewhere: tests/distributed/test_sharded_checkpoint.py."""
-    out = paratrain("train", "--nproc", "4", "--dp", "2", "--tp", "2", "--sequence-parallel", "--zero", "1", *SMALL,
+    """dp 2 x tp 2 with sequence parallelism and ZeRO-3 (4 processes) trains and samples (every tp rank
+    generates, after the loop: the engine is closed only once the sample is written, as ZeRO-3's forward gathers
+    through the engine's hooks). Its sharded checkpoint continuing elsewhere:
+    tests/distributed/test_sharded_checkpoint.py."""
+    out = paratrain("train", "--nproc", "4", "--dp", "2", "--tp", "2", "--sequence-parallel", "--zero", "3", *SMALL,
                     "--steps", "2", "--sample-tokens", "16")
     assert out.returncode == 0, out.stderr
     assert "sample:" in out.stdout
