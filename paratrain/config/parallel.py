@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.rules import (PS_MODES, TP_MODES, check_expert_parallel, check_parameter_server, check_shard_group,
-                                    check_tp_mode)
+                                    check_tp_mode, grid_side)
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zero-bubble", "zb-h1")
 """The pipeline schedules paratrain.pipeline.schedules builds, by name (config is the ground floor:
@@ -154,10 +153,8 @@ class ParallelConfig:
 
     @property
     def tp_split(self) -> int:
-        """What tp splits the heads, widths and vocabulary by: tp under 1d, the grid side q under 2d and 2.5d."""
-        if self.tp_mode == "3d":
-            return round(self.tp ** (1 / 3))
-        return self.tp if self.tp_mode == "1d" else math.isqrt(self.tp // max(self.tp_depth, 1))
+        """What tp splits the heads, widths and vocabulary by: tp under 1d, the grid side q under 2d, 2.5d and 3d."""
+        return self.tp if self.tp_mode == "1d" else grid_side(self.tp_mode, self.tp, self.tp_depth)
 
     @property
     def tp_row_parts(self) -> int:

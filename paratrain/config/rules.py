@@ -60,6 +60,28 @@ def check_shard_group(shard_group: int | None, zero: int, dp: int) -> None:
     check_divides_dp("shard_group", shard_group, dp, ": each group of that many dp ranks holds one copy of the state")
 
 
+def grid_side(tp_mode: str, tp: int, tp_depth: int) -> int:
+    """q of a 2d / 2.5d tensor-parallel grid (tp_depth x q x q = tp ranks) or of a 3d cube (q^3 = tp); 1 under 1d
+    (ParallelConfig.tp_split and ParallelDims.grid_side read it)."""
+    if tp_mode == "3d":
+        return round(tp ** (1 / 3))
+    return math.isqrt(tp // max(tp_depth, 1)) if tp_mode in ("2d", "2.5d") else 1
+
+
+def check_grid_shape(tp_mode: str, tp: int, tp_depth: int) -> None:
+    """A grid mode's tp ranks fill its shape: a cube of at least 8 (3d), tp_depth squares of at least 4 (2d, 2.5d)."""
+    q = grid_side(tp_mode, tp, tp_depth)
+    if tp_mode == "3d" and (q < 2 or q ** 3 != tp):
+        raise ConfigError(f"tp_mode 3d lays the tp ranks out as a q x q x q cube, so tp must be a cube of at "
+                          f"least 8, got tp {tp}: choose tp in 8, 27, 64, or tp_mode 1d / 2d")
+    if tp_mode in ("2d", "2.5d") and (q < 2 or tp_depth * q * q != tp):
+        shape = "a q x q grid" if tp_depth == 1 else f"tp_depth ({tp_depth}) q x q grids"
+        choices = ", ".join(str(tp_depth * n * n) for n in range(2, 7))
+        raise ConfigError(f"tp_mode {tp_mode} lays the tp ranks out as {shape}, so tp must be "
+                          f"{'' if tp_depth == 1 else f'{tp_depth} x '}a square of at least 4, got tp {tp}: "
+                          f"choose tp in {choices}, or tp_mode 1d")
+
+
 def check_tp_mode(config: LayoutFields) -> None:
     """How tp splits each layer (tp_mode, tp_depth), and what the grid modes compose with."""
     if config.tp_mode not in TP_MODES:
@@ -69,18 +91,7 @@ def check_tp_mode(config: LayoutFields) -> None:
                           f"{config.tp_mode!r}: set tp_mode 2.5d, or drop tp_depth")
     if config.tp_mode == "1d":
         return
-    if config.tp_mode == "3d":
-        q = round(config.tp ** (1 / 3))
-        if q < 2 or q ** 3 != config.tp:
-            raise ConfigError(f"tp_mode 3d lays the tp ranks out as a q x q x q cube, so tp must be a cube of at "
-                              f"least 8, got tp {config.tp}: choose tp in 8, 27, 64, or tp_mode 1d / 2d")
-    d = config.tp_depth
-    q = math.isqrt(config.tp // d)
-    if config.tp_mode != "3d" and (q < 2 or d * q * q != config.tp):
-        shape = "a q x q grid" if d == 1 else f"tp_depth ({d}) q x q grids"
-        choices = ", ".join(str(d * n * n) for n in range(2, 7))
-        raise ConfigError(f"tp_mode {config.tp_mode} lays the tp ranks out as {shape}, so tp must be "
-                          f"{'' if d == 1 else f'{d} x '}a square of at least 4, got tp {config.tp}: choose tp in {choices}, or tp_mode 1d")
+    check_grid_shape(config.tp_mode, config.tp, config.tp_depth)
     others = {"sequence_parallel": config.sequence_parallel, "cp": config.cp > 1,
               "expert_tp": config.expert_tp, "ep": config.ep > 1, "ps_mode": config.ps_mode != "off"}
     given = [name for name, on in others.items() if on]

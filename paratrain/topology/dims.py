@@ -17,13 +17,12 @@ grid: ranks grid_size .. world_size - 1.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from itertools import product
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.parallel import ParallelConfig
-from paratrain.config.rules import check_divides_dp, check_expert_parallel
+from paratrain.config.rules import check_divides_dp, check_expert_parallel, check_grid_shape, grid_side
 
 AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 """The axes of the rank grid, outermost first."""
@@ -60,12 +59,7 @@ class ParallelDims:
         for f in fields(self):
             if f.name != "tp_mode" and getattr(self, f.name) < (0 if f.name == "servers" else 1):
                 raise ConfigError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
-        if self.tp_mode == "3d" and self.grid_side ** 3 != self.tp:
-            raise ConfigError(f"tp_mode 3d lays the tp ranks out as a q x q x q cube, and tp ({self.tp}) is not a cube: "
-                              "choose tp in 8, 27, 64")
-        if self.tp_mode in ("2d", "2.5d") and self.tp_depth * self.grid_side ** 2 != self.tp:
-            raise ConfigError(f"tp_mode {self.tp_mode} lays the tp ranks out as tp_depth ({self.tp_depth}) q x q grids, "
-                              f"and tp ({self.tp}) is not tp_depth x a square: choose tp = tp_depth x q^2")
+        check_grid_shape(self.tp_mode, self.tp, self.tp_depth)
         check_expert_parallel(self.ep, self.dp)
 
     @classmethod
@@ -96,9 +90,7 @@ class ParallelDims:
     @property
     def grid_side(self) -> int:
         """q of a 2d / 2.5d tensor-parallel grid (tp_depth x q x q = tp ranks) or a 3d cube (q^3); 1 under 1d."""
-        if self.tp_mode == "3d":
-            return round(self.tp ** (1 / 3))
-        return math.isqrt(self.tp // self.tp_depth) if self.tp_mode in ("2d", "2.5d") else 1
+        return grid_side(self.tp_mode, self.tp, self.tp_depth)
 
     def tp_cube_groups(self) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
         """(input, weight, output) groups of every tp group laid out as a q x q x q cube, tp_index = a q^2 + b q + c:
