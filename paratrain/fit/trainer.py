@@ -46,7 +46,7 @@ from paratrain.hybrid.parallelize import OptimizerFactory
 from paratrain.memory import PRECISIONS
 from paratrain.nn.recipe import Layer, PipelineLoss, Recipe, recipe_for
 from paratrain.topology import Context, init
-from paratrain.train.loop import LoopSettings, TrainLoop
+from paratrain.train.loop import LoopSettings, TrainLoop, start_loop
 from paratrain.train.optim import adamw_factory
 
 UserLoss = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, torch.Tensor | int]"]
@@ -217,9 +217,9 @@ class Trainer:
             val_data, global_batch=self.batch.global_batch, dp=dp, dp_index=dp_index, seed=self.seed, shuffle=False)
         source, recipe = None, self.recipe
         if self.hf:  # built on the meta device: each rank reads the pieces it keeps
-            from paratrain.hf.load import from_pretrained, vocab_multiple
+            from paratrain.hf.load import pretrained_for_training
 
-            pretrained = from_pretrained(self.hf, dtype=torch.float32, pad_vocab_to=vocab_multiple(self.parallel.tp))
+            pretrained = pretrained_for_training(self.hf, self.parallel.tp)
             model, source, recipe = pretrained.model, pretrained.init, recipe or pretrained.recipe
             loss_fn = loss_fn or pretrained.loss
         assert model is not None and loss_fn is not None
@@ -237,11 +237,8 @@ class Trainer:
             eval_batches=self.val_batches, save=self.save or "", save_every=self.save_every, keep_last=self.keep_last,
             nan_skips=self.nan_skips, log_json=self.log_json or "", tensorboard=self.tensorboard or "",
             checkpoint_meta={"trainer": "paratrain.Trainer"}, attempt=relaunch_attempt())
-        self.loop = TrainLoop(engine, ctx, _batch_loss(loss_fn), loader, val_loader, settings,
-                              hooks=[CallbackHooks(self, self.callbacks)])
-        resume = "auto" if settings.attempt > 0 else self.resume
-        if resume:
-            self.loop.resume(resume)
+        self.loop = start_loop(TrainLoop(engine, ctx, _batch_loss(loss_fn), loader, val_loader, settings,
+                                         hooks=[CallbackHooks(self, self.callbacks)]), resume=self.resume or "")
         done = self.loop.run()
         result = FitResult(losses=done.losses, val_losses=done.val_losses, wall_s=done.wall_s)
         for callback in self.callbacks:

@@ -167,6 +167,13 @@ def vocab_multiple(tp: int) -> int:
     return math.lcm(128, tp)
 
 
+def pretrained_for_training(folder: str | Path, tp: int) -> Pretrained:
+    """The folder's model as `--hf`, Trainer(hf=) and the planner's dry run train it: float32 on the meta device (each
+    rank reads the pieces it keeps), the vocabulary padded to vocab_multiple(tp) with rows the loss never reads
+    (export trims them), alike for every tp dividing 128."""
+    return from_pretrained(folder, dtype=torch.float32, pad_vocab_to=vocab_multiple(tp))
+
+
 def from_pretrained(folder: str | Path, *, dtype: torch.dtype | None = None, pad_vocab_to: int = 1) -> Pretrained:
     """The model of a local Hugging Face folder on the meta device, and the Source of its values (module docstring)."""
     from paratrain.models.hf import llama_loss, llama_pipeline_loss

@@ -62,7 +62,7 @@ def hf_rank_memory(folder: str, parallel: ParallelConfig, *, rank: int, world_si
     """Build rank `rank` of the layout from the folder on the meta device, step it once, and measure it (in this
     process, which must not be in a process group already)."""
     from paratrain.config.run import OptimSection
-    from paratrain.hf.load import from_pretrained, vocab_multiple
+    from paratrain.hf.load import pretrained_for_training
     from paratrain.hybrid import EngineOptions, parallelize
     from paratrain.memory.activations import ActivationMeter
     from paratrain.planner.dryrun import fake_rank
@@ -72,7 +72,7 @@ def hf_rank_memory(folder: str, parallel: ParallelConfig, *, rank: int, world_si
     with fake_rank(parallel, rank=rank, world_size=world_size, global_batch=global_batch,
                    micro_batch=micro_batch) as ctx:
         dp = ctx.mesh.degree("dp")
-        pretrained = from_pretrained(folder, dtype=torch.float32, pad_vocab_to=vocab_multiple(parallel.tp))
+        pretrained = pretrained_for_training(folder, parallel.tp)
         engine = parallelize(pretrained.model, ctx, optimizer=adamw_factory(pretrained.model, OptimSection()),
                              options=EngineOptions(micro_batch=micro_batch, precision=precision, recompute=recompute),
                              recipe=pretrained.recipe, init=pretrained.init)

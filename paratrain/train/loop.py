@@ -293,3 +293,12 @@ class TrainLoop:
         return tqdm(total=self.settings.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                     mininterval=0.5)
 
+
+def start_loop(loop: TrainLoop, *, resume: str) -> TrainLoop:
+    """`loop`, resumed as both trainers resume: from `resume` (a checkpoint folder or root, or 'auto'), or from the
+    newest checkpoint under its save folder that verifies once the launcher relaunched the job (settings.attempt >
+    0); 'auto' finding none starts at step 0, and says so."""
+    resume = "auto" if loop.settings.attempt > 0 else resume
+    if resume and not loop.resume(resume):
+        loop.log.info("resume auto: no checkpoint under %s verifies; starting at step 0", loop.settings.save or "--save")
+    return loop

@@ -20,7 +20,7 @@ from paratrain.models import build_gpt, lm_loss
 from paratrain.topology import Context
 from paratrain.train.faults import FaultInjection
 from paratrain.train.log import get_logger
-from paratrain.train.loop import LoopSettings, TrainLoop
+from paratrain.train.loop import LoopSettings, TrainLoop, start_loop
 from paratrain.train.optim import adamw_factory
 
 
@@ -145,13 +145,9 @@ class Trainer:
         # with --hf the rows of the folder's safetensors files its pieces need).
         loss_fn, source, recipe = lm_loss, None, None
         if config.model.hf:
-            from paratrain.hf import from_pretrained
+            from paratrain.hf.load import pretrained_for_training
 
-            from paratrain.hf.load import vocab_multiple
-
-            # an odd vocabulary is padded with rows the loss never reads (export trims them), alike for every tp
-            pretrained = from_pretrained(config.model.hf, dtype=torch.float32,
-                                         pad_vocab_to=vocab_multiple(config.parallel.tp))
+            pretrained = pretrained_for_training(config.model.hf, config.parallel.tp)
             self.model, source, recipe, loss_fn = pretrained.model, pretrained.init, pretrained.recipe, pretrained.loss
         else:
             self.model = build_gpt(plan.model, seed=config.seed, device="meta")
@@ -173,10 +169,8 @@ class Trainer:
             flops_per_token=plan.model.flops_per_token(plan.seq_len), checkpoint_meta={"config": to_dict(config)},
             attempt=self.attempt)
         hooks = [FaultInjection(train.fail_at, rank=ctx.rank, attempt=self.attempt)] if train.fail_at else []
-        self.loop = TrainLoop(self.engine, ctx, loss_fn, self.train_loader, self.val_loader, settings, hooks=hooks)
-        resume = "auto" if self.attempt > 0 else train.resume
-        if resume and not self.loop.resume(resume):
-            self.log.info("--resume auto: no checkpoint under %s verifies; starting at step 0", train.save)
+        self.loop = start_loop(TrainLoop(self.engine, ctx, loss_fn, self.train_loader, self.val_loader, settings,
+                                         hooks=hooks), resume=train.resume)
 
     @property
     def step(self) -> int:
