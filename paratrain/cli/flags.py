@@ -18,7 +18,8 @@ def _int_tuple(text: str) -> tuple[int, ...]:
 
 # flag -> (dotted config path, type, help)
 TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
-    "--nproc": ("launch.nproc", int, "processes on this node (default: dp x tp x pp / nnodes, or 2)"),
+    "--nproc": ("launch.nproc", int, "processes on this node (default with --dp: dp x tp x pp x cp and --ps-servers "
+                "over nnodes; without: one per GPU on CUDA, 2 on the CPU)"),
     "--nnodes": ("launch.nnodes", int, "nodes in the job (default 1)"),
     "--node-rank": ("launch.node_rank", int, "this node's rank, 0..nnodes-1 (static rendezvous)"),
     "--rdzv-endpoint": ("launch.rdzv_endpoint", str, "HOST:PORT of node 0, for nnodes > 1"),

@@ -24,13 +24,14 @@ def resolve_device(device: str, *, gpus: int) -> str:
 
 
 def launch_world_size(config: RunConfig, *, gpus: int) -> int:
-    """Processes the launcher will start: nproc x nnodes. Without --nproc, nproc follows --dp
-    (dp x tp x pp / nnodes), else one per visible GPU on CUDA, 2 on the CPU. `gpus`: the CUDA
-    devices this node sees; under NCCL each process takes one, so a node may not start more."""
+    """Processes the launcher will start: nproc x nnodes. Without --nproc, nproc follows --dp (the layout's world,
+    dp x tp x pp x cp and the dedicated parameter servers, over nnodes: ParallelConfig.world_size), else one per
+    visible GPU on CUDA, 2 on the CPU. `gpus`: the CUDA devices this node sees; under NCCL each process takes one,
+    so a node may not start more."""
     launch, parallel = config.launch, config.parallel
     if launch.nproc < 0:
         raise ConfigError(f"nproc ({launch.nproc}) must be >= 1 processes per node (or 0: one per GPU on CUDA, "
-                          "dp x tp x pp / nnodes when --dp is given, else 2)")
+                          "the layout's world / nnodes when --dp is given, else 2)")
     if launch.nnodes < 1:
         raise ConfigError(f"nnodes ({launch.nnodes}) must be >= 1")
     for axis in ("dp", "tp", "pp"):
@@ -43,17 +44,18 @@ def launch_world_size(config: RunConfig, *, gpus: int) -> int:
     elif parallel.dp is None:
         per_node = gpus if device == "cuda" else 2
     else:
-        world = parallel.dp * parallel.tp * parallel.pp
+        world = parallel.world_size  # the trainers (dp x tp x pp x cp) and the dedicated servers
         if world % launch.nnodes:
             raise ConfigError(
-                f"dp x tp x pp = {world} processes do not split evenly over {launch.nnodes} nodes: "
+                f"the layout's {world} processes (dp x tp x pp x cp = {parallel.trainers}, and "
+                f"{parallel.ps_servers} parameter servers) do not split evenly over {launch.nnodes} nodes: "
                 f"give --nproc (processes per node) or another dp"
             )
         per_node = world // launch.nnodes
     if device == "cuda" and per_node > gpus:
         raise ConfigError(
             f"{per_node} processes per node on CUDA need {per_node} GPUs (NCCL gives each process one), but this node "
-            f"sees {gpus}: start at most {gpus} per node (--nproc {gpus}, and a layout whose dp x tp x pp is "
+            f"sees {gpus}: start at most {gpus} per node (--nproc {gpus}, and a layout whose world is "
             f"{gpus} x nnodes), or train on the CPU with --device cpu (gloo)"
         )
     return per_node * launch.nnodes

@@ -135,6 +135,9 @@ def test_process_count_follows_dp():
     assert world() == 2
     assert world(**{"parallel.dp": 4}) == 4
     assert world(**{"parallel.dp": 4, "launch.nproc": 2}) == 2
+    # the layout's whole world: cp ranks and dedicated parameter servers too (dp 2 x cp 2 once started 2)
+    assert world(**{"parallel.dp": 2, "parallel.cp": 2}) == 4
+    assert world(**{"parallel.dp": 2, "parallel.ps_mode": "sync", "parallel.ps_servers": 1}) == 3
     assert world(**{"launch.nproc": 3, "launch.nnodes": 2}) == 6
     with pytest.raises(ConfigError, match="do not split evenly over 2 nodes"):
         world(**{"parallel.dp": 3, "launch.nnodes": 2})
