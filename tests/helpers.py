@@ -52,7 +52,8 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
     model, overrides: another preset (tiny-moe) and ModelConfig fields to change, as (name, value) pairs.
     ps_mode, ps_servers, staleness, ps_sparse: the parameter server (a dedicated server rank serves and returns
     its pushes; a trainer returns the sparse rows' bytes it pushed). optimizer: "adamw" (weight decay 0.1) or
-    "sgd" (plain: no momentum, no weight decay) or "adagrad" (no weight decay, eps 1e-2)."""
+    "sgd" (plain: no momentum, no weight decay) or "adagrad" (no weight decay, eps 1e-2) or "muon" (Muon on the
+    matrices, Moonshot's lr match, AdamW on the embedding and vectors)."""
     torch.manual_seed(12345)  # must not matter: init and data order are keyed
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dp, tp=tp, sequence_parallel=sequence_parallel, pp=pp,
                                                   schedule=schedule, virtual_stages=virtual_stages, pp_split=pp_split,
@@ -75,6 +76,12 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
             return torch.optim.Adagrad(params, lr=lr, eps=1e-2)
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
 
+    if optimizer == "muon":  # Newton-Schulz in float64 for float64 runs (exactness), torch's bfloat16 otherwise
+        from paratrain.optim import AdamWSettings, MuonFactory, MuonSettings
+
+        make_optimizer = MuonFactory(MuonSettings(lr=lr, adjust_lr_fn="match_rms_adamw",  # type: ignore[assignment]
+                                                  ns_dtype=torch.float64 if dtype == "float64" else torch.bfloat16),
+                                     AdamWSettings(weight_decay=0.1))
     options = paratrain.EngineOptions(micro_batch=micro_batch, grad_clip=grad_clip, recompute=recompute, seed=seed,
                                       compile=compile, precision=precision)
     if ctx.is_server:
@@ -122,6 +129,8 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
             "memory": engine.memory_report(), "bytes_read": bytes_read,
             "sparse_bytes": getattr(engine.grads, "sparse_bytes", None),
             "launched_during_backward": getattr(engine.grads, "launched_during_backward", None),
+            "matrix_traffic": engine.update.matrices.traffic() if getattr(engine.update, "matrices", None) else None,
+            "owner_flops": engine.update.matrices.owner_flops if getattr(engine.update, "matrices", None) else None,
             "buckets": len(getattr(engine.grads, "buckets", getattr(engine.grads, "groups", []))),
             "timeline": engine.pipeline.times if engine.pipeline is not None else None}
 

@@ -25,7 +25,7 @@ from paratrain.hybrid.materialize import Source, is_meta
 from paratrain.hybrid.parts import EngineOptions, EngineParts, GradientStrategy, Update
 from paratrain.hybrid.pieces import Pieces, whole_shapes
 from paratrain.hybrid.state import optimizer_state
-from paratrain.hybrid.update import LocalUpdate, ServedUpdate
+from paratrain.hybrid.update import LocalUpdate, ServedUpdate, matrix_exchange
 from paratrain.hybrid.steps import (MemorySavers, apply_batch_norm, apply_context_parallel, apply_expert_layouts,
                                     apply_memory_savers, apply_pipeline,
                                     apply_tensor_layout, broadcast_weights, check_whole_model, grad_reduce_op,
@@ -33,6 +33,7 @@ from paratrain.hybrid.steps import (MemorySavers, apply_batch_norm, apply_contex
 from paratrain.memory import precision_policy
 from paratrain.models.init import ParamInit
 from paratrain.nn.moe import MoE
+from paratrain.optim import MatrixOptimizer, NamedFactory
 from paratrain.param_server import ServerClient, connect
 from paratrain.nn.recipe import Recipe, recipe_for
 from paratrain.sharding import ZeroOptions, ZeroSync
@@ -128,7 +129,12 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     params = [p for p in model.parameters() if p.requires_grad]
     names = {id(p): n for n, p in model.named_parameters()}
     bucket_bytes = int(ctx.config.bucket_mb * 2**20)
-    opt = optimizer(params)
+    opt = optimizer.named([(names[id(p)], p) for p in params]) if isinstance(optimizer, NamedFactory) \
+        else optimizer(params)
+    matrix = isinstance(opt, MatrixOptimizer)
+    if matrix and ctx.config.ps_mode != "off":
+        raise ValueError(f"{type(opt).__name__} is a matrix optimizer: it needs each whole matrix, which the parameter "
+                         "server's slices do not give; use ps_mode 'off' (ZeRO-1/2/3 shard its state), or AdamW")
     grads: GradientStrategy
     update: Update = LocalUpdate()
     if ctx.config.ps_mode != "off":  # 8b. the parameter server: pushes and pulls instead of collectives
@@ -156,6 +162,9 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
             if tp is not None:
                 hooks += tp.register_grad_hooks(model, split=cut_over_tp)
         save_state = grads.optimizer_state
+    if matrix:  # 8c. each matrix gets an owner that runs its whole-matrix step
+        update = LocalUpdate(matrix_exchange(opt, model, pieces, grads.groups if isinstance(grads, ZeroSync) else [],
+                                             ctx))
     # 9. Loss scaling where the policy needs it (fp16), its overflow decision shared by all ranks.
     scaler = policy.scaler(options.loss_scale)
     # 10. Pipeline: the executor that runs the schedule's actions on this rank.

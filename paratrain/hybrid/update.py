@@ -14,19 +14,31 @@ the optimizer lives.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence, cast
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from paratrain.comm import all_reduce, divide_and_clip_, global_grad_norm
 from paratrain.hybrid.experts import routing_totals
+from paratrain.comm.flat import FlatGroup
 from paratrain.hybrid.parts import Stepping
+from paratrain.hybrid.pieces import Pieces
 from paratrain.hybrid.step import PendingStep
 from paratrain.memory.precision import overflowed
+from paratrain.optim import Held, MatrixExchange, Matrices, MatrixOptimizer
 from paratrain.param_server import ServerClient
+from paratrain.topology import AxisGroup, Context
 
 
+@dataclass(frozen=True)
 class LocalUpdate:
-    """The optimizer steps on this rank, over the gradients the gradient strategy reduced."""
+    """The optimizer steps on this rank, over the gradients the gradient strategy reduced; a matrix optimizer's
+    whole-matrix part through `matrices` (paratrain.optim.MatrixExchange: the owners of the matrices the layout
+    cut)."""
+
+    matrices: Matrices | None = None
 
     def apply(self, engine: Stepping, totals: torch.Tensor, micro_batches: int, *, wait: bool) -> PendingStep:
         local_loss = totals[0].clone()  # this rank's own, to name it if the step is not finite
@@ -61,7 +73,10 @@ class LocalUpdate:
             engine.watch.see(pending)
         divide_and_clip_(grads, divisor, pending.grad_norm, engine.options.grad_clip)
         engine.grads.before_optimizer_step()
-        engine.optimizer.step()
+        if self.matrices is not None:
+            cast(MatrixOptimizer, engine.optimizer).step_with(self.matrices)
+        else:
+            engine.optimizer.step()
         engine.grads.after_step()
         if scaler is not None:
             scaler.update(overflow=False)
@@ -117,3 +132,18 @@ class ServedUpdate:
     def close(self) -> None:
         """The servers' loops return."""
         self.client.stop()
+
+
+def matrix_exchange(optimizer: MatrixOptimizer, model: nn.Module, pieces: Pieces, groups: Sequence[FlatGroup],
+                    ctx: Context) -> MatrixExchange:
+    """Where the matrices the optimizer updates are, over every trainer (collective over them, once): its tensors'
+    pieces of whole tensors (parameters, slices, ZeRO's flat shards: `groups`)."""
+    matrices = {id(t) for t in optimizer.matrix_tensors()}
+    held = [Held(o.owner, o.offset, o.length, o.piece.name, o.piece.shape,
+                 tuple((e - o.lo, w, n) for e, w, n in o.piece.runs(o.lo, o.lo + o.length)))
+            for o in pieces.owners(model, groups) if id(o.owner) in matrices]
+    group = None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        world = dist.get_world_size()
+        group = AxisGroup("world", tuple(range(world)), dist.get_rank(), dist.group.WORLD, ctx.mesh.recorder)
+    return MatrixExchange(held, group, dtype=optimizer.matrix_dtype)

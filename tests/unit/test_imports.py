@@ -17,7 +17,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("config", "names", "rng", "eager"),
     ("nn",),
     ("models",),
-    ("topology", "comm", "data", "state_layout"),
+    ("topology", "comm", "data", "state_layout", "optim"),
     STRATEGIES,
     ("hybrid",),
     ("checkpoint",),
