@@ -91,7 +91,21 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--global-batch": ("data.global_batch", int, "samples per optimizer step, all ranks together"),
     "--micro-batch": ("data.micro_batch", int, "samples per forward/backward per rank (accumulation = G / (m x dp))"),
     "--steps": ("train.steps", int, "optimizer steps"),
-    "--lr": ("optim.lr", float, "peak learning rate"),
+    "--optimizer": ("optim.optimizer", str, "adamw (default), muon (Muon on the weight matrices, AdamW on embeddings, "
+                    "head, norms and biases; every layout) or sgd (momentum 0.9)"),
+    "--lr": ("optim.lr", float, "peak learning rate (Muon's too, scaled per matrix by --muon-adjust-lr)"),
+    "--lr-schedule": ("optim.lr_schedule", str, "after warmup: cosine (default), wsd (warmup-stable-decay: flat, then "
+                      "the last --decay-fraction of the steps straight down), linear or constant"),
+    "--decay-fraction": ("optim.decay_fraction", float, "wsd: the share of the steps spent decaying (default 0.2)"),
+    "--min-lr-ratio": ("optim.min_lr_ratio", float, "the schedule ends at lr x this (default 0.1)"),
+    "--weight-decay": ("optim.weight_decay", float, "decoupled weight decay on matrices (default 0.1)"),
+    "--muon-momentum": ("optim.muon_momentum", float, "Muon's momentum (default 0.95)"),
+    "--muon-ns-steps": ("optim.muon_ns_steps", int, "Newton-Schulz iterations per matrix (default 5)"),
+    "--muon-ns-dtype": ("optim.muon_ns_dtype", str, "Newton-Schulz dtype: bf16 (default, torch's), fp32 or fp64"),
+    "--muon-adjust-lr": ("optim.muon_adjust_lr", str, "match_rms_adamw (default: one lr for Muon and AdamW), "
+                         "original (Keller Jordan's; give Muon's own lr) or none"),
+    "--muon-exclude": ("optim.muon_exclude", str, "regex of 2-D parameter names AdamW updates instead of Muon "
+                       "(default: embeddings and output heads)"),
     "--warmup": ("optim.warmup_steps", int, "warmup steps"),
     "--grad-clip": ("optim.grad_clip", float, "clip the global gradient norm (0: off)"),
     "--precision": ("train.precision", str, "fp32, bf16 or fp16 (fp16: dynamic loss scaling)"),

@@ -51,20 +51,44 @@ class DataSection:
     an index; never a function of the layout)."""
 
 
+OPTIMIZERS = ("adamw", "muon", "sgd")
+LR_SCHEDULES = ("cosine", "wsd", "linear", "constant")
+
+
 @dataclass
 class OptimSection:
+    optimizer: str = "adamw"
+    """'adamw'; 'muon' (Muon on the weight matrices, AdamW on embeddings, head, norms and biases: paratrain.optim;
+    every layout); 'sgd' (momentum 0.9, no weight decay)."""
     lr: float = 3e-3
-    """Peak learning rate, reached at the end of warmup."""
+    """Peak learning rate, reached at the end of warmup (Muon's too: muon_adjust_lr scales it per matrix)."""
+    lr_schedule: str = "cosine"
+    """After warmup: 'cosine' to lr * min_lr_ratio at the last step; 'wsd' (warmup-stable-decay) flat, then the last
+    decay_fraction of the steps linearly down to lr * min_lr_ratio; 'linear' straight down to it; 'constant'."""
+    decay_fraction: float = 0.2
+    """wsd: the share of the steps spent decaying (MiniCPM, DeepSeek: 0.1-0.2)."""
     min_lr_ratio: float = 0.1
-    """The cosine decays to lr * min_lr_ratio at the last step."""
+    """The schedule ends at lr * min_lr_ratio at the last step."""
     warmup_steps: int = 20
     weight_decay: float = 0.1
-    """AdamW decoupled weight decay, applied to matrices only (not norms, not biases)."""
+    """Decoupled weight decay, applied to matrices only (not norms, not biases); Muon's and AdamW's."""
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations per matrix and step."""
+    muon_ns_dtype: str = "bf16"
+    """Newton-Schulz dtype: 'bf16' (torch.optim.Muon's), 'fp32' or 'fp64' (exactness checks)."""
+    muon_adjust_lr: str = "match_rms_adamw"
+    """'match_rms_adamw' (Moonshot's: 0.2 lr sqrt(max(rows, cols)), so one lr serves Muon and AdamW), 'original'
+    (Keller Jordan's: lr sqrt(max(1, rows / cols)); give Muon's own lr, ~0.02) or 'none'."""
+    muon_exclude: str = ""
+    """Names (a regex) of 2-D parameters AdamW updates instead of Muon; empty: embeddings and output heads
+    (paratrain.optim.EXCLUDE)."""
 
 
 @dataclass

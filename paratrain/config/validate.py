@@ -4,6 +4,7 @@ each worker against the world it meets: check_run gives the RunPlan it builds)."
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import fields
 from typing import Callable
 
@@ -11,7 +12,7 @@ from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig, preset
 from paratrain.config.parallel import PS_ON_CPU, ParallelConfig, ScheduleError, check_schedule
 from paratrain.config.plan import BatchLayout, RunPlan, batch_layout
-from paratrain.config.run import RunConfig
+from paratrain.config.run import LR_SCHEDULES, OPTIMIZERS, OptimSection, RunConfig
 from paratrain.config.world import DEVICES, check_min_nodes
 
 
@@ -164,6 +165,7 @@ def check_numbers(config: RunConfig) -> None:
             raise ConfigError(f"optim.{name} must be in [0, 1), got {getattr(optim, name)} (AdamW's usual: 0.9, 0.95)")
     if optim.eps <= 0:
         raise ConfigError(f"optim.eps must be > 0, got {optim.eps} (AdamW's usual: 1e-8)")
+    check_optimizer(optim, config.parallel)
     if launch.timeout_s <= 0:
         raise ConfigError(f"launch.timeout_s must be > 0 seconds, got {launch.timeout_s}: a collective needs time to "
                           "meet its peers (default 300)")
@@ -270,3 +272,33 @@ def check_run(config: RunConfig, world_size: int, *, model_shape: ModelShape = p
                               "workers: one process runs without a launcher (it would kill what started it); use "
                               "--nproc 2 or more")
     return RunPlan(config=config, model=model, parallel=parallel, batch=batch, seq_len=seq_len)
+
+
+def check_optimizer(optim: OptimSection, parallel: ParallelConfig) -> None:
+    """The optimizer, its schedule and Muon's settings (paratrain.optim.MuonSettings holds the same ranges)."""
+    if optim.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"optim.optimizer must be one of {OPTIMIZERS}, got {optim.optimizer!r}")
+    if optim.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(f"optim.lr_schedule must be one of {LR_SCHEDULES}, got {optim.lr_schedule!r}")
+    if not 0 < optim.decay_fraction <= 1:
+        raise ConfigError(f"optim.decay_fraction must be in (0, 1], got {optim.decay_fraction} (the share of the steps "
+                          "wsd spends decaying; usual 0.1-0.2)")
+    if optim.optimizer != "muon":
+        return
+    if not 0 <= optim.muon_momentum < 1:
+        raise ConfigError(f"optim.muon_momentum must be in [0, 1), got {optim.muon_momentum} (usual: 0.95)")
+    if not 1 <= optim.muon_ns_steps < 100:
+        raise ConfigError(f"optim.muon_ns_steps must be in [1, 100), got {optim.muon_ns_steps} (usual: 5)")
+    if optim.muon_ns_dtype not in ("bf16", "fp32", "fp64"):
+        raise ConfigError(f"optim.muon_ns_dtype must be 'bf16', 'fp32' or 'fp64', got {optim.muon_ns_dtype!r}")
+    if optim.muon_adjust_lr not in ("original", "match_rms_adamw", "none"):
+        raise ConfigError("optim.muon_adjust_lr must be 'original', 'match_rms_adamw' or 'none', got "
+                          f"{optim.muon_adjust_lr!r}")
+    try:
+        re.compile(optim.muon_exclude)
+    except re.error as error:
+        raise ConfigError(f"optim.muon_exclude is not a regular expression ({error}): {optim.muon_exclude!r}") from None
+    if parallel.ps_mode != "off":
+        raise ConfigError(f"optim.optimizer 'muon' with ps_mode {parallel.ps_mode!r}: Muon needs each whole matrix, "
+                          "which the parameter server's slices do not give; use ps_mode 'off' (ZeRO-1/2/3 shard its "
+                          "state over dp) or optimizer 'adamw'")

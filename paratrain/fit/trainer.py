@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from paratrain.config import ConfigError, ParallelConfig
-from paratrain.config.run import LaunchSection, OptimSection
+from paratrain.config.run import LR_SCHEDULES, OPTIMIZERS, LaunchSection, OptimSection
 from paratrain.config.validate import DEVICES, batch_layout
 from paratrain.data import DatasetLoader
 from paratrain.data_parallel import BATCH_NORM_MODES
@@ -47,7 +47,7 @@ from paratrain.memory import PRECISIONS
 from paratrain.nn.recipe import Layer, PipelineLoss, Recipe, recipe_for
 from paratrain.topology import Context, init
 from paratrain.train.loop import LoopSettings, TrainLoop, start_loop
-from paratrain.train.optim import adamw_factory
+from paratrain.train.optim import optimizer_factory
 
 UserLoss = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, torch.Tensor | int]"]
 
@@ -57,7 +57,7 @@ class Trainer:
                  tp: int | None = None, pp: int | None = None, max_steps: int, global_batch: int,
                  micro_batch: int | None = None, lr: float = 1e-3, lr_schedule: str = "constant",
                  warmup_steps: int = 0, min_lr_ratio: float = 0.1, weight_decay: float = 0.0,
-                 optimizer: OptimizerFactory | None = None, grad_clip: float = 0.0, precision: str = "fp32",
+                 optimizer: OptimizerFactory | str | None = None, grad_clip: float = 0.0, precision: str = "fp32",
                  recompute: bool | str = False, seed: int = 0, val_every: int = 0, val_batches: int = 0,
                  save: str | None = None, save_every: int = 0, keep_last: int = 0, resume: str | None = None,
                  log_json: str | None = None, tensorboard: str | None = None, callbacks: Sequence[Callback] = (),
@@ -74,10 +74,12 @@ class Trainer:
             '3d' (tp= and pp= given, dp the rest), or a paratrain.ParallelConfig.
         max_steps, global_batch (samples per optimizer step, whatever the layout), micro_batch (samples
             per forward on one rank; None: its whole share).
-        lr: the peak learning rate, set on every parameter group at every step; lr_schedule 'constant'
-            or 'cosine' (down to lr x min_lr_ratio at the last step), after warmup_steps of linear warmup.
-        optimizer: a factory params -> torch.optim.Optimizer; None: AdamW (betas 0.9, 0.999) with
-            weight_decay on matrices only.
+        lr: the peak learning rate, set on every parameter group at every step; lr_schedule 'constant',
+            'cosine', 'linear' (down to lr x min_lr_ratio at the last step) or 'wsd' (warmup-stable-decay: the last
+            20 % of the steps down), after warmup_steps of linear warmup.
+        optimizer: a factory params -> torch.optim.Optimizer, or a name: 'adamw' (None: betas 0.9, 0.999, with
+            weight_decay on matrices only), 'muon' (Muon on the weight matrices, AdamW on the rest, one lr:
+            paratrain.optim; any strategy), 'sgd' (momentum 0.9).
         precision: 'fp32', 'bf16' or 'fp16'; recompute as parallelize's.
         val_every: validate every this many steps (and at step 0 and the end, when val_data is given);
             val_batches: global batches per validation (0: the whole validation set).
@@ -108,8 +110,10 @@ class Trainer:
             raise ConfigError(f"max_steps must be >= 1, got {max_steps}")
         if precision not in PRECISIONS:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-        if lr_schedule not in ("constant", "cosine"):
-            raise ConfigError(f"lr_schedule must be 'constant' or 'cosine', got {lr_schedule!r}")
+        if lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"lr_schedule must be one of {LR_SCHEDULES}, got {lr_schedule!r}")
+        if isinstance(optimizer, str) and optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer must be a factory or one of {OPTIMIZERS}, got {optimizer!r}")
         if accelerator not in DEVICES:
             raise ConfigError(f"accelerator must be one of {', '.join(DEVICES)}, got {accelerator!r}")
         if resume == "auto" and not save:
@@ -128,6 +132,9 @@ class Trainer:
                               "parameter servers (ranks that run paratrain.serve, not fit); use ps_servers=0 "
                               "(colocated), `paratrain train --ps-servers`, or parallelize + paratrain.serve in your "
                               "script (docs/param_server.md)")
+        if optimizer == "muon" and self.parallel.ps_mode != "off":
+            raise ConfigError("optimizer='muon' needs each whole matrix, which the parameter server's slices do not "
+                              "give: use a strategy without it (zero1/2/3 shard Muon's state) or optimizer='adamw'")
         self.batch = batch_layout(global_batch, micro_batch or 0, self.parallel.dp or 1)
         self.devices, self.num_nodes = devices, num_nodes
         self.max_steps, self.lr, self.lr_schedule = max_steps, lr, lr_schedule
@@ -223,8 +230,8 @@ class Trainer:
             model, source, recipe = pretrained.model, pretrained.init, recipe or pretrained.recipe
             loss_fn = loss_fn or pretrained.loss
         assert model is not None and loss_fn is not None
-        optimizer = self.optimizer or adamw_factory(model, OptimSection(
-            lr=self.lr, weight_decay=self.weight_decay, beta1=0.9, beta2=0.999))
+        optimizer = self.optimizer if callable(self.optimizer) else optimizer_factory(OptimSection(
+            optimizer=self.optimizer or "adamw", lr=self.lr, weight_decay=self.weight_decay, beta1=0.9, beta2=0.999))
         options = EngineOptions(micro_batch=self.batch.micro_batch, precision=self.precision, grad_clip=self.grad_clip,
                                 recompute=self.recompute, seed=self.seed, wrap=self.wrap, batch_norm=self.batch_norm,
                                 buffers=self.buffers, on_non_finite="skip" if self.nan_policy == "skip" else "raise")
@@ -233,7 +240,7 @@ class Trainer:
                                            init=source)
         settings = LoopSettings(
             steps=self.max_steps, lr=self.lr, warmup_steps=self.warmup_steps,
-            min_lr_ratio=self.min_lr_ratio if self.lr_schedule == "cosine" else 1.0, eval_every=self.val_every,
+            min_lr_ratio=self.min_lr_ratio, lr_schedule=self.lr_schedule, eval_every=self.val_every,
             eval_batches=self.val_batches, save=self.save or "", save_every=self.save_every, keep_last=self.keep_last,
             nan_skips=self.nan_skips, log_json=self.log_json or "", tensorboard=self.tensorboard or "",
             checkpoint_meta={"trainer": "paratrain.Trainer"}, attempt=relaunch_attempt())

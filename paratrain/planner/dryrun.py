@@ -127,7 +127,7 @@ def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_si
             raise ConfigError("shard_group 1 (ZeRO with replicated state): the planner's volume model does not "
                               "cover it, so a dry run cannot check it; use zero 0, or a shard group of 2 or more")
         gpt = build_gpt(model, seed=0, device="meta")
-        engine = parallelize(gpt, ctx, optimizer=adamw_factory(gpt, OptimSection()),  # as the trainer
+        engine = parallelize(gpt, ctx, optimizer=adamw_factory(OptimSection()),  # as the trainer
                              options=EngineOptions(micro_batch=micro_batch, precision=precision, recompute=recompute))
         rows = global_batch // dp
         tokens = torch.zeros(rows, model.seq_len, dtype=torch.long, device="meta")

@@ -73,7 +73,7 @@ def hf_rank_memory(folder: str, parallel: ParallelConfig, *, rank: int, world_si
                    micro_batch=micro_batch) as ctx:
         dp = ctx.mesh.degree("dp")
         pretrained = pretrained_for_training(folder, parallel.tp)
-        engine = parallelize(pretrained.model, ctx, optimizer=adamw_factory(pretrained.model, OptimSection()),
+        engine = parallelize(pretrained.model, ctx, optimizer=adamw_factory(OptimSection()),
                              options=EngineOptions(micro_batch=micro_batch, precision=precision, recompute=recompute),
                              recipe=pretrained.recipe, init=pretrained.init)
         tokens = torch.zeros(global_batch // dp, seq_len, dtype=torch.long, device="meta")

@@ -50,7 +50,11 @@ class LoopSettings:
     """The peak learning rate."""
     warmup_steps: int = 0
     min_lr_ratio: float = 1.0
-    """Cosine decay after warmup down to lr x this at the last step; 1.0: constant."""
+    """The schedule ends at lr x this at the last step; 1.0: constant."""
+    lr_schedule: str = "cosine"
+    """After warmup (paratrain.train.schedule): cosine, wsd, linear or constant."""
+    decay_fraction: float = 0.2
+    """wsd: the share of the steps spent decaying."""
     log_every: int = 1
     """Read the values back every this many steps (the steps between wait for nothing)."""
     eval_every: int = 0
@@ -155,7 +159,8 @@ class TrainLoop:
 
     def lr_at(self, step: int) -> float:
         s = self.settings
-        return lr_at(step, total_steps=s.steps, peak=s.lr, warmup_steps=s.warmup_steps, min_ratio=s.min_lr_ratio)
+        return lr_at(step, total_steps=s.steps, peak=s.lr, warmup_steps=s.warmup_steps, min_ratio=s.min_lr_ratio,
+                     schedule=s.lr_schedule, decay_fraction=s.decay_fraction)
 
     def validate(self) -> float:
         """Mean of the global batches' mean losses over the first eval_batches batches (or all)."""

@@ -1,4 +1,6 @@
-"""AdamW with weight decay on matrices only (not on norms, biases or other vectors)."""
+"""The optimizer a run's [optim] section names, as a factory for parallelize: AdamW with weight decay on matrices
+only (not on norms, biases or other vectors), Muon on the matrices with AdamW on the rest (paratrain.optim), or SGD
+with momentum."""
 
 from __future__ import annotations
 
@@ -8,10 +10,29 @@ import torch
 from torch import nn
 
 from paratrain.config.run import OptimSection
+from paratrain.optim import EXCLUDE, AdamWSettings, MuonFactory, MuonSettings
+
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+
+Factory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
-def adamw_factory(model: nn.Module, optim: OptimSection) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
-    """An optimizer factory for parallelize(): decays parameters of 2+ dims (as nanoGPT, GPT-3)."""
+def optimizer_factory(optim: OptimSection) -> Factory:
+    """The factory of `optim.optimizer` (validated by paratrain.config.validate)."""
+    if optim.optimizer == "muon":
+        return MuonFactory(
+            MuonSettings(lr=optim.lr, weight_decay=optim.weight_decay, momentum=optim.muon_momentum,
+                         nesterov=optim.muon_nesterov, ns_steps=optim.muon_ns_steps, adjust_lr_fn=optim.muon_adjust_lr,
+                         ns_dtype=NS_DTYPES[optim.muon_ns_dtype]),
+            AdamWSettings(betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay),
+            exclude=optim.muon_exclude or EXCLUDE)
+    if optim.optimizer == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=optim.lr, momentum=0.9)
+    return adamw_factory(optim)
+
+
+def adamw_factory(optim: OptimSection) -> Factory:
+    """AdamW that decays parameters of 2+ dims (as nanoGPT, GPT-3)."""
 
     def build(params: list[nn.Parameter]) -> torch.optim.Optimizer:
         decay = [p for p in params if p.dim() >= 2]

@@ -32,7 +32,7 @@ from paratrain.rng import DropoutStream
 from paratrain.topology import Context
 from paratrain.train.faults import FaultInjection
 from paratrain.train.log import get_logger
-from paratrain.train.optim import adamw_factory
+from paratrain.train.optim import optimizer_factory
 
 
 @dataclass
@@ -97,5 +97,5 @@ def serve_plan(plan: RunPlan, ctx: Context) -> ServeResult:
     fault = FaultInjection(train.fail_at, rank=ctx.rank, attempt=config.launch.attempt) if train.fail_at else None
     options = EngineOptions(grad_clip=config.optim.grad_clip,
                             on_non_finite="skip" if train.nan_policy == "skip" else "raise")
-    return serve(model, ctx, optimizer=adamw_factory(model, config.optim), options=options, save=train.save,
+    return serve(model, ctx, optimizer=optimizer_factory(config.optim), options=options, save=train.save,
                  resume=resume, keep_last=train.keep_last, before_step=fault.at_step if fault is not None else None)

@@ -21,7 +21,7 @@ from paratrain.topology import Context
 from paratrain.train.faults import FaultInjection
 from paratrain.train.log import get_logger
 from paratrain.train.loop import LoopSettings, TrainLoop, start_loop
-from paratrain.train.optim import adamw_factory
+from paratrain.train.optim import optimizer_factory
 
 
 @dataclass
@@ -154,7 +154,7 @@ class Trainer:
         options = EngineOptions(micro_batch=plan.batch.micro_batch, precision=train.precision,
                                 grad_clip=config.optim.grad_clip, recompute=train.recompute, seed=config.seed,
                                 on_non_finite="skip" if train.nan_policy == "skip" else "raise", compile=train.compile)
-        self.engine: Engine = parallelize(self.model, ctx, optimizer=adamw_factory(self.model, config.optim),
+        self.engine: Engine = parallelize(self.model, ctx, optimizer=optimizer_factory(config.optim),
                                           options=options, recipe=recipe, init=source)
         dp, dp_index = ctx.mesh.degree("dp"), ctx.mesh.index("dp")
         loader_args = dict(seq_len=plan.seq_len, global_batch=plan.batch.global_batch, dp=dp,
@@ -162,7 +162,8 @@ class Trainer:
         self.train_loader, self.val_loader = loaders(data, uses_documents(plan, data), **loader_args)
         settings = LoopSettings(
             steps=train.steps, lr=config.optim.lr, warmup_steps=config.optim.warmup_steps,
-            min_lr_ratio=config.optim.min_lr_ratio, log_every=train.log_every, eval_every=train.eval_every,
+            min_lr_ratio=config.optim.min_lr_ratio, lr_schedule=config.optim.lr_schedule,
+            decay_fraction=config.optim.decay_fraction, log_every=train.log_every, eval_every=train.eval_every,
             eval_batches=train.eval_batches or 1, save=train.save, save_every=train.save_every,
             keep_last=train.keep_last, nan_skips=train.nan_skips, check_collectives=train.check_collectives,
             log_json=train.log_json, tensorboard=train.tensorboard, progress=train.progress,

@@ -34,7 +34,7 @@ def _measured(folder: str, **layout) -> dict:
 
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(**layout))
     pretrained = paratrain.hf.from_pretrained(folder, dtype=torch.float32, pad_vocab_to=vocab_multiple(ctx.mesh.degree("tp")))
-    engine = paratrain.parallelize(pretrained.model, ctx, optimizer=adamw_factory(pretrained.model, OptimSection()),
+    engine = paratrain.parallelize(pretrained.model, ctx, optimizer=adamw_factory(OptimSection()),
                                    options=paratrain.EngineOptions(micro_batch=MICRO), recipe=pretrained.recipe,
                                    init=pretrained.init)
     tokens = torch.zeros(GLOBAL_BATCH // ctx.mesh.degree("dp"), SEQ, dtype=torch.long)

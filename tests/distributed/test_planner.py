@@ -28,7 +28,7 @@ def _report(layout: dict, precision: str, model: str = "tiny") -> dict:
                                       tp_mode=layout["tp_mode"], tp_depth=layout["tp_depth"])
     ctx = paratrain.init(device="cpu", config=config)
     model = paratrain.build_gpt(TINY if model == "tiny" else MOE, seed=0)
-    engine = paratrain.parallelize(model, ctx, optimizer=adamw_factory(model, OptimSection()),
+    engine = paratrain.parallelize(model, ctx, optimizer=adamw_factory(OptimSection()),
                                    options=paratrain.EngineOptions(micro_batch=config.tp_row_parts,
                                                                    precision=precision))
     rows = 8 // ctx.mesh.degree("dp")
@@ -87,7 +87,7 @@ def _served(mode: str, servers: int, staleness: int, steps: int, keep_grads: boo
                                                                         staleness=staleness, bucket_mb=BUCKET_MB,
                                                                         keep_grads=keep_grads))
     model = paratrain.build_gpt(TINY, seed=0)
-    optimizer = adamw_factory(model, OptimSection())
+    optimizer = adamw_factory(OptimSection())
     if ctx.is_server:
         return {"server": paratrain.serve(model, ctx, optimizer=optimizer).memory}
     engine = paratrain.parallelize(model, ctx, optimizer=optimizer, options=paratrain.EngineOptions(micro_batch=1))
