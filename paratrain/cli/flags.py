@@ -99,6 +99,8 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--decay-fraction": ("optim.decay_fraction", float, "wsd: the share of the steps spent decaying (default 0.2)"),
     "--min-lr-ratio": ("optim.min_lr_ratio", float, "the schedule ends at lr x this (default 0.1)"),
     "--weight-decay": ("optim.weight_decay", float, "decoupled weight decay on matrices (default 0.1)"),
+    "--optim-state-dtype": ("optim.state_dtype", str, "optimizer state storage: fp32 (default) or bf16 (AdamW's moments "
+                            "and Muon's momentum in bfloat16, half the bytes; the float32 master kept)"),
     "--muon-momentum": ("optim.muon_momentum", float, "Muon's momentum (default 0.95)"),
     "--muon-ns-steps": ("optim.muon_ns_steps", int, "Newton-Schulz iterations per matrix (default 5)"),
     "--muon-ns-dtype": ("optim.muon_ns_dtype", str, "Newton-Schulz dtype: bf16 (default, torch's), fp32 or fp64"),
@@ -109,6 +111,10 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--warmup": ("optim.warmup_steps", int, "warmup steps"),
     "--grad-clip": ("optim.grad_clip", float, "clip the global gradient norm (0: off)"),
     "--precision": ("train.precision", str, "fp32, bf16 or fp16 (fp16: dynamic loss scaling)"),
+    "--grad-dtype": ("train.grad_dtype", str, "under ZeRO with bf16 / fp16: gradients accumulate and are summed in "
+                     "fp32 (default) or the precision's 16 bits (bf16 / fp16: half the bytes)"),
+    "--grad-reduce-dtype": ("train.grad_reduce_dtype", str, "the dtype gradients are reduced in (default: "
+                            "--grad-dtype's; bf16 under fp32 buffers halves the bytes on the wire)"),
     "--log-every": ("train.log_every", int, "read the loss back and log every N steps (default 1; on a GPU, "
                     "steps in between queue without waiting for the device)"),
     "--eval-every": ("train.eval_every", int, "validate every N steps (0: only at the end)"),

@@ -77,6 +77,9 @@ class OptimSection:
     eps: float = 1e-8
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
+    state_dtype: str = "fp32"
+    """Optimizer state storage: 'fp32', or 'bf16' (AdamW's moments and Muon's momentum in bfloat16, half the bytes;
+    updated in float32 from the float32 master and rounded back)."""
     muon_momentum: float = 0.95
     muon_nesterov: bool = True
     muon_ns_steps: int = 5
@@ -97,6 +100,11 @@ class TrainSection:
     """Optimizer steps in the whole run (a resumed run continues to the same total)."""
     precision: str = "fp32"
     """'fp32', or 'bf16' (autocast with fp32 weights and gradients)."""
+    grad_dtype: str = "fp32"
+    """Under ZeRO with bf16 / fp16: gradients accumulate and are summed in 'fp32' (default) or the precision's own
+    16 bits (half the bytes; DeepSpeed's default)."""
+    grad_reduce_dtype: str = ""
+    """The dtype gradients are reduced in; empty: grad_dtype's ('bf16' under fp32 buffers halves the wire bytes)."""
     recompute: str = "none"
     """'full': recompute each transformer block in backward, keeping only its input; 'selective':
     only each block's attention core (softmax(q k^T) v); 'none'."""

@@ -248,6 +248,11 @@ def check_run(config: RunConfig, world_size: int, *, model_shape: ModelShape = p
         raise ConfigError(f"train.steps must be >= 1, got {train.steps}")
     if train.precision not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"train.precision must be 'fp32', 'bf16' or 'fp16', got {train.precision!r}")
+    for name in ("grad_dtype", "grad_reduce_dtype"):
+        value = getattr(train, name)
+        if value and value not in ("fp32", train.precision):
+            raise ConfigError(f"train.{name} must be 'fp32' or the precision's own ({train.precision!r}), got "
+                              f"{value!r}: gradients are kept in float32 or in the parameters' 16 bits")
     for name in ("eval_every", "save_every", "keep_last", "eval_batches", "sample_tokens"):
         if getattr(train, name) < 0:
             raise ConfigError(f"train.{name} must be >= 0, got {getattr(train, name)}")
@@ -283,6 +288,11 @@ def check_optimizer(optim: OptimSection, parallel: ParallelConfig) -> None:
     if not 0 < optim.decay_fraction <= 1:
         raise ConfigError(f"optim.decay_fraction must be in (0, 1], got {optim.decay_fraction} (the share of the steps "
                           "wsd spends decaying; usual 0.1-0.2)")
+    if optim.state_dtype not in ("fp32", "bf16"):
+        raise ConfigError(f"optim.state_dtype must be 'fp32' or 'bf16', got {optim.state_dtype!r}")
+    if optim.state_dtype != "fp32" and optim.optimizer == "sgd":
+        raise ConfigError("optim.state_dtype 'bf16' is for AdamW's moments and Muon's momentum; sgd keeps its "
+                          "momentum in the parameters' dtype: use optimizer 'adamw' or 'muon', or state_dtype 'fp32'")
     if optim.optimizer != "muon":
         return
     if not 0 <= optim.muon_momentum < 1:

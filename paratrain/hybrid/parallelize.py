@@ -153,6 +153,9 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                                                   if options.reshard_after_forward is None
                                                   else options.reshard_after_forward),
                            offload="optimizer" in ctx.config.offloaded, param_dtype=policy.stored,
+                           grad_dtype=precision_policy(options.grad_dtype).compute if policy.stored else None,
+                           reduce_dtype=(precision_policy(options.grad_reduce_dtype).compute
+                                         if policy.stored and options.grad_reduce_dtype else None),
                            deferred=stage is not None, keep_grads=ctx.config.keep_grads)
         wrap = options.wrap if options.wrap is not None else recipe.blocks
         grads = ZeroSync(params, opt, names, zero, model=model, wrap=wrap,

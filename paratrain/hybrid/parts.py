@@ -108,6 +108,13 @@ class EngineOptions:
     """'fp32'; 'bf16' / 'fp16': under zero 0, autocast with float32 weights and gradients; under zero >= 1,
     parameters and gradients stored in the low dtype, float32 masters in the sharded optimizer. fp16 adds dynamic
     loss scaling, starting at `loss_scale`."""
+    grad_dtype: str = "fp32"
+    """Under ZeRO with 16-bit parameters (precision bf16 / fp16): the dtype micro-batches accumulate gradients and
+    shards are summed in, 'fp32' (Megatron's --accumulate-allreduce-grads-in-fp32) or the parameters' own ('bf16' /
+    'fp16': half the bytes; DeepSpeed's default). Float32 parameters keep float32 gradients."""
+    grad_reduce_dtype: str | None = None
+    """The dtype a gradient buffer is reduced in ('bf16' under fp32 buffers halves the bytes on the wire);
+    None: grad_dtype's."""
     loss_scale: float | None = None
     """fp16's first loss scale; None: 2^16 per token of the first micro-batch."""
     grad_clip: float = 0.0
@@ -144,7 +151,11 @@ class EngineOptions:
     paratrain.data_parallel.buffers."""
 
     def __post_init__(self) -> None:
-        precision_policy(self.precision)  # a name POLICIES holds
+        policy = precision_policy(self.precision)  # a name POLICIES holds
+        for name, value in (("grad_dtype", self.grad_dtype), ("grad_reduce_dtype", self.grad_reduce_dtype)):
+            if value is not None and value != "fp32" and precision_policy(value).compute != policy.compute:
+                raise ValueError(f"{name} must be 'fp32' or the precision's own 16-bit dtype ({self.precision!r}), "
+                                 f"got {value!r}")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1 or None, got {self.micro_batch}")
         if self.on_non_finite not in ("raise", "skip"):

@@ -114,12 +114,12 @@ class MatrixExchange:
             load[owner[u]] += flops[u]
         self.owner_flops = load
         """Newton-Schulz FLOPs per step each rank of the group runs as an owner."""
-        send: list[list[torch.Tensor]] = [[] for _ in range(world)]       # gather: my local positions, per owner
-        recv_at: list[list[torch.Tensor]] = [[] for _ in range(world)]    # gather: owned positions, per sender
-        back: list[list[torch.Tensor]] = [[] for _ in range(world)]       # scatter: owned positions, per holder
-        back_at: list[list[torch.Tensor]] = [[] for _ in range(world)]    # scatter: my local positions, per owner
-        own_local: list[torch.Tensor] = []
-        own_owned: list[torch.Tensor] = []
+        send: list[list[list[Span]]] = [[] for _ in range(world)]       # gather: my local positions, per owner
+        recv_at: list[list[list[Span]]] = [[] for _ in range(world)]    # gather: owned positions, per sender
+        back: list[list[list[Span]]] = [[] for _ in range(world)]       # scatter: owned positions, per holder
+        back_at: list[list[list[Span]]] = [[] for _ in range(world)]    # scatter: my local positions, per owner
+        own_local: list[list[Span]] = []
+        own_owned: list[list[Span]] = []
         self.units: list[tuple[Unit, int, tuple[int, int]]] = []  # (unit, offset in the owned buffer, shape)
         owned = 0
         for u in units:
@@ -138,9 +138,9 @@ class MatrixExchange:
                 self.units.append((u, owned, (rows, cols)))
             for sig, ranks in classes.items():
                 sender = o if o in ranks else ranks[0]
-                at = _positions(sig, owned) if o == rank else None
+                at = [(owned + start, n) for start, n in sig] if o == rank else None
                 if rank in ranks:
-                    local = _positions([(loc, n) for _, loc, n in mine[u]], 0)
+                    local = [(loc, n) for _, loc, n in mine[u]]
                     if o == rank:
                         own_local.append(local)
                         own_owned.append(at)  # type: ignore[arg-type]
@@ -159,8 +159,8 @@ class MatrixExchange:
         self.owned = owned
         device = self.tensors[0].device if self.tensors else torch.device("cpu")
 
-        def cat(parts: list[torch.Tensor]) -> torch.Tensor:
-            return (torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)).to(device)
+        def cat(parts: list[list[Span]]) -> Positions:
+            return Positions.of([span for part in parts for span in part], device)
 
         self._send, self._recv_at = [cat(x) for x in send], [cat(x) for x in recv_at]
         self._back, self._back_at = [cat(x) for x in back], [cat(x) for x in back_at]
@@ -179,24 +179,24 @@ class MatrixExchange:
         owned = torch.empty(self.owned, dtype=flat.dtype, device=flat.device)
         received = self._exchange(flat, self._send, self._recv_at)
         for positions, values_in in zip(self._recv_at, received):
-            owned[positions] = values_in
-        owned[self._own_owned] = flat[self._own_local]
+            positions.put(owned, values_in)
+        self._own_owned.put(owned, self._own_local.take(flat))
         for _, offset, (rows, cols) in self.units:
             unit = owned[offset: offset + rows * cols]
             unit.copy_(step(unit.view(rows, cols)).reshape(-1))
         result = torch.zeros_like(flat)
         received = self._exchange(owned, self._back, self._back_at)
         for positions, values_in in zip(self._back_at, received):
-            result[positions] = values_in
-        result[self._own_local] = owned[self._own_owned]
+            positions.put(result, values_in)
+        self._own_local.put(result, self._own_owned.take(owned))
         return [result[b: b + t.numel()].view(t.shape) for b, t in zip(self.base, self.tensors)]
 
-    def _exchange(self, source: torch.Tensor, send: list[torch.Tensor], recv: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _exchange(self, source: torch.Tensor, send: list[Positions], recv: list[Positions]) -> list[torch.Tensor]:
         """source[send[r]] to rank r, for every r; what rank r sent, in the sizes `recv` gives."""
         if self.group is None:
             return [source.new_empty(0)] * len(recv)
         out_splits = [len(x) for x in recv]
-        buffer = source[torch.cat(send)] if send else source.new_empty(0)
+        buffer = torch.cat([x.take(source) for x in send])
         received = source.new_empty(sum(out_splits))
         all_to_all(received, buffer, self.group, output_splits=out_splits, input_splits=[len(x) for x in send])
         return list(received.split(out_splits))
@@ -206,9 +206,57 @@ class MatrixExchange:
         return sum(len(x) for x in self._send), sum(len(x) for x in self._back)
 
 
-def _positions(runs: Sequence[tuple[int, int]], base: int) -> torch.Tensor:
-    """The element positions of (start, count) runs, shifted by `base`."""
-    if not runs:
-        return torch.empty(0, dtype=torch.long)
-    return torch.cat([torch.arange(base + start, base + start + n) for start, n in runs])
+Span = tuple[int, int]
+"""(first position, count)."""
+FEW_SPANS = 64
+"""Positions in at most this many spans are copied span by span (slices), more by an expanded index."""
 
+
+@dataclass(frozen=True)
+class Positions:
+    """Element positions kept as spans (a few integers per contiguous stretch, not 8 bytes per element), expanded
+    into an index for the step that uses them."""
+
+    starts: torch.Tensor
+    counts: torch.Tensor
+    total: int
+    spans: tuple[Span, ...] | None
+    """The spans, when at most FEW_SPANS (None: more)."""
+
+    @classmethod
+    def of(cls, spans: Sequence[Span], device: torch.device) -> Positions:
+        merged: list[list[int]] = []
+        for start, n in spans:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1][1] += n
+            elif n:
+                merged.append([start, n])
+        starts = torch.tensor([m[0] for m in merged], dtype=torch.long, device=device)
+        counts = torch.tensor([m[1] for m in merged], dtype=torch.long, device=device)
+        return cls(starts, counts, int(counts.sum()) if merged else 0,
+                   tuple((a, n) for a, n in merged) if len(merged) <= FEW_SPANS else None)
+
+    def __len__(self) -> int:
+        return self.total
+
+    def take(self, source: torch.Tensor) -> torch.Tensor:
+        """source's elements at these positions, in order (copied span by span when there are few spans)."""
+        if self.spans is not None:
+            return torch.cat([source[a: a + n] for a, n in self.spans]) if self.spans else source.new_empty(0)
+        return source[self.index()]
+
+    def put(self, target: torch.Tensor, values: torch.Tensor) -> None:
+        """target at these positions = values, in order."""
+        if self.spans is not None:
+            at = 0
+            for a, n in self.spans:
+                target[a: a + n] = values[at: at + n]
+                at += n
+        else:
+            target[self.index()] = values
+
+    def index(self) -> torch.Tensor:
+        if not self.total:
+            return self.starts.new_empty(0)
+        shift = self.starts - (torch.cumsum(self.counts, 0) - self.counts)
+        return torch.arange(self.total, device=self.starts.device) + torch.repeat_interleave(shift, self.counts)

@@ -28,9 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
-from torch.optim.adam import adam
-from torch.optim.optimizer import _get_scalar_dtype
-
+from paratrain.optim.adamw import adamw_step
 from paratrain.optim.matrices import LocalMatrices, Matrices
 
 ADJUST_LR = ("original", "match_rms_adamw", "none")
@@ -55,6 +53,9 @@ class MuonSettings:
     (Moonshot's: the update's RMS matches AdamW's, so AdamW's lr and weight decay carry over); 'none': lr."""
     ns_dtype: torch.dtype = torch.bfloat16
     """Newton-Schulz runs in this dtype (torch.optim.Muon: bfloat16); the update is added in the parameter's."""
+    momentum_dtype: torch.dtype | None = None
+    """The momentum's storage (bfloat16: half the bytes; updated in the parameter's dtype, rounded back); None: the
+    gradient's dtype."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -87,6 +88,8 @@ class AdamWSettings:
     eps: float = 1e-8
     weight_decay: float = 0.1
     """On the excluded matrices (embeddings, head); vectors and scalars never decay."""
+    state_dtype: torch.dtype | None = None
+    """The moments' storage (bfloat16: half the bytes, the float32 master kept); None: the parameters' dtype."""
 
 
 def newton_schulz(matrix: torch.Tensor, *, coefficients: tuple[float, float, float], steps: int, eps: float,
@@ -188,9 +191,13 @@ class Muon(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, dtype=settings.momentum_dtype or p.grad.dtype,
+                                                                memory_format=torch.preserve_format)
+                stored = state["momentum_buffer"]
+                buf = stored if stored.dtype == p.grad.dtype else stored.to(p.grad.dtype)
                 buf.lerp_(p.grad, 1 - mu)
+                if buf is not stored:  # kept in 16 bits: rounded back, used unrounded
+                    stored.copy_(buf)
                 update = p.grad.lerp(buf, mu) if settings.nesterov else buf
                 inputs.append((p, update.to(settings.ns_dtype)))
                 held.append((p, group["lr"], group["weight_decay"]))
@@ -205,26 +212,10 @@ class Muon(torch.optim.Optimizer):
                                            alpha=-adjusted_lr(lr, settings.adjust_lr_fn, seg.shape))
 
     def _adamw(self, group: dict[str, Any]) -> None:
-        """torch.optim.AdamW's step over the group (its functional, its state layout: step, exp_avg, exp_avg_sq)."""
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        if params:
-            beta1, beta2 = self.adamw.betas
-            adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, decoupled_weight_decay=True, amsgrad=False,
-                 beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=self.adamw.eps,
-                 maximize=False)
+        """torch.optim.AdamW's step over the group (its functional and state layout: step, exp_avg, exp_avg_sq;
+        the moments in AdamWSettings.state_dtype)."""
+        adamw_step(self.state, group["params"], lr=group["lr"], betas=self.adamw.betas, eps=self.adamw.eps,
+                   weight_decay=group["weight_decay"], state_dtype=self.adamw.state_dtype)
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,8 @@ def choose_layout(config: RunConfig, *, world_size: int, hw: Hardware, pins: dic
         raise ConfigError(f"--plan auto cannot pin {unknown}: it chooses {sorted(PINNABLE)}")
     result = search(model, world_size, hw, global_batch=config.data.global_batch, seq_len=seq_len,
                     precision=config.train.precision, pins=pins,
-                    kernels="compiled" if config.train.compile else "eager")
+                    kernels="compiled" if config.train.compile else "eager",
+                    optimizer="muon" if config.optim.optimizer == "muon" else "adamw")
     fitting = [r for r in result["candidates"] if r["fits"]]
     if not fitting:
         reason = (f"none of {len(result['candidates'])} layouts fits {hw.memory_bytes / 1e9:.1f} GB per process"

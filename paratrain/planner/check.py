@@ -32,7 +32,8 @@ def check_memory(plan: RunPlan, *, device: str, available_bytes: float, processe
         "reduce_scatter" if device == "cuda" else "all_reduce")
     predicted = memory(plan.model, layout_of(plan), global_batch=plan.batch.global_batch, seq=plan.seq_len,
                        precision=plan.config.train.precision, bucket_mb=parallel.bucket_mb, grad_reduce=grad_reduce,
-                       pp_split=tuple(parallel.pp_split))
+                       pp_split=tuple(parallel.pp_split), optimizer=plan.config.optim.optimizer,
+                       grad_dtype=plan.config.train.grad_dtype, state_dtype=plan.config.optim.state_dtype)
     # the trainer builds on the meta device and materialises only this rank's pieces: nothing bigger
     # than the training state is ever held (docs/scale.md)
     per_process, where = _budget(device, available_bytes, processes)

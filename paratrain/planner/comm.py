@@ -84,6 +84,22 @@ class StepSettings:
     reshard_after_forward: bool = True
     """ZeRO-3: gather a block's parameters again for its backward."""
     pp_split: tuple[int, ...] = ()
+    grad_dtype: str = "fp32"
+    """ZeRO's gradient buffers beside 16-bit parameters (paratrain.EngineOptions.grad_dtype)."""
+    grad_reduce_dtype: str | None = None
+    """The dtype they are reduced in; None: grad_dtype's."""
+
+    def grad_bytes(self, layout: Layout) -> int:
+        """Bytes of a gradient element in ZeRO's buffers (zero 0: float32)."""
+        if not layout.zero or BYTES[self.precision] == 4:
+            return 4
+        return 4 if self.grad_dtype == "fp32" else BYTES[self.precision]
+
+    def reduce_bytes(self, layout: Layout) -> int:
+        """Bytes of a gradient element on the wire."""
+        if self.grad_reduce_dtype is None or not layout.zero or BYTES[self.precision] == 4:
+            return self.grad_bytes(layout)
+        return 4 if self.grad_reduce_dtype == "fp32" else BYTES[self.precision]
 
 
 def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches: int,
@@ -98,7 +114,7 @@ def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches
     calls = Counter(tensor_parallel_calls(model, layout, stage=stage, precision=precision, pp_split=pp_split))
     calls = Counter({call: n * micro_batches for call, n in calls.items()})
     calls.update(step_calls(model, layout, stage=stage, precision=precision, bucket_mb=settings.bucket_mb,
-                            pp_split=pp_split))
+                            pp_split=pp_split, grad_bytes=settings.grad_bytes(layout)))
     for (axis, op, numel, size), n in calls.items():
         ops = volume.setdefault(axis, {})
         ops[op] = ops.get(op, 0) + n * _FACTOR[op] * numel * size
@@ -136,16 +152,16 @@ def data_parallel_volume(model: ModelConfig, layout: Layout, *, stage: int, micr
         raise NotImplementedError("the volume of ZeRO with shard groups of one rank (replicated state) is not modelled")
     hierarchical = layout.shard_group not in (None, layout.dp)
     shard_axis = "dp_shard" if hierarchical else data
-    elsize = BYTES[settings.precision]
+    elsize, gsize = BYTES[settings.precision], settings.reduce_bytes(layout)
     groups = flat_groups(params, zero=layout.zero, shards=layout.shards, bucket_bytes=int(settings.bucket_mb * 2**20))
     reductions = 1 if layout.zero == 1 or layout.pp > 1 else micro_batches
     for g in groups:
         if settings.grad_reduce == "reduce_scatter":
-            add(shard_axis, "reduce_scatter", reductions * elsize * g.padded)
+            add(shard_axis, "reduce_scatter", reductions * gsize * g.padded)
             if hierarchical:
-                add("dp_replicate", "all_reduce", reductions * 2 * elsize * g.shard_numel)
+                add("dp_replicate", "all_reduce", reductions * 2 * gsize * g.shard_numel)
         else:
-            add(data, "all_reduce", reductions * 2 * elsize * g.padded)
+            add(data, "all_reduce", reductions * 2 * gsize * g.padded)
     if layout.zero < 3:
         add(shard_axis, "all_gather", elsize * sum(g.padded for g in groups))
     else:  # flat_groups lists the blocks' groups first, the root's last
@@ -185,7 +201,7 @@ def tensor_parallel_calls(model: ModelConfig, layout: Layout, *, stage: int, pre
 
 
 def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str = "fp32", bucket_mb: float = 25.0,
-               pp_split: tuple[int, ...] = ()) -> list[Call]:
+               pp_split: tuple[int, ...] = (), grad_bytes: int = 4) -> list[Call]:
     """The collectives of a step that are not per micro-batch and not dp's gradient and parameter
     traffic: the tied embedding's gradient and the scalars (loss totals, gradient-norm sums)."""
     calls: list[Call] = []
@@ -196,7 +212,7 @@ def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str
         if layout.zero:
             (group,) = [g for g in flat_groups(params, zero=layout.zero, shards=layout.shards,
                                                bucket_bytes=int(bucket_mb * 2**20))]
-            calls.append(("tied", "all_reduce", group.shard_numel, BYTES[precision]))
+            calls.append(("tied", "all_reduce", group.shard_numel, grad_bytes))
         else:
             calls.append(("tied", "all_reduce", params[0].numel, 4))
     # tp slices and replicated weights sum over different axes; a grid's matrices, the replicated kind (none of its

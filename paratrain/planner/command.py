@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch", type=int, help="samples per optimizer step (required unless --calibrate)")
     parser.add_argument("--seq-len", type=int, help="tokens per sample (default: the model's)")
     parser.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"),
+                        help="price AdamW (two moments) or Muon (a momentum on the matrices, Newton-Schulz on owner "
+                             "ranks and its all-to-alls: paratrain.planner.optimizer)")
     parser.add_argument("--tokens", type=float, help="a token budget: adds training days")
     parser.add_argument("--top", type=int, default=10, help="rows of the table")
     parser.add_argument("--explain", action="store_true", help="also print the best layout's step time by term")
@@ -128,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
 
         model = replace(model, seq_len=args.seq_len)
     result = search(model, devices, hw, global_batch=args.global_batch, seq_len=args.seq_len,
-                    precision=args.precision, pins=pins, kernels="compiled" if args.compile else "eager")
+                    precision=args.precision, pins=pins, kernels="compiled" if args.compile else "eager",
+                    optimizer=args.optimizer)
     if args.tokens:
         for record in result["candidates"]:
             record["train_days"] = args.tokens / record["tokens_per_s"] / 86400

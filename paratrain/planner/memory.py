@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from paratrain.memory import POLICIES
+from paratrain.optim import is_matrix
 from paratrain.pipeline.schedules import Schedule
 from paratrain.comm.buckets import plan_buckets
 from paratrain.config.model import ModelConfig
@@ -36,21 +37,39 @@ MASTER_BYTES = 4
 """fp32: what the model is built in, so what ZeRO's masters and AdamW's moments are kept in."""
 STEP_BYTES = 4
 """AdamW's step count: a float32 scalar tensor per parameter it updates."""
+OPTIMIZER_STATES = {"adamw": 2, "muon": 1}
+"""Float32 state tensors per element: AdamW's two moments; Muon's momentum (on its matrices; the rest is AdamW's)."""
 
 
 @dataclass(frozen=True)
 class FlatPlan:
     padded: int
     shards: int
+    kind: str = "adamw"
+    """The optimizer updating it: 'adamw', or 'muon' (paratrain.optim.Muon's matrix group)."""
 
     @property
     def shard_numel(self) -> int:
         return self.padded // self.shards
 
 
-def optimizer_group(param: RankParam) -> int:
-    """paratrain.train.optim.adamw_factory: matrices decay (group 0), vectors do not (group 1)."""
+def optimizer_group(param: RankParam, optimizer: str = "adamw") -> int:
+    """paratrain.train.optim.adamw_factory: matrices decay (group 0), vectors do not (group 1); paratrain.optim.Muon:
+    its matrices (0), the matrices it leaves to AdamW (1: embeddings, head), vectors (2)."""
+    if optimizer == "muon":
+        return 0 if is_matrix(param.name, param.shape) else 1 if len(param.shape) >= 2 else 2
+    if optimizer == "sgd":  # paratrain.train.optim's: one group
+        return 0
     return 0 if len(param.shape) >= 2 else 1
+
+
+def optimizer_bytes(optimizer: str, *, muon: int, adamw: int, adamw_tensors: int, state_dtype: str = "fp32") -> int:
+    """State bytes over `muon` elements Muon updates and `adamw` elements (in `adamw_tensors` tensors) AdamW does
+    (sgd: its momentum on all of them), each state in `state_dtype` (fp32 or bf16; the step counts float32)."""
+    size = 2 if state_dtype == "bf16" else 4
+    if optimizer == "sgd":
+        return 4 * (muon + adamw)
+    return size * (OPTIMIZER_STATES["muon"] * muon + OPTIMIZER_STATES["adamw"] * adamw) + STEP_BYTES * adamw_tensors
 
 
 def _role(param: RankParam) -> tuple[bool, bool, bool, bool, bool]:
@@ -60,16 +79,18 @@ def _role(param: RankParam) -> tuple[bool, bool, bool, bool, bool]:
 
 
 def flat_groups(params: list[RankParam], *, zero: int, shards: int, bucket_bytes: int,
-                expert_shards: int = 1) -> list[FlatPlan]:
+                expert_shards: int = 1, optimizer: str = "adamw") -> list[FlatPlan]:
     """ZeroSync's flat groups for these parameters, in its order; experts' split over expert_shards."""
-    present = sorted({optimizer_group(p) for p in params})
-    group_of = {id(p): present.index(optimizer_group(p)) for p in params}  # empty groups are dropped
+    present = sorted({optimizer_group(p, optimizer) for p in params})
+    group_of = {id(p): present.index(optimizer_group(p, optimizer)) for p in params}  # empty groups are dropped
+    muon = {id(p) for p in params if optimizer == "muon" and optimizer_group(p, optimizer) == 0}
     if zero < 3:
         tensors = meta_tensors(params, torch.float32)  # planned on the parameters as built: fp32
         by_id = {id(t): p for t, p in zip(tensors, params)}
         planned = plan_buckets(tensors, cap_bytes=bucket_bytes,
                                key=lambda t: (group_of[id(by_id[id(t)])], _role(by_id[id(t)])))
-        sizes = [(sum(t.numel() for t in group), by_id[id(group[0])].expert) for group in planned]
+        sizes = [(sum(t.numel() for t in group), by_id[id(group[0])].expert, id(by_id[id(group[0])]) in muon)
+                 for group in planned]
     else:
         units: dict[str, list[RankParam]] = {}
         for p in params:
@@ -77,35 +98,38 @@ def flat_groups(params: list[RankParam], *, zero: int, shards: int, bucket_bytes
         blocks = [u for u in units if u]
         sizes = []
         for unit in [*reversed(blocks), *([""] if "" in units else [])]:
-            by_key: dict[tuple[int, tuple[bool, ...]], int] = {}
+            by_key: dict[tuple[int, tuple[bool, ...], bool], int] = {}
             for p in units[unit]:
-                key = (group_of[id(p)], _role(p))
+                key = (group_of[id(p)], _role(p), id(p) in muon)
                 by_key[key] = by_key.get(key, 0) + p.numel
-            sizes += [(n, role[-1]) for (_, role), n in by_key.items()]  # role[-1]: an expert group
+            sizes += [(n, role[-1], matrix) for (_, role, matrix), n in by_key.items()]  # role[-1]: an expert group
     plans = []
-    for n, expert in sizes:
+    for n, expert, matrix in sizes:
         parts = expert_shards if expert else shards
-        plans.append(FlatPlan(math.ceil(n / parts) * parts, parts))
+        plans.append(FlatPlan(math.ceil(n / parts) * parts, parts, "muon" if matrix else "adamw"))
     return plans
 
 
 @functools.lru_cache(maxsize=8192)
 def _sharded_totals(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...],
-                    bucket_bytes: int) -> tuple[int, int, int]:
-    """(padded elements, shard elements, flat groups) of a stage's ZeRO flat groups (`layout`: its dims and
-    ZeRO stage, what they depend on)."""
+                    bucket_bytes: int, optimizer: str = "adamw") -> tuple[int, int, int, int]:
+    """(padded elements, shard elements, of which Muon's, AdamW's flat groups) of a stage's ZeRO flat groups
+    (`layout`: its dims and ZeRO stage, what they depend on)."""
     params = rank_params(model, layout.dims, stage, pp_split, expert_tp=layout.expert_tp, pipeline=layout.pipeline)
     groups = flat_groups(params, zero=layout.zero, shards=layout.shards, bucket_bytes=bucket_bytes,
-                         expert_shards=layout.expert_shards)
-    return sum(g.padded for g in groups), sum(g.shard_numel for g in groups), len(groups)
+                         expert_shards=layout.expert_shards, optimizer=optimizer)
+    return (sum(g.padded for g in groups), sum(g.shard_numel for g in groups),
+            sum(g.shard_numel for g in groups if g.kind == "muon"), sum(g.kind == "adamw" for g in groups))
 
 
 @functools.lru_cache(maxsize=8192)
 def _plain_totals(model: ModelConfig, dims: ParallelDims, stage: int, pp_split: tuple[int, ...],
-                  expert_tp: bool = False, pipeline: Schedule | None = None) -> tuple[int, int]:
-    """(elements, tensors) a stage holds."""
+                  expert_tp: bool = False, pipeline: Schedule | None = None,
+                  optimizer: str = "adamw") -> tuple[int, int, int]:
+    """(elements, of which Muon's, AdamW's tensors) a stage holds."""
     params = rank_params(model, dims, stage, pp_split, expert_tp=expert_tp, pipeline=pipeline)
-    return sum(p.numel for p in params), len(params)
+    muon = [p for p in params if optimizer == "muon" and optimizer_group(p, optimizer) == 0]
+    return sum(p.numel for p in params), sum(p.numel for p in muon), len(params) - len(muon)
 
 
 def with_totals(states: dict[str, int], *, kept_grads: int = 0) -> dict[str, int]:
@@ -117,33 +141,39 @@ def with_totals(states: dict[str, int], *, kept_grads: int = 0) -> dict[str, int
 
 def model_state_bytes(model: ModelConfig, layout: Layout, *, precision: str = "fp32", stage: int = 0,
                       bucket_mb: float = 25.0, grad_reduce: str = "all_reduce",
-                      pp_split: tuple[int, ...] = (), keep_grads: bool = False) -> dict[str, int]:
+                      pp_split: tuple[int, ...] = (), keep_grads: bool = False,
+                      optimizer: str = "adamw", grad_dtype: str = "fp32", state_dtype: str = "fp32") -> dict[str, int]:
     """What `engine.memory_report()` says on pipeline rank `stage` (every dp and tp rank of a stage
-    holds the same amounts): {"params", "grads", "optimizer", "in_step", "between_steps"} in bytes, AdamW,
-    the GPT ("grads": the buffers a step allocates, released after its update unless keep_grads).
+    holds the same amounts): {"params", "grads", "optimizer", "in_step", "between_steps"} in bytes, the GPT
+    ("grads": the buffers a step allocates, released after its update unless keep_grads), AdamW or Muon
+    (paratrain.train.optim's: a momentum on the matrices, AdamW's state on the rest).
 
-    precision: under ZeRO, bf16 / fp16 store parameters and gradients in 16 bits with fp32 masters;
-    under zero 0 they are autocast over fp32 storage. grad_reduce: ZeRO's reduction primitive
+    precision: under ZeRO, bf16 / fp16 store parameters in 16 bits with fp32 masters, and gradients in float32
+    (grad_dtype 'fp32', the default) or 16 bits (grad_dtype 'bf16' / 'fp16'); under zero 0 they are autocast over
+    fp32 storage. grad_reduce: ZeRO's reduction primitive
     ("all_reduce": gloo's choice; "reduce_scatter": NCCL's)."""
     if layout.zero == 0:
-        numel, tensors = _plain_totals(model, layout.dims, stage, tuple(pp_split), layout.expert_tp, layout.pipeline)
+        numel, muon, tensors = _plain_totals(model, layout.dims, stage, tuple(pp_split), layout.expert_tp,
+                                             layout.pipeline, optimizer)
         return with_totals({"params": 4 * numel, "grads": 4 * numel,
-                            "optimizer": 2 * MASTER_BYTES * numel + STEP_BYTES * tensors},
+                            "optimizer": optimizer_bytes(optimizer, muon=muon, adamw=numel - muon,
+                                                         adamw_tensors=tensors, state_dtype=state_dtype)},
                            kept_grads=4 * numel if keep_grads else 0)
     elsize = BYTES[precision]
-    padded, shard, groups = _sharded_totals(model, Layout(dims=layout.dims, zero=layout.zero, expert_tp=layout.expert_tp,
-                                                          schedule=layout.schedule),
-                                            stage, tuple(pp_split),
-                                            int(bucket_mb * 2**20))
+    padded, shard, muon, groups = _sharded_totals(
+        model, Layout(dims=layout.dims, zero=layout.zero, expert_tp=layout.expert_tp, schedule=layout.schedule),
+        stage, tuple(pp_split), int(bucket_mb * 2**20), optimizer)
     param_bytes = elsize * (shard if layout.zero == 3 else padded)
+    gsize = MASTER_BYTES if grad_dtype == "fp32" else elsize  # EngineOptions.grad_dtype: the buffers' dtype
     if layout.zero == 1:
         separate_shards = grad_reduce == "reduce_scatter"
-        grad_bytes = kept = elsize * (padded + (shard if separate_shards else 0))
+        grad_bytes = kept = gsize * (padded + (shard if separate_shards else 0))
     else:  # a pipeline's deferred ZeRO-2 accumulates the step's micro-batches in full buffers, then shards
-        kept = elsize * shard
-        grad_bytes = kept + (elsize * padded if layout.zero == 2 and layout.pp > 1 else 0)
+        kept = gsize * shard
+        grad_bytes = kept + (gsize * padded if layout.zero == 2 and layout.pp > 1 else 0)
     own_master = layout.offload or elsize != MASTER_BYTES
     masters = MASTER_BYTES * shard if own_master else 0
-    optimizer = 2 * MASTER_BYTES * shard + STEP_BYTES * groups + masters
-    return with_totals({"params": param_bytes, "grads": grad_bytes, "optimizer": optimizer},
+    state = optimizer_bytes(optimizer, muon=muon, adamw=shard - muon, adamw_tensors=groups,
+                            state_dtype=state_dtype) + masters
+    return with_totals({"params": param_bytes, "grads": grad_bytes, "optimizer": state},
                        kept_grads=kept if keep_grads else 0)

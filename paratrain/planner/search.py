@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from paratrain.config.errors import ConfigError
@@ -21,6 +22,7 @@ from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
 from paratrain.planner.activations import activation_bytes, grid_cuts, storage_mode
 from paratrain.planner.memory import BYTES, model_state_bytes
+from paratrain.planner.optimizer import muon_seconds
 from paratrain.planner.timing import step_time
 
 def check_layout(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int) -> None:
@@ -45,7 +47,8 @@ def check_fields(model: ModelConfig, fields: Mapping[str, Any], *, global_batch:
 
 def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, precision: str,
            bucket_mb: float = 25.0, grad_reduce: str = "reduce_scatter",
-           pp_split: tuple[int, ...] = (), keep_grads: bool = False) -> dict[str, float]:
+           pp_split: tuple[int, ...] = (), keep_grads: bool = False, optimizer: str = "adamw",
+           grad_dtype: str = "fp32", state_dtype: str = "fp32") -> dict[str, float]:
     """Device bytes of the busiest pipeline rank at its peak (every dp and tp rank of a stage holds the
     same): model states in a step (the gradient buffers included), saved activations at the schedule's
     peak, and transients
@@ -66,7 +69,8 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, p
             states = param_server.trainer_state_bytes(model, layout, bucket_mb=bucket_mb, keep_grads=keep_grads)
         else:
             states = model_state_bytes(model, layout, precision=precision, stage=stage, bucket_mb=bucket_mb,
-                                       grad_reduce=grad_reduce, pp_split=pp_split, keep_grads=keep_grads)
+                                       grad_reduce=grad_reduce, pp_split=pp_split, keep_grads=keep_grads,
+                                       optimizer=optimizer, grad_dtype=grad_dtype, state_dtype=state_dtype)
         between = states["between_steps"] - (states["optimizer"] if layout.offload else 0)
         states = {k: states[k] for k in ("params", "grads", "optimizer")}
         if layout.offload:
@@ -109,25 +113,43 @@ def context_parallel_transient(model: ModelConfig, layout: Layout, *, seq: int, 
     return 4 * 2 * block if layout.cp_mode == "ring" else 2 * 4 * block
 
 
+@dataclass(frozen=True)
+class Run:
+    """What a candidate is priced for besides its layout and the hardware."""
+
+    global_batch: int
+    seq: int
+    precision: str = "bf16"
+    kernels: str = "eager"
+    """How the blocks run (paratrain.planner.ops.KERNELS): eager, compiled, Megatron's fused."""
+    optimizer: str = "adamw"
+    """adamw or muon (its momentum, Newton-Schulz and exchange: paratrain.planner.optimizer)."""
+
+
 def estimate(model_config: ModelConfig, layout: Layout, hardware: Hardware, *, global_batch: int,
-             seq_len: int | None = None, precision: str = "bf16", kernels: str = "eager") -> dict[str, Any]:
+             seq_len: int | None = None, precision: str = "bf16", kernels: str = "eager",
+             optimizer: str = "adamw") -> dict[str, Any]:
     """The candidate record of one layout: its memory (worst rank, bytes) and predicted step time (kernels:
     eager or compiled blocks, paratrain.planner.ops.KERNELS)."""
     seq = seq_len or model_config.seq_len
     check_layout(model_config, layout, global_batch=global_batch, seq=seq)
-    return _record(model_config, layout, hardware, global_batch=global_batch, seq=seq, precision=precision,
-                   kernels=kernels)
+    return _record(model_config, layout, hardware, Run(global_batch, seq, precision, kernels, optimizer))
 
 
-def _record(model_config: ModelConfig, layout: Layout, hardware: Hardware, *, global_batch: int, seq: int,
-            precision: str, kernels: str = "eager") -> dict[str, Any]:
+def _record(model_config: ModelConfig, layout: Layout, hardware: Hardware, run: Run) -> dict[str, Any]:
     """estimate's record of a layout already checked."""
-    mem = memory(model_config, layout, global_batch=global_batch, seq=seq, precision=precision)
-    t = step_time(model_config, layout, hardware, global_batch=global_batch, seq=seq, precision=precision,
-                  kernels=kernels)
-    return {"layout": layout.to_dict(), "memory": mem, "step_time_s": t.step_s, "compute_s": t.compute_s,
-            "comm_s": t.comm_s, "bubble": t.bubble, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu, "terms": t.terms,
-            "fits": mem["peak"] <= hardware.memory_bytes}
+    mem = memory(model_config, layout, global_batch=run.global_batch, seq=run.seq, precision=run.precision,
+                 optimizer=run.optimizer)
+    t = step_time(model_config, layout, hardware, global_batch=run.global_batch, seq=run.seq,
+                  precision=run.precision, kernels=run.kernels)
+    step, terms = t.step_s, t.terms
+    if run.optimizer == "muon":  # after the pipelined part, as the element-wise step
+        muon = muon_seconds(model_config, layout, hardware)
+        step += sum(muon.values())
+        terms = {**terms, "Muon: Newton-Schulz": muon["newton-schulz"], "Muon: exchange": muon["exchange"]}
+    return {"layout": layout.to_dict(), "memory": mem, "step_time_s": step, "compute_s": t.compute_s,
+            "comm_s": t.comm_s, "bubble": t.bubble, "tokens_per_s": t.tokens_per_s * t.step_s / step,
+            "mfu": t.mfu * t.step_s / step, "terms": terms, "fits": mem["peak"] <= hardware.memory_bytes}
 
 
 def _divisors(n: int) -> list[int]:
@@ -246,7 +268,7 @@ _DEFAULTS = Layout().to_dict()
 
 def search(model_config: ModelConfig, devices: int, hardware: Hardware, *, global_batch: int,
            seq_len: int | None = None, precision: str = "bf16", pins: dict[str, Any] | None = None,
-           kernels: str = "eager") -> dict[str, list[dict[str, Any]]]:
+           kernels: str = "eager", optimizer: str = "adamw") -> dict[str, list[dict[str, Any]]]:
     """{"candidates": fitting layouts, fastest first, then those that do not fit, smallest peak first;
     "rejected": [{"layout", "reason"}] for layouts paratrain's rules refuse}."""
     if seq_len and seq_len > model_config.seq_len:  # the model is built for sequences this long
@@ -257,8 +279,8 @@ def search(model_config: ModelConfig, devices: int, hardware: Hardware, *, globa
                                     seq=seq):
         try:
             check_fields(model_config, fields, global_batch=global_batch, seq=seq)
-            record = _record(model_config, Layout.of(**fields), hardware, global_batch=global_batch, seq=seq,
-                             precision=precision, kernels=kernels)
+            record = _record(model_config, Layout.of(**fields), hardware,
+                             Run(global_batch, seq, precision, kernels, optimizer))
         except ConfigError as error:
             rejected.append({"layout": fields, "reason": str(error)})
             continue

@@ -155,7 +155,10 @@ def _data_parallel_time(model: ModelConfig, layout: Layout, hw: Hardware, *, com
     held, m = _rank_held(model, layout), micro_batches
     tp, cp, dp = layout.tp, layout.cp, layout.dp
     dense, expert = held.total - held.expert, held.expert
-    elsize = BYTES[precision] if layout.zero else 4  # ZeRO keeps 16-bit gradients; zero 0 float32 ones
+    # gradients on the wire in 16 bits under ZeRO, as the published runs the time model is fitted to reduced them
+    # (paratrain: --grad-dtype bf16, or --grad-reduce-dtype bf16; its default float32 buffers move twice the bytes,
+    # which planner.comm counts exactly but this estimate does not yet price); zero 0: float32
+    elsize = BYTES[precision] if layout.zero else 4
     whole = tp * cp * dp  # the ranks a dp group spans (and the experts' replicas, ep apart)
     replicas, expert_replicas = dp * cp, dp // layout.ep * cp
     hierarchical = layout.zero and layout.shard_group is not None

@@ -35,6 +35,12 @@ class ZeroOptions:
     param_dtype: torch.dtype | None = None
     """Store parameters and gradients in this dtype (bf16 / fp16); the optimizer's masters stay in the
     parameters' original dtype (float32). None: the parameters' own."""
+    grad_dtype: torch.dtype | None = None
+    """The gradient buffers' dtype: micro-batches accumulate and shards are summed in it (float32 beside 16-bit
+    parameters: Megatron's --accumulate-allreduce-grads-in-fp32); None: the stored parameters'."""
+    reduce_dtype: torch.dtype | None = None
+    """The dtype a buffer is reduced in (a 16-bit copy of float32 buffers halves the bytes; torchtitan's
+    mixed_precision_reduce); None: grad_dtype's."""
     keep_grads: bool = False
     """Keep the gradient buffers between steps, zeroed (no allocation per step); False: released after
     each update, as torch's zero_grad(set_to_none=True)."""
@@ -53,9 +59,15 @@ class ZeroOptions:
 
     @property
     def persistent_grads(self) -> bool:
-        """Stage 1: full gradients accumulate in persistent flat buffers that the parameters' .grad
-        view (as in plain DP). Stages 2-3: a gradient moves into its group's buffer when ready."""
+        """Stage 1: full gradients accumulate in persistent flat buffers (the parameters' .grad view them, as
+        in plain DP, when they share the parameters' dtype). Stages 2-3: a gradient moves into its group's
+        buffer when ready."""
         return self.stage == 1
+
+    def grads_viewed(self, param_dtype: torch.dtype) -> bool:
+        """The parameters' .grad are views of the buffers (stage 1, buffers in the parameters' dtype); else
+        each gradient is added into its buffer when ready and freed."""
+        return self.persistent_grads and (self.grad_dtype is None or self.grad_dtype == param_dtype)
 
     @property
     def reduce_every_micro_batch(self) -> bool:

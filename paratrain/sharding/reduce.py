@@ -85,6 +85,8 @@ class GradReducer:
             for g in self.groups:
                 flat = self.grad_flats[g.index]
                 assert flat is not None
+                if not self.options.grads_viewed(g.param_flat.dtype):
+                    continue
                 for param, view in zip(g.params, g.views(flat)):
                     if param.grad is None or param.grad.data_ptr() != view.data_ptr():
                         param.grad = view
@@ -92,9 +94,10 @@ class GradReducer:
             if not g.own_master:
                 g.master.grad = shard
 
-    @staticmethod
-    def _zeros(group: FlatGroup, numel: int) -> torch.Tensor:
-        return torch.zeros(numel, dtype=group.param_flat.dtype, device=group.param_flat.device)
+    def _zeros(self, group: FlatGroup, numel: int) -> torch.Tensor:
+        """A gradient buffer: in the options' grad_dtype, else the stored parameters'."""
+        return torch.zeros(numel, dtype=self.options.grad_dtype or group.param_flat.dtype,
+                           device=group.param_flat.device)
 
     def begin_micro_batch(self, *, sync: bool) -> None:
         self._sync = sync
@@ -104,8 +107,8 @@ class GradReducer:
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         group = self._group_of[id(param)]
-        if not self.options.persistent_grads:
-            # Move the gradient into its group's buffer and free the parameter-sized one.
+        if not self.options.grads_viewed(group.param_flat.dtype):
+            # Move the gradient into its group's buffer (converted to its dtype) and free the parameter-sized one.
             flat = self.grad_flats[group.index]
             if flat is None:
                 flat = self.grad_flats[group.index] = self._zeros(group, group.padded)
@@ -131,6 +134,9 @@ class GradReducer:
             self.grad_flats[index] = None  # the next micro-batch starts a fresh buffer
         shard = pending = None
         placement = self.placements[index]
+        reduce_dtype = self.options.reduce_dtype
+        if reduce_dtype is not None and reduce_dtype != flat.dtype:  # reduced in a copy of its own dtype
+            flat = flat.to(reduce_dtype)
         if self.options.reduce_op == "all_reduce":
             if placement.reduce is not None:
                 pending = all_reduce_async(flat, placement.reduce)
@@ -161,7 +167,11 @@ class GradReducer:
             else:
                 summed = item.group.shard_of(item.flat)
             target = self.grad_shards[item.group.index]
-            if summed.data_ptr() != target.data_ptr():
+            if summed.data_ptr() == target.data_ptr():
+                continue
+            if self.options.shard_in_grad_buffer:  # the shard is the buffer's own slice, reduced in a copy
+                target.copy_(summed)
+            else:
                 target.add_(summed)
         self._in_flight.clear()
         self._ready = [0] * len(self.groups)
@@ -214,7 +224,7 @@ class GradReducer:
         shards, with keep_grads)."""
         grads = kept = 0
         for g in self.groups:
-            size = g.param_flat.element_size()
+            size = (self.options.grad_dtype or g.param_flat.dtype).itemsize
             full = size * g.padded if self.options.persistent_grads or self.options.deferred else 0
             shard = 0 if self.options.shard_in_grad_buffer else size * g.shard_numel
             grads += full + shard

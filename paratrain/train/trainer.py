@@ -152,6 +152,7 @@ class Trainer:
         else:
             self.model = build_gpt(plan.model, seed=config.seed, device="meta")
         options = EngineOptions(micro_batch=plan.batch.micro_batch, precision=train.precision,
+                                grad_dtype=train.grad_dtype, grad_reduce_dtype=train.grad_reduce_dtype or None,
                                 grad_clip=config.optim.grad_clip, recompute=train.recompute, seed=config.seed,
                                 on_non_finite="skip" if train.nan_policy == "skip" else "raise", compile=train.compile)
         self.engine: Engine = parallelize(self.model, ctx, optimizer=optimizer_factory(config.optim),

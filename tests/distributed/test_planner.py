@@ -16,10 +16,11 @@ from tests.margins import within
 BUCKET_MB = 0.05  # several flat groups, each padded: the planner must count every pad
 
 
-def _report(layout: dict, precision: str, model: str = "tiny") -> dict:
+def _report(layout: dict, precision: str, model: str = "tiny", optim: dict | None = None,
+            grad_dtype: str = "fp32") -> dict:
     import paratrain
     from paratrain.config.run import OptimSection
-    from paratrain.train.optim import adamw_factory
+    from paratrain.train.optim import optimizer_factory
 
     config = paratrain.ParallelConfig(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], zero=layout["zero"],
                                       shard_group=layout["shard_group"], virtual_stages=layout["virtual_stages"],
@@ -28,9 +29,9 @@ def _report(layout: dict, precision: str, model: str = "tiny") -> dict:
                                       tp_mode=layout["tp_mode"], tp_depth=layout["tp_depth"])
     ctx = paratrain.init(device="cpu", config=config)
     model = paratrain.build_gpt(TINY if model == "tiny" else MOE, seed=0)
-    engine = paratrain.parallelize(model, ctx, optimizer=adamw_factory(OptimSection()),
+    engine = paratrain.parallelize(model, ctx, optimizer=optimizer_factory(OptimSection(**(optim or {}))),
                                    options=paratrain.EngineOptions(micro_batch=config.tp_row_parts,
-                                                                   precision=precision))
+                                                                   precision=precision, grad_dtype=grad_dtype))
     rows = 8 // ctx.mesh.degree("dp")
     x = torch.randint(0, 256, (rows, TINY.seq_len), generator=torch.Generator().manual_seed(0))
     engine.train_step((x, x.roll(-1, 1)), paratrain.lm_loss)  # the optimizer state exists after a step
@@ -41,7 +42,14 @@ CASES = {
     2: [dict(dp=2, zero=z) for z in (0, 1, 2, 3)]
        + [dict(dp=2, zero=z, precision="bf16") for z in (1, 2, 3)]
        + [dict(dp=2, zero=2, offload=True), dict(dp=2, zero=1, precision="fp16", offload=True),
-          dict(dp=1, tp=2), dict(dp=1, tp=2, zero=1), dict(dp=1, pp=2), dict(dp=1, pp=2, zero=1)],
+          dict(dp=1, tp=2), dict(dp=1, tp=2, zero=1), dict(dp=1, pp=2), dict(dp=1, pp=2, zero=1),
+          # Muon: a momentum on its matrices, AdamW's state on the rest, flat groups of each
+          dict(optimizer="muon", dp=2), dict(optimizer="muon", dp=2, zero=1),
+          dict(optimizer="muon", dp=2, zero=3, precision="bf16"), dict(optimizer="muon", dp=1, tp=2, zero=2),
+          # 16-bit optimizer states and gradients
+          dict(state_dtype="bf16", dp=2, zero=1, precision="bf16"), dict(state_dtype="bf16", dp=2),
+          dict(optimizer="muon", state_dtype="bf16", dp=2, zero=2, precision="bf16", grad_dtype="bf16"),
+          dict(dp=2, zero=1, precision="bf16", grad_dtype="bf16")],
     4: [dict(dp=4, zero=1, shard_group=2), dict(dp=4, zero=3, shard_group=2), dict(dp=2, tp=2, zero=2),
         dict(dp=2, pp=2, zero=2), dict(dp=2, pp=2, schedule="interleaved", virtual_stages=2, zero=1),
         dict(dp=2, tp=2, zero=3, precision="bf16"),
@@ -53,7 +61,9 @@ CASES = {
         dict(model="tiny-moe", dp=2, ep=2, tp=2, expert_tp=True), dict(model="tiny-moe", dp=2, tp=2, expert_tp=True,
                                                                         zero=2),
         # a 2 x 2 grid: matrix blocks and norm blocks in flat groups of their own
-        dict(tp=4, tp_mode="2d"), dict(tp=4, tp_mode="2d", zero=1, precision="bf16")],
+        dict(tp=4, tp_mode="2d"), dict(tp=4, tp_mode="2d", zero=1, precision="bf16"),
+        dict(optimizer="muon", model="tiny-moe", dp=4, ep=2, zero=1, precision="bf16"),
+        dict(optimizer="muon", dp=2, pp=2, zero=2)],
     8: [dict(dp=2, tp=4, tp_mode="2d", zero=3), dict(tp=8, tp_mode="3d"),
         dict(tp=8, tp_mode="2.5d", tp_depth=2, pp=1, zero=0)],
 }
@@ -68,10 +78,14 @@ def test_model_states_equal_the_engines_report(pools, world):
         case = dict(case)
         precision = case.pop("precision", "fp32")
         model = case.pop("model", "tiny")
+        optim = {k: case.pop(k) for k in ("optimizer", "state_dtype") if k in case}
+        grad_dtype = case.pop("grad_dtype", "fp32")
         layout = Layout.of(**case)
-        for got in pools(world).run(_report, layout.to_dict(), precision, model):
+        for got in pools(world).run(_report, layout.to_dict(), precision, model, optim, grad_dtype):
             expected = model_state_bytes(TINY if model == "tiny" else MOE, layout, precision=precision,
-                                         stage=got["stage"], bucket_mb=BUCKET_MB)
+                                         stage=got["stage"], bucket_mb=BUCKET_MB, grad_dtype=grad_dtype,
+                                         optimizer=optim.get("optimizer", "adamw"),
+                                         state_dtype=optim.get("state_dtype", "fp32"))
             assert got["report"] == expected, (case, precision, got["rank"])
 
 

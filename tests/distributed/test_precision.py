@@ -25,14 +25,15 @@ def _poisoned_loss(row: torch.Tensor, model: torch.nn.Module, micro: tuple[torch
 
 
 def _run(dp: int | None, zero: int, precision: str, steps: int = 8, loss_scale: float | None = None,
-         tp: int = 1, sequence_parallel: bool = False, poison: tuple[int, ...] = ()) -> dict:
-    """poison: steps whose global batch holds one sample (its 6th) that overflows fp16 (_poisoned_loss)."""
+         tp: int = 1, sequence_parallel: bool = False, poison: tuple[int, ...] = (), grad_dtype: str = "fp32") -> dict:
+    """poison: steps whose global batch holds one sample (its 6th) that overflows fp16 (_poisoned_loss).
+    grad_dtype: ZeRO's gradient buffers (EngineOptions.grad_dtype)."""
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dp, zero=zero, bucket_mb=0.05, tp=tp,
                                                   sequence_parallel=sequence_parallel))
     model = paratrain.build_gpt(TINY, seed=1)
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
                                    options=paratrain.EngineOptions(micro_batch=4, precision=precision, grad_clip=1.0,
-                                                                   loss_scale=loss_scale))
+                                                                   loss_scale=loss_scale, grad_dtype=grad_dtype))
     loader = GlobalBatchLoader(load_source("builtin").train, seq_len=TINY.seq_len, global_batch=16,
                                dp=ctx.mesh.degree("dp"), dp_index=ctx.mesh.index("dp"), seed=1)
     losses, skipped, scales = [], [], []
@@ -81,18 +82,34 @@ def test_low_precision_under_tensor_parallelism(pools, zero, precision, sequence
 def test_bf16_memory_matches_the_zero_paper(pools, zero):
     """Mixed precision in the ZeRO paper (fig. 1): 2 psi parameters, 2 psi gradients, K = 12 psi of
     optimizer state (fp32 master 4 + two fp32 moments 8). P_os: 2 + 2 + 12/N; P_os+g: 2 + 14/N;
-    P_os+g+p: 16/N, in psi bytes."""
+    P_os+g+p: 16/N, in psi bytes, with 16-bit gradients (--grad-dtype bf16). paratrain's default float32 gradient
+    buffers take 4 psi (P_os) and 4 psi / N (P_os+g, P_os+g+p) instead."""
     n, psi = 4, TINY.num_params()
-    got = pools(n).run(_run, n, zero, "bf16", 1)
-    expected = {
-        1: {"params": 2 * psi, "grads": 2 * psi, "optimizer": 12 * psi / n},
-        2: {"params": 2 * psi, "grads": 2 * psi / n, "optimizer": 12 * psi / n},
-        3: {"params": 2 * psi / n, "grads": 2 * psi / n, "optimizer": 12 * psi / n},
-    }[zero]
-    for result in got:
-        report = result["memory"]
-        for key, value in expected.items():
-            assert value <= report[key] <= value * 1.01 + 64, (key, report[key], value)
+    for grad_dtype, g in (("bf16", 2), ("fp32", 4)):
+        got = pools(n).run(_run, n, zero, "bf16", 1, grad_dtype=grad_dtype)
+        expected = {
+            1: {"params": 2 * psi, "grads": g * psi, "optimizer": 12 * psi / n},
+            2: {"params": 2 * psi, "grads": g * psi / n, "optimizer": 12 * psi / n},
+            3: {"params": 2 * psi / n, "grads": g * psi / n, "optimizer": 12 * psi / n},
+        }[zero]
+        for result in got:
+            report = result["memory"]
+            for key, value in expected.items():
+                assert value <= report[key] <= value * 1.01 + 64, (grad_dtype, key, report[key], value)
+
+
+def test_float32_gradients_under_zero2_bf16_stay_closer_to_float32(pools):
+    """ZeRO-2 bf16 on 2 ranks, 2 micro-batches each, 50 steps: with float32 gradient buffers (the default) the loss
+    ends closer to the float32 run's than with bfloat16 ones (accumulated and summed in 8 bits of mantissa)."""
+    steps = 50
+    fp32 = _run(None, 0, "fp32", steps=steps)["losses"]
+    ends = {}
+    for grad_dtype in ("fp32", "bf16"):
+        got = pools(2).run(_run, 2, 2, "bf16", steps, grad_dtype=grad_dtype)[0]["losses"]
+        ends[grad_dtype] = max(abs(a - b) / b for a, b in zip(got[-10:], fp32[-10:]))
+    print(f"\nZeRO-2 bf16, last 10 of {steps} steps against float32: fp32 gradients {ends['fp32']:.2e}, "
+          f"bf16 gradients {ends['bf16']:.2e}")
+    assert ends["fp32"] < ends["bf16"], ends
 
 
 POISON = (0, 3, 4, 9)

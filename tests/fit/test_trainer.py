@@ -54,6 +54,19 @@ def test_same_losses_and_weights_for_any_devices_and_strategy(tmp_path):
 
 
 @pytest.mark.e2e
+def test_muon_by_name_gives_the_same_fit_under_zero3(tmp_path):
+    """Trainer(optimizer="muon"): Muon on the two Linear weights, AdamW on the biases; 2 devices under ZeRO-3 equal
+    one (float64; torch's bfloat16 Newton-Schulz, fed the same bits in both)."""
+    result, model = in_process(optimizer="muon")
+    got = as_script(tmp_path, 2, "zero3", 'optimizer="muon"')
+    within(rel_diff(list(got["losses"].values()), list(result.losses.values())), 1e-12, "loss Muon zero3 (float64)")
+    weights = {k: torch.tensor(v, dtype=torch.float64) for k, v in got["model"].items()}
+    within(max_state_diff(weights, dict(model.state_dict())), 1e-12, "trained weights Muon zero3 (float64)")
+    adamw, _ = in_process()
+    assert list(result.losses.values())[-1] != list(adamw.losses.values())[-1]  # Muon is what ran
+
+
+@pytest.mark.e2e
 def test_a_failed_worker_is_relaunched_and_the_fit_continues_exactly(tmp_path):
     """max_restarts: rank 1 fails at the end of step 4 of 6 in the first launch, before that step's
     checkpoint; the job is launched again, resumes from the checkpoint of step 2 and ends with one

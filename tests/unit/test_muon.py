@@ -115,3 +115,29 @@ def test_exchange_on_one_rank_equals_local_matrices():
     assert [s.shape for s in exchange.segments(flat)] == [(4, 6), (3, 5)]
     assert exchange.traffic() == (0, 0) and exchange.owner_flops == [newton_schulz_flops((4, 6))
                                                                      + 2 * newton_schulz_flops((3, 5))]
+
+
+def test_adamw_with_16_bit_moments():
+    """paratrain.optim.AdamW: moments in the parameters' dtype is torch.optim.AdamW bit for bit; in bfloat16 the
+    state takes half the bytes and 10 steps at lr 0.01 stay within 1e-2 of float32 moments (relative to each
+    tensor's largest weight; measured 1.6e-3)."""
+    from paratrain.optim import AdamW
+
+    def train(make) -> tuple[Net, torch.optim.Optimizer]:
+        net = Net()
+        opt = make(net.parameters())
+        g = torch.Generator().manual_seed(1)
+        for _ in range(10):
+            x = torch.randint(0, 16, (12,), generator=g)
+            opt.zero_grad()
+            net(x).backward()
+            opt.step()
+        return net, opt
+
+    ours, _ = train(lambda ps: AdamW(ps, lr=0.01, betas=(0.9, 0.95), weight_decay=0.1))
+    theirs, _ = train(lambda ps: torch.optim.AdamW(ps, lr=0.01, betas=(0.9, 0.95), weight_decay=0.1))
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters()))
+    low, opt = train(lambda ps: AdamW(ps, lr=0.01, betas=(0.9, 0.95), weight_decay=0.1, state_dtype=torch.bfloat16))
+    assert all(s["exp_avg"].dtype == torch.bfloat16 for s in opt.state.values())
+    worst = max(float(((a - b).abs().max() / b.abs().max())) for a, b in zip(low.parameters(), theirs.parameters()))
+    assert 0 < worst < 1e-2, worst

@@ -271,7 +271,9 @@ def test_a_moe_layer_is_priced_by_operation():
 def test_data_parallel_time_moves_what_the_engine_moves(fields, grad_reduce):
     """The step time's dp term prices the bytes paratrain.planner.comm counts for the engine (which dry runs check to
     the byte): on links of one byte a second and no latency its seconds are the volume x (k - 1) / k, up to the flat
-    groups' padding (none here: equal). With shard groups, the traffic within a group (its links in one node)."""
+    groups' padding (none here: equal). With shard groups, the traffic within a group (its links in one node). The
+    estimate prices 16-bit gradients on the wire (--grad-dtype bf16; the default float32 buffers move twice the
+    gradient bytes, counted by planner.comm, not yet by this estimate)."""
     from paratrain.planner.comm import StepSettings, data_parallel_volume
     from paratrain.planner.hardware import Hardware
     from paratrain.planner.timing import _data_parallel_time
@@ -282,7 +284,7 @@ def test_data_parallel_time_moves_what_the_engine_moves(fields, grad_reduce):
     links = Hardware("links", 1e15, 1e12, 1.0, 1e30 if hierarchical else 1.0, devices_per_node=span, latency_s=0.0)
     seconds, _ = _data_parallel_time(model, layout, links, compute=0.0, micro_batches=2, precision="bf16",
                                      grad_reduce=grad_reduce)
-    settings = StepSettings(precision="bf16", grad_reduce=grad_reduce)
+    settings = StepSettings(precision="bf16", grad_reduce=grad_reduce, grad_dtype="bf16")  # what the estimate prices
     axis = "dp_shard" if hierarchical else ("dp_cp" if layout.cp > 1 else "dp")
     moved = max(sum(data_parallel_volume(model, layout, stage=s, micro_batches=2, settings=settings)[axis].values())
                 for s in {0, layout.pp - 1})

@@ -18,12 +18,13 @@ def test_gpt3_layouts_against_the_zero_paper():
     """dp 16 x tp 8 x pp 8 with ZeRO-1 in bf16: each rank holds 1/64 of the model in 16 bits and 1/16
     of the 12 bytes of optimizer state per parameter, as the paper's P_os counts, up to the embedding on
     the end stages (+2.8 %) and, reducing by reduce-scatter (NCCL), a gradient shard beside the whole
-    gradient (+1/16)."""
+    gradient (+1/16); the gradients in float32 (paratrain's default --grad-dtype, as Megatron keeps its main
+    gradients under bf16): twice the paper's 2 bytes."""
     record = estimate(GPT3, Layout.of(dp=16, tp=8, pp=8, virtual_stages=2, zero=1, schedule="interleaved"),
                       hardware("a100-80gb"), global_batch=1536)
     paper = zero_model_state_bytes(GPT3.num_params() // 64, stage=1, dp=16)
     assert record["memory"]["params"] == pytest.approx(paper["params"], rel=0.03)
-    assert record["memory"]["grads"] == pytest.approx(paper["grads"] * (1 + 1 / 16), rel=0.03)
+    assert record["memory"]["grads"] == pytest.approx(2 * paper["grads"] * (1 + 1 / 16), rel=0.03)
     assert record["memory"]["optimizer"] == pytest.approx(paper["optimizer"], rel=0.03)
     assert record["fits"] and 0.3 < record["mfu"] < 0.6
     one_device = estimate(GPT3, Layout(), hardware("a100-80gb"), global_batch=8)
@@ -68,6 +69,30 @@ def test_command_line_json(capsys):
     table = capsys.readouterr().out
     assert "best" in table and "layouts fit" in table
     assert main(["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "64", "--hardware", "tpu"]) == 2
+
+
+def test_muon_is_priced():
+    """`plan --optimizer muon`: a momentum instead of two moments on the matrices (the embedding and vectors keep
+    AdamW's), and Newton-Schulz plus its exchange in the step (terms named)."""
+    from paratrain.planner.hardware import hardware
+    from paratrain.planner.layout import Layout
+    from paratrain.planner.memory import model_state_bytes
+    from paratrain.planner.optimizer import matrix_units
+    from paratrain.planner.search import estimate
+
+    model = preset("gpt2")
+    matrices = sum(a * b for a, b in matrix_units(model))
+    assert matrices == 12 * (3 * 768 * 768 + 768 * 768 + 2 * 4 * 768 * 768)  # 12 blocks; wte, wpe, norms: AdamW
+    adamw = model_state_bytes(model, Layout.of(dp=1))["optimizer"]
+    muon = model_state_bytes(model, Layout.of(dp=1), optimizer="muon")["optimizer"]
+    assert adamw - muon == 4 * matrices + 4 * len(matrix_units(model))  # one state, and no step count, per matrix
+    layout, hw = Layout.of(dp=8, zero=1, micro_batch=8), hardware("h100-80gb")
+    a = estimate(model, layout, hw, global_batch=64)
+    m = estimate(model, layout, hw, global_batch=64, optimizer="muon")
+    assert m["memory"]["optimizer"] < a["memory"]["optimizer"] and m["step_time_s"] > a["step_time_s"]
+    assert m["terms"]["Muon: Newton-Schulz"] > 0 and m["terms"]["Muon: exchange"] > 0
+    assert main(["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "64", "--optimizer", "muon",
+                 "--top", "3"]) == 0
 
 
 def test_train_refuses_a_layout_that_does_not_fit():
