@@ -34,6 +34,7 @@ from paratrain.memory import precision_policy
 from paratrain.models.init import ParamInit
 from paratrain.nn.moe import MoE
 from paratrain.optim import MatrixOptimizer, NamedFactory
+from paratrain.optim.matrices import check_layout_fits
 from paratrain.param_server import ServerClient, connect
 from paratrain.nn.recipe import Recipe, recipe_for
 from paratrain.sharding import ZeroOptions, ZeroSync
@@ -132,9 +133,10 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     opt = optimizer.named([(names[id(p)], p) for p in params]) if isinstance(optimizer, NamedFactory) \
         else optimizer(params)
     matrix = isinstance(opt, MatrixOptimizer)
-    if matrix and ctx.config.ps_mode != "off":
-        raise ValueError(f"{type(opt).__name__} is a matrix optimizer: it needs each whole matrix, which the parameter "
-                         "server's slices do not give; use ps_mode 'off' (ZeRO-1/2/3 shard its state), or AdamW")
+    cuts = [what for what, cut in ((f"ZeRO-{ctx.config.zero}'s flat shards", ctx.config.zero > 0),
+                                   ("tensor-parallel slices", ctx.config.tp > 1), ("expert shards", ctx.config.ep > 1),
+                                   ("the parameter server's slices", ctx.config.ps_mode != "off")) if cut]
+    check_layout_fits(opt, cuts)
     grads: GradientStrategy
     update: Update = LocalUpdate()
     if ctx.config.ps_mode != "off":  # 8b. the parameter server: pushes and pulls instead of collectives

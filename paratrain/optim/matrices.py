@@ -105,3 +105,27 @@ class NamedFactory(Protocol):
     `named` with (name in the whole model, parameter) pairs instead of calling it with the parameters."""
 
     def named(self, params: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.Optimizer: ...
+
+
+WHOLE_TENSOR_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Muon, torch.optim.LBFGS)
+"""torch's optimizers whose step reads a whole tensor (Muon orthogonalises each parameter) or every element at once
+(L-BFGS's dot products): wrong, not just slow, on a slice."""
+
+
+def check_layout_fits(optimizer: torch.optim.Optimizer, cuts: Sequence[str]) -> None:
+    """Refuse an optimizer the layout's `cuts` (what splits the tensors it updates: "ZeRO-2's flat shards", ...) would
+    feed slices; a MatrixOptimizer is served whole matrices by the exchange, except under the parameter server."""
+    if not cuts:
+        return
+    name = type(optimizer).__name__
+    if isinstance(optimizer, MatrixOptimizer):
+        served = [c for c in cuts if "parameter server" in c]
+        if served:
+            raise ValueError(f"{name} is a matrix optimizer: it needs each whole matrix, which {served[0]} do not "
+                             "give; use ps_mode 'off' (ZeRO-1/2/3 shard its state) or AdamW")
+        return
+    if isinstance(optimizer, WHOLE_TENSOR_OPTIMIZERS):
+        raise ValueError(f"{name} reads each parameter whole, and this layout gives it {' and '.join(cuts)}: its "
+                         "update would be computed on slices (silently wrong). Use paratrain.optim.Muon / "
+                         "MuonFactory (each matrix orthogonalised whole by an owner rank, any layout), or a layout "
+                         "without those cuts (plain dp, pp)")

@@ -139,5 +139,22 @@ def test_adamw_with_16_bit_moments():
     assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters()))
     low, opt = train(lambda ps: AdamW(ps, lr=0.01, betas=(0.9, 0.95), weight_decay=0.1, state_dtype=torch.bfloat16))
     assert all(s["exp_avg"].dtype == torch.bfloat16 for s in opt.state.values())
-    worst = max(float(((a - b).abs().max() / b.abs().max())) for a, b in zip(low.parameters(), theirs.parameters()))
+    worst = max(float(((a - b).abs().max() / b.abs().max()).detach()) for a, b in zip(low.parameters(),
+                                                                                  theirs.parameters()))
     assert 0 < worst < 1e-2, worst
+
+
+def test_an_optimizer_that_reads_whole_tensors_is_refused_where_the_layout_cuts_them():
+    """torch.optim.Muon under ZeRO or tp would orthogonalise slices: refused by name with the fix; Muon under the
+    parameter server too; paratrain's Muon and element-wise optimizers pass."""
+    from paratrain.optim.matrices import check_layout_fits
+
+    params = [nn.Parameter(torch.randn(4, 4))]
+    with pytest.raises(ValueError, match=r"Muon reads each parameter whole, and this layout gives it ZeRO-1's flat "
+                                         r"shards and tensor-parallel slices.*paratrain.optim.Muon"):
+        check_layout_fits(torch.optim.Muon(params), ["ZeRO-1's flat shards", "tensor-parallel slices"])
+    with pytest.raises(ValueError, match="matrix optimizer: it needs each whole matrix"):
+        check_layout_fits(Muon(params), ["the parameter server's slices"])
+    check_layout_fits(torch.optim.Muon(params), [])  # plain dp or pp: whole tensors
+    check_layout_fits(Muon(params), ["ZeRO-3's flat shards"])
+    check_layout_fits(torch.optim.AdamW(params), ["tensor-parallel slices"])
