@@ -65,7 +65,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
     from paratrain.config import preset
+    from dataclasses import replace
+
     from paratrain.planner import Layout, estimate, hardware
+    from paratrain.planner.search import PRICED
 
     hw = hardware(args.hardware)
     print(f"# profile {hw.name}: {hw.peak_flops / 1e9:.1f} GFLOP/s x {hw.efficiency:.2f}, "
@@ -78,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
         world = layout.dp * layout.tp * layout.pp
         measured = (run_world(world, _measure, model_name, global_batch, fields, args.steps) if world > 1
                     else _single(model_name, global_batch, fields, args.steps))
-        predicted = estimate(preset(model_name), layout, hw, global_batch=global_batch, precision="fp32")["step_time_s"]
+        predicted = estimate(preset(model_name), layout, hw, global_batch=global_batch,
+                             settings=replace(PRICED, precision="fp32"))["step_time_s"]
         text = " ".join(f"{k}={v}" for k, v in fields.items())
         rows.append({"model": model_name, "global_batch": global_batch, **fields, "measured_s": measured,
                      "predicted_s": predicted, "ratio": predicted / measured})

@@ -18,12 +18,13 @@ import argparse
 import json
 import os
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 from paratrain.planner.hardware import GIB, hardware
 from paratrain.planner.published import (NARAYANAN, NARAYANAN_TABLE2, korthikanti_table5, narayanan_table1,
                                          narayanan_table2)
-from paratrain.planner.search import memory
+from paratrain.planner.search import PRICED, memory
 from paratrain.planner.timing import step_time
 
 CALCULON_NAMES = {"megatron-22B": "22B", "gpt3-175B": "175B", "turing-530B": "530B", "megatron-1T": "1T"}
@@ -58,7 +59,8 @@ def main() -> None:
     for run in korthikanti_table5():
         t = step_time(run.model, run.layout, a100, global_batch=run.global_batch, seq=2048, precision=run.precision,
                       kernels="fused")
-        mem = memory(run.model, run.layout, global_batch=run.global_batch, seq=2048, precision=run.precision)
+        mem = memory(run.model, run.layout, global_batch=run.global_batch, seq=2048,
+                     settings=replace(PRICED, precision=run.precision))
         flops = run.model.flops_per_token(2048) * run.global_batch * 2048
         row = {"run": run.name, "published_s": run.step_s, "predicted_s": t.step_s,
                "published_mfu": flops / (run.step_s * run.layout.world_size * a100.peak_flops), "predicted_mfu": t.mfu,
@@ -75,7 +77,8 @@ def main() -> None:
     for runs in zip(*(narayanan_table1(mb) for mb in (1, 2, 4))):
         one = runs[0]
         times = [predicted(r, a100) for r in runs]
-        peak = memory(one.model, one.layout, global_batch=one.global_batch, seq=2048, precision=one.precision)["peak"]
+        peak = memory(one.model, one.layout, global_batch=one.global_batch, seq=2048,
+                      settings=replace(PRICED, precision=one.precision))["peak"]
         tflops = NARAYANAN[one.name][7]
         weak.append({"run": one.name, "published_s": one.step_s, **{f"predicted_s_mb{mb}": t for mb, t in
                                                                     zip((1, 2, 4), times)},
@@ -89,7 +92,8 @@ def main() -> None:
     for run, (*_, tflops, days) in zip(narayanan_table2(), NARAYANAN_TABLE2):
         t = step_time(run.model, run.layout, a100, global_batch=run.global_batch, seq=2048, precision=run.precision,
                       kernels="fused")
-        peak = memory(run.model, run.layout, global_batch=run.global_batch, seq=2048, precision=run.precision)["peak"]
+        peak = memory(run.model, run.layout, global_batch=run.global_batch, seq=2048,
+                      settings=replace(PRICED, precision=run.precision))["peak"]
         table2.append({"run": run.name, "published_s": run.step_s, "predicted_s": t.step_s, "published_tflops": tflops,
                        "published_days": days, "peak_gib": peak / GIB, "terms": t.terms})
         print(f"{run.name:<20} {run.step_s:>11.2f} {t.step_s:>11.2f} {t.step_s / run.step_s:>6.3f} {tflops:>11} "

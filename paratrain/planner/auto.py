@@ -18,7 +18,7 @@ from paratrain.config.errors import ConfigError
 from paratrain.config.layout import LAYOUT_SETTINGS, apply_layout
 from paratrain.config.run import RunConfig
 from paratrain.planner.hardware import Hardware, hardware
-from paratrain.planner.search import search
+from paratrain.planner.search import PRICED, search
 
 PINNABLE = tuple(setting.name for setting in LAYOUT_SETTINGS)
 """The layout fields a run's settings pin (paratrain.config.layout: every one the planner has)."""
@@ -57,10 +57,10 @@ def choose_layout(config: RunConfig, *, world_size: int, hw: Hardware, pins: dic
     unknown = sorted(set(pins) - set(PINNABLE))
     if unknown:
         raise ConfigError(f"--plan auto cannot pin {unknown}: it chooses {sorted(PINNABLE)}")
-    result = search(model, world_size, hw, global_batch=config.data.global_batch, seq_len=seq_len,
-                    precision=config.train.precision, pins=pins,
+    result = search(model, world_size, hw, global_batch=config.data.global_batch, seq_len=seq_len, pins=pins,
                     kernels="compiled" if config.train.compile else "eager",
-                    optimizer="muon" if config.optim.optimizer == "muon" else "adamw")
+                    settings=dataclasses.replace(PRICED, precision=config.train.precision, optimizer=config.optim.optimizer,
+                                     grad_dtype=config.train.grad_dtype, state_dtype=config.optim.state_dtype))
     fitting = [r for r in result["candidates"] if r["fits"]]
     if not fitting:
         reason = (f"none of {len(result['candidates'])} layouts fits {hw.memory_bytes / 1e9:.1f} GB per process"

@@ -8,6 +8,7 @@ from paratrain.config.errors import ConfigError
 from paratrain.config.plan import RunPlan
 from paratrain.planner.layout import Layout
 from paratrain.planner.search import memory
+from paratrain.planner.settings import StepSettings
 from paratrain.topology.dims import ParallelDims
 
 RUNTIME_BYTES = {"cpu": 0.5e9, "cuda": 1.0e9}
@@ -31,9 +32,11 @@ def check_memory(plan: RunPlan, *, device: str, available_bytes: float, processe
     grad_reduce = parallel.grad_reduce if parallel.grad_reduce != "auto" else (
         "reduce_scatter" if device == "cuda" else "all_reduce")
     predicted = memory(plan.model, layout_of(plan), global_batch=plan.batch.global_batch, seq=plan.seq_len,
-                       precision=plan.config.train.precision, bucket_mb=parallel.bucket_mb, grad_reduce=grad_reduce,
-                       pp_split=tuple(parallel.pp_split), optimizer=plan.config.optim.optimizer,
-                       grad_dtype=plan.config.train.grad_dtype, state_dtype=plan.config.optim.state_dtype)
+                       settings=StepSettings(precision=plan.config.train.precision, bucket_mb=parallel.bucket_mb,
+                                             grad_reduce=grad_reduce, pp_split=tuple(parallel.pp_split),
+                                             keep_grads=parallel.keep_grads, optimizer=plan.config.optim.optimizer,
+                                             grad_dtype=plan.config.train.grad_dtype,
+                                             state_dtype=plan.config.optim.state_dtype))
     # the trainer builds on the meta device and materialises only this rank's pieces: nothing bigger
     # than the training state is ever held (docs/scale.md)
     per_process, where = _budget(device, available_bytes, processes)

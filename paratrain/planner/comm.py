@@ -58,48 +58,19 @@ pipeline sends against `step_volume`, byte for byte (tests/unit/test_dryrun.py, 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 
 from paratrain.config.model import ModelConfig
 from paratrain.planner.activations import grid_cuts
 from paratrain.planner.grid import grid_calls
 from paratrain.planner.layout import Layout, chunk_layers, rank_params
-from paratrain.planner.memory import BYTES, flat_groups
+from paratrain.planner.memory import flat_groups
+from paratrain.planner.settings import BYTES, StepSettings
 
 _FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "send": 1, "broadcast": 1, "reduce": 1}
 
 Call = tuple[str, str, int, int]
 """(axis, op, elements of the full tensor (all-reduce buffer, reduce-scatter input, all-gather
 output, message), bytes per element)."""
-
-
-@dataclass(frozen=True)
-class StepSettings:
-    """The engine's settings besides the layout that a step's traffic depends on."""
-
-    precision: str = "fp32"
-    bucket_mb: float = 25.0
-    grad_reduce: str = "all_reduce"
-    """ZeRO's reduction primitive: "all_reduce" (gloo's choice) or "reduce_scatter" (NCCL's)."""
-    reshard_after_forward: bool = True
-    """ZeRO-3: gather a block's parameters again for its backward."""
-    pp_split: tuple[int, ...] = ()
-    grad_dtype: str = "fp32"
-    """ZeRO's gradient buffers beside 16-bit parameters (paratrain.EngineOptions.grad_dtype)."""
-    grad_reduce_dtype: str | None = None
-    """The dtype they are reduced in; None: grad_dtype's."""
-
-    def grad_bytes(self, layout: Layout) -> int:
-        """Bytes of a gradient element in ZeRO's buffers (zero 0: float32)."""
-        if not layout.zero or BYTES[self.precision] == 4:
-            return 4
-        return 4 if self.grad_dtype == "fp32" else BYTES[self.precision]
-
-    def reduce_bytes(self, layout: Layout) -> int:
-        """Bytes of a gradient element on the wire."""
-        if self.grad_reduce_dtype is None or not layout.zero or BYTES[self.precision] == 4:
-            return self.grad_bytes(layout)
-        return 4 if self.grad_reduce_dtype == "fp32" else BYTES[self.precision]
 
 
 def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches: int,

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import dataclasses
 from typing import Any
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import PRESETS, preset
 from paratrain.planner.hardware import CPU_PROFILE, GPU_PROFILE, PROFILES, hardware
-from paratrain.planner.search import search
+from paratrain.planner.search import PRICED, search
 from paratrain.planner.textbook import training_days
 
 _PINS = {"--dp": "dp", "--tp": "tp", "--pp": "pp", "--virtual-stages": "virtual_stages", "--zero": "zero",
@@ -130,9 +131,9 @@ def run(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         model = replace(model, seq_len=args.seq_len)
-    result = search(model, devices, hw, global_batch=args.global_batch, seq_len=args.seq_len,
-                    precision=args.precision, pins=pins, kernels="compiled" if args.compile else "eager",
-                    optimizer=args.optimizer)
+    result = search(model, devices, hw, global_batch=args.global_batch, seq_len=args.seq_len, pins=pins,
+                    kernels="compiled" if args.compile else "eager",
+                    settings=dataclasses.replace(PRICED, precision=args.precision, optimizer=args.optimizer))
     if args.tokens:
         for record in result["candidates"]:
             record["train_days"] = args.tokens / record["tokens_per_s"] / 86400

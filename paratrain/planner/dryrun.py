@@ -141,12 +141,10 @@ def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_si
                         sequence_parallel=ctx.config.sequence_parallel, schedule=ctx.config.schedule,
                         recompute=recompute, cp_mode=ctx.config.cp_mode, expert_tp=ctx.config.expert_tp)
         grad_reduce = "reduce_scatter" if ctx.config.grad_reduce == "reduce_scatter" else "all_reduce"
-        predicted_memory = model_state_bytes(model, layout, precision=precision, stage=stage,
-                                             bucket_mb=ctx.config.bucket_mb, grad_reduce=grad_reduce,
-                                             pp_split=tuple(ctx.config.pp_split), keep_grads=ctx.config.keep_grads)
         settings = StepSettings(precision=precision, bucket_mb=ctx.config.bucket_mb, grad_reduce=grad_reduce,
                                 reshard_after_forward=ctx.config.reshard_after_forward,
-                                pp_split=tuple(ctx.config.pp_split))
+                                pp_split=tuple(ctx.config.pp_split), keep_grads=ctx.config.keep_grads)
+        predicted_memory = model_state_bytes(model, layout, stage=stage, settings=settings)
         predicted_volume = step_volume(model, layout, stage=stage, micro_batches=rows // micro_batch, settings=settings)
         volume: dict[str, dict[str, int]] = {}
         for c in collectives:

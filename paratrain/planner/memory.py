@@ -22,17 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
-from paratrain.memory import POLICIES
 from paratrain.optim import is_matrix
 from paratrain.pipeline.schedules import Schedule
 from paratrain.comm.buckets import plan_buckets
 from paratrain.config.model import ModelConfig
 from paratrain.planner.layout import Layout, RankParam, meta_tensors, rank_params
+from paratrain.planner.settings import BYTES, StepSettings
 from paratrain.topology.dims import ParallelDims
 
 
-BYTES = {name: policy.compute.itemsize for name, policy in POLICIES.items()}
-"""Bytes of one element stored in each precision (its policy's compute dtype: fp32 4, bf16 and fp16 2)."""
 MASTER_BYTES = 4
 """fp32: what the model is built in, so what ZeRO's masters and AdamW's moments are kept in."""
 STEP_BYTES = 4
@@ -139,34 +137,33 @@ def with_totals(states: dict[str, int], *, kept_grads: int = 0) -> dict[str, int
     return {**states, "in_step": in_step, "between_steps": in_step - states["grads"] + kept_grads}
 
 
-def model_state_bytes(model: ModelConfig, layout: Layout, *, precision: str = "fp32", stage: int = 0,
-                      bucket_mb: float = 25.0, grad_reduce: str = "all_reduce",
-                      pp_split: tuple[int, ...] = (), keep_grads: bool = False,
-                      optimizer: str = "adamw", grad_dtype: str = "fp32", state_dtype: str = "fp32") -> dict[str, int]:
+def model_state_bytes(model: ModelConfig, layout: Layout, *, stage: int = 0,
+                      settings: StepSettings = StepSettings()) -> dict[str, int]:
     """What `engine.memory_report()` says on pipeline rank `stage` (every dp and tp rank of a stage
     holds the same amounts): {"params", "grads", "optimizer", "in_step", "between_steps"} in bytes, the GPT
-    ("grads": the buffers a step allocates, released after its update unless keep_grads), AdamW or Muon
-    (paratrain.train.optim's: a momentum on the matrices, AdamW's state on the rest).
+    ("grads": the buffers a step allocates, released after its update unless settings.keep_grads), AdamW, Muon
+    (paratrain.train.optim's: a momentum on the matrices, AdamW's state on the rest) or SGD.
 
-    precision: under ZeRO, bf16 / fp16 store parameters in 16 bits with fp32 masters, and gradients in float32
-    (grad_dtype 'fp32', the default) or 16 bits (grad_dtype 'bf16' / 'fp16'); under zero 0 they are autocast over
-    fp32 storage. grad_reduce: ZeRO's reduction primitive
-    ("all_reduce": gloo's choice; "reduce_scatter": NCCL's)."""
+    settings.precision: under ZeRO, bf16 / fp16 store parameters in 16 bits with fp32 masters, and gradients in
+    float32 (grad_dtype 'fp32', the default) or 16 bits (grad_dtype 'bf16' / 'fp16'); under zero 0 they are autocast
+    over fp32 storage. settings.grad_reduce: ZeRO's reduction primitive ("all_reduce": gloo's choice;
+    "reduce_scatter": NCCL's)."""
+    optimizer, state_dtype, pp_split = settings.optimizer, settings.state_dtype, settings.pp_split
     if layout.zero == 0:
         numel, muon, tensors = _plain_totals(model, layout.dims, stage, tuple(pp_split), layout.expert_tp,
                                              layout.pipeline, optimizer)
         return with_totals({"params": 4 * numel, "grads": 4 * numel,
                             "optimizer": optimizer_bytes(optimizer, muon=muon, adamw=numel - muon,
                                                          adamw_tensors=tensors, state_dtype=state_dtype)},
-                           kept_grads=4 * numel if keep_grads else 0)
-    elsize = BYTES[precision]
+                           kept_grads=4 * numel if settings.keep_grads else 0)
+    elsize = BYTES[settings.precision]
     padded, shard, muon, groups = _sharded_totals(
         model, Layout(dims=layout.dims, zero=layout.zero, expert_tp=layout.expert_tp, schedule=layout.schedule),
-        stage, tuple(pp_split), int(bucket_mb * 2**20), optimizer)
+        stage, tuple(pp_split), int(settings.bucket_mb * 2**20), optimizer)
     param_bytes = elsize * (shard if layout.zero == 3 else padded)
-    gsize = MASTER_BYTES if grad_dtype == "fp32" else elsize  # EngineOptions.grad_dtype: the buffers' dtype
+    gsize = settings.grad_bytes(layout)  # EngineOptions.grad_dtype: the buffers' dtype
     if layout.zero == 1:
-        separate_shards = grad_reduce == "reduce_scatter"
+        separate_shards = settings.grad_reduce == "reduce_scatter"
         grad_bytes = kept = gsize * (padded + (shard if separate_shards else 0))
     else:  # a pipeline's deferred ZeRO-2 accumulates the step's micro-batches in full buffers, then shards
         kept = gsize * shard
@@ -176,4 +173,4 @@ def model_state_bytes(model: ModelConfig, layout: Layout, *, precision: str = "f
     state = optimizer_bytes(optimizer, muon=muon, adamw=shard - muon, adamw_tensors=groups,
                             state_dtype=state_dtype) + masters
     return with_totals({"params": param_bytes, "grads": grad_bytes, "optimizer": state},
-                       kept_grads=kept if keep_grads else 0)
+                       kept_grads=kept if settings.keep_grads else 0)

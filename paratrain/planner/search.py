@@ -21,7 +21,8 @@ import paratrain.planner.param_server as param_server
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
 from paratrain.planner.activations import activation_bytes, grid_cuts, storage_mode
-from paratrain.planner.memory import BYTES, model_state_bytes
+from paratrain.planner.memory import model_state_bytes
+from paratrain.planner.settings import BYTES, StepSettings
 from paratrain.planner.optimizer import muon_seconds
 from paratrain.planner.timing import step_time
 
@@ -45,10 +46,12 @@ def check_fields(model: ModelConfig, fields: Mapping[str, Any], *, global_batch:
     check_pipeline(model, parallel, batch)
 
 
-def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, precision: str,
-           bucket_mb: float = 25.0, grad_reduce: str = "reduce_scatter",
-           pp_split: tuple[int, ...] = (), keep_grads: bool = False, optimizer: str = "adamw",
-           grad_dtype: str = "fp32", state_dtype: str = "fp32") -> dict[str, float]:
+PRICED = StepSettings(precision="bf16", grad_reduce="reduce_scatter")
+"""What the search prices unless told: bf16 with NCCL's reduce-scatter, AdamW."""
+
+
+def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int,
+           settings: StepSettings = PRICED) -> dict[str, float]:
     """Device bytes of the busiest pipeline rank at its peak (every dp and tp rank of a stage holds the
     same): model states in a step (the gradient buffers included), saved activations at the schedule's
     peak, and transients
@@ -57,7 +60,9 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, p
     the gradient bucket being reduced). Offloaded optimizer state is in CPU memory, not counted. Under the
     parameter server the parts are a trainer's, "server" a dedicated server's whole, and "peak" the larger
     (paratrain.planner.param_server). "between_steps": what the rank holds while no step runs (parameters
-    and optimizer state; the gradients too with keep_grads)."""
+    and optimizer state; the gradients too with keep_grads). settings: the engine's (PRICED: bf16, NCCL's
+    reduce-scatter, AdamW)."""
+    precision, bucket_mb, pp_split = settings.precision, settings.bucket_mb, settings.pp_split
     mode = storage_mode(precision, layout.zero)
     microbatches = global_batch // (layout.dp * layout.micro_batch)
     local = seq // layout.cp  # the tokens of a sequence this rank holds (context parallelism)
@@ -66,11 +71,10 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int, p
     served = layout.ps_mode != "off"
     for stage in sorted({0, layout.pp // 2, layout.pp - 1}):
         if served:  # a trainer of the parameter server (paratrain.planner.param_server)
-            states = param_server.trainer_state_bytes(model, layout, bucket_mb=bucket_mb, keep_grads=keep_grads)
+            states = param_server.trainer_state_bytes(model, layout, bucket_mb=bucket_mb,
+                                                      keep_grads=settings.keep_grads)
         else:
-            states = model_state_bytes(model, layout, precision=precision, stage=stage, bucket_mb=bucket_mb,
-                                       grad_reduce=grad_reduce, pp_split=pp_split, keep_grads=keep_grads,
-                                       optimizer=optimizer, grad_dtype=grad_dtype, state_dtype=state_dtype)
+            states = model_state_bytes(model, layout, stage=stage, settings=settings)
         between = states["between_steps"] - (states["optimizer"] if layout.offload else 0)
         states = {k: states[k] for k in ("params", "grads", "optimizer")}
         if layout.offload:
@@ -119,31 +123,29 @@ class Run:
 
     global_batch: int
     seq: int
-    precision: str = "bf16"
+    settings: StepSettings = PRICED
+    """The engine's settings: precision, optimizer (Muon adds its Newton-Schulz and exchange:
+    paratrain.planner.optimizer), gradient and state dtypes."""
     kernels: str = "eager"
     """How the blocks run (paratrain.planner.ops.KERNELS): eager, compiled, Megatron's fused."""
-    optimizer: str = "adamw"
-    """adamw or muon (its momentum, Newton-Schulz and exchange: paratrain.planner.optimizer)."""
 
 
 def estimate(model_config: ModelConfig, layout: Layout, hardware: Hardware, *, global_batch: int,
-             seq_len: int | None = None, precision: str = "bf16", kernels: str = "eager",
-             optimizer: str = "adamw") -> dict[str, Any]:
+             seq_len: int | None = None, kernels: str = "eager", settings: StepSettings = PRICED) -> dict[str, Any]:
     """The candidate record of one layout: its memory (worst rank, bytes) and predicted step time (kernels:
     eager or compiled blocks, paratrain.planner.ops.KERNELS)."""
     seq = seq_len or model_config.seq_len
     check_layout(model_config, layout, global_batch=global_batch, seq=seq)
-    return _record(model_config, layout, hardware, Run(global_batch, seq, precision, kernels, optimizer))
+    return _record(model_config, layout, hardware, Run(global_batch, seq, settings, kernels))
 
 
 def _record(model_config: ModelConfig, layout: Layout, hardware: Hardware, run: Run) -> dict[str, Any]:
     """estimate's record of a layout already checked."""
-    mem = memory(model_config, layout, global_batch=run.global_batch, seq=run.seq, precision=run.precision,
-                 optimizer=run.optimizer)
+    mem = memory(model_config, layout, global_batch=run.global_batch, seq=run.seq, settings=run.settings)
     t = step_time(model_config, layout, hardware, global_batch=run.global_batch, seq=run.seq,
-                  precision=run.precision, kernels=run.kernels)
+                  precision=run.settings.precision, kernels=run.kernels)
     step, terms = t.step_s, t.terms
-    if run.optimizer == "muon":  # after the pipelined part, as the element-wise step
+    if run.settings.optimizer == "muon":  # after the pipelined part, as the element-wise step
         muon = muon_seconds(model_config, layout, hardware)
         step += sum(muon.values())
         terms = {**terms, "Muon: Newton-Schulz": muon["newton-schulz"], "Muon: exchange": muon["exchange"]}
@@ -267,8 +269,8 @@ _DEFAULTS = Layout().to_dict()
 
 
 def search(model_config: ModelConfig, devices: int, hardware: Hardware, *, global_batch: int,
-           seq_len: int | None = None, precision: str = "bf16", pins: dict[str, Any] | None = None,
-           kernels: str = "eager", optimizer: str = "adamw") -> dict[str, list[dict[str, Any]]]:
+           seq_len: int | None = None, pins: dict[str, Any] | None = None, kernels: str = "eager",
+           settings: StepSettings = PRICED) -> dict[str, list[dict[str, Any]]]:
     """{"candidates": fitting layouts, fastest first, then those that do not fit, smallest peak first;
     "rejected": [{"layout", "reason"}] for layouts paratrain's rules refuse}."""
     if seq_len and seq_len > model_config.seq_len:  # the model is built for sequences this long
@@ -279,8 +281,7 @@ def search(model_config: ModelConfig, devices: int, hardware: Hardware, *, globa
                                     seq=seq):
         try:
             check_fields(model_config, fields, global_batch=global_batch, seq=seq)
-            record = _record(model_config, Layout.of(**fields), hardware,
-                             Run(global_batch, seq, precision, kernels, optimizer))
+            record = _record(model_config, Layout.of(**fields), hardware, Run(global_batch, seq, settings, kernels))
         except ConfigError as error:
             rejected.append({"layout": fields, "reason": str(error)})
             continue

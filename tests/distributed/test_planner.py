@@ -73,6 +73,7 @@ CASES = {
 def test_model_states_equal_the_engines_report(pools, world):
     from paratrain.planner.layout import Layout
     from paratrain.planner.memory import model_state_bytes
+    from paratrain.planner.settings import StepSettings
 
     for case in CASES[world]:
         case = dict(case)
@@ -82,10 +83,11 @@ def test_model_states_equal_the_engines_report(pools, world):
         grad_dtype = case.pop("grad_dtype", "fp32")
         layout = Layout.of(**case)
         for got in pools(world).run(_report, layout.to_dict(), precision, model, optim, grad_dtype):
-            expected = model_state_bytes(TINY if model == "tiny" else MOE, layout, precision=precision,
-                                         stage=got["stage"], bucket_mb=BUCKET_MB, grad_dtype=grad_dtype,
-                                         optimizer=optim.get("optimizer", "adamw"),
-                                         state_dtype=optim.get("state_dtype", "fp32"))
+            settings = StepSettings(precision=precision, bucket_mb=BUCKET_MB, grad_dtype=grad_dtype,
+                                    optimizer=optim.get("optimizer", "adamw"),
+                                    state_dtype=optim.get("state_dtype", "fp32"))
+            expected = model_state_bytes(TINY if model == "tiny" else MOE, layout, stage=got["stage"],
+                                         settings=settings)
             assert got["report"] == expected, (case, precision, got["rank"])
 
 

@@ -19,7 +19,9 @@ from paratrain.planner import fit
 from paratrain.planner.hardware import DATASHEETS, GIB, PROFILES, hardware
 from paratrain.planner.layout import Layout
 from paratrain.planner.published import korthikanti_table5
-from paratrain.planner.search import memory
+from paratrain.planner.search import PRICED, memory
+
+FP16 = replace(PRICED, precision="fp16")
 from paratrain.planner.timing import step_time
 
 RESULTS = sorted(str(p) for p in (Path(__file__).parents[2] / "bench" / "results").glob("h100-gpt*.json"))
@@ -92,7 +94,7 @@ def test_published_megatron_runs_step_time_and_memory():
                       kernels="fused")
         assert abs(t.step_s / run.step_s - 1) < 0.15, (run.name, t.step_s, run.step_s)
         mfu[run.name] = t.mfu
-        mem = memory(run.model, run.layout, global_batch=run.global_batch, seq=2048, precision="fp16")
+        mem = memory(run.model, run.layout, global_batch=run.global_batch, seq=2048, settings=FP16)
         assert mem["peak"] < 80 * GIB, (run.name, mem["peak"] / GIB)
         if run.states_gib is not None:
             states = (mem["params"] + mem["grads"] + mem["optimizer"]) / GIB
@@ -168,7 +170,7 @@ def test_published_weak_scaling_runs():
     by_micro = {mb: {r.name: r for r in narayanan_table1(micro_batch=mb)} for mb in (1, 2, 4)}
     rates = []
     for name, run in by_micro[1].items():
-        mem = memory(run.model, run.layout, global_batch=run.global_batch, seq=2048, precision="fp16")
+        mem = memory(run.model, run.layout, global_batch=run.global_batch, seq=2048, settings=FP16)
         assert mem["peak"] < 80 * GIB, (name, mem["peak"] / GIB)
         if run.layout.pp > 1:
             assert abs(_published_ratio(run, a100) - 1) < 0.15, (name, _published_ratio(run, a100))

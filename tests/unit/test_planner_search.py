@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -78,17 +79,18 @@ def test_muon_is_priced():
     from paratrain.planner.layout import Layout
     from paratrain.planner.memory import model_state_bytes
     from paratrain.planner.optimizer import matrix_units
-    from paratrain.planner.search import estimate
+    from paratrain.planner.search import PRICED, estimate
+    from paratrain.planner.settings import StepSettings
 
     model = preset("gpt2")
     matrices = sum(a * b for a, b in matrix_units(model))
     assert matrices == 12 * (3 * 768 * 768 + 768 * 768 + 2 * 4 * 768 * 768)  # 12 blocks; wte, wpe, norms: AdamW
     adamw = model_state_bytes(model, Layout.of(dp=1))["optimizer"]
-    muon = model_state_bytes(model, Layout.of(dp=1), optimizer="muon")["optimizer"]
+    muon = model_state_bytes(model, Layout.of(dp=1), settings=StepSettings(optimizer="muon"))["optimizer"]
     assert adamw - muon == 4 * matrices + 4 * len(matrix_units(model))  # one state, and no step count, per matrix
     layout, hw = Layout.of(dp=8, zero=1, micro_batch=8), hardware("h100-80gb")
     a = estimate(model, layout, hw, global_batch=64)
-    m = estimate(model, layout, hw, global_batch=64, optimizer="muon")
+    m = estimate(model, layout, hw, global_batch=64, settings=replace(PRICED, optimizer="muon"))
     assert m["memory"]["optimizer"] < a["memory"]["optimizer"] and m["step_time_s"] > a["step_time_s"]
     assert m["terms"]["Muon: Newton-Schulz"] > 0 and m["terms"]["Muon: exchange"] > 0
     assert main(["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "64", "--optimizer", "muon",
@@ -148,7 +150,7 @@ def test_plan_auto_takes_the_fastest_fitting_layout_and_keeps_pins(tmp_path):
     config = build_run_config(None, {"model.preset": "gpt2", "data.global_batch": 64, "train.precision": "bf16"})
     h100 = hardware("h100-80gb")
     chosen, text = choose_layout(config, world_size=8, hw=h100, pins={}, seq_len=1024)
-    best = search(preset("gpt2"), 8, h100, global_batch=64, seq_len=1024, precision="bf16")["candidates"][0]["layout"]
+    best = search(preset("gpt2"), 8, h100, global_batch=64, seq_len=1024)["candidates"][0]["layout"]  # bf16
     assert (chosen.parallel.dp, chosen.parallel.tp, chosen.parallel.pp, chosen.parallel.zero,
             chosen.data.micro_batch, chosen.train.recompute) == (best["dp"], best["tp"], best["pp"], best["zero"],
                                                                  best["micro_batch"], best["recompute"])
@@ -215,11 +217,10 @@ def test_context_parallel_memory_and_time_terms():
     from paratrain.topology.dims import ParallelDims
 
     model = preset("gpt2", seq_len=8192)
-    one = memory(model, Layout(dims=ParallelDims.of(dp=1), zero=1, micro_batch=1), global_batch=1, seq=8192,
-                 precision="bf16")
+    one = memory(model, Layout(dims=ParallelDims.of(dp=1), zero=1, micro_batch=1), global_batch=1, seq=8192)
     for mode in ("ring", "ulysses"):
         cp = memory(model, Layout(dims=ParallelDims.of(dp=1, cp=4), zero=1, micro_batch=1, cp_mode=mode),
-                    global_batch=1, seq=8192, precision="bf16")
+                    global_batch=1, seq=8192)
         assert 0.2 < cp["activations"] / one["activations"] < 0.3, mode
         assert cp["optimizer"] < one["optimizer"] * 0.26  # the state split over the 4 cp ranks
     h100 = hardware("h100-80gb")
