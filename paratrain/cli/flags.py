@@ -90,6 +90,9 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--seq-len": ("data.seq_len", int, "tokens per sample (default: the model's)"),
     "--global-batch": ("data.global_batch", int, "samples per optimizer step, all ranks together"),
     "--micro-batch": ("data.micro_batch", int, "samples per forward/backward per rank (accumulation = G / (m x dp))"),
+    "--batch-rampup": ("data.batch_rampup", str, "START,INCREMENT,SAMPLES: the global batch grows from START by "
+                       "INCREMENT over SAMPLES samples up to --global-batch (Megatron's --rampup-batch-size; needs "
+                       "--micro-batch)"),
     "--steps": ("train.steps", int, "optimizer steps"),
     "--optimizer": ("optim.optimizer", str, "adamw (default), muon (Muon on the weight matrices, AdamW on embeddings, "
                     "head, norms and biases; every layout) or sgd (momentum 0.9)"),

@@ -92,3 +92,40 @@ def read_run(path: str | Path) -> RunConfig:
     except ValueError as error:
         raise ConfigError(f"run file {str(path)!r} is not valid JSON: {error}") from None
     return from_dict(table)
+
+
+@dataclass(frozen=True)
+class BatchRampup:
+    """Megatron's --rampup-batch-size START INCREMENT SAMPLES: the global batch starts at `start` samples and grows by
+    `increment` every SAMPLES / ((target - start) / increment) samples consumed, up to `target` (the run's global
+    batch). Which samples a run reads is unchanged (the same global order, consumed in order); only how many make a
+    step."""
+
+    start: int
+    increment: int
+    samples: int
+    target: int
+
+    @classmethod
+    def parse(cls, text: str, target: int) -> BatchRampup:
+        """'START,INCREMENT,SAMPLES' (ValueError naming the rule when it breaks one)."""
+        try:
+            start, increment, samples = (int(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(f"a batch ramp-up is START,INCREMENT,SAMPLES (three integers, e.g. 32,32,1000000), got "
+                             f"{text!r}") from None
+        if start < 1 or increment < 1 or samples < 1:
+            raise ValueError(f"batch ramp-up {text!r}: START, INCREMENT and SAMPLES must be >= 1")
+        if start >= target or (target - start) % increment:
+            raise ValueError(f"batch ramp-up {text!r}: the global batch {target} must be START ({start}) plus a "
+                             f"whole number of INCREMENTs ({increment}), START below it")
+        return cls(start, increment, samples, target)
+
+    def batch_at(self, consumed: int) -> int:
+        """The global batch of the step that starts after `consumed` samples."""
+        per_increment = self.samples / ((self.target - self.start) // self.increment)
+        return min(self.target, self.start + int(consumed // per_increment) * self.increment)
+
+    def sizes(self) -> list[int]:
+        """Every global batch size the ramp-up passes through, the target's included."""
+        return list(range(self.start, self.target + 1, self.increment))

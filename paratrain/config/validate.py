@@ -11,8 +11,8 @@ from typing import Callable
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig, preset
 from paratrain.config.parallel import PS_ON_CPU, ParallelConfig, ScheduleError, check_schedule
-from paratrain.config.plan import BatchLayout, RunPlan, batch_layout
-from paratrain.config.run import LR_SCHEDULES, OPTIMIZERS, OptimSection, RunConfig
+from paratrain.config.plan import BatchLayout, BatchRampup, RunPlan, batch_layout
+from paratrain.config.run import LR_SCHEDULES, OPTIMIZERS, DataSection, OptimSection, RunConfig
 from paratrain.config.world import DEVICES, check_min_nodes
 
 
@@ -237,6 +237,8 @@ def check_run(config: RunConfig, world_size: int, *, model_shape: ModelShape = p
     batch = batch_layout(data.global_batch, micro_batch, parallel.dp)
     check_grid_rows(parallel, batch)
     check_pipeline(model, parallel, batch)
+    if data.batch_rampup:
+        check_rampup(data, model, parallel)
     optim, train = config.optim, config.train
     if optim.lr <= 0:
         raise ConfigError(f"optim.lr must be > 0, got {optim.lr}")
@@ -312,3 +314,23 @@ def check_optimizer(optim: OptimSection, parallel: ParallelConfig) -> None:
         raise ConfigError(f"optim.optimizer 'muon' with ps_mode {parallel.ps_mode!r}: Muon needs each whole matrix, "
                           "which the parameter server's slices do not give; use ps_mode 'off' (ZeRO-1/2/3 shard its "
                           "state over dp) or optimizer 'adamw'")
+
+
+def check_rampup(data: DataSection, model: ModelConfig, parallel: ParallelConfig) -> None:
+    """A batch ramp-up every size of which the layout can run with the run's micro-batch."""
+    try:
+        rampup = BatchRampup.parse(data.batch_rampup, data.global_batch)
+    except ValueError as error:
+        raise ConfigError(f"data.batch_rampup: {error}") from None
+    if not data.micro_batch:
+        raise ConfigError("data.batch_rampup needs an explicit --micro-batch: the micro-batch stays fixed while the "
+                          "number of micro-batches per step grows")
+    if data.path:
+        raise ConfigError("data.batch_rampup with a mixture (--data-path) is not built: ramp up one source, or train "
+                          "the mixture at its full global batch")
+    assert parallel.dp is not None
+    for size in rampup.sizes():
+        try:
+            check_pipeline(model, parallel, batch_layout(size, data.micro_batch, parallel.dp))
+        except ConfigError as error:
+            raise ConfigError(f"data.batch_rampup passes through a global batch of {size}: {error}") from None

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from paratrain.config.plan import BatchRampup
 from paratrain.rng import keyed_generator
 
 
@@ -33,16 +34,23 @@ from paratrain.rng import keyed_generator
 class LoaderState:
     epoch: int = 0
     cursor: int = 0
-    """Samples of this epoch's permutation already handed out (a multiple of global_batch)."""
+    """Samples of this epoch's permutation already handed out."""
+    consumed: int = 0
+    """Samples handed out since the first step, over every epoch (what a batch-size ramp-up reads)."""
 
 
 class GlobalOrder:
     """Which sample indices each dp rank reads at each step (see the module docstring)."""
 
     def __init__(self, num_samples: int, *, global_batch: int, dp: int, dp_index: int, seed: int,
-                 shuffle: bool = True, what: str = "the data") -> None:
-        if global_batch % dp:
-            raise ValueError(f"global_batch ({global_batch}) must be divisible by dp ({dp})")
+                 shuffle: bool = True, what: str = "the data", rampup: BatchRampup | None = None) -> None:
+        """rampup: the global batch grows from rampup.start to global_batch (BatchRampup); None: fixed."""
+        for size in rampup.sizes() if rampup is not None else [global_batch]:
+            if size % dp:
+                raise ValueError(f"global_batch ({size}) must be divisible by dp ({dp})")
+        if rampup is not None and rampup.target != global_batch:
+            raise ValueError(f"the ramp-up's target ({rampup.target}) must be the global batch ({global_batch})")
+        self.rampup = rampup
         if num_samples < global_batch:
             raise ValueError(f"{what} holds {num_samples} samples, fewer than one global batch ({global_batch}): "
                              "use more data or a smaller global batch")
@@ -56,6 +64,8 @@ class GlobalOrder:
         self._order_epoch = -1
         self.last_indices: list[int] = []
         """Global sample indices of this rank's rows in the last batch (for tests and debugging)."""
+        self.last_batch = 0
+        """Samples of the last global batch, all ranks together."""
 
     @property
     def batches_per_epoch(self) -> int:
@@ -71,20 +81,27 @@ class GlobalOrder:
         assert self._order is not None
         return self._order
 
+    @property
+    def batch_size(self) -> int:
+        """The next step's global batch (global_batch, or the ramp-up's size at this point)."""
+        return self.global_batch if self.rampup is None else self.rampup.batch_at(self.state.consumed)
+
     def global_indices(self) -> list[int]:
         """The sample indices of the next whole global batch (what every rank together reads)."""
         order = self._epoch_order(self.state.epoch)
-        return order[self.state.cursor: self.state.cursor + self.global_batch].tolist()
+        return order[self.state.cursor: self.state.cursor + self.batch_size].tolist()
 
     def next_indices(self) -> list[int]:
         """This rank's sample indices of the next global batch; moves the cursor on."""
         indices = self.global_indices()
-        per_rank = self.global_batch // self.dp
+        per_rank = len(indices) // self.dp
         mine = indices[self.dp_index * per_rank: (self.dp_index + 1) * per_rank]
-        self.state.cursor += self.global_batch
-        if self.state.cursor + self.global_batch > self.num_samples:
-            self.state = LoaderState(epoch=self.state.epoch + 1, cursor=0)
+        self.state.cursor += len(indices)
+        self.state.consumed += len(indices)
+        if self.state.cursor + self.batch_size > self.num_samples:
+            self.state = LoaderState(epoch=self.state.epoch + 1, cursor=0, consumed=self.state.consumed)
         self.last_indices = mine
+        self.last_batch = len(indices)
         return mine
 
     def rewind(self) -> None:
@@ -92,12 +109,15 @@ class GlobalOrder:
         self.state = LoaderState()
 
     def log_fields(self) -> dict[str, Any]:
-        """What a step's log record says of the data (nothing for one source)."""
-        return {}
+        """What a step's log record says of the data (one source: the last step's global batch under a ramp-up)."""
+        return {} if self.rampup is None else {"global_batch": self.last_batch}
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.state.epoch, "cursor": self.state.cursor, "global_batch": self.global_batch,
-                "seed": self.seed}
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"epoch": self.state.epoch, "cursor": self.state.cursor,
+                                 "global_batch": self.global_batch, "seed": self.seed, "consumed": self.state.consumed}
+        if self.rampup is not None:
+            state["rampup"] = [self.rampup.start, self.rampup.increment, self.rampup.samples]
+        return state
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if "draws" in state:
@@ -109,19 +129,27 @@ class GlobalOrder:
                     f"the checkpoint's loader has {key}={state[key]}, this run {key}={getattr(self, key)}: "
                     "a resumed run must keep the global batch and seed to read the same samples"
                 )
-        self.state = LoaderState(epoch=int(state["epoch"]), cursor=int(state["cursor"]))
+        ramp = [self.rampup.start, self.rampup.increment, self.rampup.samples] if self.rampup is not None else None
+        if "consumed" in state and list(state.get("rampup") or []) != list(ramp or []):
+            raise ValueError(f"the checkpoint's loader ramped the batch up as {state.get('rampup')}, this run as "
+                             f"{ramp}: a resumed run must keep the ramp-up to read the same samples per step")
+        self.state = LoaderState(epoch=int(state["epoch"]), cursor=int(state["cursor"]),
+                                 consumed=int(state.get("consumed", 0)))
 
 
 class GlobalBatchLoader(GlobalOrder):
     def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, dp: int, dp_index: int,
-                 seed: int, shuffle: bool = True, document_starts: np.ndarray | None = None) -> None:
+                 seed: int, shuffle: bool = True, document_starts: np.ndarray | None = None,
+                 rampup: BatchRampup | None = None) -> None:
         """document_starts: increasing token offsets where documents start (IndexedTokens.document_starts):
-        batches are then (inputs, targets, positions) of packed documents (paratrain.nn.documents)."""
+        batches are then (inputs, targets, positions) of packed documents (paratrain.nn.documents).
+        rampup: the global batch grows to global_batch (BatchRampup)."""
         self.tokens = tokens
         self.seq_len = seq_len
         self.document_starts = None if document_starts is None else np.asarray(document_starts, dtype=np.int64)
         super().__init__((len(tokens) - 1) // seq_len, global_batch=global_batch, dp=dp, dp_index=dp_index,
-                         seed=seed, shuffle=shuffle, what=f"the data (in samples of {seq_len + 1} tokens)")
+                         seed=seed, shuffle=shuffle, what=f"the data (in samples of {seq_len + 1} tokens)",
+                         rampup=rampup)
 
     def next(self) -> tuple[torch.Tensor, ...]:
         """This rank's rows of the next global batch: inputs[G/dp, S] and targets[G/dp, S], int64 (and

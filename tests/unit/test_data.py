@@ -85,3 +85,40 @@ def test_token_folder_and_text_file(tmp_path):
         load_source(str(tmp_path / "empty"))
     with pytest.raises(ValueError, match="does not fit uint16"):
         write_token_file(tmp_path / "x.bin", np.array([70000]))
+
+
+def test_batch_rampup_reads_the_same_samples_in_growing_steps():
+    """Megatron's rule (START 4, INCREMENT 4 over 16 samples to 16: 3 increments, one every 16/3 samples): batches
+    of 4, 4, 8, 16, 16, ...; their samples, concatenated, are the fixed-batch run's in the same order; any dp reads
+    the same global batches; a resume mid-ramp goes on exactly; the rules refuse with the reason."""
+    from paratrain.config.plan import BatchRampup
+
+    tokens = np.arange(2000, dtype=np.int64)
+    ramp = BatchRampup.parse("4,4,16", 16)
+    assert [ramp.batch_at(n) for n in (0, 4, 8, 16, 100)] == [4, 4, 8, 16, 16] and ramp.sizes() == [4, 8, 12, 16]
+
+    def steps(dp: int, n: int, loader: GlobalBatchLoader | None = None) -> list[list[int]]:
+        loaders = [loader] if loader else [GlobalBatchLoader(tokens, seq_len=8, global_batch=16, dp=dp, dp_index=r,
+                                                             seed=3, rampup=ramp) for r in range(dp)]
+        out = []
+        for _ in range(n):
+            out.append([i for ld in loaders for i in ld.next_indices()])
+        return out
+
+    ramped = steps(1, 6)
+    assert [len(b) for b in ramped] == [4, 4, 8, 16, 16, 16]
+    fixed = GlobalBatchLoader(tokens, seq_len=8, global_batch=4, dp=1, dp_index=0, seed=3)
+    assert sum(ramped, []) == sum((fixed.next_indices() for _ in range(16)), [])
+    assert steps(4, 6) == ramped
+    first = GlobalBatchLoader(tokens, seq_len=8, global_batch=16, dp=1, dp_index=0, seed=3, rampup=ramp)
+    steps(1, 3, first)
+    resumed = GlobalBatchLoader(tokens, seq_len=8, global_batch=16, dp=1, dp_index=0, seed=3, rampup=ramp)
+    resumed.load_state_dict(first.state_dict())
+    assert steps(1, 3, resumed) == ramped[3:] and resumed.log_fields() == {"global_batch": 16}
+    plain = GlobalBatchLoader(tokens, seq_len=8, global_batch=16, dp=1, dp_index=0, seed=3)
+    with pytest.raises(ValueError, match="must keep the ramp-up"):
+        plain.load_state_dict(first.state_dict())
+    for text, rule in (("4,4", "three integers"), ("0,4,16", "must be >= 1"), ("4,5,16", "whole number of INCREMENT"),
+                       ("16,4,16", "START .* below it")):
+        with pytest.raises(ValueError, match=rule):
+            BatchRampup.parse(text, 16)
