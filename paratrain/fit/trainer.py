@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -35,7 +35,24 @@ from paratrain.config.run import LR_SCHEDULES, OPTIMIZERS, LaunchSection, OptimS
 from paratrain.config.validate import DEVICES, batch_layout
 from paratrain.data import DatasetLoader
 from paratrain.data_parallel import BATCH_NORM_MODES
-from paratrain.data.loader import MapDataset
+from paratrain.data.loader import MapDataset, StreamLoader
+
+Data = MapDataset | Iterable[Any]
+"""A map-style dataset (len() and [i]) or an iterable one."""
+
+
+def is_stream(data: Data) -> bool:
+    """An iterable dataset (no [i]): read in its own order."""
+    return isinstance(data, torch.utils.data.IterableDataset) or not hasattr(data, "__getitem__")
+
+
+def dataset_loader(data: Data, *, global_batch: int, dp: int, dp_index: int, seed: int,
+                   shuffle: bool = True) -> DatasetLoader | StreamLoader:
+    """The layout-free loader of a map-style dataset (shuffled by the seed) or of a stream (its own order)."""
+    if is_stream(data):
+        return StreamLoader(data, global_batch=global_batch, dp=dp, dp_index=dp_index)  # type: ignore[arg-type]
+    return DatasetLoader(data, global_batch=global_batch, dp=dp, dp_index=dp_index,  # type: ignore[arg-type]
+                         seed=seed, shuffle=shuffle)
 from paratrain.fit.callbacks import Callback, CallbackHooks
 from paratrain.fit.launcher import hand_over, launch_workers, launched_by_trainer, relaunch_attempt
 from paratrain.fit.result import FitResult
@@ -168,9 +185,10 @@ class Trainer:
         return self.ctx is None or self.ctx.is_main
 
     def fit(self, model: nn.Module | None = None, loss_fn: UserLoss | None = None,
-            train_data: MapDataset | None = None, val_data: MapDataset | None = None) -> FitResult:
-        """Train `model` for max_steps on `train_data` (any map-style dataset: len() and [i], items
-        stacked by torch's default_collate). loss_fn(model, batch) returns the batch's loss: a scalar
+            train_data: Data | None = None, val_data: Data | None = None) -> FitResult:
+        """Train `model` for max_steps on `train_data` (any map-style dataset: len() and [i], shuffled by the seed;
+        or an iterable one, torch.utils.data.IterableDataset, read in its own order: paratrain.data.loader.StreamLoader
+        says how it resumes), items stacked by torch's default_collate. loss_fn(model, batch) returns the batch's loss: a scalar
         (taken as the mean over the batch's samples) or (sum of per-sample or per-token losses, count);
         under pp the loss is pipeline_loss on the last stage and loss_fn is not called. With Trainer(hf=DIR):
         no model (the folder's is trained; loss_fn defaults to its family's, over (input_ids, labels[,
@@ -192,7 +210,7 @@ class Trainer:
             check_accumulation(batch_norms(model), dp=self.parallel.dp or 1, accumulation=self.batch.accumulation,
                                micro_batch=self.batch.micro_batch)
         for name, data in (("train_data", train_data), ("val_data", val_data)):
-            if data is not None and len(data) < self.batch.global_batch:
+            if data is not None and not is_stream(data) and len(data) < self.batch.global_batch:
                 raise ConfigError(f"{name} holds {len(data)} samples, fewer than one global batch "
                                   f"({self.batch.global_batch}): lower global_batch or give more data")
         if launched_by_torchrun():
@@ -210,17 +228,17 @@ class Trainer:
 
     # --- a rank of the job ---
 
-    def _fit_here(self, model: nn.Module | None, loss_fn: UserLoss | None, train_data: MapDataset,
-                  val_data: MapDataset | None) -> FitResult:
+    def _fit_here(self, model: nn.Module | None, loss_fn: UserLoss | None, train_data: Data,
+                  val_data: Data | None) -> FitResult:
         from paratrain.launch.worker import threads_per_rank
 
         if launched_by_trainer():
             torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         ctx = self.ctx = init(self.parallel, device=self.accelerator, timeout=timedelta(seconds=self.timeout_s))
         dp, dp_index = ctx.mesh.degree("dp"), ctx.mesh.index("dp")
-        loader = DatasetLoader(train_data, global_batch=self.batch.global_batch, dp=dp, dp_index=dp_index,
-                               seed=self.seed)
-        val_loader = None if val_data is None else DatasetLoader(
+        loader = dataset_loader(train_data, global_batch=self.batch.global_batch, dp=dp, dp_index=dp_index,
+                                seed=self.seed)
+        val_loader = None if val_data is None else dataset_loader(
             val_data, global_batch=self.batch.global_batch, dp=dp, dp_index=dp_index, seed=self.seed, shuffle=False)
         source, recipe = None, self.recipe
         if self.hf:  # built on the meta device: each rank reads the pieces it keeps

@@ -24,6 +24,16 @@ def build() -> tuple[nn.Module, torch.utils.data.Dataset, torch.utils.data.Datas
     return model, torch.utils.data.TensorDataset(x[:64], y[:64]), torch.utils.data.TensorDataset(x[64:], y[64:])
 
 
+class Stream(torch.utils.data.IterableDataset):
+    """The training set as a stream, in its own (fixed) order: what an IterableDataset user brings."""
+
+    def __init__(self, data: torch.utils.data.TensorDataset) -> None:
+        self.data = data
+
+    def __iter__(self):
+        return (self.data[i] for i in range(len(self.data)))
+
+
 def loss_fn(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
     return nn.functional.cross_entropy(model(batch[0]), batch[1])
 
@@ -50,6 +60,8 @@ def main() -> None:
     if "fail_once_after" in options:
         options["callbacks"] = [FailOnce(options.pop("fail_once_after"))]
     model, train, val = build()
+    if options.pop("stream", False):
+        train = Stream(train)
     trainer = paratrain.Trainer(devices=devices, strategy=strategy, max_steps=6, global_batch=16, micro_batch=4,
                                 lr=0.05, val_every=3, tp_plan=TP_PLAN if strategy == "tp" else None, **options)
     result = trainer.fit(model, loss_fn, train, val)

@@ -67,6 +67,19 @@ def test_muon_by_name_gives_the_same_fit_under_zero3(tmp_path):
 
 
 @pytest.mark.e2e
+def test_an_iterable_dataset_gives_the_same_fit_on_two_devices(tmp_path):
+    """fit over an IterableDataset (its own order): 2 devices under ZeRO-2 read the same global batches as one and
+    give the same losses and weights (float64, 1e-12)."""
+    model, train, val = fit_script.build()
+    trainer = paratrain.Trainer(max_steps=6, global_batch=16, micro_batch=4, lr=0.05, val_every=3)
+    result = trainer.fit(model, fit_script.loss_fn, fit_script.Stream(train), val)
+    got = as_script(tmp_path, 2, "zero2", "stream=true")
+    within(rel_diff(list(got["losses"].values()), list(result.losses.values())), 1e-12, "loss stream zero2 (float64)")
+    weights = {k: torch.tensor(v, dtype=torch.float64) for k, v in got["model"].items()}
+    within(max_state_diff(weights, dict(model.state_dict())), 1e-12, "trained weights stream zero2 (float64)")
+
+
+@pytest.mark.e2e
 def test_a_failed_worker_is_relaunched_and_the_fit_continues_exactly(tmp_path):
     """max_restarts: rank 1 fails at the end of step 4 of 6 in the first launch, before that step's
     checkpoint; the job is launched again, resumes from the checkpoint of step 2 and ends with one

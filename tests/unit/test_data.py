@@ -122,3 +122,30 @@ def test_batch_rampup_reads_the_same_samples_in_growing_steps():
                        ("16,4,16", "START .* below it")):
         with pytest.raises(ValueError, match=rule):
             BatchRampup.parse(text, 16)
+
+
+def test_a_stream_is_read_in_its_own_order_whatever_dp_and_resumes():
+    """StreamLoader: global batch k is items [kG, (k+1)G) for any dp, an epoch's tail skipped, the next pass read
+    again; its state (items consumed) resumes exactly when the stream repeats itself; a stream shorter than a
+    global batch is refused by name."""
+    from paratrain.data.loader import StreamLoader
+
+    stream = range(22)
+    class Items:
+        def __iter__(self):
+            return iter(stream)
+
+    def global_batches(dp: int, n: int) -> list[list[int]]:
+        ranks = [StreamLoader(Items(), global_batch=8, dp=dp, dp_index=r) for r in range(dp)]
+        return [sum((ld.next().tolist() for ld in ranks), []) for _ in range(n)]
+
+    batches = global_batches(1, 4)
+    assert batches == [list(range(8)), list(range(8, 16)), list(range(8)), list(range(8, 16))]  # tail 16-21 skipped
+    assert global_batches(4, 4) == batches
+    first = StreamLoader(Items(), global_batch=8, dp=1, dp_index=0)
+    first.next(), first.next(), first.next()
+    again = StreamLoader(Items(), global_batch=8, dp=1, dp_index=0)
+    again.load_state_dict(first.state_dict())
+    assert again.next().tolist() == batches[3] and again.batches_per_epoch == 2
+    with pytest.raises(ValueError, match="yields 22 items in a pass, fewer than one global batch \\(32\\)"):
+        StreamLoader(Items(), global_batch=32, dp=1, dp_index=0).next()
