@@ -58,6 +58,17 @@ def _checkpoint_tool(args: argparse.Namespace) -> int:
 def _tokenize(args: argparse.Namespace) -> int:
     from paratrain.data.tokenize import tokenize_corpus
 
+    if args.chat:
+        from paratrain.data.chat import tokenize_chat
+
+        if not args.tokenizer:
+            raise ConfigError("--chat renders conversations with a tokenizer's chat template: give --tokenizer DIR")
+        record = tokenize_chat(args.files, args.out, tokenizer=args.tokenizer, messages_key=args.messages_key,
+                               eos_token=args.eos_token, val_fraction=args.val_fraction, progress=args.progress)
+        print(f"wrote {args.out}: {record['train']['documents']} conversations, {record['train']['tokens']} tokens "
+              f"({record['train']['loss_tokens']} in the loss) for training, {record['val']['documents']} for "
+              "validation")
+        return 0
     record = tokenize_corpus(args.files, args.out, tokenizer=args.tokenizer, train_bpe_vocab=args.train_bpe or 0,
                              text_key=args.text_key, eos_token=args.eos_token, workers=args.workers,
                              val_fraction=args.val_fraction, progress=args.progress)

@@ -206,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--tokenizer", metavar="DIR", help="a local tokenizer folder (its tokenizer.json)")
     which.add_argument("--train-bpe", type=int, metavar="VOCAB", help="train a byte-level BPE of VOCAB entries here")
     tokenize.add_argument("--text-key", default="text", help="the text field of .jsonl records / .parquet column")
+    tokenize.add_argument("--chat", action="store_true", help="the .jsonl records are conversations: render them with "
+                          "the tokenizer's chat template and write a loss mask (loss on the assistant's tokens only; "
+                          "needs --tokenizer and transformers)")
+    tokenize.add_argument("--messages-key", default="messages", help="with --chat: the conversation field")
     tokenize.add_argument("--eos-token", help="the end-of-sequence token (default: the tokenizer's configured one)")
     tokenize.add_argument("--workers", type=int, default=1, help="encoding processes (the output is the same bytes)")
     tokenize.add_argument("--val-fraction", type=float, default=0.01,

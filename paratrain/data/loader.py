@@ -140,11 +140,14 @@ class GlobalOrder:
 class GlobalBatchLoader(GlobalOrder):
     def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, dp: int, dp_index: int,
                  seed: int, shuffle: bool = True, document_starts: np.ndarray | None = None,
-                 rampup: BatchRampup | None = None) -> None:
+                 rampup: BatchRampup | None = None, loss_mask: np.ndarray | None = None) -> None:
         """document_starts: increasing token offsets where documents start (IndexedTokens.document_starts):
         batches are then (inputs, targets, positions) of packed documents (paratrain.nn.documents).
-        rampup: the global batch grows to global_batch (BatchRampup)."""
+        rampup: the global batch grows to global_batch (BatchRampup).
+        loss_mask: beside `tokens`, 1 where a token is a target the loss counts (chat data): targets at 0 become
+        -100."""
         self.tokens = tokens
+        self.loss_mask = loss_mask
         self.seq_len = seq_len
         self.document_starts = None if document_starts is None else np.asarray(document_starts, dtype=np.int64)
         super().__init__((len(tokens) - 1) // seq_len, global_batch=global_batch, dp=dp, dp_index=dp_index,
@@ -161,10 +164,14 @@ class GlobalBatchLoader(GlobalOrder):
         # rows[n, S + 1]: sample windows, read straight from the (possibly memory-mapped) array
         rows = np.stack([np.asarray(self.tokens[s: s + self.seq_len + 1], dtype=np.int64) for s in starts])
         data = torch.from_numpy(rows)
+        targets = data[:, 1:]
+        if self.loss_mask is not None:  # chat data: only the assistant's tokens are targets
+            kept = np.stack([np.asarray(self.loss_mask[s + 1: s + self.seq_len + 1], dtype=bool) for s in starts])
+            targets = targets.masked_fill(torch.from_numpy(~kept), -100)
         if self.document_starts is None:
-            return data[:, :-1], data[:, 1:]
+            return data[:, :-1], targets
         positions, crossing = document_positions(starts, self.seq_len, self.document_starts)
-        return data[:, :-1], data[:, 1:].masked_fill(torch.from_numpy(crossing), -100), torch.from_numpy(positions)
+        return data[:, :-1], targets.masked_fill(torch.from_numpy(crossing), -100), torch.from_numpy(positions)
 
     def state_dict(self) -> dict[str, int]:
         return {**super().state_dict(), "seq_len": self.seq_len}

@@ -37,6 +37,9 @@ class TokenSource:
     train_documents: np.ndarray | None = None
     """int64: where each document of `train` starts (a document index: Megatron's .idx), else None."""
     val_documents: np.ndarray | None = None
+    train_mask: np.ndarray | None = None
+    """uint8 beside `train`: 1 where a token is a target the loss counts (chat data, paratrain.data.chat), else None."""
+    val_mask: np.ndarray | None = None
 
     @property
     def can_write(self) -> bool:
@@ -119,8 +122,14 @@ def _indexed_source(path: Path) -> TokenSource:
     meta = json.loads((path / "tokens.json").read_text()) if (path / "tokens.json").is_file() else {}
     tokenizer = meta.get("tokenizer")
     vocab = tokenizer["vocab_size"] if tokenizer else int(max(train.tokens.max(initial=0), val.tokens.max(initial=0))) + 1
+    masks = [IndexedTokens(path / f"{split}_mask").tokens if (path / f"{split}_mask.idx").is_file() else None
+             for split in ("train", "val")]
+    for split, mask, tokens in zip(("train", "val"), masks, (train.tokens, val.tokens)):
+        if mask is not None and len(mask) != len(tokens):
+            raise ValueError(f"{path}: {split}_mask holds {len(mask)} entries for {len(tokens)} tokens: write the "
+                             "folder again with `paratrain tokenize --chat`")
     return TokenSource(str(path), train.tokens, val.tokens, vocab, tokenizer, train.document_starts,
-                       val.document_starts)
+                       val.document_starts, masks[0], masks[1])
 
 
 def _prefix_source(source: str, split: str) -> TokenSource:

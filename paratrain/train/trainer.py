@@ -39,6 +39,9 @@ def check_data(plan: RunPlan, data: RunData) -> None:
     samples for a batch (a mixture's sources together)."""
     for source in data.sources:
         check_source(plan, source)
+    if data.weights is not None and any(s.train_mask is not None for s in data.sources):
+        raise ConfigError("chat data (a folder `paratrain tokenize --chat` wrote, with loss masks) in a mixture "
+                          "(--data-path) is not built: train on it alone with --data")
     recorded = {s.tokenizer["sha256"] for s in data.sources if s.tokenizer is not None}
     if len(recorded) > 1:
         names = ", ".join(s.name for s in data.sources)
@@ -120,9 +123,10 @@ def loaders(data: RunData, documents: bool, *, seq_len: int, global_batch: int, 
     if data.weights is None:
         source = data.first
         return (GlobalBatchLoader(source.train, **args, document_starts=source.train_documents if documents else None,
-                                  rampup=rampup),
+                                  rampup=rampup, loss_mask=source.train_mask),
                 GlobalBatchLoader(source.val, shuffle=False, **args,
-                                  document_starts=source.val_documents if documents else None))
+                                  document_starts=source.val_documents if documents else None,
+                                  loss_mask=source.val_mask))
     parts = {split: [Source(s.name, getattr(s, split), getattr(s, f"{split}_documents") if documents else None)
                      for s in data.sources] for split in ("train", "val")}
     first = WeightSchedule.of([(0, data.weights.at(0))], len(data.sources))

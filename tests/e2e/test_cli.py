@@ -697,3 +697,72 @@ def test_batch_rampup_is_layout_free(tmp_path):
     worst = max(abs(runs["dp2"][n] - runs["one"][n]) / runs["one"][n] for n in runs["one"])
     print(f"\nbatch ramp-up, dp 2 ZeRO-1: losses within {worst:.1e} of one process's")
     assert worst <= 1e-5, worst
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>\n{% endif %}")
+
+
+def test_chat_data_trains_on_the_assistant_tokens_only_in_every_layout(tmp_path):
+    """`paratrain tokenize --chat` renders conversations with the tokenizer's chat template and writes a loss mask
+    equal to one built by hand (headers and user / system turns 0, the assistant's content and newline 1, the
+    end-of-sequence 1 after an assistant's last turn); the run's token count is the mask's; an HF Llama fine-tuned
+    on it under dp 2 x tp 2 ZeRO-1 gives one process's losses (float32, 2e-5)."""
+    from tokenizers import Tokenizer
+
+    from paratrain.data import GlobalBatchLoader, load_source
+    from paratrain.data.indexed import IndexedTokens
+    from paratrain.data.sources import builtin_text
+
+    paragraphs = [p.strip() for p in builtin_text().split("\n\n") if len(p.strip()) > 80][:400]
+    model = llama_with_bpe(tmp_path, paragraphs)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    chats = []
+    for i, text in enumerate(paragraphs[:240]):
+        question, answer = text[:40].strip(), text[40:].strip()
+        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        if i % 3 == 0:
+            messages = [{"role": "system", "content": "Answer briefly."}, *messages,
+                        {"role": "user", "content": "More?"}, {"role": "assistant", "content": "No more."}]
+        chats.append(messages)
+    with open(tmp_path / "chats.jsonl", "w") as out:
+        for messages in chats:
+            out.write(json.dumps({"messages": messages}) + "\n")
+    out = paratrain("tokenize", str(tmp_path / "chats.jsonl"), "--chat", "--tokenizer", str(model), "--out",
+                    str(tmp_path / "chat"), "--val-fraction", "0.1", "--no-progress")
+    assert out.returncode == 0, out.stderr
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    eos = tokenizer.token_to_id(json.loads((model / "tokenizer_config.json").read_text())["eos_token"])
+
+    def by_hand(messages: list[dict]) -> tuple[list[int], list[int]]:
+        ids, mask = [], []
+        for m in messages:
+            for part, loss in ((f"<{m['role']}>\n", 0), (m["content"] + "\n", int(m["role"] == "assistant"))):
+                piece = tokenizer.encode(part, add_special_tokens=False).ids
+                ids += piece
+                mask += [loss] * len(piece)
+        return ids + [eos], mask + [1]
+
+    tokens, masks = IndexedTokens(tmp_path / "chat" / "train"), IndexedTokens(tmp_path / "chat" / "train_mask")
+    for d, messages in enumerate([c for i, c in enumerate(chats) if int((i + 1) * 0.1) == int(i * 0.1)][:20]):
+        ids, mask = by_hand(messages)
+        assert tokens.document(d).tolist() == ids and masks.document(d).tolist() == mask, d
+    common = ["--hf", str(model), "--data", str(tmp_path / "chat"), "--device", "cpu", "--seq-len", "32",
+              "--global-batch", "8", "--micro-batch", "2", "--eval-every", "0", "--no-progress", "--warmup", "2",
+              "--steps", "4"]
+    logs = {}
+    for name, layout in (("one", ["--nproc", "1"]), ("tp2", ["--nproc", "4", "--dp", "2", "--tp", "2", "--zero", "1"])):
+        logs[name] = tmp_path / f"{name}.jsonl"
+        out = paratrain("train", *common, *layout, "--log-json", str(logs[name]))
+        assert out.returncode == 0, out.stderr
+    source = load_source(str(tmp_path / "chat"))
+    loader = GlobalBatchLoader(source.train, seq_len=32, global_batch=8, dp=1, dp_index=0, seed=1234,  # the run's
+                               document_starts=source.train_documents, loss_mask=source.train_mask)
+    _, targets, _ = loader.next()
+    first = [r for r in records(logs["one"]) if "loss" in r][0]
+    assert first["tokens"] == int((targets != -100).sum()) < targets.numel() // 2  # the assistant's tokens only
+    one, tp2 = losses(logs["one"]), losses(logs["tp2"])
+    worst = max(abs(tp2[n] - one[n]) / one[n] for n in one)
+    print(f"\nchat data, dp 2 x tp 2 ZeRO-1: losses within {worst:.1e} of one process's")
+    assert worst <= 2e-5, worst

@@ -134,3 +134,40 @@ def test_parquet_and_jsonl_give_the_same_tokens(corpus, tmp_path):
                     text_key="body", progress=False)
     for name in ("train.bin", "train.idx", "val.bin", "val.idx"):
         assert (tmp_path / "j" / name).read_bytes() == (tmp_path / "p" / name).read_bytes(), name
+
+
+def test_chat_input_and_templates_are_checked(tmp_path):
+    """--chat: a record without a conversation and a tokenizer without a chat template are refused by name; a
+    template that renders a beginning differently when more follows is refused (the assistant's tokens would be
+    undefined)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from paratrain.config import ConfigError
+    from paratrain.data.chat import ChatEncoder, tokenize_chat
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", "</s>", "hi", "yes", "user",
+                                                                        "assistant"])}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    with pytest.raises(ConfigError, match="has no chat template"):
+        tokenize_chat([tmp_path / "bad.jsonl"], tmp_path / "out", tokenizer=folder)
+    template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}" \
+               "{% if add_generation_prompt %}assistant {% endif %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    with pytest.raises(ConfigError, match=r"bad.jsonl:1: no conversation under 'messages'"):
+        tokenize_chat([tmp_path / "bad.jsonl"], tmp_path / "out", tokenizer=folder)
+    ids, mask = ChatEncoder(folder).encode([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}],
+                                           "x")
+    assert ids.tolist() == [4, 2, 5, 3, 1] and mask.tolist() == [0, 0, 0, 1, 1]
+    odd = "{% for m in messages %}{{ m['content'] }}{% if loop.last %}!{% endif %} {% endfor %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": odd}))
+    with pytest.raises(ConfigError, match="renders the conversation's beginning through message 2 differently"):
+        ChatEncoder(folder).encode([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"},
+                                    {"role": "user", "content": "hi"}], "x")
