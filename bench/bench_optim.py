@@ -12,13 +12,12 @@ steps. Reported for rank 0: the median step time (forward, backward, reduction, 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 from pathlib import Path
 
-from bench.world import run_world, without_missing
+from bench.world import contest_arguments, run_world
 
 MODEL = dict(vocab_size=256, seq_len=128, n_layer=6, n_head=6, d_model=384)
 PER_RANK = 8
@@ -93,13 +92,7 @@ def _contender(name: str, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--only", nargs="+", default=CONTENDERS, choices=CONTENDERS)
-    parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args(argv)
-    args.only = without_missing(args.only)
+    args = contest_arguments(__doc__.split("\n")[0], CONTENDERS, worlds=[1, 2, 4], steps=5, argv=argv)
     results = []
     for world in args.worlds:
         for name in args.only:

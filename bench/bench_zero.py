@@ -21,14 +21,13 @@ buffers being released after each update) and in a step ("in step": with the gra
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import statistics
 import time
 from pathlib import Path
 
-from bench.world import run_world, without_missing
+from bench.world import contest_arguments, run_world
 
 MODEL = dict(vocab_size=256, seq_len=128, n_layer=6, n_head=6, d_model=384)
 PER_RANK = 8
@@ -129,13 +128,7 @@ def _contender(name: str, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--only", nargs="+", default=CONTENDERS, choices=CONTENDERS)
-    parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args(argv)
-    args.only = without_missing(args.only)
+    args = contest_arguments(__doc__.split("\n")[0], CONTENDERS, worlds=[2, 4], steps=6, argv=argv)
     results = []
     for world in args.worlds:
         for name in args.only:

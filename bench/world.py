@@ -41,3 +41,19 @@ def median_step_seconds(engine: Any, batch: Any, loss_fn: Callable[..., Any], st
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def contest_arguments(description: str, contenders: list[str], *, worlds: list[int], steps: int,
+                      argv: list[str] | None) -> Any:
+    """A benchmark's command line: --worlds, --steps, --only (the contenders; those of a missing package dropped,
+    said once), --json."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--worlds", type=int, nargs="+", default=worlds)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--only", nargs="+", default=contenders, choices=contenders)
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    args.only = without_missing(args.only)
+    return args

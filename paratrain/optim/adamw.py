@@ -57,6 +57,14 @@ def adamw_step(state: dict[torch.Tensor, Any], params: Iterable[torch.Tensor], *
         p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** step))
 
 
+def closure_loss(closure: Any) -> Any:
+    """torch.optim's closure convention: the loss it returns, evaluated with gradients on (None without one)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class AdamW(torch.optim.Optimizer):
     """torch.optim.AdamW with `state_dtype` moments (None: the parameters' dtype: torch's step exactly)."""
 
@@ -69,10 +77,7 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             adamw_step(self.state, group["params"], lr=group["lr"], betas=group["betas"], eps=group["eps"],
                        weight_decay=group["weight_decay"], state_dtype=self.state_dtype)

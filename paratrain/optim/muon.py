@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
-from paratrain.optim.adamw import adamw_step
+from paratrain.optim.adamw import adamw_step, closure_loss
 from paratrain.optim.matrices import LocalMatrices, Matrices
 
 ADJUST_LR = ("original", "match_rms_adamw", "none")
@@ -168,10 +168,7 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """One step with every matrix whole on this rank (one process)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self.step_with(LocalMatrices())
         return loss
 
