@@ -90,6 +90,8 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--seq-len": ("data.seq_len", int, "tokens per sample (default: the model's)"),
     "--global-batch": ("data.global_batch", int, "samples per optimizer step, all ranks together"),
     "--micro-batch": ("data.micro_batch", int, "samples per forward/backward per rank (accumulation = G / (m x dp))"),
+    "--seq-warmup": ("data.seq_warmup", str, "START,STEPS: read each sample as sequences of START tokens, doubling to "
+                     "--seq-len over the first STEPS steps (the same samples and targets, more micro-batches)"),
     "--batch-rampup": ("data.batch_rampup", str, "START,INCREMENT,SAMPLES: the global batch grows from START by "
                        "INCREMENT over SAMPLES samples up to --global-batch (Megatron's --rampup-batch-size; needs "
                        "--micro-batch)"),

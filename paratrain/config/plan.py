@@ -129,3 +129,41 @@ class BatchRampup:
     def sizes(self) -> list[int]:
         """Every global batch size the ramp-up passes through, the target's included."""
         return list(range(self.start, self.target + 1, self.increment))
+
+
+@dataclass(frozen=True)
+class SeqWarmup:
+    """Sequence-length warm-up, 'START,STEPS': each sample of S tokens is read as S / L sequences of L tokens (the
+    same tokens and targets; each piece attends within itself), L doubling from START to S in equal shares of the
+    first STEPS steps, S from then on. Which samples a step reads is unchanged; its micro-batches multiply by S / L
+    (the micro-batch keeps its rows, of shorter sequences)."""
+
+    start: int
+    steps: int
+    seq_len: int
+
+    @classmethod
+    def parse(cls, text: str, seq_len: int) -> SeqWarmup:
+        """'START,STEPS' (ValueError naming the rule when it breaks one)."""
+        try:
+            start, steps = (int(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(f"a sequence warm-up is START,STEPS (two integers, e.g. 256,2000), got {text!r}") from None
+        if start < 2 or steps < 1:
+            raise ValueError(f"sequence warm-up {text!r}: START must be >= 2 and STEPS >= 1")
+        ratio = seq_len // start
+        if start >= seq_len or seq_len % start or ratio & (ratio - 1):
+            raise ValueError(f"sequence warm-up {text!r}: the sequence length {seq_len} must be START ({start}) times "
+                             "a power of two, START below it")
+        return cls(start, steps, seq_len)
+
+    def length_at(self, step: int) -> int:
+        """The sequence length of step `step` (0-based)."""
+        doublings = (self.seq_len // self.start).bit_length() - 1
+        if step >= self.steps:
+            return self.seq_len
+        return self.start << min(doublings, step * (doublings + 1) // self.steps)
+
+    def lengths(self) -> list[int]:
+        """Every sequence length it passes through, the full one included."""
+        return sorted({self.length_at(s) for s in range(self.steps + 1)})

@@ -42,6 +42,9 @@ class DataSection:
     """Samples per optimizer step, over all data-parallel ranks together."""
     micro_batch: int = 0
     """Samples per forward/backward on one rank; 0 means global_batch / dp (no accumulation)."""
+    seq_warmup: str = ""
+    """'START,STEPS': samples read as sequences of START tokens, doubling to seq_len over the first STEPS steps
+    (paratrain.config.plan.SeqWarmup: the same samples and targets); '': none."""
     batch_rampup: str = ""
     """'START,INCREMENT,SAMPLES': the global batch grows from START by INCREMENT over SAMPLES samples up to
     global_batch (Megatron's --rampup-batch-size; paratrain.data.loader.BatchRampup); '': fixed."""

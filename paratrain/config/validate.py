@@ -11,7 +11,7 @@ from typing import Callable
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig, preset
 from paratrain.config.parallel import PS_ON_CPU, ParallelConfig, ScheduleError, check_schedule
-from paratrain.config.plan import BatchLayout, BatchRampup, RunPlan, batch_layout
+from paratrain.config.plan import BatchLayout, BatchRampup, RunPlan, SeqWarmup, batch_layout
 from paratrain.config.run import LR_SCHEDULES, OPTIMIZERS, DataSection, OptimSection, RunConfig
 from paratrain.config.world import DEVICES, check_min_nodes
 
@@ -239,6 +239,19 @@ def check_run(config: RunConfig, world_size: int, *, model_shape: ModelShape = p
     check_pipeline(model, parallel, batch)
     if data.batch_rampup:
         check_rampup(data, model, parallel)
+    if data.seq_warmup:
+        try:
+            warmup = SeqWarmup.parse(data.seq_warmup, seq_len)
+        except ValueError as error:
+            raise ConfigError(f"data.seq_warmup: {error}") from None
+        if data.path:
+            raise ConfigError("data.seq_warmup with a mixture (--data-path) is not built: warm up one source")
+        for length in warmup.lengths():
+            try:
+                check_tensor_parallel(model, parallel, length)
+                check_context_parallel(model, parallel, length)
+            except ConfigError as error:
+                raise ConfigError(f"data.seq_warmup passes through sequences of {length} tokens: {error}") from None
     optim, train = config.optim, config.train
     if optim.lr <= 0:
         raise ConfigError(f"optim.lr must be > 0, got {optim.lr}")

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from paratrain.config.plan import BatchRampup
+from paratrain.config.plan import BatchRampup, SeqWarmup
 from paratrain.rng import keyed_generator
 
 
@@ -37,6 +37,8 @@ class LoaderState:
     """Samples of this epoch's permutation already handed out."""
     consumed: int = 0
     """Samples handed out since the first step, over every epoch (what a batch-size ramp-up reads)."""
+    step: int = 0
+    """Global batches handed out since the first step (what a sequence warm-up reads)."""
 
 
 class GlobalOrder:
@@ -98,8 +100,10 @@ class GlobalOrder:
         mine = indices[self.dp_index * per_rank: (self.dp_index + 1) * per_rank]
         self.state.cursor += len(indices)
         self.state.consumed += len(indices)
+        self.state.step += 1
         if self.state.cursor + self.batch_size > self.num_samples:
-            self.state = LoaderState(epoch=self.state.epoch + 1, cursor=0, consumed=self.state.consumed)
+            self.state = LoaderState(epoch=self.state.epoch + 1, cursor=0, consumed=self.state.consumed,
+                                     step=self.state.step)
         self.last_indices = mine
         self.last_batch = len(indices)
         return mine
@@ -114,7 +118,8 @@ class GlobalOrder:
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"epoch": self.state.epoch, "cursor": self.state.cursor,
-                                 "global_batch": self.global_batch, "seed": self.seed, "consumed": self.state.consumed}
+                                 "global_batch": self.global_batch, "seed": self.seed, "consumed": self.state.consumed,
+                                 "step": self.state.step}
         if self.rampup is not None:
             state["rampup"] = [self.rampup.start, self.rampup.increment, self.rampup.samples]
         return state
@@ -134,20 +139,23 @@ class GlobalOrder:
             raise ValueError(f"the checkpoint's loader ramped the batch up as {state.get('rampup')}, this run as "
                              f"{ramp}: a resumed run must keep the ramp-up to read the same samples per step")
         self.state = LoaderState(epoch=int(state["epoch"]), cursor=int(state["cursor"]),
-                                 consumed=int(state.get("consumed", 0)))
+                                 consumed=int(state.get("consumed", 0)), step=int(state.get("step", 0)))
 
 
 class GlobalBatchLoader(GlobalOrder):
     def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, dp: int, dp_index: int,
                  seed: int, shuffle: bool = True, document_starts: np.ndarray | None = None,
-                 rampup: BatchRampup | None = None, loss_mask: np.ndarray | None = None) -> None:
+                 rampup: BatchRampup | None = None, loss_mask: np.ndarray | None = None,
+                 warmup: SeqWarmup | None = None) -> None:
         """document_starts: increasing token offsets where documents start (IndexedTokens.document_starts):
         batches are then (inputs, targets, positions) of packed documents (paratrain.nn.documents).
         rampup: the global batch grows to global_batch (BatchRampup).
         loss_mask: beside `tokens`, 1 where a token is a target the loss counts (chat data): targets at 0 become
-        -100."""
+        -100.
+        warmup: a sequence-length warm-up (SeqWarmup): early steps' samples cut into shorter sequences."""
         self.tokens = tokens
         self.loss_mask = loss_mask
+        self.warmup = warmup
         self.seq_len = seq_len
         self.document_starts = None if document_starts is None else np.asarray(document_starts, dtype=np.int64)
         super().__init__((len(tokens) - 1) // seq_len, global_batch=global_batch, dp=dp, dp_index=dp_index,
@@ -156,11 +164,23 @@ class GlobalBatchLoader(GlobalOrder):
 
     def next(self) -> tuple[torch.Tensor, ...]:
         """This rank's rows of the next global batch: inputs[G/dp, S] and targets[G/dp, S], int64 (and
-        positions[G/dp, S] with document starts)."""
-        return self.gather(self.next_indices())
+        positions[G/dp, S] with document starts); under a sequence warm-up [G/dp x S/L, L]."""
+        length = self.seq_len if self.warmup is None else self.warmup.length_at(self.state.step)
+        return self.gather(self.next_indices(), length)
 
-    def gather(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
+    def gather(self, indices: list[int], length: int | None = None) -> tuple[torch.Tensor, ...]:
+        """The samples' rows; `length` < seq_len: each cut into seq_len / length sequences of `length` tokens (the
+        same targets; positions restart in each)."""
         starts = np.asarray(indices, dtype=np.int64) * self.seq_len
+        if length is not None and length < self.seq_len:
+            pieces = self.seq_len // length
+            inputs, targets, *_ = self.gather(indices)
+            shape = (len(indices) * pieces, length)
+            if self.document_starts is None:
+                return inputs.reshape(shape), targets.reshape(shape)
+            cut = (starts[:, None] + np.arange(pieces, dtype=np.int64)[None, :] * length).reshape(-1)
+            positions, _ = document_positions(cut, length, self.document_starts)
+            return inputs.reshape(shape), targets.reshape(shape), torch.from_numpy(positions)
         # rows[n, S + 1]: sample windows, read straight from the (possibly memory-mapped) array
         rows = np.stack([np.asarray(self.tokens[s: s + self.seq_len + 1], dtype=np.int64) for s in starts])
         data = torch.from_numpy(rows)

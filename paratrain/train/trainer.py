@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from paratrain.config import ConfigError, RunPlan, to_dict
-from paratrain.config.plan import BatchRampup
+from paratrain.config.plan import BatchRampup, SeqWarmup
 from paratrain.data import GlobalBatchLoader, MixtureLoader, RunData, Source, TokenSource, WeightSchedule, open_data
 from paratrain.hybrid import Engine, EngineOptions, parallelize
 from paratrain.models import build_gpt, lm_loss
@@ -114,16 +114,17 @@ def uses_documents(plan: RunPlan, data: RunData) -> bool:
 
 
 def loaders(data: RunData, documents: bool, *, seq_len: int, global_batch: int, dp: int, dp_index: int,
-            seed: int, rampup: BatchRampup | None = None
+            seed: int, rampup: BatchRampup | None = None, warmup: SeqWarmup | None = None
             ) -> tuple[GlobalBatchLoader | MixtureLoader, GlobalBatchLoader | MixtureLoader]:
     """The train and validation loaders of the run's data: one source's windows, or a mixture's (paratrain.data.
     mixture; validation mixes the sources' validation parts by the weights of step 0). rampup: the training
-    loader's global batch grows to global_batch (validation reads whole global batches)."""
+    loader's global batch grows to global_batch; warmup: its sequences grow to seq_len (validation reads whole global
+    batches of whole sequences)."""
     args = dict(seq_len=seq_len, global_batch=global_batch, dp=dp, dp_index=dp_index, seed=seed)
     if data.weights is None:
         source = data.first
         return (GlobalBatchLoader(source.train, **args, document_starts=source.train_documents if documents else None,
-                                  rampup=rampup, loss_mask=source.train_mask),
+                                  rampup=rampup, loss_mask=source.train_mask, warmup=warmup),
                 GlobalBatchLoader(source.val, shuffle=False, **args,
                                   document_starts=source.val_documents if documents else None,
                                   loss_mask=source.val_mask))
@@ -170,7 +171,9 @@ class Trainer:
                            dp_index=dp_index, seed=config.seed)
         rampup = BatchRampup.parse(config.data.batch_rampup, plan.batch.global_batch) \
             if config.data.batch_rampup else None
-        self.train_loader, self.val_loader = loaders(data, uses_documents(plan, data), **loader_args, rampup=rampup)
+        warmup = SeqWarmup.parse(config.data.seq_warmup, plan.seq_len) if config.data.seq_warmup else None
+        self.train_loader, self.val_loader = loaders(data, uses_documents(plan, data), **loader_args, rampup=rampup,
+                                                     warmup=warmup)
         settings = LoopSettings(
             steps=train.steps, lr=config.optim.lr, warmup_steps=config.optim.warmup_steps,
             min_lr_ratio=config.optim.min_lr_ratio, lr_schedule=config.optim.lr_schedule,

@@ -681,10 +681,12 @@ def test_muon_from_the_command_line_is_layout_free(tmp_path):
             assert worst <= bound, (name, dtype, worst)
 
 
-def test_batch_rampup_is_layout_free(tmp_path):
-    """--batch-rampup 4,4,16 to a global batch of 16: steps of 4, 4, 8, 16, 16, 16 samples (logged), the same losses
-    on one process and on dp 2 x ZeRO-1 (float32, the parity suite's 1e-5; measured below)."""
-    common = [*SMALL, "--steps", "6", "--global-batch", "16", "--micro-batch", "2", "--batch-rampup", "4,4,16"]
+def test_batch_rampup_and_sequence_warmup_are_layout_free(tmp_path):
+    """--batch-rampup 4,4,16 to a global batch of 16: steps of 4, 4, 8, 16, 16, 16 samples (logged); with
+    --seq-warmup 8,4 their first 4 steps read them as sequences of 8, 8, 16, 16 tokens; the same losses on one
+    process and on dp 2 x ZeRO-1 (float32, the parity suite's 1e-5; measured below)."""
+    common = [*SMALL, "--steps", "6", "--global-batch", "16", "--micro-batch", "2", "--batch-rampup", "4,4,16",
+              "--seq-warmup", "8,4"]
     runs = {}
     for name, layout in {"one": ["--nproc", "1"], "dp2": ["--nproc", "2", "--zero", "1"]}.items():
         log = tmp_path / f"{name}.jsonl"
@@ -695,7 +697,7 @@ def test_batch_rampup_is_layout_free(tmp_path):
         assert [r["global_batch"] for r in steps] == [4, 4, 8, 16, 16, 16]
         assert [r["tokens"] for r in steps] == [32 * b for b in (4, 4, 8, 16, 16, 16)]
     worst = max(abs(runs["dp2"][n] - runs["one"][n]) / runs["one"][n] for n in runs["one"])
-    print(f"\nbatch ramp-up, dp 2 ZeRO-1: losses within {worst:.1e} of one process's")
+    print(f"\nbatch ramp-up and sequence warm-up, dp 2 ZeRO-1: losses within {worst:.1e} of one process's")
     assert worst <= 1e-5, worst
 
 

@@ -149,3 +149,28 @@ def test_a_stream_is_read_in_its_own_order_whatever_dp_and_resumes():
     assert again.next().tolist() == batches[3] and again.batches_per_epoch == 2
     with pytest.raises(ValueError, match="yields 22 items in a pass, fewer than one global batch \\(32\\)"):
         StreamLoader(Items(), global_batch=32, dp=1, dp_index=0).next()
+
+
+def test_sequence_warmup_cuts_the_same_samples_into_shorter_sequences():
+    """--seq-warmup 8,6 at seq_len 32: sequences of 8, 8, 16, 16, 32, 32 tokens over the first 6 steps, then 32; a
+    step's rows are its samples cut in pieces (the same inputs and targets in order; positions restart in each
+    piece under documents); the rules refuse with the reason."""
+    from paratrain.config.plan import SeqWarmup
+
+    warm = SeqWarmup.parse("8,6", 32)
+    assert [warm.length_at(s) for s in range(8)] == [8, 8, 16, 16, 32, 32, 32, 32] and warm.lengths() == [8, 16, 32]
+    tokens = np.arange(3000, dtype=np.int64)
+    documents = np.arange(0, 3000, 20, dtype=np.int64)
+    plain = GlobalBatchLoader(tokens, seq_len=32, global_batch=4, dp=1, dp_index=0, seed=5, document_starts=documents)
+    cut = GlobalBatchLoader(tokens, seq_len=32, global_batch=4, dp=1, dp_index=0, seed=5, document_starts=documents,
+                            warmup=warm)
+    for step in range(7):
+        whole, pieces = plain.next(), cut.next()
+        length = warm.length_at(step)
+        assert pieces[0].shape == (4 * 32 // length, length)
+        assert torch.equal(pieces[0].reshape(4, 32), whole[0]) and torch.equal(pieces[1].reshape(4, 32), whole[1])
+        assert (pieces[2][:, 0] <= whole[2].reshape(-1, length)[:, 0]).all()  # positions restart in each piece
+    for text, rule in (("8", "two integers"), ("12,6", "power of two"), ("32,6", "START below it"),
+                       ("1,6", "START must be >= 2")):
+        with pytest.raises(ValueError, match=rule):
+            SeqWarmup.parse(text, 32)
