@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -33,26 +33,8 @@ from torch import nn
 from paratrain.config import ConfigError, ParallelConfig
 from paratrain.config.run import LR_SCHEDULES, OPTIMIZERS, LaunchSection, OptimSection
 from paratrain.config.validate import DEVICES, batch_layout
-from paratrain.data import DatasetLoader
 from paratrain.data_parallel import BATCH_NORM_MODES
-from paratrain.data.loader import MapDataset, StreamLoader
-
-Data = MapDataset | Iterable[Any]
-"""A map-style dataset (len() and [i]) or an iterable one."""
-
-
-def is_stream(data: Data) -> bool:
-    """An iterable dataset (no [i]): read in its own order."""
-    return isinstance(data, torch.utils.data.IterableDataset) or not hasattr(data, "__getitem__")
-
-
-def dataset_loader(data: Data, *, global_batch: int, dp: int, dp_index: int, seed: int,
-                   shuffle: bool = True) -> DatasetLoader | StreamLoader:
-    """The layout-free loader of a map-style dataset (shuffled by the seed) or of a stream (its own order)."""
-    if is_stream(data):
-        return StreamLoader(data, global_batch=global_batch, dp=dp, dp_index=dp_index)  # type: ignore[arg-type]
-    return DatasetLoader(data, global_batch=global_batch, dp=dp, dp_index=dp_index,  # type: ignore[arg-type]
-                         seed=seed, shuffle=shuffle)
+from paratrain.data.stream import Data, dataset_loader, is_stream
 from paratrain.fit.callbacks import Callback, CallbackHooks
 from paratrain.fit.launcher import hand_over, launch_workers, launched_by_trainer, relaunch_attempt
 from paratrain.fit.result import FitResult
@@ -63,7 +45,8 @@ from paratrain.hybrid.parallelize import OptimizerFactory
 from paratrain.memory import PRECISIONS
 from paratrain.nn.recipe import Layer, PipelineLoss, Recipe, recipe_for
 from paratrain.topology import Context, init
-from paratrain.train.loop import LoopSettings, TrainLoop, start_loop
+from paratrain.train.loop import TrainLoop, start_loop
+from paratrain.train.loop_settings import LoopSettings
 from paratrain.train.optim import optimizer_factory
 
 UserLoss = Callable[[nn.Module, Any], "torch.Tensor | tuple[torch.Tensor, torch.Tensor | int]"]
@@ -187,7 +170,7 @@ class Trainer:
     def fit(self, model: nn.Module | None = None, loss_fn: UserLoss | None = None,
             train_data: Data | None = None, val_data: Data | None = None) -> FitResult:
         """Train `model` for max_steps on `train_data` (any map-style dataset: len() and [i], shuffled by the seed;
-        or an iterable one, torch.utils.data.IterableDataset, read in its own order: paratrain.data.loader.StreamLoader
+        or an iterable one, torch.utils.data.IterableDataset, read in its own order: paratrain.data.stream.StreamLoader
         says how it resumes), items stacked by torch's default_collate. loss_fn(model, batch) returns the batch's loss: a scalar
         (taken as the mean over the batch's samples) or (sum of per-sample or per-token losses, count);
         under pp the loss is pipeline_loss on the last stage and loss_fn is not called. With Trainer(hf=DIR):

@@ -20,7 +20,6 @@ piece, each once; scatter = the elements each holder other than the owner holds 
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence

@@ -14,7 +14,7 @@ from paratrain.config.layout import parallel_config
 from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import ParallelConfig
 from paratrain.config.plan import batch_layout
-from paratrain.config.validate import (check_context_parallel, check_experts, check_grid_rows, check_pipeline,
+from paratrain.config.model_rules import (check_context_parallel, check_experts, check_grid_rows, check_pipeline,
                                       check_tensor_parallel)
 from paratrain.nn.loss import CHUNK_BYTES
 import paratrain.planner.param_server as param_server

@@ -21,7 +21,8 @@ from paratrain.models import build_gpt, lm_loss
 from paratrain.topology import Context
 from paratrain.train.faults import FaultInjection
 from paratrain.train.log import get_logger
-from paratrain.train.loop import LoopSettings, TrainLoop, start_loop
+from paratrain.train.loop import TrainLoop, start_loop
+from paratrain.train.loop_settings import LoopSettings
 from paratrain.train.optim import optimizer_factory
 
 

@@ -128,7 +128,7 @@ def test_a_stream_is_read_in_its_own_order_whatever_dp_and_resumes():
     """StreamLoader: global batch k is items [kG, (k+1)G) for any dp, an epoch's tail skipped, the next pass read
     again; its state (items consumed) resumes exactly when the stream repeats itself; a stream shorter than a
     global batch is refused by name."""
-    from paratrain.data.loader import StreamLoader
+    from paratrain.data.stream import StreamLoader
 
     stream = range(22)
     class Items:

@@ -1,0 +1,58 @@
+"""What a TrainLoop is told (LoopSettings: the run's length, schedule, logging, validation and checkpoints) and
+what it gives back (LoopResult)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    steps: int
+    """Optimizer steps of the whole run (a resumed run goes on to the same number)."""
+    lr: float
+    """The peak learning rate."""
+    warmup_steps: int = 0
+    min_lr_ratio: float = 1.0
+    """The schedule ends at lr x this at the last step; 1.0: constant."""
+    lr_schedule: str = "cosine"
+    """After warmup (paratrain.train.schedule): cosine, wsd, linear or constant."""
+    decay_fraction: float = 0.2
+    """wsd: the share of the steps spent decaying."""
+    log_every: int = 1
+    """Read the values back every this many steps (the steps between wait for nothing)."""
+    eval_every: int = 0
+    """Validate every this many steps (and at step 0 and the last step, when there is validation data)."""
+    eval_batches: int = 0
+    """Global batches per validation; 0: the whole validation set."""
+    save: str = ""
+    """Folder for sharded checkpoints ('' none), written every save_every steps and at the last one."""
+    save_every: int = 0
+    keep_last: int = 0
+    """Keep the newest this many checkpoints (0: all)."""
+    nan_skips: int = 10
+    """Under the engine's on_non_finite='skip': the most non-finite steps skipped before the run stops."""
+    check_collectives: bool = False
+    """Compare the ranks' sequences of collectives after every step (always after the first)."""
+    log_json: str = ""
+    tensorboard: str = ""
+    progress: bool = False
+    """A progress bar on rank 0."""
+    flops_per_token: float | None = None
+    """Model FLOPs per token, for MFU in the records (None: no MFU)."""
+    checkpoint_meta: Mapping[str, Any] = field(default_factory=dict)
+    """Kept in every checkpoint's meta.json beside the loader's cursor (the run's config, who wrote it)."""
+    attempt: int = 0
+    """How many times the launcher relaunched the job (above 0 the JSON log keeps each step once)."""
+
+
+@dataclass
+class LoopResult:
+    losses: dict[int, float] = field(default_factory=dict)
+    """Global-batch training loss by step (1-based: the loss of the step that made step N)."""
+    val_losses: dict[int, float] = field(default_factory=dict)
+    """Validation loss by step (0: before training)."""
+    wall_s: float = 0.0
+    """Seconds from the first step to the end of the last, on this rank."""
