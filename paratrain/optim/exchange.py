@@ -11,7 +11,7 @@ holder). Each step:
 
 in one all-to-all each way over the ranks given. The pieces a rank holds come as `Held` runs of whole elements,
 whatever cut them: ZeRO-1/2/3's flat shards (through several tensors), 1-D tensor-parallel slices, 2-D / 2.5-D / 3-D
-blocks, expert shards over ep and expert-tp, pipeline stages (each holds its own units: nothing crosses stages).
+blocks, expert shards over expert parallelism and expert-tp, pipeline stages (each holds its own units: nothing crosses stages).
 Elements travel in the optimizer's Newton-Schulz dtype (bfloat16 by default: half float32's bytes).
 
 Bytes per step (elements times the dtype's size): gather = the elements of each unit outside the owner's own

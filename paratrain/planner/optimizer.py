@@ -1,7 +1,7 @@
 """What a matrix optimizer adds to a step (paratrain.optim.Muon under paratrain.optim.exchange): each unit matrix's
 Newton-Schulz on its owner, and the all-to-alls that bring the matrix to it and its update back.
 
-Per pipeline stage with M matrix elements held by R ranks (dp x tp x cp; experts: their ep share), each element cut
+Per pipeline stage with M matrix elements held by its R ranks (experts: the ranks holding them), each element cut
 S ways (tp slices x ZeRO shards, 1 for replicas) and held by r = R / S replicas, the owners balanced by FLOPs:
 
     Newton-Schulz   max(F / R, the largest unit's) FLOPs per rank, F = sum over units of steps (4 m^2 n + 2 m^3)
@@ -48,7 +48,7 @@ def muon_seconds(model: ModelConfig, layout: Layout, hw: Hardware) -> dict[str, 
     per_stage = 1.0 / layout.pp
     flops = sum(newton_schulz_flops(u) for u in units) * per_stage
     elements = sum(a * b for a, b in units) * per_stage
-    ranks = layout.dp * layout.tp * layout.cp
+    ranks = layout.dims.grid_size // layout.pp  # the ranks of a stage
     split = layout.tp * (layout.shards if layout.zero else 1)
     replicas = ranks / split
     rate = hw.peak_flops * hw.efficiency
