@@ -67,7 +67,7 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
               if dropout or n_layer != 4 or model != "tiny" or overrides else TINY)
     gpt = paratrain.build_gpt(config, seed=seed, dtype=getattr(torch, dtype))
 
-    def make_optimizer(params):
+    def element_wise(params):
         if optimizer == "sgd":
             return torch.optim.SGD(params, lr=lr)
         if optimizer == "adagrad":
@@ -76,10 +76,11 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
             return torch.optim.Adagrad(params, lr=lr, eps=1e-2)
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
 
+    make_optimizer: Any = element_wise
     if optimizer == "muon":  # Newton-Schulz in float64 for float64 runs (exactness), torch's bfloat16 otherwise
         from paratrain.optim import AdamWSettings, MuonFactory, MuonSettings
 
-        make_optimizer = MuonFactory(MuonSettings(lr=lr, adjust_lr_fn="match_rms_adamw",  # type: ignore[assignment]
+        make_optimizer = MuonFactory(MuonSettings(lr=lr, adjust_lr_fn="match_rms_adamw",
                                                   ns_dtype=torch.float64 if dtype == "float64" else torch.bfloat16),
                                      AdamWSettings(weight_decay=0.1))
     options = paratrain.EngineOptions(micro_batch=micro_batch, grad_clip=grad_clip, recompute=recompute, seed=seed,

@@ -5,6 +5,8 @@ applies them to every candidate."""
 
 from __future__ import annotations
 
+import math
+
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import ParallelConfig, ScheduleError, check_schedule

@@ -22,6 +22,7 @@ SMALLEST = {
     "bench_ps": ["--world", "2", "--steps", "1", "--only", "ps-dedicated", "--scenarios", "alternating",
                  "--stalenesses", "2", "--straggler-steps", "4"],
     "bench_planner": ["--steps", "1", "--hardware", "a100-80gb", "--layouts", "6"],
+    "bench_optim": ["--worlds", "2", "--steps", "1", "--only", "paratrain-muon-zero1"],
     "bench_gpu": ["--models", "tiny", "--steps", "1", "--warmup", "1", "--no-compile", "--only", "0"],
 }
 
