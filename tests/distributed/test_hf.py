@@ -4,6 +4,8 @@ eager attention would run its softmax in float32)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 
 import pytest
 import torch
@@ -118,9 +120,17 @@ def plain(kind: str) -> dict:
     return _PLAIN[kind]
 
 
+def _muon() -> Any:
+    """paratrain's Muon factory: the blocks' matrices (embedding and head to AdamW, by name), Newton-Schulz in
+    float64."""
+    from paratrain.optim import MuonFactory, MuonSettings
+
+    return MuonFactory(MuonSettings(lr=lr_at(0), adjust_lr_fn="match_rms_adamw", ns_dtype=torch.float64))
+
+
 def _job(kind: str, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: int = 0,
          micro_batch: int | None = None, cp: int = 1, cp_mode: str = "ring", tp_mode: str = "1d",
-         tp_depth: int = 1) -> dict:
+         tp_depth: int = 1, muon: bool = False) -> dict:
     import paratrain
     from paratrain.hf.load import check_tp
     from paratrain.models.hf import LLAMA_RECIPE, QWEN3_RECIPE, llama_loss
@@ -132,7 +142,7 @@ def _job(kind: str, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: in
     model = build(kind)
     check_tp(model.config, config.tp_split)
     recipe = {"qwen3": QWEN3_RECIPE, "gemma3": QWEN3_RECIPE, "gpt2": GPT2_RECIPE}.get(kind, LLAMA_RECIPE)
-    engine = paratrain.parallelize(model, ctx, optimizer=_adamw,
+    engine = paratrain.parallelize(model, ctx, optimizer=_muon() if muon else _adamw,
                                    options=paratrain.EngineOptions(micro_batch=micro_batch), recipe=recipe)
     losses, norms = [], []
     for step in range(STEPS):
@@ -218,6 +228,16 @@ def test_layout_trains_as_plain_pytorch(pools, kind, layout):
         within(rel_diff(rank["losses"], ref["losses"]), bound, "loss (float64)")  # measured <= 4.3e-16
         within(rel_diff(rank["grad_norms"], ref["grad_norms"]), bound, "grad norm (float64)")  # <= 9.9e-16
     within(max_state_diff(got[0]["model"], ref["model"]), bound, "weights (float64)")  # measured <= 2.2e-16
+
+
+def test_muon_on_a_tied_hugging_face_llama_is_layout_free(pools):
+    """Muon by name on an HF model (q/k/v/o, gate/up/down: Muon; the tied embedding-head, norms: AdamW) under
+    dp 2 x tp 2 ZeRO-1 and pp 2 (the tied weight's two ends on two stages) equals one process (float64, 1e-12)."""
+    ref = _job("llama-tied", muon=True)
+    for world, layout in ((4, dict(dp=2, tp=2, zero=1, micro_batch=2)), (2, dict(pp=2, micro_batch=2))):
+        got = pools(world).run(_job, "llama-tied", muon=True, **layout)
+        within(rel_diff(got[0]["losses"], ref["losses"]), 1e-12, "Muon HF loss (float64)")
+        within(max_state_diff(got[0]["model"], ref["model"]), 1e-12, "Muon HF weights (float64)")
 
 
 def test_loss_convention_matches_hfs_own_loss():
