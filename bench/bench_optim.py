@@ -13,11 +13,9 @@ steps. Reported for rank 0: the median step time (forward, backward, reduction, 
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from pathlib import Path
 
-from bench.world import contest_arguments, run_world
+from bench.world import barrier_step_seconds, contest_arguments, run_world
 
 MODEL = dict(vocab_size=256, seq_len=128, n_layer=6, n_head=6, d_model=384)
 PER_RANK = 8
@@ -81,14 +79,7 @@ def _contender(name: str, steps: int) -> dict:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-    times = []
-    for i in range(steps + 2):
-        dist.barrier()
-        started = time.perf_counter()
-        step(batches[i % 4])
-        if i >= 2:
-            times.append(time.perf_counter() - started)
-    return {"name": name, "world": world, "step_s": statistics.median(times)}
+    return {"name": name, "world": world, "step_s": barrier_step_seconds(step, batches, steps)}
 
 
 def main(argv: list[str] | None = None) -> None:

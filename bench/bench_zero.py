@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import json
 import resource
-import statistics
-import time
 from pathlib import Path
 
-from bench.world import contest_arguments, run_world
+from bench.world import barrier_step_seconds, contest_arguments, run_world
 
 MODEL = dict(vocab_size=256, seq_len=128, n_layer=6, n_head=6, d_model=384)
 PER_RANK = 8
@@ -110,19 +108,13 @@ def _contender(name: str, steps: int) -> dict:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-    times = []
     live_before = _live_tensor_mb()  # model and batches, before any optimizer state or gradient
-    for i in range(steps + 2):
-        dist.barrier()
-        started = time.perf_counter()
-        step(batches[i % 4])
-        if i >= 2:
-            times.append(time.perf_counter() - started)
+    step_s = barrier_step_seconds(step, batches, steps)
     in_step_mb = None
     if name.startswith("paratrain"):
         report = engine.memory_report()
         state_mb, in_step_mb = report["between_steps"] / 2**20, report["in_step"] / 2**20
-    return {"name": name, "world": world, "step_s": statistics.median(times),
+    return {"name": name, "world": world, "step_s": step_s,
             "peak_mb": _rss_mb() - before, "state_mb": state_mb, "in_step_mb": in_step_mb,
             "live_mb": _live_tensor_mb(), "live_before_mb": live_before}
 

@@ -57,3 +57,21 @@ def contest_arguments(description: str, contenders: list[str], *, worlds: list[i
     args = parser.parse_args(argv)
     args.only = without_missing(args.only)
     return args
+
+
+def barrier_step_seconds(step: Callable[[Any], Any], batches: list[Any], steps: int, warmup: int = 2) -> float:
+    """The median seconds of `steps` calls step(batch) (cycling through `batches`) after `warmup` untimed ones, the
+    ranks meeting at a barrier before each."""
+    import statistics
+    import time
+
+    import torch.distributed as dist
+
+    times = []
+    for i in range(steps + warmup):
+        dist.barrier()
+        started = time.perf_counter()
+        step(batches[i % len(batches)])
+        if i >= warmup:
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)

@@ -128,9 +128,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--ps-servers ({args.ps_servers}) and --staleness ({args.staleness}) price the parameter "
                           "server: give --ps-mode sync or async")
     if args.seq_len and args.seq_len > model.seq_len:  # the model is built for sequences this long
-        from dataclasses import replace
-
-        model = replace(model, seq_len=args.seq_len)
+        model = dataclasses.replace(model, seq_len=args.seq_len)
     result = search(model, devices, hw, global_batch=args.global_batch, seq_len=args.seq_len, pins=pins,
                     kernels="compiled" if args.compile else "eager",
                     settings=dataclasses.replace(PRICED, precision=args.precision, optimizer=args.optimizer))

@@ -155,9 +155,8 @@ def _data_parallel_time(model: ModelConfig, layout: Layout, hw: Hardware, *, com
     held, m = _rank_held(model, layout), micro_batches
     tp, cp, dp = layout.tp, layout.cp, layout.dp
     dense, expert = held.total - held.expert, held.expert
-    # gradients on the wire in 16 bits under ZeRO, as the published runs the time model is fitted to reduced them
-    # (paratrain: --grad-dtype bf16, or --grad-reduce-dtype bf16; its default float32 buffers move twice the bytes,
-    # which planner.comm counts exactly but this estimate does not yet price); zero 0: float32
+    # 16-bit gradients under ZeRO, as the published runs it is fitted to (--grad-dtype bf16; the default float32
+    # buffers move twice the bytes: planner.comm counts them, this estimate does not yet); zero 0: float32
     elsize = BYTES[precision] if layout.zero else 4
     whole = tp * cp * dp  # the ranks a dp group spans (and the experts' replicas, ep apart)
     replicas, expert_replicas = dp * cp, dp // layout.ep * cp
