@@ -17,7 +17,6 @@ weights its own matrix).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
@@ -42,10 +41,6 @@ def unit_shape(shape: Sequence[int]) -> tuple[int, int]:
     if len(shape) < 2:
         raise ValueError(f"a tensor of shape {tuple(shape)} is not a matrix: a matrix optimizer needs >= 2 dims")
     return int(shape[-2]), int(shape[-1])
-
-
-def units_of(shape: Sequence[int]) -> int:
-    return math.prod(shape[:-2])
 
 
 class Matrices(Protocol):
