@@ -77,11 +77,15 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--staleness": ("parallel.staleness", int, "--ps-mode async: clocks a trainer may run ahead of the slowest"),
     "--data": ("data.source", str, "builtin, a .txt / .jsonl / .parquet file (bytes for the GPT; with --hf tokenized "
                                    "by the model's tokenizer, cached), a folder `paratrain tokenize` wrote (or "
-                                   "Megatron's train/val .bin + .idx), or a folder with train.bin/val.bin (uint16)"),
+                                   "Megatron's train/val .bin + .idx), a folder with train.bin/val.bin (uint16), a "
+                                   "Megatron PREFIX, or a folder of shards (.bin/.idx pairs; .jsonl/.parquet with "
+                                   "--hf) read lazily"),
+    "--data-workers": ("data.workers", int, "processes tokenizing a folder of text shards for --hf, one shard each "
+                       "(the same tokens for any number; default 1)"),
     "--val-fraction": ("data.val_fraction", float, "share of a text source held out for validation (default 0.1; "
                        "documents: every 1/f-th, as `paratrain tokenize` splits)"),
-    "--split": ("data.split", str, "a Megatron prefix's train,validation,test shares, split by sequence as "
-                "megatron-core splits (default 969,30,1)"),
+    "--split": ("data.split", str, "a Megatron prefix's (or a shard folder's) train,validation,test shares, split "
+                "by sequence as megatron-core splits (default 969,30,1)"),
     "--data-schedule": ("data.schedule", str, "--data-path's weights by step: 'STEP:W1,W2,...;STEP:...' from step 0, "
                         "e.g. '0:0.7,0.3;8000:0.4,0.6' (an anneal changes nothing before its step)"),
     "--data-cache": ("data.cache", str, "where text tokenized for --hf is kept (default: ~/.cache/paratrain/tokens)"),

@@ -134,19 +134,34 @@ def train(args: argparse.Namespace) -> int:
 
 
 def tokenize_text_for_hf(config: RunConfig) -> RunConfig:
-    """With --hf, text data (builtin, .txt, .jsonl, .parquet) tokenized by the model's own tokenizer, once and
-    cached (paratrain.data.text), and the run pointed at those token files; said in one line. Without --hf, or
-    with token files, the config as it is."""
-    from paratrain.data.text import is_text, tokenized
-
-    source = config.data.source
-    if not config.model.hf or config.data.path or not is_text(source):  # (a mixture names its own sources)
+    """With --hf, text data (builtin, .txt, .jsonl, .parquet, a folder of text shards; the mixture's sources too)
+    tokenized by the model's own tokenizer, once and cached (paratrain.data.text), and the run pointed at those token
+    files; said in one line each. Without --hf, or with token files, the config as it is."""
+    if not config.model.hf:
         return config
-    folder, cached = tokenized(source, config.model.hf, val_fraction=config.data.val_fraction, cache=config.data.cache)
+    data = config.data
+    if data.path:  # weight, source, weight, source, ...
+        path = tuple(item if n % 2 == 0 else _tokenized_for_hf(item, config) for n, item in enumerate(data.path))
+        return dataclasses.replace(config, data=dataclasses.replace(data, path=path))
+    return dataclasses.replace(config, data=dataclasses.replace(data, source=_tokenized_for_hf(data.source, config)))
+
+
+def _tokenized_for_hf(source: str, config: RunConfig) -> str:
+    """One source as the HF model's tokens: a text file or folder of text shards tokenized (cached), else as it is."""
+    from paratrain.data.shards import index_prefixes, is_shard_folder
+    from paratrain.data.text import is_text, tokenized, tokenized_shards
+
+    data = config.data
+    if is_text(source) and not data.path:
+        folder, cached = tokenized(source, config.model.hf, val_fraction=data.val_fraction, cache=data.cache)
+    elif is_shard_folder(source) and not index_prefixes(Path(source)):
+        folder, cached = tokenized_shards(source, config.model.hf, workers=data.workers, cache=data.cache)
+    else:
+        return source
     if os.environ.get("RANK", "0") == "0":
         print(f"paratrain: --data {source} read as {config.model.hf}'s tokens: {'cached in' if cached else 'tokenized into'} "
               f"{folder}", file=sys.stderr)
-    return dataclasses.replace(config, data=dataclasses.replace(config.data, source=str(folder)))
+    return str(folder)
 
 
 def plan_auto(config: RunConfig, args: argparse.Namespace, *, gpus: int) -> RunConfig:

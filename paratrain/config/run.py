@@ -24,9 +24,12 @@ class ModelSection:
 @dataclass
 class DataSection:
     source: str = "builtin"
-    """'builtin' (CPython's pydoc topics), a text file (.txt, .jsonl, .parquet), or a folder of token files
-    (`paratrain tokenize`'s or Megatron's indexed train / val, or nanoGPT's uint16 train.bin / val.bin). Text is
-    read as UTF-8 bytes by the GPT, and tokenized by the model's own tokenizer with --hf (paratrain.data.text)."""
+    """'builtin' (CPython's pydoc topics), a text file (.txt, .jsonl, .parquet), a folder of token files
+    (`paratrain tokenize`'s or Megatron's indexed train / val, or nanoGPT's uint16 train.bin / val.bin), a Megatron
+    prefix, or a folder of shards (.bin/.idx pairs, or .jsonl / .parquet text; paratrain.data.shards). Text is read as
+    UTF-8 bytes by the GPT, and tokenized by the model's own tokenizer with --hf (paratrain.data.text)."""
+    workers: int = 1
+    """Processes that tokenize a folder of text shards for --hf, a shard each (the same tokens for any number)."""
     cache: str = ""
     """Where text tokenized for --hf is kept ('': $XDG_CACHE_HOME/paratrain/tokens, or ~/.cache/...)."""
     split: str = ""

@@ -103,6 +103,8 @@ def check_run(config: RunConfig, world_size: int, *, model_shape: ModelShape = p
         raise ConfigError(f"data.seq_len must be >= 2, got {seq_len}")
     if not 0.0 < data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {data.val_fraction}")
+    if data.workers < 1:
+        raise ConfigError(f"data.workers (--data-workers) must be >= 1, got {data.workers}")
     check_tensor_parallel(model, parallel, seq_len)
     check_context_parallel(model, parallel, seq_len)
     check_experts(model, parallel)

@@ -75,23 +75,22 @@ class IndexedTokens:
 
     def __init__(self, prefix: str | Path) -> None:
         self.prefix = Path(prefix)
-        index = self.prefix.with_suffix(".idx").read_bytes()
-        if index[:9] != MAGIC:
-            raise ValueError(f"{self.prefix.with_suffix('.idx')} is not an indexed-dataset index (its first bytes are "
-                             f"{index[:9]!r}, not {MAGIC!r}): write it with `paratrain tokenize` or Megatron's "
-                             "preprocess_data.py")
-        version, code = struct.unpack_from("<QB", index, 9)
+        index_path = self.prefix.with_suffix(".idx")
+        with open(index_path, "rb") as file:
+            header = file.read(34)
+        if header[:9] != MAGIC:
+            raise ValueError(f"{index_path} is not an indexed-dataset index (its first bytes are {header[:9]!r}, not "
+                             f"{MAGIC!r}): write it with `paratrain tokenize` or Megatron's preprocess_data.py")
+        version, code = struct.unpack_from("<QB", header, 9)
         if version != VERSION or code not in DTYPES:
-            raise ValueError(f"{self.prefix.with_suffix('.idx')}: version {version}, dtype code {code}; "
+            raise ValueError(f"{index_path}: version {version}, dtype code {code}; "
                              f"paratrain reads version {VERSION} with codes {sorted(DTYPES)}")
         self.dtype = np.dtype(DTYPES[code])
-        sequences, documents = struct.unpack_from("<QQ", index, 18)
-        offset = 34
-        self.lengths = np.frombuffer(index, dtype=np.int32, count=sequences, offset=offset)
-        offset += 4 * sequences
-        self.pointers = np.frombuffer(index, dtype=np.int64, count=sequences, offset=offset)
-        offset += 8 * sequences
-        self.document_index = np.frombuffer(index, dtype=np.int64, count=documents, offset=offset)
+        sequences, documents = struct.unpack_from("<QQ", header, 18)
+        # the three arrays memory-mapped, not read: a corpus of many shards costs address space, not memory
+        self.lengths = _mapped(index_path, np.int32, 34, sequences)
+        self.pointers = _mapped(index_path, np.int64, 34 + 4 * sequences, sequences)
+        self.document_index = _mapped(index_path, np.int64, 34 + 12 * sequences, documents)
         bin_path = self.prefix.with_suffix(".bin")
         size = bin_path.stat().st_size
         expected = int(self.pointers[-1]) + int(self.lengths[-1]) * self.dtype.itemsize if sequences else 0
@@ -120,3 +119,14 @@ class IndexedTokens:
         start = int(self.pointers[first]) // self.dtype.itemsize
         end = int(self.pointers[last - 1]) // self.dtype.itemsize + int(self.lengths[last - 1])
         return self.tokens[start:end]
+
+
+def _mapped(path: Path, dtype: type, offset: int, count: int) -> np.ndarray:
+    """`count` values of `dtype` at byte `offset` of `path`, memory-mapped read-only (an empty array for none)."""
+    if not count:
+        return np.zeros(0, dtype=dtype)
+    size = path.stat().st_size
+    if offset + count * np.dtype(dtype).itemsize > size:
+        raise ValueError(f"{path} holds {size} bytes, and its header promises {count} {np.dtype(dtype)} values at "
+                         f"byte {offset}: the index is cut short (write it again)")
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))

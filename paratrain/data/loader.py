@@ -9,6 +9,9 @@ tail of fewer than G samples is skipped (as drop_last), the same way in every la
 uninterrupted run would have read.
 
 Two loaders read samples in that order:
+An epoch's permutation is torch.randperm (order "dense", 8 bytes a sample), or for a streaming source a
+KeyedPermutation computed position by position in O(1) memory (order "keyed"; paratrain.data.permutation).
+
 - GlobalBatchLoader: windows of seq_len + 1 tokens of a flat token array, sample i =
   tokens[i * S : i * S + S + 1] (input the first S, target the last S); given the corpus's document
   starts, also each token's position in its document (paratrain.nn.documents), and no target where the
@@ -20,14 +23,36 @@ Two loaders read samples in that order:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Union
 
 import numpy as np
 import torch
 from torch.utils.data import default_collate
 
 from paratrain.config.plan import BatchRampup, SeqWarmup
+from paratrain.data.permutation import KeyedPermutation
 from paratrain.rng import keyed_generator
+
+ORDERS = ("dense", "keyed")
+
+
+class TokenArray(Protocol):
+    """Token ids read by window: a numpy array (or memmap), or a streaming source's view (ShardedTokens)."""
+
+    dtype: np.dtype
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, window: slice) -> np.ndarray: ...
+
+
+class LazyStarts(Protocol):
+    """Where documents begin, read when a window needs them (paratrain.data.shards.ShardDocuments)."""
+
+    def between(self, lo: int, hi: int) -> np.ndarray: ...
+
+
+DocumentStarts = Union[np.ndarray, LazyStarts]
+"""Increasing token offsets where documents begin: an array, or read lazily."""
 
 
 @dataclass
@@ -45,8 +70,13 @@ class GlobalOrder:
     """Which sample indices each dp rank reads at each step (see the module docstring)."""
 
     def __init__(self, num_samples: int, *, global_batch: int, dp: int, dp_index: int, seed: int,
-                 shuffle: bool = True, what: str = "the data", rampup: BatchRampup | None = None) -> None:
-        """rampup: the global batch grows from rampup.start to global_batch (BatchRampup); None: fixed."""
+                 shuffle: bool = True, what: str = "the data", rampup: BatchRampup | None = None,
+                 order: str = "dense") -> None:
+        """rampup: the global batch grows from rampup.start to global_batch (BatchRampup); None: fixed.
+        order: 'dense' (torch.randperm per epoch) or 'keyed' (KeyedPermutation: O(1) memory, streaming sources)."""
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+        self.order = order
         for size in rampup.sizes() if rampup is not None else [global_batch]:
             if size % dp:
                 raise ValueError(f"global_batch ({size}) must be divisible by dp ({dp})")
@@ -62,7 +92,7 @@ class GlobalOrder:
         self.seed = seed
         self.shuffle = shuffle
         self.state = LoaderState()
-        self._order: torch.Tensor | None = None
+        self._order: torch.Tensor | KeyedPermutation | None = None
         self._order_epoch = -1
         self.last_indices: list[int] = []
         """Global sample indices of this rank's rows in the last batch (for tests and debugging)."""
@@ -73,9 +103,11 @@ class GlobalOrder:
     def batches_per_epoch(self) -> int:
         return self.num_samples // self.global_batch
 
-    def _epoch_order(self, epoch: int) -> torch.Tensor:
+    def _epoch_order(self, epoch: int) -> torch.Tensor | KeyedPermutation:
         if self._order_epoch != epoch:
-            if self.shuffle:
+            if self.shuffle and self.order == "keyed":
+                self._order = KeyedPermutation(self.num_samples, seed=self.seed, key=f"data/epoch{epoch}")
+            elif self.shuffle:
                 self._order = torch.randperm(self.num_samples, generator=keyed_generator(self.seed, f"data/epoch{epoch}"))
             else:
                 self._order = torch.arange(self.num_samples)
@@ -91,6 +123,8 @@ class GlobalOrder:
     def global_indices(self) -> list[int]:
         """The sample indices of the next whole global batch (what every rank together reads)."""
         order = self._epoch_order(self.state.epoch)
+        if isinstance(order, KeyedPermutation):
+            return order.at(np.arange(self.state.cursor, self.state.cursor + self.batch_size)).tolist()
         return order[self.state.cursor: self.state.cursor + self.batch_size].tolist()
 
     def next_indices(self) -> list[int]:
@@ -119,7 +153,7 @@ class GlobalOrder:
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"epoch": self.state.epoch, "cursor": self.state.cursor,
                                  "global_batch": self.global_batch, "seed": self.seed, "consumed": self.state.consumed,
-                                 "step": self.state.step}
+                                 "step": self.state.step, "order": self.order}
         if self.rampup is not None:
             state["rampup"] = [self.rampup.start, self.rampup.increment, self.rampup.samples]
         return state
@@ -128,11 +162,13 @@ class GlobalOrder:
         if "draws" in state:
             raise ValueError("the checkpoint's loader mixed several sources (--data-path), and this run reads one: "
                              "resume with the mixture it was trained on")
-        for key in ("global_batch", "seed"):
-            if key in state and state[key] != getattr(self, key):
+        for key in ("global_batch", "seed", "order"):
+            saved = state.get(key, "dense" if key == "order" else None)  # (checkpoints before keyed orders: dense)
+            if saved not in (None, getattr(self, key)):
                 raise ValueError(
-                    f"the checkpoint's loader has {key}={state[key]}, this run {key}={getattr(self, key)}: "
-                    "a resumed run must keep the global batch and seed to read the same samples"
+                    f"the checkpoint's loader has {key}={saved}, this run {key}={getattr(self, key)}: "
+                    "a resumed run must keep the global batch, seed and kind of source (a streaming folder reads in "
+                    "a keyed order) to read the same samples"
                 )
         ramp = [self.rampup.start, self.rampup.increment, self.rampup.samples] if self.rampup is not None else None
         if "consumed" in state and list(state.get("rampup") or []) != list(ramp or []):
@@ -143,24 +179,26 @@ class GlobalOrder:
 
 
 class GlobalBatchLoader(GlobalOrder):
-    def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, dp: int, dp_index: int,
-                 seed: int, shuffle: bool = True, document_starts: np.ndarray | None = None,
+    def __init__(self, tokens: TokenArray, *, seq_len: int, global_batch: int, dp: int, dp_index: int,
+                 seed: int, shuffle: bool = True, document_starts: DocumentStarts | None = None,
                  rampup: BatchRampup | None = None, loss_mask: np.ndarray | None = None,
-                 warmup: SeqWarmup | None = None) -> None:
+                 warmup: SeqWarmup | None = None, order: str = "dense") -> None:
         """document_starts: increasing token offsets where documents start (IndexedTokens.document_starts):
         batches are then (inputs, targets, positions) of packed documents (paratrain.nn.documents).
         rampup: the global batch grows to global_batch (BatchRampup).
         loss_mask: beside `tokens`, 1 where a token is a target the loss counts (chat data): targets at 0 become
         -100.
-        warmup: a sequence-length warm-up (SeqWarmup): early steps' samples cut into shorter sequences."""
+        warmup: a sequence-length warm-up (SeqWarmup): early steps' samples cut into shorter sequences.
+        order: the epoch permutation's kind (GlobalOrder): 'keyed' for a streaming source."""
         self.tokens = tokens
         self.loss_mask = loss_mask
         self.warmup = warmup
         self.seq_len = seq_len
-        self.document_starts = None if document_starts is None else np.asarray(document_starts, dtype=np.int64)
+        self.document_starts = (np.asarray(document_starts, dtype=np.int64) if isinstance(document_starts, np.ndarray)
+                                else document_starts)
         super().__init__((len(tokens) - 1) // seq_len, global_batch=global_batch, dp=dp, dp_index=dp_index,
                          seed=seed, shuffle=shuffle, what=f"the data (in samples of {seq_len + 1} tokens)",
-                         rampup=rampup)
+                         rampup=rampup, order=order)
 
     def next(self) -> tuple[torch.Tensor, ...]:
         """This rank's rows of the next global batch: inputs[G/dp, S] and targets[G/dp, S], int64 (and
@@ -206,11 +244,19 @@ class GlobalBatchLoader(GlobalOrder):
 
 
 def document_positions(window_starts: np.ndarray, seq_len: int,
-                       document_starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                       document_starts: DocumentStarts) -> tuple[np.ndarray, np.ndarray]:
     """For windows of seq_len input tokens starting at these offsets of the token stream: each input token's
     position in its document, counted from the window's start for the document that began before it
     (int64[n, S]), and where its target is the first token of another document (bool[n, S]: no loss there,
     nothing in the window's own document predicts it)."""
+    if not isinstance(document_starts, np.ndarray):  # read lazily: each window with the starts inside it
+        positions = np.empty((len(window_starts), seq_len), dtype=np.int64)
+        crossing = np.empty((len(window_starts), seq_len), dtype=bool)
+        zero = np.zeros(1, dtype=np.int64)
+        for row, start in enumerate(np.asarray(window_starts, dtype=np.int64).tolist()):
+            inside = document_starts.between(start, start + seq_len + 1) - start
+            positions[row], crossing[row] = (part[0] for part in document_positions(zero, seq_len, inside))
+        return positions, crossing
     flat = window_starts[:, None] + np.arange(seq_len, dtype=np.int64)[None, :]  # [n, S]: each input's offset
     if len(document_starts) == 0:  # no document index entries: one document, from each window's start
         return flat - window_starts[:, None], np.zeros(flat.shape, dtype=bool)

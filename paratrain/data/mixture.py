@@ -29,7 +29,9 @@ import numpy as np
 import torch
 
 from paratrain.config.errors import ConfigError
-from paratrain.data.loader import document_positions
+from paratrain.data.loader import DocumentStarts, TokenArray, document_positions
+from paratrain.data.permutation import KeyedPermutation
+from paratrain.data.shards import ShardedTokens
 from paratrain.rng import hashed_uniform, keyed_generator, keyed_seed
 
 
@@ -96,11 +98,16 @@ class Source:
     """One source of a mixture: its token stream (possibly a memmap) and where its documents start."""
 
     name: str
-    tokens: np.ndarray
-    document_starts: np.ndarray | None = None
+    tokens: TokenArray
+    document_starts: DocumentStarts | None = None
+    order: str = "dense"
+    """Its epoch permutation's kind: 'keyed' (O(1) memory) for a folder of shards (paratrain.data.loader)."""
 
     def identity(self) -> dict[str, Any]:
-        """What names this source's content: its token count and a SHA-256 of its first and last MiB."""
+        """What names this source's content: its token count and a SHA-256 of its first and last MiB (a folder of
+        shards: of its indexes and its shards' heads and tails, ShardedTokens.identity)."""
+        if isinstance(self.tokens, ShardedTokens):
+            return {"name": self.name, **self.tokens.identity()}
         data = np.asarray(self.tokens).view(np.uint8)
         head, tail = data[: 2**20].tobytes(), data[-(2**20):].tobytes()
         return {"name": self.name, "tokens": int(len(self.tokens)),
@@ -130,7 +137,7 @@ class MixtureLoader:
         self.draws = [0] * len(self.sources)
         """Samples drawn from each source so far (the cursor, with `step`)."""
         self._key = keyed_seed(seed, "data/mixture")
-        self._orders: dict[tuple[int, int], torch.Tensor] = {}
+        self._orders: dict[tuple[int, int], torch.Tensor | KeyedPermutation] = {}
         self.last_sources: list[int] = []
         """This rank's rows' sources in the last batch (tests, debugging)."""
 
@@ -164,9 +171,14 @@ class MixtureLoader:
         if key not in self._orders:
             if len(self._orders) > 4 * len(self.sources):
                 self._orders.clear()
-            self._orders[key] = torch.randperm(size, generator=keyed_generator(self.seed, f"data/source{source}/"
-                                                                                         f"epoch{epoch}"))
-        return int(self._orders[key][position])
+            name = f"data/source{source}/epoch{epoch}"
+            keyed = self.sources[source].order == "keyed"
+            self._orders[key] = (KeyedPermutation(size, seed=self.seed, key=name) if keyed
+                                 else torch.randperm(size, generator=keyed_generator(self.seed, name)))
+        order = self._orders[key]
+        if isinstance(order, KeyedPermutation):
+            return int(order.at(np.asarray([position]))[0])
+        return int(order[position])
 
     def next(self) -> tuple[torch.Tensor, ...]:
         """This rank's rows of the next global batch: (inputs, targets), and positions when every source has a

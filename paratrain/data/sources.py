@@ -7,7 +7,9 @@ Four kinds, one shape: a flat array of token ids for training and another for va
   tokenize` writes it (paratrain.data.indexed; its tokens.json names the tokenizer), memory-mapped;
 - a folder with train.bin and val.bin alone: uint16 token ids, memory-mapped (nanoGPT's layout);
 - a Megatron prefix (PREFIX.bin + PREFIX.idx), split into train / validation at run time as megatron-core splits
-  it (paratrain.data.corpora).
+  it (paratrain.data.corpora);
+- a folder of many shards (PREFIX.bin + PREFIX.idx pairs), read lazily and split as one prefix
+  (paratrain.data.shards; text shards are tokenized for --hf first, paratrain.data.text).
 A run reads one source, or a weighted mixture of several (open_data; paratrain.data.mixture).
 """
 
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from paratrain.data.loader import DocumentStarts, TokenArray
 from paratrain.data.mixture import WeightSchedule
 
 BYTE_VOCAB = 256
@@ -26,20 +29,24 @@ BYTE_VOCAB = 256
 @dataclass(frozen=True)
 class TokenSource:
     name: str
-    train: np.ndarray
-    """Token ids, 1-D (uint8 for bytes, uint16 for token files; may be a read-only memmap)."""
-    val: np.ndarray
+    train: TokenArray
+    """Token ids, 1-D (uint8 for bytes, uint16 for token files; may be a read-only memmap, or a folder of shards read
+    lazily: paratrain.data.shards.ShardedTokens)."""
+    val: TokenArray
     vocab_size: int
     """Smallest vocabulary that holds every id (256 for bytes; max id + 1 bound for token files; the tokenizer's
     for `paratrain tokenize`'s)."""
     tokenizer: dict | None = None
     """`paratrain tokenize`'s record of the tokenizer that wrote the files (tokens.json), else None."""
-    train_documents: np.ndarray | None = None
-    """int64: where each document of `train` starts (a document index: Megatron's .idx), else None."""
-    val_documents: np.ndarray | None = None
+    train_documents: DocumentStarts | None = None
+    """int64: where each document of `train` starts (a document index: Megatron's .idx; read lazily for shards),
+    else None."""
+    val_documents: DocumentStarts | None = None
     train_mask: np.ndarray | None = None
     """uint8 beside `train`: 1 where a token is a target the loss counts (chat data, paratrain.data.chat), else None."""
     val_mask: np.ndarray | None = None
+    order: str = "dense"
+    """The epoch permutation's kind (paratrain.data.loader.GlobalOrder): 'keyed' for shards (O(1) memory)."""
 
     @property
     def can_write(self) -> bool:
@@ -80,10 +87,14 @@ def load_source(source: str, *, val_fraction: float = 0.1, split: str = "") -> T
     """Open a source by its config string: 'builtin', a .txt path, a folder of .bin files, or a Megatron prefix
     (split by `split`, Megatron's default when '')."""
     from paratrain.data.corpora import is_prefix
+    from paratrain.data.shards import is_shard_folder
 
+    if is_shard_folder(source):
+        return _shard_source(source, split)
     if split and (source == "builtin" or Path(source).is_dir() or not is_prefix(source)):
-        raise FileNotFoundError(f"--split {split} splits a Megatron prefix (PREFIX.bin + PREFIX.idx) at run time, "
-                                f"and {source!r} is not one: drop --split (a folder holds its own train and val)")
+        raise FileNotFoundError(f"--split {split} splits a Megatron prefix (PREFIX.bin + PREFIX.idx) or a folder of "
+                                f"shards at run time, and {source!r} is neither: drop --split (a folder `paratrain "
+                                "tokenize` wrote holds its own train and val)")
     if source == "builtin":
         data = np.frombuffer(builtin_text().encode("utf-8"), dtype=np.uint8)
         train, val = _split(data, val_fraction)
@@ -141,6 +152,21 @@ def _prefix_source(source: str, split: str) -> TokenSource:
     vocab = int(max(train.max(initial=0), val.max(initial=0))) + 1
     name = source[:-4] if source.endswith((".bin", ".idx")) else source
     return TokenSource(name, train, val, vocab, None, train_starts, val_starts)
+
+
+def _shard_source(source: str, split: str) -> TokenSource:
+    """A folder of shards read lazily (paratrain.data.shards), split as one Megatron prefix; its tokens.json names the
+    tokenizer when paratrain tokenized its text."""
+    import json
+
+    from paratrain.data.shards import shard_parts
+
+    parts = shard_parts(source, split)
+    train, val = parts["train"], parts["val"]
+    meta = Path(source, "tokens.json")
+    tokenizer = json.loads(meta.read_text()).get("tokenizer") if meta.is_file() else None
+    vocab = tokenizer["vocab_size"] if tokenizer else max(train.max_id(), val.max_id()) + 1
+    return TokenSource(source, train, val, vocab, tokenizer, train.documents, val.documents, order="keyed")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,11 @@ the tokenizer), and the run reads that folder:
     .txt / .md       one document; its token stream's tail (val_fraction of it) held out for validation, as
                      the byte-level reading holds out the tail of the bytes
 
+A folder of text shards (.jsonl / .parquet; paratrain.data.shards) is tokenized shard by shard (tokenized_shards):
+each shard on its own into PREFIX.bin / PREFIX.idx of the same name, by `workers` processes, so the tokens are the same
+for any number of them and a worker holds one chunk of one shard at a time; the run reads the folder of indexed
+shards lazily and splits it by --split.
+
 Documents go to the validation split as `paratrain tokenize` sends them (every 1/f-th, by index alone), so
 `--data corpus.jsonl` and `--data $(paratrain tokenize corpus.jsonl --tokenizer DIR --val-fraction f)` give
 the same tokens. The folder lives under the cache (data.cache, else $XDG_CACHE_HOME/paratrain or
@@ -115,4 +120,82 @@ def _split_tail(folder: Path, val_fraction: float) -> None:
         record[split] = {"documents": 1, "tokens": int(part.size)}
     record["val_fraction"], record["split"] = val_fraction, "the one document's tail"
     (folder / "tokens.json").write_text(json.dumps(record, indent=1))
+
+
+def tokenized_shards(folder: str, model_dir: str, *, workers: int = 1, cache: str = "") -> tuple[Path, bool]:
+    """(the folder of text shards `folder` tokenized by `model_dir`'s tokenizer, shard by shard, whether it was
+    already cached): NAME.jsonl becomes NAME.bin / NAME.idx, with tokens.json and the tokenizer beside them."""
+    import multiprocessing
+    import shutil
+
+    from paratrain.data.shards import file_digest, text_shards
+    from paratrain.data.tokenize import TOKENIZER_FILES, load_tokenizer, tokenizer_identity
+
+    files = text_shards(Path(folder))
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        raise ConfigError(f"--hf {model_dir} has no tokenizer.json, so the text shards in {folder!r} cannot be read as "
+                          f"the model's tokens: save the model's tokenizer into {model_dir} (tokenizer.save_pretrained)")
+    model, eos = load_tokenizer(model_dir)
+    stems = [f.stem for f in files]
+    if len(set(stems)) != len(stems):
+        raise ConfigError(f"the text shards in {folder!r} repeat a name across suffixes ({sorted(stems)[:6]}...): "
+                          "each shard becomes NAME.bin / NAME.idx, so give them distinct names")
+    digest = hashlib.sha256((Path(model_dir) / "tokenizer.json").read_bytes())
+    for file in files:
+        digest.update(file.name.encode() + b"\0" + file_digest(file))
+    out = cache_root(cache) / f"{Path(folder).resolve().name}-shards-{digest.hexdigest()[:16]}"
+    if (out / "tokens.json").is_file():
+        return out, True
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".shards-", dir=out.parent) as scratch:
+        staging = Path(scratch) / "out"
+        (staging / "tokenizer").mkdir(parents=True)
+        for name in TOKENIZER_FILES:
+            if (Path(model_dir) / name).is_file():
+                shutil.copyfile(Path(model_dir) / name, staging / "tokenizer" / name)
+        identity = tokenizer_identity(staging / "tokenizer", eos, model.get_vocab_size(with_added_tokens=True),
+                                      model.token_to_id(eos))
+        tasks = [(str(f), str(staging / f.stem), model_dir, identity["vocab_size"], identity["eos_id"]) for f in files]
+        if workers > 1:
+            with multiprocessing.get_context("spawn").Pool(min(workers, len(tasks))) as pool:
+                counts = pool.map(_tokenize_shard, tasks, chunksize=1)
+        else:
+            counts = [_tokenize_shard(task) for task in tasks]
+        record = {"format": "megatron-indexed-shards", "tokenizer": identity, "inputs": [f.name for f in files],
+                  "documents": sum(c[0] for c in counts), "tokens": sum(c[1] for c in counts)}
+        (staging / "tokens.json").write_text(json.dumps(record, indent=1))
+        try:
+            staging.rename(out)
+        except OSError:  # another process published the same folder first: the same bytes
+            if not (out / "tokens.json").is_file():
+                raise
+    return out, False
+
+
+def _tokenize_shard(task: tuple[str, str, str, int, int]) -> tuple[int, int]:
+    """One text shard to PREFIX.bin / .idx (each document's ids and the end-of-sequence id), a chunk of documents at
+    a time; (documents, tokens) written."""
+    from tokenizers import Tokenizer
+
+    from paratrain.data.indexed import IndexedWriter, token_dtype
+    from paratrain.data.tokenize import CHUNK, read_documents
+
+    source, prefix, model_dir, vocab, eos = task
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
+    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    writer = IndexedWriter(prefix, token_dtype(vocab))
+    chunk: list[str] = []
+
+    def flush() -> None:
+        for encoding in tokenizer.encode_batch(chunk, add_special_tokens=False):
+            writer.add(np.asarray([*encoding.ids, eos], dtype=np.int64))
+        chunk.clear()
+
+    for text in read_documents([source]):
+        chunk.append(text)
+        if len(chunk) == CHUNK:
+            flush()
+    flush()
+    writer.close()
+    return len(writer.lengths), int(sum(writer.lengths))
 

@@ -69,11 +69,12 @@ def read_documents(files: Sequence[str | Path], text_key: str = "text") -> Itera
                 import pyarrow.parquet as pq
             except ImportError as error:
                 raise ConfigError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from error
-            table = pq.read_table(path)
-            if text_key not in table.column_names:
-                raise ConfigError(f"{path} has no column {text_key!r} (its columns: {table.column_names}): "
+            table = pq.ParquetFile(path)
+            if text_key not in table.schema_arrow.names:
+                raise ConfigError(f"{path} has no column {text_key!r} (its columns: {table.schema_arrow.names}): "
                                   "name the text column with --text-key")
-            yield from (str(text) for text in table.column(text_key).to_pylist())
+            for batch in table.iter_batches(batch_size=1024, columns=[text_key]):  # a batch in memory at a time
+                yield from (str(text) for text in batch.column(0).to_pylist())
         else:
             raise ConfigError(f"input {str(path)!r}: paratrain tokenize reads .txt/.md (a document each), .jsonl "
                               "(a document per line) and .parquet files")

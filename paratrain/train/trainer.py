@@ -125,12 +125,12 @@ def loaders(data: RunData, documents: bool, *, seq_len: int, global_batch: int, 
     if data.weights is None:
         source = data.first
         return (GlobalBatchLoader(source.train, **args, document_starts=source.train_documents if documents else None,
-                                  rampup=rampup, loss_mask=source.train_mask, warmup=warmup),
+                                  rampup=rampup, loss_mask=source.train_mask, warmup=warmup, order=source.order),
                 GlobalBatchLoader(source.val, shuffle=False, **args,
                                   document_starts=source.val_documents if documents else None,
                                   loss_mask=source.val_mask))
-    parts = {split: [Source(s.name, getattr(s, split), getattr(s, f"{split}_documents") if documents else None)
-                     for s in data.sources] for split in ("train", "val")}
+    parts = {split: [Source(s.name, getattr(s, split), getattr(s, f"{split}_documents") if documents else None,
+                            order=s.order) for s in data.sources] for split in ("train", "val")}
     first = WeightSchedule.of([(0, data.weights.at(0))], len(data.sources))
     return (MixtureLoader(parts["train"], data.weights, **args),
             MixtureLoader(parts["val"], first, shuffle=False, **args))
