@@ -54,7 +54,17 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--vocab-size": ("model.overrides.vocab_size", int, "the model's vocabulary (e.g. the tokenizer's, for token "
                      "files `paratrain tokenize` wrote)"),
     "--experts": ("model.overrides.n_experts", int, "Mixture-of-Experts: experts per MoE layer (0: dense MLPs)"),
-    "--top-k": ("model.overrides.top_k", int, "experts each token is routed to: 1 or 2"),
+    "--top-k": ("model.overrides.top_k", int, "experts each token is routed to: 1 .. 8 (at most --experts)"),
+    "--router": ("model.overrides.router", str, "router scores: softmax (default) or sigmoid (DeepSeek-V3; the chosen "
+                 "weights renormalised)"),
+    "--expert-groups": ("model.overrides.expert_groups", int, "group-limited routing: experts in G groups, a token's "
+                        "chosen from its --topk-groups best (DeepSeek's n_group; default 1: none)"),
+    "--topk-groups": ("model.overrides.topk_groups", int, "groups a token's experts may come from (topk_group)"),
+    "--router-scale": ("model.overrides.router_scale", float, "the chosen experts' weights times this "
+                       "(routed_scaling_factor; default 1)"),
+    "--expert-bias": ("model.overrides.expert_bias_rate", float, "auxiliary-loss-free balancing: a per-expert bias "
+                      "for choosing, moved this much a step from the global batch's counts (DeepSeek-V3: 0.001; "
+                      "default 0: off)"),
     "--moe-every": ("model.overrides.moe_every", int, "a MoE layer in every N-th block (default 1: every block)"),
     "--capacity-factor": ("model.overrides.capacity_factor", float, "assignments an expert takes per sequence: "
                           "ceil(F x seq x top_k / experts); 0: dropless (default)"),

@@ -45,7 +45,20 @@ class ModelConfig:
     n_experts: int = 0
     """Mixture-of-Experts (paratrain.nn.moe): experts per MoE layer; 0: every MLP dense."""
     top_k: int = 1
-    """Experts each token is routed to (1: Switch, 2: GShard / Mixtral)."""
+    """Experts each token is routed to (1: Switch, 2: GShard / Mixtral, 8: DeepSeek-V3 / Qwen3-MoE; at most 8)."""
+    router: str = "softmax"
+    """Router scores: 'softmax' over the experts, or 'sigmoid' per expert (DeepSeek-V3; the chosen weights are
+    renormalised to sum to 1)."""
+    expert_groups: int = 1
+    """Groups of experts (DeepSeek's n_group): a token chooses among the experts of its topk_groups best groups only
+    (a group scored by its two best experts). 1: no group limit."""
+    topk_groups: int = 1
+    """Groups a token's experts may come from (DeepSeek's topk_group), with expert_groups > 1."""
+    router_scale: float = 1.0
+    """The chosen experts' weights times this (DeepSeek's routed_scaling_factor, 2.5 in V3)."""
+    expert_bias_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for choosing only, moved by
+    this much each step towards balance from the global batch's counts (0.001 in V3); 0: off."""
     moe_every: int = 1
     """Block i has a MoE layer instead of its MLP when (i + 1) % moe_every == 0 (2: every other block)."""
     d_expert: int = 0
@@ -109,8 +122,10 @@ class ModelConfig:
         if self.n_experts < 0 or self.n_experts == 1:
             raise ConfigError(f"model.n_experts must be 0 (dense) or >= 2, got {self.n_experts}")
         if self.n_experts:
-            if not 1 <= self.top_k <= min(2, self.n_experts):
-                raise ConfigError(f"model.top_k must be 1 or 2 (and at most n_experts = {self.n_experts}), got {self.top_k}")
+            if not 1 <= self.top_k <= min(8, self.n_experts):
+                raise ConfigError(f"model.top_k must be in 1 .. {min(8, self.n_experts)} (at most 8, and at most "
+                                  f"n_experts = {self.n_experts}), got {self.top_k}")
+            self._check_router()
             if self.moe_every < 1 or self.moe_every > self.n_layer:
                 raise ConfigError(f"model.moe_every must be in 1 .. n_layer ({self.n_layer}), got {self.moe_every}: "
                                   "block i has a MoE layer when (i + 1) % moe_every == 0")
@@ -129,6 +144,25 @@ class ModelConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"model.{name} must be a finite number > 0, got {value}")
+
+    def _check_router(self) -> None:
+        if self.router not in ("softmax", "sigmoid"):
+            raise ConfigError(f"model.router must be 'softmax' or 'sigmoid' (--router), got {self.router!r}")
+        groups, chosen = self.expert_groups, self.topk_groups
+        if groups < 1 or self.n_experts % groups:
+            raise ConfigError(f"model.expert_groups ({groups}) must divide n_experts ({self.n_experts}) "
+                              "(--expert-groups; 1: no group limit)")
+        if not 1 <= chosen <= groups:
+            raise ConfigError(f"model.topk_groups ({chosen}) must be in 1 .. expert_groups ({groups}) (--topk-groups)")
+        if groups > 1 and chosen * (self.n_experts // groups) < self.top_k:
+            raise ConfigError(f"top_k {self.top_k} experts from topk_groups {chosen} groups of "
+                              f"{self.n_experts // groups} experts: the groups kept hold {chosen * self.n_experts // groups}"
+                              " experts; raise --topk-groups or lower --top-k")
+        for name in ("router_scale", "expert_bias_rate"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= (0 if name == "expert_bias_rate" else 1e-12)):
+                raise ConfigError(f"model.{name} must be a finite number {'>= 0' if 'bias' in name else '> 0'}, "
+                                  f"got {value}")
 
     def num_params(self) -> int:
         """Parameter count (tied head counted once; every expert), from the shapes alone."""
@@ -178,13 +212,18 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt3-6.7b": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=2048, n_layer=32, n_head=32, d_model=4096),
     "gpt3-13b": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=2048, n_layer=40, n_head=40, d_model=5120),
     "gpt3-175b": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=2048, n_layer=96, n_head=96, d_model=12288),
-    # Mixture-of-Experts. tiny-moe: the tests' (4 experts, top-2, every other block, a shared expert).
+    # Mixture-of-Experts. tiny-moe: the tests' (4 experts, top-2, every other block, a shared expert). tiny-dsmoe:
+    # DeepSeek-V3's router in small (16 narrow experts, top-4, sigmoid scores, 4 groups of which 2 kept, the weights
+    # times 2.5, the balancing bias on, a small sequence-level auxiliary loss, a shared expert).
     # switch-base-8: Switch Transformer's base shape with 8 experts (Fedus et al. 2021, table 9: d_model 768,
     # d_ff 3072, 12 heads, experts every other layer, top-1, capacity 1.25), as a decoder on GPT-2's
     # vocabulary. mixtral-shape: Mixtral 8x7B's widths (Jiang et al. 2024: d_model 4096, 32 layers, 32 heads,
     # 8 experts of 14336, top-2, dropless) with this GPT's attention and vocabulary (no GQA): for the planner.
     "tiny-moe": ModelConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=64, n_experts=4, top_k=2,
                             moe_every=2, d_expert=128, shared_expert=True),
+    "tiny-dsmoe": ModelConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=64, n_experts=16, top_k=4,
+                              moe_every=2, d_expert=32, shared_expert=True, router="sigmoid", expert_groups=4,
+                              topk_groups=2, router_scale=2.5, expert_bias_rate=0.001, aux_loss_coef=0.0001),
     "switch-base-8": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=1024, n_layer=12, n_head=12, d_model=768,
                                  n_experts=8, top_k=1, moe_every=2, capacity_factor=1.25),
     "mixtral-shape": ModelConfig(vocab_size=32000, vocab_multiple=128, seq_len=4096, n_layer=32, n_head=32,

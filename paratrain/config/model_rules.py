@@ -104,6 +104,11 @@ def check_experts(model: ModelConfig, parallel: ParallelConfig) -> None:
     if model.n_experts % parallel.ep:
         choices = [e for e in range(1, model.n_experts + 1) if model.n_experts % e == 0]
         raise ConfigError(f"ep ({parallel.ep}) must divide the experts ({model.n_experts}): choose ep in {choices}")
+    if model.expert_bias_rate > 0 and parallel.ps_mode != "off":
+        raise ConfigError(f"the balancing bias (expert_bias_rate {model.expert_bias_rate:g}) moves from the global "
+                          f"batch's counts after each step, which the parameter server's update (ps_mode "
+                          f"{parallel.ps_mode!r}) does not see: use ps_mode 'off', or --expert-bias 0 with the "
+                          "auxiliary loss")
     if parallel.expert_tp and model.expert_dim % parallel.tp:
         raise ConfigError(f"expert_tp cuts each expert's width ({model.expert_dim}) over tp = {parallel.tp}: it must "
                           "divide; set d_expert to a multiple of tp or drop --expert-tp")

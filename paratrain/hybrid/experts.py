@@ -36,7 +36,7 @@ def attach_router_log(model: nn.Module, *, routed: bool = False) -> RouterLog | 
     layers = [(name, module) for name, module in model.named_modules() if isinstance(module, MoE)]
     if not layers:
         return RouterLog() if routed else None
-    log = RouterLog()
+    log = RouterLog(biased={name: module.router for name, module in layers if module.router.settings.bias_rate > 0})
     for name, module in layers:
         module.attach(log, name)
     return log
@@ -55,16 +55,18 @@ def add_step_aux(totals: torch.Tensor, log: RouterLog | None, split: AxisGroup |
 
 
 def routing_totals(log: RouterLog, device: torch.device, dp: AxisGroup | None, pp: AxisGroup | None,
-                   split: AxisGroup | None = None) -> torch.Tensor:
-    """[balance sum, z sum, dropped, assigned, count sum, count sum of squares, (layer, expert) slots,
-    max count, -min count] of the step, over the job (collective over dp and pp, and over `split`: the tp
-    ranks under sequence parallelism)."""
+                   split: AxisGroup | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """([balance sum, z sum, dropped, assigned, count sum, count sum of squares, (layer, expert) slots, max count,
+    -min count] of the step, over the job; this stage's layers' assignments per expert over the global batch, by
+    name) (collective over dp and pp, and over `split`: the tp ranks under sequence parallelism). The counts are
+    integers in float64, so their sums are exact in any order: what the balancing bias moves by."""
     zero = torch.zeros((), dtype=torch.float64, device=device)
     sums = torch.stack([log.balance_sum if log.balance_sum is not None else zero,
                         log.z_sum if log.z_sum is not None else zero,
                         log.dropped if log.dropped is not None else zero,
                         zero + float(log.assigned or 0)])
-    counts = (torch.stack([log.expert_tokens[name] for name in sorted(log.expert_tokens)])
+    names = sorted(log.expert_tokens)
+    counts = (torch.stack([log.expert_tokens[name] for name in names])
               if log.expert_tokens else torch.zeros(0, 1, dtype=torch.float64, device=device))
     for group in (split, dp):  # one all-reduce per axis: the sums, then the counts
         if group is not None:
@@ -79,7 +81,7 @@ def routing_totals(log: RouterLog, device: torch.device, dp: AxisGroup | None, p
         all_reduce(added, pp)
         sums, spread = added[:4], added[4:]
         all_reduce(extremes, pp, op=dist.ReduceOp.MAX)
-    return torch.cat([sums, spread, extremes])
+    return torch.cat([sums, spread, extremes]), dict(zip(names, counts))
 
 
 def routing_stats(values: list[float], tokens: float) -> dict[str, float]:

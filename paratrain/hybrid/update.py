@@ -47,9 +47,10 @@ class LocalUpdate:
         if engine.buffers is not None:
             engine.buffers.end_step()
         pending = PendingStep(engine.watch, engine.dropout.advance(), micro_batches, totals, local_loss)
+        counts: dict[str, torch.Tensor] = {}
         if engine.router_log is not None:
-            pending.routing = routing_totals(engine.router_log, engine.ctx.device, engine.dp_group, engine.pp_group,
-                                             engine.routed_apart)
+            pending.routing, counts = routing_totals(engine.router_log, engine.ctx.device, engine.dp_group,
+                                                     engine.pp_group, engine.routed_apart)
         grads = engine.grads.owned_grads()
         scaler = engine.scaler
         scale = scaler.scale if scaler and scaler.scale else 1.0
@@ -77,6 +78,8 @@ class LocalUpdate:
             cast(MatrixOptimizer, engine.optimizer).step_with(self.matrices)
         else:
             engine.optimizer.step()
+        if engine.router_log is not None:  # the balancing biases move with the step taken (not a skipped one)
+            engine.router_log.update_biases(counts)
         engine.grads.after_step()
         if scaler is not None:
             scaler.update(overflow=False)

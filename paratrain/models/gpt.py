@@ -43,7 +43,7 @@ from paratrain.models.norms import RMSNorm, apply_rope, rope_tables, upcast
 from paratrain.nn.documents import Documents, refuse_documents
 from paratrain.nn.dropout import KeyedDropout
 from paratrain.nn.loss import VocabOutput
-from paratrain.nn.moe import MoE, RouterLog
+from paratrain.nn.moe import MoE, RouterLog, RouterSettings
 from paratrain.nn.recipe import Recipe
 from paratrain.nn.sequence import SequenceSplit
 
@@ -140,9 +140,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.has_moe = moe
         if moe:
-            self.moe = MoE(config.d_model, n_experts=config.n_experts, top_k=config.top_k, d_ff=config.expert_dim,
-                           capacity_factor=config.capacity_factor, aux_coef=config.aux_loss_coef,
-                           z_coef=config.z_loss_coef, shared=MLP(config) if config.shared_expert else None)
+            self.moe = MoE(config.d_model, n_experts=config.n_experts, d_ff=config.expert_dim,
+                           router=router_settings(config), shared=MLP(config) if config.shared_expert else None)
         else:
             self.mlp = MLP(config)
 
@@ -217,6 +216,9 @@ class GPT(nn.Module):
                 inits[name] = KeyedNormal(seed, name, residual_std)
             else:
                 inits[name] = KeyedNormal(seed, name, 0.02)
+        for name, _ in self.named_buffers():
+            if name.endswith("router.expert_bias"):  # the balancing bias starts at 0
+                inits[name] = Constant(0.0)
         cos, sin = rope_tables(self.config.seq_len, self.config.head_dim, self.config.rope_theta)
         inits["rope_cos"], inits["rope_sin"] = Given(cos), Given(sin)
         return inits
@@ -281,3 +283,11 @@ def build_gpt(config: ModelConfig, *, seed: int, device: torch.device | str = "c
     model = GPT(config, init_seed=seed)
     model.init_weights(seed)
     return model.to(device=device, dtype=dtype)
+
+
+def router_settings(config: ModelConfig) -> RouterSettings:
+    """The MoE layers' routing, from the model's config."""
+    return RouterSettings(top_k=config.top_k, scores=config.router, groups=config.expert_groups,
+                          topk_groups=config.topk_groups, scale=config.router_scale, bias_rate=config.expert_bias_rate,
+                          capacity_factor=config.capacity_factor, aux_coef=config.aux_loss_coef,
+                          z_coef=config.z_loss_coef)

@@ -1,5 +1,6 @@
-"""Mixture-of-Experts MLP for the reference GPT: a softmax top-k router, E expert MLPs, the Switch
-load-balancing loss and the router z-loss, a per-sequence capacity or none (dropless).
+"""Mixture-of-Experts MLP for the reference GPT: a top-k router (softmax or sigmoid scores, group-limited choice, an
+auxiliary-loss-free balancing bias), E expert MLPs, the Switch load-balancing loss and the router z-loss, a
+per-sequence capacity or none (dropless).
 
 Names (the contract strategies read, as in gpt.py):
 
@@ -8,9 +9,14 @@ Names (the contract strategies read, as in gpt.py):
     blocks.{i}.moe.experts.down  Parameter[E, D, F]
     blocks.{i}.moe.shared        MLP (up, down), on every token, when the model has a shared expert
 
-Routing. probs = softmax(x Wr^T) over the E experts; each token goes to its top_k experts, weighted
-by their probabilities (renormalised over the k when k > 1, as Mixtral does). The k outputs of a
-token are summed in the order of its choices, so the sum is the same wherever the experts ran.
+Routing (RouterSettings). scores = softmax(x Wr^T) over the E experts, or sigmoid(x Wr^T) per expert (DeepSeek-V3);
+each token goes to the top_k experts of scores + bias (the balancing bias, DeepSeek-V3's auxiliary-loss-free
+balancing: it moves the choice and never the weights), among the experts of its topk_groups best groups when the
+experts are grouped (a group scored by its two best experts), weighted by their scores, renormalised over the k
+(when k > 1, as Mixtral does, and always for sigmoid scores), times `scale`. The k outputs of a token are summed in
+the order of its choices, so the sum is the same wherever the experts ran. The bias moves after each step by
+bias_rate towards balance from the global batch's assignments per expert (Router.update_bias; the engine sums the
+counts over every rank that routed tokens, paratrain.hybrid.experts), so it is the same in every layout.
 
 Capacity, per sequence. With capacity_factor c > 0, expert e takes at most C = ceil(c * S * k / E)
 of the S * k assignments of one sequence: first choices before second ones, each in sequence order
@@ -78,11 +84,19 @@ class RouterLog:
     """Assignments dropped by capacity."""
     assigned: torch.Tensor | None = None
     """Assignments made (tokens x top_k)."""
+    biased: dict[str, Router] = field(default_factory=dict)
+    """Layer name -> its router, for the layers that balance with a bias (update_biases moves them)."""
 
     def scale_gradients(self, scale: float) -> None:
         """The coming backward starts from the loss sum times `scale` (fp16's loss scale, else 1): the
         auxiliary terms receive the same."""
         self.grad_scale = scale
+
+    def update_biases(self, counts: dict[str, torch.Tensor]) -> None:
+        """After a step: each biased layer's bias moved from the global batch's assignments per expert (`counts`,
+        by layer name, summed over every rank that routed tokens: paratrain.hybrid.experts.routing_totals)."""
+        for name, router in self.biased.items():
+            router.update_bias(counts[name])
 
     def reset(self) -> None:
         self.aux_sum = self.balance_sum = self.z_sum = self.dropped = self.assigned = None
@@ -147,27 +161,75 @@ class Routing:
     """z_coef * sum_t z_t (scalar)."""
 
 
+ROUTERS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """How a MoE layer routes (paratrain.config.model.ModelConfig's router fields)."""
+
+    top_k: int = 1
+    """Experts each token goes to (any k <= experts)."""
+    scores: str = "softmax"
+    """'softmax' over the experts (Switch, Mixtral, Qwen-MoE) or an independent 'sigmoid' per expert (DeepSeek-V3)."""
+    groups: int = 1
+    """Expert groups (DeepSeek's n_group): a token chooses among the experts of its topk_groups best groups only,
+    a group scored by the sum of its two best experts' choice scores. 1: no group limit."""
+    topk_groups: int = 1
+    scale: float = 1.0
+    """The chosen experts' weights are multiplied by this (DeepSeek's routed_scaling_factor)."""
+    bias_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): a bias per expert added to the scores for choosing only, moved
+    by this much a step towards balance from the global batch's counts (update_bias); 0: no bias."""
+    capacity_factor: float = 0.0
+    aux_coef: float = 0.01
+    z_coef: float = 0.001
+
+
 class Router(nn.Module):
-    def __init__(self, d_model: int, n_experts: int, top_k: int, *, capacity_factor: float, aux_coef: float,
-                 z_coef: float) -> None:
+    def __init__(self, d_model: int, n_experts: int, settings: RouterSettings) -> None:
         super().__init__()
+        if settings.scores not in ROUTERS:
+            raise ValueError(f"router scores must be one of {ROUTERS}, got {settings.scores!r}")
         self.weight = nn.Parameter(torch.empty(n_experts, d_model))
-        self.n_experts, self.top_k, self.capacity_factor = n_experts, top_k, capacity_factor
-        self.aux_coef, self.z_coef = aux_coef, z_coef
+        self.n_experts, self.settings = n_experts, settings
+        self.top_k, self.capacity_factor = settings.top_k, settings.capacity_factor
+        self.aux_coef, self.z_coef = settings.aux_coef, settings.z_coef
+        if settings.bias_rate > 0:  # state, not a parameter: in checkpoints, moved by update_bias
+            self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, sequence: SequenceSplit | None = None) -> Routing:
         """x [B, S, D]: S tokens of each sequence, all of it, or this rank's part under `sequence`."""
         with _no_autocast(x.device):  # routing in float32 at least, also under mixed precision
             return self._route(x, sequence)
 
+    def _choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """[B, S, k] expert ids: the top k of the scores plus the balancing bias, within the best groups."""
+        settings = self.settings
+        choice = scores + self.expert_bias.to(scores.dtype) if settings.bias_rate > 0 else scores
+        if settings.groups > 1:
+            grouped = choice.unflatten(-1, (settings.groups, self.n_experts // settings.groups))
+            best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # [B, S, groups]
+            kept = torch.zeros_like(best, dtype=torch.bool).scatter_(
+                -1, best.topk(settings.topk_groups, dim=-1).indices, True)
+            choice = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).flatten(-2)
+        return torch.topk(choice, self.top_k, dim=-1).indices
+
     def _route(self, x: torch.Tensor, sequence: SequenceSplit | None) -> Routing:
         batch, local, _ = x.shape
         seq = local * (sequence.parts if sequence is not None else 1)  # tokens of a whole sequence
         logits = F.linear(x.to(compute_dtype(x.dtype)), self.weight.to(compute_dtype(x.dtype)))  # [B, S, E]
-        probs = torch.softmax(logits, dim=-1)
-        gate, expert = torch.topk(probs, self.top_k, dim=-1)
-        if self.top_k > 1:
+        if self.settings.scores == "sigmoid":
+            scores = torch.sigmoid(logits)
+            probs = scores / scores.sum(dim=-1, keepdim=True)  # what the balancing loss weighs (DeepSeek's)
+        else:
+            scores = probs = torch.softmax(logits, dim=-1)
+        expert = self._choose(scores.detach())
+        gate = scores.gather(-1, expert)
+        if self.top_k > 1 or self.settings.scores == "sigmoid":  # the chosen weights sum to 1 (Mixtral, DeepSeek)
             gate = gate / gate.sum(dim=-1, keepdim=True)
+        if self.settings.scale != 1.0:
+            gate = gate * self.settings.scale
         keep = self._keep(expert, seq, sequence)
         routed = F.one_hot(expert, self.n_experts).sum(dim=2).to(probs.dtype)  # [B, S, E] assignments per token
         counts = routed.sum(dim=1)  # [B, E], this rank's tokens
@@ -178,6 +240,14 @@ class Router(nn.Module):
         balance = self.aux_coef * self.n_experts * (fraction * probs.sum(dim=1)).sum()
         z = self.z_coef * torch.logsumexp(logits, dim=-1).pow(2).sum()
         return Routing(gate, expert, keep, balance, z)
+
+    @torch.no_grad()
+    def update_bias(self, counts: torch.Tensor) -> None:
+        """Move the balancing bias one step from the global batch's assignments per expert `counts` [E]: up by
+        bias_rate where an expert got fewer than the mean, down where more (DeepSeek-V3's rule). The counts are
+        integers summed over every rank that routed tokens, so every layout moves it alike."""
+        counts = counts.to(self.expert_bias.device, torch.float64)
+        self.expert_bias += self.settings.bias_rate * torch.sign(counts.mean() - counts).to(self.expert_bias.dtype)
 
     def _keep(self, expert: torch.Tensor, seq: int, sequence: SequenceSplit | None) -> torch.Tensor:
         """keep [B, S, k] of this rank's assignments, counted over the whole sequence of S tokens."""
@@ -233,11 +303,10 @@ def run_here(rows: torch.Tensor, expert_ids: torch.Tensor, experts: Experts) -> 
 
 
 class MoE(nn.Module):
-    def __init__(self, d_model: int, *, n_experts: int, top_k: int, d_ff: int, capacity_factor: float,
-                 aux_coef: float, z_coef: float, shared: nn.Module | None = None) -> None:
+    def __init__(self, d_model: int, *, n_experts: int, d_ff: int, router: RouterSettings,
+                 shared: nn.Module | None = None) -> None:
         super().__init__()
-        self.router = Router(d_model, n_experts, top_k, capacity_factor=capacity_factor, aux_coef=aux_coef,
-                             z_coef=z_coef)
+        self.router = Router(d_model, n_experts, router)
         self.experts = Experts(n_experts, d_model, d_ff)
         self.shared = shared
         self.log = RouterLog()

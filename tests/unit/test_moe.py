@@ -15,13 +15,14 @@ from paratrain.config.model import ModelConfig, preset
 from paratrain.memory import apply_recompute
 from paratrain.models import build_gpt, lm_loss
 from paratrain.models.gpt import MLP
-from paratrain.nn.moe import MoE, within_capacity
+from paratrain.nn.moe import MoE, RouterSettings, within_capacity
 
 
 def layer(*, top_k: int = 2, capacity_factor: float = 0.0, shared: bool = False, seed: int = 0) -> MoE:
     torch.manual_seed(seed)
     config = ModelConfig(d_model=8, d_ff=12)
-    moe = MoE(8, n_experts=4, top_k=top_k, d_ff=12, capacity_factor=capacity_factor, aux_coef=0.01, z_coef=0.001,
+    moe = MoE(8, n_experts=4, d_ff=12, router=RouterSettings(top_k=top_k, capacity_factor=capacity_factor,
+                                                             aux_coef=0.01, z_coef=0.001),
               shared=MLP(config) if shared else None)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.5)
@@ -156,8 +157,20 @@ def test_recomputation_and_evaluation_log_nothing_more():
 
 
 def test_moe_settings_are_checked():
-    with pytest.raises(ConfigError, match="top_k must be 1 or 2"):
-        preset("tiny-moe", top_k=3)
+    with pytest.raises(ConfigError, match="top_k must be in 1 .. 4"):
+        preset("tiny-moe", top_k=5)
+    with pytest.raises(ConfigError, match="top_k must be in 1 .. 8"):
+        preset("tiny-dsmoe", top_k=9)
+    with pytest.raises(ConfigError, match="router must be 'softmax' or 'sigmoid'"):
+        preset("tiny-moe", router="relu")
+    with pytest.raises(ConfigError, match="expert_groups .3. must divide n_experts .16."):
+        preset("tiny-dsmoe", expert_groups=3)
+    with pytest.raises(ConfigError, match="topk_groups .5. must be in 1 .. expert_groups .4."):
+        preset("tiny-dsmoe", topk_groups=5)
+    with pytest.raises(ConfigError, match="the groups kept hold 4 experts"):
+        preset("tiny-dsmoe", topk_groups=1, top_k=6)
+    with pytest.raises(ConfigError, match="expert_bias_rate must be a finite number >= 0"):
+        preset("tiny-dsmoe", expert_bias_rate=-1.0)
     with pytest.raises(ConfigError, match="n_experts must be 0"):
         preset("tiny", n_experts=1)
     with pytest.raises(ConfigError, match="moe_every must be in"):
@@ -171,3 +184,56 @@ def test_moe_settings_are_checked():
     # a token runs through 2 of 4 experts: half the expert parameters are active
     experts = 2 * (4 * 2 * 64 * 128)
     assert config.num_params() - config.active_params() == experts // 2
+
+
+def test_the_sigmoid_group_limited_router_is_deepseek_v3s():
+    """RouterSettings(sigmoid, 16 experts in 4 groups of which 2 kept, top-4, x 2.5, a bias) chooses the experts and
+    weights transformers' DeepseekV3TopkRouter does with the same weight and e_score_correction_bias (float64 in,
+    float32 routing as both do): 4,096 tokens, ids equal as sets, weights within 1e-6."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from paratrain.nn.moe import Router
+
+    config = DeepseekV3Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                              routed_scaling_factor=2.5, norm_topk_prob=True)
+    theirs = DeepseekV3TopkRouter(config)
+    mine = Router(32, 16, RouterSettings(top_k=4, scores="sigmoid", groups=4, topk_groups=2, scale=2.5,
+                                         bias_rate=0.001))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        theirs.weight.normal_(std=0.3)
+        theirs.e_score_correction_bias.normal_(std=0.05)
+        mine.weight.copy_(theirs.weight)
+        mine.expert_bias.copy_(theirs.e_score_correction_bias)
+    x = torch.randn(8, 512, 32)
+    _, weights, ids = theirs(x)
+    routing = mine(x)
+    ours = routing.expert.reshape(-1, 4)
+    order, their_order = ours.sort(dim=-1), ids.sort(dim=-1)
+    assert torch.equal(order.values, their_order.values)
+    gate = routing.gate.reshape(-1, 4).gather(-1, order.indices)
+    assert torch.allclose(gate, weights.gather(-1, their_order.indices), atol=1e-6, rtol=0)
+    groups = ours // 4  # the chosen experts come from at most 2 groups
+    assert max(len(set(row)) for row in groups.tolist()) <= 2
+
+
+def test_top_8_softmax_and_the_bias_rule():
+    """Softmax top-8 of 32 experts: the 8 largest probabilities, renormalised; the balancing bias moves by the rate
+    towards the mean count (up under it, down over it, still at it) and moves the choice, never the weights."""
+    from paratrain.nn.moe import Router
+
+    router = Router(16, 32, RouterSettings(top_k=8))
+    torch.nn.init.normal_(router.weight, std=0.5)
+    x = torch.randn(2, 64, 16)
+    routing = router(x)
+    probs = torch.softmax(torch.nn.functional.linear(x, router.weight), dim=-1)
+    top = probs.topk(8, dim=-1)
+    assert torch.equal(routing.expert, top.indices)
+    assert torch.allclose(routing.gate, top.values / top.values.sum(-1, keepdim=True))
+    biased = Router(16, 4, RouterSettings(top_k=1, scores="sigmoid", bias_rate=0.25))
+    biased.update_bias(torch.tensor([10.0, 2.0, 4.0, 0.0]))  # mean 4
+    assert biased.expert_bias.tolist() == [-0.25, 0.25, 0.0, 0.25]
+    torch.nn.init.zeros_(biased.weight)  # every score 0.5: the bias alone decides, the weight stays 1
+    routing = biased(torch.randn(1, 3, 16))
+    assert set(routing.expert.reshape(-1).tolist()) <= {1, 3} and torch.allclose(routing.gate, torch.ones(1, 3, 1))
