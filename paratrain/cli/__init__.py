@@ -114,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
             return _checkpoint_tool(args)
         if args.command == "tokenize":
             return _tokenize(args)
+        if args.command == "replay":
+            from paratrain.train.replay import replay
+
+            return replay(args)
         return _presets()
     except ConfigError as error:
         print(f"paratrain: invalid configuration: {error}", file=sys.stderr)

@@ -213,6 +213,17 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--hf", metavar="SOURCE", help="write OUT as a Hugging Face folder (sharded safetensors, "
                         "config.json, tokenizer files) for the model SOURCE (the folder it was loaded from)")
     export.add_argument("--max-shard-size", default="5GB", help="with --hf: the largest shard (default 5GB)")
+    replay = commands.add_parser("replay", help="recompute one step of a run on one process from its checkpoint: "
+                                                "loss, gradient norm, per-tensor norms, the worst samples")
+    replay.add_argument("checkpoint", help="the run's --save folder (its newest checkpoint before the step is used), "
+                        "or one step_* folder")
+    replay.add_argument("--step", type=int, required=True, help="the step to recompute (as logged: 1 is the first)")
+    replay.add_argument("--log", default="", help="the run's --log-json file, for the logged loss and gradient norm "
+                        "(default: the path the checkpoint's config names)")
+    replay.add_argument("--top", type=int, default=5, help="samples with the largest losses to show (default 5)")
+    replay.add_argument("--device", default="cpu", help="where to recompute: cpu (default), cuda or auto")
+    replay.add_argument("--json", action="store_true", help="print one JSON object (loss, grad_norm, logged_loss, "
+                        "logged_grad_norm, tensors, samples)")
     tokenize = commands.add_parser("tokenize", help="tokenize text, jsonl or parquet files into Megatron-layout "
                                                     "token files (train / val .bin + .idx) with a local tokenizer")
     tokenize.add_argument("files", nargs="+", metavar="FILE", help=".txt / .md (a document each), .jsonl (a "

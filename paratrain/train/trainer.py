@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ from paratrain.models import build_gpt, lm_loss
 from paratrain.topology import Context
 from paratrain.train.faults import FaultInjection
 from paratrain.train.log import get_logger
-from paratrain.train.loop import TrainLoop, start_loop
+from paratrain.train.loop import Hook, TrainLoop, start_loop
 from paratrain.train.loop_settings import LoopSettings
 from paratrain.train.optim import optimizer_factory
 
@@ -140,7 +141,8 @@ class Trainer:
     """The CLI's run on one rank: the GPT and its byte- or token-level data set up from the run plan,
     then the shared TrainLoop (paratrain.train.loop), then a text sample."""
 
-    def __init__(self, plan: RunPlan, ctx: Context) -> None:
+    def __init__(self, plan: RunPlan, ctx: Context, *, hooks: Sequence[Hook] = ()) -> None:
+        """hooks: run by the loop beside the run's own (fault injection), e.g. paratrain.train.replay's probe."""
         self.plan, self.ctx = plan, ctx
         self.attempt = plan.config.launch.attempt
         """0, or how many times the launcher relaunched the job (it resumes from the newest checkpoint
@@ -184,9 +186,9 @@ class Trainer:
             log_json=train.log_json, tensorboard=train.tensorboard, progress=train.progress,
             flops_per_token=plan.model.flops_per_token(plan.seq_len), checkpoint_meta={"config": to_dict(config)},
             attempt=self.attempt)
-        hooks = [FaultInjection(train.fail_at, rank=ctx.rank, attempt=self.attempt)] if train.fail_at else []
+        faults = [FaultInjection(train.fail_at, rank=ctx.rank, attempt=self.attempt)] if train.fail_at else []
         self.loop = start_loop(TrainLoop(self.engine, ctx, loss_fn, self.train_loader, self.val_loader, settings,
-                                         hooks=hooks), resume=train.resume)
+                                         hooks=[*faults, *hooks]), resume=train.resume)
 
     @property
     def step(self) -> int:
