@@ -149,6 +149,22 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--nan-policy": ("train.nan_policy", str, "a nan or inf loss or gradient norm: stop (default: name the step, "
                      "ranks and newest checkpoint) or skip the update"),
     "--nan-skips": ("train.nan_skips", int, "with --nan-policy skip: the most steps to skip before stopping (default 10)"),
+    "--inject": ("train.inject", str, "faults a run survives, for testing: bitflip:RANK:STEP (a bit of a reduced "
+                 "gradient), slow:RANK:MS (a rank slowed each step), spike:STEP (a corrupted batch); comma-separated"),
+    "--check-replicas": ("train.check_replicas", int, "every N steps compare the replicas' parameter fingerprints; a "
+                         "mismatch stops the run naming the rank and tensor (0: off)"),
+    "--straggler-factor": ("train.straggler_factor", float, "name a rank whose median busy time over "
+                           "--straggler-steps steps is more than F x the others' (0: off)"),
+    "--straggler-steps": ("train.straggler_steps", int, "the window of steps a straggler is judged over (default 5)"),
+    "--profile": ("train.profile", int, "torch.profiler traces of N steps (after 2), one per rank (0: off)"),
+    "--profile-dir": ("train.profile_dir", str, "where --profile writes (default paratrain-profile)"),
+    "--spike-policy": ("train.spike_policy", str, "a step whose loss exceeds the recent median by --spike-sigma x the "
+                       "loss's step-to-step noise: skip its update, or rollback (take it again on the next batch); "
+                       "off (default)"),
+    "--spike-sigma": ("train.spike_sigma", float, "how many times the noise over the median makes a spike (default 6)"),
+    "--spike-window": ("train.spike_window", int, "recent losses the spike test reads (default 50)"),
+    "--skip-batches": ("train.skip_batches", str, "global batches to skip, e.g. 3,10-12: their step trains on the "
+                       "next one (after a loss spike)"),
     "--fail-at": ("train.fail_at", str, "fault injection for tests: RANK:STEP raises on that rank at that step, "
                   "RANK:STEP:kill SIGKILLs it, RANK:STEP:hang hangs it, RANK:STEP:kill-saving SIGKILLs it while "
                   "saving step STEP, RANK:STEP:kill-node SIGKILLs its node (launcher and workers)"),

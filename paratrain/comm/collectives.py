@@ -6,6 +6,7 @@ axis the first question is which group and which collective, so every call here 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,9 +30,13 @@ def _enter(op: str, group: AxisGroup, tensor: torch.Tensor) -> Entry | None:
     return group.recorder.enter(op, group.axis, group.ranks, tensor) if group.recorder is not None else None
 
 
-def _close(entry: Entry | None, state: str) -> None:
+def _close(entry: Entry | None, state: str, group: AxisGroup | None = None, waited: float | None = None) -> None:
+    """Mark the entry; with `group`, count the time this rank was blocked in it (`waited`, else since it entered)
+    into its recorder's waited_s."""
     if entry is not None:
         entry.state = state
+        if group is not None and group.recorder is not None:
+            group.recorder.waited_s += waited if waited is not None else time.perf_counter() - entry.started
 
 
 def _fail(op: str, group: AxisGroup, tensor: torch.Tensor, error: Exception,
@@ -56,11 +61,12 @@ class Pending:
     entry: Entry | None = None
 
     def wait(self) -> None:
+        started = time.perf_counter()
         try:
             self.work.wait()
         except RuntimeError as error:
             raise _fail(self.op, self.group, self.tensor, error, self.entry) from error
-        _close(self.entry, "done")
+        _close(self.entry, "done", self.group, time.perf_counter() - started)
 
 
 def all_reduce(tensor: torch.Tensor, group: AxisGroup, *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
@@ -70,7 +76,7 @@ def all_reduce(tensor: torch.Tensor, group: AxisGroup, *, op: dist.ReduceOp.RedO
         dist.all_reduce(tensor, op=op, group=group.pg)
     except RuntimeError as error:
         raise _fail("all_reduce", group, tensor, error, entry) from error
-    _close(entry, "done")
+    _close(entry, "done", group)
 
 
 def all_reduce_async(tensor: torch.Tensor, group: AxisGroup,
@@ -92,7 +98,7 @@ def broadcast(tensor: torch.Tensor, group: AxisGroup, *, src_index: int = 0) -> 
         dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg)
     except RuntimeError as error:
         raise _fail("broadcast", group, tensor, error, entry) from error
-    _close(entry, "done")
+    _close(entry, "done", group)
 
 
 def reduce(tensor: torch.Tensor, group: AxisGroup, *, dst_index: int,
@@ -104,7 +110,7 @@ def reduce(tensor: torch.Tensor, group: AxisGroup, *, dst_index: int,
         dist.reduce(tensor, dst=group.ranks[dst_index], op=op, group=group.pg)
     except RuntimeError as error:
         raise _fail("reduce", group, tensor, error, entry) from error
-    _close(entry, "done")
+    _close(entry, "done", group)
 
 
 def reduce_scatter_async(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup,
@@ -140,4 +146,4 @@ def all_to_all(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup, *, 
                                group=group.pg)
     except RuntimeError as error:
         raise _fail("all_to_all", group, tensor, error, entry) from error
-    _close(entry, "done")
+    _close(entry, "done", group)

@@ -152,6 +152,30 @@ class TrainSection:
     run, naming the step, the ranks and the newest checkpoint; or 'skip' its update (every rank)."""
     nan_skips: int = 10
     """With nan_policy 'skip': the most non-finite steps a run may skip before it stops."""
+    inject: str = ""
+    """Faults a run survives, for testing the tools that find them (paratrain.train.faults.Injection), comma-separated:
+    'bitflip:RANK:STEP' (one bit of RANK's reduced gradient), 'slow:RANK:MS' (RANK sleeps MS ms a step),
+    'spike:STEP' (a corrupted global batch)."""
+    check_replicas: int = 0
+    """Every N steps compare the parameters' fingerprints over the replicas that must agree and stop, naming the
+    rank and tensor, on a mismatch (paratrain.train.replicas); 0: off."""
+    straggler_factor: float = 0.0
+    """Name a rank whose median busy time over straggler_steps steps is more than this many times the others'
+    (paratrain.train.stragglers); 0: off."""
+    straggler_steps: int = 5
+    profile: int = 0
+    """torch.profiler traces of this many steps, after a step of wait and one of warm-up, one file per rank under
+    profile_dir (paratrain.train.profile); 0: off."""
+    profile_dir: str = "paratrain-profile"
+    spike_policy: str = "off"
+    """A step whose loss exceeds the median of the last 5 by spike_sigma times the standard deviation of the
+    step-to-step changes over the last spike_window losses: 'skip' its update, or 'rollback' (the state before it restored, the step taken again on the next batch); 'off'
+    (paratrain.train.spikes)."""
+    spike_sigma: float = 6.0
+    spike_window: int = 50
+    skip_batches: str = ""
+    """Global batches to skip, '3,10-12': their step trains on the next batch instead (Megatron's
+    --skip-train-iteration-range; after a spike, the data that caused it)."""
     fail_at: str = ""
     """Fault injection for testing crash handling: 'RANK:STEP' makes that rank raise at that step,
     'RANK:STEP:kill' kill itself with SIGKILL, 'RANK:STEP:hang' stop answering, 'RANK:STEP:kill-saving'

@@ -13,7 +13,7 @@ from paratrain.config.parallel import PS_ON_CPU, ParallelConfig
 from paratrain.config.model_rules import (check_context_parallel, check_experts, check_grid_rows, check_pipeline,
                                           check_tensor_parallel)
 from paratrain.config.plan import RunPlan, batch_layout
-from paratrain.config.run import RunConfig
+from paratrain.config.run import RunConfig, TrainSection
 from paratrain.config.schedules import check_optimizer, check_rampup, check_seq_warmup
 from paratrain.config.world import DEVICES, check_min_nodes
 
@@ -146,6 +146,7 @@ def check_run(config: RunConfig, world_size: int, *, model_shape: ModelShape = p
         raise ConfigError(f"train.nan_skips must be >= 0, got {train.nan_skips}")
     if train.log_every < 1:
         raise ConfigError(f"train.log_every must be >= 1, got {train.log_every}")
+    check_forensics(train, config.parallel)
     if train.fail_at:
         parts = train.fail_at.split(":")
         if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[:2]) or parts[2:] not in (
@@ -159,3 +160,51 @@ def check_run(config: RunConfig, world_size: int, *, model_shape: ModelShape = p
                               "workers: one process runs without a launcher (it would kill what started it); use "
                               "--nproc 2 or more")
     return RunPlan(config=config, model=model, parallel=parallel, batch=batch, seq_len=seq_len)
+
+
+def check_forensics(train: TrainSection, parallel: ParallelConfig) -> None:
+    """The forensics flags (docs/forensics.md): well-formed, and with a layout they can watch."""
+    for spec in filter(None, (part.strip() for part in train.inject.split(","))):
+        kind, *numbers = spec.split(":")
+        counts = {"bitflip": 2, "slow": 2, "spike": 1}
+        if kind not in counts or len(numbers) != counts[kind] or not all(n.isdigit() for n in numbers):
+            raise ConfigError(f"train.inject {spec!r}: write bitflip:RANK:STEP, slow:RANK:MS or spike:STEP "
+                              "(comma-separated), e.g. --inject bitflip:1:5")
+    for name in ("check_replicas", "profile"):
+        if getattr(train, name) < 0:
+            raise ConfigError(f"train.{name} must be >= 0, got {getattr(train, name)}")
+    if train.check_replicas and parallel.zero == 3:
+        raise ConfigError("--check-replicas compares the parameters data-parallel replicas hold, and ZeRO-3 keeps "
+                          "none (each rank its own shard): use --zero 1 or 2 for the check")
+    if (train.check_replicas or train.straggler_factor) and parallel.ps_mode != "off":
+        raise ConfigError("--check-replicas and --straggler-factor watch collective data parallelism; the parameter "
+                          "server's trainers hold no replicas to compare: use ps_mode 'off'")
+    if train.straggler_factor and not (math.isfinite(train.straggler_factor) and train.straggler_factor > 1):
+        raise ConfigError(f"train.straggler_factor must be a number > 1 (e.g. 1.5), or 0 to switch it off, got "
+                          f"{train.straggler_factor}")
+    if train.straggler_steps < 1:
+        raise ConfigError(f"train.straggler_steps must be >= 1, got {train.straggler_steps}")
+    skipped_batches(train.skip_batches)
+    if train.spike_policy not in ("off", "skip", "rollback"):
+        raise ConfigError(f"train.spike_policy must be 'off', 'skip' or 'rollback', got {train.spike_policy!r}")
+    if train.spike_policy != "off":
+        if not (math.isfinite(train.spike_sigma) and train.spike_sigma > 0) or train.spike_window < 5:
+            raise ConfigError(f"train.spike_sigma must be > 0 and spike_window >= 5, got {train.spike_sigma} and "
+                              f"{train.spike_window}")
+        if train.log_every != 1:
+            raise ConfigError(f"--spike-policy {train.spike_policy} reads every step's loss before the next step: it "
+                              f"needs --log-every 1, got {train.log_every}")
+        if parallel.ps_mode != "off":
+            raise ConfigError("--spike-policy keeps the whole state to undo a step, which the parameter servers hold: "
+                              "use ps_mode 'off'")
+
+
+def skipped_batches(text: str) -> set[int]:
+    """'3,10-12' -> {3, 10, 11, 12} (global batches, 1-based as steps are logged); refused unless well-formed."""
+    out: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, _, last = part.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()) or int(first) < 1 or int(last or first) < int(first):
+            raise ConfigError(f"train.skip_batches {text!r}: write batch numbers and ranges from 1, e.g. 3,10-12")
+        out.update(range(int(first), int(last or first) + 1))
+    return out

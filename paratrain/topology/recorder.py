@@ -8,6 +8,7 @@ the others waited in, with the last one they finished there and their stack (`ha
 from __future__ import annotations
 
 import json
+import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ class Entry:
     """'entered', 'done' (completed on this rank) or 'failed'."""
     order: int = 0
     """Its place among every collective this rank issued, on any group (1, 2, ...)."""
+    started: float = 0.0
+    """time.perf_counter() when this rank entered it."""
 
 
 class FlightRecorder:
@@ -37,6 +40,9 @@ class FlightRecorder:
         self.entries: deque[Entry] = deque(maxlen=keep)
         self._seq: dict[tuple[str, tuple[int, ...]], int] = {}
         self._count = 0
+        self.waited_s = 0.0
+        """Seconds this rank spent inside collectives that block it (a blocking call, or the wait() of one in
+        flight): the time waiting for peers and for the wire, which paratrain.train.stragglers subtracts."""
         self.window: dict[tuple[str, tuple[int, ...]], list[Entry]] | None = {}
         """Every collective since the last collective-order check, per group (paratrain.comm.order);
         None once checks stop (the window would otherwise grow for the whole run)."""
@@ -46,7 +52,7 @@ class FlightRecorder:
         self._seq[key] = self._seq.get(key, 0) + 1
         self._count += 1
         entry = Entry(axis, ranks, self._seq[key], op, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."),
-                      order=self._count)
+                      order=self._count, started=time.perf_counter())
         self.entries.append(entry)
         if self.window is not None:
             self.window.setdefault(key, []).append(entry)

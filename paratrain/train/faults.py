@@ -1,4 +1,5 @@
-"""Fault injection for testing crash handling (train.fail_at, `--fail-at`): a loop hook.
+"""Fault injection: crashes (train.fail_at, `--fail-at`) and faults a run survives (train.inject, `--inject`; Injection
+below), as loop hooks.
 
     RANK:STEP              that rank raises at that step
     RANK:STEP:kill         that rank SIGKILLs itself (as the out-of-memory killer or `kill -9` would)
@@ -16,6 +17,9 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from paratrain.train.loop import Hook, TrainLoop
 
@@ -64,3 +68,80 @@ def _kill_node() -> None:
         except (ProcessLookupError, PermissionError):  # gone already, or not ours to kill
             pass
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+INJECTIONS = ("bitflip", "slow", "spike")
+
+
+class Injection(Hook):
+    """Faults that a run survives but must notice (train.inject, `--inject`), each what a forensics tool is tested
+    against:
+
+        bitflip:RANK:STEP   flip one bit (the highest of the mantissa) of the first element of RANK's first reduced
+                            gradient at STEP, after the reduction and before the update: silent corruption on one
+                            replica (paratrain.train.replicas names it)
+        slow:RANK:MS        RANK sleeps MS milliseconds before each step (paratrain.train.stragglers names it)
+        spike:STEP          the global batch of STEP is replaced by a corrupted one (every target one id; the same
+                            on every rank): a loss spike (the spike policy acts on it)
+    """
+
+    def __init__(self, spec: str, *, rank: int) -> None:
+        kind, *numbers = spec.split(":")
+        self.kind, self.rank = kind, rank
+        self.target_rank = int(numbers[0]) if kind in ("bitflip", "slow") else -1
+        self.step = int(numbers[1]) if kind == "bitflip" else int(numbers[0]) if kind == "spike" else 0
+        self.ms = int(numbers[1]) if kind == "slow" else 0
+        self._coming = 0
+
+    def on_start(self, loop: TrainLoop) -> None:
+        if self.kind == "bitflip" and self.rank == self.target_rank:
+            loop.engine.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._flip(optimizer))
+
+    def on_step_start(self, loop: TrainLoop) -> None:
+        self._coming = loop.step + 1
+        if self.kind == "slow" and self.rank == self.target_rank:
+            time.sleep(self.ms / 1000.0)
+
+    def on_batch(self, loop: TrainLoop, batch: Any) -> Any:
+        if self.kind != "spike" or self._coming != self.step:
+            return batch
+        inputs, targets, *rest = batch
+        return (inputs, torch.where(targets >= 0, torch.full_like(targets, 1), targets), *rest)
+
+    def _flip(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._coming != self.step:
+            return
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None and param.grad.numel():
+                    flat = param.grad.view(-1)
+                    bits = flat[:1].view(torch.int32) if flat.dtype == torch.float32 else None
+                    if bits is None:
+                        flat[0] = -2.0 * flat[0] - 1.0  # not float32: a change as large
+                    else:
+                        bits ^= 1 << 22
+                    return
+
+
+def injections(specs: str, *, rank: int) -> list[Injection]:
+    """The hooks of a comma-separated train.inject ('' -> none)."""
+    return [Injection(spec.strip(), rank=rank) for spec in specs.split(",") if spec.strip()]
+
+
+class SkipBatches(Hook):
+    """train.skip_batches: each listed global batch is read and dropped, its step training on the next one (a run
+    that never saw those batches, layout-free like every read)."""
+
+    def __init__(self, batches: set[int]) -> None:
+        self.batches = batches
+        self.read = 0
+
+    def on_start(self, loop: TrainLoop) -> None:
+        self.read = loop.step + sum(1 for b in self.batches if b <= loop.step)  # read before a resume
+
+    def on_batch(self, loop: TrainLoop, batch: Any) -> Any:
+        self.read += 1
+        while self.read in self.batches:
+            batch = loop.train.next()
+            self.read += 1
+        return batch

@@ -51,6 +51,10 @@ class Hook:
     def on_step_start(self, loop: TrainLoop) -> None:
         """Before each step (loop.step: the steps done so far)."""
 
+    def on_batch(self, loop: TrainLoop, batch: Any) -> Any:
+        """The batch the coming step trains on (this one, or another: fault injection, skipped batches)."""
+        return batch
+
     def on_step_end(self, loop: TrainLoop, record: dict[str, Any]) -> None:
         """After each step's values were read: its record (and val_loss on a validation step)."""
 
@@ -150,6 +154,8 @@ class TrainLoop:
                 for hook in self.hooks:
                     hook.on_step_start(self)
                 batch = self.train.next()
+                for hook in self.hooks:
+                    batch = hook.on_batch(self, batch)
                 try:
                     pending = self.engine.step(batch, self.loss_fn)
                 except NonFiniteError as error:  # read before the update (on_non_finite='skip', fp16)

@@ -35,6 +35,35 @@ class TrainResult:
     sample: str = ""
 
 
+def run_hooks(plan: RunPlan, rank: int, attempt: int) -> list[Hook]:
+    """The loop hooks the run's train section asks for: fault injection, the spike policy or skipped batches, replica
+    checks, straggler detection, profiling (in that order: an injected slowness or batch comes before the tools that
+    watch for it)."""
+    from paratrain.config.validate import skipped_batches
+    from paratrain.train.faults import Injection, SkipBatches, injections
+    from paratrain.train.profile import StepProfiler
+    from paratrain.train.replicas import ReplicaCheck
+    from paratrain.train.spikes import SpikePolicy
+    from paratrain.train.stragglers import StragglerWatch
+
+    train = plan.config.train
+    hooks: list[Hook] = [FaultInjection(train.fail_at, rank=rank, attempt=attempt)] if train.fail_at else []
+    faults: list[Injection] = injections(train.inject, rank=rank)
+    hooks += faults
+    if train.spike_policy != "off":  # it reads the batches to skip too (and adds the ones that spike)
+        hooks.append(SpikePolicy(train.spike_policy, sigma=train.spike_sigma, window=train.spike_window,
+                                 skipped=skipped_batches(train.skip_batches)))
+    elif train.skip_batches:
+        hooks.append(SkipBatches(skipped_batches(train.skip_batches)))
+    if train.check_replicas:
+        hooks.append(ReplicaCheck(train.check_replicas))
+    if train.straggler_factor:
+        hooks.append(StragglerWatch(train.straggler_factor, train.straggler_steps))
+    if train.profile:
+        hooks.append(StepProfiler(train.profile, train.profile_dir))
+    return hooks
+
+
 def check_data(plan: RunPlan, data: RunData) -> None:
     """Rules that need the data, for each source: vocabulary fits the model (and, for --hf, the token files were
     written by the model's own tokenizer when both say which); a mixture's sources written by one tokenizer; enough
@@ -186,9 +215,9 @@ class Trainer:
             log_json=train.log_json, tensorboard=train.tensorboard, progress=train.progress,
             flops_per_token=plan.model.flops_per_token(plan.seq_len), checkpoint_meta={"config": to_dict(config)},
             attempt=self.attempt)
-        faults = [FaultInjection(train.fail_at, rank=ctx.rank, attempt=self.attempt)] if train.fail_at else []
         self.loop = start_loop(TrainLoop(self.engine, ctx, loss_fn, self.train_loader, self.val_loader, settings,
-                                         hooks=[*faults, *hooks]), resume=train.resume)
+                                         hooks=[*run_hooks(plan, ctx.rank, self.attempt), *hooks]),
+                               resume=train.resume)
 
     @property
     def step(self) -> int:
