@@ -149,6 +149,9 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--nan-policy": ("train.nan_policy", str, "a nan or inf loss or gradient norm: stop (default: name the step, "
                      "ranks and newest checkpoint) or skip the update"),
     "--nan-skips": ("train.nan_skips", int, "with --nan-policy skip: the most steps to skip before stopping (default 10)"),
+    "--logger": ("train.logger", str, "loggers, comma-separated: jsonl, tensorboard, wandb (offline unless "
+                 "WANDB_MODE), mlflow (MLFLOW_TRACKING_URI, else sqlite under --log-dir)"),
+    "--log-dir": ("train.log_dir", str, "where --logger's loggers write (default paratrain-logs)"),
     "--inject": ("train.inject", str, "faults a run survives, for testing: bitflip:RANK:STEP (a bit of a reduced "
                  "gradient), slow:RANK:MS (a rank slowed each step), spike:STEP (a corrupted batch); comma-separated"),
     "--check-replicas": ("train.check_replicas", int, "every N steps compare the replicas' parameter fingerprints; a "

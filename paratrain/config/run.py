@@ -152,6 +152,10 @@ class TrainSection:
     run, naming the step, the ranks and the newest checkpoint; or 'skip' its update (every rank)."""
     nan_skips: int = 10
     """With nan_policy 'skip': the most non-finite steps a run may skip before it stops."""
+    logger: str = ""
+    """Loggers beside the ones named by path, comma-separated: jsonl, tensorboard, wandb, mlflow
+    (paratrain.train.loggers); each writes under log_dir unless its own path is given."""
+    log_dir: str = "paratrain-logs"
     inject: str = ""
     """Faults a run survives, for testing the tools that find them (paratrain.train.faults.Injection), comma-separated:
     'bitflip:RANK:STEP' (one bit of RANK's reduced gradient), 'slow:RANK:MS' (RANK sleeps MS ms a step),

@@ -162,6 +162,19 @@ def check_run(config: RunConfig, world_size: int, *, model_shape: ModelShape = p
     return RunPlan(config=config, model=model, parallel=parallel, batch=batch, seq_len=seq_len)
 
 
+LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+"""What --logger names (paratrain.train.loggers)."""
+
+
+def check_loggers(names: str) -> tuple[str, ...]:
+    """'jsonl,wandb' -> ('jsonl', 'wandb'); an unknown name refused with the list."""
+    chosen = tuple(n.strip() for n in names.split(",") if n.strip())
+    unknown = [n for n in chosen if n not in LOGGERS]
+    if unknown:
+        raise ConfigError(f"--logger {names!r}: unknown {unknown}; choose among {', '.join(LOGGERS)}")
+    return chosen
+
+
 def check_forensics(train: TrainSection, parallel: ParallelConfig) -> None:
     """The forensics flags (docs/forensics.md): well-formed, and with a layout they can watch."""
     for spec in filter(None, (part.strip() for part in train.inject.split(","))):
@@ -185,6 +198,7 @@ def check_forensics(train: TrainSection, parallel: ParallelConfig) -> None:
     if train.straggler_steps < 1:
         raise ConfigError(f"train.straggler_steps must be >= 1, got {train.straggler_steps}")
     skipped_batches(train.skip_batches)
+    check_loggers(train.logger)
     if train.spike_policy not in ("off", "skip", "rollback"):
         raise ConfigError(f"train.spike_policy must be 'off', 'skip' or 'rollback', got {train.spike_policy!r}")
     if train.spike_policy != "off":

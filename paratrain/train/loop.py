@@ -24,7 +24,7 @@ from paratrain.hybrid.engine import LossFn
 from paratrain.topology import Context
 from paratrain.train.log import get_logger
 from paratrain.train.loop_settings import LoopResult, LoopSettings
-from paratrain.train.metrics import JsonLog, Records, peak_flops, step_record
+from paratrain.train.metrics import JsonLog, RecordLog, Records, peak_flops, step_record
 from paratrain.train.schedule import lr_at
 from paratrain.train.tensorboard import TensorBoardLog
 
@@ -133,7 +133,8 @@ class TrainLoop:
         logs = Records(
             JsonLog(s.log_json if self.ctx.is_main else None, append=self.step > 0,
                     keep_until=(self.step if self.step > 0 else -1) if self.settings.attempt > 0 else None),
-            TensorBoardLog(s.tensorboard, resumed_at=self.step) if s.tensorboard and self.ctx.is_main else None)
+            TensorBoardLog(s.tensorboard, resumed_at=self.step) if s.tensorboard and self.ctx.is_main else None,
+            *(self._logger(name) for name in s.loggers if self.ctx.is_main))
         peak = peak_flops(self.ctx.device)
         bar = self._progress_bar()
         start_step = self.step
@@ -207,6 +208,13 @@ class TrainLoop:
         for hook in self.hooks:
             hook.on_end(self, result)
         return result
+
+    def _logger(self, name: str) -> RecordLog:
+        """Weights & Biases or MLflow, writing under settings.log_dir, the run's config given once."""
+        from paratrain.train.loggers import MlflowLog, WandbLog
+
+        config = self.settings.checkpoint_meta.get("config", {})
+        return (WandbLog if name == "wandb" else MlflowLog)(self.settings.log_dir, config)
 
     def _record(self, step: int, lr: float, stats: StepStats, step_time: float, peak: float | None) -> dict[str, Any]:
         """The JSON record of one step (warning once on rank 0 about a skipped update)."""

@@ -38,6 +38,9 @@ class LoopSettings:
     """Compare the ranks' sequences of collectives after every step (always after the first)."""
     log_json: str = ""
     tensorboard: str = ""
+    loggers: tuple[str, ...] = ()
+    """Weights & Biases and MLflow ('wandb', 'mlflow'; paratrain.train.loggers), writing under log_dir."""
+    log_dir: str = ""
     progress: bool = False
     """A progress bar on rank 0."""
     flops_per_token: float | None = None

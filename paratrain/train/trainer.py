@@ -16,6 +16,7 @@ import torch
 
 from paratrain.config import ConfigError, RunPlan, to_dict
 from paratrain.config.plan import BatchRampup, SeqWarmup
+from paratrain.config.validate import check_loggers
 from paratrain.data import GlobalBatchLoader, MixtureLoader, RunData, Source, TokenSource, WeightSchedule, open_data
 from paratrain.hybrid import Engine, EngineOptions, parallelize
 from paratrain.models import build_gpt, lm_loss
@@ -206,13 +207,17 @@ class Trainer:
         warmup = SeqWarmup.parse(config.data.seq_warmup, plan.seq_len) if config.data.seq_warmup else None
         self.train_loader, self.val_loader = loaders(data, uses_documents(plan, data), **loader_args, rampup=rampup,
                                                      warmup=warmup)
+        loggers = check_loggers(train.logger)
         settings = LoopSettings(
             steps=train.steps, lr=config.optim.lr, warmup_steps=config.optim.warmup_steps,
             min_lr_ratio=config.optim.min_lr_ratio, lr_schedule=config.optim.lr_schedule,
             decay_fraction=config.optim.decay_fraction, log_every=train.log_every, eval_every=train.eval_every,
             eval_batches=train.eval_batches or 1, save=train.save, save_every=train.save_every,
             keep_last=train.keep_last, nan_skips=train.nan_skips, check_collectives=train.check_collectives,
-            log_json=train.log_json, tensorboard=train.tensorboard, progress=train.progress,
+            log_json=train.log_json or (f"{train.log_dir}/log.jsonl" if "jsonl" in loggers else ""),
+            tensorboard=train.tensorboard or (f"{train.log_dir}/tensorboard" if "tensorboard" in loggers else ""),
+            loggers=tuple(n for n in loggers if n in ("wandb", "mlflow")), log_dir=train.log_dir,
+            progress=train.progress,
             flops_per_token=plan.model.flops_per_token(plan.seq_len), checkpoint_meta={"config": to_dict(config)},
             attempt=self.attempt)
         self.loop = start_loop(TrainLoop(self.engine, ctx, loss_fn, self.train_loader, self.val_loader, settings,

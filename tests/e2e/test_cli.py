@@ -770,6 +770,63 @@ def test_a_spike_is_rolled_back_as_if_its_batch_was_never_seen(tmp_path):
     assert runs["rollback"] == runs["skipped"]
 
 
+def _wandb_history(folder: Path) -> list[dict]:
+    """The history records of an offline W&B run: its .wandb file is LevelDB's log format (32 KiB blocks of records
+    with a 7-byte header: checksum, length, type full / first / middle / last) after a 7-byte W&B header, each
+    record a wandb_internal_pb2.Record."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = next(folder.glob("wandb/offline-run-*/run-*.wandb")).read_bytes()
+    assert data[:4] == b":W&B"
+    block, at, pending, out = 32768, 7, b"", []
+    while at + 7 <= len(data):
+        if block - at % block < 7:
+            at += block - at % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[at: at + 7])
+        payload, at = data[at + 7: at + 7 + length], at + 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending + payload)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                out.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+        elif kind in (2, 3):
+            pending += payload
+        elif length == 0:  # the rest of a block left unused
+            at += block - at % block
+    return out
+
+
+def test_wandb_and_mlflow_hold_the_jsonl_logs_scalars(tmp_path):
+    """--logger jsonl,tensorboard,wandb,mlflow --log-dir DIR on dp 2: the W&B run (offline) and the MLflow run (a
+    sqlite store under DIR) hold every step's loss, learning rate and gradient norm and the validation losses, equal to
+    the JSON log's, at the same steps; MLflow has the run's config as params."""
+    pytest.importorskip("wandb")
+    mlflow = pytest.importorskip("mlflow")
+    out = paratrain("train", "--nproc", "2", *SMALL, "--eval-every", "3", "--steps", "6",
+                    "--logger", "jsonl,tensorboard,wandb,mlflow", "--log-dir", str(tmp_path / "logs"))
+    assert out.returncode == 0, out.stderr
+    steps = [r for r in records(tmp_path / "logs" / "log.jsonl") if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    expected = {(r["step"], tag): r[key] for r in records(tmp_path / "logs" / "log.jsonl")
+                for key, tag in (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
+                                 ("val_loss", "val/loss")) if key in r and r.get("step", 0) > 0}
+    wandb_values = {(h["_step"], k): v for h in _wandb_history(tmp_path / "logs") for k, v in h.items()
+                    if not k.startswith("_")}
+    assert {k: wandb_values[k] for k in expected} == expected
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'logs' / 'mlflow.db'}")
+    client = mlflow.tracking.MlflowClient()
+    run = client.search_runs([client.search_experiments()[0].experiment_id])[0]
+    for (step, tag), value in expected.items():
+        history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, tag.replace("/", "."))}
+        assert history[step] == pytest.approx(value, rel=1e-12), (tag, step)
+    assert run.data.params["train.steps"] == "6" and run.data.params["model.preset"] == "tiny"
+    assert list((tmp_path / "logs" / "tensorboard").glob("events.out.tfevents.*"))
+
+
 def test_muon_from_the_command_line_is_layout_free(tmp_path):
     """--optimizer muon with warmup-stable-decay, float32, 8 steps. Newton-Schulz in float32: ZeRO-3 on 4 processes and
     dp 2 x tp 2 give one process's losses within the parity suite's 1e-5 (measured 7.0e-8, AMD EPYC avx2). In
