@@ -160,7 +160,10 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
                            "--straggler-steps steps is more than F x the others' (0: off)"),
     "--straggler-steps": ("train.straggler_steps", int, "the window of steps a straggler is judged over (default 5)"),
     "--profile": ("train.profile", int, "torch.profiler traces of N steps (after 2), one per rank (0: off)"),
-    "--profile-dir": ("train.profile_dir", str, "where --profile writes (default paratrain-profile)"),
+    "--profile-dir": ("train.profile_dir", str, "where --profile and --memory-snapshot write (default "
+                      "paratrain-profile)"),
+    "--memory-snapshot": ("train.memory_snapshot", int, "after step N (or an out-of-memory error before it) each "
+                          "rank writes its memory beside the planner's prediction; on CUDA the allocator history"),
     "--spike-policy": ("train.spike_policy", str, "a step whose loss exceeds the recent median by --spike-sigma x the "
                        "loss's step-to-step noise: skip its update, or rollback (take it again on the next batch); "
                        "off (default)"),

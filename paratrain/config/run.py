@@ -171,6 +171,10 @@ class TrainSection:
     """torch.profiler traces of this many steps, after a step of wait and one of warm-up, one file per rank under
     profile_dir (paratrain.train.profile); 0: off."""
     profile_dir: str = "paratrain-profile"
+    memory_snapshot: int = 0
+    """After this step (or at an out-of-memory error before it), each rank writes its measured memory beside the
+    planner's prediction, and on CUDA the allocator's history, under profile_dir (paratrain.train.memory_snapshot);
+    0: off."""
     spike_policy: str = "off"
     """A step whose loss exceeds the median of the last 5 by spike_sigma times the standard deviation of the
     step-to-step changes over the last spike_window losses: 'skip' its update, or 'rollback' (the state before it restored, the step taken again on the next batch); 'off'

@@ -183,7 +183,7 @@ def check_forensics(train: TrainSection, parallel: ParallelConfig) -> None:
         if kind not in counts or len(numbers) != counts[kind] or not all(n.isdigit() for n in numbers):
             raise ConfigError(f"train.inject {spec!r}: write bitflip:RANK:STEP, slow:RANK:MS or spike:STEP "
                               "(comma-separated), e.g. --inject bitflip:1:5")
-    for name in ("check_replicas", "profile"):
+    for name in ("check_replicas", "profile", "memory_snapshot"):
         if getattr(train, name) < 0:
             raise ConfigError(f"train.{name} must be >= 0, got {getattr(train, name)}")
     if train.check_replicas and parallel.zero == 3:

@@ -24,19 +24,24 @@ def layout_of(plan: RunPlan) -> Layout:
                   ps_mode=parallel.ps_mode, staleness=parallel.staleness, expert_tp=parallel.expert_tp)
 
 
+def predicted_memory(plan: RunPlan, *, device: str) -> dict[str, float]:
+    """The planner's bytes of the run's busiest rank: parameters, gradients, optimizer state, activations, peak."""
+    parallel = plan.parallel
+    grad_reduce = parallel.grad_reduce if parallel.grad_reduce != "auto" else (
+        "reduce_scatter" if device == "cuda" else "all_reduce")
+    return memory(plan.model, layout_of(plan), global_batch=plan.batch.global_batch, seq=plan.seq_len,
+                  settings=StepSettings(precision=plan.config.train.precision, bucket_mb=parallel.bucket_mb,
+                                        grad_reduce=grad_reduce, pp_split=tuple(parallel.pp_split),
+                                        keep_grads=parallel.keep_grads, optimizer=plan.config.optim.optimizer,
+                                        grad_dtype=plan.config.train.grad_dtype,
+                                        state_dtype=plan.config.optim.state_dtype))
+
+
 def check_memory(plan: RunPlan, *, device: str, available_bytes: float, processes: int) -> dict[str, float]:
     """The predicted peak of the busiest rank; ConfigError when it exceeds what a process may use.
     available_bytes: the GPU's memory (device 'cuda'), or the node's available memory, which its
     `processes` share (device 'cpu')."""
-    parallel = plan.parallel
-    grad_reduce = parallel.grad_reduce if parallel.grad_reduce != "auto" else (
-        "reduce_scatter" if device == "cuda" else "all_reduce")
-    predicted = memory(plan.model, layout_of(plan), global_batch=plan.batch.global_batch, seq=plan.seq_len,
-                       settings=StepSettings(precision=plan.config.train.precision, bucket_mb=parallel.bucket_mb,
-                                             grad_reduce=grad_reduce, pp_split=tuple(parallel.pp_split),
-                                             keep_grads=parallel.keep_grads, optimizer=plan.config.optim.optimizer,
-                                             grad_dtype=plan.config.train.grad_dtype,
-                                             state_dtype=plan.config.optim.state_dtype))
+    predicted = predicted_memory(plan, device=device)
     # the trainer builds on the meta device and materialises only this rank's pieces: nothing bigger
     # than the training state is ever held (docs/scale.md)
     per_process, where = _budget(device, available_bytes, processes)

@@ -67,6 +67,9 @@ class Hook:
     def on_end(self, loop: TrainLoop, result: LoopResult) -> None:
         """After the last step and its checkpoint."""
 
+    def on_error(self, loop: TrainLoop, error: BaseException) -> None:
+        """A step raised `error` (it is raised again after every hook has seen it): write what explains it."""
+
 
 class TrainLoop:
     def __init__(self, engine: Engine, ctx: Context, loss_fn: LossFn, train: Loader, val: Loader | None,
@@ -201,6 +204,10 @@ class TrainLoop:
                     self.save()
                 interval_start = time.perf_counter()
             result.wall_s = time.perf_counter() - started
+        except BaseException as error:
+            for hook in self.hooks:
+                hook.on_error(self, error)
+            raise
         finally:
             if bar is not None:
                 bar.close()

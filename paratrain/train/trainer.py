@@ -42,6 +42,7 @@ def run_hooks(plan: RunPlan, rank: int, attempt: int) -> list[Hook]:
     watch for it)."""
     from paratrain.config.validate import skipped_batches
     from paratrain.train.faults import Injection, SkipBatches, injections
+    from paratrain.train.memory_snapshot import MemorySnapshot
     from paratrain.train.profile import StepProfiler
     from paratrain.train.replicas import ReplicaCheck
     from paratrain.train.spikes import SpikePolicy
@@ -62,7 +63,18 @@ def run_hooks(plan: RunPlan, rank: int, attempt: int) -> list[Hook]:
         hooks.append(StragglerWatch(train.straggler_factor, train.straggler_steps))
     if train.profile:
         hooks.append(StepProfiler(train.profile, train.profile_dir))
+    if train.memory_snapshot:
+        hooks.append(MemorySnapshot(train.memory_snapshot, train.profile_dir, predicted_memory(plan)))
     return hooks
+
+
+def predicted_memory(plan: RunPlan) -> dict[str, float] | None:
+    """The planner's bytes for the run's busiest rank (None for a --hf model: its check dry-runs the model)."""
+    if plan.config.model.hf:
+        return None
+    from paratrain.planner.check import predicted_memory as predict
+
+    return predict(plan, device=plan.config.launch.device)
 
 
 def check_data(plan: RunPlan, data: RunData) -> None:

@@ -721,12 +721,13 @@ def test_a_flipped_bit_is_named_by_the_replica_check(tmp_path):
     the run after step 5 naming rank 2 and the tensor on every rank. A clean dp 2 run of 100 steps with the check
     every 10 steps, straggler detection and --profile 3: no mismatch, no straggler named (the noise on this 2-core
     CPU reaches 1.8x; the factor is 2.5), the checks cost under 3 % of the run (measured 1.1 %: 2.8 ms a check, its
-    all-gather's wait included, on steps of about 25 ms), and one Chrome trace per rank with the profiled steps."""
+    all-gather's wait included, on steps of about 25 ms), one Chrome trace per rank with the profiled steps, and
+    --memory-snapshot's JSON per rank with the measured model states equal to the planner's."""
     out = paratrain("train", "--nproc", "4", *SMALL, "--steps", "8", "--inject", "bitflip:2:5", "--check-replicas", "1")
     assert out.returncode != 0
     assert "replica check after step 5: rank 2 holds a different 'tok_emb.weight' than its 3 replicas" in out.stderr
     out = paratrain("train", "--nproc", "2", *SMALL, "--steps", "100", "--check-replicas", "10", "--straggler-factor",
-                    "2.5", "--profile", "3", "--profile-dir", str(tmp_path / "profile"))
+                    "2.5", "--profile", "3", "--profile-dir", str(tmp_path / "profile"), "--memory-snapshot", "4")
     assert out.returncode == 0, out.stderr
     assert "straggler" not in out.stderr and "replica check after" not in out.stderr
     cost = re.search(r"replica checks: 10, ([0-9.]+) ms each, [0-9.]+ % of a step \(one every 10 steps: ([0-9.]+) %",
@@ -739,6 +740,10 @@ def test_a_flipped_bit_is_named_by_the_replica_check(tmp_path):
         assert len(traces) == 1, list((tmp_path / "profile").iterdir())
         events = json.loads(traces[0].read_text())["traceEvents"]
         assert sum(1 for e in events if str(e.get("name", "")).startswith("ProfilerStep#")) == 3
+        memory = json.loads((tmp_path / "profile" / f"rank{rank}-step4.memory.json").read_text())
+        for part in ("params", "grads", "optimizer"):  # the planner's model states are the engine's, to the byte
+            assert memory["measured"][part] == memory["predicted"][part]
+        assert memory["allocator_history"].startswith("CUDA only")
 
 
 def test_a_slow_rank_is_named_within_10_steps():
