@@ -718,14 +718,15 @@ def test_replay_recomputes_a_step_of_a_4_process_run_in_one(tmp_path):
 
 def test_a_flipped_bit_is_named_by_the_replica_check(tmp_path):
     """--inject bitflip:2:5 flips a bit of rank 2's reduced gradient at step 5 of a dp 4 run: --check-replicas 1 stops
-    the run after step 5 naming rank 2 and the tensor on every rank. A clean dp 2 run of 100 steps with the check
+    the run at step 5, before its update, naming rank 2 and the gradient on every rank. A clean dp 2 run of 100 steps with the check
     every 10 steps, straggler detection and --profile 3: no mismatch, no straggler named (the noise on this 2-core
     CPU reaches 1.8x; the factor is 2.5), the checks cost under 3 % of the run (measured 1.1 %: 2.8 ms a check, its
     all-gather's wait included, on steps of about 25 ms), one Chrome trace per rank with the profiled steps, and
     --memory-snapshot's JSON per rank with the measured model states equal to the planner's."""
     out = paratrain("train", "--nproc", "4", *SMALL, "--steps", "8", "--inject", "bitflip:2:5", "--check-replicas", "1")
     assert out.returncode != 0
-    assert "replica check after step 5: rank 2 holds a different 'tok_emb.weight' than its 3 replicas" in out.stderr
+    assert ("replica check at step 5, before its update: rank 2 holds a different reduced gradient of "
+            "'tok_emb.weight' than its 3 replicas") in out.stderr
     out = paratrain("train", "--nproc", "2", *SMALL, "--steps", "100", "--check-replicas", "10", "--straggler-factor",
                     "2.5", "--profile", "3", "--profile-dir", str(tmp_path / "profile"), "--memory-snapshot", "4")
     assert out.returncode == 0, out.stderr
