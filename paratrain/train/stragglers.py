@@ -9,7 +9,8 @@ steps (train.straggler_steps) is more than F times the median of the others' is 
 and waiting times and the others' median, once until it recovers. The first K steps (allocation, caches) are not
 judged. The median over K steps keeps a few noisy steps
 from naming anyone: on this 2-core CPU, unslowed steps of 17 ms run 1.6x longer on one rank for 3 steps in a row
-now and then; a rank slowed by 50 ms a step is 4.5x. Its cost: the all-gather, tens of microseconds on the CPU.
+now and then; a rank slowed by 50 ms a step is 4.5x. Its cost: the all-gather each step (within
+this machine's noise on 20 ms steps: docs/forensics.md).
 """
 
 from __future__ import annotations
