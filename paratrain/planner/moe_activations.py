@@ -23,10 +23,13 @@ def moe_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, mode
     mm = 4 if mode == "fp32" else 2  # a matmul's output element
     # router, in float32 (also under autocast): its input (the normed x itself; with 16-bit storage a
     # float32 copy, and one of its weight), logits (logsumexp's input) and probabilities (softmax's
-    # output), the log-sum-exp, the top-k's indices, and with k > 1 its values and their sum; f of the
-    # balance loss per sequence
+    # output; sigmoid's output and the sum that normalises it), the log-sum-exp, the top-k's indices, and with k > 1
+    # (or sigmoid scores) the chosen weights and their sum; f of the balance loss per sequence. Groups, the scale
+    # and the balancing bias keep nothing (the choice is made on detached scores; the scale multiplies by a number)
+    sigmoid = model.router == "sigmoid"  # its probabilities are the scores over their sum (one more per token)
     router = 4 * n * d + (4 * e * d if mode == "low" else 0)
-    router += 8 * n * e + 4 * n + 8 * n * k + ((n * k + n) * 4 if k > 1 else 0) + 4 * b * e
+    router += 8 * n * e + 4 * n + 8 * n * k + ((n * k + n) * 4 if k > 1 or sigmoid else 0) + 4 * b * e
+    router += 4 * n if sigmoid else 0
     # dispatch: the token of each assignment, the order grouping rows by expert (and, under ep, the order
     # grouping what arrived by expert), each assignment's place; the rows the experts read, their
     # hidden activations (GELU's input and output), and under autocast each expert's weight copies
