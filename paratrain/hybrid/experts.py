@@ -7,8 +7,9 @@ this rank's auxiliary sum to its loss sum before the sums are reduced, so the re
 (cross-entropy + auxiliary terms) over the global batch's tokens, whatever the layout.
 
 Statistics (--log-json): the load-balancing and z-loss terms per token, the fraction of assignments
-dropped by capacity, and the assignments per (layer, expert) over the global batch: min, max and
-coefficient of variation (std / mean; 0 when perfectly balanced). Summed over dp (each dp rank routed
+dropped by capacity, and the assignments per (layer, expert) over the global batch: min, max, coefficient of
+variation (std / mean; 0 when perfectly balanced) and the load factor (max / mean: 1 when balanced; the busiest
+expert's rows over a balanced router's, the measured imbalance to plan with). Summed over dp (each dp rank routed
 its own tokens), then combined over pp (each stage holds its own layers); tp ranks hold the same, but
 under sequence parallelism, where each routed its chunk of the sequence: then the auxiliary terms and the
 counts are summed over tp as well (`split`).
@@ -27,7 +28,7 @@ from paratrain.nn.moe import MoE, RouterLog
 from paratrain.topology.mesh import AxisGroup
 
 MOE_KEYS = ("moe_balance_loss", "moe_z_loss", "moe_dropped_fraction", "expert_tokens_min", "expert_tokens_max",
-            "expert_tokens_cv")
+            "expert_tokens_cv", "expert_load_factor")
 
 
 def attach_router_log(model: nn.Module, *, routed: bool = False) -> RouterLog | None:
@@ -92,4 +93,5 @@ def routing_stats(values: list[float], tokens: float) -> dict[str, float]:
     return {"moe_balance_loss": balance / tokens, "moe_z_loss": z / tokens,
             "moe_dropped_fraction": dropped / assigned if assigned else 0.0,
             "expert_tokens_min": -neg_bottom, "expert_tokens_max": top,
-            "expert_tokens_cv": math.sqrt(variance) / mean if mean else 0.0}
+            "expert_tokens_cv": math.sqrt(variance) / mean if mean else 0.0,
+            "expert_load_factor": top / mean if mean else 0.0}

@@ -133,6 +133,7 @@ def test_moe_under_sequence_parallelism_with_experts_cut_over_tp(tmp_path):
     assert out.returncode == 0, out.stderr
     rows = records(log)
     assert [r["step"] for r in rows if "loss" in r] == [1, 2] and "expert_tokens_cv" in rows[-1]
+    assert rows[-1]["expert_load_factor"] >= 1.0
     memory = next(r["memory"] for r in rows if "memory" in r)
     assert memory["between_steps"] == memory["in_step"]
 
