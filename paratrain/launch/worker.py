@@ -15,7 +15,9 @@ import torch.distributed as dist
 from paratrain.config import RunPlan
 from paratrain.topology import join, lay_out
 from paratrain.topology.recorder import FlightRecorder
+from paratrain.planner.check import predicted_memory
 from paratrain.train import Trainer, TrainResult
+from paratrain.train.memory_snapshot import MemorySnapshot
 from paratrain.train.serve import serve_plan
 
 
@@ -37,7 +39,7 @@ def train_on_this_rank(plan: RunPlan) -> TrainResult:
         if ctx.is_server:  # a dedicated parameter server: it serves the trainers until they stop
             serve_plan(plan, ctx)
             return TrainResult()
-        result = Trainer(plan, ctx).fit()
+        result = Trainer(plan, ctx, hooks=memory_hooks(plan)).fit()
     except BaseException:
         if folder and recorder is not None:
             recorder.dump(folder, stack=traceback.format_exc())
@@ -45,6 +47,16 @@ def train_on_this_rank(plan: RunPlan) -> TrainResult:
     if ctx.is_main:
         print_summary(result)
     return result
+
+
+def memory_hooks(plan: RunPlan) -> list[MemorySnapshot]:
+    """train.memory_snapshot's hook, with the planner's prediction for the run's busiest rank (none for a --hf model:
+    its check dry-runs the model instead)."""
+    train = plan.config.train
+    if not train.memory_snapshot:
+        return []
+    predicted = None if plan.config.model.hf else predicted_memory(plan, device=plan.config.launch.device)
+    return [MemorySnapshot(train.memory_snapshot, train.profile_dir, predicted)]
 
 
 def _leave_a_record_when_stopped(recorder: FlightRecorder, folder: str) -> None:

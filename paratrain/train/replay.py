@@ -69,9 +69,13 @@ def replay_config(checkpoint: Path, step: int, *, device: str = "cpu") -> RunCon
                                         min_nodes=0, plan="", servers=0, first_server=0, attempt=0)
     if step > config.train.steps:
         raise ConfigError(f"--step {step}: the run trained {config.train.steps} steps")
+    # what writes files or watches other ranks goes; the skipped batches and an injected spike stay (they decide
+    # what a step reads). The spike policy goes: its decisions read the run's recent losses, which a resume does not
+    # have (the report says when the run had one)
     config.train = dataclasses.replace(config.train, resume=str(checkpoint), save="", log_json="", log_every=1,
-                                       tensorboard="", fail_at="", progress=False, sample_tokens=0, eval_every=0,
-                                       eval_batches=1)
+                                       tensorboard="", logger="", profile=0, memory_snapshot=0, check_replicas=0,
+                                       straggler_factor=0.0, spike_policy="off", fail_at="", progress=False,
+                                       sample_tokens=0, eval_every=0, eval_batches=1)
     return config
 
 
@@ -149,7 +153,8 @@ class StepProbe(Hook):
 
 def replay(args: Any) -> int:
     """`paratrain replay`: the report (text, or one JSON object with --json)."""
-    from paratrain.cli.launching import checked_run
+    from paratrain.config import check_run
+    from paratrain.hf.load import run_model_shape
     from paratrain.topology import join, lay_out
     from paratrain.train.trainer import Trainer
 
@@ -157,7 +162,7 @@ def replay(args: Any) -> int:
     config = replay_config(checkpoint, args.step, device=args.device)
     meta_config = json.loads((checkpoint / "meta.json").read_text())["config"]
     log = args.log or meta_config.get("train", {}).get("log_json", "")
-    plan = checked_run(config, 1)
+    plan = check_run(config, 1, model_shape=run_model_shape)
     ctx = lay_out(join(config.launch.device), plan.parallel)
     probe = StepProbe(args.step, micro_batch=plan.batch.micro_batch)
     trainer = Trainer(plan, ctx, hooks=[probe])
@@ -172,7 +177,8 @@ def replay(args: Any) -> int:
               "logged_grad_norm": logged.get("grad_norm") if logged else None, "log": log or None,
               "tensors": {name: {"grad_norm": probe.grad_norms.get(name), "update_norm": probe.update_norms.get(name)}
                           for name in probe.grad_norms},
-              "samples": _worst(probe.samples, args.top, trainer.source)}
+              "samples": _worst(probe.samples, args.top, trainer.source),
+              "spike_policy": meta_config.get("train", {}).get("spike_policy", "off")}
     if args.json:
         print(json.dumps(report))
     else:
@@ -199,6 +205,9 @@ def _text(report: dict[str, Any]) -> str:
     lines = [f"step {report['step']} replayed on one process from {report['checkpoint']}",
              f"  loss       {number(report['loss'])}   logged {number(report['logged_loss'])}",
              f"  grad norm  {number(report['grad_norm'])}   logged {number(report['logged_grad_norm'])}"]
+    if report["spike_policy"] != "off":
+        lines.append(f"  the run had --spike-policy {report['spike_policy']}: a spike it undid between the checkpoint "
+                     "and this step (its log names each) made it read other batches than this replay")
     if report["logged_loss"] is not None and report["loss"] is not None:
         rel = abs(report["loss"] - report["logged_loss"]) / max(abs(report["logged_loss"]), 1e-30)
         lines.append(f"  loss differs from the logged one by {rel:.2e} (relative)")

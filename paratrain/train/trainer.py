@@ -39,10 +39,10 @@ class TrainResult:
 def run_hooks(plan: RunPlan, rank: int, attempt: int) -> list[Hook]:
     """The loop hooks the run's train section asks for: fault injection, the spike policy or skipped batches, replica
     checks, straggler detection, profiling (in that order: an injected slowness or batch comes before the tools that
-    watch for it)."""
+    watch for it). The memory snapshot, which reads the planner's prediction, is the launched worker's to add
+    (paratrain.launch.worker)."""
     from paratrain.config.validate import skipped_batches
     from paratrain.train.faults import Injection, SkipBatches, injections
-    from paratrain.train.memory_snapshot import MemorySnapshot
     from paratrain.train.profile import StepProfiler
     from paratrain.train.replicas import ReplicaCheck
     from paratrain.train.spikes import SpikePolicy
@@ -63,18 +63,7 @@ def run_hooks(plan: RunPlan, rank: int, attempt: int) -> list[Hook]:
         hooks.append(StragglerWatch(train.straggler_factor, train.straggler_steps))
     if train.profile:
         hooks.append(StepProfiler(train.profile, train.profile_dir))
-    if train.memory_snapshot:
-        hooks.append(MemorySnapshot(train.memory_snapshot, train.profile_dir, predicted_memory(plan)))
     return hooks
-
-
-def predicted_memory(plan: RunPlan) -> dict[str, float] | None:
-    """The planner's bytes for the run's busiest rank (None for a --hf model: its check dry-runs the model)."""
-    if plan.config.model.hf:
-        return None
-    from paratrain.planner.check import predicted_memory as predict
-
-    return predict(plan, device=plan.config.launch.device)
 
 
 def check_data(plan: RunPlan, data: RunData) -> None:
