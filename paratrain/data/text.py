@@ -31,6 +31,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -67,13 +68,19 @@ def tokenized(source: str, model_dir: str, *, val_fraction: float, cache: str = 
     for part in (_text_bytes(source), tokenizer_json.read_bytes(), f"val_fraction={val_fraction!r}".encode()):
         digest.update(hashlib.sha256(part).digest())
     name = "builtin" if source == "builtin" else Path(source).name
-    folder = cache_root(cache) / f"{name}-{digest.hexdigest()[:16]}"
+    return _published(cache_root(cache) / f"{name}-{digest.hexdigest()[:16]}",
+                      lambda staging, scratch: _write(source, model_dir, staging, scratch, val_fraction))
+
+
+def _published(folder: Path, write: Callable[[Path, Path], None]) -> tuple[Path, bool]:
+    """(folder, True) when the cache holds it (its tokens.json written last); else write(staging, scratch) fills a
+    temporary folder beside it, published at once by a rename: (folder, False)."""
     if (folder / "tokens.json").is_file():
         return folder, True
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".text-", dir=folder.parent) as scratch:
+    with tempfile.TemporaryDirectory(prefix=".tokens-", dir=folder.parent) as scratch:
         staging = Path(scratch) / "out"
-        _write(source, model_dir, staging, Path(scratch), val_fraction)
+        write(staging, Path(scratch))
         try:
             staging.rename(folder)
         except OSError:  # another process of the job published the same folder first: the same bytes
@@ -143,12 +150,8 @@ def tokenized_shards(folder: str, model_dir: str, *, workers: int = 1, cache: st
     digest = hashlib.sha256((Path(model_dir) / "tokenizer.json").read_bytes())
     for file in files:
         digest.update(file.name.encode() + b"\0" + file_digest(file))
-    out = cache_root(cache) / f"{Path(folder).resolve().name}-shards-{digest.hexdigest()[:16]}"
-    if (out / "tokens.json").is_file():
-        return out, True
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".shards-", dir=out.parent) as scratch:
-        staging = Path(scratch) / "out"
+
+    def write(staging: Path, scratch: Path) -> None:
         (staging / "tokenizer").mkdir(parents=True)
         for name in TOKENIZER_FILES:
             if (Path(model_dir) / name).is_file():
@@ -164,12 +167,8 @@ def tokenized_shards(folder: str, model_dir: str, *, workers: int = 1, cache: st
         record = {"format": "megatron-indexed-shards", "tokenizer": identity, "inputs": [f.name for f in files],
                   "documents": sum(c[0] for c in counts), "tokens": sum(c[1] for c in counts)}
         (staging / "tokens.json").write_text(json.dumps(record, indent=1))
-        try:
-            staging.rename(out)
-        except OSError:  # another process published the same folder first: the same bytes
-            if not (out / "tokens.json").is_file():
-                raise
-    return out, False
+
+    return _published(cache_root(cache) / f"{Path(folder).resolve().name}-shards-{digest.hexdigest()[:16]}", write)
 
 
 def _tokenize_shard(task: tuple[str, str, str, int, int]) -> tuple[int, int]:
