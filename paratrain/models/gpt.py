@@ -43,7 +43,8 @@ from paratrain.models.norms import RMSNorm, apply_rope, rope_tables, upcast
 from paratrain.nn.documents import Documents, refuse_documents
 from paratrain.nn.dropout import KeyedDropout
 from paratrain.nn.loss import VocabOutput
-from paratrain.nn.moe import MoE, RouterLog, RouterSettings
+from paratrain.nn.moe import MoE, RouterLog
+from paratrain.nn.router import RouterSettings
 from paratrain.nn.recipe import Recipe
 from paratrain.nn.sequence import SequenceSplit
 

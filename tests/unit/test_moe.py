@@ -15,7 +15,8 @@ from paratrain.config.model import ModelConfig, preset
 from paratrain.memory import apply_recompute
 from paratrain.models import build_gpt, lm_loss
 from paratrain.models.gpt import MLP
-from paratrain.nn.moe import MoE, RouterSettings, within_capacity
+from paratrain.nn.moe import MoE
+from paratrain.nn.router import Router, RouterSettings, within_capacity
 
 
 def layer(*, top_k: int = 2, capacity_factor: float = 0.0, shared: bool = False, seed: int = 0) -> MoE:
@@ -193,8 +194,6 @@ def test_the_sigmoid_group_limited_router_is_deepseek_v3s():
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    from paratrain.nn.moe import Router
-
     config = DeepseekV3Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
                               routed_scaling_factor=2.5, norm_topk_prob=True)
     theirs = DeepseekV3TopkRouter(config)
@@ -221,8 +220,6 @@ def test_the_sigmoid_group_limited_router_is_deepseek_v3s():
 def test_top_8_softmax_and_the_bias_rule():
     """Softmax top-8 of 32 experts: the 8 largest probabilities, renormalised; the balancing bias moves by the rate
     towards the mean count (up under it, down over it, still at it) and moves the choice, never the weights."""
-    from paratrain.nn.moe import Router
-
     router = Router(16, 32, RouterSettings(top_k=8))
     torch.nn.init.normal_(router.weight, std=0.5)
     x = torch.randn(2, 64, 16)
