@@ -8,10 +8,10 @@ tail of fewer than G samples is skipped (as drop_last), the same way in every la
 (epoch, cursor): saved with a checkpoint, it makes a resumed run read exactly the batches an
 uninterrupted run would have read.
 
-Two loaders read samples in that order:
 An epoch's permutation is torch.randperm (order "dense", 8 bytes a sample), or for a streaming source a
 KeyedPermutation computed position by position in O(1) memory (order "keyed"; paratrain.data.permutation).
 
+Two loaders read samples in that order:
 - GlobalBatchLoader: windows of seq_len + 1 tokens of a flat token array, sample i =
   tokens[i * S : i * S + S + 1] (input the first S, target the last S); given the corpus's document
   starts, also each token's position in its document (paratrain.nn.documents), and no target where the
