@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from paratrain.train.loop import Hook, TrainLoop
+from paratrain.train.faults import SkipBatches
+from paratrain.train.loop import TrainLoop
 
 POLICIES = ("off", "skip", "rollback")
 
@@ -42,30 +43,20 @@ def _copied(value: Any) -> Any:
     return value
 
 
-class SpikePolicy(Hook):
+class SpikePolicy(SkipBatches):
+    """SkipBatches whose set grows by every batch a rollback skips."""
+
     def __init__(self, policy: str, *, sigma: float, window: int, skipped: set[int] = frozenset()) -> None:
-        """skipped: global batches skipped from the start (train.skip_batches; this hook reads them too)."""
+        """skipped: global batches skipped from the start (train.skip_batches)."""
+        super().__init__(set(skipped))
         self.policy, self.sigma = policy, sigma
         self.losses: deque[float] = deque(maxlen=window)
         self.history = 10
-        self.read = 0
-        """Global batches read so far (1-based numbers, as steps are logged)."""
-        self.skipped: set[int] = set(skipped)
         self._snapshot: tuple[int, int, dict[str, Any], dict[str, Any]] | None = None
         self.events: list[dict[str, Any]] = []
 
-    def on_start(self, loop: TrainLoop) -> None:
-        self.read = loop.step + sum(1 for b in self.skipped if b <= loop.step)  # (a resume: skips before it)
-
     def on_step_start(self, loop: TrainLoop) -> None:
         self._snapshot = (loop.step, self.read, _copied(loop.engine.state_dict()), loop.train.state_dict())
-
-    def on_batch(self, loop: TrainLoop, batch: Any) -> Any:
-        self.read += 1
-        while self.read in self.skipped:
-            batch = loop.train.next()
-            self.read += 1
-        return batch
 
     def on_step_end(self, loop: TrainLoop, record: dict[str, Any]) -> None:
         loss = record.get("loss")
@@ -88,7 +79,7 @@ class SpikePolicy(Hook):
         event = {"step": loop.step, "loss": loss, "threshold": threshold, "batch": spiked, "policy": self.policy}
         self.events.append(event)
         if self.policy == "rollback":  # the same step again, on the batch after the one that spiked
-            self.skipped.add(spiked)
+            self.batches.add(spiked)
             loop.train.load_state_dict(cursor)
             loop.step, self.read = step, read
         else:  # skip: the step is spent, its update dropped (the dropout stream moves on as a step would)
