@@ -16,8 +16,9 @@ Rows, per model:
   engine recompute full / selective    time against the same mode without (target full: <= 1.4x)
   engine offload activations           memory drop and time cost
   plain with F.cross_entropy           what the chunked loss saves (its float32 logits and gradient)
+  engine Muon                          Muon on the matrices (bf16 Newton-Schulz), AdamW on the rest, vs AdamW
 and, for the engine rows, the planner's predicted peak memory and step time beside the measured
-(paratrain.planner.estimate with the h100-80gb profile), and the host synchronisations of a step that
+(paratrain.planner.estimate with the card's profile: h200 or h100-80gb), and the host synchronisations of a step that
 does not log (torch.cuda.set_sync_debug_mode).
 """
 
@@ -82,10 +83,14 @@ def _plain(config: Any, micro: int, *, compile: bool, loss: Callable = lm_loss) 
 
 
 def _engine(config: Any, micro: int, *, compile: bool, recompute: str = "none",
-            offload: str = "none") -> tuple[Callable, Any]:
+            offload: str = "none", optimizer: str = "adamw") -> tuple[Callable, Any]:
+    from paratrain.optim import MuonFactory, MuonSettings
+
     ctx = paratrain.init(paratrain.ParallelConfig(offload=offload), device="cuda")
     model = paratrain.build_gpt(config, seed=0)
-    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True),
+    factory = (MuonFactory(MuonSettings(lr=1e-4)) if optimizer == "muon"
+               else lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True))
+    engine = paratrain.parallelize(model, ctx, optimizer=factory,
                                    options=paratrain.EngineOptions(micro_batch=micro, precision="bf16", grad_clip=1.0,
                                                                    recompute=recompute, compile=compile))
 
@@ -123,7 +128,8 @@ def _planner(config: Any, batch: int, micro: int, recompute: str, compiled: bool
     from paratrain.planner.hardware import hardware
     from paratrain.planner.layout import Layout
 
-    record = estimate(config, Layout(micro_batch=micro, recompute=recompute), hardware("h100-80gb"),
+    profile = "h200" if "H200" in torch.cuda.get_device_name(0) else "h100-80gb"
+    record = estimate(config, Layout(micro_batch=micro, recompute=recompute), hardware(profile),
                       global_batch=batch, precision="bf16", kernels="compiled" if compiled else "eager")
     return {"predicted_peak_gb": record["memory"]["peak"] / 1e9, "predicted_step_s": record["step_time_s"]}
 
@@ -141,7 +147,7 @@ def _measure(name: str, variant: dict[str, Any], config: Any, batch: int, micro:
                               loss=_full_logits_loss if variant.get("loss") == "full" else lm_loss)
     else:
         step, holder = _engine(config, micro, compile=variant["compile"], recompute=variant.get("recompute", "none"),
-                               offload=variant.get("offload", "none"))
+                               offload=variant.get("offload", "none"), optimizer=variant.get("optimizer", "adamw"))
     seconds = _time(step, batches, warmup=args.warmup, steps=args.steps)
     row = {"model": name, **variant, "global_batch": batch, "micro_batch": micro, "step_s": seconds,
            "max_allocated_gb": torch.cuda.max_memory_allocated() / 1e9}
@@ -151,7 +157,7 @@ def _measure(name: str, variant: dict[str, Any], config: Any, batch: int, micro:
     if kind == "engine":
         row["host_syncs_quiet_step"] = _host_syncs(step, batches[0])
         row["memory_report_gb"] = {k: v / 1e9 for k, v in holder.memory_report().items()}
-        if variant.get("offload", "none") == "none":
+        if variant.get("offload", "none") == "none" and variant.get("optimizer", "adamw") == "adamw":
             row.update(_planner(config, batch, micro, variant.get("recompute", "none"), variant["compile"]))
     del step, holder
     return row
@@ -165,6 +171,7 @@ def _variants(compiled: bool) -> list[dict[str, Any]]:
         rows += [dict(kind="engine", compile=compile, recompute=r) for r in ("full", "selective")]
     rows.append(dict(kind="engine", compile=False, offload="activations"))
     rows.append(dict(kind="plain", compile=False, loss="full"))
+    rows.append(dict(kind="engine", compile=compiled, optimizer="muon"))  # Muon (bf16 Newton-Schulz), AdamW on the rest
     return rows
 
 
@@ -218,13 +225,17 @@ def _report(rows: list[dict[str, Any]]) -> None:
     for model in dict.fromkeys(r["model"] for r in rows):
         for compile in (False, True):
             base = dict(compile=(compile, False), recompute=("none", "none"), offload=("none", "none"),
-                        loss=("chunked", "chunked"))
+                        loss=("chunked", "chunked"), optimizer=("adamw", "adamw"))
             plain = find(model, kind=("plain", None), **base)
             engine = find(model, kind=("engine", None), **base)
             full = find(model, kind=("engine", None), **{**base, "recompute": ("full", "none")})
             selective = find(model, kind=("engine", None), **{**base, "recompute": ("selective", "none")})
             if not (plain and engine):
                 continue
+            muon = find(model, kind=("engine", None), **{**base, "optimizer": ("muon", "adamw")})
+            if muon:
+                print(f"<!-- {model} {'compiled' if compile else 'eager'}: engine Muon / AdamW step time "
+                      f"{muon['step_s'] / engine['step_s']:.3f} -->")
             ratio = lambda r: f"{r['step_s'] / engine['step_s']:.3f}" if r else "-"  # noqa: E731
             print(f"| {model} | {'compiled' if compile else 'eager'} | {plain.get('mfu', 0):.1%} | "
                   f"{engine.get('mfu', 0):.1%} | {engine['step_s'] / plain['step_s']:.3f} | {ratio(full)} | "
