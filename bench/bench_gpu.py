@@ -123,14 +123,16 @@ def _host_syncs(step: Callable, batch: Any) -> int | str:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def _planner(config: Any, batch: int, micro: int, recompute: str, compiled: bool) -> dict[str, float]:
+def _planner(config: Any, batch: int, micro: int, variant: dict[str, Any]) -> dict[str, float]:
     from paratrain.planner import estimate
     from paratrain.planner.hardware import hardware
     from paratrain.planner.layout import Layout
+    from paratrain.planner.settings import StepSettings
 
     profile = "h200" if "H200" in torch.cuda.get_device_name(0) else "h100-80gb"
-    record = estimate(config, Layout(micro_batch=micro, recompute=recompute), hardware(profile),
-                      global_batch=batch, precision="bf16", kernels="compiled" if compiled else "eager")
+    record = estimate(config, Layout(micro_batch=micro, recompute=variant.get("recompute", "none")), hardware(profile),
+                      global_batch=batch, kernels="compiled" if variant["compile"] else "eager",
+                      settings=StepSettings(precision="bf16", optimizer=variant.get("optimizer", "adamw")))
     return {"predicted_peak_gb": record["memory"]["peak"] / 1e9, "predicted_step_s": record["step_time_s"]}
 
 
@@ -157,8 +159,8 @@ def _measure(name: str, variant: dict[str, Any], config: Any, batch: int, micro:
     if kind == "engine":
         row["host_syncs_quiet_step"] = _host_syncs(step, batches[0])
         row["memory_report_gb"] = {k: v / 1e9 for k, v in holder.memory_report().items()}
-        if variant.get("offload", "none") == "none" and variant.get("optimizer", "adamw") == "adamw":
-            row.update(_planner(config, batch, micro, variant.get("recompute", "none"), variant["compile"]))
+        if variant.get("offload", "none") == "none":
+            row.update(_planner(config, batch, micro, variant))
     del step, holder
     return row
 

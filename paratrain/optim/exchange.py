@@ -258,4 +258,6 @@ class Positions:
         if not self.total:
             return self.starts.new_empty(0)
         shift = self.starts - (torch.cumsum(self.counts, 0) - self.counts)
-        return torch.arange(self.total, device=self.starts.device) + torch.repeat_interleave(shift, self.counts)
+        # output_size: without it repeat_interleave reads the counts' sum back from the device (a host sync a step)
+        return torch.arange(self.total, device=self.starts.device) + torch.repeat_interleave(shift, self.counts,
+                                                                                             output_size=self.total)
