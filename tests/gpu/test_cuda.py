@@ -41,12 +41,18 @@ def test_keyed_dropout_draws_the_same_bits_on_cuda():
     assert torch.equal(hashed_uniform(99, index.cuda()).cpu(), hashed_uniform(99, index))
 
 
-def test_a_step_that_does_not_log_never_waits_for_the_gpu():
-    """Engine.step queues the whole step: CUDA's sync debug mode raises on any synchronisation."""
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_step_that_does_not_log_never_waits_for_the_gpu(optimizer):
+    """Engine.step queues the whole step: CUDA's sync debug mode raises on any synchronisation (Muon's matrix
+    exchange had one, a repeat_interleave without output_size, until an H200 run found it)."""
+    from paratrain.optim import MuonFactory, MuonSettings
+
     ctx = paratrain.init(device="cuda")
-    config = preset("small")
+    config = preset("small", n_layer=24)  # 24 blocks: more than FEW_SPANS spans of matrices, Muon's indexed path
     model = paratrain.build_gpt(config, seed=0)
-    engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+    factory = (MuonFactory(MuonSettings(lr=1e-3)) if optimizer == "muon"
+               else lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True))
+    engine = paratrain.parallelize(model, ctx, optimizer=factory,
                                    options=paratrain.EngineOptions(precision="bf16", micro_batch=4, grad_clip=1.0))
     x = torch.randint(0, 256, (8, config.seq_len + 1), generator=torch.Generator().manual_seed(0)).cuda()
     batch = (x[:, :-1], x[:, 1:])

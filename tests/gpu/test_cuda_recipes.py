@@ -20,12 +20,14 @@ COMMON = ["--nproc", "1", "--seq-len", "32", "--global-batch", "8", "--micro-bat
           "--eval-every", "0", "--sample-tokens", "0", "--no-progress", "--warmup", "2"]
 
 CASES = {
-    # name: (flags, cuda-only flags, bound on the worst relative loss difference over 8 steps)
-    "muon-fp32": (["--model", "tiny", "--optimizer", "muon", "--muon-ns-dtype", "fp32"], [], 1e-4),
-    "muon-bf16": (["--model", "tiny", "--optimizer", "muon"], [], 2e-3),
-    "dsmoe": (["--model", "tiny-dsmoe"], [], 1e-4),
-    "dsmoe-compiled": (["--model", "tiny-dsmoe"], ["--compile"], 1e-4),
-    "bf16": (["--model", "tiny", "--precision", "bf16"], [], 2e-2),
+    # name: (flags, cuda-only flags, bound on the worst relative loss difference over 8 steps); the value measured
+    # on an H200 (torch 2.11 + CUDA 13.0) against this repo's CPU machine (AMD EPYC, torch 2.13) beside each bound:
+    # bench/results/h200-parity.json
+    "muon-fp32": (["--model", "tiny", "--optimizer", "muon", "--muon-ns-dtype", "fp32"], [], 2e-6),  # 5.4e-8
+    "muon-bf16": (["--model", "tiny", "--optimizer", "muon"], [], 5e-4),  # 1.6e-5: bf16 products round by kernel
+    "dsmoe": (["--model", "tiny-dsmoe"], [], 5e-6),  # 1.0e-7: no expert chosen differently
+    "dsmoe-compiled": (["--model", "tiny-dsmoe"], ["--compile"], 5e-6),  # 1.5e-7
+    "bf16": (["--model", "tiny", "--precision", "bf16"], [], 2e-3),  # 4.3e-5
 }
 
 
@@ -69,4 +71,4 @@ def test_hf_llama_documents_on_cuda_match_cpu(tmp_path):
         cuda = _train(tmp_path, name, [*flags, *extra, "--device", "cuda"])
         worst = _worst(cpu, cuda)
         print(f"\nGPU-PARITY hf-llama-documents-{name}: worst relative loss difference cuda vs cpu {worst:.2e}")
-        assert worst < 1e-4
+        assert worst < 5e-6  # measured 4.0e-8 eager and compiled (H200)
