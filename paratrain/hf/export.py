@@ -26,6 +26,7 @@ import math
 import shutil
 import struct
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from paratrain.checkpoint.io import SHARDED_FORMAT, resolve_checkpoint, verify_c
 from paratrain.checkpoint.sharded import CheckpointReader
 from paratrain.config.errors import ConfigError
 from paratrain.data.tokenize import TOKENIZER_FILES
+from paratrain.hf.files import file_parts
 from paratrain.hf.load import INDEX, WEIGHTS, expected_shapes
 
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
@@ -73,14 +75,15 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, source: str | 
         raise ConfigError(f"the checkpoint {folder} and the model {source}/config.json builds differ: missing from "
                           f"the checkpoint {missing[:6]}, not in the model {unexpected[:6]}: export with the --hf "
                           "folder the run started from")
-    vocab = json.loads((source / "config.json").read_text()).get("vocab_size")
+    config = json.loads((source / "config.json").read_text())
+    vocab = config.get("vocab_size")
     for name in names:  # only a vocabulary's rows may be more (from_pretrained's padding, trimmed here)
         saved = tuple(reader.open(name).shape)
         padded = shapes[name][:1] == (vocab,) and saved[1:] == shapes[name][1:] and saved[:1] > shapes[name][:1]
         if saved != shapes[name] and not padded:
             raise ConfigError(f"{name} is {list(saved)} in the checkpoint {folder} and {list(shapes[name])} in the "
                               f"model {source}/config.json builds: export with the --hf folder the run started from")
-    shards = _plan(reader, shapes, names, dtype, parse_size(max_shard_size))
+    shards = _plan(_entries(reader, shapes, names, dtype, config.get("model_type", "")), parse_size(max_shard_size))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -88,9 +91,9 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, source: str | 
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
         total = 0
         for file, shard in zip(files, shards):
-            total += _write_shard(staging / file, reader, shapes, shard, dtype)
+            total += _write_shard(staging / file, reader, shard)
         if len(files) > 1:
-            weight_map = {name: file for file, shard in zip(files, shards) for name in shard}
+            weight_map = {entry.key: file for file, shard in zip(files, shards) for entry in shard}
             (staging / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                    indent=2))
         _copy_configuration(source, staging, dtype or _saved_dtype(reader, names))
@@ -103,49 +106,66 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, source: str | 
 Shapes = dict[str, tuple[int, ...]]
 
 
-def _target(reader: CheckpointReader, shapes: Shapes, name: str,
-            dtype: torch.dtype | None) -> tuple[tuple[int, ...], torch.dtype]:
-    """The exported shape (the model's: a padded vocabulary's first rows) and dtype of a tensor."""
-    saved = reader.open(name)
-    cast = dtype if dtype is not None and saved.dtype.is_floating_point else saved.dtype
-    return shapes[name], cast
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of the exported files: elements [lo, lo + its size) of a checkpoint tensor (a whole tensor, or one
+    expert's projection of a stacked one: paratrain.hf.files)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    source: str
+    lo: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _plan(reader: CheckpointReader, shapes: Shapes, names: list[str], dtype: torch.dtype | None,
-          limit: int) -> list[list[str]]:
-    """Tensors by shard, in name order: a new shard when the next tensor would pass `limit` bytes."""
-    shards: list[list[str]] = [[]]
-    size = 0
+def _entries(reader: CheckpointReader, shapes: Shapes, names: list[str], dtype: torch.dtype | None,
+             model_type: str) -> list[_Entry]:
+    """The files' tensors, by name: each checkpoint tensor at the model's shape (a padded vocabulary's first rows)
+    and the exported dtype, cut into its family's file tensors."""
+    entries = []
     for name in names:
-        shape, cast = _target(reader, shapes, name, dtype)
-        nbytes = math.prod(shape) * cast.itemsize
-        if shards[-1] and size + nbytes > limit:
+        saved = reader.open(name)
+        cast = dtype if dtype is not None and saved.dtype.is_floating_point else saved.dtype
+        lo = 0
+        for part in file_parts(model_type, name, shapes[name]):
+            entries.append(_Entry(part.key, part.shape, cast, name, lo))
+            lo += part.numel
+    return sorted(entries, key=lambda e: e.key)
+
+
+def _plan(entries: list[_Entry], limit: int) -> list[list[_Entry]]:
+    """Tensors by shard, in name order: a new shard when the next tensor would pass `limit` bytes."""
+    shards: list[list[_Entry]] = [[]]
+    size = 0
+    for entry in entries:
+        if shards[-1] and size + entry.nbytes > limit:
             shards.append([])
             size = 0
-        shards[-1].append(name)
-        size += nbytes
+        shards[-1].append(entry)
+        size += entry.nbytes
     return shards
 
 
-def _write_shard(path: Path, reader: CheckpointReader, shapes: Shapes, names: list[str],
-                 dtype: torch.dtype | None) -> int:
-    """One safetensors file: its header from the shapes, then each tensor assembled, cast and written in turn
-    (a padded vocabulary's tensor: its first rows, the elements before the padding)."""
+def _write_shard(path: Path, reader: CheckpointReader, entries: list[_Entry]) -> int:
+    """One safetensors file: its header from the shapes, then each tensor read from the checkpoint (its elements
+    from entry.lo: the elements before a padded vocabulary's padding, an expert's piece), cast and written."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for name in names:
-        shape, cast = _target(reader, shapes, name, dtype)
-        end = offset + math.prod(shape) * cast.itemsize
-        header[name] = {"dtype": SAFETENSORS_DTYPES[cast], "shape": list(shape), "data_offsets": [offset, end]}
-        offset = end
+    for entry in entries:
+        header[entry.key] = {"dtype": SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
+                             "data_offsets": [offset, offset + entry.nbytes]}
+        offset += entry.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     with open(path, "wb") as stream:
         stream.write(struct.pack("<Q", len(encoded)) + encoded)
-        for name in names:
-            saved = reader.open(name)
-            shape, cast = _target(reader, shapes, name, dtype)
-            tensor = saved.values(saved.shape, 0, math.prod(shape)).to(cast).contiguous()
+        for entry in entries:
+            saved = reader.open(entry.source)
+            tensor = saved.values(saved.shape, entry.lo, entry.lo + math.prod(entry.shape)).to(entry.dtype).contiguous()
             stream.write(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return offset
 

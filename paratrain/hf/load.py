@@ -44,6 +44,7 @@ from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import ParallelConfig
 from paratrain.config.run import RunConfig
 from paratrain.config.validate import preset_shape
+from paratrain.hf.files import MOE_TYPES, Part, files_layout
 from paratrain.models.init import Given, ParamInit
 from paratrain.nn.recipe import Recipe
 
@@ -51,11 +52,12 @@ WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
 def _recipes() -> dict[str, Recipe]:
-    from paratrain.models.hf import LLAMA_RECIPE, QWEN3_RECIPE
+    from paratrain.models.hf import LLAMA_RECIPE, MOE_RECIPE, QWEN3_MOE_RECIPE, QWEN3_RECIPE
     from paratrain.models.hf_gpt2 import GPT2_RECIPE
 
     return {"llama": LLAMA_RECIPE, "mistral": LLAMA_RECIPE, "qwen2": LLAMA_RECIPE, "qwen3": QWEN3_RECIPE,
-            "gemma": LLAMA_RECIPE, "gemma2": LLAMA_RECIPE, "gemma3_text": QWEN3_RECIPE, "gpt2": GPT2_RECIPE}
+            "gemma": LLAMA_RECIPE, "gemma2": LLAMA_RECIPE, "gemma3_text": QWEN3_RECIPE, "gpt2": GPT2_RECIPE,
+            "mixtral": MOE_RECIPE, "qwen2_moe": MOE_RECIPE, "qwen3_moe": QWEN3_MOE_RECIPE}
 
 
 def check_tp(config: Any, tp: int, *, sequence_parallel: bool = False, pad_vocab: bool = False) -> None:
@@ -116,20 +118,49 @@ class _Rows:
         return view[first:last].reshape(-1)[lo - first * row: hi - first * row]
 
 
+class _Parts:
+    """A model tensor the files hold in pieces (paratrain.hf.files: experts one by one): elements [lo, hi) read
+    from the pieces they overlap."""
+
+    def __init__(self, pieces: list[tuple[_Rows, Part]]) -> None:
+        self.pieces = pieces
+
+    def values(self, shape: Sequence[int], lo: int, hi: int) -> torch.Tensor:
+        if sum(part.numel for _, part in self.pieces) != math.prod(shape):
+            raise ConfigError(f"the files' pieces {[p.key for _, p in self.pieces][:4]} ... hold "
+                              f"{sum(p.numel for _, p in self.pieces)} elements, the model's tensor {tuple(shape)}: "
+                              "the config.json and the weights do not belong together")
+        read, start = [], 0
+        for rows, part in self.pieces:
+            a, b = max(lo, start), min(hi, start + part.numel)
+            if a < b:
+                read.append(rows.values(part.shape, a - start, b - start))
+            start += part.numel
+        return torch.cat(read) if read else torch.empty(0)
+
+
 class HFCheckpoint:
     """A Source (paratrain.hybrid.materialize) over a folder's safetensors files."""
 
     def __init__(self, folder: str | Path, buffers: dict[str, torch.Tensor],
-                 vocab: tuple[int, int] | None = None) -> None:
+                 vocab: tuple[int, int] | None = None, parts: dict[str, list[Part]] | None = None) -> None:
         self.folder = Path(folder)
         self.vocab = vocab
         self.files = weight_files(self.folder)
         self.buffers = buffers
         """Tensors the files do not hold, computed here (non-persistent buffers)."""
+        self.parts = parts or {}
+        """Model tensors the files hold in pieces under other names (paratrain.hf.files)."""
 
     def open(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> ParamInit:
         if name in self.buffers:
             return Given(self.buffers[name])
+        parts = self.parts.get(name)
+        if parts and [p.key for p in parts] != [name]:
+            absent = [p.key for p in parts if p.key not in self.files]
+            if absent:
+                raise ConfigError(f"{name}: its pieces {absent[:4]} are not in the checkpoint's files ({self.folder})")
+            return _Parts([(_Rows(self.folder / self.files[p.key], p.key), p) for p in parts])
         if name not in self.files:
             raise ConfigError(f"{name} is not in the checkpoint's files ({self.folder})")
         return _Rows(self.folder / self.files[name], name, self.vocab)
@@ -190,9 +221,11 @@ def from_pretrained(folder: str | Path, *, dtype: torch.dtype | None = None, pad
     files = weight_files(folder)
     model = _meta_model(config, dtype or _files_dtype(folder, files))
     stored = _stored_names(model)
+    state = model.state_dict(keep_vars=True)
+    parts = files_layout(config.model_type, {name: tuple(state[name].shape) for name in stored}, set(files))
     tied = {name for name in stored if name not in files and _is_tied(model, name)}
-    missing = sorted(set(stored) - set(files) - tied)
-    unexpected = sorted(set(files) - set(stored))
+    missing = sorted({p.key for name in stored if name not in tied for p in parts[name]} - set(files))
+    unexpected = sorted(set(files) - {p.key for name in stored for p in parts[name]})
     if missing or unexpected:
         raise ConfigError(f"the files in {folder} and the {type(model).__name__} config.json builds differ: missing "
                           f"from the files {missing[:6]}{' ...' if len(missing) > 6 else ''}, in the files but not "
@@ -202,7 +235,7 @@ def from_pretrained(folder: str | Path, *, dtype: torch.dtype | None = None, pad
     padded = (vocab, config.vocab_size) if config.vocab_size != vocab else None
     if padded:  # the losses read the real vocabulary's logits only
         recipe = dataclasses.replace(recipe, stage_loss=stage_loss(functools.partial(llama_pipeline_loss, vocab=vocab)))
-    return Pretrained(model, HFCheckpoint(folder, buffers, padded), recipe, config, folder, vocab,
+    return Pretrained(model, HFCheckpoint(folder, buffers, padded, parts), recipe, config, folder, vocab,
                       functools.partial(llama_loss, vocab=vocab))
 
 
@@ -211,6 +244,10 @@ def run_model_shape(config: RunConfig, parallel: ParallelConfig) -> ModelConfig:
     rules), else the GPT preset's."""
     if not config.model.hf:
         return preset_shape(config, parallel)
+    if parallel.ep > 1:
+        raise ConfigError(f"--ep {parallel.ep} with --hf: expert parallelism splits paratrain's own MoE layer, and a "
+                          "Hugging Face model's experts (Mixtral, Qwen-MoE) stay its own module, whole on every rank; "
+                          "shard them with --zero 3 (or --zero 1 / 2 for their gradients and optimizer state) instead")
     return stand_in(config.model.hf, tp=parallel.tp_split, sequence_parallel=parallel.sequence_parallel)
 
 
@@ -223,9 +260,15 @@ def stand_in(folder: str | Path, *, tp: int = 1, sequence_parallel: bool = False
                           f"{sorted(_recipes())} only")
     check_tp(config, tp, sequence_parallel=sequence_parallel, pad_vocab=True)
     ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size
+    moe = {}
+    if config.model_type in MOE_TYPES:  # every layer a MoE layer (Qwen's decoder_sparse_step 1, no mlp_only_layers)
+        experts = getattr(config, "num_local_experts", None) or config.num_experts
+        moe = dict(n_experts=experts, top_k=config.num_experts_per_tok, moe_every=getattr(config, "decoder_sparse_step", 1),
+                   d_expert=getattr(config, "moe_intermediate_size", None) or ffn,
+                   shared_expert=bool(getattr(config, "shared_expert_intermediate_size", 0)))
     return ModelConfig(vocab_size=config.vocab_size, seq_len=config.max_position_embeddings,
                        n_layer=config.num_hidden_layers, n_head=config.num_attention_heads, d_model=config.hidden_size,
-                       d_ff=ffn, tie_embeddings=bool(config.tie_word_embeddings))
+                       d_ff=ffn, tie_embeddings=bool(config.tie_word_embeddings), **moe)
 
 
 def _config(folder: Path) -> Any:
@@ -238,17 +281,34 @@ def _config(folder: Path) -> Any:
     if getattr(config, "use_bidirectional_attention", False):
         raise ConfigError(f"{folder}: a {config.model_type} model with use_bidirectional_attention: paratrain trains "
                           "causal language models; set it false")
+    if config.model_type in MOE_TYPES:
+        _check_moe(folder, config)
     if getattr(config, "use_sliding_window", False):
         raise ConfigError(f"{folder}: a {config.model_type} model with use_sliding_window: paratrain's pipeline and "
                           "context-parallel runners build full causal masks for it; set use_sliding_window false")
     return config
 
 
+def _check_moe(folder: Path, config: Any) -> None:
+    """What paratrain's loss and layouts do not reproduce of HF's MoE training, refused by name."""
+    if getattr(config, "output_router_logits", False):
+        raise ConfigError(f"{folder}: output_router_logits is true, so transformers would add router_aux_loss_coef "
+                          f"({getattr(config, 'router_aux_loss_coef', '?')}) x its load-balancing loss, computed per "
+                          "forward (per micro-batch: a number that changes with the layout), which paratrain's HF loss "
+                          "does not add; set output_router_logits false in config.json to train without it")
+    if getattr(config, "router_jitter_noise", 0.0):
+        raise ConfigError(f"{folder}: router_jitter_noise {config.router_jitter_noise} multiplies the router's input "
+                          "by noise from torch's global generator, which no two layouts draw alike; set it 0")
+
+
 def _meta_model(config: Any, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
+    # torch's grouped_mm (transformers' default for stacked experts) takes no float64: the loop over experts does
+    grouped = config.model_type not in MOE_TYPES or dtype != torch.float64
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, **({} if grouped else
+                                                                       {"experts_implementation": "eager"}))
 
 
 def expected_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:

@@ -78,7 +78,7 @@ LLAMA_WRAP = r"model\.layers\.\d+"
 """ZeRO-3 units: each decoder layer (parallelize's `wrap=`); the root unit holds the embedding, the
 final norm and lm_head."""
 
-_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def check_llama_tp(config: Any, tp: int, *, sequence_parallel: bool = False, pad_vocab: bool = False) -> None:
@@ -230,3 +230,12 @@ its own heads, so their gradients are partial and summed over tp ("head_partial"
 QWEN3_RECIPE = dataclasses.replace(LLAMA_RECIPE, tp_plan=QWEN3_TP_PLAN)
 """HF Qwen3's recipe (Qwen2, with biased q / k / v projections that split with them, takes LLAMA_RECIPE)."""
 
+
+_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+MOE_RECIPE = dataclasses.replace(LLAMA_RECIPE, tp_plan={k: v for k, v in LLAMA_TP_PLAN.items() if k not in _MLP})
+"""HF Mixtral and Qwen2-MoE: Llama's attention layout; the router and the experts (stacked [E, 2I, D] and [E, D, I],
+paratrain.hf.files) and Qwen2-MoE's shared expert whole on every tp rank (their input is whole there: the attention's
+row-parallel output is summed first), so each rank computes them alike and their gradients need no sum over tp."""
+
+QWEN3_MOE_RECIPE = dataclasses.replace(QWEN3_RECIPE, tp_plan={k: v for k, v in QWEN3_TP_PLAN.items() if k not in _MLP})
+"""HF Qwen3-MoE: Qwen3's attention (per-head q / k norms), experts as MOE_RECIPE's."""

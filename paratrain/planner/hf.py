@@ -14,7 +14,9 @@ Ranks measured: the first of each pipeline stage (dp, cp and tp ranks hold the s
 meta device are not a GPU's, and the dry run makes them so: torch's attention on meta tensors would take the
 math path, which keeps the [B, H, S, S] probabilities, where a GPU (and a CPU) runs a fused kernel that keeps
 O(S) (its output and log-sum-exp); and transformers' search for packed sequences in the position ids reads
-values, which meta tensors have not (the dry run has no documents). Activations are counted in the model's
+values, which meta tensors have not (the dry run has no documents); and torch's grouped product of MoE experts
+has a meta kernel for bfloat16 only (the dry run multiplies every routed row by one expert's matrix: the same
+shapes saved). Activations are counted in the model's
 dtype: the meta device runs no autocast (bf16 under zero 0 moves less than counted).
 """
 
@@ -100,10 +102,23 @@ def meta_kernels() -> Iterator[None]:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
+    grouped = getattr(F, "grouped_mm", None)
+
+    def grouped_on_meta(mat_a: torch.Tensor, mat_b: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        if not mat_a.is_meta or mat_b.dim() != 3:
+            return grouped(mat_a, mat_b, **kwargs)  # type: ignore[misc]
+        # the experts' grouped product (rows sorted by expert, E matrices): the same output and saved input as one
+        # product of every row with one expert's matrix (torch's meta kernel takes only bfloat16)
+        return mat_a @ mat_b[0]
+
     F.scaled_dot_product_attention = fused  # type: ignore[assignment]
     masking.find_packed_sequence_indices = lambda positions: None if positions.is_meta else find_packed(positions)
+    if grouped is not None:
+        F.grouped_mm = grouped_on_meta  # type: ignore[attr-defined]
     try:
         yield
     finally:
         F.scaled_dot_product_attention = attention  # type: ignore[assignment]
         masking.find_packed_sequence_indices = find_packed
+        if grouped is not None:
+            F.grouped_mm = grouped  # type: ignore[attr-defined]

@@ -48,6 +48,22 @@ def build(kind: str = "llama") -> torch.nn.Module:
                 if name.endswith("bias"):
                     param.uniform_(-0.1, 0.1)
         return model
+    if kind in ("mixtral", "qwen3-moe"):  # experts stacked in the module, one tensor per expert in the files
+        from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        eager = dict(experts_implementation="eager")  # torch's grouped_mm takes no float64
+        if kind == "mixtral":  # 4 experts, top-2, softmax over all then the two renormalised
+            model = MixtralForCausalLM(MixtralConfig(**shape, **eager, num_local_experts=4,
+                                                     num_experts_per_tok=2)).double()
+        else:  # 8 narrow experts (16 wide), top-2 renormalised, per-head q / k norms
+            model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, **eager, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                                                       moe_intermediate_size=16, norm_topk_prob=True,
+                                                       tie_word_embeddings=False)).double()
+        with torch.no_grad():  # routers and experts away from HF's near-zero init: scores far apart (no near
+            for name, param in model.named_parameters():  # tie a layout's rounding could flip), experts distinct
+                if ".mlp." in name:
+                    param.uniform_(-0.5, 0.5)
+        return model
     if kind == "mistral":  # a window shorter than the sequence, so the sliding mask matters
         return MistralForCausalLM(MistralConfig(**shape, sliding_window=6)).double()
     if kind in ("gemma2", "gemma3"):  # soft-capped attention and logits, sliding and full layers alternating
@@ -133,7 +149,7 @@ def _job(kind: str, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: in
          tp_depth: int = 1, muon: bool = False) -> dict:
     import paratrain
     from paratrain.hf.load import check_tp
-    from paratrain.models.hf import LLAMA_RECIPE, QWEN3_RECIPE, llama_loss
+    from paratrain.models.hf import LLAMA_RECIPE, MOE_RECIPE, QWEN3_MOE_RECIPE, QWEN3_RECIPE, llama_loss
     from paratrain.models.hf_gpt2 import GPT2_RECIPE
 
     config = paratrain.ParallelConfig(dp=dp, tp=tp, pp=pp, zero=zero, cp=cp, cp_mode=cp_mode, tp_mode=tp_mode,
@@ -141,7 +157,8 @@ def _job(kind: str, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: in
     ctx = paratrain.init(device="cpu", config=config)
     model = build(kind)
     check_tp(model.config, config.tp_split)
-    recipe = {"qwen3": QWEN3_RECIPE, "gemma3": QWEN3_RECIPE, "gpt2": GPT2_RECIPE}.get(kind, LLAMA_RECIPE)
+    recipe = {"qwen3": QWEN3_RECIPE, "qwen3-moe": QWEN3_MOE_RECIPE, "mixtral": MOE_RECIPE, "gemma3": QWEN3_RECIPE,
+              "gpt2": GPT2_RECIPE}.get(kind, LLAMA_RECIPE)
     engine = paratrain.parallelize(model, ctx, optimizer=_muon() if muon else _adamw,
                                    options=paratrain.EngineOptions(micro_batch=micro_batch), recipe=recipe)
     losses, norms = [], []
@@ -207,6 +224,11 @@ def _tied_state(kind: str, state: dict) -> dict:
     ("gemma2", dict(pp=2, micro_batch=2)),  # each stage's layers get their own (sliding or full) mask
     ("gemma3", dict(tp=2, micro_batch=4)),
     ("gemma3", dict(pp=2, micro_batch=2)),  # local and global rotary tables by layer type
+    ("mixtral", dict(dp=2, zero=3, micro_batch=2)),  # stacked experts sharded flat
+    ("mixtral", dict(tp=2, micro_batch=4)),  # attention split, router and experts whole on each tp rank
+    ("mixtral", dict(cp=2, micro_batch=4)),  # tokens routed alone: the experts see each rank's half of a sequence
+    ("qwen3-moe", dict(pp=2, micro_batch=2)),
+    ("qwen3-moe", dict(dp=2, tp=2, zero=1, micro_batch=2)),
     # the grid modes: HF's RMSNorm computes in float32, and a grid sums its statistics over the width's blocks
     ("llama", dict(tp=4, tp_mode="2d", micro_batch=4)),
     ("llama-tied", dict(tp=8, tp_mode="3d", micro_batch=4)),  # lm_head tied to the embedding, gathered whole
@@ -214,6 +236,7 @@ def _tied_state(kind: str, state: dict) -> dict:
 ], ids=["llama-zero3", "llama-tp2", "llama-pp2", "mistral-tp2", "mistral-pp2", "tied-tp2", "tied-pp2",
         "qwen2-tp2", "qwen3-tp2", "qwen3-pp2", "gemma-tp2", "gemma-pp2", "llama-cp2", "tied-cp2-ulysses", "tied-dp2tp2z1", "llama-cp2pp2-ulysses", "llama-cp4",
         "gpt2-tp2", "gpt2-pp2", "gpt2-zero3", "gemma2-tp2", "gemma2-pp2", "gemma3-tp2", "gemma3-pp2",
+        "mixtral-zero3", "mixtral-tp2", "mixtral-cp2", "qwen3moe-pp2", "qwen3moe-dp2tp2z1",
         "llama-2d", "tied-3d", "mistral-2.5d"])
 def test_layout_trains_as_plain_pytorch(pools, kind, layout):
     """Per-step losses and gradient norms, and the whole final model by name, against plain PyTorch;
