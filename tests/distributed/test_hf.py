@@ -48,13 +48,18 @@ def build(kind: str = "llama") -> torch.nn.Module:
                 if name.endswith("bias"):
                     param.uniform_(-0.1, 0.1)
         return model
-    if kind in ("mixtral", "qwen3-moe"):  # experts stacked in the module, one tensor per expert in the files
-        from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    if kind in ("mixtral", "qwen3-moe", "qwen2-moe"):  # experts stacked in the module, one per expert in the files
+        from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                                  Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
         eager = dict(experts_implementation="eager")  # torch's grouped_mm takes no float64
         if kind == "mixtral":  # 4 experts, top-2, softmax over all then the two renormalised
             model = MixtralForCausalLM(MixtralConfig(**shape, **eager, num_local_experts=4,
                                                      num_experts_per_tok=2)).double()
+        elif kind == "qwen2-moe":  # 8 narrow experts and a gated shared expert
+            model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**shape, **eager, num_experts=8, num_experts_per_tok=2,
+                                                       moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                                                       tie_word_embeddings=False)).double()
         else:  # 8 narrow experts (16 wide), top-2 renormalised, per-head q / k norms
             model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, **eager, head_dim=8, num_experts=8, num_experts_per_tok=2,
                                                        moe_intermediate_size=16, norm_topk_prob=True,
