@@ -76,6 +76,9 @@ def print_summary(result: TrainResult) -> None:
         steps = sorted(result.val_losses)
         first, last = result.val_losses[steps[0]], result.val_losses[steps[-1]]
         print(f"validation loss: {first:.4f} at step {steps[0]} -> {last:.4f} at step {steps[-1]}")
+    if result.tokens_per_s:
+        utilisation = f", MFU {result.mfu:.1%}" if result.mfu is not None else ""
+        print(f"throughput: {result.tokens_per_s:,.0f} tokens/s{utilisation} (the steps after the first)")
     if result.sample:
         print("sample:\n" + result.sample)
     sys.stdout.flush()

@@ -24,7 +24,7 @@ from paratrain.hybrid.engine import LossFn
 from paratrain.topology import Context
 from paratrain.train.log import get_logger
 from paratrain.train.loop_settings import LoopResult, LoopSettings
-from paratrain.train.metrics import JsonLog, RecordLog, Records, peak_flops, step_record
+from paratrain.train.metrics import JsonLog, RecordLog, Records, mfu, peak_flops, step_record
 from paratrain.train.schedule import lr_at
 from paratrain.train.tensorboard import TensorBoardLog
 
@@ -183,6 +183,9 @@ class TrainLoop:
                 step_time = (time.perf_counter() - interval_start) / len(unread)
                 for (number, step_lr, _), stats in zip(unread, read):
                     result.losses[number] = stats.loss
+                    if number > start_step + 1:
+                        result.steady_tokens += stats.tokens
+                        result.steady_s += step_time
                     record = self._record(number, step_lr, stats, step_time, peak)
                     if number == self.step:
                         record.update(self.train.log_fields())  # the loader's state is this step's
@@ -204,6 +207,8 @@ class TrainLoop:
                     self.save()
                 interval_start = time.perf_counter()
             result.wall_s = time.perf_counter() - started
+            if result.tokens_per_s and self.settings.flops_per_token:
+                result.mfu = mfu(result.tokens_per_s, self.settings.flops_per_token, self.ctx.world_size, peak)
         except BaseException as error:
             for hook in self.hooks:
                 hook.on_error(self, error)

@@ -59,3 +59,13 @@ class LoopResult:
     """Validation loss by step (0: before training)."""
     wall_s: float = 0.0
     """Seconds from the first step to the end of the last, on this rank."""
+    steady_tokens: int = 0
+    """Tokens of the global batches after this run's first step (whose time holds compilation and allocation)."""
+    steady_s: float = 0.0
+    """Their steps' time (validation and checkpoints left out, as in each step's record)."""
+    mfu: float | None = None
+    """Model FLOPs utilisation over those steps, where the device's peak is known (CUDA)."""
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.steady_tokens / self.steady_s if self.steady_s > 0 else None

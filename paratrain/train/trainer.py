@@ -34,6 +34,9 @@ class TrainResult:
     """Global-batch training loss by step (1-based: the loss of the step that made step N)."""
     val_losses: dict[int, float] = field(default_factory=dict)
     sample: str = ""
+    tokens_per_s: float | None = None
+    """Global-batch tokens a second over the steps after the first (LoopResult.tokens_per_s)."""
+    mfu: float | None = None
 
 
 def run_hooks(plan: RunPlan, rank: int, attempt: int) -> list[Hook]:
@@ -232,7 +235,8 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         done = self.loop.run()
-        result = TrainResult(losses=done.losses, val_losses=done.val_losses)
+        result = TrainResult(losses=done.losses, val_losses=done.val_losses, tokens_per_s=done.tokens_per_s,
+                             mfu=done.mfu)
         sample_tokens = self.plan.config.train.sample_tokens
         # Under ZeRO-3 every forward all-gathers parameters, under tp every layer communicates: then
         # all ranks generate (the same text).
