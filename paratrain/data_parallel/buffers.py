@@ -99,6 +99,8 @@ class BufferSync:
 
     def end_step(self) -> None:
         """After the step's forwards (every dp rank; collective): apply each changing buffer's rule."""
+        if self.device.type == "meta":  # the planner's dry run: no values to compare or reduce
+            return
         changed = [n for n, (b, version) in self._seen.items()
                    if self.model.get_buffer(n) is not b or b._version != version]
         if self.tracked is None:

@@ -10,6 +10,7 @@ while the files on the Hub (and those save_pretrained writes) hold one tensor pe
     mixtral              model.layers.{i}.block_sparse_moe.experts.{e}.w1 / w3 / w2.weight   (gate / up / down)
                          model.layers.{i}.block_sparse_moe.gate.weight                        (the router)
     qwen2_moe, qwen3_moe model.layers.{i}.mlp.experts.{e}.gate_proj / up_proj / down_proj.weight
+    deepseek_v3
 
 Every such conversion here is a concatenation of the files' tensors, flattened, in order: the stacked
 gate_up_proj is w1_0 | w3_0 | w1_1 | w3_1 | ... as flat elements. So a model tensor is a list of Parts (a file's
@@ -25,7 +26,7 @@ import math
 import re
 from dataclasses import dataclass
 
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ _EXPERTS = re.compile(r"^(?P<layer>model\.layers\.\d+)\.mlp\.experts\.(?P<tensor
 _ROUTER = re.compile(r"^(?P<layer>model\.layers\.\d+)\.mlp\.gate\.weight$")
 _PROJECTIONS = {"mixtral": ("block_sparse_moe", "w1.weight", "w3.weight", "w2.weight"),
                 "qwen2_moe": ("mlp", "gate_proj.weight", "up_proj.weight", "down_proj.weight"),
-                "qwen3_moe": ("mlp", "gate_proj.weight", "up_proj.weight", "down_proj.weight")}
+                "qwen3_moe": ("mlp", "gate_proj.weight", "up_proj.weight", "down_proj.weight"),
+                "deepseek_v3": ("mlp", "gate_proj.weight", "up_proj.weight", "down_proj.weight")}
 """model_type -> (the experts' module in the files, gate, up and down projections' names)."""
 
 

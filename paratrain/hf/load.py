@@ -57,7 +57,7 @@ def _recipes() -> dict[str, Recipe]:
 
     return {"llama": LLAMA_RECIPE, "mistral": LLAMA_RECIPE, "qwen2": LLAMA_RECIPE, "qwen3": QWEN3_RECIPE,
             "gemma": LLAMA_RECIPE, "gemma2": LLAMA_RECIPE, "gemma3_text": QWEN3_RECIPE, "gpt2": GPT2_RECIPE,
-            "mixtral": MOE_RECIPE, "qwen2_moe": MOE_RECIPE, "qwen3_moe": QWEN3_MOE_RECIPE}
+            "mixtral": MOE_RECIPE, "qwen2_moe": MOE_RECIPE, "qwen3_moe": QWEN3_MOE_RECIPE, "deepseek_v3": MOE_RECIPE}
 
 
 def check_tp(config: Any, tp: int, *, sequence_parallel: bool = False, pad_vocab: bool = False) -> None:
@@ -65,6 +65,11 @@ def check_tp(config: Any, tp: int, *, sequence_parallel: bool = False, pad_vocab
     from paratrain.models.hf import check_llama_tp
     from paratrain.models.hf_gpt2 import check_gpt2_tp
 
+    if config.model_type == "deepseek_v3" and tp > 1:
+        raise ConfigError(f"tp {tp} with DeepSeek-V3: its multi-head latent attention shares one rotary key (k_pe, "
+                          "from kv_a_proj_with_mqa) between all heads, so splitting the heads over tp would need that "
+                          "projection's gradients summed over tp, which no plan here does yet; train it with dp, "
+                          "ZeRO, pp or cp (tp 1)")
     check = check_gpt2_tp if config.model_type == "gpt2" else check_llama_tp
     check(config, tp, sequence_parallel=sequence_parallel, pad_vocab=pad_vocab)
 
@@ -262,7 +267,8 @@ def stand_in(folder: str | Path, *, tp: int = 1, sequence_parallel: bool = False
     ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size
     moe = {}
     if config.model_type in MOE_TYPES:  # every layer a MoE layer (Qwen's decoder_sparse_step 1, no mlp_only_layers)
-        experts = getattr(config, "num_local_experts", None) or config.num_experts
+        experts = (getattr(config, "num_local_experts", None) or getattr(config, "n_routed_experts", None)
+                   or config.num_experts)
         moe = dict(n_experts=experts, top_k=config.num_experts_per_tok, moe_every=getattr(config, "decoder_sparse_step", 1),
                    d_expert=getattr(config, "moe_intermediate_size", None) or ffn,
                    shared_expert=bool(getattr(config, "shared_expert_intermediate_size", 0)))

@@ -78,7 +78,8 @@ LLAMA_WRAP = r"model\.layers\.\d+"
 """ZeRO-3 units: each decoder layer (parallelize's `wrap=`); the root unit holds the embedding, the
 final norm and lm_head."""
 
-_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe")
+_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe",
+          "deepseek_v3")
 
 
 def check_llama_tp(config: Any, tp: int, *, sequence_parallel: bool = False, pad_vocab: bool = False) -> None:

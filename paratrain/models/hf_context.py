@@ -132,5 +132,8 @@ def _attend_through(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
                           f"{sliding_window} tokens under cp, or set cp to 1")
     if dropout:
         raise ConfigError(f"context parallelism with attention dropout ({dropout}): set attention_dropout=0.0")
-    out = shard.attend(query, key, value, scale=scaling, documents=kwargs.get(DOCUMENTS_KEY))
+    width = value.shape[-1]
+    if width < query.shape[-1]:  # DeepSeek's MLA: v narrower than q / k; zero columns attend to zeros, cut after
+        value = torch.nn.functional.pad(value, (0, query.shape[-1] - width))
+    out = shard.attend(query, key, value, scale=scaling, documents=kwargs.get(DOCUMENTS_KEY))[..., :width]
     return out.transpose(1, 2).contiguous(), None

@@ -98,9 +98,13 @@ def meta_kernels() -> Iterator[None]:
         if not query.is_meta:
             return attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                              scale=scale, enable_gqa=enable_gqa)
-        # the fused kernel reads grouped k / v heads as they are (GQA: enable_gqa), keeping them unrepeated
+        # the fused kernel reads grouped k / v heads as they are (GQA: enable_gqa), keeping them unrepeated; its meta
+        # kernel gives the output q's width: a narrower v (DeepSeek's MLA) is padded to it and the output cut back
+        width = value.shape[-1]
+        if width < query.shape[-1]:
+            value = F.pad(value, (0, query.shape[-1] - width))
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0][..., :width]
 
     grouped = getattr(F, "grouped_mm", None)
 

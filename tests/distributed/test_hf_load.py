@@ -27,7 +27,7 @@ def folders(tmp_path_factory) -> dict[str, str]:
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     out = {}
     for kind in ("llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "gemma2", "gemma3", "mixtral",
-                 "qwen3-moe", "qwen2-moe"):
+                 "qwen3-moe", "qwen2-moe", "deepseek-v3"):
         folder = tmp_path_factory.mktemp(kind)
         build(kind).float().save_pretrained(folder, max_shard_size="20KB")
         tokenizer.save(str(folder / "tokenizer.json"))
@@ -99,16 +99,18 @@ def _files(folder: str) -> dict[str, torch.Tensor]:
     ("mixtral", dict(dp=2, zero=3)),                    # shards of stacked experts read from per-expert tensors
     ("qwen3-moe", dict(dp=1, tp=2, pp=2)),
     ("qwen2-moe", dict(dp=1, tp=2)),                    # the gated shared expert whole on each tp rank
+    ("deepseek-v3", dict(dp=2, zero=3)),                # MLA, the router's score-correction bias (a buffer)
 ], ids=["tied-zero3", "tp2", "mistral-pp2", "tied-dp2xtp2-zero1", "qwen2-zero3", "gemma-tp2", "tp2xpp2",
         "qwen3-tp2xpp2", "gpt2-dp2xtp2-zero1", "gemma2-tp2", "gemma3-pp2", "tied-3d-zero1", "mixtral-zero3",
-        "qwen3moe-tp2xpp2", "qwen2moe-tp2"])
+        "qwen3moe-tp2xpp2", "qwen2moe-tp2", "dsv3-zero3"])
 def test_loaded_pieces_are_the_files_and_the_first_loss_is_hfs(pools, folders, kind, layout):
     """float32: engine.state_dict()["model"] equals the files bit for bit (a tied head is one tensor: the
     files hold the embedding only), and the first step's loss HF's forward's within 1e-6 (measured 2.2e-8);
     float64 (the float32 files converted on load) within 1e-12 (measured 2.1e-16; avx2 and default kernels)."""
     world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
     # MoE families: the files hold one tensor per expert, the model stacks them: against transformers' own load
-    files = _transformers_state(folders[kind]) if kind.endswith(("mixtral", "moe")) else _files(folders[kind])
+    moe = kind.endswith(("mixtral", "moe", "deepseek-v3"))
+    files = _transformers_state(folders[kind]) if moe else _files(folders[kind])
     got = pools(world).run(_loaded, folders[kind], "float32", **layout)
     assert sorted(got[0]["state"]) == sorted(files)
     for name, tensor in files.items():
@@ -164,7 +166,7 @@ def _trained(folder: str, root: str, steps: int, **layout) -> dict:
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "gemma2", "gemma3", "mixtral",
-                                  "qwen3-moe", "qwen2-moe"])
+                                  "qwen3-moe", "qwen2-moe", "deepseek-v3"])
 def test_an_untrained_load_exports_bitwise_the_input(pools, folders, tmp_path, kind):
     """Each family loaded under ZeRO-3 (dp 2), saved, exported: the same tensors, bit for bit and by name, as
     the folder it came from, the tokenizer files byte for byte, config.json's dtype the exported one."""

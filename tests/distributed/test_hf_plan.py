@@ -16,7 +16,7 @@ GLOBAL_BATCH, SEQ, MICRO = 8, 16, 2
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, str]:
     out = {}
-    for kind in ("llama-tied", "gpt2", "gemma2"):  # GQA under the fused kernel; Conv1D and LayerNorm; eager attention
+    for kind in ("llama-tied", "gpt2", "gemma2", "mixtral", "deepseek-v3"):  # GQA under the fused kernel; Conv1D and LayerNorm; eager attention
         folder = tmp_path_factory.mktemp(kind)
         build(kind).float().save_pretrained(folder)
         out[kind] = str(folder)
@@ -49,8 +49,11 @@ def _measured(folder: str, **layout) -> dict:
     ("gpt2", dict(tp=2)),
     ("llama-tied", dict(dp=2, zero=3)),
     ("gemma2", dict(pp=2)),
-], ids=["llama-tp2", "llama-pp2", "gpt2-tp2", "llama-zero3", "gemma2-pp2"])
+    ("mixtral", dict(pp=2)),  # the experts' grouped product on meta tensors
+    ("deepseek-v3", dict(dp=2, zero=3)),  # MLA's narrower v through the fused kernel; a buffer under dp
+], ids=["llama-tp2", "llama-pp2", "gpt2-tp2", "llama-zero3", "gemma2-pp2", "mixtral-pp2", "dsv3-zero3"])
 def test_the_dry_run_predicts_each_ranks_memory_to_the_byte(pools, folders, kind, layout):
+    """Dense families to the byte; MoE families' states to the byte, their activations within 1 %."""
     import paratrain
     from paratrain.planner.hf import hf_rank_memory
 
@@ -61,7 +64,11 @@ def test_the_dry_run_predicts_each_ranks_memory_to_the_byte(pools, folders, kind
         predicted = hf_rank_memory(folders[kind], parallel, rank=rank["rank"], world_size=world,
                                    global_batch=GLOBAL_BATCH, micro_batch=MICRO, seq_len=SEQ)
         assert predicted.states == rank["states"], (rank["rank"], predicted.states, rank["states"])
-        assert predicted.activations == rank["activations"] > 0, (rank["rank"], predicted.activations)
+        if kind in ("mixtral", "deepseek-v3"):  # routing: index tensors sized by the experts a batch reaches (data);
+            # measured -0.013 % (Mixtral pp 2) and +0.43 % (DeepSeek-V3 ZeRO-3) of the real run's activations
+            assert abs(predicted.activations / rank["activations"] - 1) < 0.01, (rank["rank"], predicted.activations)
+        else:
+            assert predicted.activations == rank["activations"] > 0, (rank["rank"], predicted.activations)
 
 
 def test_plan_hf_prints_each_stage(folders, capsys):
