@@ -231,6 +231,12 @@ def from_pretrained(folder: str | Path, *, dtype: torch.dtype | None = None, pad
     tied = {name for name in stored if name not in files and _is_tied(model, name)}
     missing = sorted({p.key for name in stored if name not in tied for p in parts[name]} - set(files))
     unexpected = sorted(set(files) - {p.key for name in stored for p in parts[name]})
+    mtp = f"model.layers.{config.num_hidden_layers}."
+    if config.model_type == "deepseek_v3" and any(name.startswith(mtp) for name in unexpected):
+        raise ConfigError(f"{folder} holds DeepSeek's multi-token-prediction layers ({mtp}*, num_nextn_predict_layers "
+                          f"{getattr(config, 'num_nextn_predict_layers', '?')}), which transformers' DeepseekV3ForCausalLM "
+                          "does not build and paratrain does not train: they would be lost on export; remove them from "
+                          "the files (and model.safetensors.index.json) to train the model without them")
     if missing or unexpected:
         raise ConfigError(f"the files in {folder} and the {type(model).__name__} config.json builds differ: missing "
                           f"from the files {missing[:6]}{' ...' if len(missing) > 6 else ''}, in the files but not "
