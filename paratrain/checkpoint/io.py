@@ -223,6 +223,12 @@ def _verify_sharded(folder: Path, meta: dict[str, Any], hashed: Collection[str] 
     """A sharded checkpoint (paratrain.checkpoint.sharded): every rank file present with its size and
     SHA-256 (of the `hashed` files; None: all), every indexed piece in its file with its length and
     dtype, every tensor covered whole."""
+    for name, expected in meta.get("attachments", {}).items():  # files beside the tensors (an --hf run's config)
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing")
+        if path.stat().st_size != expected["bytes"] or not digest_matches(path, expected):
+            raise CheckpointError(f"{path} does not match the size and SHA-256 written with it")
     headers: dict[str, dict[str, list[Any]]] = {}
     for file_name, expected in meta.get("files", {}).items():
         path = folder / file_name

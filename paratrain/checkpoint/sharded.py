@@ -29,7 +29,7 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -65,11 +65,15 @@ def _barrier() -> None:
 
 
 def save_sharded(root: str | Path, step: int, view: StateView, meta: dict[str, Any], *, keep_last: int = 0,
-                 before_publish: Callable[[], None] | None = None) -> Path:
+                 before_publish: Callable[[], None] | None = None,
+                 attachments: Mapping[str, str | Path] | None = None) -> Path:
     """Write one sharded checkpoint of an engine's state (`engine.view()`) under `root` and point `latest`
     at it; returns its folder. Collective: every rank calls it. meta: JSON-able extras (rank 0's are kept).
     keep_last: then delete all but the newest this many step_* folders (0: keep every one).
-    before_publish: called on every rank once its own file is on disk (the trainer's fault injection)."""
+    before_publish: called on every rank once its own file is on disk (the trainer's fault injection).
+    attachments: files rank 0 copies into the checkpoint, name inside it -> source (an `--hf` run's config.json and
+    tokenizer files under hf/, so that `paratrain export --hf` needs no source folder), each listed in meta.json's
+    "attachments" with its size and SHA-256 (verify_checkpoint checks them)."""
     root = Path(root)
     name = f"step_{step:08d}"
     tmp = root / f".tmp-{name}"
@@ -97,8 +101,14 @@ def save_sharded(root: str | Path, step: int, view: StateView, meta: dict[str, A
         before_publish()
     parts = _gather((files, index, scalars, groups))
     if rank == 0:
+        attached = {}
+        for inside, source in (attachments or {}).items():
+            (tmp / inside).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, tmp / inside)
+            _fsync_file(tmp / inside)
+            attached[inside] = {"bytes": (tmp / inside).stat().st_size, "sha256": _digest(tmp / inside)}
         document = {"format": FORMAT, "step": step, "world_size": len(parts), **meta, **view.scalars(),
-                    "files": {}, "tensors": {},
+                    "files": {}, "tensors": {}, **({"attachments": attached} if attached else {}),
                     "optimizer": {"param_groups": _merge_groups([p[3] for p in parts]), "scalars": {}}}
         for part_files, part_index, part_scalars, _ in parts:
             document["files"].update(part_files)

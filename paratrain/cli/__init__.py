@@ -35,10 +35,11 @@ def _checkpoint_tool(args: argparse.Namespace) -> int:
     from paratrain.checkpoint.tools import describe_checkpoint, export_model, format_description
 
     try:
-        if args.command == "export" and args.hf:
+        if args.command == "export" and args.hf is not None:
             from paratrain.hf import export_pretrained
 
-            done = export_pretrained(args.checkpoint, args.out, source=args.hf, max_shard_size=args.max_shard_size,
+            done = export_pretrained(args.checkpoint, args.out, source=args.hf or None,
+                                     max_shard_size=args.max_shard_size,
                                      dtype=getattr(torch, args.dtype) if args.dtype else None)
             print(f"wrote {done['out']}: {done['tensors']} tensors in {done['shards']} shards, "
                   f"{done['bytes'] / 2**20:.1f} MiB")

@@ -17,8 +17,9 @@ def add_tool_commands(commands: argparse._SubParsersAction) -> None:
     export.add_argument("out", help="the .safetensors file to write (with --hf: the folder)")
     export.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"),
                         help="cast floating tensors to this dtype (default: as saved)")
-    export.add_argument("--hf", metavar="SOURCE", help="write OUT as a Hugging Face folder (sharded safetensors, "
-                        "config.json, tokenizer files) for the model SOURCE (the folder it was loaded from)")
+    export.add_argument("--hf", metavar="SOURCE", nargs="?", const="", help="write OUT as a Hugging Face folder "
+                        "(sharded safetensors, config.json, tokenizer files); SOURCE: the folder the model was loaded "
+                        "from (default: the configuration an --hf run's checkpoint carries)")
     export.add_argument("--max-shard-size", default="5GB", help="with --hf: the largest shard (default 5GB)")
     replay = commands.add_parser("replay", help="recompute one step of a run on one process from its checkpoint: "
                                                 "loss, gradient norm, per-tensor norms, the worst samples")

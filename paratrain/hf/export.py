@@ -1,10 +1,13 @@
 """Export a paratrain checkpoint of a Hugging Face model as a folder `from_pretrained` loads.
 
-    paratrain export CKPT OUT --hf SOURCE [--dtype bfloat16] [--max-shard-size 5GB]
+    paratrain export CKPT OUT --hf [SOURCE] [--dtype bfloat16] [--max-shard-size 5GB]
 
 CKPT is a checkpoint paratrain wrote (sharded, from any layout); SOURCE the folder the model came from
 (paratrain.hf.from_pretrained's), whose config.json, generation_config.json and tokenizer files travel with
-the weights. Written, into a folder renamed into place at the end (an existing OUT is refused):
+the weights. Without SOURCE, the copies of those files a checkpoint of an `--hf` run carries (its hf/ folder,
+listed with their SHA-256 in meta.json) are read: the source folder may be gone by the time a run is exported.
+A mixture-of-experts family's stacked experts are written one tensor per expert, as the Hub's files hold them
+(paratrain.hf.files). Written, into a folder renamed into place at the end (an existing OUT is refused):
 
 - the weights as safetensors shards of at most max_shard_size bytes (one tensor larger than that gets a
   shard of its own), model-0000i-of-0000N.safetensors with model.safetensors.index.json, or one
@@ -56,13 +59,33 @@ def parse_size(text: str | int) -> int:
     return int(value)
 
 
-def export_pretrained(checkpoint: str | Path, out: str | Path, *, source: str | Path, dtype: torch.dtype | None = None,
-                      max_shard_size: str | int = "5GB") -> dict[str, Any]:
-    """Write OUT as the module docstring says; returns {"out", "tensors", "bytes", "shards"}."""
-    out, source = Path(out), Path(source)
+CARRIED = "hf"
+"""The folder inside a checkpoint of an `--hf` run holding its model's configuration and tokenizer files."""
+
+
+def carried_files(folder: str | Path) -> dict[str, str]:
+    """What each checkpoint of a run of the HF model `folder` carries (its config.json, generation config and
+    tokenizer files), name inside the checkpoint -> file: export_pretrained then needs no source folder."""
+    folder = Path(folder)
+    names = ("config.json", *TOKENIZER_FILES)
+    return {f"{CARRIED}/{name}": str(folder / name) for name in names if (folder / name).is_file()}
+
+
+def export_pretrained(checkpoint: str | Path, out: str | Path, *, source: str | Path | None = None,
+                      dtype: torch.dtype | None = None, max_shard_size: str | int = "5GB") -> dict[str, Any]:
+    """Write OUT as the module docstring says; returns {"out", "tensors", "bytes", "shards"}. source: the folder the
+    model was loaded from; None: the configuration the checkpoint carries (an `--hf` run's, CARRIED)."""
+    out = Path(out)
     if out.exists():
         raise ConfigError(f"{out} exists: the export publishes a new folder; remove it or choose another")
     folder = resolve_checkpoint(checkpoint)
+    if source is None:
+        source = folder / CARRIED
+        if not (source / "config.json").is_file():
+            raise ConfigError(f"{folder} carries no Hugging Face configuration ({CARRIED}/config.json: a checkpoint of "
+                              "a run without --hf, or written before checkpoints carried it): give the folder the "
+                              "model was loaded from, `paratrain export CKPT OUT --hf SOURCE`")
+    source = Path(source)
     meta = verify_checkpoint(folder)
     if meta.get("format") != SHARDED_FORMAT:
         raise ConfigError(f"{folder} is not a sharded checkpoint (format {meta.get('format')!r}): export --hf reads "

@@ -108,7 +108,8 @@ class TrainLoop:
         meta = {**self.settings.checkpoint_meta, "loader": self.train.state_dict()}
         self.engine.before_save(self.step)  # the parameter servers write their pieces too
         folder = save_sharded(self.settings.save, self.step, self.engine.view(), meta, keep_last=self.settings.keep_last,
-                              before_publish=lambda: [hook.before_publish(self) for hook in self.hooks])
+                              before_publish=lambda: [hook.before_publish(self) for hook in self.hooks],
+                              attachments=self.settings.checkpoint_files)
         if self.ctx.is_main:
             self.log.info("saved checkpoint %s", folder)
 

@@ -46,6 +46,9 @@ class LoopSettings:
     flops_per_token: float | None = None
     """Model FLOPs per token, for MFU in the records (None: no MFU)."""
     checkpoint_meta: Mapping[str, Any] = field(default_factory=dict)
+    checkpoint_files: Mapping[str, str] = field(default_factory=dict)
+    """Files each checkpoint carries, name inside it -> source (paratrain.checkpoint.sharded.save_sharded's
+    attachments: an --hf run's model configuration and tokenizer)."""
     """Kept in every checkpoint's meta.json beside the loader's cursor (the run's config, who wrote it)."""
     attempt: int = 0
     """How many times the launcher relaunched the job (above 0 the JSON log keeps each step once)."""

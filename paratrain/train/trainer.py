@@ -212,6 +212,8 @@ class Trainer:
         self.train_loader, self.val_loader = loaders(data, uses_documents(plan, data), **loader_args, rampup=rampup,
                                                      warmup=warmup)
         loggers = check_loggers(train.logger)
+        from paratrain.hf.export import carried_files
+
         settings = LoopSettings(
             steps=train.steps, lr=config.optim.lr, warmup_steps=config.optim.warmup_steps,
             min_lr_ratio=config.optim.min_lr_ratio, lr_schedule=config.optim.lr_schedule,
@@ -223,7 +225,7 @@ class Trainer:
             loggers=tuple(n for n in loggers if n in ("wandb", "mlflow")), log_dir=train.log_dir,
             progress=train.progress,
             flops_per_token=plan.model.flops_per_token(plan.seq_len), checkpoint_meta={"config": to_dict(config)},
-            attempt=self.attempt)
+            checkpoint_files=carried_files(config.model.hf) if config.model.hf else {}, attempt=self.attempt)
         self.loop = start_loop(TrainLoop(self.engine, ctx, loss_fn, self.train_loader, self.val_loader, settings,
                                          hooks=[*run_hooks(plan, ctx.rank, self.attempt), *hooks]),
                                resume=train.resume)

@@ -589,8 +589,9 @@ def test_a_hugging_face_mixtral_trains_in_every_layout_and_exports_as_the_hub_wr
     """A tiny Mixtral folder as the Hub holds one (save_pretrained: one tensor per expert and projection, the model
     stacking them) with a BPE tokenizer, trained from text by `paratrain train --hf` (packed documents masked): dp 2 x
     ZeRO-3 gives the one-process losses (float32; measured 3.9e-8 relative, bound 1e-5, as for the dense families;
-    cp 2 measured 1.9e-8, tp 2 and pp 2 3.9e-8, checked in float64 by tests/distributed/test_hf.py); the export is in the Hub's per-expert names, which transformers loads with nothing missing,
-    and --ep, which would not split an HF model's experts, is refused by name."""
+    cp 2 measured 1.9e-8, tp 2 and pp 2 3.9e-8, checked in float64 by tests/distributed/test_hf.py); the export, which
+    needs no source folder (the checkpoint carries the config and tokenizer), is in the Hub's per-expert names, which
+    transformers loads with nothing missing; --ep, which would not split an HF model's experts, is refused by name."""
     import shutil
 
     from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
@@ -625,15 +626,18 @@ def test_a_hugging_face_mixtral_trains_in_every_layout_and_exports_as_the_hub_wr
     assert sorted(other) == [1, 2, 3, 4]
     for step in other:
         assert other[step] == pytest.approx(one[step], rel=1e-5)
-    out = paratrain("export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--hf", str(model))
+    shutil.rmtree(model)  # the checkpoint carries the model's config and tokenizer: the export needs no source
+    out = paratrain("export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--hf")
     assert out.returncode == 0, out.stderr
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as handle:
         assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in handle.keys()
     exported, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert main(["train", *common, "--nproc", "2", "--ep", "2"]) == 2
+    llama_config = (tmp_path / "llama").as_posix()  # the refusal needs a model folder to read: the Llama's
+    assert main(["train", *common[:1], llama_config, *common[2:], "--nproc", "2", "--ep", "2"]) == 2
     assert "--ep 2 with --hf" in capsys.readouterr().err
 
 

@@ -130,6 +130,28 @@ def test_a_sharded_checkpoint_round_trips_and_refuses_damage(tmp_path):
         verify_checkpoint(folder)
 
 
+def test_a_checkpoint_carries_its_attachments_checked(tmp_path):
+    """save_sharded(attachments=): files copied in beside the tensors (an --hf run's config.json and tokenizer, under
+    hf/), listed in meta.json with size and SHA-256; a changed or missing one is named by verify_checkpoint."""
+    import paratrain
+    from paratrain.checkpoint import CheckpointError, save_sharded, verify_checkpoint
+
+    from paratrain.config import preset
+
+    model = paratrain.build_gpt(preset("tiny", seq_len=16), seed=1)
+    engine = paratrain.parallelize(model, paratrain.init(device="cpu"), optimizer=lambda ps: torch.optim.AdamW(ps))
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    folder = save_sharded(tmp_path / "ckpt", 1, engine.view(), {}, attachments={"hf/config.json": tmp_path / "config.json"})
+    assert (folder / "hf" / "config.json").read_text() == '{"model_type": "llama"}'
+    assert verify_checkpoint(folder)["attachments"]["hf/config.json"]["bytes"] == 23
+    (folder / "hf" / "config.json").write_text('{"model_type": "mistra"}')
+    with pytest.raises(CheckpointError, match="hf/config.json does not match the size and SHA-256"):
+        verify_checkpoint(folder, hint=False)
+    (folder / "hf" / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="hf/config.json is missing"):
+        verify_checkpoint(folder, hint=False)
+
+
 def test_buffers_travel_with_the_state(tmp_path):
     """BatchNorm's running statistics (persistent buffers) are saved and restored by both paths, the
     sharded checkpoint and load_state_dict: a resumed run normalises in eval as the uninterrupted one.
