@@ -63,8 +63,9 @@ def format_description(record: dict[str, Any]) -> str:
     model = record["model"]
     lines = [f"{record['folder']}: step {record['step']}, saved by {record['world_size']} process(es) as "
              f"{axes or 'one process'}{''.join(', ' + e for e in extras if e)}",
-             f"model {model.get('preset', '?')}{' ' + str(model['overrides']) if model.get('overrides') else ''}: "
-             f"{record['params']:,} parameters (loads under any layout)"]
+             (f"model {model['hf']} (Hugging Face)" if model.get("hf") else
+              f"model {model.get('preset', '?')}{' ' + str(model['overrides']) if model.get('overrides') else ''}")
+             + f": {record['params']:,} parameters (loads under any layout)"]
     if record.get("format") == SHARDED_FORMAT:
         lines.append(f"sharded: {len(record['files'])} rank files, {sum(record['files'].values()) / 2**20:.1f} MiB "
                      "(below: the logical tensors they hold pieces of)")
