@@ -34,6 +34,7 @@ from paratrain.comm import all_to_all
 from paratrain.comm.placement import Placement, Placements
 from paratrain.comm.regions import all_gather_along
 from paratrain.nn.moe import Experts, MoE
+from paratrain.nn.recipe import ExpertBank
 from paratrain.state_layout import ModelState, OptimizerState, per_element
 from paratrain.topology.mesh import AxisGroup, Mesh
 
@@ -64,6 +65,8 @@ class AllToAllExperts:
 
     def __call__(self, rows: torch.Tensor, expert_ids: torch.Tensor, experts: Experts) -> torch.Tensor:
         ep, local = self.group.size, self.n_experts // self.group.size
+        if rows.is_meta:  # the planner's dry run has no ids to route by: balanced, each rank receiving what it sends,
+            return self._balanced(rows, experts, local)  # through the same gathers and copies (what they save)
         order = torch.argsort(expert_ids, stable=True)  # grouped by expert, so by destination rank
         per_expert = torch.bincount(expert_ids, minlength=self.n_experts)
         incoming = torch.empty_like(per_expert)
@@ -77,6 +80,15 @@ class AllToAllExperts:
         back = torch.empty_like(out).index_copy_(0, by_expert, out)  # by source again
         returned = AllToAll.apply(back, self.group, send, receive)
         return torch.empty_like(returned).index_copy_(0, order, returned)
+
+
+    @staticmethod
+    def _balanced(rows: torch.Tensor, experts: Experts, local: int) -> torch.Tensor:
+        order = torch.arange(rows.shape[0], device=rows.device)
+        share = [rows.shape[0] // local + (e < rows.shape[0] % local) for e in range(local)]
+        out = experts(rows[order][order], share)  # sorted by expert, then by source as the exchange would
+        back = torch.empty_like(out).index_copy_(0, order, out)
+        return torch.empty_like(back).index_copy_(0, order, back)
 
 
 def _expert_major(matrix: list[list[int]], *, device: torch.device) -> torch.Tensor:
@@ -129,22 +141,27 @@ class ExpertLayout:
         return {name: self.full(name, state[name]) for name in sorted(state)}
 
 
-def apply_expert_parallel(model: nn.Module, group: AxisGroup) -> ExpertLayout:
-    """Keep this ep rank's experts of every MoE layer of `model` and route through AllToAllExperts."""
+def moe_banks(model: nn.Module) -> list[ExpertBank]:
+    """paratrain's own MoE layers (paratrain.nn.moe.MoE) as ExpertBanks."""
+    return [ExpertBank(f"{name}.experts", ("up", "down"), module.router.n_experts, module.run_with)
+            for name, module in model.named_modules() if isinstance(module, MoE)]
+
+
+def apply_expert_parallel(model: nn.Module, group: AxisGroup, banks: list[ExpertBank] | None = None) -> ExpertLayout:
+    """Keep this ep rank's experts of every MoE layer of `model` (its `banks`; default: paratrain's MoE layers) and
+    route their rows through AllToAllExperts."""
     names, ids, splits = set(), set(), {}
-    for module_name, module in model.named_modules():
-        if not isinstance(module, MoE):
-            continue
-        n_experts = module.router.n_experts
-        if n_experts % group.size:
-            raise ValueError(f"{module_name}: {n_experts} experts do not divide over ep = {group.size}")
-        local = n_experts // group.size
-        for attr in ("up", "down"):
-            piece = getattr(module.experts, attr)  # cut in place: the parameter stays the same object, so a
+    for bank in moe_banks(model) if banks is None else banks:
+        if bank.n_experts % group.size:
+            raise ValueError(f"{bank.owner}: {bank.n_experts} experts do not divide over ep = {group.size}")
+        local = bank.n_experts // group.size
+        owner = model.get_submodule(bank.owner)
+        for attr in bank.weights:
+            piece = getattr(owner, attr)  # cut in place: the parameter stays the same object, so a
             piece.data = piece.detach().narrow(0, group.index * local, local).clone()  # cut over tp keeps its id
-            name = f"{module_name}.experts.{attr}"
+            name = f"{bank.owner}.{attr}"
             names.add(name)
             ids.add(id(piece))
             splits[name] = (0, group.index, group.size)
-        module.run_with(AllToAllExperts(group, n_experts))
+        bank.route(AllToAllExperts(group, bank.n_experts))
     return ExpertLayout(group, frozenset(names), frozenset(ids), splits)

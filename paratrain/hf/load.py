@@ -255,10 +255,9 @@ def run_model_shape(config: RunConfig, parallel: ParallelConfig) -> ModelConfig:
     rules), else the GPT preset's."""
     if not config.model.hf:
         return preset_shape(config, parallel)
-    if parallel.ep > 1:
-        raise ConfigError(f"--ep {parallel.ep} with --hf: expert parallelism splits paratrain's own MoE layer, and a "
-                          "Hugging Face model's experts (Mixtral, Qwen-MoE) stay its own module, whole on every rank; "
-                          "shard them with --zero 3 (or --zero 1 / 2 for their gradients and optimizer state) instead")
+    if parallel.expert_tp:
+        raise ConfigError("--expert-tp with --hf: cutting each Hugging Face expert over tp is not built (ep splits "
+                          "the experts whole); drop --expert-tp, or shard them with --ep / --zero")
     return stand_in(config.model.hf, tp=parallel.tp_split, sequence_parallel=parallel.sequence_parallel)
 
 

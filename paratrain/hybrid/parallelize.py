@@ -96,7 +96,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     # 4. Tensor parallelism: planned modules replaced by slices of themselves, by name.
     tp = apply_tensor_layout(model, ctx, recipe, staged=stage is not None)
     # 5. Experts: each cut over tp (expert_tp), then each ep rank keeps its share of every MoE layer's.
-    expert_cut, experts = apply_expert_layouts(model, ctx)
+    expert_cut, experts = apply_expert_layouts(model, ctx, recipe)
     cut_over_tp = expert_cut.split_ids if expert_cut is not None else frozenset()
     hooks = []  # Engine.close removes them
     if tp is not None and not meta:  # sequence parallelism: replicated parameters' gradients summed over tp

@@ -120,15 +120,17 @@ def apply_tensor_layout(model: nn.Module, ctx: Context, recipe: Recipe, *,
     return layout
 
 
-def apply_expert_layouts(model: nn.Module, ctx: Context) -> tuple[ExpertTensorLayout | None, ExpertLayout | None]:
+def apply_expert_layouts(model: nn.Module, ctx: Context,
+                         recipe: Recipe) -> tuple[ExpertTensorLayout | None, ExpertLayout | None]:
     """Expert tensor parallelism (expert_tp: every expert cut over tp), then expert parallelism (this ep rank's
-    share of the experts); either is None when off. The cuts keep the parameters' identity, so each layout's
-    ids name the parameters that remain."""
+    share of the experts: paratrain's MoE layers, or the recipe's expert banks); either is None when off. The cuts
+    keep the parameters' identity, so each layout's ids name the parameters that remain."""
     tp_group, ep_group = ctx.mesh.groups.get("tp"), ctx.mesh.groups.get("ep")
     cut = None
     if ctx.config.expert_tp and tp_group is not None:
         cut = apply_expert_tensor_parallel(model, tp_group, rows_differ=ctx.config.sequence_parallel)
-    shared = apply_expert_parallel(model, ep_group) if ep_group is not None else None
+    banks = recipe.expert_banks(model) if recipe.expert_banks is not None else None
+    shared = apply_expert_parallel(model, ep_group, banks) if ep_group is not None else None
     if cut is not None and shared is not None:  # placed as the experts shared over ep are
         cut = dataclasses.replace(cut, experts=shared)
     return cut, shared

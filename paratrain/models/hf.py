@@ -40,6 +40,7 @@ from torch import nn
 
 from paratrain.config.errors import ConfigError
 from paratrain.models.hf_context import DOCUMENTS_KEY, SHARD_KEY, PositionsOf, llama_split_sequence
+from paratrain.models.hf_experts import hf_expert_banks
 from paratrain.nn.loss import VocabOutput
 from paratrain.nn.recipe import Layer, Recipe, Run, stage_loss
 
@@ -233,10 +234,12 @@ QWEN3_RECIPE = dataclasses.replace(LLAMA_RECIPE, tp_plan=QWEN3_TP_PLAN)
 
 
 _MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-MOE_RECIPE = dataclasses.replace(LLAMA_RECIPE, tp_plan={k: v for k, v in LLAMA_TP_PLAN.items() if k not in _MLP})
+MOE_RECIPE = dataclasses.replace(LLAMA_RECIPE, tp_plan={k: v for k, v in LLAMA_TP_PLAN.items() if k not in _MLP},
+                                 expert_banks=hf_expert_banks)
 """HF Mixtral and Qwen2-MoE: Llama's attention layout; the router and the experts (stacked [E, 2I, D] and [E, D, I],
 paratrain.hf.files) and Qwen2-MoE's shared expert whole on every tp rank (their input is whole there: the attention's
 row-parallel output is summed first), so each rank computes them alike and their gradients need no sum over tp."""
 
-QWEN3_MOE_RECIPE = dataclasses.replace(QWEN3_RECIPE, tp_plan={k: v for k, v in QWEN3_TP_PLAN.items() if k not in _MLP})
+QWEN3_MOE_RECIPE = dataclasses.replace(QWEN3_RECIPE, tp_plan={k: v for k, v in QWEN3_TP_PLAN.items() if k not in _MLP},
+                                       expert_banks=hf_expert_banks)
 """HF Qwen3-MoE: Qwen3's attention (per-head q / k norms), experts as MOE_RECIPE's."""

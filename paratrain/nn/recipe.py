@@ -13,6 +13,8 @@ Strategies know no model class. Each receives from the recipe the one thing it n
     split_sequence   context parallelism: route the model's attention and positions through a
                      SequenceShard (the model's own method: it knows where its attention and rotary are)
     tp_local         tensor parallelism: the model's own width settings made its slices' (GPT-2's)
+    expert_banks     expert parallelism: the model's MoE layers as ExpertBanks (stacked expert weights, and how to
+                     route a layer's rows through an ep runner); paratrain's own MoE layer needs none
 
 A model exposes its recipe as a `recipe()` method (paratrain.models.GPT does); a model that has
 none (any user's nn.Module) passes the pieces to parallelize by keyword, or a Recipe (the Hugging
@@ -58,6 +60,25 @@ class Layer:
     micro-batch (every pipeline rank reads the same rows), so they travel with the activations at no cost."""
 
 
+ExpertRunner = Callable[[torch.Tensor, torch.Tensor, Callable[[torch.Tensor, list[int]], torch.Tensor]], torch.Tensor]
+"""run(rows[N, D], expert_ids[N], experts) -> outputs[N, D], experts(rows grouped by local expert, counts) running
+the rows: where the experts run (paratrain.expert_parallel.AllToAllExperts: on the ep ranks that hold them)."""
+
+
+@dataclass(frozen=True)
+class ExpertBank:
+    """One MoE layer's experts as expert parallelism cuts them: weights stacked along dim 0 by expert, and how the
+    layer's rows go through a runner instead of its own loop."""
+
+    owner: str
+    """The module holding the stacked weights."""
+    weights: tuple[str, ...]
+    """Its attributes stacked by expert (each rank keeps its experts' rows of dim 0, the Parameter kept)."""
+    n_experts: int
+    route: Callable[[ExpertRunner], None]
+    """route(runner): make the layer run its (local) experts through `runner`."""
+
+
 @dataclass(frozen=True)
 class Recipe:
     tp_plan: Mapping[str, str] | None = None
@@ -72,6 +93,8 @@ class Recipe:
     tp_local: Callable[[nn.Module, int], None] | None = None
     """Tensor parallelism: once tp_plan is applied, tp_local(model, tp) makes the model's own width settings
     those of its slices (GPT-2's attention splits its fused q | k | v output by a width it keeps)."""
+    expert_banks: Callable[[nn.Module], list[ExpertBank]] | None = None
+    """Expert parallelism of a model whose MoE layers are its own (Hugging Face's): its ExpertBanks."""
 
     def with_overrides(self, **given: Any) -> Recipe:
         """This recipe with the fields given (not None) replaced: parallelize's keywords win."""

@@ -169,14 +169,14 @@ def _muon() -> Any:
 
 def _job(kind: str, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: int = 0,
          micro_batch: int | None = None, cp: int = 1, cp_mode: str = "ring", tp_mode: str = "1d",
-         tp_depth: int = 1, muon: bool = False) -> dict:
+         tp_depth: int = 1, muon: bool = False, ep: int = 1) -> dict:
     import paratrain
     from paratrain.hf.load import check_tp
     from paratrain.models.hf import LLAMA_RECIPE, MOE_RECIPE, QWEN3_MOE_RECIPE, QWEN3_RECIPE, llama_loss
     from paratrain.models.hf_gpt2 import GPT2_RECIPE
 
     config = paratrain.ParallelConfig(dp=dp, tp=tp, pp=pp, zero=zero, cp=cp, cp_mode=cp_mode, tp_mode=tp_mode,
-                                      tp_depth=tp_depth)
+                                      tp_depth=tp_depth, ep=ep)
     ctx = paratrain.init(device="cpu", config=config)
     model = build(kind)
     check_tp(model.config, config.tp_split)
@@ -252,6 +252,9 @@ def _tied_state(kind: str, state: dict) -> dict:
     ("mixtral", dict(cp=2, micro_batch=4)),  # tokens routed alone: the experts see each rank's half of a sequence
     ("qwen3-moe", dict(pp=2, micro_batch=2)),
     ("deepseek-v3", dict(dp=2, zero=3, micro_batch=2)),
+    ("mixtral", dict(dp=2, ep=2, micro_batch=2)),  # each rank 2 of the 4 experts, rows by all-to-all
+    ("qwen3-moe", dict(dp=4, ep=2, zero=1, micro_batch=2)),  # 8 experts over ep 2, summed over the 2 edp ranks
+    ("deepseek-v3", dict(dp=2, ep=2, pp=2, micro_batch=2)),  # ep on each pipeline stage, beside the dense layer
     ("deepseek-v3", dict(pp=2, micro_batch=2)),  # the dense first layer and a MoE layer on each stage
     ("deepseek-v3", dict(cp=2, micro_batch=4)),  # MLA's q / k head width (12) wider than v's (8)
     ("qwen3-moe", dict(dp=2, tp=2, zero=1, micro_batch=2)),
@@ -262,7 +265,7 @@ def _tied_state(kind: str, state: dict) -> dict:
 ], ids=["llama-zero3", "llama-tp2", "llama-pp2", "mistral-tp2", "mistral-pp2", "tied-tp2", "tied-pp2",
         "qwen2-tp2", "qwen3-tp2", "qwen3-pp2", "gemma-tp2", "gemma-pp2", "llama-cp2", "tied-cp2-ulysses", "tied-dp2tp2z1", "llama-cp2pp2-ulysses", "llama-cp4",
         "gpt2-tp2", "gpt2-pp2", "gpt2-zero3", "gemma2-tp2", "gemma2-pp2", "gemma3-tp2", "gemma3-pp2",
-        "mixtral-zero3", "mixtral-tp2", "mixtral-cp2", "qwen3moe-pp2", "dsv3-zero3", "dsv3-pp2", "dsv3-cp2", "qwen3moe-dp2tp2z1",
+        "mixtral-zero3", "mixtral-tp2", "mixtral-cp2", "qwen3moe-pp2", "dsv3-zero3", "mixtral-ep2", "qwen3moe-dp4ep2z1", "dsv3-ep2pp2", "dsv3-pp2", "dsv3-cp2", "qwen3moe-dp2tp2z1",
         "llama-2d", "tied-3d", "mistral-2.5d"])
 def test_layout_trains_as_plain_pytorch(pools, kind, layout):
     """Per-step losses and gradient norms, and the whole final model by name, against plain PyTorch;

@@ -100,9 +100,10 @@ def _files(folder: str) -> dict[str, torch.Tensor]:
     ("qwen3-moe", dict(dp=1, tp=2, pp=2)),
     ("qwen2-moe", dict(dp=1, tp=2)),                    # the gated shared expert whole on each tp rank
     ("deepseek-v3", dict(dp=2, zero=3)),                # MLA, the router's score-correction bias (a buffer)
+    ("mixtral", dict(dp=2, ep=2)),                      # each rank reads its experts' rows of the per-expert files
 ], ids=["tied-zero3", "tp2", "mistral-pp2", "tied-dp2xtp2-zero1", "qwen2-zero3", "gemma-tp2", "tp2xpp2",
         "qwen3-tp2xpp2", "gpt2-dp2xtp2-zero1", "gemma2-tp2", "gemma3-pp2", "tied-3d-zero1", "mixtral-zero3",
-        "qwen3moe-tp2xpp2", "qwen2moe-tp2", "dsv3-zero3"])
+        "qwen3moe-tp2xpp2", "qwen2moe-tp2", "dsv3-zero3", "mixtral-ep2"])
 def test_loaded_pieces_are_the_files_and_the_first_loss_is_hfs(pools, folders, kind, layout):
     """float32: engine.state_dict()["model"] equals the files bit for bit (a tied head is one tensor: the
     files hold the embedding only), and the first step's loss HF's forward's within 1e-6 (measured 2.2e-8);
@@ -188,9 +189,9 @@ def test_an_untrained_load_exports_bitwise_the_input(pools, folders, tmp_path, k
 
 @pytest.mark.parametrize("kind,layout", [("llama", dict(dp=2, tp=2, zero=1)), ("llama-tied", dict(dp=2, tp=2, zero=3)),
                                          ("qwen3", dict(dp=2, tp=2, zero=1)), ("gpt2", dict(dp=2, tp=2, zero=1)),
-                                         ("mixtral", dict(dp=2, tp=2, zero=3))],
+                                         ("mixtral", dict(dp=2, tp=2, ep=2, zero=1))],
                          ids=["dp2xtp2-zero1", "tied-dp2xtp2-zero3", "qwen3-dp2xtp2-zero1", "gpt2-dp2xtp2-zero1",
-                              "mixtral-dp2xtp2-zero3"])
+                              "mixtral-dp2xep2xtp2-zero1"])
 def test_a_trained_export_loads_in_transformers_whole_and_tied(pools, folders, tmp_path, kind, layout):
     """5 steps under the layout, exported in shards (bfloat16 too): transformers' from_pretrained finds nothing
     missing, unexpected or mismatched; its logits equal the distributed forward's, relative to the largest
