@@ -13,6 +13,7 @@ shards with the source's configuration and tokenizer. transformers is imported i
 """
 
 from paratrain.hf.export import export_pretrained
-from paratrain.hf.load import HFCheckpoint, Pretrained, from_pretrained
+from paratrain.hf.files import HFCheckpoint
+from paratrain.hf.load import Pretrained, from_pretrained
 
 __all__ = ["HFCheckpoint", "Pretrained", "export_pretrained", "from_pretrained"]

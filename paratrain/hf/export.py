@@ -39,8 +39,8 @@ from paratrain.checkpoint.io import SHARDED_FORMAT, resolve_checkpoint, verify_c
 from paratrain.checkpoint.sharded import CheckpointReader
 from paratrain.config.errors import ConfigError
 from paratrain.data.tokenize import TOKENIZER_FILES
-from paratrain.hf.files import file_parts
-from paratrain.hf.load import INDEX, WEIGHTS, expected_shapes
+from paratrain.hf.files import INDEX, WEIGHTS, file_parts
+from paratrain.hf.load import expected_shapes
 
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",

@@ -1,4 +1,9 @@
-"""How a family's files name and cut the model's tensors, where they differ from the module's own.
+"""The files of a Hugging Face folder: where each tensor is, how a family's files name and cut the model's tensors
+where they differ from the module's own, and the Source that reads element ranges of the model's tensors from them.
+
+A folder as `save_pretrained` writes it holds model.safetensors, or shards model-0000i-of-0000N.safetensors with
+model.safetensors.index.json (weight_files). HFCheckpoint is a paratrain.hybrid.materialize Source: each rank reads
+only the rows its pieces need (safetensors' lazy slices), converted to the model's dtype.
 
 transformers (5.x) builds a mixture-of-experts layer with each layer's experts stacked in two tensors,
 
@@ -22,10 +27,19 @@ A model's tensor the files already hold under its own name (files written fused)
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
 
+import torch
+
+from paratrain.config.errors import ConfigError
+from paratrain.models.init import Given, ParamInit
+
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 
@@ -74,3 +88,110 @@ def files_layout(model_type: str, shapes: dict[str, tuple[int, ...]],
     """name -> its Parts for every model tensor of `shapes`; a name `in_files` holds itself reads as it is."""
     return {name: ([Part(name, shape)] if in_files is not None and name in in_files
                    else file_parts(model_type, name, shape)) for name, shape in shapes.items()}
+
+
+class _Rows:
+    """Elements [lo, hi) of one tensor of a safetensors file, read by whole rows of its first dim."""
+
+    def __init__(self, path: Path, key: str, vocab: tuple[int, int] | None = None) -> None:
+        """vocab: (real, padded) rows when the model's vocabulary is padded: a tensor of `real` rows in the
+        file and `padded` in the model reads zeros past its last row."""
+        self.path, self.key, self.vocab = path, key, vocab
+
+    def values(self, shape: Sequence[int], lo: int, hi: int) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.path), framework="pt") as handle:
+            view = handle.get_slice(self.key)
+            saved = tuple(view.get_shape())
+            if self.vocab and saved[:1] == self.vocab[:1] and (self.vocab[1], *saved[1:]) == tuple(shape):
+                stored = math.prod(saved)  # the file's rows, then zeros for the padding rows
+                head = self._read(view, saved, lo, min(hi, stored))
+                return torch.cat((head, head.new_zeros(max(0, hi - max(lo, stored)))))
+            if saved != tuple(shape):
+                raise ConfigError(f"{self.key} in {self.path.name} has shape {saved}, the model's is {tuple(shape)}: "
+                                  "the config.json and the weights do not belong together")
+            return self._read(view, saved, lo, hi)
+
+    @staticmethod
+    def _read(view: Any, saved: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
+        if lo >= hi:
+            return view[0:0].reshape(-1)
+        if len(saved) <= 1:
+            return view[lo:hi].reshape(-1)
+        row = math.prod(saved[1:])
+        first, last = lo // row, -(-hi // row)
+        return view[first:last].reshape(-1)[lo - first * row: hi - first * row]
+
+
+class _Parts:
+    """A model tensor the files hold in pieces (paratrain.hf.files: experts one by one): elements [lo, hi) read
+    from the pieces they overlap."""
+
+    def __init__(self, pieces: list[tuple[_Rows, Part]]) -> None:
+        self.pieces = pieces
+
+    def values(self, shape: Sequence[int], lo: int, hi: int) -> torch.Tensor:
+        if sum(part.numel for _, part in self.pieces) != math.prod(shape):
+            raise ConfigError(f"the files' pieces {[p.key for _, p in self.pieces][:4]} ... hold "
+                              f"{sum(p.numel for _, p in self.pieces)} elements, the model's tensor {tuple(shape)}: "
+                              "the config.json and the weights do not belong together")
+        read, start = [], 0
+        for rows, part in self.pieces:
+            a, b = max(lo, start), min(hi, start + part.numel)
+            if a < b:
+                read.append(rows.values(part.shape, a - start, b - start))
+            start += part.numel
+        return torch.cat(read) if read else torch.empty(0)
+
+
+class HFCheckpoint:
+    """A Source (paratrain.hybrid.materialize) over a folder's safetensors files."""
+
+    def __init__(self, folder: str | Path, buffers: dict[str, torch.Tensor],
+                 vocab: tuple[int, int] | None = None, parts: dict[str, list[Part]] | None = None) -> None:
+        self.folder = Path(folder)
+        self.vocab = vocab
+        self.files = weight_files(self.folder)
+        self.buffers = buffers
+        """Tensors the files do not hold, computed here (non-persistent buffers)."""
+        self.parts = parts or {}
+        """Model tensors the files hold in pieces under other names (paratrain.hf.files)."""
+
+    def open(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> ParamInit:
+        if name in self.buffers:
+            return Given(self.buffers[name])
+        parts = self.parts.get(name)
+        if parts and [p.key for p in parts] != [name]:
+            absent = [p.key for p in parts if p.key not in self.files]
+            if absent:
+                raise ConfigError(f"{name}: its pieces {absent[:4]} are not in the checkpoint's files ({self.folder})")
+            return _Parts([(_Rows(self.folder / self.files[p.key], p.key), p) for p in parts])
+        if name not in self.files:
+            raise ConfigError(f"{name} is not in the checkpoint's files ({self.folder})")
+        return _Rows(self.folder / self.files[name], name, self.vocab)
+
+
+def weight_files(folder: Path) -> dict[str, str]:
+    """Tensor name -> the safetensors file (in `folder`) holding it."""
+    if (folder / INDEX).is_file():
+        return dict(json.loads((folder / INDEX).read_text())["weight_map"])
+    if (folder / WEIGHTS).is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(folder / WEIGHTS), framework="pt") as handle:
+            return {key: WEIGHTS for key in handle.keys()}
+    raise ConfigError(f"{folder} holds no {WEIGHTS} nor {INDEX} (a folder save_pretrained wrote has one); "
+                      "paratrain reads safetensors weights only")
+
+
+def files_dtype(folder: Path, files: dict[str, str]) -> torch.dtype:
+    """The dtype of the files' floating tensors (one row of the first one read)."""
+    from safetensors import safe_open
+
+    for name in sorted(files):
+        with safe_open(str(folder / files[name]), framework="pt") as handle:
+            first = handle.get_slice(name)[:1]
+        if first.is_floating_point():
+            return first.dtype
+    return torch.float32

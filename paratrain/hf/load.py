@@ -9,10 +9,10 @@ read here). `from_pretrained(folder)`:
 2. checks the files' tensor names against the model's, both ways, and refuses a difference by name
    (transformers would re-initialise what it cannot find, silently); a weight tied to another (a tied
    lm_head) is one tensor of the model and may be absent from the files;
-3. returns an HFCheckpoint, a paratrain.hybrid.materialize Source: parallelize(init=...) asks it for each
-   tensor of the whole model, and each rank reads from the files only the rows its pieces need (a
-   tensor-parallel slice, a ZeRO shard, a pipeline stage's layers; safetensors' lazy slices), converting
-   to the model's dtype. Buffers the files do not hold (non-persistent ones: rotary frequencies) come from
+3. returns an HFCheckpoint (paratrain.hf.files), a paratrain.hybrid.materialize Source: parallelize(init=...)
+   asks it for each tensor of the whole model, and each rank reads from the files only the rows its pieces need
+   (a tensor-parallel slice, a ZeRO shard, a pipeline stage's layers, an ep rank's experts; safetensors' lazy
+   slices; a MoE family's experts from their per-expert files), converting to the model's dtype. Buffers the files do not hold (non-persistent ones: rotary frequencies) come from
    their module built again on the CPU from the config.
 
 pad_vocab_to=N pads a vocabulary N does not divide (GPT-2's 50,257) to the next multiple of N: the
@@ -21,8 +21,8 @@ recipe's stage loss) read only the real vocabulary's logits, so the padding chan
 trims it (paratrain.hf.export). `--hf` and Trainer(hf=) pad to vocab_multiple(tp): the same rows for every tp
 that divides 128, so their checkpoints resume under any of those layouts.
 
-The model families: the recipe of each (paratrain.models.hf: Llama, Mistral, Qwen2, Qwen3 and Gemma;
-paratrain.models.hf_gpt2: GPT-2) says how the strategies split it; a family without one is refused with what is
+The model families: the recipe of each (paratrain.models.hf: Llama, Mistral, Qwen2, Qwen3, Gemma, Mixtral,
+Qwen2-MoE, Qwen3-MoE, DeepSeek-V3; paratrain.models.hf_gpt2: GPT-2) says how the strategies split it; a family without one is refused with what is
 missing.
 """
 
@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -44,12 +43,8 @@ from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import ParallelConfig
 from paratrain.config.run import RunConfig
 from paratrain.config.validate import preset_shape
-from paratrain.hf.files import MOE_TYPES, Part, files_layout
-from paratrain.models.init import Given, ParamInit
+from paratrain.hf.files import MOE_TYPES, HFCheckpoint, files_dtype, files_layout, weight_files
 from paratrain.nn.recipe import Recipe
-
-WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
-
 
 def _recipes() -> dict[str, Recipe]:
     from paratrain.models.hf import LLAMA_RECIPE, MOE_RECIPE, QWEN3_MOE_RECIPE, QWEN3_RECIPE
@@ -89,113 +84,6 @@ class Pretrained:
     """The engine's loss_fn: llama_loss over the real vocabulary."""
 
 
-class _Rows:
-    """Elements [lo, hi) of one tensor of a safetensors file, read by whole rows of its first dim."""
-
-    def __init__(self, path: Path, key: str, vocab: tuple[int, int] | None = None) -> None:
-        """vocab: (real, padded) rows when the model's vocabulary is padded: a tensor of `real` rows in the
-        file and `padded` in the model reads zeros past its last row."""
-        self.path, self.key, self.vocab = path, key, vocab
-
-    def values(self, shape: Sequence[int], lo: int, hi: int) -> torch.Tensor:
-        from safetensors import safe_open
-
-        with safe_open(str(self.path), framework="pt") as handle:
-            view = handle.get_slice(self.key)
-            saved = tuple(view.get_shape())
-            if self.vocab and saved[:1] == self.vocab[:1] and (self.vocab[1], *saved[1:]) == tuple(shape):
-                stored = math.prod(saved)  # the file's rows, then zeros for the padding rows
-                head = self._read(view, saved, lo, min(hi, stored))
-                return torch.cat((head, head.new_zeros(max(0, hi - max(lo, stored)))))
-            if saved != tuple(shape):
-                raise ConfigError(f"{self.key} in {self.path.name} has shape {saved}, the model's is {tuple(shape)}: "
-                                  "the config.json and the weights do not belong together")
-            return self._read(view, saved, lo, hi)
-
-    @staticmethod
-    def _read(view: Any, saved: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
-        if lo >= hi:
-            return view[0:0].reshape(-1)
-        if len(saved) <= 1:
-            return view[lo:hi].reshape(-1)
-        row = math.prod(saved[1:])
-        first, last = lo // row, -(-hi // row)
-        return view[first:last].reshape(-1)[lo - first * row: hi - first * row]
-
-
-class _Parts:
-    """A model tensor the files hold in pieces (paratrain.hf.files: experts one by one): elements [lo, hi) read
-    from the pieces they overlap."""
-
-    def __init__(self, pieces: list[tuple[_Rows, Part]]) -> None:
-        self.pieces = pieces
-
-    def values(self, shape: Sequence[int], lo: int, hi: int) -> torch.Tensor:
-        if sum(part.numel for _, part in self.pieces) != math.prod(shape):
-            raise ConfigError(f"the files' pieces {[p.key for _, p in self.pieces][:4]} ... hold "
-                              f"{sum(p.numel for _, p in self.pieces)} elements, the model's tensor {tuple(shape)}: "
-                              "the config.json and the weights do not belong together")
-        read, start = [], 0
-        for rows, part in self.pieces:
-            a, b = max(lo, start), min(hi, start + part.numel)
-            if a < b:
-                read.append(rows.values(part.shape, a - start, b - start))
-            start += part.numel
-        return torch.cat(read) if read else torch.empty(0)
-
-
-class HFCheckpoint:
-    """A Source (paratrain.hybrid.materialize) over a folder's safetensors files."""
-
-    def __init__(self, folder: str | Path, buffers: dict[str, torch.Tensor],
-                 vocab: tuple[int, int] | None = None, parts: dict[str, list[Part]] | None = None) -> None:
-        self.folder = Path(folder)
-        self.vocab = vocab
-        self.files = weight_files(self.folder)
-        self.buffers = buffers
-        """Tensors the files do not hold, computed here (non-persistent buffers)."""
-        self.parts = parts or {}
-        """Model tensors the files hold in pieces under other names (paratrain.hf.files)."""
-
-    def open(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> ParamInit:
-        if name in self.buffers:
-            return Given(self.buffers[name])
-        parts = self.parts.get(name)
-        if parts and [p.key for p in parts] != [name]:
-            absent = [p.key for p in parts if p.key not in self.files]
-            if absent:
-                raise ConfigError(f"{name}: its pieces {absent[:4]} are not in the checkpoint's files ({self.folder})")
-            return _Parts([(_Rows(self.folder / self.files[p.key], p.key), p) for p in parts])
-        if name not in self.files:
-            raise ConfigError(f"{name} is not in the checkpoint's files ({self.folder})")
-        return _Rows(self.folder / self.files[name], name, self.vocab)
-
-
-def weight_files(folder: Path) -> dict[str, str]:
-    """Tensor name -> the safetensors file (in `folder`) holding it."""
-    if (folder / INDEX).is_file():
-        return dict(json.loads((folder / INDEX).read_text())["weight_map"])
-    if (folder / WEIGHTS).is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(folder / WEIGHTS), framework="pt") as handle:
-            return {key: WEIGHTS for key in handle.keys()}
-    raise ConfigError(f"{folder} holds no {WEIGHTS} nor {INDEX} (a folder save_pretrained wrote has one); "
-                      "paratrain reads safetensors weights only")
-
-
-def _files_dtype(folder: Path, files: dict[str, str]) -> torch.dtype:
-    """The dtype of the files' floating tensors (one row of the first one read)."""
-    from safetensors import safe_open
-
-    for name in sorted(files):
-        with safe_open(str(folder / files[name]), framework="pt") as handle:
-            first = handle.get_slice(name)[:1]
-        if first.is_floating_point():
-            return first.dtype
-    return torch.float32
-
-
 def vocab_multiple(tp: int) -> int:
     """What `--hf` and Trainer(hf=) pad a vocabulary to a multiple of: 128 (as Megatron's default), or its least
     common multiple with tp: a vocabulary already divisible stays as it is, and the padded size is the same for
@@ -224,7 +112,7 @@ def from_pretrained(folder: str | Path, *, dtype: torch.dtype | None = None, pad
         raise ConfigError(f"{folder} holds a {config.model_type!r} model, and paratrain has a recipe (how tensor, "
                           f"pipeline and ZeRO-3 split it) for {sorted(_recipes())} only")
     files = weight_files(folder)
-    model = _meta_model(config, dtype or _files_dtype(folder, files))
+    model = _meta_model(config, dtype or files_dtype(folder, files))
     stored = _stored_names(model)
     state = model.state_dict(keep_vars=True)
     parts = files_layout(config.model_type, {name: tuple(state[name].shape) for name in stored}, set(files))

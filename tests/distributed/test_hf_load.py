@@ -77,7 +77,7 @@ def _transformers_state(folder: str) -> dict[str, torch.Tensor]:
 def _files(folder: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from paratrain.hf.load import weight_files
+    from paratrain.hf.files import weight_files
 
     names = weight_files(Path(folder))
     return {name: load_file(str(Path(folder) / file))[name] for name, file in names.items()}
