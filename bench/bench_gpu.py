@@ -123,13 +123,14 @@ def _host_syncs(step: Callable, batch: Any) -> int | str:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def _planner(config: Any, batch: int, micro: int, variant: dict[str, Any]) -> dict[str, float]:
+def planner_prediction(config: Any, batch: int, micro: int, variant: dict[str, Any],
+                       profile: str) -> dict[str, float]:
+    """The planner's peak memory and step time for an engine row (`profile`: the card's hardware profile)."""
     from paratrain.planner import estimate
     from paratrain.planner.hardware import hardware
     from paratrain.planner.layout import Layout
     from paratrain.planner.settings import StepSettings
 
-    profile = "h200" if "H200" in torch.cuda.get_device_name(0) else "h100-80gb"
     record = estimate(config, Layout(micro_batch=micro, recompute=variant.get("recompute", "none")), hardware(profile),
                       global_batch=batch, kernels="compiled" if variant["compile"] else "eager",
                       settings=StepSettings(precision="bf16", optimizer=variant.get("optimizer", "adamw")))
@@ -160,7 +161,8 @@ def _measure(name: str, variant: dict[str, Any], config: Any, batch: int, micro:
         row["host_syncs_quiet_step"] = _host_syncs(step, batches[0])
         row["memory_report_gb"] = {k: v / 1e9 for k, v in holder.memory_report().items()}
         if variant.get("offload", "none") == "none":
-            row.update(_planner(config, batch, micro, variant))
+            profile = "h200" if "H200" in torch.cuda.get_device_name(0) else "h100-80gb"
+            row.update(planner_prediction(config, batch, micro, variant, profile))
     del step, holder
     return row
 

@@ -27,6 +27,18 @@ SMALLEST = {
 }
 
 
+def test_the_gpu_benchmarks_planner_column_runs_without_a_gpu():
+    """bench_gpu runs only where a GPU is lent; its planner column, which follows the planner's signatures, is
+    checked here (it once broke unnoticed until a GPU session)."""
+    from bench.bench_gpu import _variants, planner_prediction
+    from paratrain.config import preset
+
+    for variant in _variants(True):
+        if variant["kind"] == "engine" and "offload" not in variant:
+            row = planner_prediction(preset("gpt3-xl"), 16, 8, variant, "h200")
+            assert row["predicted_peak_gb"] > 10 and row["predicted_step_s"] > 0.1
+
+
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.gpu) if name == "bench_gpu" else name
                                   for name in SMALLEST])
 def test_benchmark_runs(name, tmp_path, capsys):
