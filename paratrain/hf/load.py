@@ -47,12 +47,12 @@ from paratrain.hf.files import MOE_TYPES, HFCheckpoint, files_dtype, files_layou
 from paratrain.nn.recipe import Recipe
 
 def _recipes() -> dict[str, Recipe]:
-    from paratrain.models.hf import LLAMA_RECIPE, MOE_RECIPE, QWEN3_MOE_RECIPE, QWEN3_RECIPE
+    from paratrain.models.hf import DEEPSEEK_RECIPE, LLAMA_RECIPE, MOE_RECIPE, QWEN3_MOE_RECIPE, QWEN3_RECIPE
     from paratrain.models.hf_gpt2 import GPT2_RECIPE
 
     return {"llama": LLAMA_RECIPE, "mistral": LLAMA_RECIPE, "qwen2": LLAMA_RECIPE, "qwen3": QWEN3_RECIPE,
             "gemma": LLAMA_RECIPE, "gemma2": LLAMA_RECIPE, "gemma3_text": QWEN3_RECIPE, "gpt2": GPT2_RECIPE,
-            "mixtral": MOE_RECIPE, "qwen2_moe": MOE_RECIPE, "qwen3_moe": QWEN3_MOE_RECIPE, "deepseek_v3": MOE_RECIPE}
+            "mixtral": MOE_RECIPE, "qwen2_moe": MOE_RECIPE, "qwen3_moe": QWEN3_MOE_RECIPE, "deepseek_v3": DEEPSEEK_RECIPE}
 
 
 def check_tp(config: Any, tp: int, *, sequence_parallel: bool = False, pad_vocab: bool = False) -> None:
@@ -60,11 +60,11 @@ def check_tp(config: Any, tp: int, *, sequence_parallel: bool = False, pad_vocab
     from paratrain.models.hf import check_llama_tp
     from paratrain.models.hf_gpt2 import check_gpt2_tp
 
-    if config.model_type == "deepseek_v3" and tp > 1:
-        raise ConfigError(f"tp {tp} with DeepSeek-V3: its multi-head latent attention shares one rotary key (k_pe, "
-                          "from kv_a_proj_with_mqa) between all heads, so splitting the heads over tp would need that "
-                          "projection's gradients summed over tp, which no plan here does yet; train it with dp, "
-                          "ZeRO, pp or cp (tp 1)")
+    if config.model_type == "deepseek_v3" and tp > 1 and not (config.q_lora_rank and config.first_k_dense_replace):
+        raise ConfigError(f"tp {tp} with this DeepSeek-V3 config: its tensor-parallel plan (DEEPSEEK_TP_PLAN) splits "
+                          "the compressed queries (q_lora_rank set, as DeepSeek-V3 and R1 have; here "
+                          f"{config.q_lora_rank}) and the dense first layers' MLP (first_k_dense_replace > 0; here "
+                          f"{config.first_k_dense_replace}); train this one with dp, ZeRO, pp, cp or ep (tp 1)")
     check = check_gpt2_tp if config.model_type == "gpt2" else check_llama_tp
     check(config, tp, sequence_parallel=sequence_parallel, pad_vocab=pad_vocab)
 

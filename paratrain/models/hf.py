@@ -243,3 +243,23 @@ row-parallel output is summed first), so each rank computes them alike and their
 QWEN3_MOE_RECIPE = dataclasses.replace(QWEN3_RECIPE, tp_plan={k: v for k, v in QWEN3_TP_PLAN.items() if k not in _MLP},
                                        expert_banks=hf_expert_banks)
 """HF Qwen3-MoE: Qwen3's attention (per-head q / k norms), experts as MOE_RECIPE's."""
+
+DEEPSEEK_TP_PLAN: dict[str, str] = {
+    **{k: v for k, v in LLAMA_TP_PLAN.items() if not k.startswith("self_attn.")},  # the dense first layers' MLP
+    # multi-head latent attention: x -> q_a_proj -> q_a_layernorm -> q_b_proj [H * (nope + rope)] per head, and
+    # x -> kv_a_proj_with_mqa -> [compressed kv | k_pe], the compressed part -> kv_a_layernorm -> kv_b_proj
+    # [H * (nope + v)] per head, k_pe (the rotary key) shared by every head. Heads split over tp: the two up
+    # projections "column_partial", the down projections and their norms whole on every rank, whose gradients are
+    # partial there (each rank's heads only, k_pe's included) and summed over tp, the input's once.
+    "self_attn.q_a_proj": "partial_linear",
+    "self_attn.q_a_layernorm": "head_partial",
+    "self_attn.q_b_proj": "column_partial",
+    "self_attn.kv_a_proj_with_mqa": "partial_linear",
+    "self_attn.kv_a_layernorm": "head_partial",
+    "self_attn.kv_b_proj": "column_partial",
+    "self_attn.o_proj": "row",
+}
+"""HF DeepSeek-V3 under tp (with q_lora_rank: DeepSeek-V3 / R1's compressed queries, and at least one dense layer,
+first_k_dense_replace > 0, so that every entry names a module): the experts as MOE_RECIPE's."""
+
+DEEPSEEK_RECIPE = dataclasses.replace(MOE_RECIPE, tp_plan=DEEPSEEK_TP_PLAN)

@@ -101,9 +101,10 @@ def _gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 class ColumnParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, group: AxisGroup, *, gather_output: bool = False,
-                 sequence_parallel: bool = False, sequence_dim: int = 1) -> None:
+                 sequence_parallel: bool = False, sequence_dim: int = 1, reduce_input: bool = True) -> None:
+        """reduce_input: sum the input's gradient over tp (Megatron's f); False after a PartialLinear, which sums it."""
         super().__init__()
-        self.group, self.gather_output = group, gather_output
+        self.group, self.gather_output, self.reduce_input = group, gather_output, reduce_input
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         self.weight = _parameter(full.weight, _slice(full.weight, 0, group, "column-parallel weight"))
         self.bias = (_parameter(full.bias, _slice(full.bias, 0, group, "column-parallel bias"))
@@ -113,8 +114,22 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:
             y = _gathered_linear(x, self.weight, self.bias, self.group, self.sequence_dim)
         else:
-            y = F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)  # [B, S, out/tp]
+            x = copy_to_tp_region(x, self.group) if self.reduce_input else x
+            y = F.linear(x, self.weight, self.bias)  # [B, S, out/tp]
         return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+
+class PartialLinear(nn.Module):
+    """An nn.Linear kept whole on every tp rank whose output's gradient is partial there (it feeds this rank's heads
+    only: DeepSeek's MLA down-projections): the input's gradient is summed over tp; the parameters' gradients are
+    summed by the layout's hooks (TensorParallelLayout.partial_names)."""
+
+    def __init__(self, full: nn.Linear, group: AxisGroup) -> None:
+        super().__init__()
+        self.group, self.weight, self.bias = group, full.weight, full.bias  # the same Parameters
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):

@@ -16,6 +16,12 @@ A plan key names modules by suffix ("attn.qkv" matches "blocks.3.attn.qkv") or b
     head_partial      a module kept whole that runs on this rank's heads only (Qwen3's per-head q / k
                       norms): its parameters' gradients are partial per tp rank and summed over tp as
                       autograd produces them (without this, each rank would train its own copy apart)
+    partial_linear    nn.Linear kept whole whose output feeds this rank's heads only and a part shared by all of
+                      them (DeepSeek's MLA down-projections: the compressed q / kv, the rotary key k_pe): its
+                      output's gradient is partial per rank, so its input's gradient is summed over tp
+                      (copy_to_tp_region) and its parameters' as head_partial's
+    column_partial    "column" after a partial_linear (and its head_partial norm): its input's gradient stays
+                      partial, for the partial_linear to sum once
     conv1d_column     GPT-2's Conv1D (weight [in, out]) split on the output dim, as "column"
     conv1d_qkv        the same for a fused q | k | v Conv1D: each third split alike (whole heads of each)
     conv1d_row        Conv1D split on the input dim, as "row"
@@ -51,14 +57,14 @@ from paratrain.nn.dropout import KeyedDropout
 from paratrain.nn.loss import VocabOutput
 from paratrain.nn.ties import tied_parameters
 from paratrain.names import name_matches
-from paratrain.tensor_parallel.layers import (ColumnParallelConv1D, ColumnParallelLinear, RowParallelConv1D,
-                                              RowParallelLinear, VocabParallelEmbedding)
+from paratrain.tensor_parallel.layers import (ColumnParallelConv1D, ColumnParallelLinear, PartialLinear,
+                                              RowParallelConv1D, RowParallelLinear, VocabParallelEmbedding)
 from paratrain.tensor_parallel.loss import VocabParallelOutput
 from paratrain.state_layout import DimCuts
 from paratrain.topology.mesh import AxisGroup, Mesh
 
 STYLES = ("column", "column_gather", "row", "embedding", "vocab_output", "heads_dropout", "sequence_dropout",
-          "head_partial", "conv1d_column", "conv1d_qkv", "conv1d_row", "norm")
+          "head_partial", "partial_linear", "column_partial", "conv1d_column", "conv1d_qkv", "conv1d_row", "norm")
 _BLOCKS = {"conv1d_qkv": 3}
 """Styles that split each of several equal blocks of a dim alike (paratrain.state_layout.DimCuts.blocks)."""
 
@@ -135,9 +141,10 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
         module = model.get_submodule(name)
         if style == "norm":
             continue
-        if style == "head_partial":
+        if style in ("head_partial", "partial_linear"):
             partial.update(f"{name}.{p}" for p, _ in module.named_parameters())
-            continue
+            if style == "head_partial":
+                continue
         if style in ("heads_dropout", "sequence_dropout"):
             _expect(module, KeyedDropout, name, style)
             assert isinstance(module, KeyedDropout)
@@ -226,11 +233,19 @@ def _untie_message(model: nn.Module, resolved: Mapping[str, str], ties: list[tup
 def _build(module: nn.Module, name: str, style: str, group: AxisGroup,
            sequence_parallel: bool) -> tuple[nn.Module, dict[str, int]]:
     """The replacement and, per parameter attribute, the dim it splits (-1: replicated)."""
-    if style in ("column", "column_gather"):
+    if style in ("column", "column_gather", "column_partial"):
         _expect(module, nn.Linear, name, style)
         assert isinstance(module, nn.Linear)
+        if style == "column_partial" and sequence_parallel:
+            raise ValueError(f"{name}: the partial styles (DeepSeek's MLA) do not support sequence parallelism; "
+                             "set it off")
         return (ColumnParallelLinear(module, group, gather_output=style == "column_gather",
-                                     sequence_parallel=sequence_parallel), {"weight": 0, "bias": 0})
+                                     sequence_parallel=sequence_parallel, reduce_input=style != "column_partial"),
+                {"weight": 0, "bias": 0})
+    if style == "partial_linear":
+        _expect(module, nn.Linear, name, style)
+        assert isinstance(module, nn.Linear)
+        return PartialLinear(module, group), {"weight": -1, "bias": -1}
     if style == "row":
         _expect(module, nn.Linear, name, style)
         assert isinstance(module, nn.Linear)
