@@ -1,9 +1,11 @@
 """Mixture-of-Experts: the MoE GPT on one process, dp 2 (experts replicated), ep 2 and ep 4, tp 2 with the
 experts replicated, cut over tp (expert-tp), under sequence parallelism and both, ep 2 compiled; and one MoE
-layer, paratrain's against DeepSpeed's (deepspeed.moe.layer.MoE) at the same shapes, when installed.
+layer, paratrain's against DeepSpeed's (deepspeed.moe.layer.MoE) at the same shapes, when installed; and the
+routers of 2025-2026 on one process against the softmax top-2 one (ROUTERS).
 
     python -m bench.bench_moe                          # about 6 minutes on 2 cores
     python -m bench.bench_moe --steps 4 --only paratrain-ep2 deepspeed-layer-ep2
+    python -m bench.bench_moe --steps 8 --only paratrain-1proc router-sigmoid router-top4 router-deepseek router-fine
 
 DeepSpeed is optional; to include it: DS_BUILD_OPS=0 pip install -c constraints.txt --no-build-isolation
 deepspeed==0.19.8.
@@ -44,6 +46,16 @@ LAYOUTS = {  # model contender -> (processes, ParallelConfig fields, parallelize
     "paratrain-tp2-sp-etp": (2, {"tp": 2, "sequence_parallel": True, "expert_tp": True}, False),
     "paratrain-ep2-compiled": (2, {"ep": 2}, True),  # blocks compiled by inductor, the MoE layers eager
 }
+ROUTERS = {  # one process, the model's router changed (paratrain.nn.router): what each choice costs a step
+    "router-sigmoid": dict(router="sigmoid"),  # top-2 of sigmoid scores, renormalised
+    "router-top4": dict(top_k=4),  # softmax top-4: twice the expert work of top-2
+    "router-deepseek": dict(router="sigmoid", top_k=4, expert_groups=4, topk_groups=2, router_scale=2.5,
+                            expert_bias_rate=1e-3),  # DeepSeek-V3's choice: groups, bias, scale
+    "router-fine": dict(n_experts=16, d_expert=256, router="sigmoid", top_k=4, expert_groups=4, topk_groups=2,
+                        router_scale=2.5, expert_bias_rate=1e-3),  # fine-grained: 2x the experts at half the width
+}
+for _router in ROUTERS:
+    LAYOUTS[_router] = (1, {}, False)
 CONTENDERS = [*LAYOUTS, "paratrain-layer-ep2", "deepspeed-layer-ep2", "paratrain-layer-sp-local2",
               "paratrain-layer-sp-gather2"]
 
@@ -76,7 +88,7 @@ def _model(name: str, steps: int) -> dict:
     _, fields, compile = LAYOUTS[name]
     spent = _timed_all_to_all()
     ctx = paratrain.init(paratrain.ParallelConfig(**fields), device="cpu")
-    model = paratrain.build_gpt(ModelConfig(**MODEL), seed=0)
+    model = paratrain.build_gpt(ModelConfig(**{**MODEL, **ROUTERS.get(name, {})}), seed=0)
     engine = paratrain.parallelize(model, ctx, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
                                    options=paratrain.EngineOptions(compile=compile))
     experts = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters() if ".experts." in n)
@@ -186,9 +198,12 @@ def main(argv: list[str] | None = None) -> None:
         results[name] = run_world(world, fn, name, args.steps)
         print(f"{name:>22}: {json.dumps(results[name])}", flush=True)
     base = results.get("paratrain-1proc")
+    for name in ROUTERS:
+        if base and name in results:
+            print(f"{name} step time / softmax top-2: {results[name]['step_s'] / base['step_s']:.2f}")
     if base:
         for name in LAYOUTS:
-            if name in results and name != "paratrain-1proc":
+            if name in results and name != "paratrain-1proc" and name not in ROUTERS:
                 print(f"{name} step time / one process: {results[name]['step_s'] / base['step_s']:.2f}")
     if "paratrain-layer-sp-local2" in results and "paratrain-layer-sp-gather2" in results:
         ratio = results["paratrain-layer-sp-gather2"]["step_s"] / results["paratrain-layer-sp-local2"]["step_s"]
