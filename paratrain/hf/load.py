@@ -146,7 +146,12 @@ def run_model_shape(config: RunConfig, parallel: ParallelConfig) -> ModelConfig:
     if parallel.expert_tp:
         raise ConfigError("--expert-tp with --hf: cutting each Hugging Face expert over tp is not built (ep splits "
                           "the experts whole); drop --expert-tp, or shard them with --ep / --zero")
-    return stand_in(config.model.hf, tp=parallel.tp_split, sequence_parallel=parallel.sequence_parallel)
+    shape = stand_in(config.model.hf, tp=parallel.tp_split, sequence_parallel=parallel.sequence_parallel)
+    if parallel.ep > 1 and not shape.n_experts:
+        raise ConfigError(f"--ep {parallel.ep}: expert parallelism splits a Mixture-of-Experts model's experts, and "
+                          f"{config.model.hf} holds a dense {_config(Path(config.model.hf)).model_type!r} model; drop "
+                          f"--ep (its ranks then train as data-parallel ones)")
+    return shape
 
 
 def stand_in(folder: str | Path, *, tp: int = 1, sequence_parallel: bool = False) -> ModelConfig:

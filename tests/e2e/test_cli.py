@@ -591,7 +591,8 @@ def test_a_hugging_face_mixtral_trains_in_every_layout_and_exports_as_the_hub_wr
     ZeRO-3 gives the one-process losses (float32; measured 3.9e-8 relative, bound 1e-5, as for the dense families;
     cp 2 measured 1.9e-8, tp 2 and pp 2 3.9e-8, checked in float64 by tests/distributed/test_hf.py); the export, which
     needs no source folder (the checkpoint carries the config and tokenizer), is in the Hub's per-expert names, which
-    transformers loads with nothing missing; --expert-tp, not built for an HF model's experts, is refused by name."""
+    transformers loads with nothing missing; --expert-tp (not built for an HF model's experts) and --ep on a dense HF
+    model are refused by name."""
     import shutil
 
     from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
@@ -639,6 +640,8 @@ def test_a_hugging_face_mixtral_trains_in_every_layout_and_exports_as_the_hub_wr
     llama_config = (tmp_path / "llama").as_posix()  # the refusal needs a model folder to read: the Llama's
     assert main(["train", *common[:1], llama_config, *common[2:], "--nproc", "2", "--tp", "2", "--expert-tp"]) == 2
     assert "--expert-tp with --hf" in capsys.readouterr().err
+    assert main(["train", *common[:1], llama_config, *common[2:], "--nproc", "2", "--ep", "2"]) == 2
+    assert "holds a dense 'llama' model; drop --ep" in capsys.readouterr().err
 
 
 def test_2d_tensor_parallel_run_gives_one_process_loss(tmp_path):
