@@ -40,7 +40,7 @@ from paratrain.config.errors import ConfigError
 from paratrain.models.init import Given, ParamInit
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
 
 
 @dataclass(frozen=True)

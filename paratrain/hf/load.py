@@ -47,12 +47,14 @@ from paratrain.hf.files import MOE_TYPES, HFCheckpoint, files_dtype, files_layou
 from paratrain.nn.recipe import Recipe
 
 def _recipes() -> dict[str, Recipe]:
-    from paratrain.models.hf import DEEPSEEK_RECIPE, LLAMA_RECIPE, MOE_RECIPE, QWEN3_MOE_RECIPE, QWEN3_RECIPE
+    from paratrain.models.hf import (DEEPSEEK_RECIPE, GPT_OSS_RECIPE, LLAMA_RECIPE, MOE_RECIPE, QWEN3_MOE_RECIPE,
+                                     QWEN3_RECIPE)
     from paratrain.models.hf_gpt2 import GPT2_RECIPE
 
     return {"llama": LLAMA_RECIPE, "mistral": LLAMA_RECIPE, "qwen2": LLAMA_RECIPE, "qwen3": QWEN3_RECIPE,
             "gemma": LLAMA_RECIPE, "gemma2": LLAMA_RECIPE, "gemma3_text": QWEN3_RECIPE, "gpt2": GPT2_RECIPE,
-            "mixtral": MOE_RECIPE, "qwen2_moe": MOE_RECIPE, "qwen3_moe": QWEN3_MOE_RECIPE, "deepseek_v3": DEEPSEEK_RECIPE}
+            "mixtral": MOE_RECIPE, "qwen2_moe": MOE_RECIPE, "qwen3_moe": QWEN3_MOE_RECIPE, "deepseek_v3": DEEPSEEK_RECIPE,
+            "gpt_oss": GPT_OSS_RECIPE}
 
 
 def check_tp(config: Any, tp: int, *, sequence_parallel: bool = False, pad_vocab: bool = False) -> None:
@@ -65,6 +67,10 @@ def check_tp(config: Any, tp: int, *, sequence_parallel: bool = False, pad_vocab
                           "the compressed queries (q_lora_rank set, as DeepSeek-V3 and R1 have; here "
                           f"{config.q_lora_rank}) and the dense first layers' MLP (first_k_dense_replace > 0; here "
                           f"{config.first_k_dense_replace}); train this one with dp, ZeRO, pp, cp or ep (tp 1)")
+    if config.model_type == "gpt_oss" and tp > 1:
+        raise ConfigError(f"tp {tp} with gpt-oss: its attention sinks (one learned logit a head, self_attn.sinks) "
+                          "would split with the heads, which no tensor-parallel style does yet; train it with dp, ZeRO "
+                          "or pp (tp 1)")
     check = check_gpt2_tp if config.model_type == "gpt2" else check_llama_tp
     check(config, tp, sequence_parallel=sequence_parallel, pad_vocab=pad_vocab)
 
@@ -147,6 +153,10 @@ def run_model_shape(config: RunConfig, parallel: ParallelConfig) -> ModelConfig:
         raise ConfigError("--expert-tp with --hf: cutting each Hugging Face expert over tp is not built (ep splits "
                           "the experts whole); drop --expert-tp, or shard them with --ep / --zero")
     shape = stand_in(config.model.hf, tp=parallel.tp_split, sequence_parallel=parallel.sequence_parallel)
+    if _config(Path(config.model.hf)).model_type == "gpt_oss" and (parallel.ep > 1 or parallel.cp > 1):
+        raise ConfigError(f"--ep {parallel.ep} / --cp {parallel.cp} with gpt-oss: its experts (biased, gate and up "
+                          "interleaved, a clamped activation) are not routed by paratrain's expert parallelism, and its "
+                          "attention sinks are not in the ring / Ulysses attentions, yet; train it with dp, ZeRO or pp")
     if parallel.ep > 1 and not shape.n_experts:
         raise ConfigError(f"--ep {parallel.ep}: expert parallelism splits a Mixture-of-Experts model's experts, and "
                           f"{config.model.hf} holds a dense {_config(Path(config.model.hf)).model_type!r} model; drop "

@@ -80,7 +80,7 @@ LLAMA_WRAP = r"model\.layers\.\d+"
 final norm and lm_head."""
 
 _TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe",
-          "deepseek_v3")
+          "deepseek_v3", "gpt_oss")
 
 
 def check_llama_tp(config: Any, tp: int, *, sequence_parallel: bool = False, pad_vocab: bool = False) -> None:
@@ -263,3 +263,8 @@ DEEPSEEK_TP_PLAN: dict[str, str] = {
 first_k_dense_replace > 0, so that every entry names a module): the experts as MOE_RECIPE's."""
 
 DEEPSEEK_RECIPE = dataclasses.replace(MOE_RECIPE, tp_plan=DEEPSEEK_TP_PLAN)
+
+GPT_OSS_RECIPE = dataclasses.replace(LLAMA_RECIPE, tp_plan=None, expert_banks=None)
+"""HF gpt-oss under dp, ZeRO and pp (tp, cp and ep refused by name: its attention sinks and its experts' layout have no
+split here): the Llama recipe's blocks and pipeline layers (sliding and full layers alternating, each stage building
+each layer's own mask)."""

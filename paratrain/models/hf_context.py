@@ -132,6 +132,9 @@ def _attend_through(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
                           f"{sliding_window} tokens under cp, or set cp to 1")
     if dropout:
         raise ConfigError(f"context parallelism with attention dropout ({dropout}): set attention_dropout=0.0")
+    if kwargs.get("s_aux") is not None:
+        raise ConfigError("context parallelism with attention sinks (gpt-oss: a learned logit a head beside the "
+                          "scores): the ring and Ulysses attentions compute plain softmax(q k^T) v; set cp to 1")
     width = value.shape[-1]
     if width < query.shape[-1]:  # DeepSeek's MLA: v narrower than q / k; zero columns attend to zeros, cut after
         value = torch.nn.functional.pad(value, (0, query.shape[-1] - width))

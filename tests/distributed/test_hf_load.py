@@ -27,7 +27,7 @@ def folders(tmp_path_factory) -> dict[str, str]:
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     out = {}
     for kind in ("llama", "llama-tied", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "gemma2", "gemma3", "mixtral",
-                 "qwen3-moe", "qwen2-moe", "deepseek-v3"):
+                 "qwen3-moe", "qwen2-moe", "deepseek-v3", "gpt-oss"):
         folder = tmp_path_factory.mktemp(kind)
         build(kind).float().save_pretrained(folder, max_shard_size="20KB")
         tokenizer.save(str(folder / "tokenizer.json"))
@@ -41,7 +41,7 @@ def _hf_loss(folder: str, dtype: torch.dtype) -> float:
     from transformers import AutoModelForCausalLM
 
     config = json.loads((Path(folder) / "config.json").read_text())
-    eager = config["model_type"] in ("gemma2", "gemma3_text")  # soft-capping: HF's eager attention only
+    eager = config["model_type"] in ("gemma2", "gemma3_text", "gpt_oss")  # soft-capping: HF's eager attention only
     experts = {"experts_implementation": "eager"} if dtype == torch.float64 and "experts" in str(config) else {}
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager" if eager else "sdpa",
                                                  **experts)
@@ -101,9 +101,10 @@ def _files(folder: str) -> dict[str, torch.Tensor]:
     ("qwen2-moe", dict(dp=1, tp=2)),                    # the gated shared expert whole on each tp rank
     ("deepseek-v3", dict(dp=1, tp=2)),                  # MLA's up projections' rows, its down projections whole
     ("mixtral", dict(dp=2, ep=2)),                      # each rank reads its experts' rows of the per-expert files
+    ("gpt-oss", dict(dp=2, zero=3)),                    # sinks, biased experts: the files hold them as the module
 ], ids=["tied-zero3", "tp2", "mistral-pp2", "tied-dp2xtp2-zero1", "qwen2-zero3", "gemma-tp2", "tp2xpp2",
         "qwen3-tp2xpp2", "gpt2-dp2xtp2-zero1", "gemma2-tp2", "gemma3-pp2", "tied-3d-zero1", "mixtral-zero3",
-        "qwen3moe-tp2xpp2", "qwen2moe-tp2", "dsv3-tp2", "mixtral-ep2"])
+        "qwen3moe-tp2xpp2", "qwen2moe-tp2", "dsv3-tp2", "mixtral-ep2", "gptoss-zero3"])
 def test_loaded_pieces_are_the_files_and_the_first_loss_is_hfs(pools, folders, kind, layout):
     """float32: engine.state_dict()["model"] equals the files bit for bit (a tied head is one tensor: the
     files hold the embedding only), and the first step's loss HF's forward's within 1e-6 (measured 2.2e-8);
@@ -167,7 +168,7 @@ def _trained(folder: str, root: str, steps: int, **layout) -> dict:
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "gemma2", "gemma3", "mixtral",
-                                  "qwen3-moe", "qwen2-moe", "deepseek-v3"])
+                                  "qwen3-moe", "qwen2-moe", "deepseek-v3", "gpt-oss"])
 def test_an_untrained_load_exports_bitwise_the_input(pools, folders, tmp_path, kind):
     """Each family loaded under ZeRO-3 (dp 2), saved, exported: the same tensors, bit for bit and by name, as
     the folder it came from, the tokenizer files byte for byte, config.json's dtype the exported one."""
