@@ -81,9 +81,10 @@ class AllToAllExperts:
         returned = AllToAll.apply(back, self.group, send, receive)
         return torch.empty_like(returned).index_copy_(0, order, returned)
 
-
     @staticmethod
     def _balanced(rows: torch.Tensor, experts: Experts, local: int) -> torch.Tensor:
+        """The dry run's dispatch: rows split evenly over this rank's experts, through gathers and copies shaped as the
+        exchange's (what autograd saves), no collective."""
         order = torch.arange(rows.shape[0], device=rows.device)
         share = [rows.shape[0] // local + (e < rows.shape[0] % local) for e in range(local)]
         out = experts(rows[order][order], share)  # sorted by expert, then by source as the exchange would
