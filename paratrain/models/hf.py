@@ -264,7 +264,7 @@ first_k_dense_replace > 0, so that every entry names a module): the experts as M
 
 DEEPSEEK_RECIPE = dataclasses.replace(MOE_RECIPE, tp_plan=DEEPSEEK_TP_PLAN)
 
-GPT_OSS_RECIPE = dataclasses.replace(LLAMA_RECIPE, tp_plan=None, expert_banks=None)
-"""HF gpt-oss under dp, ZeRO and pp (tp, cp and ep refused by name: its attention sinks and its experts' layout have no
-split here): the Llama recipe's blocks and pipeline layers (sliding and full layers alternating, each stage building
-each layer's own mask)."""
+GPT_OSS_RECIPE = dataclasses.replace(LLAMA_RECIPE, tp_plan=None, expert_banks=hf_expert_banks)
+"""HF gpt-oss under dp, ZeRO, pp and ep (tp and cp refused by name: its attention sinks have no split here): the Llama
+recipe's blocks and pipeline layers (sliding and full layers alternating, each stage building each layer's own
+mask), its experts routed over ep as the other MoE families'."""

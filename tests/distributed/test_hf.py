@@ -198,7 +198,8 @@ def _job(kind: str, *, dp: int | None = None, tp: int = 1, pp: int = 1, zero: in
     ctx = paratrain.init(device="cpu", config=config)
     model = build(kind)
     check_tp(model.config, config.tp_split)
-    recipe = {"qwen3": QWEN3_RECIPE, "qwen3-moe": QWEN3_MOE_RECIPE, "mixtral": MOE_RECIPE, "gemma3": QWEN3_RECIPE,
+    recipe = {"qwen3": QWEN3_RECIPE, "qwen3-moe": QWEN3_MOE_RECIPE, "mixtral": MOE_RECIPE, "qwen2-moe": MOE_RECIPE,
+              "gemma3": QWEN3_RECIPE,
               "gpt2": GPT2_RECIPE, "deepseek-v3": DEEPSEEK_RECIPE, "gpt-oss": GPT_OSS_RECIPE}.get(kind, LLAMA_RECIPE)
     engine = paratrain.parallelize(model, ctx, optimizer=_muon() if muon else _adamw,
                                    options=paratrain.EngineOptions(micro_batch=micro_batch), recipe=recipe)
@@ -275,7 +276,9 @@ def _tied_state(kind: str, state: dict) -> dict:
     ("deepseek-v3", dict(dp=2, ep=2, pp=2, micro_batch=2)),  # ep on each pipeline stage, beside the dense layer
     ("deepseek-v3", dict(tp=2, micro_batch=4)),
     ("gpt-oss", dict(dp=2, zero=3, micro_batch=2)),
-    ("gpt-oss", dict(pp=2, micro_batch=2)),  # each stage's layers with their own (sliding or full) mask and sinks  # MLA's heads split, its down projections' gradients summed
+    ("gpt-oss", dict(pp=2, micro_batch=2)),  # each stage's layers with their own (sliding or full) mask and sinks
+    ("gpt-oss", dict(dp=2, ep=2, micro_batch=2)),  # biased experts, gate / up interleaved, through the all-to-all
+    ("qwen2-moe", dict(dp=2, ep=2, micro_batch=2)),  # the gated shared expert beside the routed ones  # MLA's heads split, its down projections' gradients summed
     ("deepseek-v3", dict(pp=2, micro_batch=2)),  # the dense first layer and a MoE layer on each stage
     ("deepseek-v3", dict(cp=2, micro_batch=4)),  # MLA's q / k head width (12) wider than v's (8)
     ("qwen3-moe", dict(dp=2, tp=2, zero=1, micro_batch=2)),
@@ -286,7 +289,7 @@ def _tied_state(kind: str, state: dict) -> dict:
 ], ids=["llama-zero3", "llama-tp2", "llama-pp2", "mistral-tp2", "mistral-pp2", "tied-tp2", "tied-pp2",
         "qwen2-tp2", "qwen3-tp2", "qwen3-pp2", "gemma-tp2", "gemma-pp2", "llama-cp2", "tied-cp2-ulysses", "tied-dp2tp2z1", "llama-cp2pp2-ulysses", "llama-cp4",
         "gpt2-tp2", "gpt2-pp2", "gpt2-zero3", "gemma2-tp2", "gemma2-pp2", "gemma3-tp2", "gemma3-pp2",
-        "mixtral-zero3", "mixtral-tp2", "mixtral-cp2", "qwen3moe-pp2", "dsv3-zero3", "mixtral-ep2", "qwen3moe-dp4ep2z1", "dsv3-ep2pp2", "dsv3-tp2", "gptoss-zero3", "gptoss-pp2", "dsv3-pp2", "dsv3-cp2", "qwen3moe-dp2tp2z1",
+        "mixtral-zero3", "mixtral-tp2", "mixtral-cp2", "qwen3moe-pp2", "dsv3-zero3", "mixtral-ep2", "qwen3moe-dp4ep2z1", "dsv3-ep2pp2", "dsv3-tp2", "gptoss-zero3", "gptoss-pp2", "gptoss-ep2", "qwen2moe-ep2", "dsv3-pp2", "dsv3-cp2", "qwen3moe-dp2tp2z1",
         "llama-2d", "tied-3d", "mistral-2.5d"])
 def test_layout_trains_as_plain_pytorch(pools, kind, layout):
     """Per-step losses and gradient norms, and the whole final model by name, against plain PyTorch;
