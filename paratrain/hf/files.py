@@ -14,14 +14,17 @@ while the files on the Hub (and those save_pretrained writes) hold one tensor pe
 
     mixtral              model.layers.{i}.block_sparse_moe.experts.{e}.w1 / w3 / w2.weight   (gate / up / down)
                          model.layers.{i}.block_sparse_moe.gate.weight                        (the router)
-    qwen2_moe, qwen3_moe model.layers.{i}.mlp.experts.{e}.gate_proj / up_proj / down_proj.weight
-    deepseek_v3
+    qwen2_moe, qwen3_moe, deepseek_v3
+                         model.layers.{i}.mlp.experts.{e}.gate_proj / up_proj / down_proj.weight
+
+(gpt-oss's files hold its experts stacked, as its module does: nothing to convert.)
 
 Every such conversion here is a concatenation of the files' tensors, flattened, in order: the stacked
 gate_up_proj is w1_0 | w3_0 | w1_1 | w3_1 | ... as flat elements. So a model tensor is a list of Parts (a file's
 tensor name and shape), and any element range of it, a rank's ZeRO shard, a tensor-parallel slice's rows,
 reads only the parts it overlaps (paratrain.hf.load); export writes each part back under its own name
-(paratrain.hf.export). tests/unit/test_hf_moe.py checks the result equals transformers' own from_pretrained.
+(paratrain.hf.export). tests/distributed/test_hf_load.py checks the result equals transformers' own
+from_pretrained.
 A model's tensor the files already hold under its own name (files written fused) is read as it is.
 """
 
