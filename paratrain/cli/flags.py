@@ -71,6 +71,10 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
                           "ceil(F x seq x top_k / experts); 0: dropless (default)"),
     "--aux-loss-coef": ("model.overrides.aux_loss_coef", float, "weight of the Switch load-balancing loss (default 0.01)"),
     "--z-loss-coef": ("model.overrides.z_loss_coef", float, "weight of the router z-loss (default 0.001)"),
+    "--mtp-depth": ("model.overrides.mtp_depth", int, "multi-token prediction (DeepSeek-V3): D extra depths after the "
+                    "last block, depth k predicting the token k + 1 ahead (default 0: off)"),
+    "--mtp-weight": ("model.overrides.mtp_weight", float, "the MTP losses' weight lambda: the loss is the next-token "
+                     "loss + lambda / D x the depths' (default 0.3)"),
     "--tp-mode": ("parallel.tp_mode", str, "how tp splits each layer: 1d (Megatron's slices, default), 2d (a q x q "
                   "grid, tp = q^2: weights and activations in blocks, SUMMA), 2.5d (--tp-depth such grids, tp = d "
                   "q^2, the batch split over depth too) or 3d (a q^3 cube); with dp and ZeRO"),

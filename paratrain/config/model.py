@@ -72,6 +72,12 @@ class ModelConfig:
     """Weight of the Switch load-balancing loss (per sequence, averaged over sequences)."""
     z_loss_coef: float = 0.001
     """Weight of the router z-loss (per token, averaged over tokens)."""
+    mtp_depth: int = 0
+    """Multi-token prediction (DeepSeek-V3, paratrain.models.gpt_mtp): D extra depths after the last block, depth k
+    predicting the token k + 1 places ahead through its own block, the embedding and head shared; 0: off."""
+    mtp_weight: float = 0.3
+    """The MTP losses' weight (DeepSeek-V3's lambda: 0.3, then 0.1): the loss is the next-token loss plus
+    mtp_weight / mtp_depth times the depths' summed losses, all over the next-token loss's token count."""
 
     @property
     def ff_dim(self) -> int:
@@ -140,6 +146,11 @@ class ModelConfig:
                     f"model.capacity_factor {self.capacity_factor:g}: ceil({self.capacity_factor:g} x seq_len "
                     f"{self.seq_len} x top_k {self.top_k} / n_experts {self.n_experts}) gives every expert a single "
                     "slot at most; use a capacity_factor of at least 1, or 0 (dropless)")
+        if not 0 <= self.mtp_depth < self.seq_len:
+            raise ConfigError(f"model.mtp_depth must be in 0 .. seq_len - 1 ({self.seq_len - 1}) (--mtp-depth; 0: off), "
+                              f"got {self.mtp_depth}")
+        if not (math.isfinite(self.mtp_weight) and self.mtp_weight >= 0):
+            raise ConfigError(f"model.mtp_weight must be a finite number >= 0 (--mtp-weight), got {self.mtp_weight}")
         for name in ("norm_eps", "rope_theta"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -167,10 +178,22 @@ class ModelConfig:
     def num_params(self) -> int:
         """Parameter count (tied head counted once; every expert), from the shapes alone."""
         d, f, v = self.d_model, self.ff_dim, self.padded_vocab
-        per_block = 3 * d * d + d * d + d * f + f * d + 2 * d  # qkv, out, up, down, 2 norms
         head = 0 if self.tie_embeddings else v * d
         moe = self.moe_layers * (self.moe_layer_params(self.n_experts) - 2 * d * f)  # a MoE layer instead of an MLP
-        return v * d + self.n_layer * per_block + d + head + moe
+        return v * d + self.n_layer * self.dense_block_params + d + head + moe + self.mtp_depth * self.mtp_depth_params
+
+    @property
+    def dense_block_params(self) -> int:
+        """One block with a dense MLP: qkv, out, up, down, two norms."""
+        d, f = self.d_model, self.ff_dim
+        return 3 * d * d + d * d + d * f + f * d + 2 * d
+
+    @property
+    def mtp_depth_params(self) -> int:
+        """One MTP depth: its two input norms, the projection of [h; e] (2D -> D), a dense block and its output norm
+        (the embedding and head are the model's)."""
+        d = self.d_model
+        return 2 * d + 2 * d * d + self.dense_block_params + d
 
     def moe_layer_params(self, experts: int) -> int:
         """Parameters of one MoE layer counting `experts` experts (router, experts, shared expert)."""
@@ -191,7 +214,9 @@ class ModelConfig:
         n = self.active_params() - self.padded_vocab * self.d_model
         if self.tie_embeddings:  # the tied head is still a matmul
             n += self.padded_vocab * self.d_model
-        return 6.0 * n + 12.0 * self.n_layer * self.d_model * s
+        # each MTP depth runs its block (in N already), attention, and the shared head once more
+        mtp = self.mtp_depth * (6.0 * self.padded_vocab * self.d_model + 12.0 * self.d_model * s)
+        return 6.0 * n + 12.0 * self.n_layer * self.d_model * s + mtp
 
 
 # GPT-2: Radford et al. 2019 (vocabulary padded 50257 -> 50304, a multiple of 128, so that tp up to
@@ -214,7 +239,7 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt3-175b": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=2048, n_layer=96, n_head=96, d_model=12288),
     # Mixture-of-Experts. tiny-moe: the tests' (4 experts, top-2, every other block, a shared expert). tiny-dsmoe:
     # DeepSeek-V3's router in small (16 narrow experts, top-4, sigmoid scores, 4 groups of which 2 kept, the weights
-    # times 2.5, the balancing bias on, a small sequence-level auxiliary loss, a shared expert).
+    # times 2.5, the balancing bias on, a small sequence-level auxiliary loss, a shared expert, one MTP depth).
     # switch-base-8: Switch Transformer's base shape with 8 experts (Fedus et al. 2021, table 9: d_model 768,
     # d_ff 3072, 12 heads, experts every other layer, top-1, capacity 1.25), as a decoder on GPT-2's
     # vocabulary. mixtral-shape: Mixtral 8x7B's widths (Jiang et al. 2024: d_model 4096, 32 layers, 32 heads,
@@ -223,7 +248,8 @@ PRESETS: dict[str, ModelConfig] = {
                             moe_every=2, d_expert=128, shared_expert=True),
     "tiny-dsmoe": ModelConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=64, n_experts=16, top_k=4,
                               moe_every=2, d_expert=32, shared_expert=True, router="sigmoid", expert_groups=4,
-                              topk_groups=2, router_scale=2.5, expert_bias_rate=0.001, aux_loss_coef=0.0001),
+                              topk_groups=2, router_scale=2.5, expert_bias_rate=0.001, aux_loss_coef=0.0001,
+                              mtp_depth=1),
     "switch-base-8": ModelConfig(vocab_size=50257, vocab_multiple=128, seq_len=1024, n_layer=12, n_head=12, d_model=768,
                                  n_experts=8, top_k=1, moe_every=2, capacity_factor=1.25),
     "mixtral-shape": ModelConfig(vocab_size=32000, vocab_multiple=128, seq_len=4096, n_layer=32, n_head=32,

@@ -20,6 +20,10 @@ def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len:
         return
     tp = parallel.tp_split  # 2d / 2.5d: the grid side q splits each
     grid = parallel.tp_mode != "1d"
+    if grid and model.mtp_depth:
+        raise ConfigError(f"tp_mode {parallel.tp_mode} with multi-token prediction (mtp_depth {model.mtp_depth}): the "
+                          "grids do not cut the depths' norms and projection yet; use tp_mode 1d (with sequence "
+                          "parallelism) or --mtp-depth 0")
     what = f"the {parallel.tp_mode} grid side q ({tp}, tp {parallel.tp})" if grid else f"tp ({tp})"
     if grid and model.d_model % tp:
         raise ConfigError(f"tp_mode {parallel.tp_mode} splits the model width over the grid side q = {tp} (tp "

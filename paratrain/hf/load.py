@@ -149,6 +149,10 @@ def run_model_shape(config: RunConfig, parallel: ParallelConfig) -> ModelConfig:
     rules), else the GPT preset's."""
     if not config.model.hf:
         return preset_shape(config, parallel)
+    if config.model.overrides:
+        given = ", ".join(f"{key}={value!r}" for key, value in sorted(config.model.overrides.items()))
+        raise ConfigError(f"--hf {config.model.hf} takes the model's shape from its config.json, and the run also sets "
+                          f"model settings of paratrain's GPT ({given}): drop them, or edit the folder's config.json")
     if parallel.expert_tp:
         raise ConfigError("--expert-tp with --hf: cutting each Hugging Face expert over tp is not built (ep splits "
                           "the experts whole); drop --expert-tp, or shard them with --ep / --zero")

@@ -21,6 +21,7 @@ part of the contract:
     head                         Linear D -> Vp (its weight is tok_emb's when tied)
     output                       VocabOutput: the loss over the real vocabulary (models/loss.py,
                                  by row chunks), and full logits
+    mtp                          multi-token prediction's depths, with mtp_depth > 0 (paratrain.models.gpt_mtp)
 
 The qkv output is interleaved per head so that any contiguous slice of whole heads holds their
 q, k and v together: a column split of qkv is then a split of the heads. Attention infers its
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.config.model import ModelConfig
+from paratrain.models.gpt_mtp import MTPDepth, MultiTokenLogits, MultiTokenPrediction
 from paratrain.models.gpt_recipe import GPT_PLAN, GPT_RECIPE
 from paratrain.models.init import Constant, Given, KeyedNormal, ParamInit, init_tensor_
 from paratrain.models.norms import RMSNorm, apply_rope, rope_tables, upcast
@@ -166,6 +168,9 @@ class GPT(nn.Module):
         self.output = VocabOutput(config.vocab_size)
         if config.tie_embeddings:
             self.head.weight = self.tok_emb.weight
+        self.mtp = (MultiTokenPrediction(self.tok_emb, [MTPDepth(config.d_model, config.norm_eps, Block(config))
+                                                        for _ in range(config.mtp_depth)], config.mtp_weight)
+                    if config.mtp_depth else None)
         self.router_log = RouterLog()
         """The auxiliary losses and expert counts of the MoE layers, when the model runs without an engine
         (the loss sum lacks router_log.aux_sum; their gradient is in the backward already)."""
@@ -176,8 +181,9 @@ class GPT(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """idx[B, S] (token ids) -> logits[B, S, Vp] (padded vocabulary; `output` reads them).
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor | MultiTokenLogits:
+        """idx[B, S] (token ids) -> logits[B, S, Vp] (padded vocabulary; `output` reads them); in training with
+        MTP depths, MultiTokenLogits (the next-token logits and each depth's: lm_loss takes either).
         positions[B, S]: packed documents (paratrain.nn.documents): each token at its position in its own
         document, attending only within it; None: one sequence per row."""
         seq = idx.shape[1]
@@ -187,7 +193,10 @@ class GPT(nn.Module):
         documents = Documents.of(positions)  # one mask for every layer
         for block in self.blocks:  # each attention takes the rows of the rotary tables its tokens are at
             x = block(x, self.rope_cos, self.rope_sin, documents)
-        return self.head(self.norm(x))
+        logits = self.head(self.norm(x))
+        if self.mtp is None or not self.training:
+            return logits
+        return MultiTokenLogits(logits, *self.mtp(x, idx, documents, self.rope_cos, self.rope_sin, self.head))
 
     def split_sequence(self, shard: SequenceSplit) -> None:
         """Run on a part of each sequence (context parallelism; the recipe's split_sequence)."""
@@ -268,6 +277,8 @@ def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Te
         refuse_documents(model)
     logits = model(inputs, *positions)
     output = getattr(model, "output", None)
+    if isinstance(logits, MultiTokenLogits):  # the GPT's MTP depths, in training
+        return model.mtp.loss(output, logits, targets)
     if hasattr(output, "loss"):
         return output.loss(logits, targets)  # type: ignore[union-attr]
     return VocabOutput(logits.shape[-1]).loss(logits, targets)

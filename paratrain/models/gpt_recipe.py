@@ -1,7 +1,10 @@
 """The reference GPT's recipe (paratrain.nn.recipe): its tensor-parallel plan, its blocks, its
 pipeline layers and loss, by the module names of paratrain.models.gpt.
 
-    tok_emb | blocks.0 | ... | blocks.{L-1} | head (norm, head, output)
+    tok_emb | blocks.0 | ... | blocks.{L-1} | head (norm, head, output; mtp, the multi-token prediction depths)
+
+The MTP depths' blocks are blocks like the others (recomputed, ZeRO-3 units, compiled, split by the plan); they run
+on the last pipeline stage, which keeps a tied copy of the embedding for them.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import re
 import torch
 from torch import nn
 
+from paratrain.models.gpt_mtp import MultiTokenLogits
+from paratrain.nn.documents import Documents
 from paratrain.nn.recipe import Layer, Recipe, Run
 from paratrain.nn.sequence import SequenceSplit
 
@@ -31,18 +36,20 @@ GPT_PLAN: dict[str, str] = {
 }
 """The Megatron layout of paratrain.models.GPT: one all-reduce per attention and per MLP, each way."""
 
-GPT_BLOCKS = r"blocks\.\d+"
-"""The GPT's blocks: "blocks.0", "blocks.1", ..."""
+_BLOCK = r"(blocks\.\d+|mtp\.depths\.\d+\.block)"
 
-GPT_ATTENTION_CORES = r"blocks\.\d+\.attn\.core"
+GPT_BLOCKS = _BLOCK
+"""The GPT's blocks: "blocks.0", "blocks.1", ..., and each MTP depth's "mtp.depths.{k}.block"."""
+
+GPT_ATTENTION_CORES = _BLOCK + r"\.attn\.core"
 """Each block's attention core (softmax(q k^T) v, no parameters): what selective recompute recomputes."""
 
 
-GPT_ALONG_SEQUENCE = r"blocks\.\d+\.(attn|moe)"
-"""What looks along the sequence: each attention (rotary positions, the core) and MoE layer (per-sequence
-capacity and load balancing)."""
+GPT_ALONG_SEQUENCE = _BLOCK + r"\.(attn|moe)|mtp"
+"""What looks along the sequence: each attention (rotary positions, the core), MoE layer (per-sequence
+capacity and load balancing) and the MTP depths (their inputs and labels, tokens ahead)."""
 
-GPT_SEQUENCE_DROPOUTS = r"blocks\.\d+\.(attn\.out_dropout|mlp\.dropout|moe\.shared\.dropout)"
+GPT_SEQUENCE_DROPOUTS = _BLOCK + r"\.(attn\.out_dropout|mlp\.dropout|moe\.shared\.dropout)"
 """KeyedDropout over [B, S, D]: their masks are drawn at the tokens' positions in the sequence."""
 
 
@@ -67,9 +74,23 @@ def gpt_layers(model: nn.Module) -> list[Layer]:
     for i, block in enumerate(model.blocks):
         layers.append(Layer(f"blocks.{i}", {f"blocks.{i}": block}, _block_runner(i), float(block_flops), rope,
                             positions=True))
-    layers.append(Layer("head", {"norm": model.norm, "head": model.head, "output": model.output},
-                        lambda st, x, *_: st.head(st.norm(x)), 2.0 * d * v, positions=True))
+    head = {"norm": model.norm, "head": model.head, "output": model.output}
+    if model.mtp is None:
+        layers.append(Layer("head", head, lambda st, x, *_: st.head(st.norm(x)), 2.0 * d * v, positions=True))
+    else:  # the MTP depths after the head, on the same (last) stage: they read its hidden input and the tokens
+        depths = config.mtp_depth * (block_flops + 2 * (2 * d * d + d * v))
+        layers.append(Layer("head", {**head, "mtp": model.mtp}, _head_with_mtp, 2.0 * d * v + depths, rope,
+                            positions=True, tokens=True))
     return layers
+
+
+def _head_with_mtp(stage: nn.Module, x: torch.Tensor, positions: torch.Tensor | None = None, *,
+                   tokens: torch.Tensor) -> torch.Tensor | MultiTokenLogits:
+    logits = stage.head(stage.norm(x))
+    if not stage.training:
+        return logits
+    return MultiTokenLogits(logits, *stage.mtp(x, tokens, Documents.of(positions), stage.rope_cos, stage.rope_sin,
+                                               stage.head))
 
 
 def _block_runner(i: int) -> Run:
@@ -79,9 +100,13 @@ def _block_runner(i: int) -> Run:
     return run
 
 
-def gpt_stage_loss(stage: nn.Module, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gpt_stage_loss(stage: nn.Module, logits: torch.Tensor | MultiTokenLogits,
+                   targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The last stage's loss: its `output` module on the head's logits (the GPT's VocabOutput, by row
-    chunks over the real vocabulary; under tp the vocab-parallel output the plan put in its place)."""
+    chunks over the real vocabulary; under tp the vocab-parallel output the plan put in its place), with the MTP
+    depths' losses when the stage ran them."""
+    if isinstance(logits, MultiTokenLogits):
+        return stage.get_submodule("mtp").loss(stage.get_submodule("output"), logits, targets)
     return stage.get_submodule("output").loss(logits, targets)
 
 

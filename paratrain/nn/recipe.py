@@ -58,6 +58,9 @@ class Layer:
     """Whether run takes a third argument, positions[B, S] of packed documents (paratrain.nn.documents): a
     micro-batch (inputs, targets, positions) gives every stage its positions, each from its own copy of the
     micro-batch (every pipeline rank reads the same rows), so they travel with the activations at no cost."""
+    tokens: bool = False
+    """Whether run takes the micro-batch's input token ids as keyword `tokens` (the GPT's multi-token prediction on
+    the last stage embeds the tokens ahead of each position): every pipeline rank holds the micro-batch already."""
 
 
 ExpertRunner = Callable[[torch.Tensor, torch.Tensor, Callable[[torch.Tensor, list[int]], torch.Tensor]], torch.Tensor]

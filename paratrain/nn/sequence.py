@@ -63,3 +63,24 @@ class SequenceSplit(Protocol):
         """This split applied to the part `outer` leaves the rank (sequence parallelism's chunks of a
         context-parallel part); a split that is always outermost raises."""
         ...
+
+
+def look_ahead(values: torch.Tensor, k: int, fill: int, *, split: SequenceSplit | None = None,
+               documents: torch.Tensor | None = None) -> torch.Tensor:
+    """values[B, n] (this rank's tokens of each sequence) -> [B, n]: at each token, the value of the token k places
+    later in the whole sequence, or `fill` where that token lies past the sequence's end or, with documents (this
+    rank's positions in packed documents, paratrain.nn.documents), in another document. Under a split the whole
+    sequence is gathered first (one all-gather of small integers), so the shift crosses the ranks' parts as it would
+    in one process: multi-token prediction's inputs and labels (paratrain.models.gpt_mtp). Not differentiable."""
+    whole = values if split is None else split.gather(values, 1)
+    seq = whole.shape[1]
+    shifted = torch.full_like(whole, fill)
+    if k < seq:
+        later = whole[:, k:]
+        if documents is not None:  # the token k later is in the same document iff its position is k more
+            where = documents if split is None else split.gather(documents, 1)
+            later = torch.where(where[:, k:] - where[:, :seq - k] == k, later, fill)
+        shifted[:, :seq - k] = later
+    if split is None:
+        return shifted
+    return shifted.index_select(1, split.positions(values.shape[1], values.device))

@@ -181,7 +181,7 @@ class PipelineExecutor:
         self._uncaptured = False
         with self._forward_context():  # autocast, for the forward only
             micro = micro_batches[action.mb]  # (inputs, targets) or (inputs, targets, positions)
-            out = self.stage.run_chunk(action.chunk, x, micro[2] if len(micro) > 2 else None)
+            out = self.stage.run_chunk(action.chunk, x, micro[2] if len(micro) > 2 else None, micro[0])
             if action.chunk == self.last_chunk:
                 loss_sum, count = self.loss(self.stage, out, micro_batches[action.mb][1])
         if self._capture and not self._uncaptured:  # else W walks the whole chunk (every weight module's path)

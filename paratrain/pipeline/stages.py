@@ -163,11 +163,14 @@ class StageModel(nn.Module):
                              "positions argument, or batches of (inputs, targets) only")
         refuse_documents(self)
 
-    def run_chunk(self, chunk: int, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """positions[B, S]: the micro-batch's packed documents (paratrain.nn.documents), for every layer."""
+    def run_chunk(self, chunk: int, x: torch.Tensor, positions: torch.Tensor | None = None,
+                  tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """positions[B, S]: the micro-batch's packed documents (paratrain.nn.documents), for every layer; tokens: its
+        input token ids, for the layers that take them (Layer.tokens)."""
         start, end = self.ranges[chunk]
         for layer in self.layers[start:end]:  # (check_positions refused positions a layer cannot take)
-            x = layer.run(self, x) if positions is None else layer.run(self, x, positions)
+            given = {"tokens": tokens} if layer.tokens else {}
+            x = layer.run(self, x, **given) if positions is None else layer.run(self, x, positions, **given)
         return x
 
 

@@ -41,6 +41,7 @@ from paratrain.memory import precision_policy
 from paratrain.pipeline.schedules import Action, Schedule
 from paratrain.planner.layout import Layout, chunk_layers
 from paratrain.planner.moe_activations import moe_activation_bytes
+from paratrain.planner.mtp_activations import mtp_activation_bytes, mtp_proj_cast
 from paratrain.topology.dims import ParallelDims
 
 
@@ -222,6 +223,8 @@ def _chunk_sizes(model: ModelConfig, saved: tuple[Any, ...], seq: int, mode: str
     kwargs = dict(micro_batch=layout.micro_batch, seq=seq // layout.cp, tp=layout.tp)
     grid = grid_cuts(layout) if layout.tp_mode != "1d" else None
     head = head_activation_bytes(model, sequence_parallel=layout.sequence_parallel, mode=mode, grid=grid, **kwargs)
+    head += mtp_activation_bytes(model, layout, seq=seq, mode=mode, block=block, head=head, head_cast=head_weight_cast(
+        model, tp=layout.tp, sequence_parallel=layout.sequence_parallel, mode=mode))
     embedding = embedding_activation_bytes(micro_batch=layout.micro_batch, seq=seq, tp=layout.tp, cp=layout.cp,
                                            share=layout.tp_depth if layout.tp_mode == "2.5d" else 1)
     sizes = []
@@ -303,7 +306,8 @@ def _casts(model: ModelConfig, dims: ParallelDims, sequence_parallel: bool, mode
     for start, end in chunk_layers(model, layout.dims, pp_split):
         held = range(max(start, 1), min(end, model.n_layer + 1))
         dense = sum(not model.is_moe(i - 1) for i in held)
-        casts.append(dense * block + (head if end == model.n_layer + 2 else 0.0))
+        last = head + model.mtp_depth * (block + mtp_proj_cast(model, mode))  # the head and the MTP depths
+        casts.append(dense * block + (last if end == model.n_layer + 2 else 0.0))
     return tuple(casts)
 
 

@@ -178,8 +178,11 @@ class RankParam:
 
     @property
     def unit(self) -> str:
-        """The ZeRO-3 unit holding it (paratrain.sharding.zero wraps "blocks.N"; the rest is the root "")."""
+        """The ZeRO-3 unit holding it (paratrain.sharding.zero wraps "blocks.N" and "mtp.depths.K.block"; the rest is
+        the root "")."""
         parts = self.name.split(".")
+        if parts[0] == "mtp" and parts[3:4] == ["block"]:  # an MTP depth's block (GPT_BLOCKS)
+            return ".".join(parts[:4])
         return ".".join(parts[:2]) if parts[0] == "blocks" else ""
 
 
@@ -188,7 +191,8 @@ def layer_costs(model: ModelConfig) -> list[float]:
     embedding, the blocks, the head."""
     d, f, v, s = model.d_model, model.ff_dim, model.padded_vocab, model.seq_len
     block = 2 * (4 * d * d + 2 * d * f) + 4 * s * d
-    return [2.0 * d] + [float(block)] * model.n_layer + [2.0 * d * v]
+    mtp = model.mtp_depth * (block + 2 * (2 * d * d + d * v))  # the depths run with the head
+    return [2.0 * d] + [float(block)] * model.n_layer + [2.0 * d * v + mtp]
 
 
 def chunk_layers(model: ModelConfig, dims: ParallelDims, pp_split: tuple[int, ...] = ()) -> list[tuple[int, int]]:
@@ -272,19 +276,22 @@ def _rank_params(model: ModelConfig, t: int, parts: int, mine: tuple[int, ...],
     first, last = 0 in mine, len(ranges) - 1 in mine
     split = t > 1
     params: list[RankParam] = []
+    embedding_on_last = model.tie_embeddings or model.mtp_depth > 0  # the head's or the MTP depths' copy
     if 0 in layers:
-        params.append(RankParam("tok_emb.weight", (v // t, d), split, tied=model.tie_embeddings and not last))
+        params.append(RankParam("tok_emb.weight", (v // t, d), split, tied=embedding_on_last and not last))
+
+    def dense(b: str) -> list[RankParam]:
+        return [RankParam(f"{b}.attn_norm.weight", (d,), False), RankParam(f"{b}.attn.qkv.weight", (3 * d // t, d), split),
+                RankParam(f"{b}.attn.out.weight", (d, d // t), split), RankParam(f"{b}.mlp_norm.weight", (d,), False),
+                RankParam(f"{b}.mlp.up.weight", (f // t, d), split), RankParam(f"{b}.mlp.down.weight", (d, f // t), split)]
+
     for i in range(model.n_layer):
         if i + 1 in layers:
             b = f"blocks.{i}"
-            params += [RankParam(f"{b}.attn_norm.weight", (d,), False),
-                       RankParam(f"{b}.attn.qkv.weight", (3 * d // t, d), split),
-                       RankParam(f"{b}.attn.out.weight", (d, d // t), split),
-                       RankParam(f"{b}.mlp_norm.weight", (d,), False)]
             if not model.is_moe(i):
-                params += [RankParam(f"{b}.mlp.up.weight", (f // t, d), split),
-                           RankParam(f"{b}.mlp.down.weight", (d, f // t), split)]
+                params += dense(b)
                 continue
+            params += dense(b)[:4]
             # a MoE layer (paratrain.nn.moe): replicated over tp, its experts sliced over ep (and over tp)
             e, fe = model.n_experts // ep, model.expert_dim // (t if expert_tp else 1)
             params += [RankParam(f"{b}.moe.router.weight", (model.n_experts, d), False),
@@ -299,6 +306,13 @@ def _rank_params(model: ModelConfig, t: int, parts: int, mine: tuple[int, ...],
             params.append(RankParam("head.weight", (v // t, d), split))
         elif not first:  # the head's own copy of the tied weight, on the last stage
             params.append(RankParam("head.weight", (v // t, d), split, tied=True, norm_skip=True))
+        if model.mtp_depth and not model.tie_embeddings and not first:  # the MTP depths' copy of the embedding
+            params.append(RankParam("mtp.tok_emb.weight", (v // t, d), split, tied=True, norm_skip=True))
+        for k in range(model.mtp_depth):  # paratrain.models.gpt_mtp: the projection replicated over tp
+            m = f"mtp.depths.{k}"
+            params += [RankParam(f"{m}.hidden_norm.weight", (d,), False), RankParam(f"{m}.embed_norm.weight", (d,), False),
+                       RankParam(f"{m}.proj.weight", (d, 2 * d), False), *dense(f"{m}.block"),
+                       RankParam(f"{m}.norm.weight", (d,), False)]
     return tuple(params)
 
 

@@ -240,6 +240,8 @@ def rank_work(model: ModelConfig, layout: Layout, hw: Hardware, *, micro_batches
     # a MoE block: the block without its MLP, and the MoE layer in its place
     moe_block = block_work(model, hw, **common, mlp=False) + moe_layer if model.n_experts else Work()
     head = head_work(model, hw, tokens=tokens, cut=cut, act=act, kernels=kernels)
+    if model.mtp_depth:  # each MTP depth: a dense block and the head again (its 2D -> D projection not priced)
+        head = head * (1 + model.mtp_depth) + block * model.mtp_depth
     best = Work()
     for blocks, moe_blocks, has_head in _rank_shapes(model, layout.dims.pp, layout.dims.virtual_stages,
                                                      layout.pipeline):

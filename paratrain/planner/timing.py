@@ -91,17 +91,18 @@ def _bandwidth(hw: Hardware, span: int) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def _stages(model: ModelConfig, pp: int, v: int, pipeline: Schedule | None) -> tuple[float, int]:
-    """The busiest pipeline rank's share of the model's work (layers are split by these costs), and the
-    most blocks a rank holds."""
+def _stages(model: ModelConfig, pp: int, v: int, pipeline: Schedule | None) -> tuple[float, int, int]:
+    """The busiest pipeline rank's share of the model's work (layers are split by these costs), the most blocks a
+    rank runs (an MTP depth's block counted with the head's rank), and the most of the model's own blocks."""
     dims = ParallelDims(pp=pp, virtual_stages=v)
     costs = layer_costs(model)
     ranges = chunk_layers(model, dims)
     mine = [stage_chunks(dims, r, pipeline) for r in range(pp)]
     share = max(sum(sum(costs[slice(*ranges[c])]) for c in chunks) for chunks in mine) / sum(costs)
-    blocks = max(sum(len(range(max(ranges[c][0], 1), min(ranges[c][1], model.n_layer + 1))) for c in chunks)
-                 for chunks in mine)
-    return share, blocks
+    trunk = [sum(len(range(max(ranges[c][0], 1), min(ranges[c][1], model.n_layer + 1))) for c in chunks)
+             for chunks in mine]
+    mtp = [model.mtp_depth * any(ranges[c][1] == model.n_layer + 2 for c in chunks) for chunks in mine]
+    return share, max(t + m for t, m in zip(trunk, mtp)), max(trunk)
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,7 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     hardware_flops = model_flops * (4.0 / 3.0 if layout.recompute == "full" else 1.0)
     if layout.recompute == "selective":  # the attention core's forward again: a third of its 12 L d s
         hardware_flops += 4.0 * model.n_layer * model.d_model * seq * tokens
-    share, blocks_here = _stages(model, pp, v, layout.pipeline)
+    share, blocks_here, trunk_here = _stages(model, pp, v, layout.pipeline)
     rate = hw.peak_flops * hw.efficiency
     # MoE layers replicated over tp run whole on every tp rank (ep divides the rows, not the work); expert tensor
     # parallelism (each rank 1/tp of every expert) or sequence parallelism (each rank routes its chunk) divide them
@@ -229,7 +230,7 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     moe_flops *= hardware_flops / model_flops
     moe_tp = tp if layout.expert_tp or layout.sequence_parallel else 1
     per_rank = (hardware_flops - moe_flops) / (dp * tp * cp) + moe_flops / (dp * cp * moe_tp)
-    moe_here = round(model.moe_layers * blocks_here / model.n_layer) if model.n_experts else 0
+    moe_here = round(model.moe_layers * trunk_here / model.n_layer) if model.n_experts else 0
     # the profile's fixed time per block and micro-batch, and a MoE layer's own beyond it (routing, sorting)
     overhead = (hw.overhead_s * blocks_here + hw.moe_overhead_s * moe_here) * m
     compute = per_rank * share / rate + overhead

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from paratrain.config import preset
+from paratrain.config import ModelConfig, preset
 from tests.helpers import TINY
 
 MOE = preset("tiny-moe", vocab_size=TINY.vocab_size, seq_len=TINY.seq_len)
 DROPLESS = preset("tiny-moe", capacity_factor=0.0, vocab_size=TINY.vocab_size, seq_len=TINY.seq_len)
+MTP = dataclasses.replace(TINY, mtp_depth=2, tie_embeddings=False)  # the depths keep a tied copy of the embedding
+MODELS = {"tiny": TINY, "tiny-moe": MOE, "mtp": MTP}
 from tests.margins import within
 
 BUCKET_MB = 0.05  # several flat groups, each padded: the planner must count every pad
@@ -28,7 +32,7 @@ def _report(layout: dict, precision: str, model: str = "tiny", optim: dict | Non
                                       bucket_mb=BUCKET_MB, ep=layout["ep"], expert_tp=layout["expert_tp"],
                                       tp_mode=layout["tp_mode"], tp_depth=layout["tp_depth"])
     ctx = paratrain.init(device="cpu", config=config)
-    model = paratrain.build_gpt(TINY if model == "tiny" else MOE, seed=0)
+    model = paratrain.build_gpt(MODELS[model], seed=0)
     engine = paratrain.parallelize(model, ctx, optimizer=optimizer_factory(OptimSection(**(optim or {}))),
                                    options=paratrain.EngineOptions(micro_batch=config.tp_row_parts,
                                                                    precision=precision, grad_dtype=grad_dtype))
@@ -49,7 +53,9 @@ CASES = {
           # 16-bit optimizer states and gradients
           dict(state_dtype="bf16", dp=2, zero=1, precision="bf16"), dict(state_dtype="bf16", dp=2),
           dict(optimizer="muon", state_dtype="bf16", dp=2, zero=2, precision="bf16", grad_dtype="bf16"),
-          dict(dp=2, zero=1, precision="bf16", grad_dtype="bf16")],
+          dict(dp=2, zero=1, precision="bf16", grad_dtype="bf16"),
+          # two MTP depths, untied head: the last stage's copy of the embedding, the depths' blocks as ZeRO-3 units
+          dict(model="mtp", dp=1, pp=2), dict(model="mtp", dp=1, tp=2, zero=1), dict(model="mtp", dp=2, zero=3)],
     4: [dict(dp=4, zero=1, shard_group=2), dict(dp=4, zero=3, shard_group=2), dict(dp=2, tp=2, zero=2),
         dict(dp=2, pp=2, zero=2), dict(dp=2, pp=2, schedule="interleaved", virtual_stages=2, zero=1),
         dict(dp=2, tp=2, zero=3, precision="bf16"),
@@ -63,7 +69,7 @@ CASES = {
         # a 2 x 2 grid: matrix blocks and norm blocks in flat groups of their own
         dict(tp=4, tp_mode="2d"), dict(tp=4, tp_mode="2d", zero=1, precision="bf16"),
         dict(optimizer="muon", model="tiny-moe", dp=4, ep=2, zero=1, precision="bf16"),
-        dict(optimizer="muon", dp=2, pp=2, zero=2)],
+        dict(optimizer="muon", dp=2, pp=2, zero=2), dict(model="mtp", dp=2, tp=2, zero=3, precision="bf16")],
     8: [dict(dp=2, tp=4, tp_mode="2d", zero=3), dict(tp=8, tp_mode="3d"),
         dict(tp=8, tp_mode="2.5d", tp_depth=2, pp=1, zero=0)],
 }
@@ -86,7 +92,7 @@ def test_model_states_equal_the_engines_report(pools, world):
             settings = StepSettings(precision=precision, bucket_mb=BUCKET_MB, grad_dtype=grad_dtype,
                                     optimizer=optim.get("optimizer", "adamw"),
                                     state_dtype=optim.get("state_dtype", "fp32"))
-            expected = model_state_bytes(TINY if model == "tiny" else MOE, layout, stage=got["stage"],
+            expected = model_state_bytes(MODELS[model], layout, stage=got["stage"],
                                          settings=settings)
             assert got["report"] == expected, (case, precision, got["rank"])
 
@@ -199,7 +205,7 @@ def _context_parallel_activations(case: dict, precision: str, zero: int, recompu
     tp = dist.get_world_size() // 2
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(
         dp=1, cp=2, cp_mode=case["mode"], tp=tp, sequence_parallel=case.get("sp", False), zero=zero))
-    model = paratrain.build_gpt(DROPLESS if case.get("moe") else TINY, seed=0)
+    model = paratrain.build_gpt(_cp_model(case), seed=0)
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0),
                                    options=paratrain.EngineOptions(precision=precision, recompute=recompute))
     x = torch.randint(0, 256, (2, TINY.seq_len + 1), generator=torch.Generator().manual_seed(0))
@@ -210,17 +216,24 @@ def _context_parallel_activations(case: dict, precision: str, zero: int, recompu
     return saved.bytes
 
 
+def _cp_model(case: dict) -> ModelConfig:
+    return DROPLESS if case.get("moe") else dataclasses.replace(TINY, mtp_depth=2) if case.get("mtp") else TINY
+
+
 @pytest.mark.parametrize("world,case", [
     (2, dict(mode="ring")), (2, dict(mode="ulysses")), (2, dict(mode="ring", moe=True)),
-    (2, dict(mode="ulysses", moe=True)), (4, dict(mode="ring", sp=True)), (4, dict(mode="ulysses"))],
-    ids=["cp2-ring", "cp2-ulysses", "cp2-ring-moe", "cp2-ulysses-moe", "cp2xtp2-ring-sp", "cp2xtp2-ulysses"])
+    (2, dict(mode="ulysses", moe=True)), (4, dict(mode="ring", sp=True)), (4, dict(mode="ulysses")),
+    (4, dict(mode="ring", sp=True, mtp=True))],
+    ids=["cp2-ring", "cp2-ulysses", "cp2-ring-moe", "cp2-ulysses-moe", "cp2xtp2-ring-sp", "cp2xtp2-ulysses",
+         "cp2xtp2-ring-sp-mtp2"])
 def test_context_parallel_activations_equal_what_autograd_keeps(pools, world, case):
     """cp 2 (and cp2 x tp2), ring and Ulysses, each storage mode, no / selective / full recompute; tiny-moe
-    dropless too: each rank keeps what the planner says for its half of every sequence, to the byte."""
+    dropless too, and two MTP depths (their tokens ahead from the other cp rank, their embedding over tp): each rank
+    keeps what the planner says for its half of every sequence, to the byte."""
     from paratrain.planner.layout import Layout
     from paratrain.planner.activations import activation_bytes, storage_mode
 
-    model = DROPLESS if case.get("moe") else TINY
+    model = _cp_model(case)
     for precision, zero in (("fp32", 0), ("bf16", 0), ("bf16", 1)):
         for recompute in ("none", "selective", "full"):
             if case.get("moe") and recompute != "none":

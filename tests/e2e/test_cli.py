@@ -642,6 +642,8 @@ def test_a_hugging_face_mixtral_trains_in_every_layout_and_exports_as_the_hub_wr
     assert "--expert-tp with --hf" in capsys.readouterr().err
     assert main(["train", *common[:1], llama_config, *common[2:], "--nproc", "2", "--ep", "2"]) == 2
     assert "holds a dense 'llama' model; drop --ep" in capsys.readouterr().err
+    assert main(["train", *common[:1], llama_config, *common[2:], "--nproc", "1", "--mtp-depth", "1"]) == 2
+    assert "takes the model's shape from its config.json" in capsys.readouterr().err  # not silently dropped
 
 
 def test_2d_tensor_parallel_run_gives_one_process_loss(tmp_path):

@@ -17,10 +17,12 @@ from paratrain.planner.activations import activation_bytes, storage_mode
 
 @pytest.mark.parametrize("precision,zero", [("fp32", 0), ("bf16", 0), ("bf16", 1), ("fp16", 1)])
 @pytest.mark.parametrize("recompute", ["none", "full", "selective"])
-@pytest.mark.parametrize("shape", [("tiny", 1, 2), ("tiny", 3, 4), ("small", 2, 2)])
+@pytest.mark.parametrize("shape", [("tiny", 1, 2, 0), ("tiny", 3, 4, 0), ("small", 2, 2, 0), ("tiny", 2, 2, 2)],
+                         ids=["tiny-1", "tiny-3", "small-2", "tiny-2-mtp2"])
 def test_activations_equal_what_autograd_keeps(precision, zero, recompute, shape):
-    name, n_layer, rows = shape
-    config = preset(name, n_layer=n_layer)
+    """mtp2: two multi-token-prediction depths (paratrain.planner.mtp_activations)."""
+    name, n_layer, rows, mtp_depth = shape
+    config = preset(name, n_layer=n_layer, mtp_depth=mtp_depth)
     mode = storage_mode(precision, zero)
     model = paratrain.build_gpt(config, seed=0)
     if mode == "low":  # as ZeRO stores them: parameters in 16 bits, buffers (the rope tables) in float32
