@@ -18,7 +18,6 @@ into the measured bubble, a replay in the simulator and a Chrome trace.
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -222,22 +221,19 @@ class PipelineExecutor:
             if x is not None:
                 step.inputs[key] = x.grad  # what SEND_B sends
         elif action.kind == "I":
-            if x is not None:
+            if x is not None:  # the input's gradient, and each weight module's output's for W; an output off the
+                # path to the input (the MTP depths' embedding lookup) has its gradient computed here too
                 captured = step.module_outputs.get(key, [])
-                seen: list[torch.Tensor | None] = [None] * len(captured)
-                handles = [output.register_hook(functools.partial(_store, seen, i))
-                           for i, (_, output) in enumerate(captured)]
-                (step.inputs[key],) = _ENGINE.run_backward((out,), (grad,), True, False, (x,), True, False)
-                for handle in handles:
-                    handle.remove()
+                step.inputs[key], *seen = _ENGINE.run_backward(
+                    (out,), (grad,), True, False, (x, *(output for _, output in captured)), True, False)
                 if captured and all(g is not None for g in seen):
                     step.weight_grads[key] = [(m, o, g) for (m, o), g in zip(captured, seen)]
             step.grads[key] = grad  # W falls back to the whole chunk from this
 
 
 def _weight_modules(stage: nn.Module) -> list[nn.Module]:
-    """Modules holding parameters directly, when W can run module by module: each parameter in one
-    module."""
+    """Modules holding parameters directly, when W can run module by module: each parameter in one module (a W from
+    one module's output would also take a shared parameter's gradient through the other modules holding it)."""
     owners: dict[int, int] = {}
     modules = []
     for module in stage.modules():
@@ -247,7 +243,3 @@ def _weight_modules(stage: nn.Module) -> list[nn.Module]:
             for p in own:
                 owners[id(p)] = owners.get(id(p), 0) + 1
     return [] if any(n > 1 for n in owners.values()) else modules
-
-
-def _store(seen: list[torch.Tensor | None], index: int, grad: torch.Tensor) -> None:
-    seen[index] = grad

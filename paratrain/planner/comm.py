@@ -89,6 +89,10 @@ def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches
     for (axis, op, numel, size), n in calls.items():
         ops = volume.setdefault(axis, {})
         ops[op] = ops.get(op, 0) + n * _FACTOR[op] * numel * size
+    depths = model.mtp_depth if layout.cp > 1 and _held(model, layout, stage, pp_split)[2] else 0
+    if depths:  # each MTP depth's tokens and labels ahead: the token ids gathered over cp (int64; look_ahead)
+        ops = volume.setdefault("cp", {})
+        ops["all_gather"] = ops.get("all_gather", 0) + micro_batches * 2 * depths * layout.micro_batch * model.seq_len * 8
     ulysses = ulysses_bytes(model, layout, stage=stage, precision=precision, pp_split=pp_split)
     if ulysses:
         volume.setdefault("cp", {})["all_to_all"] = ulysses * micro_batches
@@ -153,6 +157,10 @@ def tensor_parallel_calls(model: ModelConfig, layout: Layout, *, stage: int, pre
     act = _activation_bytes(layout, precision)
     if layout.tp_mode != "1d":  # 2d, 2.5d, 3d: paratrain.planner.grid
         return grid_calls(model, layout, blocks=blocks, first=first, last=last, act=act)
+    # the MTP depths run with the head, each a block, an embedding lookup and the head (with its loss) again; under
+    # sequence parallelism their two input norms and projection are replicated weights summed over tp too
+    depths = model.mtp_depth if last else 0
+    first, last = int(first) + depths, int(last) + depths  # (_held counts their blocks)
     full = layout.micro_batch * model.seq_len // layout.cp * model.d_model  # this rank's tokens
     tokens = layout.micro_batch * model.seq_len // layout.cp
     again = blocks if layout.recompute == "full" else 0
@@ -163,9 +171,13 @@ def tensor_parallel_calls(model: ModelConfig, layout: Layout, *, stage: int, pre
         w_gather, w_scatter = (4 * blocks + last + 2 * again, 2 * blocks + last + again) if repeat else (0, 0)
         calls += [("tp", "all_gather", full, act)] * (6 * blocks + 2 * again + first + 2 * last + w_gather)
         calls += [("tp", "reduce_scatter", full, act)] * (4 * blocks + again + first + last + w_scatter)
-        calls += [("tp", "all_reduce", model.d_model, act)] * (2 * blocks + last)
+        calls += [("tp", "all_reduce", model.d_model, act)] * (2 * blocks + last + 2 * depths)
+        calls += [("tp", "all_reduce", 2 * model.d_model ** 2, act)] * depths
     else:
-        w_reduce = 2 * blocks + last + again if repeat and layout.recompute != "none" else 0
+        # W walks the whole chunk again under recompute, or where two modules share a parameter (the tied head and
+        # the MTP depths' embedding: paratrain.pipeline.runtime._weight_modules)
+        whole = layout.recompute != "none" or (depths and model.tie_embeddings)
+        w_reduce = 2 * blocks + last + again if repeat and whole else 0
         calls += [("tp", "all_reduce", full, act)] * (4 * blocks + again + first + last + w_reduce)
     calls += [("tp", "all_reduce", tokens, 4)] * (3 * last)
     return calls
@@ -177,7 +189,7 @@ def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str
     traffic: the tied embedding's gradient and the scalars (loss totals, gradient-norm sums)."""
     calls: list[Call] = []
     _, first, last = _held(model, layout, stage, pp_split)
-    if model.tie_embeddings and layout.pp > 1 and (first or last):
+    if (model.tie_embeddings or model.mtp_depth) and layout.pp > 1 and (first or last):  # (the MTP depths' copy)
         params = [p for p in rank_params(model, layout.dims, stage, pp_split, expert_tp=layout.expert_tp,
                                          pipeline=layout.pipeline) if p.tied]
         if layout.zero:
@@ -243,11 +255,13 @@ def data_axis(layout: Layout) -> str:
 
 
 def _held(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...]) -> tuple[int, bool, bool]:
-    """(blocks, holds the embedding, holds the final norm and head) on pipeline rank `stage`."""
+    """(blocks it runs, the MTP depths' with the head; holds the embedding; holds the final norm and head) on pipeline
+    rank `stage`."""
     ranges = chunk_layers(model, layout.dims, pp_split)
     mine = layout.chunks_of(stage)
     layers = {i for c in mine for i in range(*ranges[c])}
-    return len(layers & set(range(1, model.n_layer + 1))), 0 in layers, model.n_layer + 1 in layers
+    last = model.n_layer + 1 in layers
+    return len(layers & set(range(1, model.n_layer + 1))) + (model.mtp_depth if last else 0), 0 in layers, last
 
 
 def _activation_bytes(layout: Layout, precision: str) -> int:

@@ -16,6 +16,8 @@ from paratrain.planner.dryrun import dry_run
 
 SHORT = preset("tiny", seq_len=48)  # seq x micro-batch != d_model: the loss's vectors and the norms' differ
 UNTIED = dataclasses.replace(preset("tiny", n_layer=8), tie_embeddings=False)
+MTP = preset("tiny", mtp_depth=2)  # multi-token prediction: the depths' blocks, embedding and head on the last stage
+MTP_UNTIED = dataclasses.replace(MTP, tie_embeddings=False)
 GRID = [  # (model, world, rank, layout, global batch, micro-batch, precision, recompute)
     ("tiny", 8, 5, dict(dp=2, tp=2, pp=2, zero=1, sequence_parallel=True, schedule="interleaved", virtual_stages=2),
      8, 2, "fp32", "none"),
@@ -56,11 +58,21 @@ GRID = [  # (model, world, rank, layout, global batch, micro-batch, precision, r
     ("tiny", 16, 9, dict(dp=2, tp=8, tp_mode="2.5d", tp_depth=2, zero=3), 16, 4, "fp32", "none"),
     ("gpt3-175b", 1024, 700, dict(dp=2, tp=64, pp=8, tp_mode="3d", zero=1, grad_reduce="reduce_scatter"), 64, 16,
      "bf16", "none"),
+    # MTP depths: their tokens ahead gathered over cp, their tp traffic and norms' gradients, the last stage's tied
+    # copy of the embedding; ZB-H1's W module by module (untied) or over the whole chunk (the head and the depths
+    # share the tied copy); their blocks as ZeRO-3 units
+    (MTP, 16, 15, dict(dp=2, cp=2, tp=2, pp=2, sequence_parallel=True, zero=1), 8, 1, "bf16", "none"),
+    (MTP_UNTIED, 4, 3, dict(tp=2, pp=2, zero=1, schedule="zb-h1"), 8, 1, "fp32", "none"),
+    (MTP, 4, 3, dict(tp=2, pp=2, zero=1, schedule="zb-h1"), 8, 1, "fp32", "none"),
+    (MTP, 8, 6, dict(dp=4, tp=2, zero=3), 8, 1, "bf16", "full"),
 ]
 
 
 def _id(g: tuple) -> str:
-    name = g[0] if isinstance(g[0], str) else f"tiny-{g[0].n_layer}x{g[0].seq_len}{'' if g[0].tie_embeddings else '-untied'}"
+    model = g[0]
+    name = model if isinstance(model, str) else (f"tiny-{model.n_layer}x{model.seq_len}"
+                                                 f"{'' if model.tie_embeddings else '-untied'}"
+                                                 f"{f'-mtp{model.mtp_depth}' if model.mtp_depth else ''}")
     return f"{name}-{g[1]}ranks-rank{g[2]}" + ("" if g[7] == "none" else f"-{g[7]}")
 
 
@@ -75,7 +87,7 @@ def test_a_dry_run_equals_the_planner_exactly(model, world, rank, layout, global
     assert run.volume == run.predicted_volume
     cp = layout.get("cp", 1)
     axes = {"tp": layout.get("tp", 1), "pp": layout.get("pp", 1), "dp_cp" if cp > 1 else "dp": layout.get("dp", 1) * cp,
-            "cp": cp if layout.get("cp_mode") == "ulysses" else 1}
+            "cp": cp if layout.get("cp_mode") == "ulysses" or getattr(model, "mtp_depth", 0) else 1}
     hierarchical = {"dp_shard", "dp_replicate"} if layout.get("shard_group") else set()
     grid = {"tp_row", "tp_col", "tp_depth", "tp_input", "tp_weight", "tp_output"}
     assert set(run.volume) - {"tied"} - hierarchical - grid == {axis for axis, degree in axes.items() if degree > 1}
