@@ -33,7 +33,7 @@ from torch import nn
 from paratrain.comm import all_to_all
 from paratrain.comm.placement import Placement, Placements
 from paratrain.comm.regions import all_gather_along
-from paratrain.nn.moe import Experts, MoE
+from paratrain.nn.moe import Experts, MoE, balanced
 from paratrain.nn.recipe import ExpertBank
 from paratrain.state_layout import ModelState, OptimizerState, per_element
 from paratrain.topology.mesh import AxisGroup, Mesh
@@ -65,8 +65,8 @@ class AllToAllExperts:
 
     def __call__(self, rows: torch.Tensor, expert_ids: torch.Tensor, experts: Experts) -> torch.Tensor:
         ep, local = self.group.size, self.n_experts // self.group.size
-        if rows.is_meta:  # the planner's dry run has no ids to route by: balanced, each rank receiving what it sends,
-            return self._balanced(rows, experts, local)  # through the same gathers and copies (what they save)
+        if rows.is_meta:  # the planner's dry run has no ids to route by: even, each rank receiving what it sends,
+            return self._balanced(rows, experts, local)  # through the same exchanges, gathers and copies
         order = torch.argsort(expert_ids, stable=True)  # grouped by expert, so by destination rank
         per_expert = torch.bincount(expert_ids, minlength=self.n_experts)
         incoming = torch.empty_like(per_expert)
@@ -81,15 +81,22 @@ class AllToAllExperts:
         returned = AllToAll.apply(back, self.group, send, receive)
         return torch.empty_like(returned).index_copy_(0, order, returned)
 
-    @staticmethod
-    def _balanced(rows: torch.Tensor, experts: Experts, local: int) -> torch.Tensor:
-        """The dry run's dispatch: rows split evenly over this rank's experts, through gathers and copies shaped as the
-        exchange's (what autograd saves), no collective."""
+    def _balanced(self, rows: torch.Tensor, experts: Experts, local: int) -> torch.Tensor:
+        """The dry run's dispatch: the counts exchanged, every rank sending an even share of its rows to each and
+        receiving as many (balanced routing), run over this rank's experts evenly, and sent back: the collectives,
+        gathers and copies of the real exchange (what it moves and what autograd saves)."""
+        ep = self.group.size
+        per_expert = torch.zeros(self.n_experts, dtype=torch.long, device=rows.device)
+        incoming = torch.empty_like(per_expert)
+        all_to_all(incoming, per_expert, self.group, output_splits=[local] * ep, input_splits=[local] * ep)
         order = torch.arange(rows.shape[0], device=rows.device)
-        share = [rows.shape[0] // local + (e < rows.shape[0] % local) for e in range(local)]
-        out = experts(rows[order][order], share)  # sorted by expert, then by source as the exchange would
-        back = torch.empty_like(out).index_copy_(0, order, out)
-        return torch.empty_like(back).index_copy_(0, order, back)
+        even = balanced(rows.shape[0], ep)
+        arrived = AllToAll.apply(rows[order], self.group, even, even)
+        by_expert = torch.arange(arrived.shape[0], device=rows.device)
+        out = experts(arrived[by_expert], balanced(arrived.shape[0], local))
+        back = torch.empty_like(out).index_copy_(0, by_expert, out)
+        returned = AllToAll.apply(back, self.group, even, even)
+        return torch.empty_like(returned).index_copy_(0, order, returned)
 
 
 def _expert_major(matrix: list[list[int]], *, device: torch.device) -> torch.Tensor:

@@ -64,7 +64,8 @@ class TensorParallelExperts(Experts):
                 return rows[:0]
             return reduce_from_tp_region(super().forward(copy_to_tp_region(rows, self.group), counts), self.group)
         everyone = all_gather_along(torch.tensor(counts, dtype=torch.int64, device=rows.device), self.group, 0)
-        matrix = everyone.view(self.group.size, len(counts)).tolist()  # [tp rank][expert]: its rows
+        matrix = ([list(counts)] * self.group.size if rows.is_meta  # the dry run: every tp rank routed alike
+                  else everyone.view(self.group.size, len(counts)).tolist())  # [tp rank][expert]: its rows
         sizes = [sum(row) for row in matrix]
         longest = max(sizes)
         if not longest:  # no tp rank has a row: none enters the collectives below

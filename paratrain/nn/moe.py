@@ -152,6 +152,12 @@ class Experts(nn.Module):
         return F.linear(F.gelu(F.linear(rows[:0], self.up[0]), approximate="tanh"), self.down[0])
 
 
+def balanced(rows: int, experts: int) -> list[int]:
+    """`rows` split as evenly as they go over `experts` (the first ones one more): the dry run's routing, on meta
+    tensors that carry no expert ids."""
+    return [rows // experts + (e < rows % experts) for e in range(experts)]
+
+
 ExpertRunner = Callable[[torch.Tensor, torch.Tensor, "Experts"], torch.Tensor]
 """run(rows[N, D], expert_ids[N], experts) -> outputs[N, D]: where the experts run (here, or over ep ranks)."""
 
@@ -159,7 +165,8 @@ ExpertRunner = Callable[[torch.Tensor, torch.Tensor, "Experts"], torch.Tensor]
 def run_here(rows: torch.Tensor, expert_ids: torch.Tensor, experts: Experts) -> torch.Tensor:
     """Every expert on this process: rows grouped by expert (stable), run, put back in place."""
     order = torch.argsort(expert_ids, stable=True)
-    counts = torch.bincount(expert_ids, minlength=experts.up.shape[0]).tolist()  # every expert is here
+    counts = (balanced(rows.shape[0], experts.up.shape[0]) if rows.is_meta  # the planner's dry run: no ids
+              else torch.bincount(expert_ids, minlength=experts.up.shape[0]).tolist())  # every expert is here
     out = experts(rows[order], counts)
     return torch.empty_like(out).index_copy_(0, order, out)
 
@@ -199,7 +206,10 @@ class MoE(nn.Module):
         k = self.router.top_k
         routing = self.router(x, self.sequence)
         kept = routing.keep.reshape(-1)
-        assignments = torch.nonzero(kept).squeeze(1)  # (token, choice) pairs that run, token-major
+        if x.is_meta:  # the planner's dry run (shapes only): every assignment runs, spread evenly over the experts
+            assignments = torch.arange(kept.numel(), device=x.device)
+        else:
+            assignments = torch.nonzero(kept).squeeze(1)  # (token, choice) pairs that run, token-major
         rows = x.reshape(-1, d)[assignments // k]
         # Always run, even with no rows: under expert parallelism every rank must enter the all-to-alls.
         out = self.run_experts(rows, routing.expert.reshape(-1)[assignments], self.experts)
@@ -209,7 +219,8 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(x)
         if self.training and torch._C._current_graph_task_id() == -1:  # not a recomputation in backward
-            tokens = torch.bincount(routing.expert.reshape(-1)[assignments], minlength=self.router.n_experts)
+            chosen, n = routing.expert.reshape(-1)[assignments], self.router.n_experts
+            tokens = chosen.new_zeros(n) if x.is_meta else torch.bincount(chosen, minlength=n)
             self.log.add(self.log_name, routing.balance, routing.z, tokens, (~kept).sum(), kept.numel())
         if not torch.is_grad_enabled():
             return y

@@ -93,6 +93,13 @@ def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches
     if depths:  # each MTP depth's tokens and labels ahead: the token ids gathered over cp (int64; look_ahead)
         ops = volume.setdefault("cp", {})
         ops["all_gather"] = ops.get("all_gather", 0) + micro_batches * 2 * depths * layout.micro_batch * model.seq_len * 8
+    if model.n_experts and layout.cp > 1:  # each MoE layer's per-sequence expert fractions summed over cp (float32)
+        ops = volume.setdefault("cp", {})
+        ops["all_reduce"] = ops.get("all_reduce", 0) + micro_batches * _moe_layers(model, layout, stage, pp_split) * (
+            2 * layout.micro_batch * model.n_experts * 4)
+    exchanged = expert_exchange_bytes(model, layout, stage=stage, precision=precision, pp_split=pp_split)
+    if exchanged:
+        volume.setdefault("ep", {})["all_to_all"] = exchanged * micro_batches
     ulysses = ulysses_bytes(model, layout, stage=stage, precision=precision, pp_split=pp_split)
     if ulysses:
         volume.setdefault("cp", {})["all_to_all"] = ulysses * micro_batches
@@ -114,21 +121,35 @@ def data_parallel_volume(model: ModelConfig, layout: Layout, *, stage: int, micr
         return {}
     data = data_axis(layout)
     volume: dict[str, dict[str, int]] = {}
-
-    def add(axis: str, op: str, n: int) -> None:
-        volume.setdefault(axis, {})[op] = volume.get(axis, {}).get(op, 0) + n
-
     params = rank_params(model, layout.dims, stage, settings.pp_split, expert_tp=layout.expert_tp,
                          pipeline=layout.pipeline)
+    dense = [p for p in params if not p.expert]
+    _reduce_and_gather(volume, dense, layout, micro_batches, settings, axis=data, shards=layout.shards)
+    experts = [p for p in params if p.expert]
+    if experts and layout.dp // layout.ep * layout.cp > 1:  # (rank_params marks them so under ep only)  # the experts over the ranks holding the same ones (edp)
+        _reduce_and_gather(volume, experts, layout, micro_batches, settings, axis="edp_cp" if layout.cp > 1 else "edp",
+                           shards=layout.expert_shards)
+    return volume
+
+
+def _reduce_and_gather(volume: dict[str, dict[str, int]], params: list, layout: Layout, micro_batches: int,
+                       settings: StepSettings, *, axis: str, shards: int) -> None:
+    """Add the gradient reduction and (ZeRO) parameter gathers of `params` over `axis` (`shards` ranks under ZeRO)."""
+    def add(on: str, op: str, n: int) -> None:
+        volume.setdefault(on, {})[op] = volume.get(on, {}).get(op, 0) + n
+
+    if not params:
+        return
     if layout.zero == 0:
-        add(data, "all_reduce", 2 * 4 * sum(p.numel for p in params))
-        return volume
+        add(axis, "all_reduce", 2 * 4 * sum(p.numel for p in params))
+        return
     if layout.shard_group == 1:
         raise NotImplementedError("the volume of ZeRO with shard groups of one rank (replicated state) is not modelled")
-    hierarchical = layout.shard_group not in (None, layout.dp)
-    shard_axis = "dp_shard" if hierarchical else data
+    hierarchical = axis in ("dp", "dp_cp") and layout.shard_group not in (None, layout.dp)
+    shard_axis = "dp_shard" if hierarchical else axis
     elsize, gsize = BYTES[settings.precision], settings.reduce_bytes(layout)
-    groups = flat_groups(params, zero=layout.zero, shards=layout.shards, bucket_bytes=int(settings.bucket_mb * 2**20))
+    groups = flat_groups(params, zero=layout.zero, shards=shards, bucket_bytes=int(settings.bucket_mb * 2**20),
+                         expert_shards=shards)
     reductions = 1 if layout.zero == 1 or layout.pp > 1 else micro_batches
     for g in groups:
         if settings.grad_reduce == "reduce_scatter":
@@ -136,7 +157,7 @@ def data_parallel_volume(model: ModelConfig, layout: Layout, *, stage: int, micr
             if hierarchical:
                 add("dp_replicate", "all_reduce", reductions * 2 * gsize * g.shard_numel)
         else:
-            add(data, "all_reduce", reductions * 2 * gsize * g.padded)
+            add(axis, "all_reduce", reductions * 2 * gsize * g.padded)
     if layout.zero < 3:
         add(shard_axis, "all_gather", elsize * sum(g.padded for g in groups))
     else:  # flat_groups lists the blocks' groups first, the root's last
@@ -145,7 +166,6 @@ def data_parallel_volume(model: ModelConfig, layout: Layout, *, stage: int, micr
         per_block = 2 if settings.reshard_after_forward else 1
         add(shard_axis, "all_gather", micro_batches * elsize * (per_block * sum(g.padded for g in blocks)
                                                                 + sum(g.padded for g in roots)))
-    return volume
 
 
 def tensor_parallel_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str = "fp32",
@@ -173,12 +193,17 @@ def tensor_parallel_calls(model: ModelConfig, layout: Layout, *, stage: int, pre
         calls += [("tp", "reduce_scatter", full, act)] * (4 * blocks + again + first + last + w_scatter)
         calls += [("tp", "all_reduce", model.d_model, act)] * (2 * blocks + last + 2 * depths)
         calls += [("tp", "all_reduce", 2 * model.d_model ** 2, act)] * depths
+        calls = _sequence_parallel_moe(model, layout, calls, moe=_moe_layers(model, layout, stage, pp_split),
+                                       full=full, act=act)
     else:
-        # W walks the whole chunk again under recompute, or where two modules share a parameter (the tied head and
-        # the MTP depths' embedding: paratrain.pipeline.runtime._weight_modules)
-        whole = layout.recompute != "none" or (depths and model.tie_embeddings)
-        w_reduce = 2 * blocks + last + again if repeat and whole else 0
-        calls += [("tp", "all_reduce", full, act)] * (4 * blocks + again + first + last + w_reduce)
+        whole = _whole_chunk_w(model, layout, stage, pp_split)
+        # a MoE layer is replicated over tp (its MLP's two all-reduces gone); cut over tp (expert_tp) its experts'
+        # outputs, and their inputs' gradients, are summed over tp as rows [tokens x top_k, d]
+        moe = _moe_layers(model, layout, stage, pp_split)
+        w_reduce = 2 * blocks - moe + last + again if repeat and whole else 0
+        calls += [("tp", "all_reduce", full, act)] * (4 * blocks - 2 * moe + again + first + last + w_reduce)
+        if layout.expert_tp:
+            calls += [("tp", "all_reduce", full * model.top_k, act)] * (moe * (2 + (layout.recompute == "full")))
     calls += [("tp", "all_reduce", tokens, 4)] * (3 * last)
     return calls
 
@@ -207,6 +232,8 @@ def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str
         if layout.zero:  # the norm's squares add up over the ranks that hold different shards
             shard_axis = "dp_shard" if layout.shard_group not in (None, layout.dp) else data_axis(layout)
             calls += [(shard_axis, "all_reduce", 1, 4)] * parts
+    if model.n_experts:  # routing statistics (paratrain.hybrid.experts.routing_totals) and the experts' norm part
+        calls += expert_step_calls(model, layout, stage=stage, pp_split=pp_split)
     if layout.tp > 1:
         calls.append(("tp", "all_reduce", 1, 4))
         if layout.tp_mode != "1d":  # the vectors' blocks, along the row (3d: the output, then the input axis)
@@ -216,6 +243,48 @@ def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str
         calls.append(("pp", "all_reduce", 2, 8))
         calls += [("pp", "all_reduce", 1, 4)] * parts
     return calls
+
+
+def expert_step_calls(model: ModelConfig, layout: Layout, *, stage: int, pp_split: tuple[int, ...] = ()) -> list[Call]:
+    """A MoE model's collectives once a step: the routing statistics (four sums and the stage's per-(layer, expert)
+    counts, float64) over dp, their sums and extremes over pp; the experts' part of the gradient norm over ep (and
+    over the ranks ZeRO shards them on)."""
+    layers = _moe_layers(model, layout, stage, pp_split)
+    calls: list[Call] = []
+    if layout.sequence_parallel and layout.tp > 1:  # each tp rank routed its chunk: the auxiliary sum and the
+        calls += [("tp", "all_reduce", 1, 8), ("tp", "all_reduce", 4 + layers * model.n_experts, 8)]  # statistics
+    if layout.dp * layout.cp > 1:
+        calls.append((data_axis(layout), "all_reduce", 4 + layers * model.n_experts, 8))
+    # the gradient norm's parts the experts add under ep (their own placement; with expert_tp, their tp slices too)
+    parts = 1 + layout.expert_tp if layout.ep > 1 else 0
+    if layout.pp > 1:
+        calls += [("pp", "all_reduce", 7, 8), ("pp", "all_reduce", 2, 8)] + [("pp", "all_reduce", 1, 4)] * parts
+    if layout.ep > 1:
+        calls += [("ep", "all_reduce", 1, 4)] * parts
+    if layout.expert_tp and layout.ep > 1 and layout.tp > 1:
+        calls.append(("tp", "all_reduce", 1, 4))
+    if layout.zero and layout.ep > 1 and layout.expert_shards > 1:
+        calls += [("edp_cp" if layout.cp > 1 else "edp", "all_reduce", 1, 4)] * parts
+    return calls
+
+
+def expert_exchange_bytes(model: ModelConfig, layout: Layout, *, stage: int, precision: str = "fp32",
+                          pp_split: tuple[int, ...] = ()) -> int:
+    """Expert parallelism's all-to-all bytes of one micro-batch on pipeline rank `stage`, counted as the recorder
+    counts (each call's input; the dry run routes evenly, as planning assumes): per MoE layer forward the counts per
+    expert (int64) and the rows to the experts and back, backward the rows' gradients both ways; a recomputed block
+    (full) exchanges its forward's again."""
+    if layout.ep == 1:
+        return 0
+    layers = _moe_layers(model, layout, stage, pp_split)
+    tokens = layout.micro_batch * model.seq_len // layout.cp // (layout.tp if layout.sequence_parallel else 1)
+    rows = tokens * model.top_k * model.d_model * _activation_bytes(layout, precision)  # (SP: each tp rank its chunk's)
+    counts = model.n_experts * 8
+    forward = counts + 2 * rows
+    # zero bubble's W over the whole chunk (a MoE layer's router returns no single tensor to take its weights'
+    # gradient from) sends the rows' gradients both ways again
+    again = layout.pipeline is not None and layout.pipeline.splits_backward and stage > 0
+    return layers * (forward * (2 if layout.recompute == "full" else 1) + 2 * rows * (1 + again))
 
 
 def pipeline_sends(model: ModelConfig, layout: Layout, *, stage: int, micro_batches: int, precision: str = "fp32",
@@ -252,6 +321,55 @@ def ulysses_bytes(model: ModelConfig, layout: Layout, *, stage: int, precision: 
 def data_axis(layout: Layout) -> str:
     """The mesh's name for the ranks holding the same parameters: "dp", or "dp_cp" under cp."""
     return "dp_cp" if layout.cp > 1 else "dp"
+
+
+def _sequence_parallel_moe(model: ModelConfig, layout: Layout, calls: list[Call], *, moe: int, full: int,
+                           act: int) -> list[Call]:
+    """The dense count of tp collectives `calls` with `moe` of the blocks MoE layers under sequence parallelism: each
+    routes its own chunk of the sequence (the MLP's gathers and scatters gone), its replicated weights' gradients
+    summed over tp (the router, the shared expert, and the experts unless expert_tp cuts them); with expert_tp the
+    chunks' rows gathered over tp for the experts and their outputs reduce-scattered back, forward and backward."""
+    if not moe:
+        return calls
+    counts = Counter(calls)
+    counts[("tp", "all_gather", full, act)] -= 3 * moe
+    counts[("tp", "reduce_scatter", full, act)] -= 2 * moe
+    d, local = model.d_model, model.n_experts // layout.ep
+    replicated = [model.n_experts * d] + ([model.ff_dim * d] * 2 if model.shared_expert else [])
+    full_recompute = layout.recompute == "full"  # the block's forward again: its attention's gather only
+    counts[("tp", "all_gather", full, act)] -= moe * full_recompute
+    # per-sequence expert fractions (again in a recomputed forward)
+    counts[("tp", "all_reduce", layout.micro_batch * model.n_experts, 4)] += moe * (1 + full_recompute)
+    if layout.expert_tp:  # the chunks' counts of this rank's experts, then their rows
+        rows = full * model.top_k
+        counts[("tp", "all_gather", layout.tp * local, 8)] += moe
+        counts[("tp", "all_gather", rows, act)] += 2 * moe
+        counts[("tp", "reduce_scatter", rows, act)] += 2 * moe
+    else:
+        replicated += [local * model.expert_dim * d] * 2
+    for numel in replicated:
+        counts[("tp", "all_reduce", numel, act)] += moe
+    return list(counts.elements())
+
+
+def _whole_chunk_w(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...]) -> bool:
+    """Whether zero bubble's W walks the whole chunk again on pipeline rank `stage` rather than module by module
+    (paratrain.pipeline.runtime): under recompute, where two modules share a parameter (the tied head and the MTP
+    depths' embedding), or where a MoE layer runs (its router returns no single tensor)."""
+    _, _, last = _held(model, layout, stage, pp_split)
+    shared = bool(last and model.mtp_depth and model.tie_embeddings)
+    return layout.recompute != "none" or shared or _moe_layers(model, layout, stage, pp_split) > 0
+
+
+def _moe_layers(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...]) -> int:
+    """The MoE layers pipeline rank `stage` holds."""
+    return sum(model.is_moe(i - 1) for i in _layers(model, layout, stage, pp_split) if 1 <= i <= model.n_layer)
+
+
+def _layers(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...]) -> set[int]:
+    """The GPT layers (0: the embedding, i: block i - 1, L + 1: the head) pipeline rank `stage` holds."""
+    ranges = chunk_layers(model, layout.dims, pp_split)
+    return {i for c in layout.chunks_of(stage) for i in range(*ranges[c])}
 
 
 def _held(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...]) -> tuple[int, bool, bool]:

@@ -295,8 +295,8 @@ def _rank_params(model: ModelConfig, t: int, parts: int, mine: tuple[int, ...],
             # a MoE layer (paratrain.nn.moe): replicated over tp, its experts sliced over ep (and over tp)
             e, fe = model.n_experts // ep, model.expert_dim // (t if expert_tp else 1)
             params += [RankParam(f"{b}.moe.router.weight", (model.n_experts, d), False),
-                       RankParam(f"{b}.moe.experts.up", (e, fe, d), expert_tp, expert=True),
-                       RankParam(f"{b}.moe.experts.down", (e, d, fe), expert_tp, expert=True)]
+                       RankParam(f"{b}.moe.experts.up", (e, fe, d), expert_tp, expert=ep > 1),
+                       RankParam(f"{b}.moe.experts.down", (e, d, fe), expert_tp, expert=ep > 1)]
             if model.shared_expert:
                 params += [RankParam(f"{b}.moe.shared.up.weight", (f, d), False),
                            RankParam(f"{b}.moe.shared.down.weight", (d, f), False)]

@@ -65,6 +65,15 @@ GRID = [  # (model, world, rank, layout, global batch, micro-batch, precision, r
     (MTP_UNTIED, 4, 3, dict(tp=2, pp=2, zero=1, schedule="zb-h1"), 8, 1, "fp32", "none"),
     (MTP, 4, 3, dict(tp=2, pp=2, zero=1, schedule="zb-h1"), 8, 1, "fp32", "none"),
     (MTP, 8, 6, dict(dp=4, tp=2, zero=3), 8, 1, "bf16", "full"),
+    # Mixture-of-Experts (tiny-dsmoe: 16 experts, top-4, an MTP depth), routed evenly on the meta device: ep's
+    # all-to-alls (the counts, the rows both ways), the experts' gradients over edp, the routing statistics, the
+    # experts' norm parts; under tp replicated (their gradients summed over tp with sequence parallelism) or cut
+    # (expert_tp: the chunks' rows gathered and scattered); cp's per-sequence fractions; ZB-H1's whole-chunk W
+    ("tiny-dsmoe", 64, 37, dict(dp=64, ep=8, zero=1), 128, 2, "bf16", "none"),
+    ("tiny-dsmoe", 8, 5, dict(dp=2, ep=2, tp=2, cp=2, sequence_parallel=True, expert_tp=True), 8, 2, "bf16", "none"),
+    ("tiny-dsmoe", 8, 7, dict(dp=2, ep=2, tp=2, pp=2, sequence_parallel=True, zero=1), 8, 1, "fp32", "full"),
+    ("tiny-dsmoe", 8, 6, dict(dp=4, ep=2, pp=2, schedule="zb-h1"), 8, 1, "fp32", "none"),
+    ("tiny-dsmoe", 8, 3, dict(dp=4, ep=2, cp=2, zero=2, cp_mode="ulysses"), 8, 1, "fp32", "selective"),
 ]
 
 
@@ -85,9 +94,11 @@ def test_a_dry_run_equals_the_planner_exactly(model, world, rank, layout, global
                   recompute=recompute)
     assert run.memory == run.predicted_memory
     assert run.volume == run.predicted_volume
-    cp = layout.get("cp", 1)
+    cp, ep = layout.get("cp", 1), layout.get("ep", 1)
+    config = preset(model) if isinstance(model, str) else model
     axes = {"tp": layout.get("tp", 1), "pp": layout.get("pp", 1), "dp_cp" if cp > 1 else "dp": layout.get("dp", 1) * cp,
-            "cp": cp if layout.get("cp_mode") == "ulysses" or getattr(model, "mtp_depth", 0) else 1}
+            "cp": cp if layout.get("cp_mode") == "ulysses" or config.mtp_depth or config.n_experts else 1,
+            "ep": ep, "edp_cp" if cp > 1 else "edp": layout.get("dp", 1) // ep * cp if ep > 1 else 1}
     hierarchical = {"dp_shard", "dp_replicate"} if layout.get("shard_group") else set()
     grid = {"tp_row", "tp_col", "tp_depth", "tp_input", "tp_weight", "tp_output"}
     assert set(run.volume) - {"tied"} - hierarchical - grid == {axis for axis, degree in axes.items() if degree > 1}
