@@ -62,13 +62,13 @@ from collections import Counter
 from paratrain.config.model import ModelConfig
 from paratrain.planner.activations import grid_cuts
 from paratrain.planner.grid import grid_calls
+from paratrain.planner.moe_comm import Call, expert_exchanges, expert_step_calls, sequence_parallel_moe
 from paratrain.planner.layout import Layout, chunk_layers, rank_params
 from paratrain.planner.memory import flat_groups
 from paratrain.planner.settings import BYTES, StepSettings
 
 _FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "send": 1, "broadcast": 1, "reduce": 1}
 
-Call = tuple[str, str, int, int]
 """(axis, op, elements of the full tensor (all-reduce buffer, reduce-scatter input, all-gather
 output, message), bytes per element)."""
 
@@ -93,13 +93,11 @@ def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches
     if depths:  # each MTP depth's tokens and labels ahead: the token ids gathered over cp (int64; look_ahead)
         ops = volume.setdefault("cp", {})
         ops["all_gather"] = ops.get("all_gather", 0) + micro_batches * 2 * depths * layout.micro_batch * model.seq_len * 8
-    if model.n_experts and layout.cp > 1:  # each MoE layer's per-sequence expert fractions summed over cp (float32)
-        ops = volume.setdefault("cp", {})
-        ops["all_reduce"] = ops.get("all_reduce", 0) + micro_batches * _moe_layers(model, layout, stage, pp_split) * (
-            2 * layout.micro_batch * model.n_experts * 4)
-    exchanged = expert_exchange_bytes(model, layout, stage=stage, precision=precision, pp_split=pp_split)
-    if exchanged:
-        volume.setdefault("ep", {})["all_to_all"] = exchanged * micro_batches
+    if model.n_experts:  # ep's all-to-alls, cp's per-sequence fractions (paratrain.planner.moe_comm)
+        moe, act = _moe_layers(model, layout, stage, pp_split), _activation_bytes(layout, precision)
+        again = layout.pipeline is not None and layout.pipeline.splits_backward and stage > 0
+        for axis, (op, n) in expert_exchanges(model, layout, moe=moe, act=act, w_again=again).items():
+            volume.setdefault(axis, {})[op] = volume.get(axis, {}).get(op, 0) + n * micro_batches
     ulysses = ulysses_bytes(model, layout, stage=stage, precision=precision, pp_split=pp_split)
     if ulysses:
         volume.setdefault("cp", {})["all_to_all"] = ulysses * micro_batches
@@ -193,8 +191,8 @@ def tensor_parallel_calls(model: ModelConfig, layout: Layout, *, stage: int, pre
         calls += [("tp", "reduce_scatter", full, act)] * (4 * blocks + again + first + last + w_scatter)
         calls += [("tp", "all_reduce", model.d_model, act)] * (2 * blocks + last + 2 * depths)
         calls += [("tp", "all_reduce", 2 * model.d_model ** 2, act)] * depths
-        calls = _sequence_parallel_moe(model, layout, calls, moe=_moe_layers(model, layout, stage, pp_split),
-                                       full=full, act=act)
+        calls = sequence_parallel_moe(model, layout, calls, moe=_moe_layers(model, layout, stage, pp_split),
+                                      full=full, act=act)
     else:
         whole = _whole_chunk_w(model, layout, stage, pp_split)
         # a MoE layer is replicated over tp (its MLP's two all-reduces gone); cut over tp (expert_tp) its experts'
@@ -233,7 +231,7 @@ def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str
             shard_axis = "dp_shard" if layout.shard_group not in (None, layout.dp) else data_axis(layout)
             calls += [(shard_axis, "all_reduce", 1, 4)] * parts
     if model.n_experts:  # routing statistics (paratrain.hybrid.experts.routing_totals) and the experts' norm part
-        calls += expert_step_calls(model, layout, stage=stage, pp_split=pp_split)
+        calls += expert_step_calls(model, layout, moe=_moe_layers(model, layout, stage, pp_split))
     if layout.tp > 1:
         calls.append(("tp", "all_reduce", 1, 4))
         if layout.tp_mode != "1d":  # the vectors' blocks, along the row (3d: the output, then the input axis)
@@ -243,48 +241,6 @@ def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str
         calls.append(("pp", "all_reduce", 2, 8))
         calls += [("pp", "all_reduce", 1, 4)] * parts
     return calls
-
-
-def expert_step_calls(model: ModelConfig, layout: Layout, *, stage: int, pp_split: tuple[int, ...] = ()) -> list[Call]:
-    """A MoE model's collectives once a step: the routing statistics (four sums and the stage's per-(layer, expert)
-    counts, float64) over dp, their sums and extremes over pp; the experts' part of the gradient norm over ep (and
-    over the ranks ZeRO shards them on)."""
-    layers = _moe_layers(model, layout, stage, pp_split)
-    calls: list[Call] = []
-    if layout.sequence_parallel and layout.tp > 1:  # each tp rank routed its chunk: the auxiliary sum and the
-        calls += [("tp", "all_reduce", 1, 8), ("tp", "all_reduce", 4 + layers * model.n_experts, 8)]  # statistics
-    if layout.dp * layout.cp > 1:
-        calls.append((data_axis(layout), "all_reduce", 4 + layers * model.n_experts, 8))
-    # the gradient norm's parts the experts add under ep (their own placement; with expert_tp, their tp slices too)
-    parts = 1 + layout.expert_tp if layout.ep > 1 else 0
-    if layout.pp > 1:
-        calls += [("pp", "all_reduce", 7, 8), ("pp", "all_reduce", 2, 8)] + [("pp", "all_reduce", 1, 4)] * parts
-    if layout.ep > 1:
-        calls += [("ep", "all_reduce", 1, 4)] * parts
-    if layout.expert_tp and layout.ep > 1 and layout.tp > 1:
-        calls.append(("tp", "all_reduce", 1, 4))
-    if layout.zero and layout.ep > 1 and layout.expert_shards > 1:
-        calls += [("edp_cp" if layout.cp > 1 else "edp", "all_reduce", 1, 4)] * parts
-    return calls
-
-
-def expert_exchange_bytes(model: ModelConfig, layout: Layout, *, stage: int, precision: str = "fp32",
-                          pp_split: tuple[int, ...] = ()) -> int:
-    """Expert parallelism's all-to-all bytes of one micro-batch on pipeline rank `stage`, counted as the recorder
-    counts (each call's input; the dry run routes evenly, as planning assumes): per MoE layer forward the counts per
-    expert (int64) and the rows to the experts and back, backward the rows' gradients both ways; a recomputed block
-    (full) exchanges its forward's again."""
-    if layout.ep == 1:
-        return 0
-    layers = _moe_layers(model, layout, stage, pp_split)
-    tokens = layout.micro_batch * model.seq_len // layout.cp // (layout.tp if layout.sequence_parallel else 1)
-    rows = tokens * model.top_k * model.d_model * _activation_bytes(layout, precision)  # (SP: each tp rank its chunk's)
-    counts = model.n_experts * 8
-    forward = counts + 2 * rows
-    # zero bubble's W over the whole chunk (a MoE layer's router returns no single tensor to take its weights'
-    # gradient from) sends the rows' gradients both ways again
-    again = layout.pipeline is not None and layout.pipeline.splits_backward and stage > 0
-    return layers * (forward * (2 if layout.recompute == "full" else 1) + 2 * rows * (1 + again))
 
 
 def pipeline_sends(model: ModelConfig, layout: Layout, *, stage: int, micro_batches: int, precision: str = "fp32",
@@ -321,35 +277,6 @@ def ulysses_bytes(model: ModelConfig, layout: Layout, *, stage: int, precision: 
 def data_axis(layout: Layout) -> str:
     """The mesh's name for the ranks holding the same parameters: "dp", or "dp_cp" under cp."""
     return "dp_cp" if layout.cp > 1 else "dp"
-
-
-def _sequence_parallel_moe(model: ModelConfig, layout: Layout, calls: list[Call], *, moe: int, full: int,
-                           act: int) -> list[Call]:
-    """The dense count of tp collectives `calls` with `moe` of the blocks MoE layers under sequence parallelism: each
-    routes its own chunk of the sequence (the MLP's gathers and scatters gone), its replicated weights' gradients
-    summed over tp (the router, the shared expert, and the experts unless expert_tp cuts them); with expert_tp the
-    chunks' rows gathered over tp for the experts and their outputs reduce-scattered back, forward and backward."""
-    if not moe:
-        return calls
-    counts = Counter(calls)
-    counts[("tp", "all_gather", full, act)] -= 3 * moe
-    counts[("tp", "reduce_scatter", full, act)] -= 2 * moe
-    d, local = model.d_model, model.n_experts // layout.ep
-    replicated = [model.n_experts * d] + ([model.ff_dim * d] * 2 if model.shared_expert else [])
-    full_recompute = layout.recompute == "full"  # the block's forward again: its attention's gather only
-    counts[("tp", "all_gather", full, act)] -= moe * full_recompute
-    # per-sequence expert fractions (again in a recomputed forward)
-    counts[("tp", "all_reduce", layout.micro_batch * model.n_experts, 4)] += moe * (1 + full_recompute)
-    if layout.expert_tp:  # the chunks' counts of this rank's experts, then their rows
-        rows = full * model.top_k
-        counts[("tp", "all_gather", layout.tp * local, 8)] += moe
-        counts[("tp", "all_gather", rows, act)] += 2 * moe
-        counts[("tp", "reduce_scatter", rows, act)] += 2 * moe
-    else:
-        replicated += [local * model.expert_dim * d] * 2
-    for numel in replicated:
-        counts[("tp", "all_reduce", numel, act)] += moe
-    return list(counts.elements())
 
 
 def _whole_chunk_w(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...]) -> bool:
