@@ -68,9 +68,8 @@ from paratrain.planner.memory import flat_groups
 from paratrain.planner.settings import BYTES, StepSettings
 
 _FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "send": 1, "broadcast": 1, "reduce": 1}
-
-"""(axis, op, elements of the full tensor (all-reduce buffer, reduce-scatter input, all-gather
-output, message), bytes per element)."""
+# a Call: (axis, op, elements of the full tensor (all-reduce buffer, reduce-scatter input, all-gather output,
+# message), bytes per element)
 
 
 def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches: int,
