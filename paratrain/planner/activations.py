@@ -76,11 +76,11 @@ def grid_cuts(layout: Layout) -> tuple[int, int, int]:
 
 
 def block_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str = "fp32",
-                           moe: bool = False) -> float:
+                           moe: bool = False, moe_imbalance: float = 1.0) -> float:
     """Bytes one transformer block keeps for backward, per micro-batch of `layout` (its micro-batch, tp,
     sequence parallelism, cp, recomputation and ep are what count; rope tables excluded: they are one storage
     for the whole model, see rope_bytes); seq: tokens of a whole sequence; moe: a block with a MoE layer
-    for its MLP."""
+    for its MLP (moe_imbalance: StepSettings')."""
     cp, whole = layout.cp, seq
     b, s, d, f, h, t = layout.micro_batch, seq // cp, model.d_model, model.ff_dim, model.n_head, layout.tp
     sequence_parallel, recompute, ep = layout.sequence_parallel, layout.recompute, layout.ep
@@ -115,7 +115,8 @@ def block_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode
     if moe:  # the MoE layer keeps its own copies of the normed input (moe_activation_bytes)
         norms += _norm_and_column_input(n / q, d, mode) - n / q * d * (4 if mode == "fp32" else 2)
         mlp = moe_activation_bytes(model, micro_batch=b, seq=s // q, mode=mode, ep=ep,
-                                   expert_tp=t if layout.expert_tp else 1, gathered=sequence_parallel and layout.expert_tp)
+                                   expert_tp=t if layout.expert_tp else 1, gathered=sequence_parallel and layout.expert_tp,
+                                   imbalance=moe_imbalance)
     else:
         norms += _norm_and_column_input(tokens, wide, mode)
         mlp = 2 * n * f / t * act  # up's output (GELU's input) and GELU's output (down's input)
@@ -204,22 +205,22 @@ def head_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, tp:
 
 
 def chunk_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str,
-                           pp_split: tuple[int, ...] = ()) -> list[float]:
+                           pp_split: tuple[int, ...] = (), moe_imbalance: float = 1.0) -> list[float]:
     """Bytes one micro-batch leaves saved in each pipeline chunk (its layers' terms)."""
     # cached on what they depend on (the search asks for many ZeRO stages, schedules and pipeline ranks at once)
     saved = (layout.dims, layout.micro_batch, layout.recompute, layout.sequence_parallel, layout.cp_mode,
-             layout.expert_tp)
+             layout.expert_tp, moe_imbalance)
     return list(_chunk_sizes(model, saved, seq, mode, pp_split))
 
 
 @functools.lru_cache(maxsize=8192)
 def _chunk_sizes(model: ModelConfig, saved: tuple[Any, ...], seq: int, mode: str,
                  pp_split: tuple[int, ...]) -> tuple[float, ...]:
-    dims, micro_batch, recompute, sequence_parallel, cp_mode, expert_tp = saved
+    dims, micro_batch, recompute, sequence_parallel, cp_mode, expert_tp, moe_imbalance = saved
     layout = Layout(dims=replace(dims, dp_replicate=dims.dp, dp_shard=1), micro_batch=micro_batch, recompute=recompute,
                     sequence_parallel=sequence_parallel, cp_mode=cp_mode, expert_tp=expert_tp)
     block = block_activation_bytes(model, layout, seq=seq, mode=mode)
-    moe_block = block_activation_bytes(model, layout, seq=seq, mode=mode, moe=True)
+    moe_block = block_activation_bytes(model, layout, seq=seq, mode=mode, moe=True, moe_imbalance=moe_imbalance)
     kwargs = dict(micro_batch=layout.micro_batch, seq=seq // layout.cp, tp=layout.tp)
     grid = grid_cuts(layout) if layout.tp_mode != "1d" else None
     head = head_activation_bytes(model, sequence_parallel=layout.sequence_parallel, mode=mode, grid=grid, **kwargs)
@@ -237,12 +238,12 @@ def _chunk_sizes(model: ModelConfig, saved: tuple[Any, ...], seq: int, mode: str
 
 
 def activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str, stage: int = 0,
-                     microbatches: int = 1, pp_split: tuple[int, ...] = ()) -> float:
+                     microbatches: int = 1, pp_split: tuple[int, ...] = (), moe_imbalance: float = 1.0) -> float:
     """Peak bytes of saved activations on pipeline rank `stage` over a step (seq: tokens of a whole
     sequence, of which each cp rank holds seq / cp): one micro-batch at a time
     without pp (accumulation runs each backward before the next forward); under pp, the schedule's
     own program walked action by action (F saves a chunk's activations, B or W releases them)."""
-    sizes = chunk_activation_bytes(model, layout, seq=seq, mode=mode, pp_split=pp_split)
+    sizes = chunk_activation_bytes(model, layout, seq=seq, mode=mode, pp_split=pp_split, moe_imbalance=moe_imbalance)
     ranges = chunk_layers(model, layout.dims, pp_split)
     mine = layout.chunks_of(stage)
     has_block = any(max(ranges[c][0], 1) < min(ranges[c][1], model.n_layer + 1) for c in mine)

@@ -12,8 +12,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import dataclasses
+import json
+import math
 from typing import Any
 
 from paratrain.config.errors import ConfigError
@@ -55,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"),
                         help="price AdamW (two moments) or Muon (a momentum on the matrices, Newton-Schulz on owner "
                              "ranks and its all-to-alls: paratrain.planner.optimizer)")
+    parser.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
+                        help="Mixture-of-Experts under ep: the busiest expert's load over the mean, as a run logs it "
+                             "(--log-json's expert_load_factor); the busiest ep rank's rows, memory and time times F "
+                             "(default 1: balanced)")
     parser.add_argument("--tokens", type=float, help="a token budget: adds training days")
     parser.add_argument("--top", type=int, default=10, help="rows of the table")
     parser.add_argument("--explain", action="store_true", help="also print the best layout's step time by term")
@@ -108,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
     devices = args.gpus or args.nodes * hw.devices_per_node
     if devices < 1 or args.global_batch < 1:
         raise ConfigError(f"--gpus ({devices}) and --global-batch ({args.global_batch}) must be >= 1")
+    if not (math.isfinite(args.moe_imbalance) and args.moe_imbalance >= 1):
+        raise ConfigError(f"--moe-imbalance is the busiest expert's load over the mean, at least 1 (balanced), got "
+                          f"{args.moe_imbalance}: take it from a run's --log-json expert_load_factor")
     pins: dict[str, Any] = {field: getattr(args, flag[2:].replace("-", "_")) for flag, field in _PINS.items()
                             if getattr(args, flag[2:].replace("-", "_")) is not None}
     if args.hf or args.dry_run:
@@ -131,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
         model = dataclasses.replace(model, seq_len=args.seq_len)
     result = search(model, devices, hw, global_batch=args.global_batch, seq_len=args.seq_len, pins=pins,
                     kernels="compiled" if args.compile else "eager",
-                    settings=dataclasses.replace(PRICED, precision=args.precision, optimizer=args.optimizer))
+                    settings=dataclasses.replace(PRICED, precision=args.precision, optimizer=args.optimizer,
+                                                 moe_imbalance=args.moe_imbalance))
     if args.tokens:
         for record in result["candidates"]:
             record["train_days"] = args.tokens / record["tokens_per_s"] / 86400

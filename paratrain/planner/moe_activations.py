@@ -7,14 +7,15 @@ from paratrain.config.model import ModelConfig
 
 
 def moe_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, mode: str = "fp32",
-                         ep: int = 1, expert_tp: int = 1, gathered: bool = False) -> float:
+                         ep: int = 1, expert_tp: int = 1, gathered: bool = False, imbalance: float = 1.0) -> float:
     """Bytes a MoE layer (paratrain.nn.moe) keeps for backward, per micro-batch, its input included, when no
     assignment is dropped (dropless, or no expert over its capacity): an upper bound with a capacity. seq:
     the tokens of a sequence this rank routes (under sequence parallelism its chunk). Under expert parallelism
     each rank is taken to receive as many rows as it sends (a balanced router; a skewed one receives more) and
     to run each of its experts. expert_tp: the experts' width is cut over that many ranks; gathered: their
-    rows all-gathered over them first (sequence parallelism). Exact to the byte for one process (tests);
-    with expert_tp or sequence parallelism an estimate."""
+    rows all-gathered over them first (sequence parallelism). imbalance: under ep, the rows this rank receives over a
+    balanced share (StepSettings.moe_imbalance). Exact to the byte for one process (tests); with expert_tp or sequence
+    parallelism an estimate."""
     b, s, d, e, k, fe, f = micro_batch, seq, model.d_model, model.n_experts, model.top_k, model.expert_dim, model.ff_dim
     fe //= expert_tp
     n = b * s
@@ -33,14 +34,15 @@ def moe_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, mode
     # dispatch: the token of each assignment, the order grouping rows by expert (and, under ep, the order
     # grouping what arrived by expert), each assignment's place; the rows the experts read, their
     # hidden activations (GELU's input and output), and under autocast each expert's weight copies
-    run = rows * (expert_tp if gathered else 1)  # rows the experts run here
-    dispatch = 8 * rows * (3 + (1 if ep > 1 else 0)) + run * d * mm + 2 * run * fe * mm
+    received = rows * (imbalance if ep > 1 else 1.0)  # under ep: the rows that arrive here
+    run = received * (expert_tp if gathered else 1)  # rows the experts run here
+    dispatch = 8 * rows * 3 + (8 * received if ep > 1 else 0) + run * d * mm + 2 * run * fe * mm
     if mode == "autocast":
         dispatch += 2 * (e // ep) * fe * d * 2
     # combine: the experts' outputs put back in place (each index_copy keeps its source: under ep the
     # outputs by source rank and by assignment after the return trip; the layer's, in the residual's
     # dtype), the capacity mask (bool), the gates times it, the k outputs of each token
-    combine = (2 if ep > 1 else 1) * rows * d * mm + rows * d * res + n * k + n * k * res + n * k * d * res
+    combine = (rows + (received if ep > 1 else 0)) * d * mm + rows * d * res + n * k + n * k * res + n * k * d * res
     shared = 0.0
     if model.shared_expert:  # a dense MLP: its input (fp32: the router's; else a 16-bit one), GELU's
         shared = (0 if mode == "fp32" else n * d * 2) + 2 * n * f * mm  # input and output

@@ -80,7 +80,7 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int,
         if layout.offload:
             states = {**states, "optimizer": 0}
         activations = activation_bytes(model, layout, seq=seq, mode=mode, stage=stage, microbatches=microbatches,
-                                       pp_split=pp_split)
+                                       pp_split=pp_split, moe_imbalance=settings.moe_imbalance)
         tokens = layout.micro_batch * local
         # the bucket being reduced (a push sends the gradients' own slices: nothing copied)
         other = 0.0 if served else min(bucket_mb * 2**20, states["grads"] or bucket_mb * 2**20)
@@ -143,7 +143,7 @@ def _record(model_config: ModelConfig, layout: Layout, hardware: Hardware, run: 
     """estimate's record of a layout already checked."""
     mem = memory(model_config, layout, global_batch=run.global_batch, seq=run.seq, settings=run.settings)
     t = step_time(model_config, layout, hardware, global_batch=run.global_batch, seq=run.seq,
-                  precision=run.settings.precision, kernels=run.kernels)
+                  precision=run.settings.precision, kernels=run.kernels, moe_imbalance=run.settings.moe_imbalance)
     step, terms = t.step_s, t.terms
     if run.settings.optimizer == "muon":  # after the pipelined part, as the element-wise step
         muon = muon_seconds(model_config, layout, hardware)

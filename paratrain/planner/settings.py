@@ -33,6 +33,10 @@ class StepSettings:
     """adamw, muon (a momentum on its matrices, AdamW's state on the rest) or sgd (a momentum)."""
     state_dtype: str = "fp32"
     """The optimizer state's storage: fp32 or bf16 (OptimSection.state_dtype)."""
+    moe_imbalance: float = 1.0
+    """Mixture-of-Experts under ep: the busiest ep rank's routed rows over a balanced share, a run's measured
+    `expert_load_factor` (--log-json; `paratrain plan --moe-imbalance`). That rank receives, keeps and runs this many
+    times the balanced rows; 1: balanced routing."""
 
     def grad_bytes(self, layout: Layout) -> int:
         """Bytes of a gradient element in ZeRO's buffers (zero 0: float32)."""

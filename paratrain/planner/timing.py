@@ -209,9 +209,12 @@ def _context_parallel_time(model: ModelConfig, layout: Layout, hw: Hardware, *, 
 
 
 def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch: int, seq: int,
-              precision: str = "bf16", grad_reduce: str = "reduce_scatter", kernels: str = "eager") -> StepTime:
+              precision: str = "bf16", grad_reduce: str = "reduce_scatter", kernels: str = "eager",
+              moe_imbalance: float = 1.0) -> StepTime:
     """kernels: how the blocks run, for a per-operation profile (paratrain.planner.ops.KERNELS): eager,
-    compiled (torch.compile) or Megatron's fused kernels."""
+    compiled (torch.compile) or Megatron's fused kernels. moe_imbalance: under ep, the busiest rank's routed rows
+    over a balanced share (StepSettings.moe_imbalance): its experts' work and the rows it receives times this, which
+    every rank waits for."""
     if kernels not in KERNELS:
         raise ConfigError(f"kernels must be one of {sorted(KERNELS)} (how the blocks run: eager, compiled by "
                           f"torch.compile, or Megatron's fused kernels), got {kernels!r}")
@@ -228,8 +231,12 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     # parallelism (each rank 1/tp of every expert) or sequence parallelism (each rank routes its chunk) divide them
     moe_flops = 6.0 * model.moe_layers * model.moe_layer_params(model.top_k) * tokens
     moe_flops *= hardware_flops / model_flops
+    skew = moe_imbalance if layout.ep > 1 else 1.0  # one rank runs all its experts' rows alike without ep
+    # the busiest ep rank's experts run skew times a balanced share of the rows
+    skewed = (skew - 1.0) * 12.0 * model.moe_layers * model.top_k * model.d_model * model.expert_dim * tokens
+    skewed *= hardware_flops / model_flops
     moe_tp = tp if layout.expert_tp or layout.sequence_parallel else 1
-    per_rank = (hardware_flops - moe_flops) / (dp * tp * cp) + moe_flops / (dp * cp * moe_tp)
+    per_rank = (hardware_flops - moe_flops) / (dp * tp * cp) + (moe_flops + skewed) / (dp * cp * moe_tp)
     moe_here = round(model.moe_layers * trunk_here / model.n_layer) if model.n_experts else 0
     # the profile's fixed time per block and micro-batch, and a MoE layer's own beyond it (routing, sorting)
     overhead = (hw.overhead_s * blocks_here + hw.moe_overhead_s * moe_here) * m
@@ -242,7 +249,7 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
         # the optimizer steps on this device over its ZeRO shard (not when offloaded, nor under the parameter server)
         stepped = _stepped(model, layout)
         moe = moe_layer_work(model, layout, hw, tokens=layout.micro_batch * seq // cp, act=act,
-                             kernels=kernels) if model.n_experts else Work()
+                             kernels=kernels) * skew if model.n_experts else Work()
         work, optimizer = rank_work(model, layout, hw, micro_batches=m, seq=seq, kernels=kernels, act=act,
                                     stage_elements=stepped, moe_layer=moe)
         compute, once = work.total, optimizer.total
@@ -276,7 +283,7 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     rows_bytes = layout.micro_batch * seq // cp * model.top_k * model.d_model * act  # a micro-batch's routed rows
     if layout.ep > 1:  # (under sequence parallelism each tp rank sends its chunk's rows)
         sent = rows_bytes / tp if layout.sequence_parallel else rows_bytes
-        ep_time = m * moe_here * 4 * _bus_time(sent, layout.ep, _bandwidth(hw, tp * cp * layout.ep),
+        ep_time = m * moe_here * 4 * _bus_time(sent * skew, layout.ep, _bandwidth(hw, tp * cp * layout.ep),
                                                hw.latency_s, factor=1)
     if layout.expert_tp and tp > 1:  # the experts' outputs summed over tp: an all-reduce each way of the rows;
         # under sequence parallelism the rows all-gathered and the outputs reduce-scattered, and back in backward

@@ -166,7 +166,7 @@ def test_plan_auto_takes_the_fastest_fitting_layout_and_keeps_pins(tmp_path):
 def test_mixture_of_experts_layouts(capsys):
     """A MoE model: the search tries every ep dividing dp and the experts, sequence parallelism and expert
     tensor parallelism; expert parallelism divides the experts' state, expert-tp too, and both divide the MoE
-    layers' compute per rank (sequence parallelism, each rank routing its chunk, as well); a dry run is refused."""
+    layers' compute per rank (sequence parallelism, each rank routing its chunk, as well); a dry run routes evenly."""
     model = preset("switch-base-8")
     result = search(model, 8, hardware("h100-80gb"), global_batch=64, pins={"tp": 2})
     assert {r["layout"]["ep"] for r in result["candidates"]} == {1, 2, 4}
@@ -184,6 +184,34 @@ def test_mixture_of_experts_layouts(capsys):
     assert cut["comm_s"] > whole["comm_s"]  # the experts' outputs summed over tp
     assert main(["plan", "--model", "tiny-moe", "--gpus", "2", "--ep", "2", "--global-batch", "8", "--dry-run"]) == 0
     assert "DIFFERS" not in capsys.readouterr().out  # routed evenly on shapes alone (tests/unit/test_dryrun.py)
+
+
+def test_a_measured_routing_imbalance_is_planned_with(capsys):
+    """--moe-imbalance F (a run's expert_load_factor): under ep the busiest rank receives, keeps and runs F times a
+    balanced share of the rows: its MoE activations' row terms, its experts' work and its all-to-alls grow; without ep
+    (one rank runs every expert) nothing changes; F below 1 is refused."""
+    import dataclasses
+
+    from paratrain.planner.moe_activations import moe_activation_bytes
+    from paratrain.planner.search import PRICED
+
+    model, hw = preset("switch-base-8"), hardware("h100-80gb")
+    skewed = dataclasses.replace(PRICED, moe_imbalance=1.5)
+    for ep in (1, 4):
+        layout = Layout.of(dp=4, ep=ep, zero=1)
+        even = estimate(model, layout, hw, global_batch=64)
+        uneven = estimate(model, layout, hw, global_batch=64, settings=skewed)
+        if ep == 1:
+            assert uneven["memory"] == even["memory"] and uneven["step_time_s"] == even["step_time_s"]
+            continue
+        per_layer = [moe_activation_bytes(model, micro_batch=layout.micro_batch, seq=model.seq_len, mode="autocast",
+                                          ep=ep, imbalance=f) for f in (1.0, 1.5)]
+        assert uneven["memory"]["activations"] - even["memory"]["activations"] == pytest.approx(
+            model.moe_layers * (per_layer[1] - per_layer[0]))
+        assert uneven["terms"]["ep all-to-alls"] > even["terms"]["ep all-to-alls"]  # (its latency unchanged)
+        assert uneven["step_time_s"] > even["step_time_s"]
+    assert main(["plan", "--model", "switch-base-8", "--gpus", "8", "--global-batch", "64", "--moe-imbalance", "0.9"]) == 2
+    assert "at least 1 (balanced)" in capsys.readouterr().err
 
 
 def test_long_sequences_find_context_parallel_layouts(capsys):
