@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scenarios", nargs="*", default=list(SCENARIOS), choices=list(SCENARIOS),
                         help="straggler scenarios of part 2 (none: skip it)")
     parser.add_argument("--straggler-steps", type=int, default=24)
-    parser.add_argument("--stalenesses", type=int, nargs="+", default=[0, 2, 8])
+    parser.add_argument("--stalenesses", type=int, nargs="*", default=[0, 2, 8],
+                        help="the asynchronous mode's stalenesses of part 2 (none: the synchronous mode alone)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     same_world: list[dict] = []
