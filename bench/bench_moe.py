@@ -53,6 +53,8 @@ ROUTERS = {  # one process, the model's router changed (paratrain.nn.router): wh
                             expert_bias_rate=1e-3),  # DeepSeek-V3's choice: groups, bias, scale
     "router-fine": dict(n_experts=16, d_expert=256, router="sigmoid", top_k=4, expert_groups=4, topk_groups=2,
                         router_scale=2.5, expert_bias_rate=1e-3),  # fine-grained: 2x the experts at half the width
+    "router-fine-mtp1": dict(n_experts=16, d_expert=256, router="sigmoid", top_k=4, expert_groups=4, topk_groups=2,
+                             router_scale=2.5, expert_bias_rate=1e-3, mtp_depth=1),  # and one MTP depth (DeepSeek-V3)
 }
 for _router in ROUTERS:
     LAYOUTS[_router] = (1, {}, False)

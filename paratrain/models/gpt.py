@@ -144,7 +144,7 @@ class Block(nn.Module):
         self.has_moe = moe
         if moe:
             self.moe = MoE(config.d_model, n_experts=config.n_experts, d_ff=config.expert_dim,
-                           router=router_settings(config), shared=MLP(config) if config.shared_expert else None)
+                           router=RouterSettings.of(config), shared=MLP(config) if config.shared_expert else None)
         else:
             self.mlp = MLP(config)
 
@@ -296,10 +296,3 @@ def build_gpt(config: ModelConfig, *, seed: int, device: torch.device | str = "c
     model.init_weights(seed)
     return model.to(device=device, dtype=dtype)
 
-
-def router_settings(config: ModelConfig) -> RouterSettings:
-    """The MoE layers' routing, from the model's config."""
-    return RouterSettings(top_k=config.top_k, scores=config.router, groups=config.expert_groups,
-                          topk_groups=config.topk_groups, scale=config.router_scale, bias_rate=config.expert_bias_rate,
-                          capacity_factor=config.capacity_factor, aux_coef=config.aux_loss_coef,
-                          z_coef=config.z_loss_coef)

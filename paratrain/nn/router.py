@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.config.model import ModelConfig
 from paratrain.nn.loss import compute_dtype
 from paratrain.nn.sequence import SequenceSplit
 
@@ -72,6 +73,13 @@ class RouterSettings:
     capacity_factor: float = 0.0
     aux_coef: float = 0.01
     z_coef: float = 0.001
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> RouterSettings:
+        """The routing of the GPT's MoE layers, from its config."""
+        return cls(top_k=config.top_k, scores=config.router, groups=config.expert_groups, topk_groups=config.topk_groups,
+                   scale=config.router_scale, bias_rate=config.expert_bias_rate,
+                   capacity_factor=config.capacity_factor, aux_coef=config.aux_loss_coef, z_coef=config.z_loss_coef)
 
 
 class Router(nn.Module):

@@ -3,20 +3,7 @@ them, counted the way the ZeRO paper does (paratrain.comm.volume: an all-reduce 
 a reduce-scatter whose input is n bytes or an all-gather whose output is n moves n; a pipeline send
 of n bytes moves n).
 
-Data parallelism (`data_parallel_volume`), gradients and parameters:
-    zero 0    one all-reduce of every gradient bucket per step (accumulation syncs the last
-              micro-batch only), float32 gradients
-    zero 1    each flat group (padded) reduced once per step (all-reduce on gloo, reduce-scatter on
-              NCCL), then its shards all-gathered once
-    zero 2    reduced after every micro-batch's backward (once per step under a pipeline, which defers
-              it), all-gathered once
-    zero 3    reduced after every micro-batch; a block's group gathered for its forward and again for
-              its backward (once when parameters stay from forward to backward), the root's (embedding,
-              final norm, head) once per micro-batch
-    hierarchical sharding (MiCS / HSDP: ZeRO within shard groups of S < dp ranks, the dp / S groups
-              replicas of each other): the gathers and reduce-scatters stay within the shard group
-              (axis dp_shard), each reduced shard is then all-reduced across the replicas
-              (dp_replicate); an all-reduce reduction is one all-reduce over the whole of dp
+Data parallelism: paratrain.planner.dp_comm (gradients and parameters over dp, the experts' over edp).
 
 Tensor parallelism (`tensor_parallel_calls`), per micro-batch, A = micro-batch x seq x d_model:
     without sequence parallelism (Megatron): per block an all-reduce of A after attention and after
@@ -61,9 +48,11 @@ from collections import Counter
 
 from paratrain.config.model import ModelConfig
 from paratrain.planner.activations import grid_cuts
+from paratrain.planner.dp_comm import data_axis, data_parallel_volume
 from paratrain.planner.grid import grid_calls
 from paratrain.planner.moe_comm import Call, expert_exchanges, expert_step_calls, sequence_parallel_moe
-from paratrain.planner.layout import Layout, chunk_layers, rank_params
+from paratrain.planner.layout import Layout, chunk_layers
+from paratrain.planner.params import rank_params
 from paratrain.planner.memory import flat_groups
 from paratrain.planner.settings import BYTES, StepSettings
 
@@ -105,64 +94,6 @@ def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches
     if sent:
         volume.setdefault("pp", {})["send"] = sent
     return volume
-
-
-def data_parallel_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches: int,
-                         settings: StepSettings = StepSettings()) -> dict[str, dict[str, int]]:
-    """{axis: {op: bytes}} of the gradients and parameters pipeline rank `stage` moves over dp in one
-    step of `micro_batches` micro-batches (empty when dp is 1). Axis "dp"; with hierarchical sharding
-    (ZeRO over shard groups of S < dp ranks): "dp_shard" for the reduce-scatters and the gathers
-    within a shard group, "dp_replicate" for the all-reduce of each shard across the dp / S copies
-    (an all-reduce reduction stays one all-reduce over dp)."""
-    if layout.dp * layout.cp == 1:
-        return {}
-    data = data_axis(layout)
-    volume: dict[str, dict[str, int]] = {}
-    params = rank_params(model, layout.dims, stage, settings.pp_split, expert_tp=layout.expert_tp,
-                         pipeline=layout.pipeline)
-    dense = [p for p in params if not p.expert]
-    _reduce_and_gather(volume, dense, layout, micro_batches, settings, axis=data, shards=layout.shards)
-    experts = [p for p in params if p.expert]
-    if experts and layout.dp // layout.ep * layout.cp > 1:  # (rank_params marks them so under ep only)  # the experts over the ranks holding the same ones (edp)
-        _reduce_and_gather(volume, experts, layout, micro_batches, settings, axis="edp_cp" if layout.cp > 1 else "edp",
-                           shards=layout.expert_shards)
-    return volume
-
-
-def _reduce_and_gather(volume: dict[str, dict[str, int]], params: list, layout: Layout, micro_batches: int,
-                       settings: StepSettings, *, axis: str, shards: int) -> None:
-    """Add the gradient reduction and (ZeRO) parameter gathers of `params` over `axis` (`shards` ranks under ZeRO)."""
-    def add(on: str, op: str, n: int) -> None:
-        volume.setdefault(on, {})[op] = volume.get(on, {}).get(op, 0) + n
-
-    if not params:
-        return
-    if layout.zero == 0:
-        add(axis, "all_reduce", 2 * 4 * sum(p.numel for p in params))
-        return
-    if layout.shard_group == 1:
-        raise NotImplementedError("the volume of ZeRO with shard groups of one rank (replicated state) is not modelled")
-    hierarchical = axis in ("dp", "dp_cp") and layout.shard_group not in (None, layout.dp)
-    shard_axis = "dp_shard" if hierarchical else axis
-    elsize, gsize = BYTES[settings.precision], settings.reduce_bytes(layout)
-    groups = flat_groups(params, zero=layout.zero, shards=shards, bucket_bytes=int(settings.bucket_mb * 2**20),
-                         expert_shards=shards)
-    reductions = 1 if layout.zero == 1 or layout.pp > 1 else micro_batches
-    for g in groups:
-        if settings.grad_reduce == "reduce_scatter":
-            add(shard_axis, "reduce_scatter", reductions * gsize * g.padded)
-            if hierarchical:
-                add("dp_replicate", "all_reduce", reductions * 2 * gsize * g.shard_numel)
-        else:
-            add(axis, "all_reduce", reductions * 2 * gsize * g.padded)
-    if layout.zero < 3:
-        add(shard_axis, "all_gather", elsize * sum(g.padded for g in groups))
-    else:  # flat_groups lists the blocks' groups first, the root's last
-        root = _root_groups(params)
-        blocks, roots = groups[:len(groups) - root], groups[len(groups) - root:]
-        per_block = 2 if settings.reshard_after_forward else 1
-        add(shard_axis, "all_gather", micro_batches * elsize * (per_block * sum(g.padded for g in blocks)
-                                                                + sum(g.padded for g in roots)))
 
 
 def tensor_parallel_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str = "fp32",
@@ -273,10 +204,6 @@ def ulysses_bytes(model: ModelConfig, layout: Layout, *, stage: int, precision: 
     return blocks * calls * tensor * _activation_bytes(layout, precision)
 
 
-def data_axis(layout: Layout) -> str:
-    """The mesh's name for the ranks holding the same parameters: "dp", or "dp_cp" under cp."""
-    return "dp_cp" if layout.cp > 1 else "dp"
-
 
 def _whole_chunk_w(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...]) -> bool:
     """Whether zero bubble's W walks the whole chunk again on pipeline rank `stage` rather than module by module
@@ -311,8 +238,3 @@ def _held(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, .
 def _activation_bytes(layout: Layout, precision: str) -> int:
     """The residual stream's element: 16 bits when ZeRO stores the parameters so, else float32."""
     return BYTES[precision] if layout.zero else 4
-
-
-def _root_groups(params: list) -> int:
-    """How many of ZeRO-3's flat groups belong to the root unit (one per optimizer group and role)."""
-    return len({(len(p.shape) >= 2, p.tp_split, p.tied, p.norm_skip, p.grid_vector) for p in params if not p.unit})

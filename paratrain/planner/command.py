@@ -21,7 +21,7 @@ from paratrain.config.errors import ConfigError
 from paratrain.config.model import PRESETS, preset
 from paratrain.planner.hardware import CPU_PROFILE, GPU_PROFILE, PROFILES, hardware
 from paratrain.planner.search import PRICED, search
-from paratrain.planner.textbook import training_days
+from paratrain.planner.table import layout_text, plan_table
 
 _PINS = {"--dp": "dp", "--tp": "tp", "--pp": "pp", "--virtual-stages": "virtual_stages", "--zero": "zero",
          "--micro-batch": "micro_batch", "--ep": "ep", "--cp": "cp", "--tp-depth": "tp_depth"}
@@ -56,10 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"),
                         help="price AdamW (two moments) or Muon (a momentum on the matrices, Newton-Schulz on owner "
                              "ranks and its all-to-alls: paratrain.planner.optimizer)")
-    parser.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
-                        help="Mixture-of-Experts under ep: the busiest expert's load over the mean, as a run logs it "
-                             "(--log-json's expert_load_factor); the busiest ep rank's rows, memory and time times F "
-                             "(default 1: balanced)")
+    parser.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F", help="MoE under ep: a run's "
+                        "expert_load_factor (--log-json); the busiest ep rank's rows, memory and time x F (default 1)")
     parser.add_argument("--tokens", type=float, help="a token budget: adds training days")
     parser.add_argument("--top", type=int, default=10, help="rows of the table")
     parser.add_argument("--explain", action="store_true", help="also print the best layout's step time by term")
@@ -113,9 +111,9 @@ def run(args: argparse.Namespace) -> int:
     devices = args.gpus or args.nodes * hw.devices_per_node
     if devices < 1 or args.global_batch < 1:
         raise ConfigError(f"--gpus ({devices}) and --global-batch ({args.global_batch}) must be >= 1")
-    if not (math.isfinite(args.moe_imbalance) and args.moe_imbalance >= 1):
+    if not (math.isfinite(args.moe_imbalance) and args.moe_imbalance >= 1):  # take it from a run's expert_load_factor
         raise ConfigError(f"--moe-imbalance is the busiest expert's load over the mean, at least 1 (balanced), got "
-                          f"{args.moe_imbalance}: take it from a run's --log-json expert_load_factor")
+                          f"{args.moe_imbalance}: give a run's --log-json expert_load_factor")
     pins: dict[str, Any] = {field: getattr(args, flag[2:].replace("-", "_")) for flag, field in _PINS.items()
                             if getattr(args, flag[2:].replace("-", "_")) is not None}
     if args.hf or args.dry_run:
@@ -154,10 +152,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(record))
         return 0
-    print(_table(record, args.top, tokens=args.tokens))
+    print(plan_table(record, args.top, tokens=args.tokens))
     if args.explain and record["candidates"]:
         best = record["candidates"][0]
-        print(f"\n{_layout_text(best['layout'])}: {best['step_time_s']:.4g} s per step, by term")
+        print(f"\n{layout_text(best['layout'])}: {best['step_time_s']:.4g} s per step, by term")
         for term, seconds in best["terms"].items():
             print(f"  {term:<36} {seconds:>10.4g} s  {seconds / best['step_time_s']:>6.1%}")
     if args.plot:
@@ -238,71 +236,3 @@ def _calibrate(args: argparse.Namespace) -> int:
     path.write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
     print(json.dumps(profile.to_dict()) if args.json else f"saved {path}: {summary}")
     return 0
-
-
-def _layout_text(layout: dict[str, Any]) -> str:
-    text = f"dp{layout['dp']} tp{layout['tp']} pp{layout['pp']}"
-    if layout["virtual_stages"] > 1:
-        text += f"x{layout['virtual_stages']}"
-    if layout["pp"] > 1 and layout["schedule"] not in ("1f1b", "interleaved"):  # those two: pp alone, or x chunks
-        text += f" {layout['schedule']}"
-    if layout["ep"] > 1:
-        text += f" ep{layout['ep']}"
-    if layout["cp"] > 1:
-        text += f" cp{layout['cp']}" + ("u" if layout["cp_mode"] == "ulysses" else "")
-    text += f" z{layout['zero']} mb{layout['micro_batch']}"
-    if layout["ps_mode"] != "off":
-        text += f" ps-{layout['ps_mode']}" + (f"x{layout['ps_servers']}" if layout["ps_servers"] else "")
-        text += f" s{layout['staleness']}" if layout["ps_mode"] == "async" else ""
-    if layout["recompute"] != "none":
-        text += " rc" if layout["recompute"] == "full" else " rc-sel"
-    if layout["sequence_parallel"]:
-        text += " sp"
-    if layout.get("expert_tp"):
-        text += " etp"
-    if layout.get("tp_mode", "1d") != "1d":
-        text += f" {layout['tp_mode']}" + (f"x{layout['tp_depth']}" if layout["tp_mode"] == "2.5d" else "")
-    return text
-
-
-def _why(record: dict[str, Any], best: dict[str, Any]) -> str:
-    """What makes a runner-up slower than the best: its largest difference."""
-    if record is best:
-        return "best"
-    if not record["fits"]:
-        return "does not fit"
-    gaps = {"compute (recompute / stage balance)": record["compute_s"] - best["compute_s"],
-            "communication": record["comm_s"] - best["comm_s"],
-            "pipeline bubble": record["step_time_s"] * record["bubble"] - best["step_time_s"] * best["bubble"]}
-    name, gap = max(gaps.items(), key=lambda kv: kv[1])
-    return f"+{gap:.3g} s {name}" if gap > 0 else "ties"
-
-
-def _table(record: dict[str, Any], top: int, *, tokens: float | None) -> str:
-    gb = 1e9
-    model, hw, candidates = record["model"], record["hardware"], record["candidates"]
-    rate = ("priced by operation" if hw["memory_bw"] and hw["gemm"] else f"x {hw['efficiency']:g}")
-    lines = [f"{model['preset']} ({model['params'] / 1e9:.2f}B parameters) on {record['devices']} x {hw['name']} "
-             f"({hw['memory_bytes'] / gb:.0f} GB, {hw['peak_flops'] / 1e12:.0f} TFLOP/s peak {rate})"]
-    if not candidates:
-        lines.append(f"no layout passes paratrain's rules ({len(record['rejected'])} refused); first reason: "
-                     + (record["rejected"][0]["reason"] if record["rejected"] else "none"))
-        return "\n".join(lines)
-    best = candidates[0]
-    header = (f"{'layout':<32} {'peak GB':>8} {'between':>7} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'step s':>8} "
-              f"{'tok/s':>10} {'MFU':>5}" + (f" {'days':>6}" if tokens else "") + "  why")
-    lines.append(header)
-    for r in candidates[:top]:
-        m = r["memory"]
-        row = (f"{_layout_text(r['layout']):<32} {m['peak'] / gb:>8.1f} {m['between_steps'] / gb:>7.1f} "
-               f"{m['params'] / gb:>7.1f} {m['grads'] / gb:>7.1f} "
-               f"{m['optimizer'] / gb:>7.1f} {m['activations'] / gb:>7.1f} {r['step_time_s']:>8.3f} "
-               f"{r['tokens_per_s']:>10.0f} {r['mfu']:>5.1%}" + (f" {r['train_days']:>6.1f}" if tokens else ""))
-        lines.append(row + "  " + _why(r, best))
-    fitting = sum(r["fits"] for r in candidates)
-    lines.append(f"{fitting} layouts fit, {len(candidates) - fitting} do not, {len(record['rejected'])} refused by "
-                 "paratrain's rules (--json lists every one with its reason)")
-    if tokens:
-        days = training_days(tokens, model["params"], record["devices"], hw["peak_flops"] * hw["efficiency"])
-        lines.append(f"8 T P / (n X) estimate (Narayanan et al. 2021) at {hw['efficiency']:g} of peak: {days:.1f} days")
-    return "\n".join(lines)

@@ -26,7 +26,8 @@ from paratrain.optim import is_matrix
 from paratrain.pipeline.schedules import Schedule
 from paratrain.comm.buckets import plan_buckets
 from paratrain.config.model import ModelConfig
-from paratrain.planner.layout import Layout, RankParam, meta_tensors, rank_params
+from paratrain.planner.layout import Layout
+from paratrain.planner.params import RankParam, meta_tensors, rank_params
 from paratrain.planner.settings import BYTES, StepSettings
 from paratrain.topology.dims import ParallelDims
 

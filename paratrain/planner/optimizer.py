@@ -20,7 +20,8 @@ import functools
 from paratrain.config.model import ModelConfig
 from paratrain.optim import is_matrix, newton_schulz_flops
 from paratrain.planner.hardware import Hardware
-from paratrain.planner.layout import Layout, rank_params
+from paratrain.planner.layout import Layout
+from paratrain.planner.params import rank_params
 from paratrain.topology.dims import ParallelDims
 
 NS_BYTES = 2

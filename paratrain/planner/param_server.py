@@ -34,7 +34,8 @@ import torch
 from paratrain.comm.buckets import plan_buckets
 from paratrain.config.model import ModelConfig
 from paratrain.planner.hardware import Hardware
-from paratrain.planner.layout import Layout, meta_tensors, rank_params
+from paratrain.planner.layout import Layout
+from paratrain.planner.params import meta_tensors, rank_params
 from paratrain.planner.memory import STEP_BYTES, optimizer_group, with_totals
 from paratrain.topology.dims import ParallelDims
 

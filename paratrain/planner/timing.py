@@ -54,7 +54,8 @@ from paratrain.config.model import ModelConfig
 from paratrain.pipeline.schedules import Schedule
 from paratrain.planner.grid import grid_time
 from paratrain.planner.hardware import Hardware
-from paratrain.planner.layout import Layout, chunk_layers, layer_costs, rank_params, stage_chunks
+from paratrain.planner.layout import Layout, chunk_layers, layer_costs, stage_chunks
+from paratrain.planner.params import rank_params
 from paratrain.planner.memory import BYTES
 from paratrain.planner.moe_ops import moe_layer_work
 from paratrain.planner.ops import KERNELS, Work, rank_work
@@ -212,9 +213,8 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
               precision: str = "bf16", grad_reduce: str = "reduce_scatter", kernels: str = "eager",
               moe_imbalance: float = 1.0) -> StepTime:
     """kernels: how the blocks run, for a per-operation profile (paratrain.planner.ops.KERNELS): eager,
-    compiled (torch.compile) or Megatron's fused kernels. moe_imbalance: under ep, the busiest rank's routed rows
-    over a balanced share (StepSettings.moe_imbalance): its experts' work and the rows it receives times this, which
-    every rank waits for."""
+    compiled (torch.compile) or Megatron's fused kernels. moe_imbalance: StepSettings' (under ep the busiest rank's
+    experts' work and received rows times it, which every rank waits for)."""
     if kernels not in KERNELS:
         raise ConfigError(f"kernels must be one of {sorted(KERNELS)} (how the blocks run: eager, compiled by "
                           f"torch.compile, or Megatron's fused kernels), got {kernels!r}")
@@ -231,10 +231,9 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     # parallelism (each rank 1/tp of every expert) or sequence parallelism (each rank routes its chunk) divide them
     moe_flops = 6.0 * model.moe_layers * model.moe_layer_params(model.top_k) * tokens
     moe_flops *= hardware_flops / model_flops
-    skew = moe_imbalance if layout.ep > 1 else 1.0  # one rank runs all its experts' rows alike without ep
-    # the busiest ep rank's experts run skew times a balanced share of the rows
-    skewed = (skew - 1.0) * 12.0 * model.moe_layers * model.top_k * model.d_model * model.expert_dim * tokens
-    skewed *= hardware_flops / model_flops
+    skew = moe_imbalance if layout.ep > 1 else 1.0  # the busiest ep rank's experts run skew x a balanced share
+    skewed = (skew - 1.0) * 12.0 * model.moe_layers * model.top_k * model.d_model * model.expert_dim * tokens * (
+        hardware_flops / model_flops)
     moe_tp = tp if layout.expert_tp or layout.sequence_parallel else 1
     per_rank = (hardware_flops - moe_flops) / (dp * tp * cp) + (moe_flops + skewed) / (dp * cp * moe_tp)
     moe_here = round(model.moe_layers * trunk_here / model.n_layer) if model.n_experts else 0

@@ -316,7 +316,8 @@ def _expert_bytes(expert_tp: bool) -> int:
 def test_expert_tensor_parallel_halves_each_ranks_experts_as_planned(pools):
     """The experts a rank holds (its ep share, cut over tp with expert-tp) equal the planner's to the byte,
     and expert-tp 2 halves them."""
-    from paratrain.planner.layout import Layout, rank_params
+    from paratrain.planner.layout import Layout
+    from paratrain.planner.params import rank_params
 
     planned = {cut: 4 * sum(p.numel for p in rank_params(MOE, Layout.of(dp=2, ep=2, tp=2).dims, 0, expert_tp=cut)
                             if p.expert) for cut in (False, True)}

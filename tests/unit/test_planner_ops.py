@@ -276,7 +276,8 @@ def test_data_parallel_time_moves_what_the_engine_moves(fields, grad_reduce):
     groups' padding (none here: equal). With shard groups, the traffic within a group (its links in one node). The
     estimate prices 16-bit gradients on the wire (--grad-dtype bf16; the default float32 buffers move twice the
     gradient bytes, counted by planner.comm, not yet by this estimate)."""
-    from paratrain.planner.comm import StepSettings, data_parallel_volume
+    from paratrain.planner.comm import StepSettings
+    from paratrain.planner.dp_comm import data_parallel_volume
     from paratrain.planner.hardware import Hardware
     from paratrain.planner.timing import _data_parallel_time
 
