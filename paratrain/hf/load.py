@@ -67,10 +67,6 @@ def check_tp(config: Any, tp: int, *, sequence_parallel: bool = False, pad_vocab
                           "the compressed queries (q_lora_rank set, as DeepSeek-V3 and R1 have; here "
                           f"{config.q_lora_rank}) and the dense first layers' MLP (first_k_dense_replace > 0; here "
                           f"{config.first_k_dense_replace}); train this one with dp, ZeRO, pp, cp or ep (tp 1)")
-    if config.model_type == "gpt_oss" and tp > 1:
-        raise ConfigError(f"tp {tp} with gpt-oss: its attention sinks (one learned logit a head, self_attn.sinks) "
-                          "would split with the heads, which no tensor-parallel style does yet; train it with dp, ZeRO "
-                          "or pp (tp 1)")
     check = check_gpt2_tp if config.model_type == "gpt2" else check_llama_tp
     check(config, tp, sequence_parallel=sequence_parallel, pad_vocab=pad_vocab)
 

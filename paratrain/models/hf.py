@@ -264,7 +264,8 @@ first_k_dense_replace > 0, so that every entry names a module): the experts as M
 
 DEEPSEEK_RECIPE = dataclasses.replace(MOE_RECIPE, tp_plan=DEEPSEEK_TP_PLAN)
 
-GPT_OSS_RECIPE = dataclasses.replace(LLAMA_RECIPE, tp_plan=None, expert_banks=hf_expert_banks)
-"""HF gpt-oss under dp, ZeRO, pp and ep (tp and cp refused by name: its attention sinks have no split here): the Llama
-recipe's blocks and pipeline layers (sliding and full layers alternating, each stage building each layer's own
-mask), its experts routed over ep as the other MoE families'."""
+GPT_OSS_RECIPE = dataclasses.replace(MOE_RECIPE, tp_plan={**MOE_RECIPE.tp_plan, "self_attn": "head_vector"})
+"""HF gpt-oss (cp refused by name: its attention sinks are not in the ring / Ulysses attentions): the Llama recipe's
+blocks and pipeline layers (sliding and full layers alternating, each stage building each layer's own mask), its
+biased q / k / v / o split over tp as Llama's with its sinks (one learned logit a head) cut with the heads
+(`head_vector`), its router and experts whole on every tp rank and routed over ep as the other MoE families'."""

@@ -64,7 +64,8 @@ from paratrain.state_layout import DimCuts
 from paratrain.topology.mesh import AxisGroup, Mesh
 
 STYLES = ("column", "column_gather", "row", "embedding", "vocab_output", "heads_dropout", "sequence_dropout",
-          "head_partial", "partial_linear", "column_partial", "conv1d_column", "conv1d_qkv", "conv1d_row", "norm")
+          "head_partial", "partial_linear", "column_partial", "conv1d_column", "conv1d_qkv", "conv1d_row", "norm",
+          "head_vector")
 _BLOCKS = {"conv1d_qkv": 3}
 """Styles that split each of several equal blocks of a dim alike (paratrain.state_layout.DimCuts.blocks)."""
 
@@ -145,6 +146,14 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
             partial.update(f"{name}.{p}" for p, _ in module.named_parameters())
             if style == "head_partial":
                 continue
+        if style == "head_vector":  # the module's own per-head vectors (gpt-oss's attention sinks), cut with the heads
+            for attr, full in list(module.named_parameters(recurse=False)):
+                part = full.shape[0] // group.size
+                new = nn.Parameter(full.detach().narrow(0, group.index * part, part).clone(),
+                                   requires_grad=full.requires_grad)
+                setattr(module, attr, new)
+                sliced[id(full)], split[id(new)] = new, 0
+            continue
         if style in ("heads_dropout", "sequence_dropout"):
             _expect(module, KeyedDropout, name, style)
             assert isinstance(module, KeyedDropout)
@@ -181,7 +190,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
 
 _SPLIT_DIMS = {"column": {"weight": 0, "bias": 0}, "column_gather": {"weight": 0, "bias": 0},
                "row": {"weight": 1, "bias": -1}, "embedding": {"weight": 0}, "conv1d_column": {"weight": 1, "bias": 0},
-               "conv1d_qkv": {"weight": 1, "bias": 0}, "conv1d_row": {"weight": 0, "bias": -1}}
+               "conv1d_qkv": {"weight": 1, "bias": 0}, "conv1d_row": {"weight": 0, "bias": -1}, "head_vector": {"sinks": 0}}
 """The dim of each parameter a style splits (-1: replicated); parameters of unplanned modules are replicated."""
 
 

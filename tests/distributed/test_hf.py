@@ -278,6 +278,7 @@ def _tied_state(kind: str, state: dict) -> dict:
     ("gpt-oss", dict(dp=2, zero=3, micro_batch=2)),
     ("gpt-oss", dict(pp=2, micro_batch=2)),  # each stage's layers with their own (sliding or full) mask and sinks
     ("gpt-oss", dict(dp=2, ep=2, micro_batch=2)),  # biased experts, gate / up interleaved, through the all-to-all
+    ("gpt-oss", dict(tp=2, micro_batch=4)),  # its sinks cut with the heads, biased q / k / v / o split as Llama's
     ("qwen2-moe", dict(dp=2, ep=2, micro_batch=2)),  # the gated shared expert beside the routed ones  # MLA's heads split, its down projections' gradients summed
     ("deepseek-v3", dict(pp=2, micro_batch=2)),  # the dense first layer and a MoE layer on each stage
     ("deepseek-v3", dict(cp=2, micro_batch=4)),  # MLA's q / k head width (12) wider than v's (8)
@@ -289,7 +290,7 @@ def _tied_state(kind: str, state: dict) -> dict:
 ], ids=["llama-zero3", "llama-tp2", "llama-pp2", "mistral-tp2", "mistral-pp2", "tied-tp2", "tied-pp2",
         "qwen2-tp2", "qwen3-tp2", "qwen3-pp2", "gemma-tp2", "gemma-pp2", "llama-cp2", "tied-cp2-ulysses", "tied-dp2tp2z1", "llama-cp2pp2-ulysses", "llama-cp4",
         "gpt2-tp2", "gpt2-pp2", "gpt2-zero3", "gemma2-tp2", "gemma2-pp2", "gemma3-tp2", "gemma3-pp2",
-        "mixtral-zero3", "mixtral-tp2", "mixtral-cp2", "qwen3moe-pp2", "dsv3-zero3", "mixtral-ep2", "qwen3moe-dp4ep2z1", "dsv3-ep2pp2", "dsv3-tp2", "gptoss-zero3", "gptoss-pp2", "gptoss-ep2", "qwen2moe-ep2", "dsv3-pp2", "dsv3-cp2", "qwen3moe-dp2tp2z1",
+        "mixtral-zero3", "mixtral-tp2", "mixtral-cp2", "qwen3moe-pp2", "dsv3-zero3", "mixtral-ep2", "qwen3moe-dp4ep2z1", "dsv3-ep2pp2", "dsv3-tp2", "gptoss-zero3", "gptoss-pp2", "gptoss-ep2", "gptoss-tp2", "qwen2moe-ep2", "dsv3-pp2", "dsv3-cp2", "qwen3moe-dp2tp2z1",
         "llama-2d", "tied-3d", "mistral-2.5d"])
 def test_layout_trains_as_plain_pytorch(pools, kind, layout):
     """Per-step losses and gradient norms, and the whole final model by name, against plain PyTorch;
