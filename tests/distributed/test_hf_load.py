@@ -101,10 +101,10 @@ def _files(folder: str) -> dict[str, torch.Tensor]:
     ("qwen2-moe", dict(dp=1, tp=2)),                    # the gated shared expert whole on each tp rank
     ("deepseek-v3", dict(dp=1, tp=2)),                  # MLA's up projections' rows, its down projections whole
     ("mixtral", dict(dp=2, ep=2)),                      # each rank reads its experts' rows of the per-expert files
-    ("gpt-oss", dict(dp=2, zero=3)),                    # sinks, biased experts: the files hold them as the module
+    ("gpt-oss", dict(dp=2, tp=2, zero=1)),              # each rank's heads' sinks and q / k / v rows; biased experts
 ], ids=["tied-zero3", "tp2", "mistral-pp2", "tied-dp2xtp2-zero1", "qwen2-zero3", "gemma-tp2", "tp2xpp2",
         "qwen3-tp2xpp2", "gpt2-dp2xtp2-zero1", "gemma2-tp2", "gemma3-pp2", "tied-3d-zero1", "mixtral-zero3",
-        "qwen3moe-tp2xpp2", "qwen2moe-tp2", "dsv3-tp2", "mixtral-ep2", "gptoss-zero3"])
+        "qwen3moe-tp2xpp2", "qwen2moe-tp2", "dsv3-tp2", "mixtral-ep2", "gptoss-dp2xtp2-zero1"])
 def test_loaded_pieces_are_the_files_and_the_first_loss_is_hfs(pools, folders, kind, layout):
     """float32: engine.state_dict()["model"] equals the files bit for bit (a tied head is one tensor: the
     files hold the embedding only), and the first step's loss HF's forward's within 1e-6 (measured 2.2e-8);
