@@ -207,7 +207,10 @@ class GPT(nn.Module):
         plan (without the dense MLP's entries when every block has a MoE layer), its blocks, its pipeline layers
         and loss."""
         if self.config.n_experts and all(self.config.is_moe(i) for i in range(self.config.n_layer)):
-            return GPT_RECIPE.with_overrides(tp_plan={k: v for k, v in GPT_PLAN.items() if not k.startswith("mlp.")})
+            plan = {k: v for k, v in GPT_PLAN.items() if not k.startswith("mlp.")}
+            if self.config.mtp_depth:  # the MTP depths' blocks are dense: their MLPs split as a dense block's
+                plan.update({f"mtp.depths.*.block.{k}": v for k, v in GPT_PLAN.items() if k.startswith("mlp.")})
+            return GPT_RECIPE.with_overrides(tp_plan=plan)
         return GPT_RECIPE
 
     def param_inits(self, seed: int | None = None) -> dict[str, ParamInit]:

@@ -209,8 +209,9 @@ def _whole_chunk_w(model: ModelConfig, layout: Layout, stage: int, pp_split: tup
     """Whether zero bubble's W walks the whole chunk again on pipeline rank `stage` rather than module by module
     (paratrain.pipeline.runtime): under recompute, where two modules share a parameter (the tied head and the MTP
     depths' embedding), or where a MoE layer runs (its router returns no single tensor)."""
-    _, _, last = _held(model, layout, stage, pp_split)
-    shared = bool(last and model.mtp_depth and model.tie_embeddings)
+    _, first, last = _held(model, layout, stage, pp_split)
+    ends = model.tie_embeddings or model.mtp_depth  # the embedding's copies: the tied head's, the MTP depths'
+    shared = bool(last and ((model.mtp_depth and model.tie_embeddings) or (first and ends)))
     return layout.recompute != "none" or shared or _moe_layers(model, layout, stage, pp_split) > 0
 
 

@@ -147,12 +147,19 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
             if style == "head_partial":
                 continue
         if style == "head_vector":  # the module's own per-head vectors (gpt-oss's attention sinks), cut with the heads
-            for attr, full in list(module.named_parameters(recurse=False)):
-                part = full.shape[0] // group.size
-                new = nn.Parameter(full.detach().narrow(0, group.index * part, part).clone(),
-                                   requires_grad=full.requires_grad)
+            for attr in _SPLIT_DIMS[style]:
+                full = getattr(module, attr, None)
+                if not isinstance(full, nn.Parameter) or full.dim() != 1 or full.shape[0] % group.size:
+                    raise ValueError(f"{name}: style 'head_vector' cuts its per-head vector {attr!r} (one value a head) "
+                                     f"over tp = {group.size}, and it has {None if full is None else tuple(full.shape)}"
+                                     ": the heads must divide by tp")
+                new = sliced.get(id(full))  # another end of a tied vector: the one slice serves both
+                if new is None:
+                    part = full.shape[0] // group.size
+                    new = nn.Parameter(full.detach().narrow(0, group.index * part, part).clone(),
+                                       requires_grad=full.requires_grad)
+                    sliced[id(full)], split[id(new)] = new, 0
                 setattr(module, attr, new)
-                sliced[id(full)], split[id(new)] = new, 0
             continue
         if style in ("heads_dropout", "sequence_dropout"):
             _expect(module, KeyedDropout, name, style)

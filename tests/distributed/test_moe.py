@@ -102,7 +102,7 @@ def test_the_fine_grained_router_is_the_same_in_every_layout(pools, layout):
         assert bool((got[0]["model"][name] == ref["model"][name]).all()), name
 
 
-EVERY_BLOCK = (("capacity_factor", 1.0), ("moe_every", 1))
+EVERY_BLOCK = (("capacity_factor", 1.0), ("moe_every", 1), ("mtp_depth", 1))  # the MTP depth's block dense
 
 
 def _every_block_job(**kwargs) -> dict:
@@ -110,11 +110,19 @@ def _every_block_job(**kwargs) -> dict:
 
 
 def test_every_block_a_moe_layer_under_tp_and_sequence_parallelism(pools):
-    """A model without a dense MLP (every block MoE): the GPT's tp plan leaves out the MLP's entries, and tp 2
-    with sequence parallelism and expert-tp equals one process (float64; measured 1.6e-16 loss)."""
+    """A model without a dense MLP in its blocks (every block MoE): the GPT's tp plan leaves out the MLP's entries but
+    for its MTP depth's dense block, and tp 2 with sequence parallelism and expert-tp equals one process (float64;
+    measured 1.6e-16 loss)."""
     got = pools(2).run(_every_block_job, dp=1, tp=2, sequence_parallel=True, expert_tp=True, micro_batch=8)
     ref = reference_run(4, dtype="float64", model="tiny-moe", overrides=EVERY_BLOCK)
     within(rel_diff(got[0]["losses"], ref["losses"]), 1e-12, "MoE in every block, tp 2 + SP + expert-tp (float64)")
+    import paratrain
+    from paratrain.config import preset
+    from paratrain.tensor_parallel.plan import resolve_plan
+
+    model = paratrain.build_gpt(preset("tiny-moe", **dict(EVERY_BLOCK)), seed=0, device="meta")
+    resolved = resolve_plan(model, model.recipe().tp_plan)
+    assert (resolved["mtp.depths.0.block.mlp.up"], resolved["mtp.depths.0.block.mlp.down"]) == ("column", "row")
 
 
 def _all_to_all_bytes(micro_batch: int) -> dict:
