@@ -190,9 +190,9 @@ def test_an_untrained_load_exports_bitwise_the_input(pools, folders, tmp_path, k
 
 @pytest.mark.parametrize("kind,layout", [("llama", dict(dp=2, tp=2, zero=1)), ("llama-tied", dict(dp=2, tp=2, zero=3)),
                                          ("qwen3", dict(dp=2, tp=2, zero=1)), ("gpt2", dict(dp=2, tp=2, zero=1)),
-                                         ("mixtral", dict(dp=2, tp=2, ep=2, zero=1))],
+                                         ("mixtral", dict(dp=2, tp=2, ep=2, zero=1)), ("mixtral", dict(dp=4, ep=2))],
                          ids=["dp2xtp2-zero1", "tied-dp2xtp2-zero3", "qwen3-dp2xtp2-zero1", "gpt2-dp2xtp2-zero1",
-                              "mixtral-dp2xep2xtp2-zero1"])
+                              "mixtral-dp2xep2xtp2-zero1", "mixtral-dp2xep2"])
 def test_a_trained_export_loads_in_transformers_whole_and_tied(pools, folders, tmp_path, kind, layout):
     """5 steps under the layout, exported in shards (bfloat16 too): transformers' from_pretrained finds nothing
     missing, unexpected or mismatched; its logits equal the distributed forward's, relative to the largest
@@ -211,9 +211,10 @@ def test_a_trained_export_loads_in_transformers_whole_and_tied(pools, folders, t
     with torch.no_grad():
         logits = model(input_ids=batch(0)[0], use_cache=False).logits
     theirs = got[0]["logits"]
-    # Mixtral (dp 2 x ep 2 x tp 2): measured <= 1.1e-6 (avx2 and default kernels): its experts' float32 sums round
-    # apart too
-    bound = 5e-6 if kind == "mixtral" else 2e-6
+    # Mixtral: dp 2 x ep 2 x tp 2 measured <= 1.1e-6 (avx2 and default kernels: its experts' float32 sums round apart
+    # too); dp 2 x ep 2 (the issue's layout and bound, 1e-6) measured 0: each token's experts run whole, as one
+    # process runs them
+    bound = (5e-6 if "tp" in layout else 1e-6) if kind == "mixtral" else 2e-6
     within(float((logits - theirs).abs().max() / theirs.abs().max()), bound, "exported logits (float32, of the largest)")
     tied = kind in ("llama-tied", "qwen3", "gpt2")
     embedding, norm = ("transformer.wte", "transformer.ln_f") if kind == "gpt2" else ("model.embed_tokens", "model.norm")
