@@ -182,10 +182,9 @@ class GPT(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor | MultiTokenLogits:
-        """idx[B, S] (token ids) -> logits[B, S, Vp] (padded vocabulary; `output` reads them); in training with
-        MTP depths, MultiTokenLogits (the next-token logits and each depth's: lm_loss takes either).
-        positions[B, S]: packed documents (paratrain.nn.documents): each token at its position in its own
-        document, attending only within it; None: one sequence per row."""
+        """idx[B, S] (token ids) -> logits[B, S, Vp] (padded vocabulary; `output` reads them); in training with MTP
+        depths MultiTokenLogits (lm_loss takes either). positions[B, S]: packed documents (paratrain.nn.documents):
+        each token at its position in its own document, attending only within it; None: one sequence per row."""
         seq = idx.shape[1]
         if seq > self.config.seq_len:
             raise ValueError(f"sequence of {seq} tokens is longer than the model's seq_len {self.config.seq_len}")
@@ -207,10 +206,9 @@ class GPT(nn.Module):
         plan (without the dense MLP's entries when every block has a MoE layer), its blocks, its pipeline layers
         and loss."""
         if self.config.n_experts and all(self.config.is_moe(i) for i in range(self.config.n_layer)):
-            plan = {k: v for k, v in GPT_PLAN.items() if not k.startswith("mlp.")}
-            if self.config.mtp_depth:  # the MTP depths' blocks are dense: their MLPs split as a dense block's
-                plan.update({f"mtp.depths.*.block.{k}": v for k, v in GPT_PLAN.items() if k.startswith("mlp.")})
-            return GPT_RECIPE.with_overrides(tp_plan=plan)
+            plan = {k: v for k, v in GPT_PLAN.items() if not k.startswith("mlp.")}  # (the MTP depths' blocks: dense)
+            depths = {f"mtp.depths.*.block.{k}": v for k, v in GPT_PLAN.items() if k.startswith("mlp.")}
+            return GPT_RECIPE.with_overrides(tp_plan={**plan, **(depths if self.config.mtp_depth else {})})
         return GPT_RECIPE
 
     def param_inits(self, seed: int | None = None) -> dict[str, ParamInit]:
@@ -258,7 +256,8 @@ class GPT(nn.Module):
             padded = -(-length // pad_to) * pad_to
             if padded != length:
                 context = torch.cat((context, context.new_zeros(context.shape[0], padded - length)), dim=1)
-            logits = upcast(self.output.full(self(context))[:, length - 1, :]) / max(temperature, 1e-6)
+            out = self(context)  # training with MTP depths: MultiTokenLogits, whose .main are the next-token logits
+            logits = upcast(self.output.full(getattr(out, "main", out))[:, length - 1, :]) / max(temperature, 1e-6)
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
