@@ -150,9 +150,8 @@ def apply_tensor_parallel(model: nn.Module, plan: Mapping[str, str], group: Axis
             for attr in _SPLIT_DIMS[style]:
                 full = getattr(module, attr, None)
                 if not isinstance(full, nn.Parameter) or full.dim() != 1 or full.shape[0] % group.size:
-                    raise ValueError(f"{name}: style 'head_vector' cuts its per-head vector {attr!r} (one value a head) "
-                                     f"over tp = {group.size}, and it has {None if full is None else tuple(full.shape)}"
-                                     ": the heads must divide by tp")
+                    raise ValueError(f"{name}: style 'head_vector' cuts its per-head vector {attr!r} over tp = "
+                                     f"{group.size}: it must be a 1-d Parameter whose heads tp divides")
                 new = sliced.get(id(full))  # another end of a tied vector: the one slice serves both
                 if new is None:
                     part = full.shape[0] // group.size
