@@ -43,8 +43,8 @@ def data_parallel_volume(model: ModelConfig, layout: Layout, *, stage: int, micr
     dense = [p for p in params if not p.expert]
     _reduce_and_gather(volume, dense, layout, micro_batches, settings, axis=data, shards=layout.shards)
     experts = [p for p in params if p.expert]
-    if experts and layout.dp // layout.ep * layout.cp > 1:  # (rank_params marks them so under ep only)  # the experts over the ranks holding the same ones (edp)
-        _reduce_and_gather(volume, experts, layout, micro_batches, settings, axis="edp_cp" if layout.cp > 1 else "edp",
+    if experts and layout.dp // layout.ep * layout.cp > 1:  # over the ranks holding the same experts (ep > 1 only)
+        _reduce_and_gather(volume, experts, layout, micro_batches, settings, axis=expert_data_axis(layout),
                            shards=layout.expert_shards)
     return volume
 
@@ -88,6 +88,11 @@ def _reduce_and_gather(volume: dict[str, dict[str, int]], params: list[RankParam
 def data_axis(layout: Layout) -> str:
     """The mesh's name for the ranks holding the same parameters: "dp", or "dp_cp" under cp."""
     return "dp_cp" if layout.cp > 1 else "dp"
+
+
+def expert_data_axis(layout: Layout) -> str:
+    """The mesh's name for the ranks holding the same experts under ep: "edp", or "edp_cp" under cp."""
+    return "edp_cp" if layout.cp > 1 else "edp"
 
 
 def _root_groups(params: list[RankParam]) -> int:

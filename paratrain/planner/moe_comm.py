@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 
 from paratrain.config.model import ModelConfig
+from paratrain.planner.dp_comm import data_axis, expert_data_axis
 from paratrain.planner.layout import Layout
 
 Call = tuple[str, str, int, int]
@@ -49,7 +50,7 @@ def expert_step_calls(model: ModelConfig, layout: Layout, *, moe: int) -> list[C
     if layout.sequence_parallel and layout.tp > 1:
         calls += [("tp", "all_reduce", 1, 8), ("tp", "all_reduce", 4 + moe * model.n_experts, 8)]
     if layout.dp * layout.cp > 1:
-        calls.append(("dp_cp" if layout.cp > 1 else "dp", "all_reduce", 4 + moe * model.n_experts, 8))
+        calls.append((data_axis(layout), "all_reduce", 4 + moe * model.n_experts, 8))
     parts = 1 + layout.expert_tp if layout.ep > 1 else 0
     if layout.pp > 1:
         calls += [("pp", "all_reduce", 7, 8), ("pp", "all_reduce", 2, 8)] + [("pp", "all_reduce", 1, 4)] * parts
@@ -58,7 +59,7 @@ def expert_step_calls(model: ModelConfig, layout: Layout, *, moe: int) -> list[C
     if layout.expert_tp and layout.ep > 1 and layout.tp > 1:
         calls.append(("tp", "all_reduce", 1, 4))
     if layout.zero and layout.ep > 1 and layout.expert_shards > 1:
-        calls += [("edp_cp" if layout.cp > 1 else "edp", "all_reduce", 1, 4)] * parts
+        calls += [(expert_data_axis(layout), "all_reduce", 1, 4)] * parts
     return calls
 
 
