@@ -40,7 +40,7 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
              pp_split: tuple[int, ...] = (), n_layer: int = 4, warmup: int = WARMUP,
              compile: bool | str = False, save_sharded: str | None = None, load_sharded: str | None = None,
              precision: str = "fp32", ep: int = 1, model: str = "tiny", overrides: tuple[tuple[str, Any], ...] = (),
-             cp: int = 1, cp_mode: str = "ring", ps_mode: str = "off", ps_servers: int = 0,
+             cp: int = 1, cp_mode: str = "ring", cp_ulysses: int = 1, ps_mode: str = "off", ps_servers: int = 0,
              staleness: int = 0, ps_sparse: tuple[str, ...] = (), optimizer: str = "adamw",
              expert_tp: bool = False, keep_grads: bool = False, tp_mode: str = "1d",
              tp_depth: int = 1) -> dict[str, Any]:
@@ -59,7 +59,8 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
                                                   schedule=schedule, virtual_stages=virtual_stages, pp_split=pp_split,
                                                   bucket_mb=bucket_mb, zero=zero, shard_group=shard_group,
                                                   grad_reduce=grad_reduce, offload=offload, ep=ep, cp=cp,
-                                                  cp_mode=cp_mode, ps_mode=ps_mode, ps_servers=ps_servers,
+                                                  cp_mode=cp_mode, cp_ulysses=cp_ulysses, ps_mode=ps_mode,
+                                                  ps_servers=ps_servers,
                                                   staleness=staleness, ps_sparse=ps_sparse,
                                                   expert_tp=expert_tp, keep_grads=keep_grads, tp_mode=tp_mode,
                                                   tp_depth=tp_depth))

@@ -81,8 +81,11 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--tp-depth": ("parallel.tp_depth", int, "2.5d: the grids stacked, each on its share of the batch rows"),
     "--cp": ("parallel.cp", int, "context-parallel degree: each sequence split over cp ranks (composes with every "
                                  "axis; the sequence must divide into 2 x cp chunks)"),
-    "--cp-mode": ("parallel.cp_mode", str, "ring (K/V blocks round the cp ranks) or ulysses (all-to-all to head "
-                                           "shards; heads must divide by cp)"),
+    "--cp-mode": ("parallel.cp_mode", str, "ring (K/V blocks round the cp ranks), ulysses (all-to-all to head "
+                                           "shards; heads must divide by cp) or usp (Ulysses over --cp-ulysses "
+                                           "ranks, a ring across them)"),
+    "--cp-ulysses": ("parallel.cp_ulysses", int, "--cp-mode usp: the Ulysses degree U (1 < U < cp, dividing cp and "
+                                                 "the heads per tp rank); the ring has cp / U ranks"),
     "--ep": ("parallel.ep", int, "expert-parallel degree: the experts divided among ep ranks of dp (divides dp "
              "and the expert count)"),
     "--ps-mode": ("parallel.ps_mode", str, "the parameter server: off (collectives), sync (data parallelism's result "

@@ -95,6 +95,11 @@ def check_context_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len
         fits = [c for c in range(1, cp + 1) if heads % c == 0]
         raise ConfigError(f"cp_mode ulysses splits a tp rank's attention heads over cp: n_head / tp = {heads} % cp "
                           f"({cp}) must be 0; choose cp in {fits} or --cp-mode ring")
+    if parallel.cp_mode == "usp" and heads % parallel.cp_ulysses:
+        fits = [u for u in range(2, cp) if cp % u == 0 and heads % u == 0]
+        fix = f"choose --cp-ulysses in {fits}" if fits else "use --cp-mode ring"
+        raise ConfigError(f"cp_mode usp splits a tp rank's attention heads over its Ulysses groups: n_head / tp = "
+                          f"{heads} % cp_ulysses ({parallel.cp_ulysses}) must be 0; {fix}")
 
 
 def check_experts(model: ModelConfig, parallel: ParallelConfig) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.rules import (PS_MODES, TP_MODES, check_expert_parallel, check_parameter_server, check_shard_group,
-                                    check_tp_mode, grid_side)
+                                    check_tp_mode, check_usp, grid_side)
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zero-bubble", "zb-h1")
 """The pipeline schedules paratrain.pipeline.schedules builds, by name (config is the ground floor:
@@ -16,7 +16,7 @@ the names live here, the programs there)."""
 _NOT_YET: dict[str, str] = {}
 
 
-CP_MODES: tuple[str, ...] = ("ring", "ulysses")
+CP_MODES: tuple[str, ...] = ("ring", "ulysses", "usp")
 """How context parallelism's attention reaches the other ranks' keys and values (ParallelConfig.cp_mode)."""
 
 PS_ON_CPU = ("the parameter server exchanges CPU tensors over gloo point-to-point: CUDA trainers are not built in "
@@ -104,7 +104,12 @@ class ParallelConfig:
     over dp x cp. paratrain.context_parallel."""
     cp_mode: str = "ring"
     """How attention sees the other ranks' keys and values: 'ring' (blocks passed round the cp ranks,
-    merged by log-sum-exp) or 'ulysses' (all-to-all from sequence shards to head shards and back)."""
+    merged by log-sum-exp), 'ulysses' (all-to-all from sequence shards to head shards and back) or 'usp'
+    (both: Ulysses over cp_ulysses consecutive cp ranks, a ring across the cp / cp_ulysses such groups;
+    paratrain.context_parallel.usp)."""
+    cp_ulysses: int = 1
+    """cp_mode 'usp': the cp ranks of one Ulysses group (1 < cp_ulysses < cp, dividing cp); the ring has
+    cp / cp_ulysses ranks. 1 for the other modes."""
     zero: int = 0
     """ZeRO stage over dp: 0 plain data parallelism; 1 shards optimizer state; 2 also gradients;
     3 also parameters (gathered around each wrapped module when it runs)."""
@@ -240,6 +245,7 @@ class ParallelConfig:
     def _check_context_parallel(self) -> None:
         if self.cp_mode not in CP_MODES:
             raise ConfigError(f"cp_mode must be one of {', '.join(CP_MODES)}, got {self.cp_mode!r}")
+        check_usp(self.cp, self.cp_mode, self.cp_ulysses)
 
     @property
     def world_size(self) -> int:

@@ -82,6 +82,24 @@ def check_grid_shape(tp_mode: str, tp: int, tp_depth: int) -> None:
                           f"choose tp in {choices}, or tp_mode 1d")
 
 
+def check_usp(cp: int, cp_mode: str, cp_ulysses: int) -> None:
+    """USP nests Ulysses in a ring: cp_ulysses consecutive cp ranks exchange heads, cp / cp_ulysses groups pass
+    blocks round a ring (ParallelConfig, ParallelDims, the planner's Layout). Only cp_mode 'usp' has the degree."""
+    if cp_mode != "usp":
+        if cp_ulysses != 1:
+            raise ConfigError(f"cp_ulysses ({cp_ulysses}) is the Ulysses degree inside cp_mode usp, and cp_mode is "
+                              f"{cp_mode!r}: set cp_mode usp, or drop cp_ulysses")
+        return
+    inner = [u for u in range(2, cp) if cp % u == 0]
+    if not inner:
+        raise ConfigError(f"cp_mode usp splits cp ({cp}) into a Ulysses degree and a ring degree, each at least 2, "
+                          f"so cp must be a product of two such (4, 6, 8, ...): use cp_mode ring or ulysses at cp {cp}")
+    if cp_ulysses not in inner:
+        raise ConfigError(f"cp_mode usp runs Ulysses over cp_ulysses consecutive cp ranks and a ring over cp / "
+                          f"cp_ulysses of those groups, both at least 2: cp_ulysses ({cp_ulysses}) must divide cp "
+                          f"({cp}) and lie between them; choose cp_ulysses in {inner}")
+
+
 def check_tp_mode(config: LayoutFields) -> None:
     """How tp splits each layer (tp_mode, tp_depth), and what the grid modes compose with."""
     if config.tp_mode not in TP_MODES:

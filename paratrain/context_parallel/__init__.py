@@ -4,6 +4,7 @@
     block.py    attention of a block of queries over a block of keys, with its log-sum-exp, and the merge
     ring.py     ring attention: K/V blocks passed round the cp ranks, dK/dV back to their owners
     ulysses.py  Ulysses: all-to-all from sequence shards to head shards and back
+    usp.py      USP: Ulysses inside groups of cp ranks, a ring across them
     shard.py    SequenceShard: what the engine and a model's recipe use (positions, shard_batch, attend)
 """
 
@@ -13,7 +14,8 @@ from paratrain.context_parallel.layout import (check_divisible, chunk_ids, local
 from paratrain.context_parallel.ring import ring_attention
 from paratrain.context_parallel.shard import SequenceShard
 from paratrain.context_parallel.ulysses import check_ulysses_heads, heads_to_sequence, sequence_to_heads, ulysses_attention
+from paratrain.context_parallel.usp import usp_attention
 
 __all__ = ["Scoring", "SequenceShard", "block_attention", "block_attention_backward", "check_divisible", "check_ulysses_heads",
            "chunk_ids", "heads_to_sequence", "local_positions", "merge_partials", "ring_attention",
-           "sequence_to_heads", "shard_sequence", "ulysses_attention", "unshard_sequence"]
+           "sequence_to_heads", "shard_sequence", "ulysses_attention", "unshard_sequence", "usp_attention"]

@@ -67,7 +67,8 @@ from paratrain.topology.mesh import AxisGroup
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup, *,
                    q_positions: torch.Tensor, kv_positions: torch.Tensor | None = None,
                    group_positions: torch.Tensor | None = None, causal: bool = True, scale: float | None = None,
-                   dropout: KeyedDropout | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+                   dropout: KeyedDropout | None = None, documents: torch.Tensor | None = None,
+                   head_block: tuple[int, int] | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the keys and values of every rank of `group` (the cp axis).
 
     q [B, H, S_l, D], k, v [B, Hkv, S_l, D] (H % Hkv == 0: GQA, q head h reads kv head h // (H / Hkv)),
@@ -79,6 +80,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Axi
     waiting for the device. dropout: a KeyedDropout on the attention probabilities, drawn per block at
     its (query, key) positions of the whole sequence (cp S_l long), as one process would draw them.
     documents: [B, S_l], each query's position in its packed document (paratrain.nn.documents; causal only).
+    head_block: (index, heads) when q's H heads are block `index` of `heads` the dropout's tensor has (USP).
     """
     if documents is not None and (not causal or documents.shape != (q.shape[0], q.shape[2])):
         raise ValueError(f"ring_attention: documents must be [B, S_l] = [{q.shape[0]}, {q.shape[2]}] positions of "
@@ -99,14 +101,17 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Axi
     steps = _plan(host_q, group_positions, group, causal=causal, device=q.device,
                   fused=dropout is None and documents is None and fused_available(q.device, q.dtype),
                   heads=q.shape[0] * q.shape[1])
-    drop = None if dropout is None else functools.partial(_drop_block, dropout, group.size * k.shape[2])
+    heads = None if head_block is None else (torch.arange(head_block[0] * q.shape[1], (head_block[0] + 1) * q.shape[1],
+                                                          device=q.device), head_block[1])
+    drop = None if dropout is None else functools.partial(_drop_block, dropout, group.size * k.shape[2], heads)
     return _RingAttention.apply(q, k, v, group, q_positions, steps, Scoring(causal, scale), drop, documents)
 
 
-def _drop_block(dropout: KeyedDropout, seq_len: int, probs: torch.Tensor, q_pos: torch.Tensor,
-                k_pos: torch.Tensor) -> torch.Tensor:
-    """A [B, H, Sq, Sk] block of attention probabilities at (q_pos, k_pos) of the whole sequence, dropped."""
-    return dropout.at(probs, {2: (q_pos, seq_len), 3: (k_pos, seq_len)})
+def _drop_block(dropout: KeyedDropout, seq_len: int, heads: tuple[torch.Tensor, int] | None, probs: torch.Tensor,
+                q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """A [B, H, Sq, Sk] block of attention probabilities at (q_pos, k_pos) of the whole sequence (its heads at
+    heads = (indices, count) when given), dropped."""
+    return dropout.at(probs, {2: (q_pos, seq_len), 3: (k_pos, seq_len), **({} if heads is None else {1: heads})})
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@ recipe (Recipe.split_sequence, e.g. the GPT's gpt_split_sequence):
 
     positions(n)    the global positions of this rank's n tokens (rotary tables, dropout keys)
     attention_core  causal attention of this rank's queries over every rank's keys and values:
-                    ring attention (blocks of K/V passed round the cp ranks, merged by log-sum-exp) or
-                    Ulysses (all-to-all from sequence shards to head shards and back)
+                    ring attention (blocks of K/V passed round the cp ranks, merged by log-sum-exp),
+                    Ulysses (all-to-all from sequence shards to head shards and back) or USP (Ulysses
+                    inside groups of cp ranks, a ring across them)
     gather, sum     the whole sequence of a small tensor, and a sum over the cp ranks (MoE routing:
                     per-sequence capacity and load balancing)
 
@@ -34,6 +35,7 @@ from paratrain.comm import all_gather_async, all_reduce
 from paratrain.context_parallel.layout import local_positions, shard_sequence
 from paratrain.context_parallel.ring import ring_attention
 from paratrain.context_parallel.ulysses import ulysses_attention
+from paratrain.context_parallel.usp import usp_attention
 from paratrain.nn.documents import Documents
 from paratrain.nn.dropout import KeyedDropout
 from paratrain.topology.mesh import AxisGroup
@@ -56,7 +58,14 @@ class SequenceShard:
     group: AxisGroup
     """The cp ranks that split one sequence."""
     mode: str = "ring"
-    """'ring' or 'ulysses' (paratrain.config.parallel.CP_MODES)."""
+    """'ring', 'ulysses' or 'usp' (paratrain.config.parallel.CP_MODES)."""
+    usp: tuple[AxisGroup, AxisGroup] | None = None
+    """mode 'usp': (this rank's Ulysses group, its ring group), the mesh's cp_ulysses and cp_ring."""
+
+    def __post_init__(self) -> None:
+        if (self.mode == "usp") != (self.usp is not None):
+            raise ValueError(f"a SequenceShard in mode {self.mode!r} takes the (Ulysses, ring) groups of USP "
+                             f"{'and got none' if self.usp is None else 'only in mode usp'}")
 
     @property
     def parts(self) -> int:
@@ -93,6 +102,9 @@ class SequenceShard:
         rank's tokens' positions in their packed documents (paratrain.nn.documents): attention inside them."""
         n = q.shape[-2]
         positions, everyone = self.positions(n, q.device), self.group_positions(n)
+        if self.usp is not None:
+            return usp_attention(q, k, v, *self.usp, group_positions=everyone, scale=scale, dropout=dropout,
+                                 documents=documents)
         if self.mode == "ulysses":
             return ulysses_attention(q, k, v, self.group, q_positions=positions, group_positions=everyone,
                                      causal=True, scale=scale, dropout=dropout, documents=documents)

@@ -177,7 +177,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         return heads_to_sequence(out, group)
     order, inverse = _position_order(q_positions, group, q.device, group_positions)
     q, k, v = (t.index_select(2, order) for t in (q, k, v))  # position order: is_causal is key <= query
-    mask = None if documents is None else document_mask(_gathered(documents, group).index_select(1, order))
+    mask = None if documents is None else document_mask(gathered_sequence(documents, group).index_select(1, order))
     if dropout is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                              enable_gqa=gqa)
@@ -186,8 +186,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     return heads_to_sequence(out.index_select(2, inverse), group)
 
 
-def _gathered(documents: torch.Tensor, group: AxisGroup) -> torch.Tensor:
-    """[B, S_l] of every rank -> [B, cp S_l] in gathered order (rank 0's shard, rank 1's, ...)."""
+def gathered_sequence(documents: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """[B, S_l] of every rank -> [B, cp S_l] in gathered order (rank 0's shard, rank 1's, ...): the order
+    sequence_to_heads puts the sequence in. Not differentiable (document positions)."""
     flat = torch.empty(group.size * documents.numel(), dtype=documents.dtype, device=documents.device)
     all_gather_async(flat, documents.contiguous().view(-1), group).wait()
     return flat.view(group.size, *documents.shape).permute(1, 0, 2).reshape(documents.shape[0], -1)

@@ -22,7 +22,7 @@ from itertools import product
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.parallel import ParallelConfig
-from paratrain.config.rules import check_divides_dp, check_expert_parallel, check_grid_shape, grid_side
+from paratrain.config.rules import check_divides_dp, check_expert_parallel, check_grid_shape, check_usp, grid_side
 
 AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 """The axes of the rank grid, outermost first."""
@@ -54,6 +54,9 @@ class ParallelDims:
     input * q^2 + weight * q + output; paratrain.tensor_parallel.cube)."""
     tp_depth: int = 1
     """2.5d: the grids stacked (d), each on its own share of the batch rows."""
+    cp_ulysses: int = 1
+    """USP (cp_mode 'usp'): the consecutive cp ranks of one Ulysses group, the ring passing blocks across the
+    cp / cp_ulysses groups (cp_split); 1 otherwise."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -61,16 +64,19 @@ class ParallelDims:
                 raise ConfigError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
         check_grid_shape(self.tp_mode, self.tp, self.tp_depth)
         check_expert_parallel(self.ep, self.dp)
+        if self.cp_ulysses > 1:
+            check_usp(self.cp, "usp", self.cp_ulysses)
 
     @classmethod
     def of(cls, *, dp: int = 1, tp: int = 1, pp: int = 1, virtual_stages: int = 1, ep: int = 1,
-           dp_shard: int = 1, cp: int = 1, servers: int = 0, tp_mode: str = "1d", tp_depth: int = 1) -> ParallelDims:
+           dp_shard: int = 1, cp: int = 1, servers: int = 0, tp_mode: str = "1d", tp_depth: int = 1,
+           cp_ulysses: int = 1) -> ParallelDims:
         """From the data-parallel degree as a whole, split into dp / dp_shard replicas of dp_shard ranks."""
         if dp < 1:
             raise ConfigError(f"dp must be >= 1, got {dp}")
         check_divides_dp("shard group", dp_shard, dp)
         return cls(pp=pp, virtual_stages=virtual_stages, dp_replicate=dp // dp_shard, dp_shard=dp_shard, ep=ep,
-                   tp=tp, cp=cp, servers=servers, tp_mode=tp_mode, tp_depth=tp_depth)
+                   tp=tp, cp=cp, servers=servers, tp_mode=tp_mode, tp_depth=tp_depth, cp_ulysses=cp_ulysses)
 
     @classmethod
     def from_config(cls, config: ParallelConfig) -> ParallelDims:
@@ -81,7 +87,7 @@ class ParallelDims:
         shard = (config.shard_group or config.dp) if config.zero else 1
         return cls.of(dp=config.dp, tp=config.tp, pp=config.pp, virtual_stages=config.virtual_stages, ep=config.ep,
                       dp_shard=shard, cp=config.cp, servers=config.ps_servers, tp_mode=config.tp_mode,
-                      tp_depth=config.tp_depth)
+                      tp_depth=config.tp_depth, cp_ulysses=config.cp_ulysses)
 
     @property
     def dp(self) -> int:
@@ -104,6 +110,17 @@ class ParallelDims:
                     groups.append([ranks[sum(c * q ** (2 - n) for n, c in enumerate(coords[:axis] + [v] + coords[axis:]))]
                                    for v in range(q)])
         return axes
+
+    def cp_split(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(Ulysses groups, ring groups) of every cp group under USP: a Ulysses group is cp_ulysses consecutive cp
+        ranks (cp index i in group i // cp_ulysses at place i % cp_ulysses), a ring group every cp_ulysses-th
+        (the ranks at one place of every Ulysses group, in cp order)."""
+        u = self.cp_ulysses
+        inner, ring = [], []
+        for ranks in self.all_groups("cp"):
+            inner += [ranks[g * u:(g + 1) * u] for g in range(self.cp // u)]
+            ring += [ranks[at::u] for at in range(u)]
+        return inner, ring
 
     def tp_grid_groups(self) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
         """(row groups, column groups, depth groups) of every tp group laid out as tp_depth q x q grids, each row

@@ -16,8 +16,8 @@ from paratrain.topology.dims import AXES, ParallelDims
 
 
 SUB_AXES = ("dp_shard", "dp_replicate", "ep", "edp", "tied", "dp_cp", "edp_cp", "servers", "tp_row", "tp_col",
-            "tp_depth", "tp_input", "tp_weight", "tp_output")
-"""Groups inside the dp or tp axis (or across pp's ends) whose degree is their group's size, 1 without one."""
+            "tp_depth", "tp_input", "tp_weight", "tp_output", "cp_ulysses", "cp_ring")
+"""Groups inside the dp, tp or cp axis (or across pp's ends) whose degree is their group's size, 1 without one."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,8 @@ class Mesh:
         ranks times their cp ranks (ZeRO's state is split over all the ranks holding the same parameters).
         cp > 1 adds "cp" (the ranks splitting one sequence) and "dp_cp" (dp x cp: the ranks holding the same
         parameters, which data parallelism reduces over and ZeRO shards over); with ep > 1 also "edp_cp"
-        (edp x cp: the ranks holding the same experts).
+        (edp x cp: the ranks holding the same experts); USP (cp_ulysses > 1) also "cp_ulysses" (consecutive cp
+        ranks exchanging heads) and "cp_ring" (one rank of each such group: the ring).
         tp_mode 2d adds the grid's "tp_row" (the q ranks of one grid row) and "tp_col" (of one column); 2.5d with
         tp_depth > 1 also "tp_depth" (the ranks at one grid position of every stacked grid); 3d the cube's
         "tp_input", "tp_weight" and "tp_output" (paratrain.tensor_parallel.cube).
@@ -99,6 +100,10 @@ class Mesh:
             add("dp_cp", dims.data_groups())
             if dims.dp_shard == dims.dp:  # ZeRO over all of dp x cp (plain dp: no strategy reads dp_shard)
                 groups["dp_shard"] = groups["dp_cp"]
+        if dims.cp_ulysses > 1:
+            inner, ring = dims.cp_split()
+            add("cp_ulysses", inner)
+            add("cp_ring", ring)
         if dims.tp_mode in ("2d", "2.5d"):
             rows, cols, depths = dims.tp_grid_groups()
             add("tp_row", rows)

@@ -27,6 +27,23 @@ def test_cp_float64_is_exact(pools, cp, mode):
 
 
 @pytest.mark.parametrize("layout", [
+    dict(cp=4, cp_ulysses=2, dropout=0.1),                     # 2 Ulysses x 2 ring, masks of head-blocked ring blocks
+    dict(cp=8, cp_ulysses=2),                                  # 2 Ulysses x 4 ring
+    dict(cp=4, cp_ulysses=2, tp=2, sequence_parallel=True),    # tp splits the heads, Ulysses them again
+], ids=["usp4-2x2-dropout", "usp8-2x4", "usp4-2x2-tp2-sp"])
+def test_usp_is_exact(pools, layout):
+    """USP (Ulysses inside cp_ulysses consecutive cp ranks, a ring across them), float64: one process's loss,
+    grad norm and weights, alone, with dropout and with tp 2 + sequence parallelism (8 processes)."""
+    world = layout["cp"] * layout.get("tp", 1)
+    got = pools(world).run(_job, dp=1, cp_mode="usp", micro_batch=8, dtype="float64", **layout)
+    ref = reference_run(STEPS, dtype="float64", dropout=layout.get("dropout", 0.0))
+    for rank in got:
+        within(rel_diff(rank["losses"], ref["losses"]), 1e-12, "loss (float64)")
+        within(rel_diff(rank["grad_norms"], ref["grad_norms"]), 1e-12, "grad norm (float64)")
+    within(max_state_diff(got[0]["model"], ref["model"]), 1e-11, "weights (float64)")
+
+
+@pytest.mark.parametrize("layout", [
     dict(dropout=0.1),                                   # every mask keyed by position: ring blocks, [B, S, D]
     dict(dropout=0.1, cp_mode="ulysses", recompute=True),  # head blocks of the whole sequence, recomputed
 ], ids=["ring-dropout", "ulysses-dropout-recompute"])
