@@ -1,9 +1,10 @@
-"""Hugging Face Llama-family models under context parallelism: each rank's part of every sequence.
+"""Hugging Face models under context parallelism: each rank's part of every sequence.
 
-llama_split_sequence is LLAMA_RECIPE's split_sequence (paratrain.models.hf): the rotary embedding fed the
-whole sequence's positions of this rank's tokens (or, for packed documents, their positions in their documents),
-and attention through transformers' AttentionInterface to the shard's ring or Ulysses attention, masked to each
-document when the batch packs documents.
+llama_split_sequence is LLAMA_RECIPE's split_sequence (paratrain.models.hf), gpt2_split_sequence GPT2_RECIPE's: the
+positions (Llama's rotary embedding, GPT-2's learned ones) read at the whole sequence's positions of this rank's
+tokens (or, for packed documents, their positions in their documents), and attention through transformers'
+AttentionInterface to the shard's ring, Ulysses or USP attention, masked to each document when the batch packs
+documents.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ attention: HF's own `position_ids` there cannot tell document positions from the
 
 LLAMA_ATTENTIONS = r"model\.layers\.\d+\.self_attn"
 LLAMA_ROTARY = r"model\.rotary_emb"
+GPT2_ATTENTIONS = r"transformer\.h\.\d+\.attn"
 
 
 def llama_split_sequence(model: nn.Module, shard: SequenceSplit) -> None:
@@ -53,25 +55,54 @@ def llama_split_sequence(model: nn.Module, shard: SequenceSplit) -> None:
         causality is by position, documents by their positions.
     Refused, naming the setting: attention dropout (HF draws it from torch's generator, which no rank can
     draw for another's tokens) and a Mistral sliding window shorter than the sequence."""
-    from transformers import AttentionInterface, PreTrainedModel
-
-    attentions = [m for n, m in model.named_modules() if re.fullmatch(LLAMA_ATTENTIONS, n)]
-    if attentions:
-        config = attentions[0].config
-        if getattr(config, "attention_dropout", 0.0):
-            raise ConfigError(f"context parallelism with attention_dropout ({config.attention_dropout}): HF draws it "
-                              "from torch's generator, which no rank can draw for another rank's tokens; set "
-                              "attention_dropout=0.0 or cp to 1")
-        AttentionInterface.register(ATTENTION, _attend_through)  # the same stateless function each time
-        config._attn_implementation = ATTENTION  # the config's setter; every layer reads it when it runs
-    base = getattr(model, "model", None)
-    if isinstance(base, PreTrainedModel):  # a whole causal LM: its base model takes the positions
-        model.register_module("model", WholePositions(base, shard))
+    _attend_by_shard(model, LLAMA_ATTENTIONS, ("attention_dropout",))
+    if _wrap_base(model, "model", shard):
         return
     for rotary_name, rotary in list(model.named_modules()):  # a pipeline stage: its runners call the rotary
         if re.fullmatch(LLAMA_ROTARY, rotary_name):
             parent, _, child = rotary_name.rpartition(".")
             model.get_submodule(parent).register_module(child, PositionsOf(rotary, shard))
+
+
+def gpt2_split_sequence(model: nn.Module, shard: SequenceSplit) -> None:
+    """Context parallelism on an HF GPT-2 (GPT2_RECIPE's split_sequence): as llama_split_sequence on a whole model,
+    its base (model.transformer) wrapped so that the learned positions (wpe) are read at the whole sequence's
+    positions of this rank's tokens, or at their documents' positions. Refused: dropout (GPT-2 draws it from each
+    rank's own generator, so no rank draws a process's mask for its tokens) and a pipeline stage (its embedding
+    runner reads positions 0 .. n-1 of the part: not built)."""
+    _attend_by_shard(model, GPT2_ATTENTIONS, ("attn_pdrop", "resid_pdrop", "embd_pdrop"))
+    if not _wrap_base(model, "transformer", shard):
+        raise ConfigError("HF GPT-2 under context parallelism and pipeline parallelism: a stage's embedding reads "
+                          "the learned positions of its part of the sequence, not the whole sequence's (not built); "
+                          "use pp 1 with cp, or a Llama-family model")
+
+
+def _attend_by_shard(model: nn.Module, attentions: str, dropouts: tuple[str, ...]) -> None:
+    """Route the attention modules matching `attentions` (whole-model names) to the shard's attention through
+    transformers' AttentionInterface; refuse the config's non-zero `dropouts`."""
+    from transformers import AttentionInterface
+
+    found = [m for n, m in model.named_modules() if re.fullmatch(attentions, n)]
+    if not found:
+        return
+    config = found[0].config
+    given = {name: getattr(config, name, 0.0) for name in dropouts if getattr(config, name, 0.0)}
+    if given:
+        raise ConfigError(f"context parallelism with dropout {given}: HF draws it from torch's generator, which no "
+                          f"rank can draw for another rank's tokens; set {', '.join(given)} to 0.0, or cp to 1")
+    AttentionInterface.register(ATTENTION, _attend_through)  # the same stateless function each time
+    config._attn_implementation = ATTENTION  # the config's setter; every layer reads it when it runs
+
+
+def _wrap_base(model: nn.Module, base_name: str, shard: SequenceSplit) -> bool:
+    """Wrap a whole causal LM's base model (WholePositions); False for a pipeline stage (no whole base model)."""
+    from transformers import PreTrainedModel
+
+    base = getattr(model, base_name, None)
+    if not isinstance(base, PreTrainedModel):
+        return False
+    model.register_module(base_name, WholePositions(base, shard))
+    return True
 
 
 class WholePositions(Wrapper):

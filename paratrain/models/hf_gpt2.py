@@ -27,6 +27,7 @@ from torch import nn
 
 from paratrain.config.errors import ConfigError
 from paratrain.models.hf import llama_pipeline_loss
+from paratrain.models.hf_context import gpt2_split_sequence
 from paratrain.nn.recipe import Layer, Recipe, Run, stage_loss
 
 GPT2_TP_PLAN: dict[str, str] = {
@@ -119,5 +120,5 @@ def _block_runner(name: str, config: Any) -> Run:
 
 GPT2_RECIPE = Recipe(tp_plan=GPT2_TP_PLAN, blocks=GPT2_WRAP, layers=gpt2_layers,
                      stage_loss=stage_loss(llama_pipeline_loss), hidden_size=lambda model: model.config.n_embd,
-                     tp_local=gpt2_tp_local)
-"""HF GPT-2's recipe (no context parallelism: its attention has no positions to shard)."""
+                     tp_local=gpt2_tp_local, split_sequence=gpt2_split_sequence)
+"""HF GPT-2's recipe (context parallelism on the whole model: paratrain.models.hf_context)."""

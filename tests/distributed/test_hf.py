@@ -262,6 +262,7 @@ def _tied_state(kind: str, state: dict) -> dict:
     ("gpt2", dict(tp=2, micro_batch=4)),  # q | k | v split by block, Conv1D weights [in, out]
     ("gpt2", dict(pp=2, micro_batch=2)),  # learned positions on the first stage, the tied head on the last
     ("gpt2", dict(dp=2, zero=3, micro_batch=2)),
+    ("gpt2", dict(cp=2, micro_batch=4)),  # the learned positions read at the whole sequence's positions of a part
     ("gemma2", dict(tp=2, micro_batch=4)),  # soft-capping per head and on the gathered logits
     ("gemma2", dict(pp=2, micro_batch=2)),  # each stage's layers get their own (sliding or full) mask
     ("gemma3", dict(tp=2, micro_batch=4)),
@@ -289,7 +290,7 @@ def _tied_state(kind: str, state: dict) -> dict:
     ("mistral", dict(tp=8, tp_mode="2.5d", tp_depth=2, micro_batch=4)),
 ], ids=["llama-zero3", "llama-tp2", "llama-pp2", "mistral-tp2", "mistral-pp2", "tied-tp2", "tied-pp2",
         "qwen2-tp2", "qwen3-tp2", "qwen3-pp2", "gemma-tp2", "gemma-pp2", "llama-cp2", "tied-cp2-ulysses", "tied-dp2tp2z1", "llama-cp2pp2-ulysses", "llama-cp4",
-        "gpt2-tp2", "gpt2-pp2", "gpt2-zero3", "gemma2-tp2", "gemma2-pp2", "gemma3-tp2", "gemma3-pp2",
+        "gpt2-tp2", "gpt2-pp2", "gpt2-zero3", "gpt2-cp2", "gemma2-tp2", "gemma2-pp2", "gemma3-tp2", "gemma3-pp2",
         "mixtral-zero3", "mixtral-tp2", "mixtral-cp2", "qwen3moe-pp2", "dsv3-zero3", "mixtral-ep2", "qwen3moe-dp4ep2z1", "dsv3-ep2pp2", "dsv3-tp2", "gptoss-zero3", "gptoss-pp2", "gptoss-ep2", "gptoss-tp2", "qwen2moe-ep2", "dsv3-pp2", "dsv3-cp2", "qwen3moe-dp2tp2z1",
         "llama-2d", "tied-3d", "mistral-2.5d"])
 def test_layout_trains_as_plain_pytorch(pools, kind, layout):
@@ -352,6 +353,24 @@ def test_check_llama_tp_names_the_rule_and_the_fix():
         check_llama_tp(config, 4)
     with pytest.raises(ConfigError, match="sequence_parallel=False"):
         check_llama_tp(config, 2, sequence_parallel=True)
+
+
+def test_gpt2_under_cp_refuses_dropout_and_pipeline_stages():
+    """GPT-2 draws its dropout from each rank's generator, and a stage's embedding reads its part's positions:
+    both refused by name before anything runs."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from paratrain import ConfigError
+    from paratrain.models.hf_context import gpt2_split_sequence
+
+    with_dropout = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64))
+    with pytest.raises(ConfigError, match=r"dropout \{'attn_pdrop': 0.1, 'resid_pdrop': 0.1, 'embd_pdrop': 0.1\}"):
+        gpt2_split_sequence(with_dropout, None)  # type: ignore[arg-type]: refused before the split is read
+    stage = torch.nn.Module()  # a pipeline stage keeps the blocks, not the whole base model
+    stage.register_module("h", GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4,
+                                                          attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)).transformer.h)
+    with pytest.raises(ConfigError, match="use pp 1 with cp"):
+        gpt2_split_sequence(stage, None)  # type: ignore[arg-type]
 
 
 def test_import_paratrain_does_not_import_transformers():
