@@ -373,6 +373,25 @@ def test_gpt2_under_cp_refuses_dropout_and_pipeline_stages():
         gpt2_split_sequence(stage, None)  # type: ignore[arg-type]
 
 
+def test_gpt2_under_cp_is_refused_before_launch(tmp_path):
+    """`--hf GPT2_DIR --cp 2` with GPT-2's default dropouts, or with --pp 2: refused by the run's checks."""
+    from transformers import GPT2Config
+
+    from paratrain import ConfigError, ParallelConfig
+    from paratrain.config import build_run_config
+    from paratrain.hf.load import run_model_shape
+
+    GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64).save_pretrained(tmp_path)
+    run = build_run_config(None, {"model.hf": str(tmp_path)})
+    with pytest.raises(ConfigError, match=r"--cp 2 on GPT-2 with dropout \{'attn_pdrop': 0.1"):
+        run_model_shape(run, ParallelConfig(dp=1, cp=2))
+    GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, attn_pdrop=0.0, resid_pdrop=0.0,
+               embd_pdrop=0.0).save_pretrained(tmp_path)
+    run_model_shape(run, ParallelConfig(dp=1, cp=2))
+    with pytest.raises(ConfigError, match="--cp 2 on GPT-2 with --pp 2"):
+        run_model_shape(run, ParallelConfig(dp=1, cp=2, pp=2))
+
+
 def test_import_paratrain_does_not_import_transformers():
     """transformers is an optional extra: paratrain.models.hf imports it inside its functions only."""
     import subprocess
