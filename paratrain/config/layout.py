@@ -61,6 +61,7 @@ LAYOUT_SETTINGS: tuple[LayoutSetting, ...] = (
     LayoutSetting("schedule", "parallel.schedule"),
     LayoutSetting("cp", "parallel.cp"),
     LayoutSetting("cp_mode", "parallel.cp_mode"),
+    LayoutSetting("cp_ulysses", "parallel.cp_ulysses"),
     LayoutSetting("ep", "parallel.ep"),
     LayoutSetting("expert_tp", "parallel.expert_tp"),
     LayoutSetting("zero", "parallel.zero"),

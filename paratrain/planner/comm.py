@@ -65,8 +65,8 @@ def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches
                 settings: StepSettings = StepSettings()) -> dict[str, dict[str, int]]:
     """{axis: {op: bytes}} pipeline rank `stage` moves in one step of `micro_batches` micro-batches
     (every dp and tp rank of a stage moves the same): axes "dp" ("dp_cp" under context parallelism: the
-    dp x cp ranks holding the same parameters), "tp", "cp" (Ulysses' all-to-alls), "pp" (its op "send":
-    the point-to-point messages) and "tied" (the embedding shared by the first and last stage). Ring
+    dp x cp ranks holding the same parameters), "tp", "cp" (Ulysses' all-to-alls; USP's on "cp_ulysses"), "pp" (its op
+    "send": the point-to-point messages) and "tied" (the embedding shared by the first and last stage). Ring
     attention's point-to-point messages are not in it (paratrain.context_parallel.ring counts them)."""
     precision, pp_split = settings.precision, settings.pp_split
     volume = data_parallel_volume(model, layout, stage=stage, micro_batches=micro_batches, settings=settings)
@@ -87,8 +87,8 @@ def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches
         for axis, (op, n) in expert_exchanges(model, layout, moe=moe, act=act, w_again=again).items():
             volume.setdefault(axis, {})[op] = volume.get(axis, {}).get(op, 0) + n * micro_batches
     ulysses = ulysses_bytes(model, layout, stage=stage, precision=precision, pp_split=pp_split)
-    if ulysses:
-        volume.setdefault("cp", {})["all_to_all"] = ulysses * micro_batches
+    if ulysses:  # USP's all-to-alls run inside its Ulysses groups, each call the same tensor as Ulysses' own
+        volume.setdefault("cp_ulysses" if layout.cp_mode == "usp" else "cp", {})["all_to_all"] = ulysses * micro_batches
     sent = pipeline_sends(model, layout, stage=stage, micro_batches=micro_batches, precision=precision,
                           pp_split=pp_split)
     if sent:
@@ -190,13 +190,13 @@ def pipeline_sends(model: ModelConfig, layout: Layout, *, stage: int, micro_batc
 
 def ulysses_bytes(model: ModelConfig, layout: Layout, *, stage: int, precision: str = "fp32",
                   pp_split: tuple[int, ...] = ()) -> int:
-    """Ulysses' all-to-all bytes of one micro-batch on pipeline rank `stage` (0 unless cp > 1 in Ulysses
+    """Ulysses' all-to-all bytes of one micro-batch on pipeline rank `stage` (0 unless cp > 1 in Ulysses or USP
     mode), counted as paratrain.comm.volume counts (each call its input): per block 4 calls forward (q, k,
     v, the output) and 4 backward, each [B, h / tp, seq / cp, hd] (the GPT has no grouped kv heads); a
     recomputed block (full) runs its 4 forward calls again in backward, a recomputed attention core
     (selective) 3: torch.utils.checkpoint stops once it has what backward keeps, and nothing keeps the
     output's all-to-all inside the core."""
-    if layout.cp == 1 or layout.cp_mode != "ulysses":
+    if layout.cp == 1 or layout.cp_mode == "ring":
         return 0
     blocks, _, _ = _held(model, layout, stage, pp_split)
     calls = 8 + {"full": 4, "selective": 3}.get(layout.recompute, 0)

@@ -19,12 +19,14 @@ from typing import Any
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import PRESETS, preset
+from paratrain.config.parallel import CP_MODES
 from paratrain.planner.hardware import CPU_PROFILE, GPU_PROFILE, PROFILES, hardware
 from paratrain.planner.search import PRICED, search
 from paratrain.planner.table import layout_text, plan_table
 
 _PINS = {"--dp": "dp", "--tp": "tp", "--pp": "pp", "--virtual-stages": "virtual_stages", "--zero": "zero",
-         "--micro-batch": "micro_batch", "--ep": "ep", "--cp": "cp", "--tp-depth": "tp_depth"}
+         "--micro-batch": "micro_batch", "--ep": "ep", "--cp": "cp", "--tp-depth": "tp_depth",
+         "--cp-ulysses": "cp_ulysses"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, field in _PINS.items():
         parser.add_argument(flag, type=int, help=f"pin {field}")
     parser.add_argument("--recompute", choices=("none", "selective", "full"), help="pin recomputation")
-    parser.add_argument("--cp-mode", choices=("ring", "ulysses"), help="pin context parallelism's attention")
+    parser.add_argument("--cp-mode", choices=CP_MODES, help="pin context parallelism's attention (usp: with --cp-ulysses)")
     parser.add_argument("--tp-mode", choices=("1d", "2d", "2.5d", "3d"),
                         help="pin how tp splits each layer (the search tries 2d, 2.5d and 3d wherever tp is a square, "
                              "depth x a square or a cube, across nodes too; 1d within a node)")
@@ -169,7 +171,7 @@ def _dry_run(args: argparse.Namespace, model: Any, devices: int, pins: dict[str,
 
     micro_batch = pins.pop("micro_batch", 1)
     parallel = ParallelConfig(**pins, sequence_parallel=bool(args.sequence_parallel), schedule=args.schedule,
-                              grad_reduce=args.grad_reduce)
+                              grad_reduce=args.grad_reduce, cp_mode=args.cp_mode or "ring")
     if args.seq_len:
         from dataclasses import replace
 

@@ -14,7 +14,8 @@ from typing import Any
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
-from paratrain.config.rules import check_shard_group
+from paratrain.config.parallel import CP_MODES
+from paratrain.config.rules import check_shard_group, check_usp
 from paratrain.pipeline.schedules import Schedule
 from paratrain.pipeline.stages import balanced_split
 from paratrain.topology.dims import ParallelDims
@@ -36,7 +37,8 @@ class Layout:
     offload: bool = False
     """ZeRO's optimizer state and fp32 masters in CPU memory."""
     cp_mode: str = "ring"
-    """Context parallelism's attention (cp > 1): 'ring' or 'ulysses'."""
+    """Context parallelism's attention (cp > 1): 'ring', 'ulysses' or 'usp' (Ulysses over dims.cp_ulysses ranks,
+    a ring across)."""
     ps_mode: str = "off"
     """The parameter server: 'off', 'sync' or 'async'; its dedicated servers are dims.servers (0: colocated
     on the dp trainers). Which axes it composes with is ParallelConfig's rule (search.check_fields)."""
@@ -49,8 +51,10 @@ class Layout:
         if not self.zero and self.dims.dp_shard > 1:
             raise ConfigError(f"dp_shard ({self.dims.dp_shard}) splits ZeRO's state, and zero is 0: set zero to "
                               "1, 2 or 3, or dp_shard to 1")
-        if self.cp_mode not in ("ring", "ulysses"):
-            raise ConfigError(f"cp_mode must be 'ring' or 'ulysses', got {self.cp_mode!r}")
+        if self.cp_mode not in CP_MODES:
+            raise ConfigError(f"cp_mode must be one of {', '.join(CP_MODES)}, got {self.cp_mode!r}")
+        if self.cp_mode == "usp":  # (a partial Layout the planner derives for one term keeps dims, not cp_mode)
+            check_usp(self.cp, self.cp_mode, self.cp_ulysses)
         if self.ps_mode not in ("off", "sync", "async"):
             raise ConfigError(f"ps_mode must be 'off', 'sync' or 'async', got {self.ps_mode!r}")
 
@@ -61,8 +65,8 @@ class Layout:
         unknown = sorted(set(fields) - set(LAYOUT_FIELDS))
         if unknown:
             raise ConfigError(f"unknown layout fields {unknown}: a layout has {list(LAYOUT_FIELDS)}")
-        axes = {name: fields.pop(name) for name in ("dp", "tp", "pp", "virtual_stages", "ep", "cp", "tp_mode", "tp_depth")
-                if name in fields}
+        axes = {name: fields.pop(name) for name in ("dp", "tp", "pp", "virtual_stages", "ep", "cp", "tp_mode", "tp_depth",
+                                                      "cp_ulysses") if name in fields}
         if "ps_servers" in fields:
             axes["servers"] = fields.pop("ps_servers")
         shard_group, zero, dp = fields.pop("shard_group", None), fields.get("zero", 0), axes.get("dp", 1)
@@ -115,6 +119,11 @@ class Layout:
         return self.dims.cp
 
     @property
+    def cp_ulysses(self) -> int:
+        """USP: the Ulysses degree inside cp (1 for ring and Ulysses alone)."""
+        return self.dims.cp_ulysses
+
+    @property
     def ps_servers(self) -> int:
         """Dedicated parameter servers, ranks after the dp trainers (0: none, or colocated)."""
         return self.dims.servers
@@ -145,7 +154,7 @@ class Layout:
 
 
 LAYOUT_FIELDS = ("dp", "tp", "pp", "virtual_stages", "zero", "shard_group", "micro_batch", "recompute",
-                 "sequence_parallel", "schedule", "offload", "ep", "cp", "cp_mode", "ps_mode", "ps_servers", "staleness",
+                 "sequence_parallel", "schedule", "offload", "ep", "cp", "cp_mode", "cp_ulysses", "ps_mode", "ps_servers", "staleness",
                  "expert_tp", "tp_mode", "tp_depth")
 """A layout's flat fields (to_dict, Layout.of), in the order the planner's records list them."""
 

@@ -114,7 +114,7 @@ def context_parallel_transient(model: ModelConfig, layout: Layout, *, seq: int, 
     if layout.cp == 1:
         return 0.0
     block = layout.micro_batch * seq // layout.cp * model.d_model / layout.tp * act  # [B, h / tp, seq / cp, hd]
-    return 4 * 2 * block if layout.cp_mode == "ring" else 2 * 4 * block
+    return 4 * 2 * block if layout.cp_mode == "ring" else 2 * 4 * block  # USP: the larger, Ulysses' buffers
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,9 @@ def _candidate_fields(model: ModelConfig, devices: int, hardware: Hardware, *, g
             continue  # a pinned grid mode: the tp degrees that have its shape
         if cp > 1 and seq // cp < CP_MIN_TOKENS and pins.get("cp") != cp:
             continue
-        modes = ["ring"] + (["ulysses"] if cp > 1 and (model.n_head // tp) % cp == 0 else [])
+        heads = model.n_head // tp
+        modes = [("ring", 1)] + ([("ulysses", 1)] if cp > 1 and heads % cp == 0 else []) + [
+            ("usp", u) for u in range(2, cp) if cp % u == 0 and heads % u == 0]  # Ulysses inside, a ring across
         for pp in _divisors(devices // (tp * cp)):
             if pp > model.n_layer + 2 or (served and pp > 1):
                 continue
@@ -215,7 +217,7 @@ def _candidate_fields(model: ModelConfig, devices: int, hardware: Hardware, *, g
                 pinned = [(m, d) for m, d in [("1d", 1), *grids] if m == pins["tp_mode"]
                           and d == pins.get("tp_depth", d)]
                 shapes = pinned or [(pins["tp_mode"], pins.get("tp_depth", 1))]
-            for (v, schedule), zero, mb, recompute, sp, ep, mode, cut, (tp_mode, depth) in itertools.product(
+            for (v, schedule), zero, mb, recompute, sp, ep, (mode, u), cut, (tp_mode, depth) in itertools.product(
                     PIPELINES if pp > 1 else ((1, "1f1b"),), (0,) if served else (0, 1, 2, 3), micro,
                     ("none", "selective", "full"), (False, True) if tp > 1 else (False,), eps, modes, cuts, shapes):
                 if schedule == "zb-h1" and per_rank // mb < pp and "schedule" not in pins:
@@ -227,7 +229,7 @@ def _candidate_fields(model: ModelConfig, devices: int, hardware: Hardware, *, g
                     continue  # the grid splits the micro-batch's rows
                 fields = dict(_DEFAULTS, dp=dp, tp=tp, pp=pp, virtual_stages=v, zero=zero, micro_batch=mb,
                               recompute=recompute, sequence_parallel=sp,
-                              schedule=schedule, ep=ep, cp=cp, cp_mode=mode, expert_tp=cut,
+                              schedule=schedule, ep=ep, cp=cp, cp_mode=mode, cp_ulysses=u, expert_tp=cut,
                               tp_mode=tp_mode, tp_depth=depth)
                 if pins:
                     fields.update({k: pins[k] for k in pins if k in fields})

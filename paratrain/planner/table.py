@@ -17,7 +17,7 @@ def layout_text(layout: dict[str, Any]) -> str:
     if layout["ep"] > 1:
         text += f" ep{layout['ep']}"
     if layout["cp"] > 1:
-        text += f" cp{layout['cp']}" + ("u" if layout["cp_mode"] == "ulysses" else "")
+        text += f" cp{layout['cp']}" + {"ulysses": "u", "usp": f"usp{layout['cp_ulysses']}"}.get(layout["cp_mode"], "")
     text += f" z{layout['zero']} mb{layout['micro_batch']}"
     if layout["ps_mode"] != "off":
         text += f" ps-{layout['ps_mode']}" + (f"x{layout['ps_servers']}" if layout["ps_servers"] else "")

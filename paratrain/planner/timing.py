@@ -27,7 +27,8 @@ section 4), each term named so that a measurement can be set against it.
                forward, and in backward cp - 1 again with the (dK, dV) accumulators beside them, each hop
                overlapping one block of attention compute (only what it takes longer is exposed), and the
                accumulators' last hop home; Ulysses: 4 all-to-alls of b s/cp h (q, k, v, out) each way,
-               on the critical path
+               on the critical path; USP: Ulysses' all-to-alls over its U ranks, then a ring of cp / U
+               hops, each the same bytes as a ring hop at cp and overlapping U times a ring step's compute
     dp         the traffic paratrain.planner.comm counts for the engine: zero 0 an all-reduce of float32
                gradients, zero 1 a reduce-scatter and an all-gather once, ZeRO-2 and 3 a reduce-scatter per
                micro-batch (once under pp), ZeRO-3's gathers per micro-batch (each block for its forward and
@@ -134,7 +135,7 @@ def _rank_held(model: ModelConfig, layout: Layout) -> _Held:
 @functools.lru_cache(maxsize=4096)
 def _sliced_held(model: ModelConfig, dims: ParallelDims, expert_tp: bool, pipeline: Schedule | None) -> _Held:
     # what does not slice parameters (dp beyond ep, cp, the servers) set to 1
-    sliced = replace(dims, dp_replicate=dims.ep, dp_shard=1, cp=1, servers=0)
+    sliced = replace(dims, dp_replicate=dims.ep, dp_shard=1, cp=1, cp_ulysses=1, servers=0)
     return _held(model, sliced, expert_tp, pipeline)
 
 
@@ -200,13 +201,17 @@ def _context_parallel_time(model: ModelConfig, layout: Layout, hw: Hardware, *, 
     bw = _bandwidth(hw, tp * cp)
     if layout.cp_mode == "ulysses":  # q, k, v, out each way; (cp - 1) / cp of each leaves the rank
         return 8 * _bus_time(block, cp, bw, hw.latency_s, factor=1)
-    hop = hw.latency_s + 2 * block / bw  # this rank's k and v to the next rank
+    inner = layout.cp_ulysses if layout.cp_mode == "usp" else 1
+    exchange = 8 * _bus_time(block, inner, _bandwidth(hw, tp * inner), hw.latency_s, factor=1) if inner > 1 else 0.0
+    ring = cp // inner
+    hop = hw.latency_s + 2 * block / bw  # this rank's k and v to the next rank (USP: U x the positions, 1 / U the heads)
     # one ring step of causal attention under the balanced split: this rank's queries meet 2 c^2 keys of the
-    # block (c = s / 2cp), 4 (h / tp) FLOPs a pair (q k^T and p v): 2 b (s / cp)^2 (h / tp); backward twice that
-    attention = 2.0 * layout.micro_batch * (seq / cp) ** 2 * model.d_model / tp / rate
-    forward = (cp - 1) * max(0.0, hop - attention)
-    backward = (cp - 1) * max(0.0, 2 * hop - 2 * attention) + hop  # K/V and their (dK, dV); the last home
-    return forward + backward
+    # block (c = s / 2 ring), 4 (h / tp / U) FLOPs a pair (q k^T and p v): 2 b (s / ring)^2 (h / tp) / U; backward
+    # twice that
+    attention = 2.0 * layout.micro_batch * (seq / ring) ** 2 * model.d_model / tp / inner / rate
+    forward = (ring - 1) * max(0.0, hop - attention)
+    backward = (ring - 1) * max(0.0, 2 * hop - 2 * attention) + hop  # K/V and their (dK, dV); the last home
+    return exchange + forward + backward
 
 
 def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch: int, seq: int,

@@ -47,6 +47,10 @@ GRID = [  # (model, world, rank, layout, global batch, micro-batch, precision, r
     ("tiny", 8, 3, dict(dp=4, cp=2, zero=2, shard_group=2, grad_reduce="reduce_scatter"), 8, 1, "fp32", "none"),
     ("gpt3-175b", 1024, 1000, dict(dp=4, cp=4, tp=8, pp=8, zero=1, sequence_parallel=True, cp_mode="ulysses",
                                    grad_reduce="reduce_scatter"), 16, 1, "bf16", "none"),
+    # USP: Ulysses' all-to-alls on "cp_ulysses", the ring across (its sends are the kernel's, not counted)
+    ("tiny", 16, 13, dict(dp=2, cp=4, tp=2, sequence_parallel=True, zero=1, cp_mode="usp", cp_ulysses=2), 8, 1,
+     "bf16", "none"),
+    ("gpt3-xl", 64, 33, dict(dp=2, cp=8, pp=4, zero=1, cp_mode="usp", cp_ulysses=4), 8, 1, "bf16", "selective"),
     # the grid modes: SUMMA's broadcasts and reduces on tp_row / tp_col, the cube's gathers on tp_input / tp_weight /
     # tp_output, 2.5d's depth all-reduces; blocks between pipeline stages
     ("tiny", 4, 1, dict(tp=4, tp_mode="2d"), 8, 2, "fp32", "full"),
@@ -98,6 +102,7 @@ def test_a_dry_run_equals_the_planner_exactly(model, world, rank, layout, global
     config = preset(model) if isinstance(model, str) else model
     axes = {"tp": layout.get("tp", 1), "pp": layout.get("pp", 1), "dp_cp" if cp > 1 else "dp": layout.get("dp", 1) * cp,
             "cp": cp if layout.get("cp_mode") == "ulysses" or config.mtp_depth or config.n_experts else 1,
+            "cp_ulysses": layout.get("cp_ulysses", 1),
             "ep": ep, "edp_cp" if cp > 1 else "edp": layout.get("dp", 1) // ep * cp if ep > 1 else 1}
     hierarchical = {"dp_shard", "dp_replicate"} if layout.get("shard_group") else set()
     grid = {"tp_row", "tp_col", "tp_depth", "tp_input", "tp_weight", "tp_output"}

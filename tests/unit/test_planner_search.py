@@ -226,7 +226,7 @@ def test_long_sequences_find_context_parallel_layouts(capsys):
     best, flat = fits[0], next(r for r in fits if r["layout"]["cp"] == 1)
     assert best["layout"]["cp"] in (4, 8) and best["layout"]["recompute"] == "none"
     assert flat["layout"]["tp"] >= 4 and flat["step_time_s"] > 1.04 * best["step_time_s"]
-    assert {r["layout"]["cp_mode"] for r in result["candidates"]} == {"ring", "ulysses"}
+    assert {r["layout"]["cp_mode"] for r in result["candidates"]} == {"ring", "ulysses", "usp"}
     short = search(preset("gpt2"), 4, hardware("h100-80gb"), global_batch=8)  # 1,024 tokens: cp 1 only
     assert {r["layout"]["cp"] for r in short["candidates"]} == {1} and CP_MIN_TOKENS == 1024
     pinned = search(preset("gpt2"), 4, hardware("h100-80gb"), global_batch=8, pins={"cp": 4, "cp_mode": "ulysses"})
@@ -234,6 +234,30 @@ def test_long_sequences_find_context_parallel_layouts(capsys):
     assert main(["plan", "--model", "gpt3-xl", "--gpus", "8", "--global-batch", "8", "--seq-len", "131072",
                  "--top", "1"]) == 0
     assert " cp4 " in capsys.readouterr().out or " cp8 " in capsys.readouterr().out
+
+
+def test_usp_is_priced_and_found_past_the_head_count(capsys):
+    """gpt3-xl (16 heads) at seq 131,072 on 32 H100s (4 nodes) pinned to cp 32: Ulysses cannot split 16 heads over 32
+    ranks, a ring pays 31 hops; USP runs Ulysses over 8 ranks of a node and a ring of 4 across the nodes. Predicted
+    (h100-80gb profile): ring 2.40 s, USP 8 x 4 0.76 s, USP 4 x 8 0.88 s, USP 2 x 16 1.38 s; the search picks USP."""
+    from paratrain.planner.search import estimate
+    from paratrain.topology.dims import ParallelDims
+
+    model, h100 = preset("gpt3-xl", seq_len=131072), hardware("h100-80gb")
+
+    def seconds(mode: str, ulysses: int = 1) -> float:
+        layout = Layout(dims=ParallelDims.of(cp=32, cp_ulysses=ulysses), micro_batch=1, cp_mode=mode)
+        return estimate(model, layout, h100, global_batch=1)["step_time_s"]
+
+    ring, usp = seconds("ring"), {u: seconds("usp", u) for u in (2, 4, 8)}
+    assert usp[8] < usp[4] < usp[2] < ring / 1.5 and ring > 3 * usp[8]
+    result = search(model, 32, h100, global_batch=1, seq_len=131072, pins={"cp": 32})
+    best = result["candidates"][0]["layout"]
+    assert (best["cp_mode"], best["cp_ulysses"]) == ("usp", 8)
+    assert "ulysses" not in {r["layout"]["cp_mode"] for r in result["candidates"]}  # 16 heads: no Ulysses at cp 32
+    assert main(["plan", "--model", "gpt3-xl", "--gpus", "32", "--global-batch", "1", "--seq-len", "131072", "--cp",
+                 "32", "--cp-mode", "usp", "--cp-ulysses", "8", "--top", "1"]) == 0
+    assert " cp32usp8 " in capsys.readouterr().out
 
 
 def test_context_parallel_memory_and_time_terms():
