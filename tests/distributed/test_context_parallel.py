@@ -120,14 +120,14 @@ def _trainer_losses(overrides: dict) -> dict[int, float]:
 
 @pytest.mark.parametrize("world,flags", [
     (2, {"parallel.cp": 2, "parallel.cp_mode": "ring"}),
-    (4, {"parallel.cp": 4, "parallel.cp_mode": "ring"}),
+    (4, {"parallel.cp": 4, "parallel.cp_mode": "usp", "parallel.cp_ulysses": 2}),
     (4, {"parallel.cp": 4, "parallel.cp_mode": "ulysses"}),
     (4, {"parallel.cp": 2, "parallel.dp": 2}),
     (4, {"parallel.cp": 2, "parallel.tp": 2}),
     (4, {"parallel.cp": 2, "parallel.dp": 2, "parallel.zero": 3}),
-], ids=["cp2-ring", "cp4-ring", "cp4-ulysses", "cp2-dp2", "cp2-tp2", "cp2-dp2-zero3"])
+], ids=["cp2-ring", "cp4-usp", "cp4-ulysses", "cp2-dp2", "cp2-tp2", "cp2-dp2-zero3"])
 def test_the_cli_trainer_gives_one_process_losses(pools, world, flags):
-    """`paratrain train --cp 2 --cp-mode ring`, `--cp 4 --cp-mode ring|ulysses`, `--cp 2 --dp 2`, `--cp 2 --tp 2`
+    """`paratrain train --cp 2 --cp-mode ring`, `--cp 4 --cp-mode usp --cp-ulysses 2|ulysses`, `--cp 2 --dp 2`, `--cp 2 --tp 2`
     and `--cp 2 --dp 2 --zero 3` as the CLI's workers run them (its checks, its meta build, its loop, on pool
     ranks instead of launched processes): one process's loss at every step (float32, the parity suite's
     bound; measured <= 2e-7)."""

@@ -33,6 +33,13 @@ def test_dp_fills_the_world():
     (ParallelConfig(zero=5), 4, "zero must be one of 0, 1, 2, 3"),
     (ParallelConfig(bucket_mb=0), 2, "bucket_mb must be > 0"),
     (ParallelConfig(dp=0), 2, "dp must be >= 1"),
+    (ParallelConfig(cp=4, cp_mode="usp", cp_ulysses=3), 4, "cp_ulysses (3) must divide cp (4) and lie between them; "
+                                                           "choose cp_ulysses in [2]"),
+    (ParallelConfig(cp=4, cp_mode="usp"), 4, "choose cp_ulysses in [2]"),
+    (ParallelConfig(cp=2, cp_mode="usp", cp_ulysses=2), 2, "so cp must be a product of two such (4, 6, 8, ...): use "
+                                                           "cp_mode ring or ulysses at cp 2"),
+    (ParallelConfig(cp=4, cp_ulysses=2), 4, "cp_ulysses (2) is the Ulysses degree inside cp_mode usp, and cp_mode is "
+                                            "'ring': set cp_mode usp, or drop cp_ulysses"),
 ])
 def test_parallel_rules(config, world, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
@@ -105,6 +112,8 @@ def test_tensor_parallel_rules(overrides, world, needle):
     ({"launch.nnodes": 2}, 4, "needs --rdzv-endpoint"),
     ({"launch.node_rank": 3}, 2, r"node_rank \(3\) must be in 0..0"),
     ({"parallel.dp": 4}, 2, "must equal the world size"),
+    ({"model.preset": "tiny", "parallel.cp": 8, "parallel.cp_mode": "usp", "parallel.cp_ulysses": 8 // 2,
+      "parallel.tp": 2}, 16, r"n_head / tp = 2 % cp_ulysses \(4\) must be 0; choose --cp-ulysses in \[2\]"),
     ({"train.fail_at": "x"}, 2, "RANK:STEP"),
     ({"launch.nnodes": 2, "launch.min_nodes": 3, "launch.rdzv_endpoint": "h:1"}, 4, r"min_nodes \(3\) must be in 1..nnodes"),
     ({"launch.nnodes": 2, "launch.min_nodes": 1, "launch.rdzv_endpoint": "h:1"}, 4, "needs --rdzv-backend c10d"),
