@@ -8,9 +8,12 @@ from paratrain.config.errors import ConfigError
 from paratrain.config.rules import (PS_MODES, TP_MODES, check_expert_parallel, check_parameter_server, check_shard_group,
                                     check_tp_mode, check_usp, grid_side)
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zero-bubble", "zb-h1")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zero-bubble", "zb-h1", "zb-v")
 """The pipeline schedules paratrain.pipeline.schedules builds, by name (config is the ground floor:
 the names live here, the programs there)."""
+
+V_CHUNKS: dict[str, int] = {"zb-v": 2}
+"""The V-shaped schedules and the chunks each places on a rank (their virtual_stages, implied)."""
 
 # Strategies whose issues have not landed yet; a degree above 1 is refused with this note.
 _NOT_YET: dict[str, str] = {}
@@ -46,6 +49,10 @@ def check_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -
                 f"the interleaved schedule sends micro-batches round the ring in groups of pp ({stages}): "
                 f"micro-batches ({microbatches}) must be a multiple of it; use {max(lower, stages)} or "
                 f"{lower + stages} (global_batch / (micro_batch x dp))")
+    elif name in V_CHUNKS:
+        if chunks != V_CHUNKS[name]:
+            raise ScheduleError(f"{name} places {V_CHUNKS[name]} chunks on each pipeline rank in a V, so virtual_stages "
+                                f"is {V_CHUNKS[name]} (implied: leave --virtual-stages out); got {chunks}")
     elif chunks != 1:
         raise ScheduleError(f"--virtual-stages {chunks} needs the interleaved schedule (got {name!r})")
     if name == "zb-h1" and microbatches < stages:
@@ -80,9 +87,11 @@ class ParallelConfig:
     """Pipeline-parallel degree: the model's layers cut into pp stages on different ranks."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved (needs virtual_stages >= 2), zero-bubble (I and W apart within
-    1F1B's per-stage memory) or zb-h1 (Qi et al.'s ZB-H1: W deferred into the bubble; needs micro-batches >= pp)."""
+    1F1B's per-stage memory), zb-h1 (Qi et al.'s ZB-H1: W deferred into the bubble; needs micro-batches >= pp) or
+    zb-v (Qi et al.'s ZB-V: two chunks a rank in a V, I and W apart, 1F1B's first-stage memory on every rank)."""
     virtual_stages: int = 1
-    """Chunks per pipeline rank (the interleaved schedule): the model is cut into pp x this."""
+    """Chunks per pipeline rank (the interleaved schedule): the model is cut into pp x this. A V-shaped schedule
+    (zb-v) implies its 2: resolved() sets it."""
     pp_split: tuple[int, ...] = ()
     """First layer index of chunks 1 .. pp x virtual_stages - 1; empty: balanced by cost (GPT layers:
     0 the embedding, 1 .. n_layer the blocks, n_layer + 1 the final norm and head)."""
@@ -240,7 +249,8 @@ class ParallelConfig:
             )
         check_shard_group(self.shard_group, self.zero, dp)
         check_expert_parallel(self.ep, dp)
-        return replace(self, dp=dp)
+        implied = V_CHUNKS.get(self.schedule, 1) if self.pp > 1 and self.virtual_stages == 1 else self.virtual_stages
+        return replace(self, dp=dp, virtual_stages=implied)  # a V schedule's two chunks a rank, unless given
 
     def _check_context_parallel(self) -> None:
         if self.cp_mode not in CP_MODES:

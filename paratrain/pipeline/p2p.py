@@ -69,6 +69,8 @@ class _Traffic:
     shapes_received: dict[int, tuple[torch.Size, torch.dtype]] = field(default_factory=dict)
     posted: dict[Action, tuple[dist.Work, torch.Tensor]] = field(default_factory=dict)
     """Receives posted ahead of their action, so the transfer overlaps the compute before it."""
+    local: dict[Action, torch.Tensor] = field(default_factory=dict)
+    """Hand-offs between two chunks of this rank (a V schedule's turn), by the receive that takes them."""
 
 
 class PeerExchange:
@@ -98,7 +100,7 @@ class PeerExchange:
               started: float) -> None:
         """A new step runs `program` over micro-batches shaped like `first_input`; waits for receives
         go into `events`, timed from `started`."""
-        self._traffic = traffic = _Traffic(receives=[a for a in program if a.kind.startswith("RECV")])
+        self._traffic = traffic = _Traffic(receives=[a for a in program if a.kind.startswith("RECV") and not self._local(a)])
         self._events, self._started = events, started
         self.sent_bytes = 0
         # boundaries whose activation shape is known from an earlier step with micro-batches of this shape
@@ -117,17 +119,20 @@ class PeerExchange:
         """Run the communication actions program[start:end]: post their sends, then their receives
         and, ahead, later ones whose shape is known, in program order; wait for their receives."""
         traffic = self._traffic
-        post_until = traffic.consumed + sum(a.kind.startswith("RECV") for a in program[start:end])
+        actions = [a for a in program[start:end] if not self._local(a)]
+        for action in program[start:end]:  # hand-offs within the rank: a send leaves it, its receive takes it
+            if self._local(action):
+                self._hand_off(action, tensors)
+        post_until = traffic.consumed + sum(a.kind.startswith("RECV") for a in actions)
         if self._grouped:  # and the next run's receives
             k = end
             while k < len(program) and not program[k].kind.startswith(("RECV", "SEND")):
                 k += 1
             while k < len(program) and program[k].kind.startswith(("RECV", "SEND")):
-                post_until += program[k].kind.startswith("RECV")
+                post_until += program[k].kind.startswith("RECV") and not self._local(program[k])
                 k += 1
         else:
             post_until = max(post_until, traffic.consumed + _AHEAD)
-        actions = program[start:end]
         self._send(actions, tensors)
         receives = [a for a in actions if a.kind.startswith("RECV")]
         self._read_headers(receives)
@@ -144,6 +149,24 @@ class PeerExchange:
             else:
                 tensors.grads[key] = buffer
         traffic.consumed += len(receives)
+
+    def _local(self, action: Action) -> bool:
+        """Whether a send or receive joins two chunks of this rank."""
+        return self.schedule.peer(action) == self.group.index
+
+    def _hand_off(self, action: Action, tensors: BoundaryTensors) -> None:
+        """A send within the rank keeps its tensor for the receive that takes it: the activation (detached: the
+        next chunk's input is a leaf of its own graph, as a received one) or the input's gradient."""
+        key = (action.chunk, action.mb)
+        if action.kind == "SEND_F":
+            self._traffic.local[Action("RECV_F", action.chunk + 1, action.mb)] = tensors.outputs[key].detach()
+        elif action.kind == "SEND_B":
+            self._traffic.local[Action("RECV_B", action.chunk - 1, action.mb)] = tensors.inputs.pop(key)
+        elif action.kind == "RECV_F":
+            received = self._traffic.local.pop(action)
+            tensors.inputs[key] = received.requires_grad_(received.is_floating_point())
+        else:
+            tensors.grads[key] = self._traffic.local.pop(action)
 
     def free_sent(self) -> None:
         """Free the data of activations whose send has completed (their autograd node stays)."""

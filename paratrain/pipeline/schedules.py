@@ -24,6 +24,10 @@ Schedules:
 - zero-bubble (after Qi et al. 2024's ZB-H1): backward split into I and W; list-scheduled so that I
   is on the critical path and W fills what 1F1B leaves idle, with 1F1B's in-flight bound (p - r).
   Each rank idles (p - 1)(F + I), 1F1B's (p - 1)(F + I + W) less W.
+- zb-v (Qi et al. 2024, ZB-V): two chunks a rank in a V (rank r holds chunks r and 2p - 1 - r, so rank 0 holds
+  the embedding and the loss), I and W apart, list-scheduled (paratrain.pipeline.zero_bubble) with at most 2p
+  micro-batch chunks held a rank: p whole stages' activations, 1F1B's first-stage peak, on every rank. The
+  hand-off between chunks p - 1 and p stays on rank p - 1 (a send to itself: paratrain.pipeline.p2p).
 - zb-h1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ZB-H1 as handcrafted there): 1F1B with the
   backward split into I and W, rank r deferring its W passes by r micro-batches, so that W fills the bubble
   1F1B leaves at the start of later stages and the tail of earlier ones. Each rank idles (p - 1)(F + I - W)
@@ -32,9 +36,8 @@ Schedules:
 
 `Schedule` is the one object the executor (paratrain.pipeline.runtime), the simulator, the point-to-point
 exchange and the planner read: which rank holds each chunk, each rank's program, whether the backward is split
-into I and W, and the bubble. Nothing outside this file branches on a schedule's name; a new schedule (a
-V-shaped one placing two chunks a rank in a V) is a new entry here, its name and rules in
-paratrain.config.parallel, and its test.
+into I and W, and the bubble. Nothing outside this file branches on a schedule's name; a new schedule is a new
+entry here, its name and rules in paratrain.config.parallel, and its test.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from paratrain.config.parallel import ScheduleError, check_schedule  # the names and rules: config; the programs: here
+from paratrain.pipeline.zero_bubble import list_schedule, v_placement
 
 COMPUTE = ("F", "B", "I", "W")
 
@@ -58,8 +62,11 @@ class Action(NamedTuple):
         return f"{self.kind}{self.chunk}.{self.mb}"
 
 
-SPLIT_BACKWARD = frozenset({"zero-bubble", "zb-h1"})
+SPLIT_BACKWARD = frozenset({"zero-bubble", "zb-h1", "zb-v"})
 """The schedules whose backward runs as I (input gradient) and W (weight gradient) apart."""
+
+V_SHAPED = frozenset({"zb-v"})
+"""The schedules placing two chunks a rank in a V (paratrain.pipeline.zero_bubble.v_placement)."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +87,10 @@ class Schedule:
         return self.name in SPLIT_BACKWARD
 
     def rank_of(self, chunk: int) -> int:
-        """The pipeline rank holding chunk `chunk` (0 .. stages x chunks - 1): chunk c on rank c % p."""
+        """The pipeline rank holding chunk `chunk` (0 .. stages x chunks - 1): chunk c on rank c % p, or in a V
+        (c on rank c for c < p, on 2p - 1 - c after)."""
+        if self.name in V_SHAPED:
+            return v_placement(self.stages)[chunk]
         return chunk % self.stages
 
     def chunks_of(self, rank: int) -> list[int]:
@@ -93,7 +103,7 @@ class Schedule:
 
     def program(self, rank: int, microbatches: int) -> list[Action]:
         """The whole program of `rank`: compute actions and the communication they imply."""
-        return with_communication(self.order(rank, microbatches), self.stages, self.chunks)
+        return list(_programs(self.name, self.stages, self.chunks, microbatches)[rank])
 
     def peer(self, action: Action) -> int:
         """The pipeline rank a send goes to, or a receive comes from: the rank of the chunk after (forward) or
@@ -104,7 +114,9 @@ class Schedule:
         """Idle share of a step (idle over total time per rank) with equal stages: gpipe, 1f1b (p - 1) / (m + p - 1);
         interleaved (p - 1) / (v m + p - 1) (the bubble is (p - 1) / (v m) of the ideal time); zero-bubble as
         paratrain schedules it, with F = I = W: each rank idles (p - 1)(F + I) against m (F + I + W) of work,
-        2 (p - 1) / (3 m + 2 (p - 1)); zb-h1 idles (p - 1)(F + I - W), (p - 1) / (3 m + p - 1)."""
+        2 (p - 1) / (3 m + 2 (p - 1)); zb-h1 idles (p - 1)(F + I - W), (p - 1) / (3 m + p - 1); zb-v as its list
+        schedule runs with F = I = W a chunk (half a stage's): (p - 1) / (6 m + p - 1) for m >= p, each rank idling
+        (p - 1)(F + I - W) / 2, half of ZB-H1's."""
         p, m, v = self.stages, microbatches, self.chunks
         if m < 1:
             raise ValueError(f"micro-batches must be >= 1, got {m}")
@@ -112,6 +124,8 @@ class Schedule:
             return (p - 1) / (v * m + p - 1)
         if self.name == "zb-h1":
             return (p - 1) / (3.0 * m + p - 1)
+        if self.name in V_SHAPED:  # each rank 6m chunk actions of 1; (p - 1) / (6m + p - 1) when m >= p
+            return 1.0 - 6.0 * m / list_schedule(v_placement(p), (2 * p,) * p, m)[1]
         if self.splits_backward:
             return 2.0 * (p - 1) / (3.0 * m + 2.0 * (p - 1))
         return (p - 1) / (m + p - 1)
@@ -130,8 +144,10 @@ def compute_order(name: str, stages: int, microbatches: int, rank: int, chunks: 
         return [Action("F", r, mb) for mb in range(m)] + [Action("B", r, mb) for mb in range(m)]
     if name == "1f1b":
         return _one_f_one_b(p, m, r, backward="B")
-    if name == "zero-bubble":
-        return _zero_bubble_h1(p, m, r)
+    if name == "zero-bubble":  # 1F1B's in-flight bound, p - r
+        return [Action(*a) for a in list_schedule(tuple(range(p)), tuple(p - s for s in range(p)), m)[0][r]]
+    if name == "zb-v":  # two chunks a rank in a V, at most 2p micro-batch chunks held
+        return [Action(*a) for a in list_schedule(v_placement(p), (2 * p,) * p, m)[0][r]]
     if name == "zb-h1":
         return _zb_h1(p, m, r)
     return _interleaved(p, m, r, chunks)
@@ -159,65 +175,6 @@ def _zb_h1(p: int, m: int, r: int) -> list[Action]:
         if i >= r:
             order.append(Action("W", r, i - r))
     return order + [Action("W", r, mb) for mb in range(max(m - r, 0), m)]
-
-
-def _zero_bubble_h1(p: int, m: int, r: int) -> list[Action]:
-    return list(_zero_bubble_orders(p, m)[r])
-
-
-@functools.lru_cache(maxsize=64)
-def _zero_bubble_orders(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
-    """I/W split by list scheduling in simulated time (costs F = I = W = 1): whenever a stage is free it
-    runs, in this priority, the next input gradient I whose upstream gradient has arrived, the next
-    forward F whose input has arrived if fewer than p - s micro-batches are in flight (1F1B's memory
-    bound), or the oldest pending weight gradient W; otherwise it waits for the next event. W fills
-    what 1F1B leaves idle, and I, not the whole backward, is on the critical path."""
-    cost = 1.0
-    free = [0.0] * p
-    done_f: list[dict[int, float]] = [{} for _ in range(p)]  # stage -> mb -> finish time
-    done_i: list[dict[int, float]] = [{} for _ in range(p)]
-    next_f, next_i = [0] * p, [0] * p
-    pending_w: list[list[int]] = [[] for _ in range(p)]
-    released = [0] * p
-    orders: list[list[Action]] = [[] for _ in range(p)]
-    def choose(s: int, t: float) -> Action | None:
-        def ready(finish: dict[int, float], mb: int) -> bool:
-            return mb in finish and finish[mb] <= t
-
-        k = next_i[s]
-        if k < next_f[s] and (ready(done_f[s], k) if s == p - 1 else ready(done_i[s + 1], k)):
-            return Action("I", s, k)
-        if next_f[s] < m and next_f[s] - released[s] < p - s and (s == 0 or ready(done_f[s - 1], next_f[s])):
-            return Action("F", s, next_f[s])
-        return Action("W", s, pending_w[s][0]) if pending_w[s] else None
-
-    while any(len(o) < 3 * m for o in orders):
-        active = [st for st in range(p) if len(orders[st]) < 3 * m]
-        t = min(free[st] for st in active)
-        picked = next(((st, a) for st in active if free[st] == t for a in [choose(st, t)] if a), None)
-        if picked is None:  # every stage free now waits: move them to the next event
-            events = [f for d in (*done_f, *done_i) for f in d.values() if f > t]
-            events += [free[st] for st in active if free[st] > t]
-            if not events:
-                raise ScheduleError(f"zero-bubble list scheduling is stuck at p={p}, m={m}")
-            for st in active:
-                if free[st] == t:
-                    free[st] = min(events)
-            continue
-        st, action = picked
-        if action.kind == "I":
-            done_i[st][action.mb] = t + cost
-            next_i[st] += 1
-            pending_w[st].append(action.mb)
-        elif action.kind == "F":
-            done_f[st][action.mb] = t + cost
-            next_f[st] += 1
-        else:
-            pending_w[st].pop(0)
-            released[st] += 1
-        orders[st].append(action)
-        free[st] = t + cost
-    return tuple(tuple(o) for o in orders)
 
 
 def _interleaved(p: int, m: int, r: int, v: int) -> list[Action]:
@@ -268,5 +225,46 @@ def with_communication(order: list[Action], stages: int, chunks: int = 1) -> lis
 
 def program(name: str, stages: int, microbatches: int, rank: int, chunks: int = 1) -> list[Action]:
     """The whole program of one rank: compute actions and the communication they imply."""
-    return with_communication(compute_order(name, stages, microbatches, rank, chunks), stages, chunks)
+    return list(_programs(name, stages, chunks, microbatches)[rank])
+
+
+@functools.lru_cache(maxsize=64)
+def _programs(name: str, stages: int, chunks: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's program, receives in their senders' order (in_send_order)."""
+    schedule = Schedule(name, stages, chunks)
+    programs = [with_communication(compute_order(name, stages, microbatches, r, chunks), stages, chunks)
+                for r in range(stages)]
+    return tuple(tuple(p) for p in in_send_order(programs, schedule))
+
+
+def in_send_order(programs: list[list[Action]], schedule: Schedule) -> list[list[Action]]:
+    """The programs with each receive from another rank taken in the order its sender sends: point-to-point messages
+    between two ranks match in order (NCCL), and when one pair carries two streams (a V schedule: activations of the
+    first leg and gradients of the second run the same way) a receiver's compute may want them in another order. A
+    receive that comes before messages sent earlier on its pair takes those first (they have been sent by the time
+    it arrives, so no wait is added, and nothing can deadlock that did not); hand-offs within a rank stay local."""
+    sent: dict[tuple[int, int], list[Action]] = {}
+    for rank, prog in enumerate(programs):
+        for a in prog:
+            if a.kind.startswith("SEND") and schedule.peer(a) != rank:
+                receive = Action("RECV_" + a.kind[-1], a.chunk + _STEP[a.kind], a.mb)  # what the peer's RECV reads
+                sent.setdefault((rank, schedule.peer(a)), []).append(receive)
+    ordered = []
+    for rank, prog in enumerate(programs):
+        taken: dict[int, int] = {}
+        done: set[Action] = set()
+        out: list[Action] = []
+        for a in prog:
+            source = schedule.peer(a) if a.kind.startswith("RECV") else rank
+            if source == rank:
+                out.append(a)
+                continue
+            queue = sent[(source, rank)]
+            while a not in done:
+                earlier = queue[taken.get(source, 0)]
+                taken[source] = taken.get(source, 0) + 1
+                done.add(earlier)
+                out.append(earlier)
+        ordered.append(out)
+    return ordered
 

@@ -21,10 +21,10 @@ def _job(**kwargs) -> dict:
 
 
 @pytest.mark.parametrize("pp,schedule", [(2, "gpipe"), (2, "1f1b"), (2, "interleaved"), (2, "zero-bubble"),
-                                         (2, "zb-h1"), (4, "1f1b"), (4, "interleaved")])
+                                         (2, "zb-h1"), (2, "zb-v"), (4, "1f1b"), (4, "interleaved")])
 def test_every_schedule_matches_single_process(pools, pp, schedule):
-    """8 micro-batches of 2 samples; interleaved: 2 chunks per rank (6 blocks, so 8 layers for pp 4)."""
-    v = 2 if schedule == "interleaved" else 1
+    """8 micro-batches of 2 samples; interleaved and zb-v: 2 chunks per rank (6 blocks, so 8 layers for pp 4)."""
+    v = 2 if schedule in ("interleaved", "zb-v") else 1
     n_layer = 6 if pp * v > 6 else 4
     got = pools(pp).run(_job, dp=1, pp=pp, schedule=schedule, virtual_stages=v, micro_batch=2, n_layer=n_layer)
     ref = reference(n_layer=n_layer)
@@ -37,12 +37,14 @@ def test_every_schedule_matches_single_process(pools, pp, schedule):
     assert 0 < replay(times, schedule, microbatches=8, chunks=v).makespan <= max(t.total for t in times)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "zero-bubble", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["gpipe", "zero-bubble", "zb-h1", "zb-v"])
 def test_pipeline_float64_is_exact(pools, schedule):
     """pp 4 (every schedule at pp 4 is covered here or above), the tiny GPT's tied embedding on the first and last
-    stage: float64 leaves only rounding."""
-    got = pools(4).run(_job, dp=1, pp=4, schedule=schedule, micro_batch=2, dtype="float64")
-    ref = reference("float64")
+    stage (zb-v: both on rank 0, the first and the last chunk; 8 blocks for its 8 chunks): float64 leaves only
+    rounding."""
+    n_layer = 6 if schedule == "zb-v" else 4
+    got = pools(4).run(_job, dp=1, pp=4, schedule=schedule, micro_batch=2, dtype="float64", n_layer=n_layer)
+    ref = reference("float64", n_layer=n_layer)
     within(rel_diff(got[0]["losses"], ref["losses"]), 1e-13, "loss (float64)")
     within(rel_diff(got[0]["grad_norms"], ref["grad_norms"]), 1e-12, "grad norm (float64)")  # each parameter once
     within(max_state_diff(got[0]["model"], ref["model"]), 1e-12, "weights (float64)")

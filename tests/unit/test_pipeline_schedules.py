@@ -75,6 +75,25 @@ def test_zb_h1_idles_f_plus_i_less_w_per_stage_boundary_holding_p_micro_batches(
     assert unit.bubble_fraction == pytest.approx(schedule.bubble(m), abs=1e-12)
 
 
+@pytest.mark.parametrize("p,m", [(p, m) for p, m in CASES if p > 1])
+def test_zb_v_halves_zb_h1s_idle_at_the_first_stages_memory(p, m):
+    """ZB-V, two chunks a rank in a V (rank r holds chunks r and 2p - 1 - r: rank 0 the first and the last), I and W
+    apart, list-scheduled with equal passes: with F = I = W each rank idles (p - 1)(F + I - W) / 2 for m >= p, bubble
+    (p - 1) / (6m + p - 1), half ZB-H1's idle; every rank holds at most 2p micro-batch chunks (p whole stages: 1F1B's
+    first-stage peak) and exactly that once m >= p; messages match in order on every pair (the simulator checks)."""
+    schedule = Schedule("zb-v", p, 2)
+    assert [schedule.chunks_of(r) for r in range(p)] == [[r, 2 * p - 1 - r] for r in range(p)]
+    sim = _run("zb-v", p, m, 2)
+    assert sim.bubble_fraction == pytest.approx(schedule.bubble(m), abs=1e-12)
+    assert max(sim.peak_in_flight) <= 2 * p
+    if m >= p:
+        assert schedule.bubble(m) == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-12)
+        assert sim.peak_in_flight == (2 * p,) * p
+        f = i = w = 1.0
+        zb_h1 = simulate([program("zb-h1", p, m, r) for r in range(p)], Schedule("zb-h1", p), microbatches=m)
+        assert sim.makespan - m * (f + i + w) == pytest.approx((zb_h1.makespan - m * (f + i + w)) / 2, abs=1e-9)
+
+
 def test_replay_with_measured_durations_and_latency():
     """durations replace the per-kind costs action by action; latency delays every message."""
     p, m = 2, 4
@@ -102,6 +121,12 @@ def test_invalid_schedules_are_refused_with_the_reason():
         check_schedule("pipedream", 4, 8)
     with pytest.raises(ScheduleError, match=r"micro-batches \(3\) < pp; raise global_batch / \(micro_batch x dp\)"):
         check_schedule("zb-h1", 4, 3)
+    with pytest.raises(ScheduleError, match=r"zb-v places 2 chunks on each pipeline rank in a V, so virtual_stages is "
+                                            r"2 \(implied: leave --virtual-stages out\); got 3"):
+        check_schedule("zb-v", 4, 8, 3)
+    from paratrain.config.parallel import ParallelConfig
+
+    assert ParallelConfig(pp=2, schedule="zb-v").resolved(2).virtual_stages == 2
 
 
 def test_simulator_finds_deadlocks_and_misordered_messages():

@@ -1,0 +1,96 @@
+"""The zero-bubble schedules' programs, found by list scheduling in simulated time (Qi et al. 2024, "Zero Bubble
+Pipeline Parallelism"): the backward split into I (the input gradient, on the critical path) and W (the weight
+gradient, deferred into what would be idle time).
+
+`list_schedule` places the model's V chunks ("virtual stages" 0 .. V - 1, data flowing from each to the next) on
+the pipeline ranks by `placement` and, with F = I = W = 1, gives every rank its compute order: whenever a rank is
+free it runs, in this priority,
+
+    I   the next input gradient of one of its chunks whose upstream gradient has arrived (the last chunk: after
+        its own forward), the oldest micro-batch first, the later chunk on a tie;
+    F   the next forward of one of its chunks whose input has arrived, if the rank holds fewer than its bound of
+        micro-batch chunks (forward done, W not yet), the oldest micro-batch first, the later chunk on a tie;
+    W   the oldest pending weight gradient;
+
+otherwise it waits for the next event. paratrain.pipeline.schedules uses it for
+
+    zero-bubble   V = p, chunk c on rank c, bound p - r (1F1B's in-flight bound): each rank idles (p - 1)(F + I)
+    zb-v          V = 2p in a V: chunk c on rank c for c < p, on rank 2p - 1 - c after, so rank 0 holds the first
+                  and the last chunk; bound 2p chunks (p whole stages' activations: 1F1B's first-stage peak, on
+                  every rank). With F = I = W its bubble is what the simulator measures (Schedule.bubble)
+"""
+
+from __future__ import annotations
+
+import functools
+
+from paratrain.config.parallel import ScheduleError
+
+
+Orders = tuple[tuple[tuple[str, int, int], ...], ...]
+"""Each rank's compute order: (kind, chunk, micro-batch) tuples."""
+
+
+@functools.lru_cache(maxsize=64)
+def list_schedule(placement: tuple[int, ...], bounds: tuple[int, ...], microbatches: int) -> tuple[Orders, float]:
+    """(each rank's compute order, the makespan with F = I = W = 1) for chunks placed on ranks by `placement` (chunk
+    c on rank placement[c]) and at most bounds[r] micro-batch chunks held on rank r (module docstring)."""
+    ranks, chunks, m = len(bounds), len(placement), microbatches
+    mine = [tuple(c for c in range(chunks) if placement[c] == r) for r in range(ranks)]
+    done_f: list[dict[int, float]] = [{} for _ in range(chunks)]  # chunk -> micro-batch -> finish time
+    done_i: list[dict[int, float]] = [{} for _ in range(chunks)]
+    next_f, next_i = [0] * chunks, [0] * chunks
+    pending_w: list[list[tuple[str, int, int]]] = [[] for _ in range(ranks)]
+    held, free = [0] * ranks, [0.0] * ranks
+    orders: list[list[tuple[str, int, int]]] = [[] for _ in range(ranks)]
+    def choose(r: int, t: float) -> tuple[str, int, int] | None:
+        def ready(finish: dict[int, float], mb: int) -> bool:
+            return mb in finish and finish[mb] <= t
+
+        backward = [(next_i[c], -c) for c in mine[r] if next_i[c] < next_f[c] and (
+            ready(done_f[c], next_i[c]) if c == chunks - 1 else ready(done_i[c + 1], next_i[c]))]
+        if backward:
+            mb, c = min(backward)
+            return ("I", -c, mb)
+        forward = [(next_f[c], -c) for c in mine[r] if held[r] < bounds[r] and next_f[c] < m and (
+            c == 0 or ready(done_f[c - 1], next_f[c]))]
+        if forward:
+            mb, c = min(forward)
+            return ("F", -c, mb)
+        return pending_w[r][0] if pending_w[r] else None
+
+    total = [3 * m * len(mine[r]) for r in range(ranks)]
+    while any(len(orders[r]) < total[r] for r in range(ranks)):
+        active = [r for r in range(ranks) if len(orders[r]) < total[r]]
+        t = min(free[r] for r in active)
+        picked = next(((r, a) for r in active if free[r] == t for a in [choose(r, t)] if a), None)
+        if picked is None:  # every rank free now waits: move them to the next event
+            events = [f for d in (*done_f, *done_i) for f in d.values() if f > t]
+            events += [free[r] for r in active if free[r] > t]
+            if not events:
+                raise ScheduleError(f"zero-bubble list scheduling is stuck with placement {placement}, "
+                                    f"{m} micro-batches")
+            for r in active:
+                if free[r] == t:
+                    free[r] = min(events)
+            continue
+        r, (kind, c, mb) = picked
+        if kind == "I":
+            done_i[c][mb] = t + 1
+            next_i[c] += 1
+            pending_w[r].append(("W", c, mb))
+        elif kind == "F":
+            done_f[c][mb] = t + 1
+            next_f[c] += 1
+            held[r] += 1
+        else:
+            pending_w[r].pop(0)
+            held[r] -= 1
+        orders[r].append((kind, c, mb))
+        free[r] = t + 1
+    return tuple(tuple(o) for o in orders), max(free)
+
+
+def v_placement(stages: int) -> tuple[int, ...]:
+    """Chunk c of 2 x stages on rank c for c < stages, on rank 2 stages - 1 - c after: a V."""
+    return tuple(c if c < stages else 2 * stages - 1 - c for c in range(2 * stages))
