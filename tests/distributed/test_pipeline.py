@@ -51,10 +51,12 @@ def test_pipeline_float64_is_exact(pools, schedule):
 
 
 @pytest.mark.parametrize("zero,sequence_parallel,recompute,schedule", [(1, True, True, "zb-h1"),
-                                                                       (2, False, False, "1f1b")])
+                                                                       (2, False, False, "1f1b"),
+                                                                       (1, False, False, "zb-v")])
 def test_3d_hybrid_matches_single_process(pools, zero, sequence_parallel, recompute, schedule):
     """dp 2 x tp 2 x pp 2 on 8 processes, with ZeRO over dp (DeepSpeed refuses ZeRO-2 with pipelining),
-    sequence parallelism and recomputation; ZB-H1's weight-gradient passes over tp slices and ZeRO-1's buckets."""
+    sequence parallelism and recomputation; ZB-H1's and ZB-V's weight-gradient passes over tp slices and ZeRO-1's
+    buckets (ZB-V: the tied embedding and head both on pipeline rank 0)."""
     got = pools(8).run(_job, dp=2, tp=2, pp=2, zero=zero, sequence_parallel=sequence_parallel,
                        recompute=recompute, micro_batch=2, schedule=schedule)
     ref = reference()
