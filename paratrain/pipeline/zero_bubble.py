@@ -23,6 +23,7 @@ otherwise it waits for the next event. paratrain.pipeline.schedules uses it for
 from __future__ import annotations
 
 import functools
+import heapq
 
 from paratrain.config.parallel import ScheduleError
 
@@ -43,6 +44,7 @@ def list_schedule(placement: tuple[int, ...], bounds: tuple[int, ...], microbatc
     pending_w: list[list[tuple[str, int, int]]] = [[] for _ in range(ranks)]
     held, free = [0] * ranks, [0.0] * ranks
     orders: list[list[tuple[str, int, int]]] = [[] for _ in range(ranks)]
+
     def choose(r: int, t: float) -> tuple[str, int, int] | None:
         def ready(finish: dict[int, float], mb: int) -> bool:
             return mb in finish and finish[mb] <= t
@@ -59,22 +61,21 @@ def list_schedule(placement: tuple[int, ...], bounds: tuple[int, ...], microbatc
             return ("F", -c, mb)
         return pending_w[r][0] if pending_w[r] else None
 
-    total = [3 * m * len(mine[r]) for r in range(ranks)]
-    while any(len(orders[r]) < total[r] for r in range(ranks)):
-        active = [r for r in range(ranks) if len(orders[r]) < total[r]]
-        t = min(free[r] for r in active)
-        picked = next(((r, a) for r in active if free[r] == t for a in [choose(r, t)] if a), None)
-        if picked is None:  # every rank free now waits: move them to the next event
-            events = [f for d in (*done_f, *done_i) for f in d.values() if f > t]
-            events += [free[r] for r in active if free[r] > t]
-            if not events:
+    left = [3 * m * len(mine[r]) for r in range(ranks)]
+    # Every pass is one unit long, so ranks act at whole times: the heap holds (the time a rank is next free, the
+    # rank), ranks free at the same time in rank order; a rank with nothing to run tries again a unit later
+    # (nothing it waits for can finish in between)
+    ready_at = [(0, r) for r in range(ranks) if left[r]]
+    while ready_at:
+        t, r = heapq.heappop(ready_at)
+        action = choose(r, t)
+        if action is None:
+            if t > 6 * m * chunks + chunks:  # far past any schedule's end: something can never run
                 raise ScheduleError(f"zero-bubble list scheduling is stuck with placement {placement}, "
                                     f"{m} micro-batches")
-            for r in active:
-                if free[r] == t:
-                    free[r] = min(events)
+            heapq.heappush(ready_at, (t + 1, r))
             continue
-        r, (kind, c, mb) = picked
+        kind, c, mb = action
         if kind == "I":
             done_i[c][mb] = t + 1
             next_i[c] += 1
@@ -88,9 +89,13 @@ def list_schedule(placement: tuple[int, ...], bounds: tuple[int, ...], microbatc
             held[r] -= 1
         orders[r].append((kind, c, mb))
         free[r] = t + 1
-    return tuple(tuple(o) for o in orders), max(free)
+        left[r] -= 1
+        if left[r]:
+            heapq.heappush(ready_at, (t + 1, r))
+    return tuple(tuple(o) for o in orders), float(max(free))
 
 
+@functools.lru_cache(maxsize=256)
 def v_placement(stages: int) -> tuple[int, ...]:
     """Chunk c of 2 x stages on rank c for c < stages, on rank 2 stages - 1 - c after: a V."""
     return tuple(c if c < stages else 2 * stages - 1 - c for c in range(2 * stages))

@@ -261,7 +261,7 @@ def _peak_in_flight(schedule: Schedule, microbatches: int, stage: int, sizes: tu
                     casts: tuple[float, ...] = ()) -> float:
     """The most bytes a stage's schedule keeps saved at once: F saves a chunk's, B or W releases them; a chunk's
     weight casts (one copy for the step) from its first F to the release of its last micro-batch."""
-    saved, held = _in_flight_counts(schedule, microbatches, stage)  # [forwards, chunks] each
+    saved, held = _in_flight_counts(schedule, schedule.peak_microbatches(microbatches), stage)  # [forwards, chunks]
     live = saved @ np.asarray(sizes, dtype=np.float64)
     if casts:
         live = live + held @ np.asarray(casts, dtype=np.float64)

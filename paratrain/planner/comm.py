@@ -83,7 +83,7 @@ def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches
         ops["all_gather"] = ops.get("all_gather", 0) + micro_batches * 2 * depths * layout.micro_batch * model.seq_len * 8
     if model.n_experts:  # ep's all-to-alls, cp's per-sequence fractions (paratrain.planner.moe_comm)
         moe, act = _moe_layers(model, layout, stage, pp_split), _activation_bytes(layout, precision)
-        again = layout.pipeline is not None and layout.pipeline.splits_backward and stage > 0
+        again = _w_repeats(model, layout, stage, pp_split)[2]
         for axis, (op, n) in expert_exchanges(model, layout, moe=moe, act=act, w_again=again).items():
             volume.setdefault(axis, {})[op] = volume.get(axis, {}).get(op, 0) + n * micro_batches
     ulysses = ulysses_bytes(model, layout, stage=stage, precision=precision, pp_split=pp_split)
@@ -112,23 +112,24 @@ def tensor_parallel_calls(model: ModelConfig, layout: Layout, *, stage: int, pre
     full = layout.micro_batch * model.seq_len // layout.cp * model.d_model  # this rank's tokens
     tokens = layout.micro_batch * model.seq_len // layout.cp
     again = blocks if layout.recompute == "full" else 0
-    # zero-bubble's W: the backward's traffic once more (stage 0's I does nothing, its W is the backward)
-    repeat = layout.pipeline is not None and layout.pipeline.splits_backward and stage > 0
+    # zero-bubble's W: the backward's traffic once more, on the chunks whose I does something (not chunk 0's)
+    w_blocks, w_head, w_moe = _w_repeats(model, layout, stage, pp_split)
+    w_last, w_again = int(w_head) + (depths if w_head else 0), w_blocks if layout.recompute == "full" else 0
     calls: list[Call] = []
     if layout.sequence_parallel:
-        w_gather, w_scatter = (4 * blocks + last + 2 * again, 2 * blocks + last + again) if repeat else (0, 0)
+        w_gather, w_scatter = 4 * w_blocks + w_last + 2 * w_again, 2 * w_blocks + w_last + w_again
         calls += [("tp", "all_gather", full, act)] * (6 * blocks + 2 * again + first + 2 * last + w_gather)
         calls += [("tp", "reduce_scatter", full, act)] * (4 * blocks + again + first + last + w_scatter)
         calls += [("tp", "all_reduce", model.d_model, act)] * (2 * blocks + last + 2 * depths)
         calls += [("tp", "all_reduce", 2 * model.d_model ** 2, act)] * depths
         calls = sequence_parallel_moe(model, layout, calls, moe=_moe_layers(model, layout, stage, pp_split),
-                                      full=full, act=act)
+                                      full=full, act=act, w_moe=w_moe)
     else:
         whole = _whole_chunk_w(model, layout, stage, pp_split)
         # a MoE layer is replicated over tp (its MLP's two all-reduces gone); cut over tp (expert_tp) its experts'
         # outputs, and their inputs' gradients, are summed over tp as rows [tokens x top_k, d]
         moe = _moe_layers(model, layout, stage, pp_split)
-        w_reduce = 2 * blocks - moe + last + again if repeat and whole else 0
+        w_reduce = 2 * w_blocks - w_moe + w_last + w_again if whole else 0
         calls += [("tp", "all_reduce", full, act)] * (4 * blocks - 2 * moe + again + first + last + w_reduce)
         if layout.expert_tp:
             calls += [("tp", "all_reduce", full * model.top_k, act)] * (moe * (2 + (layout.recompute == "full")))
@@ -142,7 +143,8 @@ def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str
     traffic: the tied embedding's gradient and the scalars (loss totals, gradient-norm sums)."""
     calls: list[Call] = []
     _, first, last = _held(model, layout, stage, pp_split)
-    if (model.tie_embeddings or model.mtp_depth) and layout.pp > 1 and (first or last):  # (the MTP depths' copy)
+    # one end of the tie (the MTP depths' copy too) on this rank; both (a V schedule's rank 0) tie locally
+    if (model.tie_embeddings or model.mtp_depth) and layout.pp > 1 and first != last:
         params = [p for p in rank_params(model, layout.dims, stage, pp_split, expert_tp=layout.expert_tp,
                                          pipeline=layout.pipeline) if p.tied]
         if layout.zero:
@@ -178,9 +180,10 @@ def pipeline_sends(model: ModelConfig, layout: Layout, *, stage: int, micro_batc
     """Bytes pipeline rank `stage` sends in one step: activations forward, their gradients backward."""
     if layout.pp == 1:
         return 0
-    chunks = layout.pp * layout.virtual_stages
-    mine = layout.chunks_of(stage)
-    messages = sum((c < chunks - 1) + (c > 0) for c in mine) * micro_batches
+    chunks, placed = layout.pp * layout.virtual_stages, layout.pipeline.rank_of if layout.pipeline else (lambda c: c)
+    mine = layout.chunks_of(stage)  # (a V schedule's turn hands chunk p - 1's output to chunk p on its own rank)
+    messages = sum((c < chunks - 1 and placed(c + 1) != stage) + (c > 0 and placed(c - 1) != stage)
+                   for c in mine) * micro_batches
     split = (layout.tp if layout.sequence_parallel else 1) * layout.cp
     rows, width = (1, 1) if layout.tp_mode == "1d" else grid_cuts(layout)[:2]  # a grid's block of the activation
     message = (layout.micro_batch // rows * (model.seq_len // split) * (model.d_model // width)
@@ -234,6 +237,19 @@ def _held(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, .
     layers = {i for c in mine for i in range(*ranges[c])}
     last = model.n_layer + 1 in layers
     return len(layers & set(range(1, model.n_layer + 1))) + (model.mtp_depth if last else 0), 0 in layers, last
+
+
+def _w_repeats(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...]) -> tuple[int, bool, int]:
+    """(blocks, the MTP depths' with the head; whether the head; MoE layers) on pipeline rank `stage` whose zero-bubble
+    W runs after an I that did something: their backward's traffic runs again. Chunk 0's I has no input gradient to
+    take (the token ids), so its W is the whole backward; none without a split backward."""
+    if layout.pipeline is None or not layout.pipeline.splits_backward:
+        return 0, False, 0
+    ranges = chunk_layers(model, layout.dims, pp_split)
+    layers = {i for c in layout.chunks_of(stage) if c > 0 for i in range(*ranges[c])}
+    head = model.n_layer + 1 in layers
+    blocks = layers & set(range(1, model.n_layer + 1))
+    return len(blocks) + (model.mtp_depth if head else 0), head, sum(model.is_moe(i - 1) for i in blocks)
 
 
 def _activation_bytes(layout: Layout, precision: str) -> int:

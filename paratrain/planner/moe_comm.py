@@ -25,10 +25,11 @@ Call = tuple[str, str, int, int]
 
 
 def expert_exchanges(model: ModelConfig, layout: Layout, *, moe: int, act: int,
-                     w_again: bool = False) -> dict[str, tuple[str, int]]:
+                     w_again: int = 0) -> dict[str, tuple[str, int]]:
     """{axis: (operation, bytes)} of one micro-batch's exchanges on a pipeline rank holding `moe` MoE layers; act: the
-    rows' element bytes. w_again: zero bubble's W walks the whole chunk (a MoE layer's router returns no single tensor
-    to take its weights' gradient from), sending the rows' gradients both ways again."""
+    rows' element bytes. w_again: the MoE layers among them whose zero-bubble W walks the whole chunk again (a MoE
+    layer's router returns no single tensor to take its weights' gradient from), sending the rows' gradients both
+    ways again (and, recomputed, the forward's rows)."""
     exchanges: dict[str, tuple[str, int]] = {}
     if layout.cp > 1 and moe:
         exchanges["cp"] = ("all_reduce", moe * 2 * layout.micro_batch * model.n_experts * 4)
@@ -36,8 +37,9 @@ def expert_exchanges(model: ModelConfig, layout: Layout, *, moe: int, act: int,
         tokens = layout.micro_batch * model.seq_len // layout.cp // (layout.tp if layout.sequence_parallel else 1)
         rows = tokens * model.top_k * model.d_model * act  # (under sequence parallelism each tp rank its chunk's)
         forward = model.n_experts * 8 + 2 * rows  # a recomputed block (full) exchanges its forward's again
-        exchanges["ep"] = ("all_to_all", moe * (forward * (2 if layout.recompute == "full" else 1)
-                                                + 2 * rows * (1 + w_again)))
+        recomputed = layout.recompute == "full"  # (W's walk recomputes the block's forward once more)
+        exchanges["ep"] = ("all_to_all", moe * (forward * (2 if recomputed else 1) + 2 * rows)
+                           + w_again * (2 * rows + (forward if recomputed else 0)))
     return exchanges
 
 
@@ -64,19 +66,20 @@ def expert_step_calls(model: ModelConfig, layout: Layout, *, moe: int) -> list[C
 
 
 def sequence_parallel_moe(model: ModelConfig, layout: Layout, calls: list[Call], *, moe: int, full: int,
-                          act: int) -> list[Call]:
+                          act: int, w_moe: int = 0) -> list[Call]:
     """A micro-batch's tp collectives `calls`, counted as if every block were dense, with `moe` of them MoE layers
     under sequence parallelism: each routes its own chunk of the sequence (the MLP's gathers and scatters gone; a
     recomputed forward gathers for its attention only), sums its per-sequence fractions over tp, and has its
     replicated weights' gradients summed over tp (the router, the shared expert, and the experts unless expert_tp cuts
     them); with expert_tp the chunks' counts and rows are gathered over tp for the experts and their outputs
-    reduce-scattered back, forward and backward. full: a gathered activation's elements."""
+    reduce-scattered back, forward and backward. full: a gathered activation's elements. w_moe: the MoE layers among
+    them whose zero-bubble W repeats the backward (counted as a dense MLP's two gathers and one scatter)."""
     if not moe:
         return calls
     counts = Counter(calls)
     full_recompute = layout.recompute == "full"
-    counts[("tp", "all_gather", full, act)] -= moe * (3 + full_recompute)
-    counts[("tp", "reduce_scatter", full, act)] -= 2 * moe
+    counts[("tp", "all_gather", full, act)] -= moe * (3 + full_recompute) + w_moe * (2 + full_recompute)
+    counts[("tp", "reduce_scatter", full, act)] -= 2 * moe + w_moe
     counts[("tp", "all_reduce", layout.micro_batch * model.n_experts, 4)] += moe * (1 + full_recompute)
     d, local = model.d_model, model.n_experts // layout.ep
     replicated = [model.n_experts * d] + ([model.ff_dim * d] * 2 if model.shared_expert else [])

@@ -47,6 +47,12 @@ GRID = [  # (model, world, rank, layout, global batch, micro-batch, precision, r
     ("tiny", 8, 3, dict(dp=4, cp=2, zero=2, shard_group=2, grad_reduce="reduce_scatter"), 8, 1, "fp32", "none"),
     ("gpt3-175b", 1024, 1000, dict(dp=4, cp=4, tp=8, pp=8, zero=1, sequence_parallel=True, cp_mode="ulysses",
                                    grad_reduce="reduce_scatter"), 16, 1, "bf16", "none"),
+    # ZB-V: two chunks a rank in a V; rank 0 holds the embedding and the tied head (no tied all-reduce), the turn's
+    # hand-off stays on its rank (no send); W repeats the backward's traffic on every chunk but chunk 0
+    (preset("tiny", n_layer=6), 16, 0, dict(dp=2, tp=2, pp=4, zero=1, sequence_parallel=True, schedule="zb-v"), 8, 1, "bf16", "none"),
+    (preset("tiny", n_layer=6), 16, 13, dict(dp=2, tp=2, pp=4, zero=1, schedule="zb-v"), 8, 1, "fp32", "full"),
+    (MTP, 4, 1, dict(dp=1, tp=2, pp=2, sequence_parallel=True, schedule="zb-v"), 8, 1, "bf16", "none"),
+    ("tiny-moe", 4, 3, dict(dp=2, ep=2, pp=2, schedule="zb-v"), 8, 1, "bf16", "full"),
     # USP: Ulysses' all-to-alls on "cp_ulysses", the ring across (its sends are the kernel's, not counted)
     ("tiny", 16, 13, dict(dp=2, cp=4, tp=2, sequence_parallel=True, zero=1, cp_mode="usp", cp_ulysses=2), 8, 1,
      "bf16", "none"),
