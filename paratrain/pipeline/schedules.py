@@ -26,8 +26,9 @@ Schedules:
   Each rank idles (p - 1)(F + I), 1F1B's (p - 1)(F + I + W) less W.
 - zb-v (Qi et al. 2024, ZB-V): two chunks a rank in a V (rank r holds chunks r and 2p - 1 - r, so rank 0 holds
   the embedding and the loss), I and W apart, list-scheduled (paratrain.pipeline.zero_bubble) with at most 2p
-  micro-batch chunks held a rank: p whole stages' activations, 1F1B's first-stage peak, on every rank. The
-  hand-off between chunks p - 1 and p stays on rank p - 1 (a send to itself: paratrain.pipeline.p2p).
+  micro-batch chunks held a rank: p whole stages' activations, 1F1B's first-stage peak, on every rank; it idles
+  at most ZB-H1's time (half at p 4; Schedule.bubble). The hand-off between chunks p - 1 and p stays on rank p - 1
+  (a send to itself: paratrain.pipeline.p2p).
 - zb-h1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ZB-H1 as handcrafted there): 1F1B with the
   backward split into I and W, rank r deferring its W passes by r micro-batches, so that W fills the bubble
   1F1B leaves at the start of later stages and the tail of earlier ones. Each rank idles (p - 1)(F + I - W)
@@ -120,10 +121,10 @@ class Schedule:
         """Idle share of a step (idle over total time per rank) with equal stages: gpipe, 1f1b (p - 1) / (m + p - 1);
         interleaved (p - 1) / (v m + p - 1) (the bubble is (p - 1) / (v m) of the ideal time); zero-bubble as
         paratrain schedules it, with F = I = W: each rank idles (p - 1)(F + I) against m (F + I + W) of work,
-        2 (p - 1) / (3 m + 2 (p - 1)); zb-h1 idles (p - 1)(F + I - W), (p - 1) / (3 m + p - 1); zb-v as its list
-        schedule runs with F = I = W a chunk (half a stage's): (p - 1) / (6 m + p - 1) for m >= p, each rank idling
-        (p - 1)(F + I - W) / 2, half of ZB-H1's, up to p = 9; from p = 10 the greedy order idles a little more
-        (measured: p 16 19 chunk passes against 15, p 32 39 against 31)."""
+        2 (p - 1) / (3 m + 2 (p - 1)); zb-h1 idles (p - 1)(F + I - W), (p - 1) / (3 m + p - 1); zb-v its list
+        schedule's simulated span, chunk passes of 1 but chunk 0's I empty and its W 2 (as the executor runs them):
+        p - 1 passes idle a rank at p 4 (half ZB-H1's), 2 at p 2 and 4 at p 3 (ZB-H1's), 11 at p 8 with 16
+        micro-batches (ZB-H1 14); past 4p micro-batches each adds its 6 passes to the span."""
         p, m, v = self.stages, microbatches, self.chunks
         if m < 1:
             raise ValueError(f"micro-batches must be >= 1, got {m}")
@@ -133,7 +134,8 @@ class Schedule:
             return (p - 1) / (3.0 * m + p - 1)
         if self.name in V_SHAPED:  # each rank 6m chunk actions of 1; past 4p micro-batches each adds its 6 to the span
             ref = self.peak_microbatches(m)
-            return 1.0 - 6.0 * m / (list_schedule(v_placement(p), (2 * p,) * p, ref)[1] + 6.0 * (m - ref))
+            span = list_schedule(v_placement(p), (2 * p,) * p, ref, empty_first_i=True)[1]
+            return 1.0 - 6.0 * m / (span + 6.0 * (m - ref))
         if self.splits_backward:
             return 2.0 * (p - 1) / (3.0 * m + 2.0 * (p - 1))
         return (p - 1) / (m + p - 1)
@@ -160,7 +162,7 @@ def compute_order(name: str, stages: int, microbatches: int, rank: int, chunks: 
     if name == "zero-bubble":  # 1F1B's in-flight bound, p - r
         return [Action(*a) for a in list_schedule(tuple(range(p)), tuple(p - s for s in range(p)), m)[0][r]]
     if name == "zb-v":  # two chunks a rank in a V, at most 2p micro-batch chunks held
-        return [Action(*a) for a in list_schedule(v_placement(p), (2 * p,) * p, m)[0][r]]
+        return [Action(*a) for a in list_schedule(v_placement(p), (2 * p,) * p, m, empty_first_i=True)[0][r]]
     if name == "zb-h1":
         return _zb_h1(p, m, r)
     return _interleaved(p, m, r, chunks)

@@ -17,7 +17,9 @@ otherwise it waits for the next event. paratrain.pipeline.schedules uses it for
     zero-bubble   V = p, chunk c on rank c, bound p - r (1F1B's in-flight bound): each rank idles (p - 1)(F + I)
     zb-v          V = 2p in a V: chunk c on rank c for c < p, on rank 2p - 1 - c after, so rank 0 holds the first
                   and the last chunk; bound 2p chunks (p whole stages' activations: 1F1B's first-stage peak, on
-                  every rank). With F = I = W its bubble is what the simulator measures (Schedule.bubble)
+                  every rank); chunk 0 priced as the executor runs it (I empty, W the whole backward). Its bubble
+                  is the span this gives (Schedule.bubble): greedy, not optimal (p - 1 passes idle at p 4, 11 at
+                  p 8 with 16 micro-batches where p - 1 = 7 would be zero bubble's ideal)
 """
 
 from __future__ import annotations
@@ -33,9 +35,12 @@ Orders = tuple[tuple[tuple[str, int, int], ...], ...]
 
 
 @functools.lru_cache(maxsize=64)
-def list_schedule(placement: tuple[int, ...], bounds: tuple[int, ...], microbatches: int) -> tuple[Orders, float]:
+def list_schedule(placement: tuple[int, ...], bounds: tuple[int, ...], microbatches: int, *,
+                  empty_first_i: bool = False) -> tuple[Orders, float]:
     """(each rank's compute order, the makespan with F = I = W = 1) for chunks placed on ranks by `placement` (chunk
-    c on rank placement[c]) and at most bounds[r] micro-batch chunks held on rank r (module docstring)."""
+    c on rank placement[c]) and at most bounds[r] micro-batch chunks held on rank r (module docstring).
+    empty_first_i: price chunk 0 as the executor runs it, I = 0 and W = 2 (its input, the token ids, has no gradient:
+    its W is the whole backward)."""
     ranks, chunks, m = len(bounds), len(placement), microbatches
     mine = [tuple(c for c in range(chunks) if placement[c] == r) for r in range(ranks)]
     done_f: list[dict[int, float]] = [{} for _ in range(chunks)]  # chunk -> micro-batch -> finish time
@@ -76,22 +81,23 @@ def list_schedule(placement: tuple[int, ...], bounds: tuple[int, ...], microbatc
             heapq.heappush(ready_at, (t + 1, r))
             continue
         kind, c, mb = action
+        cost = 1 if not (empty_first_i and c == 0 and kind != "F") else (0 if kind == "I" else 2)
         if kind == "I":
-            done_i[c][mb] = t + 1
+            done_i[c][mb] = t + cost
             next_i[c] += 1
             pending_w[r].append(("W", c, mb))
         elif kind == "F":
-            done_f[c][mb] = t + 1
+            done_f[c][mb] = t + cost
             next_f[c] += 1
             held[r] += 1
         else:
             pending_w[r].pop(0)
             held[r] -= 1
         orders[r].append((kind, c, mb))
-        free[r] = t + 1
+        free[r] = t + cost
         left[r] -= 1
         if left[r]:
-            heapq.heappush(ready_at, (t + 1, r))
+            heapq.heappush(ready_at, (t + cost, r))
     return tuple(tuple(o) for o in orders), float(max(free))
 
 
