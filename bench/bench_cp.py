@@ -1,5 +1,5 @@
 """Context parallelism: step time and saved activations per rank against the sequence length, for cp 1 / 2 / 4
-and ring attention vs Ulysses, on the same GPT.
+and ring attention vs Ulysses vs USP (Ulysses over 2 ranks, a ring across; cp 4 and up), on the same GPT.
 
     python -m bench.bench_cp --json bench/results/cpu-cp.json   # about 6 minutes on 2 cores
     python -m bench.bench_cp --seq 512 --cp 2 --steps 2
@@ -42,7 +42,8 @@ def _contender(cp: int, mode: str, seq: int, steps: int) -> dict:
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 256, (BATCH, seq + 1), generator=generator) for _ in range(4)]
     model = paratrain.build_gpt(config, seed=0)
-    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=1, cp=cp, cp_mode=mode))
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=1, cp=cp, cp_mode=mode,
+                                                                       cp_ulysses=2 if mode == "usp" else 1))
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
     shard = engine.parts.sequence
     first = (batches[0][:, :-1], batches[0][:, 1:])
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--modes", nargs="+", default=["ring", "ulysses"], choices=["ring", "ulysses"])
+    parser.add_argument("--modes", nargs="+", default=["ring", "ulysses", "usp"], choices=["ring", "ulysses", "usp"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for seq in args.seq:
         for cp in args.cp:
-            for mode in (args.modes if cp > 1 else ["ring"]):
+            for mode in ([m for m in args.modes if m != "usp" or cp >= 4] if cp > 1 else ["ring"]):
                 result = run_world(cp, _contender, cp, mode, seq, args.steps)
                 results.append(result)
                 print(f"seq {seq:>6}  {result['name']:<12} step {result['step_s']:7.3f} s   activations "

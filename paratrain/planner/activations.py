@@ -108,6 +108,8 @@ def block_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode
         attention = 6 * n * d / t * act
     elif cp > 1 and layout.cp_mode == "ulysses":  # head-sharded q, k, v, out; lse; the sort orders
         attention = (4 + copy) * n * d / t * act + b * (h // t) * s * 4 + 2 * 8 * whole
+    elif cp > 1 and layout.cp_mode == "usp":  # Ulysses' head-sharded q, k, v, out; the ring's lse (no sort)
+        attention = (4 + copy) * n * d / t * act + lse_rows * heads * s * 4
     else:  # SDPA's or the ring's own backward: q, k, v (a view of qkv's output), out, float32 log-sum-exp
         attention = (6 + copy) * n * d / t * act + lse_rows * heads * s * 4
     if cp > 1 and mode == "fp32":  # the rotation keeps this block's float32 cos and sin at its positions
@@ -160,11 +162,12 @@ def rope_bytes(model: ModelConfig, *, seq: int, mode: str, recompute: str = "non
 
 def positions_bytes(layout: Layout, *, seq: int) -> float:
     """Ring attention keeps the positions of this rank's tokens (int64 [seq / cp]), one storage shared by
-    every layer (paratrain.context_parallel.shard); nothing without cp, with Ulysses, or when the
-    attention core is recomputed."""
-    if layout.cp == 1 or layout.cp_mode != "ring" or layout.recompute != "none":
+    every layer (paratrain.context_parallel.shard); USP's ring its Ulysses group's, a view of every cp rank's
+    ([cp, seq / cp]: 8 seq bytes, one storage); nothing without cp, with Ulysses, or when the attention core is
+    recomputed."""
+    if layout.cp == 1 or layout.cp_mode == "ulysses" or layout.recompute != "none":
         return 0.0
-    return 8 * seq // layout.cp
+    return 8 * seq if layout.cp_mode == "usp" else 8 * seq // layout.cp
 
 
 def embedding_activation_bytes(*, micro_batch: int, seq: int, tp: int = 1, cp: int = 1, share: int = 1) -> float:

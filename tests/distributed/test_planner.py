@@ -202,9 +202,10 @@ def _context_parallel_activations(case: dict, precision: str, zero: int, recompu
     import paratrain
     from paratrain.memory.activations import saved_activations
 
-    tp = dist.get_world_size() // 2
+    cp = case.get("cp", 2)
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(
-        dp=1, cp=2, cp_mode=case["mode"], tp=tp, sequence_parallel=case.get("sp", False), zero=zero))
+        dp=1, cp=cp, cp_mode=case["mode"], cp_ulysses=case.get("ulysses", 1), tp=dist.get_world_size() // cp,
+        sequence_parallel=case.get("sp", False), zero=zero))
     model = paratrain.build_gpt(_cp_model(case), seed=0)
     engine = paratrain.parallelize(model, ctx, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0),
                                    options=paratrain.EngineOptions(precision=precision, recompute=recompute))
@@ -223,11 +224,11 @@ def _cp_model(case: dict) -> ModelConfig:
 @pytest.mark.parametrize("world,case", [
     (2, dict(mode="ring")), (2, dict(mode="ulysses")), (2, dict(mode="ring", moe=True)),
     (2, dict(mode="ulysses", moe=True)), (4, dict(mode="ring", sp=True)), (4, dict(mode="ulysses")),
-    (4, dict(mode="ring", sp=True, mtp=True))],
+    (4, dict(mode="ring", sp=True, mtp=True)), (4, dict(mode="usp", cp=4, ulysses=2))],
     ids=["cp2-ring", "cp2-ulysses", "cp2-ring-moe", "cp2-ulysses-moe", "cp2xtp2-ring-sp", "cp2xtp2-ulysses",
-         "cp2xtp2-ring-sp-mtp2"])
+         "cp2xtp2-ring-sp-mtp2", "cp4-usp"])
 def test_context_parallel_activations_equal_what_autograd_keeps(pools, world, case):
-    """cp 2 (and cp2 x tp2), ring and Ulysses, each storage mode, no / selective / full recompute; tiny-moe
+    """cp 2 (and cp2 x tp2), ring and Ulysses, and USP at cp 4 (2 x 2), each storage mode, no / selective / full recompute; tiny-moe
     dropless too, and two MTP depths (their tokens ahead from the other cp rank, their embedding over tp): each rank
     keeps what the planner says for its half of every sequence, to the byte."""
     from paratrain.planner.layout import Layout
@@ -238,8 +239,9 @@ def test_context_parallel_activations_equal_what_autograd_keeps(pools, world, ca
         for recompute in ("none", "selective", "full"):
             if case.get("moe") and recompute != "none":
                 continue
-            layout = Layout.of(tp=world // 2, cp=2, cp_mode=case["mode"], sequence_parallel=case.get("sp", False),
-                               micro_batch=2, zero=zero, recompute=recompute)
+            cp = case.get("cp", 2)
+            layout = Layout.of(tp=world // cp, cp=cp, cp_mode=case["mode"], cp_ulysses=case.get("ulysses", 1),
+                               sequence_parallel=case.get("sp", False), micro_batch=2, zero=zero, recompute=recompute)
             expected = activation_bytes(model, layout, seq=model.seq_len, mode=storage_mode(precision, zero))
             for got in pools(world).run(_context_parallel_activations, case, precision, zero, recompute):
                 assert got == expected, (case, precision, zero, recompute, got, expected)
