@@ -41,6 +41,8 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--virtual-stages": ("parallel.virtual_stages", int, "chunks per pipeline rank (interleaved schedule)"),
     "--pp-split": ("parallel.pp_split", _int_tuple, "first layer of each pipeline chunk after the first, e.g. 3,6,9 "
                    "(GPT layers: 0 embedding, 1..n blocks, n+1 head); default: balanced by cost"),
+    "--pp-layout": ("parallel.pp_layout", str, "the cut layer by layer in Megatron's spelling, e.g. 'Et*3|t*4|t*4|t*3L' "
+                    "(E embedding, t block, m MTP depth, L head and loss, | between chunks; docs/pipeline.md)"),
     "--microbatches": ("parallel.microbatches", int, "micro-batches per pipeline step; must equal G / (m x dp)"),
     "--zero": ("parallel.zero", int, "ZeRO stage over dp: 0 (plain DP), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters)"),
     "--shard-group": ("parallel.shard_group", int, "hierarchical sharding: shard inside groups of S dp ranks"),

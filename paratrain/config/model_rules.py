@@ -11,6 +11,7 @@ from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import ParallelConfig, ScheduleError, check_schedule
 from paratrain.config.plan import BatchLayout
+from paratrain.config.pp_layout import layout_split
 
 
 def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len: int) -> None:
@@ -142,6 +143,8 @@ def check_pipeline(model: ModelConfig, parallel: ParallelConfig, batch: BatchLay
     if chunks > layers:
         raise ConfigError(f"pp x virtual_stages = {chunks} chunks need at least as many layers; the model has "
                           f"{layers} (embedding, {model.n_layer} blocks, head): lower pp or virtual_stages")
+    if parallel.pp_layout:
+        layout_split(parallel.pp_layout, layers, mtp_depth=model.mtp_depth)
     if parallel.pp_split:
         split = list(parallel.pp_split)
         if len(split) != chunks - 1 or split != sorted(set(split)) or split[0] < 1 or split[-1] >= layers:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from paratrain.config.errors import ConfigError
+from paratrain.config.pp_layout import layout_chunks
 from paratrain.config.rules import (PS_MODES, TP_MODES, check_expert_parallel, check_parameter_server, check_shard_group,
                                     check_tp_mode, check_usp, grid_side)
 
@@ -95,6 +96,9 @@ class ParallelConfig:
     pp_split: tuple[int, ...] = ()
     """First layer index of chunks 1 .. pp x virtual_stages - 1; empty: balanced by cost (GPT layers:
     0 the embedding, 1 .. n_layer the blocks, n_layer + 1 the final norm and head)."""
+    pp_layout: str = ""
+    """The cut written layer by layer in Megatron's spelling, e.g. "Et*3|t*4|t*4|t*3L" (paratrain.config.pp_layout):
+    another way to give pp_split (not both); the run's checks turn it into pp_split against the model."""
     microbatches: int = 0
     """Micro-batches per pipeline step (SMP's spelling): must equal global_batch / (micro_batch x dp);
     0: whatever that is. Without a micro_batch, it sets micro_batch = global_batch / (dp x this)."""
@@ -198,6 +202,8 @@ class ParallelConfig:
             raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.virtual_stages < 1:
             raise ConfigError(f"virtual_stages must be >= 1, got {self.virtual_stages}")
+        if self.pp_layout:
+            self._check_pp_layout()
         if self.pp == 1 and (self.virtual_stages > 1 or self.pp_split):
             raise ConfigError("virtual_stages and pp_split cut the model into pipeline stages, and pp is 1: "
                               "set pp > 1 or drop them")
@@ -251,6 +257,18 @@ class ParallelConfig:
         check_expert_parallel(self.ep, dp)
         implied = V_CHUNKS.get(self.schedule, 1) if self.pp > 1 and self.virtual_stages == 1 else self.virtual_stages
         return replace(self, dp=dp, virtual_stages=implied)  # a V schedule's two chunks a rank, unless given
+
+    def _check_pp_layout(self) -> None:
+        """pp_layout names the chunks itself: pp x virtual_stages of them (a V schedule's 2 implied), and no
+        pp_split beside it."""
+        if self.pp_split:
+            raise ConfigError(f"pp_split {list(self.pp_split)} and pp_layout {self.pp_layout!r} both cut the pipeline: "
+                              "give one")
+        chunks = self.pp * (V_CHUNKS.get(self.schedule, 1) if self.virtual_stages == 1 else self.virtual_stages)
+        written = layout_chunks(self.pp_layout)
+        if written != chunks:
+            raise ConfigError(f"pp_layout {self.pp_layout!r} writes {written} chunks ({written - 1} borders '|') and "
+                              f"the pipeline has pp x virtual_stages = {chunks}: write {chunks} chunks, or change pp")
 
     def _check_context_parallel(self) -> None:
         if self.cp_mode not in CP_MODES:

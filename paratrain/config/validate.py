@@ -4,7 +4,7 @@ each worker against the world it meets: check_run gives the RunPlan it builds)."
 from __future__ import annotations
 
 import math
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Callable
 
 from paratrain.config.errors import ConfigError
@@ -13,6 +13,7 @@ from paratrain.config.parallel import PS_ON_CPU, ParallelConfig
 from paratrain.config.model_rules import (check_context_parallel, check_experts, check_grid_rows, check_pipeline,
                                           check_tensor_parallel)
 from paratrain.config.plan import RunPlan, batch_layout
+from paratrain.config.pp_layout import layout_split
 from paratrain.config.run import RunConfig, TrainSection
 from paratrain.config.schedules import check_optimizer, check_rampup, check_seq_warmup
 from paratrain.config.world import DEVICES, check_min_nodes
@@ -115,6 +116,9 @@ def check_run(config: RunConfig, world_size: int, *, model_shape: ModelShape = p
     batch = batch_layout(data.global_batch, micro_batch, parallel.dp)
     check_grid_rows(parallel, batch)
     check_pipeline(model, parallel, batch)
+    if parallel.pp_layout and parallel.pp > 1:  # the run's pp_split, as the layout writes it for this model
+        parallel = replace(parallel, pp_layout="", pp_split=layout_split(parallel.pp_layout, model.n_layer + 2,
+                                                                         mtp_depth=model.mtp_depth))
     if data.batch_rampup:
         check_rampup(data, model, parallel)
     if data.seq_warmup:

@@ -18,6 +18,7 @@ from torch import nn
 from paratrain.comm import broadcast
 from paratrain.comm.placement import Placements
 from paratrain.config.errors import ConfigError
+from paratrain.config.pp_layout import layout_split
 from paratrain.context_parallel import SequenceShard
 from paratrain.data_parallel import apply_synced_batch_norm, batch_norms, buffer_rules
 from paratrain.expert_parallel import ExpertLayout, apply_expert_parallel
@@ -78,7 +79,8 @@ def apply_pipeline(model: nn.Module, ctx: Context, recipe: Recipe) -> PipelineLa
         return None
     cut = (recipe.layers or model_layers)(model)
     v = ctx.config.virtual_stages
-    ranges = chunk_ranges(cut, pp_group.size * v, ctx.config.pp_split or None)
+    split = ctx.config.pp_split or (layout_split(ctx.config.pp_layout, len(cut)) if ctx.config.pp_layout else None)
+    ranges = chunk_ranges(cut, pp_group.size * v, split)
     stage = StageModel(model, cut, ranges, Schedule(ctx.config.schedule, pp_group.size, v), pp_group.index)
     return PipelineLayout(stage, pp_group)
 

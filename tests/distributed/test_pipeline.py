@@ -74,6 +74,27 @@ def test_a_stage_of_only_the_head_reduces_the_norm_alike(pools):
     within(rel_diff(got[0]["grad_norms"], ref["grad_norms"]), 1e-12, "grad norm (float64)")
 
 
+def _stage_ranges(pp_layout: str, schedule: str) -> dict[int, tuple[int, int]]:
+    """The layers of this rank's chunks when the engine cuts the tiny GPT by a --pp-layout (paratrain.init's
+    Python door: no run checks before it)."""
+    import torch
+
+    import paratrain
+
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(pp=2, schedule=schedule, pp_layout=pp_layout))
+    engine = paratrain.parallelize(paratrain.build_gpt(paratrain.config.preset("tiny", seq_len=32), seed=0), ctx,
+                                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
+    assert engine.parts.pipeline is not None
+    return dict(engine.parts.pipeline.stage.ranges)
+
+
+def test_the_engine_cuts_the_stages_as_a_pp_layout_writes_them(pools):
+    """--pp-layout through the engine: "E|t*4L" (the embedding alone) and, two chunks a rank in a V, "Et|t|t|tL"
+    (rank 0 the first and the last chunk)."""
+    assert pools(2).run(_stage_ranges, "E|t*4L", "1f1b") == [{0: (0, 1)}, {1: (1, 6)}]
+    assert pools(2).run(_stage_ranges, "Et|t|t|tL", "zb-v") == [{0: (0, 2), 3: (4, 6)}, {1: (2, 3), 2: (3, 4)}]
+
+
 def _half_job(**kwargs) -> dict:
     return tiny_run(steps=STEPS // 2, return_state=True, **kwargs)
 

@@ -112,6 +112,14 @@ def test_tensor_parallel_rules(overrides, world, needle):
     ({"launch.nnodes": 2}, 4, "needs --rdzv-endpoint"),
     ({"launch.node_rank": 3}, 2, r"node_rank \(3\) must be in 0..0"),
     ({"parallel.dp": 4}, 2, "must equal the world size"),
+    ({"model.preset": "tiny", "parallel.pp": 2, "parallel.pp_layout": "Et*2|t*3L"}, 2,
+     r"covers 7 layers and the model has 6 \(the embedding, 4 blocks, the head for the GPT\): write every layer once"),
+    ({"model.preset": "tiny", "parallel.pp": 2, "parallel.pp_layout": "Et*2|t*2L|t"}, 2,
+     r"writes 3 chunks \(2 borders '\|'\) and the pipeline has pp x virtual_stages = 2"),
+    ({"model.preset": "tiny", "parallel.pp": 2, "parallel.pp_layout": "Et*2|t*2L", "parallel.pp_split": (3,)}, 2,
+     "both cut the pipeline: give one"),
+    ({"model.preset": "tiny", "parallel.pp": 2, "parallel.pp_layout": "Et*2|t*2mL"}, 2,
+     r"writes 1 MTP depths \(m\) and the model has 0"),
     ({"model.preset": "tiny", "parallel.cp": 8, "parallel.cp_mode": "usp", "parallel.cp_ulysses": 8 // 2,
       "parallel.tp": 2}, 16, r"n_head / tp = 2 % cp_ulysses \(4\) must be 0; choose --cp-ulysses in \[2\]"),
     ({"train.fail_at": "x"}, 2, "RANK:STEP"),
@@ -125,6 +133,25 @@ def test_tensor_parallel_rules(overrides, world, needle):
 def test_run_rules(overrides, world, needle):
     with pytest.raises(ConfigError, match=needle):
         check_run(build_run_config(None, overrides), world)
+
+
+def test_pp_layout_becomes_the_runs_pp_split():
+    """`--pp-layout` in Megatron's spelling is the run's pp_split for the model (E, the blocks, L), V schedules
+    counting their two chunks a rank; the spelling's rules (paratrain.config.pp_layout) each refused by name."""
+    from paratrain.config.pp_layout import layout_split
+
+    base = {"model.preset": "tiny", "data.global_batch": 8, "data.micro_batch": 2}
+    plan = check_run(build_run_config(None, {**base, "parallel.pp": 2, "parallel.pp_layout": "E|t*4L"}), 2)
+    assert plan.parallel.pp_split == (1,) and not plan.parallel.pp_layout
+    plan = check_run(build_run_config(None, {**base, "parallel.pp": 2, "parallel.schedule": "zb-v",
+                                             "parallel.pp_layout": "Et|t|t|tL"}), 2)
+    assert plan.parallel.pp_split == (2, 3, 4) and plan.parallel.virtual_stages == 2
+    assert layout_split("Et|(tt|)*5tL", 14) == (2, 4, 6, 8, 10, 12)
+    assert layout_split("Et*2|t*2mmL", 6, mtp_depth=2) == (3,)
+    for spec, rule in (("E||tL", "chunk 1 holds no layer"), ("tEL", "E \\(the embedding\\) can only be the first"),
+                       ("Etm|tL", "write them just before L, in its chunk"), ("Ex|L", "found \\['x'\\]")):
+        with pytest.raises(ConfigError, match=rule):
+            layout_split(spec, 3)
 
 
 def test_unknown_and_mistyped_settings():
