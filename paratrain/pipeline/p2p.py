@@ -100,7 +100,8 @@ class PeerExchange:
               started: float) -> None:
         """A new step runs `program` over micro-batches shaped like `first_input`; waits for receives
         go into `events`, timed from `started`."""
-        self._traffic = traffic = _Traffic(receives=[a for a in program if a.kind.startswith("RECV") and not self._local(a)])
+        receives = [a for a in program if a.kind.startswith("RECV") and not self._local(a)]
+        self._traffic = traffic = _Traffic(receives=receives)
         self._events, self._started = events, started
         self.sent_bytes = 0
         # boundaries whose activation shape is known from an earlier step with micro-batches of this shape

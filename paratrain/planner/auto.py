@@ -95,8 +95,9 @@ def describe(layout: dict[str, Any]) -> str:
     if layout.get("expert_tp"):
         text += ", experts cut over tp"
     if layout.get("cp", 1) > 1:
+        u = layout.get("cp_ulysses", 1)
         text += f", cp {layout['cp']} ({layout['cp_mode']}" + (
-            f", Ulysses {layout['cp_ulysses']} x ring {layout['cp'] // layout['cp_ulysses']})" if layout["cp_mode"] == "usp" else ")")
+            f", Ulysses {u} x ring {layout['cp'] // u})" if layout["cp_mode"] == "usp" else ")")
     if layout.get("ps_mode", "off") != "off":
         text += f", parameter server ({layout['ps_mode']}, {layout['ps_servers']} dedicated servers" + (
             f", staleness {layout['staleness']})" if layout["ps_mode"] == "async" else ")")

@@ -154,8 +154,8 @@ class Layout:
 
 
 LAYOUT_FIELDS = ("dp", "tp", "pp", "virtual_stages", "zero", "shard_group", "micro_batch", "recompute",
-                 "sequence_parallel", "schedule", "offload", "ep", "cp", "cp_mode", "cp_ulysses", "ps_mode", "ps_servers", "staleness",
-                 "expert_tp", "tp_mode", "tp_depth")
+                 "sequence_parallel", "schedule", "offload", "ep", "cp", "cp_mode", "cp_ulysses", "ps_mode", "ps_servers",
+                 "staleness", "expert_tp", "tp_mode", "tp_depth")
 """A layout's flat fields (to_dict, Layout.of), in the order the planner's records list them."""
 
 

@@ -228,9 +228,9 @@ def _cp_model(case: dict) -> ModelConfig:
     ids=["cp2-ring", "cp2-ulysses", "cp2-ring-moe", "cp2-ulysses-moe", "cp2xtp2-ring-sp", "cp2xtp2-ulysses",
          "cp2xtp2-ring-sp-mtp2", "cp4-usp"])
 def test_context_parallel_activations_equal_what_autograd_keeps(pools, world, case):
-    """cp 2 (and cp2 x tp2), ring and Ulysses, and USP at cp 4 (2 x 2), each storage mode, no / selective / full recompute; tiny-moe
-    dropless too, and two MTP depths (their tokens ahead from the other cp rank, their embedding over tp): each rank
-    keeps what the planner says for its half of every sequence, to the byte."""
+    """cp 2 (and cp2 x tp2), ring and Ulysses, and USP at cp 4 (2 x 2), each storage mode, no / selective / full
+    recompute; tiny-moe dropless too, and two MTP depths (their tokens ahead from the other cp rank, their embedding
+    over tp): each rank keeps what the planner says for its part of every sequence, to the byte."""
     from paratrain.planner.layout import Layout
     from paratrain.planner.activations import activation_bytes, storage_mode
 

@@ -49,7 +49,8 @@ GRID = [  # (model, world, rank, layout, global batch, micro-batch, precision, r
                                    grad_reduce="reduce_scatter"), 16, 1, "bf16", "none"),
     # ZB-V: two chunks a rank in a V; rank 0 holds the embedding and the tied head (no tied all-reduce), the turn's
     # hand-off stays on its rank (no send); W repeats the backward's traffic on every chunk but chunk 0
-    (preset("tiny", n_layer=6), 16, 0, dict(dp=2, tp=2, pp=4, zero=1, sequence_parallel=True, schedule="zb-v"), 8, 1, "bf16", "none"),
+    (preset("tiny", n_layer=6), 16, 0, dict(dp=2, tp=2, pp=4, zero=1, sequence_parallel=True, schedule="zb-v"), 8, 1,
+     "bf16", "none"),
     (preset("tiny", n_layer=6), 16, 13, dict(dp=2, tp=2, pp=4, zero=1, schedule="zb-v"), 8, 1, "fp32", "full"),
     (MTP, 4, 1, dict(dp=1, tp=2, pp=2, sequence_parallel=True, schedule="zb-v"), 8, 1, "bf16", "none"),
     ("tiny-moe", 4, 3, dict(dp=2, ep=2, pp=2, schedule="zb-v"), 8, 1, "bf16", "full"),
