@@ -58,14 +58,15 @@ def plan_table(record: dict[str, Any], top: int, *, tokens: float | None) -> str
         return "\n".join(lines)
     best = candidates[0]
     header = (f"{'layout':<32} {'peak GB':>8} {'between':>7} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'step s':>8} "
-              f"{'tok/s':>10} {'MFU':>5}" + (f" {'days':>6}" if tokens else "") + "  why")
+              f"{'tok/s':>10} {'MFU':>5} {'bubble':>6}" + (f" {'days':>6}" if tokens else "") + "  why")
     lines.append(header)
     for r in candidates[:top]:
         m = r["memory"]
         row = (f"{layout_text(r['layout']):<32} {m['peak'] / gb:>8.1f} {m['between_steps'] / gb:>7.1f} "
                f"{m['params'] / gb:>7.1f} {m['grads'] / gb:>7.1f} "
                f"{m['optimizer'] / gb:>7.1f} {m['activations'] / gb:>7.1f} {r['step_time_s']:>8.3f} "
-               f"{r['tokens_per_s']:>10.0f} {r['mfu']:>5.1%}" + (f" {r['train_days']:>6.1f}" if tokens else ""))
+               f"{r['tokens_per_s']:>10.0f} {r['mfu']:>5.1%} {r['bubble']:>6.1%}"
+               + (f" {r['train_days']:>6.1f}" if tokens else ""))
         lines.append(row + "  " + _why(r, best))
     fitting = sum(r["fits"] for r in candidates)
     lines.append(f"{fitting} layouts fit, {len(candidates) - fitting} do not, {len(record['rejected'])} refused by "
