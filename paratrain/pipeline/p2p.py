@@ -19,6 +19,7 @@ its own output.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,7 +65,10 @@ class _Traffic:
     """The program's receives, in order; posted up to `next_post`, waited for up to `consumed`."""
     next_post: int = 0
     consumed: int = 0
-    pending_sends: list[tuple[dist.Work, torch.Tensor | None]] = field(default_factory=list)
+    pending_sends: list[tuple[dist.Work, weakref.ref[torch.Tensor] | None]] = field(default_factory=list)
+    """Sends not yet seen complete, with a weak reference to the activation whose data to free then: a strong one
+    would keep the activation's autograd graph, and a zero-bubble W's retained one with its saved tensors, alive
+    until the send completes (on gloo a send reports completion only when waited for: the step's end)."""
     headers_sent: set[int] = field(default_factory=set)
     shapes_received: dict[int, tuple[torch.Size, torch.dtype]] = field(default_factory=dict)
     posted: dict[Action, tuple[dist.Work, torch.Tensor]] = field(default_factory=dict)
@@ -172,23 +176,25 @@ class PeerExchange:
     def free_sent(self) -> None:
         """Free the data of activations whose send has completed (their autograd node stays)."""
         still = []
-        for work, tensor in self._traffic.pending_sends:
+        for work, ref in self._traffic.pending_sends:
             if work.is_completed():
+                tensor = ref() if ref is not None else None
                 if tensor is not None:
                     tensor.data = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
             else:
-                still.append((work, tensor))
+                still.append((work, ref))
         self._traffic.pending_sends = still
 
     def finish(self) -> None:
         """Wait for every send of the step."""
         for work, _ in self._traffic.pending_sends:
             work.wait()
+        self._traffic.pending_sends = []
 
     def _send(self, actions: list[Action], tensors: BoundaryTensors) -> None:
         traffic = self._traffic
         sends: list[_Op] = []
-        freeable: list[torch.Tensor | None] = []
+        freeable: list[weakref.ref[torch.Tensor] | None] = []
         for action in actions:
             if not action.kind.startswith("SEND"):
                 continue
@@ -208,7 +214,7 @@ class PeerExchange:
                         f"{self._boundary_shapes[boundary]} before for micro-batches of the same shape "
                         f"{self._input_key[0]}: a chunk's output shape must follow from its micro-batch's")
                 sends.append((True, out.detach(), to))
-                freeable.append(out if _result_not_saved(out) else None)
+                freeable.append(weakref.ref(out) if _result_not_saved(out) else None)
             else:
                 sends.append((True, tensors.inputs.pop(key).contiguous(), to))
                 freeable.append(None)
