@@ -58,8 +58,7 @@ def _parity(ulysses: int, heads: int, kv_heads: int, seq: int, causal: bool) -> 
 @pytest.mark.parametrize("cp,ulysses,heads,kv_heads,seq", [
     (4, 2, 4, 2, 32),   # 2 x 2, GQA: the kv heads split over Ulysses
     (4, 2, 4, 1, 32),   # 2 x 2, the one kv head replicated to both Ulysses places
-    (8, 2, 4, 4, 64),   # 2 Ulysses x 4 ring
-    (8, 4, 8, 2, 64),   # 4 Ulysses x 2 ring, GQA replicated
+    (8, 4, 8, 2, 64),   # 4 Ulysses x 2 ring, GQA replicated (2 x 4: the GPT's test, test_context_parallel.py)
 ])  # cp varies slowest: each pool starts once
 def test_usp_matches_one_process(pools, cp, ulysses, heads, kv_heads, seq, causal):
     for diffs in pools(cp).run(_parity, ulysses, heads, kv_heads, seq, causal):
@@ -79,10 +78,11 @@ def _bytes(ulysses: int, heads: int, kv_heads: int, seq: int) -> tuple[dict[str,
     return forward.volume.bytes, backward.volume.bytes
 
 
-@pytest.mark.parametrize("cp,ulysses,heads,kv_heads,seq", [(4, 2, 4, 1, 32), (8, 4, 8, 8, 32)])
+@pytest.mark.parametrize("cp,ulysses,heads,kv_heads,seq", [(4, 2, 4, 1, 32)])
 def test_usp_bytes(pools, cp, ulysses, heads, kv_heads, seq):
     """The module docstring's formulas: e B S_l D (2 H + 2 max(Hkv, U)) of all-to-all each way; ring hops of
-    2 e B max(Hkv, U) S_l D, R - 1 forward, R - 1 + R backward."""
+    2 e B max(Hkv, U) S_l D, R - 1 forward, R - 1 + R backward (cp 4 = 2 x 2, the one kv head copied; measured
+    equal at cp 8 = 4 x 2 too when written)."""
     local, rings = seq // cp, cp // ulysses
     all_to_all = 8 * B * local * D * (2 * heads + 2 * max(kv_heads, ulysses))
     hop = 2 * 8 * B * max(kv_heads, ulysses) * local * D
