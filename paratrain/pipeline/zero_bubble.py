@@ -68,9 +68,8 @@ def list_schedule(placement: tuple[int, ...], bounds: tuple[int, ...], microbatc
 
     left = [3 * m * len(mine[r]) for r in range(ranks)]
     # Every pass takes whole units (1; chunk 0's I 0 and W 2 when so priced), so ranks act at whole times: the heap
-    # holds (the time a rank is next free, the
-    # rank), ranks free at the same time in rank order; a rank with nothing to run tries again a unit later
-    # (nothing it waits for can finish in between)
+    # holds (the time a rank is next free, the rank), ranks free at the same time in rank order; a rank with nothing
+    # to run tries again a unit later (nothing it waits for can finish in between)
     ready_at = [(0, r) for r in range(ranks) if left[r]]
     while ready_at:
         t, r = heapq.heappop(ready_at)
