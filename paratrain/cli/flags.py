@@ -88,6 +88,9 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
                                            "ranks, a ring across them)"),
     "--cp-ulysses": ("parallel.cp_ulysses", int, "--cp-mode usp: the Ulysses degree U (1 < U < cp, dividing cp and "
                                                  "the heads per tp rank); the ring has cp / U ranks"),
+    "--cp-balance": ("parallel.cp_balance", str, "what the split of each sequence balances over cp: positions "
+                                                  "(the causal split, default) or documents (packed documents' "
+                                                  "attention work, micro-batch by micro-batch)"),
     "--ep": ("parallel.ep", int, "expert-parallel degree: the experts divided among ep ranks of dp (divides dp "
              "and the expert count)"),
     "--ps-mode": ("parallel.ps_mode", str, "the parameter server: off (collectives), sync (data parallelism's result "

@@ -101,6 +101,13 @@ def check_context_parallel(model: ModelConfig, parallel: ParallelConfig, seq_len
         fix = f"choose --cp-ulysses in {fits}" if fits else "use --cp-mode ring"
         raise ConfigError(f"cp_mode usp splits a tp rank's attention heads over its Ulysses groups: n_head / tp = "
                           f"{heads} % cp_ulysses ({parallel.cp_ulysses}) must be 0; {fix}")
+    if parallel.cp_balance == "documents":
+        keyed = [f"{name} {value:g}" for name, value in (("dropout", model.dropout), ("mtp_depth", model.mtp_depth),
+                 ("capacity_factor", model.capacity_factor if model.n_experts else 0.0)) if value]
+        if keyed:
+            raise ConfigError(f"cp_balance documents splits each micro-batch by its documents, and {', '.join(keyed)} "
+                              "read each token's window position from the fixed split (dropout masks, MTP's shift, "
+                              "per-sequence expert capacity): set them to 0, or cp_balance positions")
 
 
 def check_experts(model: ModelConfig, parallel: ParallelConfig) -> None:

@@ -16,6 +16,18 @@ concatenated in that order. cp = 2, S = 8:
 
 Each rank holds one early and one late chunk, so each meets the same number of unmasked (query, key)
 pairs from every other rank's block: 2 c^2 (two whole chunk pairs; see paratrain.context_parallel.ring).
+
+Document-aware (document_split; ParallelConfig.cp_balance 'documents'): with packed documents a query meets
+only the earlier keys of its own document, so a rank's attention work is the sum over its tokens of
+(position in the document + 1), not its positions' count: a window of short documents does far less work
+than the causal split assumes, and the rank holding a long document's tail does most of it. The split then
+cuts the window into cp x c equal pieces (c per rank, up to MAX_PIECES), weighs each by that work summed over
+the micro-batch's rows, and deals them out so that every rank holds c pieces and the heaviest rank's work is
+as close to the mean as the pieces allow (largest first to the lightest rank with room, then swaps between
+the heaviest and the lightest). Every cp rank computes it from the same integers, so all agree with no
+collective; the split changes with every micro-batch's documents, and travels with them
+(paratrain.nn.documents.WindowSplit). Positions only decide which rank computes what: the loss, the
+gradients and the weights are one process's, up to float rounding.
 """
 
 from __future__ import annotations
@@ -92,6 +104,59 @@ def unshard_sequence(parts: list[torch.Tensor], dim: int, cp: int, *, balanced: 
         first, second = chunk_ids(rank, cp)
         chunks[first], chunks[second] = part.narrow(dim, 0, chunk), part.narrow(dim, chunk, chunk)
     return torch.cat([c for c in chunks if c is not None], dim=dim)
+
+
+MAX_PIECES = 16
+"""The document-aware split's pieces per rank, at most (fewer where the window does not divide): more pieces
+balance finer, and cut each rank's positions into more runs."""
+
+
+def document_split(documents: torch.Tensor, cp: int) -> torch.Tensor:
+    """Every rank's positions [cp, S / cp] (row r rank r's, ascending) for a micro-batch's packed documents
+    documents [B, S] or [S] (each token's position in its document, paratrain.nn.documents; on the host),
+    balancing attention work (attention_pairs) rather than positions. Deterministic: integers only, ties
+    broken by position and rank."""
+    documents = documents.reshape(-1, documents.shape[-1]).to("cpu", torch.int64)
+    seq_len = documents.shape[-1]
+    check_divisible(seq_len, cp)
+    pieces = max(c for c in range(2, MAX_PIECES + 1) if seq_len % (cp * c) == 0)
+    size = seq_len // (cp * pieces)
+    work = (documents + 1).sum(0).view(cp * pieces, size).sum(1).tolist()
+    owners = _deal(work, cp, pieces)
+    rows = [torch.cat([torch.arange(i * size, (i + 1) * size) for i in sorted(own)]) for own in owners]
+    return torch.stack(rows)
+
+
+def attention_pairs(documents: torch.Tensor, group_positions: torch.Tensor) -> torch.Tensor:
+    """int64 [cp]: the (query, key) pairs each rank's queries meet under packed documents' causal mask, summed
+    over the rows of documents [B, S] (or [S]), for a split's group_positions [cp, S / cp]: the work a kernel
+    that skips masked pairs does (the sum over a rank's tokens of their positions in their documents + 1)."""
+    per_token = (documents.reshape(-1, documents.shape[-1]).to("cpu", torch.int64) + 1).sum(0)
+    return per_token[group_positions].sum(1)
+
+
+def _deal(work: list[int], cp: int, pieces: int) -> list[list[int]]:
+    """Piece indices for each of cp ranks, `pieces` each, the heaviest rank's total work near the mean."""
+    owners: list[list[int]] = [[] for _ in range(cp)]
+    load = [0] * cp
+    for i in sorted(range(len(work)), key=lambda i: (-work[i], i)):  # largest first, to the lightest with room
+        r = min((r for r in range(cp) if len(owners[r]) < pieces), key=lambda r: (load[r], r))
+        owners[r].append(i)
+        load[r] += work[i]
+    for _ in range(4 * cp * pieces):  # swap a piece of the heaviest with a lighter one of the lightest
+        hi, lo = max(range(cp), key=lambda r: (load[r], -r)), min(range(cp), key=lambda r: (load[r], r))
+        gap, best = load[hi] - load[lo], None
+        for a in owners[hi]:
+            for b in owners[lo]:
+                moved = work[a] - work[b]
+                if 0 < moved < gap and (best is None or abs(gap - 2 * moved) < best[0]):
+                    best = (abs(gap - 2 * moved), a, b)
+        if best is None or best[0] >= gap:
+            break
+        _, a, b = best
+        owners[hi][owners[hi].index(a)], owners[lo][owners[lo].index(b)] = b, a
+        load[hi], load[lo] = load[hi] - work[a] + work[b], load[lo] + work[a] - work[b]
+    return owners
 
 
 def _check_rank(rank: int, cp: int) -> None:

@@ -16,7 +16,13 @@ recipe (Recipe.split_sequence, e.g. the GPT's gpt_split_sequence):
                     per-sequence capacity and load balancing)
 
 Every rank's positions follow from (sequence length, cp) alone, so attention never asks the other
-ranks where their tokens are: no collective and no host synchronisation for them.
+ranks where their tokens are: no collective and no host synchronisation for them. With balance
+'documents' (ParallelConfig.cp_balance) a micro-batch of packed documents is split by its documents' attention
+work instead (layout.document_split, computed on every rank from the whole micro-batch's positions: one copy
+to the host), and its positions travel as a paratrain.nn.documents.Documents whose `split` says where the
+rank's tokens sit; attention reads them there. What reads positions without the documents (keyed dropout
+masks, MoE capacity, multi-token prediction's shift) is refused with that balance before launch
+(paratrain.config.model_rules).
 
 The engine shards each micro-batch (shard_batch) and sums the loss and the token count over dp x cp,
 so the step's loss is the mean over the global batch's tokens, whatever cp is.
@@ -32,11 +38,11 @@ import torch
 from torch import nn
 
 from paratrain.comm import all_gather_async, all_reduce
-from paratrain.context_parallel.layout import local_positions, shard_sequence
+from paratrain.context_parallel.layout import document_split, local_positions, shard_sequence
 from paratrain.context_parallel.ring import ring_attention
 from paratrain.context_parallel.ulysses import ulysses_attention
 from paratrain.context_parallel.usp import usp_attention
-from paratrain.nn.documents import Documents
+from paratrain.nn.documents import Documents, WindowSplit
 from paratrain.nn.dropout import KeyedDropout
 from paratrain.topology.mesh import AxisGroup
 
@@ -61,11 +67,16 @@ class SequenceShard:
     """'ring', 'ulysses' or 'usp' (paratrain.config.parallel.CP_MODES)."""
     usp: tuple[AxisGroup, AxisGroup] | None = None
     """mode 'usp': (this rank's Ulysses group, its ring group), the mesh's cp_ulysses and cp_ring."""
+    balance: str = "positions"
+    """'positions': the load-balanced causal split for every micro-batch; 'documents': micro-batches of packed
+    documents split by their attention work (paratrain.config.parallel.CP_BALANCES)."""
 
     def __post_init__(self) -> None:
         if (self.mode == "usp") != (self.usp is not None):
             raise ValueError(f"a SequenceShard in mode {self.mode!r} takes the (Ulysses, ring) groups of USP "
                              f"{'and got none' if self.usp is None else 'only in mode usp'}")
+        if self.balance not in ("positions", "documents"):
+            raise ValueError(f"a SequenceShard balances 'positions' or 'documents', got {self.balance!r}")
 
     @property
     def parts(self) -> int:
@@ -80,28 +91,47 @@ class SequenceShard:
         return _group_positions(local_len * self.group.size, self.group.size)
 
     def shard_batch(self, micro: Any) -> Any:
-        """This rank's part of every tensor of a micro-batch along dim 1 (the sequence)."""
+        """This rank's part of every tensor of a micro-batch along dim 1 (the sequence). Balance 'documents', on
+        (inputs, targets, positions) or a mapping with "positions": the documents' split, the positions given
+        back as a Documents carrying it."""
+        documents = _documents_of(micro) if self.balance == "documents" else None
+        if documents is not None:
+            everyone = document_split(documents, self.group.size)
+            split = WindowSplit(everyone[self.group.index].to(documents.device), everyone)
+            if isinstance(micro, Mapping):
+                return {k: self._shard(v, split, k == "positions") for k, v in micro.items()}
+            return type(micro)(self._shard(t, split, i == 2) for i, t in enumerate(micro))  # type: ignore[call-arg]
         if isinstance(micro, torch.Tensor):
             return self._shard(micro)
         if isinstance(micro, Mapping):
             return {k: self._shard(v) for k, v in micro.items()}
         return type(micro)(self._shard(t) for t in micro)  # type: ignore[call-arg]
 
-    def _shard(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _shard(self, tensor: torch.Tensor, split: WindowSplit | None = None,
+               documents: bool = False) -> torch.Tensor | Documents:
         if tensor.dim() < 2:
             raise ValueError(f"under context parallelism every tensor of a batch runs along the sequence "
                              f"([rows, seq, ...], the sequence split over cp = {self.group.size}); got shape "
                              f"{tuple(tensor.shape)}")
-        return shard_sequence(tensor, 1, self.group.index, self.group.size)
+        if split is None:
+            return shard_sequence(tensor, 1, self.group.index, self.group.size)
+        mine = tensor.index_select(1, split.mine)
+        return Documents(mine, split) if documents else mine
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-               dropout: KeyedDropout | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+               dropout: KeyedDropout | None = None, documents: torch.Tensor | Documents | None = None) -> torch.Tensor:
         """Causal attention for this rank's q [B, H, n, hd] over the whole sequence's k, v [B, Hkv, n, hd]
         (each rank holds n of its positions): [B, H, n, hd]. dropout: on the attention probabilities, keyed
         by (row, head, query position, key position) as one process draws them. documents: [B, n], this
-        rank's tokens' positions in their packed documents (paratrain.nn.documents): attention inside them."""
+        rank's tokens' positions in their packed documents (paratrain.nn.documents): attention inside them;
+        a Documents with a split (balance 'documents'): the tokens sit at its window positions."""
         n = q.shape[-2]
-        positions, everyone = self.positions(n, q.device), self.group_positions(n)
+        split = documents.split if isinstance(documents, Documents) else None
+        documents = Documents.tensor(documents)
+        if split is not None:
+            positions, everyone = split.mine, split.everyone
+        else:
+            positions, everyone = self.positions(n, q.device), self.group_positions(n)
         if self.usp is not None:
             return usp_attention(q, k, v, *self.usp, group_positions=everyone, scale=scale, dropout=dropout,
                                  documents=documents)
@@ -154,5 +184,14 @@ class ContextParallelCore(nn.Module):
                 documents: Documents | None = None) -> torch.Tensor:
         """documents: packed documents (this rank's tokens' positions in them, [B, n])."""
         dropping = self.dropout is not None and self.dropout.training and self.dropout.p > 0
-        return self.shard.attend(q, k, v, dropout=self.dropout if dropping else None,
-                                 documents=None if documents is None else documents.positions)
+        return self.shard.attend(q, k, v, dropout=self.dropout if dropping else None, documents=documents)
+
+
+def _documents_of(micro: Any) -> torch.Tensor | None:
+    """The packed documents' positions [B, S] of a micro-batch: the third of (inputs, targets, positions), or a
+    mapping's "positions"; None without them."""
+    if isinstance(micro, Mapping):
+        return micro.get("positions")
+    if isinstance(micro, (tuple, list)) and len(micro) == 3:
+        return micro[2]
+    return None

@@ -234,6 +234,6 @@ def apply_context_parallel(model: nn.Module, ctx: Context, recipe: Recipe) -> Se
         raise ConfigError(f"cp = {group.size} with BatchNorm ({', '.join(norms[:3])}): its statistics would cover "
                           "part of each sequence; set cp to 1")
     usp = (ctx.mesh.group("cp_ulysses"), ctx.mesh.group("cp_ring")) if ctx.config.cp_mode == "usp" else None
-    shard = SequenceShard(group, ctx.config.cp_mode, usp)
+    shard = SequenceShard(group, ctx.config.cp_mode, usp, ctx.config.cp_balance)
     recipe.split_sequence(model, shard)
     return shard

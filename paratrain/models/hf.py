@@ -41,6 +41,7 @@ from torch import nn
 from paratrain.config.errors import ConfigError
 from paratrain.models.hf_context import DOCUMENTS_KEY, SHARD_KEY, PositionsOf, llama_split_sequence
 from paratrain.models.hf_experts import hf_expert_banks
+from paratrain.nn.documents import Documents
 from paratrain.nn.loss import VocabOutput
 from paratrain.nn.recipe import Layer, Recipe, Run, stage_loss
 
@@ -198,7 +199,8 @@ def _decoder_runner(name: str, config: Any, index: int) -> Run:
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # [1, S]: 0 .. S-1 (cp: mapped)
         elif isinstance(rotary, PositionsOf):  # cp: documents' positions are each token's own, not to be mapped
-            rotary, extra[DOCUMENTS_KEY] = rotary.at, positions
+            rotary, extra[DOCUMENTS_KEY] = rotary.at, positions  # (a Documents under the document-aware split)
+            positions = Documents.tensor(positions)
         mask = _causal_mask(config, x, positions, layer_type)  # None under sdpa without documents (causal itself)
         cos_sin = rotary(x, positions, layer_type) if per_type else rotary(x, position_ids=positions)  # 2 x [1, S, hd]
         out = stage.get_submodule(name)(x, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin,

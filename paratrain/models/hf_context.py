@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from paratrain.config.errors import ConfigError
+from paratrain.nn.documents import Documents
 from paratrain.nn.sequence import SequenceSplit
 from paratrain.nn.wrap import Wrapper
 
@@ -121,8 +122,8 @@ class WholePositions(Wrapper):
         if position_ids is None:
             tokens = input_ids if input_ids is not None else kwargs["inputs_embeds"]
             position_ids = self.shard.positions(tokens.shape[1], tokens.device).unsqueeze(0)  # [1, n]
-        else:
-            kwargs[DOCUMENTS_KEY] = position_ids
+        else:  # (a Documents under the document-aware split: its positions to HF, the whole of it to attention)
+            kwargs[DOCUMENTS_KEY], position_ids = position_ids, Documents.tensor(position_ids)
         return self.wrapped.forward(input_ids, *args, position_ids=position_ids, **kwargs)
 
 

@@ -16,6 +16,8 @@ paratrain.data.GlobalBatchLoader(document_starts=...) makes both from a corpus's
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -52,19 +54,36 @@ def positions_after(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     return index - last_start
 
 
+class WindowSplit(NamedTuple):
+    """Where a context-parallel rank's tokens sit in the packed window when the split follows the documents
+    (paratrain.context_parallel.layout.document_split: it changes with every micro-batch)."""
+
+    mine: torch.Tensor
+    """int64 [n] on the device: the window positions of this rank's tokens, in its order."""
+    everyone: torch.Tensor
+    """int64 [cp, n] on the host: every cp rank's, row r rank r's."""
+
+
 class Documents:
     """One batch's packed documents, positions[B, S], and their attention mask built once per dtype and shared by
     every attention of a forward that is given this object: a kernel keeping its mask for backward then keeps one
     for the whole model, not one per layer. (A pipeline stage's layers are each given the micro-batch's positions
-    alone, and build their own.)"""
+    alone, and build their own.) Under context parallelism with the document-aware split the micro-batch carries
+    this object in the positions' place, with `split` saying where its tokens sit in the window."""
 
-    def __init__(self, positions: torch.Tensor) -> None:
+    def __init__(self, positions: torch.Tensor, split: WindowSplit | None = None) -> None:
         self.positions = positions
+        self.split = split
         self._masks: dict[torch.dtype, torch.Tensor] = {}
 
     @staticmethod
     def of(given: torch.Tensor | Documents | None) -> Documents | None:
         return given if given is None or isinstance(given, Documents) else Documents(given)
+
+    @staticmethod
+    def tensor(given: torch.Tensor | Documents | None) -> torch.Tensor | None:
+        """The positions[B, S] of `given` (a tensor as it is)."""
+        return given.positions if isinstance(given, Documents) else given
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor:
         """[B, 1, S, S]: bool (True where a query may attend), or additive in a floating dtype (0 there, -inf

@@ -26,6 +26,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from paratrain.nn.documents import Documents
+
 
 class SequenceSplit(Protocol):
     @property
@@ -38,10 +40,11 @@ class SequenceSplit(Protocol):
         ...
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-               documents: torch.Tensor | None = None) -> torch.Tensor:
+               documents: torch.Tensor | Documents | None = None) -> torch.Tensor:
         """Causal attention of this rank's q [B, H, n, hd] over every rank's k, v [B, Hkv, n, hd] (GQA: H % Hkv
         == 0); scale: 1 / sqrt(hd) by default; documents: [B, n], this rank's tokens' positions in their packed
-        documents (paratrain.nn.documents), attention kept inside each. -> [B, H, n, hd]."""
+        documents (paratrain.nn.documents), attention kept inside each (a Documents with a split: at its window
+        positions). -> [B, H, n, hd]."""
         ...
 
     def attention_core(self, dropout: nn.Module | None = None) -> nn.Module:

@@ -14,6 +14,7 @@ SMALLEST = {
     "bench_zero": ["--worlds", "2", "--steps", "1", "--only", "paratrain-zero3", "fsdp2"],
     "bench_tp": ["--steps", "1", "--only", "paratrain-tp2", "dtensor-tp2"],
     "bench_cp": ["--steps", "1", "--seq", "64", "--cp", "2", "--modes", "ring"],
+    "bench_cp_balance": ["--cp", "2", "--windows", "even"],
     "bench_pp": ["--steps", "1", "--only", "paratrain-1f1b"],
     "bench_bubble": ["--pp", "2", "--schedules", "1f1b", "--steps", "1", "--unit", "2"],
     "bench_moe": ["--steps", "3", "--only", "paratrain-ep2"],  # step 0 warms up, step 1 counts bytes: one timed step

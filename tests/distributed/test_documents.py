@@ -136,9 +136,16 @@ def _job(kind: str, **layout) -> dict:
     # block; GQA's kv heads split over Ulysses
     ("gpt2", dict(cp=2, micro_batch=4)),  # learned positions read at the documents' positions, ring attention
     ("gpt2", dict(cp=4, cp_mode="usp", cp_ulysses=2, micro_batch=4)),
+    # the document-aware split (cp_balance documents): every micro-batch cut by its documents' work, here at one
+    # token a piece, so each rank's positions are scattered over the window and travel with the micro-batch
+    ("gpt", dict(cp=2, tp=2, sequence_parallel=True, cp_balance="documents", micro_batch=4)),
+    ("llama-tied", dict(cp=2, cp_balance="documents", micro_batch=4)),
+    ("llama", dict(cp=2, cp_mode="ulysses", pp=2, cp_balance="documents", micro_batch=2)),
+    ("gpt2", dict(cp=4, cp_mode="usp", cp_ulysses=2, cp_balance="documents", micro_batch=4)),
 ], ids=["gpt-tp2-sp", "gpt-pp2", "gpt-zero3", "llama-tp2", "llama-pp2", "gpt2-pp2", "gpt-cp2-ring", "gpt-cp2-ulysses",
         "llama-cp2-ring", "llama-cp2-ulysses", "llama-cp2-pp2", "llama-cp4-usp", "gpt2-cp2-ring",
-        "gpt2-cp4-usp"])
+        "gpt2-cp4-usp", "balanced-gpt-cp2-tp2-sp", "balanced-llama-cp2-ring", "balanced-llama-cp2-ulysses-pp2",
+        "balanced-gpt2-cp4-usp"])
 def test_packed_documents_train_as_apart(pools, kind, layout):
     world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
     got = pools(world).run(_job, kind, **layout)

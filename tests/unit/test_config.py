@@ -40,6 +40,7 @@ def test_dp_fills_the_world():
                                                            "cp_mode ring or ulysses at cp 2"),
     (ParallelConfig(cp=4, cp_ulysses=2), 4, "cp_ulysses (2) is the Ulysses degree inside cp_mode usp, and cp_mode is "
                                             "'ring': set cp_mode usp, or drop cp_ulysses"),
+    (ParallelConfig(cp=2, cp_balance="tokens"), 2, "cp_balance must be one of positions, documents, got 'tokens'"),
 ])
 def test_parallel_rules(config, world, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
@@ -122,6 +123,9 @@ def test_tensor_parallel_rules(overrides, world, needle):
      r"writes 1 MTP depths \(m\) and the model has 0"),
     ({"model.preset": "tiny", "parallel.cp": 8, "parallel.cp_mode": "usp", "parallel.cp_ulysses": 8 // 2,
       "parallel.tp": 2}, 16, r"n_head / tp = 2 % cp_ulysses \(4\) must be 0; choose --cp-ulysses in \[2\]"),
+    ({"model.preset": "tiny", "model.overrides.dropout": 0.1, "model.overrides.mtp_depth": 1, "parallel.cp": 2,
+      "parallel.cp_balance": "documents"}, 2, r"cp_balance documents splits each micro-batch by its documents, and "
+     r"dropout 0.1, mtp_depth 1 read each token's window position from the fixed split"),
     ({"train.fail_at": "x"}, 2, "RANK:STEP"),
     ({"launch.nnodes": 2, "launch.min_nodes": 3, "launch.rdzv_endpoint": "h:1"}, 4, r"min_nodes \(3\) must be in 1..nnodes"),
     ({"launch.nnodes": 2, "launch.min_nodes": 1, "launch.rdzv_endpoint": "h:1"}, 4, "needs --rdzv-backend c10d"),
