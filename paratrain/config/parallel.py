@@ -9,11 +9,11 @@ from paratrain.config.pp_layout import layout_chunks
 from paratrain.config.rules import (PS_MODES, TP_MODES, check_expert_parallel, check_parameter_server, check_shard_group,
                                     check_tp_mode, check_usp, grid_side)
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zero-bubble", "zb-h1", "zb-v")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zero-bubble", "zb-h1", "zb-v", "dualpipev")
 """The pipeline schedules paratrain.pipeline.schedules builds, by name (config is the ground floor:
 the names live here, the programs there)."""
 
-V_CHUNKS: dict[str, int] = {"zb-v": 2}
+V_CHUNKS: dict[str, int] = {"zb-v": 2, "dualpipev": 2}
 """The V-shaped schedules and the chunks each places on a rank (their virtual_stages, implied)."""
 
 # Strategies whose issues have not landed yet; a degree above 1 is refused with this note.
@@ -22,6 +22,9 @@ _NOT_YET: dict[str, str] = {}
 
 CP_MODES: tuple[str, ...] = ("ring", "ulysses", "usp")
 """How context parallelism's attention reaches the other ranks' keys and values (ParallelConfig.cp_mode)."""
+
+CP_BALANCES: tuple[str, ...] = ("positions", "documents")
+"""What context parallelism's split of a sequence balances over the cp ranks (ParallelConfig.cp_balance)."""
 
 PS_ON_CPU = ("the parameter server exchanges CPU tensors over gloo point-to-point: CUDA trainers are not built in "
              "this version (their buffers would have to be staged through host memory); use --device cpu, or data "
@@ -56,6 +59,11 @@ def check_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -
                                 f"is {V_CHUNKS[name]} (implied: leave --virtual-stages out); got {chunks}")
     elif chunks != 1:
         raise ScheduleError(f"--virtual-stages {chunks} needs the interleaved schedule (got {name!r})")
+    if name == "dualpipev" and microbatches < 2 * stages:
+        raise ScheduleError(
+            f"DualPipeV warms up 2 (pp - 1) micro-batches down the V before its steady state, which needs at least "
+            f"2 x pp ({2 * stages}) of them: micro-batches ({microbatches}) < {2 * stages}; raise global_batch / "
+            f"(micro_batch x dp) to {2 * stages} or more, or use --schedule zb-v")
     if name == "zb-h1" and microbatches < stages:
         raise ScheduleError(
             f"ZB-H1 fills the pipeline's bubble with the weight-gradient passes of micro-batches still in flight, "
@@ -89,7 +97,9 @@ class ParallelConfig:
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved (needs virtual_stages >= 2), zero-bubble (I and W apart within
     1F1B's per-stage memory), zb-h1 (Qi et al.'s ZB-H1: W deferred into the bubble; needs micro-batches >= pp) or
-    zb-v (Qi et al.'s ZB-V: two chunks a rank in a V, I and W apart, 1F1B's first-stage memory on every rank)."""
+    zb-v (Qi et al.'s ZB-V: two chunks a rank in a V, I and W apart, 1F1B's first-stage memory on every rank) or
+    dualpipev (DeepSeek's DualPipeV: the V, each forward beside a backward of the other chunk; needs micro-batches
+    >= 2 pp)."""
     virtual_stages: int = 1
     """Chunks per pipeline rank (the interleaved schedule): the model is cut into pp x this. A V-shaped schedule
     (zb-v) implies its 2: resolved() sets it."""
@@ -123,6 +133,11 @@ class ParallelConfig:
     cp_ulysses: int = 1
     """cp_mode 'usp': the cp ranks of one Ulysses group (1 < cp_ulysses < cp, dividing cp); the ring has
     cp / cp_ulysses ranks. 1 for the other modes."""
+    cp_balance: str = "positions"
+    """What the split of each sequence balances: 'positions' (the load-balanced causal split above, the same for
+    every micro-batch) or 'documents' (micro-batches of packed documents cut into pieces dealt out by attention
+    work, the sum of each token's position in its document + 1: paratrain.context_parallel.layout.document_split).
+    Either gives one process's loss; 'documents' refuses dropout, MoE capacity and MTP (they key on positions)."""
     zero: int = 0
     """ZeRO stage over dp: 0 plain data parallelism; 1 shards optimizer state; 2 also gradients;
     3 also parameters (gathered around each wrapped module when it runs)."""
@@ -274,6 +289,8 @@ class ParallelConfig:
         if self.cp_mode not in CP_MODES:
             raise ConfigError(f"cp_mode must be one of {', '.join(CP_MODES)}, got {self.cp_mode!r}")
         check_usp(self.cp, self.cp_mode, self.cp_ulysses)
+        if self.cp_balance not in CP_BALANCES:
+            raise ConfigError(f"cp_balance must be one of {', '.join(CP_BALANCES)}, got {self.cp_balance!r}")
 
     @property
     def world_size(self) -> int:

@@ -218,6 +218,7 @@ class PipelineExecutor:
         if action.kind == "B":
             _ENGINE.run_backward((out,), (grad,), False, False, (), True, True)
             del step.outputs[key]
+            step.module_outputs.pop(key, None)  # (captured for a W that a whole backward leaves out: DualPipeV)
             if x is not None:
                 step.inputs[key] = x.grad  # what SEND_B sends
         elif action.kind == "I":

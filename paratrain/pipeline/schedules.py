@@ -29,6 +29,10 @@ Schedules:
   micro-batch chunks held a rank: p whole stages' activations, 1F1B's first-stage peak, on every rank; it idles
   at most ZB-H1's time (half at p 4; Schedule.bubble). The hand-off between chunks p - 1 and p stays on rank p - 1
   (a send to itself: paratrain.pipeline.p2p).
+- dualpipev (DeepSeek-AI's DualPipeV, DualPipe cut in half): ZB-V's V placement, handcrafted in eight phases
+  (paratrain.pipeline.zero_bubble.dualpipev_order): a steady state pairing each forward with a whole backward of
+  the rank's other chunk (DualPipe overlaps the two; run here one after the other), I and W apart at the ends.
+  Needs m >= 2p.
 - zb-h1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ZB-H1 as handcrafted there): 1F1B with the
   backward split into I and W, rank r deferring its W passes by r micro-batches, so that W fills the bubble
   1F1B leaves at the start of later stages and the tail of earlier ones. Each rank idles (p - 1)(F + I - W)
@@ -48,7 +52,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from paratrain.config.parallel import ScheduleError, check_schedule  # the names and rules: config; the programs: here
-from paratrain.pipeline.zero_bubble import list_schedule, v_placement
+from paratrain.pipeline.zero_bubble import dualpipev_order, list_schedule, v_placement
 
 COMPUTE = ("F", "B", "I", "W")
 
@@ -63,10 +67,10 @@ class Action(NamedTuple):
         return f"{self.kind}{self.chunk}.{self.mb}"
 
 
-SPLIT_BACKWARD = frozenset({"zero-bubble", "zb-h1", "zb-v"})
-"""The schedules whose backward runs as I (input gradient) and W (weight gradient) apart."""
+SPLIT_BACKWARD = frozenset({"zero-bubble", "zb-h1", "zb-v", "dualpipev"})
+"""The schedules whose backward runs as I (input gradient) and W (weight gradient) apart (dualpipev: some)."""
 
-V_SHAPED = frozenset({"zb-v"})
+V_SHAPED = frozenset({"zb-v", "dualpipev"})
 """The schedules placing two chunks a rank in a V (paratrain.pipeline.zero_bubble.v_placement)."""
 
 
@@ -79,8 +83,8 @@ class Schedule:
     chunks: int = 1
 
     def __post_init__(self) -> None:
-        # the rules that do not depend on the micro-batch count (stages micro-batches satisfy those that do)
-        check_schedule(self.name, self.stages, self.stages, self.chunks)
+        # the rules that do not depend on the micro-batch count (2 x stages micro-batches satisfy those that do)
+        check_schedule(self.name, self.stages, 2 * self.stages, self.chunks)
 
     @property
     def splits_backward(self) -> bool:
@@ -134,7 +138,8 @@ class Schedule:
             return (p - 1) / (3.0 * m + p - 1)
         if self.name in V_SHAPED:  # each rank 6m chunk actions of 1; past 4p micro-batches each adds its 6 to the span
             ref = self.peak_microbatches(m)
-            span = list_schedule(v_placement(p), (2 * p,) * p, ref, empty_first_i=True)[1]
+            span = (list_schedule(v_placement(p), (2 * p,) * p, ref, empty_first_i=True)[1] if self.name == "zb-v"
+                    else _dualpipev_span(p, ref))
             return 1.0 - 6.0 * m / (span + 6.0 * (m - ref))
         if self.splits_backward:
             return 2.0 * (p - 1) / (3.0 * m + 2.0 * (p - 1))
@@ -163,9 +168,25 @@ def compute_order(name: str, stages: int, microbatches: int, rank: int, chunks: 
         return [Action(*a) for a in list_schedule(tuple(range(p)), tuple(p - s for s in range(p)), m)[0][r]]
     if name == "zb-v":  # two chunks a rank in a V, at most 2p micro-batch chunks held
         return [Action(*a) for a in list_schedule(v_placement(p), (2 * p,) * p, m, empty_first_i=True)[0][r]]
+    if name == "dualpipev":
+        return [Action(*a) for a in dualpipev_order(p, m, r)]
     if name == "zb-h1":
         return _zb_h1(p, m, r)
     return _interleaved(p, m, r, chunks)
+
+
+@functools.lru_cache(maxsize=64)
+def _dualpipev_span(p: int, m: int) -> float:
+    """DualPipeV's simulated makespan with chunk passes of 1 (B 2), chunk 0 priced as the executor runs it (I 0,
+    W 2), communication free."""
+    from paratrain.pipeline.simulate import simulate  # (it reads this module's Schedule)
+
+    schedule = Schedule("dualpipev", p, 2)
+    programs = [list(prog) for prog in _programs("dualpipev", p, 2, m)]
+    cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+    durations = [{(a.kind, a.chunk, a.mb): (cost[a.kind] if a.chunk else {"I": 0.0, "W": 2.0}.get(a.kind, cost[a.kind]))
+                  for a in prog if a.kind in COMPUTE} for prog in programs]
+    return simulate(programs, schedule, microbatches=m, durations=durations).makespan
 
 
 def _one_f_one_b(p: int, m: int, r: int, backward: str) -> list[Action]:

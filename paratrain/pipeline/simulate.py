@@ -51,13 +51,14 @@ def _check_coverage(programs: list[list[Action]], schedule: Schedule, microbatch
     for rank, prog in enumerate(programs):
         mine = schedule.chunks_of(rank)
         counts = Counter((a.kind, a.chunk, a.mb) for a in prog if a.kind in ("F", "B", "I", "W"))
-        split = any(a.kind in ("I", "W") for a in prog)
-        wanted = ("F", "I", "W") if split else ("F", "B")
-        expected = Counter((k, c, mb) for k in wanted for c in mine for mb in range(microbatches))
+        # each micro-batch's chunk: F, then B or I and W apart (DualPipeV mixes the two)
+        whole = {(c, mb) for k, c, mb in counts if k == "B"}
+        expected = Counter((k, c, mb) for c in mine for mb in range(microbatches)
+                           for k in (("F", "B") if (c, mb) in whole else ("F", "I", "W")))
         if counts != expected:
             missing = sorted(set(expected) - set(counts))[:4]
             extra = sorted((set(counts) - set(expected)) | {k for k, n in counts.items() if n > 1})[:4]
-            raise ScheduleError(f"rank {rank}: every chunk must run {'/'.join(wanted)} once per micro-batch; "
+            raise ScheduleError(f"rank {rank}: every chunk must run F and B (or I and W) once per micro-batch; "
                                 f"missing {missing}, unexpected or repeated {extra}")
         done: set[tuple[str, int, int]] = set()
         for action in prog:

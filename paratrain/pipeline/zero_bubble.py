@@ -105,3 +105,66 @@ def list_schedule(placement: tuple[int, ...], bounds: tuple[int, ...], microbatc
 def v_placement(stages: int) -> tuple[int, ...]:
     """Chunk c of 2 x stages on rank c for c < stages, on rank 2 stages - 1 - c after: a V."""
     return tuple(c if c < stages else 2 * stages - 1 - c for c in range(2 * stages))
+
+
+def dualpipev_order(stages: int, microbatches: int, rank: int) -> tuple[tuple[str, int, int], ...]:
+    """DualPipeV's compute order for `rank` (DeepSeek-AI's DualPipe repository, dualpipev.py: DualPipe "cut in
+    half", two chunks a rank in a V), in eight phases; the rank's chunk 0 is stage `rank` on the way down, its
+    chunk 1 stage 2p - 1 - rank on the way back (v_placement):
+
+        1  2 (p - r - 1) F0             warm-up down the V
+        2  r + 1 (F0 F1)                reach the turn
+        3  p - r - 1 (I1 W F1)          zero bubble on the way back
+        4  m - 2p + r + 1 (F0 B1 F1 B0) the steady state: each forward beside a whole backward of the other chunk
+        5  p - r - 1 (B1 F1 B0)
+        6  r + 1 (B1 B0)                the second half of them split into I and W
+        7  p - r - 1 (W I0)
+        8  r + 1 W                      the deferred weight gradients
+
+    W runs the oldest deferred weight gradient. DualPipe computes each "F B" pair of phases 4 and 5 at once (the
+    forward's compute beside the backward's communication, the all-to-alls of expert parallelism hidden); this
+    executor runs them one after the other. Needs m >= 2p (config.parallel.check_schedule)."""
+    p, m, r = stages, microbatches, rank
+    down, back = r, 2 * p - 1 - r
+    chunk = (down, back)
+    next_f, next_b = [0, 0], [0, 0]
+    deferred: list[tuple[str, int, int]] = []
+    order: list[tuple[str, int, int]] = []
+
+    def forward(phase: int) -> None:
+        order.append(("F", chunk[phase], next_f[phase]))
+        next_f[phase] += 1
+
+    def backward(phase: int, split: bool = False) -> None:
+        action = (chunk[phase], next_b[phase])
+        order.append(("I" if split else "B", *action))
+        if split:
+            deferred.append(("W", *action))
+        next_b[phase] += 1
+
+    def weight() -> None:
+        order.append(deferred.pop(0))
+
+    for _ in range(2 * (p - r - 1)):
+        forward(0)
+    for _ in range(r + 1):
+        forward(0), forward(1)
+    for _ in range(p - r - 1):
+        backward(1, split=True), weight(), forward(1)
+    for _ in range(m - 2 * p + r + 1):
+        forward(0), backward(1), forward(1), backward(0)
+    for _ in range(p - r - 1):
+        backward(1), forward(1), backward(0)
+    split = False
+    for i in range(r + 1):
+        if i == (r + 1) // 2 and r % 2 == 1:
+            split = True
+        backward(1, split)
+        if i == (r + 1) // 2 and r % 2 == 0:
+            split = True
+        backward(0, split)
+    for _ in range(p - r - 1):
+        weight(), backward(0, split=True)
+    for _ in range(r + 1):
+        weight()
+    return tuple(order)

@@ -36,6 +36,7 @@ def same_routing(got: dict, ref: dict) -> None:
     dict(dp=2, ep=2, micro_batch=8, zero=3),            # ZeRO-3 units gather dense weights over dp, experts unsharded
     dict(dp=1, tp=2, micro_batch=8),                    # attention split, experts replicated over tp
     dict(dp=2, ep=2, pp=2, micro_batch=2, schedule="zb-v"),  # two chunks a rank in a V, MoE layers on both
+    dict(dp=2, ep=2, pp=2, micro_batch=1, schedule="dualpipev"),  # the V in DualPipeV's phases, B beside I and W
     dict(dp=4, ep=4, micro_batch=4),                    # one expert per rank
     dict(dp=4, ep=2, micro_batch=4),                    # dp 2 x ep 2: each expert on two ranks (edp)
     dict(dp=2, ep=2, tp=2, micro_batch=8),              # experts over ep, attention over tp
@@ -49,7 +50,7 @@ def same_routing(got: dict, ref: dict) -> None:
     dict(dp=1, tp=2, cp=2, sequence_parallel=True, micro_batch=8),  # chunks of each cp part, capacity over all
     dict(dp=1, tp=2, pp=2, sequence_parallel=True, expert_tp=True, recompute=True, micro_batch=2),  # all on stages
     dict(dp=1, compile="aot_eager", micro_batch=8),            # dense parts compiled, the MoE layers eager
-], ids=["zero2-recompute", "ep2-zero3", "tp2", "ep2xpp2-zbv", "ep4", "dp2xep2", "ep2xtp2", "ep2xpp2", "dp2xep2-zero3",
+], ids=["zero2-recompute", "ep2-zero3", "tp2", "ep2xpp2-zbv", "ep2xpp2-dualpipev", "ep4", "dp2xep2", "ep2xtp2", "ep2xpp2", "dp2xep2-zero3",
         "cp2", "ep2xcp2", "ep2xetp2-zero3", "dp2xtp2-sp", "ep2xetp2-sp", "tp2xcp2-sp", "tp2xpp2-sp-etp",
         "compiled"])
 def test_float64_layouts_equal_the_single_process(pools, layout):

@@ -21,10 +21,11 @@ def _job(**kwargs) -> dict:
 
 
 @pytest.mark.parametrize("pp,schedule", [(2, "gpipe"), (2, "1f1b"), (2, "interleaved"), (2, "zero-bubble"),
-                                         (2, "zb-h1"), (2, "zb-v"), (4, "1f1b"), (4, "interleaved")])
+                                         (2, "zb-h1"), (2, "zb-v"), (2, "dualpipev"), (4, "1f1b"), (4, "interleaved")])
 def test_every_schedule_matches_single_process(pools, pp, schedule):
-    """8 micro-batches of 2 samples; interleaved and zb-v: 2 chunks per rank (6 blocks, so 8 layers for pp 4)."""
-    v = 2 if schedule in ("interleaved", "zb-v") else 1
+    """8 micro-batches of 2 samples; interleaved, zb-v and dualpipev: 2 chunks per rank (6 blocks, so 8 layers for
+    pp 4)."""
+    v = 2 if schedule in ("interleaved", "zb-v", "dualpipev") else 1
     n_layer = 6 if pp * v > 6 else 4
     got = pools(pp).run(_job, dp=1, pp=pp, schedule=schedule, virtual_stages=v, micro_batch=2, n_layer=n_layer)
     ref = reference(n_layer=n_layer)
@@ -37,12 +38,12 @@ def test_every_schedule_matches_single_process(pools, pp, schedule):
     assert 0 < replay(times, schedule, microbatches=8, chunks=v).makespan <= max(t.total for t in times)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "zero-bubble", "zb-h1", "zb-v"])
+@pytest.mark.parametrize("schedule", ["gpipe", "zero-bubble", "zb-h1", "zb-v", "dualpipev"])
 def test_pipeline_float64_is_exact(pools, schedule):
     """pp 4 (every schedule at pp 4 is covered here or above), the tiny GPT's tied embedding on the first and last
     stage (zb-v: both on rank 0, the first and the last chunk; 8 blocks for its 8 chunks): float64 leaves only
     rounding."""
-    n_layer = 6 if schedule == "zb-v" else 4
+    n_layer = 6 if schedule in ("zb-v", "dualpipev") else 4
     got = pools(4).run(_job, dp=1, pp=4, schedule=schedule, micro_batch=2, dtype="float64", n_layer=n_layer)
     ref = reference("float64", n_layer=n_layer)
     within(rel_diff(got[0]["losses"], ref["losses"]), 1e-13, "loss (float64)")

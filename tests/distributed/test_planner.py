@@ -293,7 +293,8 @@ def _pipeline_peak(schedule: str, virtual_stages: int) -> dict:
 
 
 @pytest.mark.parametrize("schedule,v,pp", [("gpipe", 1, 2), ("1f1b", 1, 2), ("interleaved", 2, 2), ("zero-bubble", 1, 2),
-                                           ("zb-h1", 1, 2), ("zb-v", 2, 2), ("zero-bubble", 1, 4), ("zb-h1", 1, 4)])
+                                           ("zb-h1", 1, 2), ("zb-v", 2, 2), ("dualpipev", 2, 2), ("zero-bubble", 1, 4),
+                                           ("zb-h1", 1, 4)])
 def test_pipeline_activation_peak_follows_the_schedule(pools, schedule, v, pp):
     """pp 2 (and the split backward's at pp 4, whose middle stages send what their W keeps a graph for), 8
     micro-batches of 1: the peak the schedule's program gives, within 5 % (the token ids of the rank's whole batch are
