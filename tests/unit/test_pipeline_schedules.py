@@ -86,8 +86,8 @@ def _executor_costs(p: int, m: int, chunks: int, unit: float) -> list[dict[tuple
 def test_dualpipev_runs_its_eight_phases_and_idles_least(p, m):
     """DualPipeV (the V of ZB-V, eight handcrafted phases): every chunk's F once and B or I and W once per micro-batch,
     messages matched in order on every pair (the simulator checks); with chunk 0 priced as the executor runs it, its
-    bubble is the simulated one (Schedule.bubble) and at most ZB-V's (measured: equal at p 4; 3.5 passes idle against
-    11 at p 8 with m 16); every rank holds 2p + 1 micro-batch chunks at most (one more than ZB-V: the steady state's
+    bubble is the simulated one (Schedule.bubble) and at most ZB-V's (p - 1 passes idle: 1 at p 2, 3 at p 4, 7 at
+    p 8 with m 16; ZB-V 2, 3, 11); every rank holds 2p + 1 micro-batch chunks at most (one more than ZB-V: the steady state's
     forward runs before the backward beside it). m < 2p is refused with the rule."""
     schedule = Schedule("dualpipev", p, 2)
     costs = [{(k, c, mb): (0.0 if (c, k) == (0, "I") else 2.0 if k == "B" or (c, k) == (0, "W") else 1.0)
