@@ -9,7 +9,9 @@ pair is one of three kinds, each one kernel call or none:
     keys all after the queries    nothing visible: skipped
 
 (two runs that overlap otherwise are first cut at each other's ends into such pairs; pieces of one query
-run whose keys lie side by side in the block are one call). The kernel is aten's flash attention for the
+run whose keys lie side by side in the block are one call). Packed documents the same in every row (a
+micro-batch of one row, as long contexts train) cut the runs at each document's start, and pairs of runs
+in different documents are skipped: only pairs inside documents are computed, as a varlen kernel does. The kernel is aten's flash attention for the
 CPU (_scaled_dot_product_flash_attention_for_cpu: float64, float32, bf16; the kernel behind
 F.scaled_dot_product_attention on the CPU), which returns its output with the log-sum-exp, so pieces
 merge exactly as blocks do (paratrain.context_parallel.block.merge_partials), and whose backward, given
@@ -23,13 +25,14 @@ block kernel (a fused CUDA path, aten's flash kernel for 16-bit inputs, is not b
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
 
 from paratrain.context_parallel.block import merge_partials
 
-MAX_PIECES = 64
+MAX_PIECES = 256
 """More pieces than this in a block (positions scattered into many short runs): the plain kernel instead."""
 
 
@@ -50,15 +53,21 @@ def fused_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type in ("cpu", "meta") and dtype in (torch.float64, torch.float32, torch.bfloat16)
 
 
-def plan_pieces(q_pos: torch.Tensor, k_pos: torch.Tensor, *, causal: bool) -> tuple[Piece, ...] | None:
+def plan_pieces(q_pos: torch.Tensor, k_pos: torch.Tensor, *, causal: bool,
+                starts: tuple[int, ...] = ()) -> tuple[Piece, ...] | None:
     """The pieces of the block of queries at q_pos [Sq] and keys at k_pos [Sk] (host tensors of distinct
-    positions); () when no query sees a key; None when the positions make more than MAX_PIECES pieces."""
+    positions); () when no query sees a key; None when the positions make more than MAX_PIECES pieces.
+    starts: where packed documents begin in the window (ascending; the same in every row of the batch): runs
+    are cut there and a query meets only its own document's keys, so only pairs inside documents are computed."""
     nq, nk = q_pos.numel(), k_pos.numel()
     if not causal:
         return (Piece(0, nq, 0, nk, False),)
     pieces = []
-    for q_at, q_first, q_len in _runs(q_pos.tolist()):
-        for k_at, k_first, k_len in _runs(k_pos.tolist()):
+    k_runs = _runs(k_pos.tolist(), starts)
+    for q_at, q_first, q_len in _runs(q_pos.tolist(), starts):
+        for k_at, k_first, k_len in k_runs:
+            if starts and bisect.bisect_right(starts, q_first) != bisect.bisect_right(starts, k_first):
+                continue  # another document: masked
             cuts = sorted({q_first, q_first + q_len, k_first, k_first + k_len})
             spans = list(zip(cuts, cuts[1:]))
             for qa, qb in (s for s in spans if q_first <= s[0] and s[1] <= q_first + q_len):
@@ -99,11 +108,13 @@ def fused_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, piec
         dkv[1].narrow(*cols).add_(dv_p)
 
 
-def _runs(positions: list[int]) -> list[tuple[int, int, int]]:
-    """(local index, first position, length) of each maximal run of consecutive increasing positions."""
+def _runs(positions: list[int], starts: tuple[int, ...] = ()) -> list[tuple[int, int, int]]:
+    """(local index, first position, length) of each maximal run of consecutive increasing positions (cut where a
+    document starts)."""
     runs: list[tuple[int, int, int]] = []
+    cut = set(starts)
     for i, p in enumerate(positions):
-        if runs and p == runs[-1][1] + runs[-1][2]:
+        if runs and p == runs[-1][1] + runs[-1][2] and p not in cut:
             at, first, length = runs[-1]
             runs[-1] = (at, first, length + 1)
         else:

@@ -43,15 +43,15 @@ positions (group_positions: a SequenceShard does), one all-gather of the kv posi
 rank) per forward.
 
 On the CPU each block runs on the fused flash kernel, cut into runs of consecutive positions
-(paratrain.context_parallel.fused: O(S) memory, no [S_l, S_l] scores held); with keyed attention dropout,
-packed documents, positions in many short runs, or on CUDA (no fused path yet) the plain block kernel
-(paratrain.context_parallel.block) computes the rows and columns of a block that can meet.
+(paratrain.context_parallel.fused: O(S) memory, no [S_l, S_l] scores held; packed documents too when every row
+has the same); with keyed attention dropout, documents that differ by row, positions in many short runs, or on
+CUDA (no fused path yet) the plain block kernel (paratrain.context_parallel.block) computes the rows and columns
+of a block that can meet.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,7 +59,8 @@ import torch.distributed as dist
 
 from paratrain.comm.collectives import Pending, all_gather_async
 from paratrain.context_parallel.block import Drop, Scoring, block_attention, block_attention_backward, merge_partials
-from paratrain.context_parallel.fused import Piece, fused_available, fused_block_backward, fused_block_forward, plan_pieces
+from paratrain.context_parallel.fused import fused_available, fused_block_backward, fused_block_forward
+from paratrain.context_parallel.ring_plan import Step, plan
 from paratrain.nn.dropout import KeyedDropout
 from paratrain.topology.mesh import AxisGroup
 
@@ -68,7 +69,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Axi
                    q_positions: torch.Tensor, kv_positions: torch.Tensor | None = None,
                    group_positions: torch.Tensor | None = None, causal: bool = True, scale: float | None = None,
                    dropout: KeyedDropout | None = None, documents: torch.Tensor | None = None,
-                   head_block: tuple[int, int] | None = None) -> torch.Tensor:
+                   document_starts: tuple[int, ...] | None = None, head_block: tuple[int, int] | None = None
+                   ) -> torch.Tensor:
     """Attention of this rank's queries over the keys and values of every rank of `group` (the cp axis).
 
     q [B, H, S_l, D], k, v [B, Hkv, S_l, D] (H % Hkv == 0: GQA, q head h reads kv head h // (H / Hkv)),
@@ -79,7 +81,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Axi
     SequenceShard does): then no rank asks the others, and the ring's plan is made on the host without
     waiting for the device. dropout: a KeyedDropout on the attention probabilities, drawn per block at
     its (query, key) positions of the whole sequence (cp S_l long), as one process would draw them.
-    documents: [B, S_l], each query's position in its packed document (paratrain.nn.documents; causal only).
+    documents: [B, S_l], each query's position in its packed document (paratrain.nn.documents; causal only);
+    document_starts: where the documents start in the window when every row has the same (the fused kernel then
+    computes only pairs inside documents; paratrain.context_parallel.fused).
     head_block: (index, heads) when q's H heads are block `index` of `heads` the dropout's tensor has (USP).
     """
     if documents is not None and (not causal or documents.shape != (q.shape[0], q.shape[2])):
@@ -98,9 +102,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Axi
                          f"[{group.size}, {k.shape[2]}], every rank's positions")
     else:
         host_q = group_positions[group.index]
-    steps = _plan(host_q, group_positions, group, causal=causal, device=q.device,
-                  fused=dropout is None and documents is None and fused_available(q.device, q.dtype),
-                  heads=q.shape[0] * q.shape[1])
+    steps = plan(host_q, group_positions, group, causal=causal, device=q.device,
+                  fused=dropout is None and (documents is None or document_starts is not None) and fused_available(
+                      q.device, q.dtype), heads=q.shape[0] * q.shape[1], starts=document_starts or ())
     heads = None if head_block is None else (torch.arange(head_block[0] * q.shape[1], (head_block[0] + 1) * q.shape[1],
                                                           device=q.device), head_block[1])
     drop = None if dropout is None else functools.partial(_drop_block, dropout, group.size * k.shape[2], heads)
@@ -114,29 +118,10 @@ def _drop_block(dropout: KeyedDropout, seq_len: int, heads: tuple[torch.Tensor, 
     return dropout.at(probs, {2: (q_pos, seq_len), 3: (k_pos, seq_len), **({} if heads is None else {1: heads})})
 
 
-@dataclass(frozen=True)
-class _Step:
-    """One ring step: the K/V block it holds and the part of it that can meet this rank's queries."""
-
-    source: int
-    """The group index of the rank whose K/V block this step holds."""
-    k_pos: torch.Tensor
-    rows: tuple[torch.Tensor | None, ...]
-    """The query rows that see at least one key of the block, in chunks small enough that their scores against
-    the block's columns stay within SCORES_BUDGET elements (a chunk None: all rows)."""
-    cols: torch.Tensor | None
-    """The key columns that at least one query sees (None: all)."""
-    skip: bool
-    """No query sees any key: nothing to compute (the block still passes on)."""
-    pieces: tuple[Piece, ...] | None = None
-    """The block as runs for the fused kernel (paratrain.context_parallel.fused); None: the plain kernel
-    on rows x cols."""
-
-
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup,
-                q_positions: torch.Tensor, steps: list[_Step], scoring: Scoring, drop: Drop | None,
+                q_positions: torch.Tensor, steps: list[Step], scoring: Scoring, drop: Drop | None,
                 documents: torch.Tensor | None) -> torch.Tensor:
         out, lse = _forward(q, k, v, q_positions, steps, group, scoring, drop, documents)
         ctx.save_for_backward(q, k, v, q_positions, out, lse)
@@ -150,7 +135,7 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, steps: list[_Step],
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, steps: list[Step],
              group: AxisGroup, scoring: Scoring, drop: Drop | None,
              documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (out [B, H, S_l, D] in q's dtype, lse [B, H, S_l] in at least float32) merged over every block of
@@ -175,7 +160,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Ten
     return out.to(q.dtype), lse
 
 
-def _backward(saved: tuple[torch.Tensor, ...], grad_out: torch.Tensor, steps: list[_Step], group: AxisGroup,
+def _backward(saved: tuple[torch.Tensor, ...], grad_out: torch.Tensor, steps: list[Step], group: AxisGroup,
               scoring: Scoring, drop: Drop | None,
               documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """saved = (q, k, v, q_pos, out, lse) of the forward -> (dq [B, H, S_l, D], dk, dv [B, Hkv, S_l, D]):
@@ -212,36 +197,6 @@ def _backward(saved: tuple[torch.Tensor, ...], grad_out: torch.Tensor, steps: li
             kv = _arrive(hop)
     d_kv = _arrive(d_hop) if d_hop is not None else d_kv
     return dq, d_kv[0], d_kv[1]
-
-
-SCORES_BUDGET = 2**24
-"""The plain block kernel holds a chunk of rows' [B, H, rows, keys] scores (and probabilities) at a time: at
-most this many elements per chunk (64 MiB in float32), whatever the sequence length."""
-
-
-def _plan(host_q: torch.Tensor, kv_pos: torch.Tensor, group: AxisGroup, *, causal: bool, device: torch.device,
-          fused: bool = False, heads: int = 1) -> list[_Step]:
-    """The ring's steps for this rank, from its query positions and every rank's kv positions kv_pos
-    [cp, S_l], both where kv_pos lives (the host, when a SequenceShard gave them, so no decision waits for
-    the device); each step's rows, columns and positions are then moved to `device`. fused: cut each block
-    into pieces for the fused kernel where the positions allow. heads: B x H of the queries (for the plain
-    kernel's row chunks)."""
-    steps = []
-    for s in range(group.size):
-        source = (group.index - s) % group.size
-        k_pos = kv_pos[source]
-        pieces = plan_pieces(host_q, k_pos, causal=causal) if fused else None
-        rows = torch.nonzero(host_q >= k_pos.min()).flatten() if causal else torch.arange(len(host_q))
-        cols = torch.nonzero(k_pos <= host_q.max()).flatten() if causal else torch.arange(len(k_pos))
-        chunk = max(1, SCORES_BUDGET // max(1, heads * len(cols)))
-        if len(rows) == len(host_q) and len(rows) <= chunk:  # queries at or after the block's first key
-            row_chunks: tuple[torch.Tensor | None, ...] = (None,)
-        else:
-            row_chunks = tuple(part.to(device) for part in rows.split(chunk))
-        steps.append(_Step(source, k_pos.to(device), row_chunks,  # keys at or before this rank's last query
-                           None if len(cols) == len(k_pos) else cols.to(device), skip=len(rows) == 0,
-                           pieces=pieces))
-    return steps
 
 
 def _gather_positions(kv_pos: torch.Tensor, group: AxisGroup) -> torch.Tensor:

@@ -96,8 +96,10 @@ class SequenceShard:
         back as a Documents carrying it."""
         documents = _documents_of(micro) if self.balance == "documents" else None
         if documents is not None:
-            everyone = document_split(documents, self.group.size)
-            split = WindowSplit(everyone[self.group.index].to(documents.device), everyone)
+            host = documents.reshape(-1, documents.shape[-1]).to("cpu", torch.int64)
+            everyone = document_split(host, self.group.size)
+            starts = tuple(torch.nonzero(host[0] == 0).flatten().tolist()) if bool((host == host[0]).all()) else None
+            split = WindowSplit(everyone[self.group.index].to(documents.device), everyone, starts)
             if isinstance(micro, Mapping):
                 return {k: self._shard(v, split, k == "positions") for k, v in micro.items()}
             return type(micro)(self._shard(t, split, i == 2) for i, t in enumerate(micro))  # type: ignore[call-arg]
@@ -128,18 +130,19 @@ class SequenceShard:
         n = q.shape[-2]
         split = documents.split if isinstance(documents, Documents) else None
         documents = Documents.tensor(documents)
+        starts = None if split is None else split.starts
         if split is not None:
             positions, everyone = split.mine, split.everyone
         else:
             positions, everyone = self.positions(n, q.device), self.group_positions(n)
         if self.usp is not None:
             return usp_attention(q, k, v, *self.usp, group_positions=everyone, scale=scale, dropout=dropout,
-                                 documents=documents)
+                                 documents=documents, document_starts=starts)
         if self.mode == "ulysses":
             return ulysses_attention(q, k, v, self.group, q_positions=positions, group_positions=everyone,
                                      causal=True, scale=scale, dropout=dropout, documents=documents)
         return ring_attention(q, k, v, self.group, q_positions=positions, group_positions=everyone, causal=True,
-                              scale=scale, dropout=dropout, documents=documents)
+                              scale=scale, dropout=dropout, documents=documents, document_starts=starts)
 
     def attention_core(self, dropout: nn.Module | None = None) -> nn.Module:
         """A module that stands where a model's attention core (softmax(q k^T) v) stood; dropout: that

@@ -44,14 +44,16 @@ from paratrain.topology.mesh import AxisGroup
 
 def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses: AxisGroup, ring: AxisGroup, *,
                   group_positions: torch.Tensor, causal: bool = True, scale: float | None = None,
-                  dropout: KeyedDropout | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+                  dropout: KeyedDropout | None = None, documents: torch.Tensor | None = None,
+                  document_starts: tuple[int, ...] | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence of the cp group (ulysses x ring ranks).
 
     q [B, H, S_l, D], k, v [B, Hkv, S_l, D]: this rank's tokens; group_positions [cp, S_l] on the host: every cp
     rank's global positions, row i cp index i (a SequenceShard's group_positions). Returns [B, H, S_l, D], equal to
     single-process attention over the whole sequence at those positions (causal: key position <= query position;
     scale 1 / sqrt(D) by default). Collective over both groups. dropout: a KeyedDropout on the probabilities, drawn
-    as one process draws them; documents: [B, S_l], each token's position in its packed document (causal only)."""
+    as one process draws them; documents: [B, S_l], each token's position in its packed document (causal only);
+    document_starts: where they start in the window when every row has the same (ring_attention's)."""
     u, r = ulysses.size, ring.size
     cp, local = u * r, q.shape[2]
     check_ulysses_heads(q.shape[1], k.shape[1], u)
@@ -66,5 +68,5 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses: Ax
     documents = None if documents is None else gathered_sequence(documents, ulysses)
     out = ring_attention(q, k, v, ring, q_positions=ring_positions[ring.index].to(q.device),
                          group_positions=ring_positions, causal=causal, scale=scale, dropout=dropout,
-                         documents=documents, head_block=(ulysses.index, heads))
+                         documents=documents, document_starts=document_starts, head_block=(ulysses.index, heads))
     return heads_to_sequence(out, ulysses)

@@ -62,6 +62,9 @@ class WindowSplit(NamedTuple):
     """int64 [n] on the device: the window positions of this rank's tokens, in its order."""
     everyone: torch.Tensor
     """int64 [cp, n] on the host: every cp rank's, row r rank r's."""
+    starts: tuple[int, ...] | None = None
+    """Where the documents start in the window when every row of the micro-batch has the same (a micro-batch of
+    one row): the CPU's fused ring kernel then computes only pairs inside documents. None: they differ by row."""
 
 
 class Documents:

@@ -29,10 +29,8 @@ Schedules:
   micro-batch chunks held a rank: p whole stages' activations, 1F1B's first-stage peak, on every rank; it idles
   at most ZB-H1's time (half at p 4; Schedule.bubble). The hand-off between chunks p - 1 and p stays on rank p - 1
   (a send to itself: paratrain.pipeline.p2p).
-- dualpipev (DeepSeek-AI's DualPipeV, DualPipe cut in half): ZB-V's V placement, handcrafted in eight phases
-  (paratrain.pipeline.zero_bubble.dualpipev_order): a steady state pairing each forward with a whole backward of
-  the rank's other chunk (DualPipe overlaps the two; run here one after the other), I and W apart at the ends.
-  Needs m >= 2p.
+- dualpipev (DeepSeek's DualPipeV): ZB-V's V in eight handcrafted phases (zero_bubble.dualpipev_order), each
+  steady-state forward beside a whole backward of the other chunk, I and W apart at the ends; m >= 2p.
 - zb-h1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ZB-H1 as handcrafted there): 1F1B with the
   backward split into I and W, rank r deferring its W passes by r micro-batches, so that W fills the bubble
   1F1B leaves at the start of later stages and the tail of earlier ones. Each rank idles (p - 1)(F + I - W)
@@ -52,7 +50,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from paratrain.config.parallel import ScheduleError, check_schedule  # the names and rules: config; the programs: here
-from paratrain.pipeline.zero_bubble import dualpipev_order, list_schedule, v_placement
+from paratrain.pipeline.zero_bubble import dualpipev_order, dualpipev_span, list_schedule, v_placement
 
 COMPUTE = ("F", "B", "I", "W")
 
@@ -125,10 +123,10 @@ class Schedule:
         """Idle share of a step (idle over total time per rank) with equal stages: gpipe, 1f1b (p - 1) / (m + p - 1);
         interleaved (p - 1) / (v m + p - 1) (the bubble is (p - 1) / (v m) of the ideal time); zero-bubble as
         paratrain schedules it, with F = I = W: each rank idles (p - 1)(F + I) against m (F + I + W) of work,
-        2 (p - 1) / (3 m + 2 (p - 1)); zb-h1 idles (p - 1)(F + I - W), (p - 1) / (3 m + p - 1); zb-v its list
-        schedule's simulated span, chunk passes of 1 but chunk 0's I empty and its W 2 (as the executor runs them):
-        p - 1 passes idle a rank at p 4 (half ZB-H1's), 2 at p 2 and 4 at p 3 (ZB-H1's), 11 at p 8 with 16
-        micro-batches (ZB-H1 14); past 4p micro-batches each adds its 6 passes to the span."""
+        2 (p - 1) / (3 m + 2 (p - 1)); zb-h1 idles (p - 1)(F + I - W), (p - 1) / (3 m + p - 1); zb-v and dualpipev
+        their simulated spans, chunk passes of 1 but chunk 0's I empty and its W 2 (as the executor runs them): zb-v
+        idles 2, 3, 11 passes a rank at p 2, 4, 8 (m 16; ZB-H1 14), dualpipev p - 1; past 4p micro-batches each adds
+        its 6 passes to the span."""
         p, m, v = self.stages, microbatches, self.chunks
         if m < 1:
             raise ValueError(f"micro-batches must be >= 1, got {m}")
@@ -138,8 +136,8 @@ class Schedule:
             return (p - 1) / (3.0 * m + p - 1)
         if self.name in V_SHAPED:  # each rank 6m chunk actions of 1; past 4p micro-batches each adds its 6 to the span
             ref = self.peak_microbatches(m)
-            span = (list_schedule(v_placement(p), (2 * p,) * p, ref, empty_first_i=True)[1] if self.name == "zb-v"
-                    else _dualpipev_span(p, ref))
+            span = dualpipev_span(p, ref) if self.name == "dualpipev" else list_schedule(
+                v_placement(p), (2 * p,) * p, ref, empty_first_i=True)[1]
             return 1.0 - 6.0 * m / (span + 6.0 * (m - ref))
         if self.splits_backward:
             return 2.0 * (p - 1) / (3.0 * m + 2.0 * (p - 1))
@@ -173,20 +171,6 @@ def compute_order(name: str, stages: int, microbatches: int, rank: int, chunks: 
     if name == "zb-h1":
         return _zb_h1(p, m, r)
     return _interleaved(p, m, r, chunks)
-
-
-@functools.lru_cache(maxsize=64)
-def _dualpipev_span(p: int, m: int) -> float:
-    """DualPipeV's simulated makespan with chunk passes of 1 (B 2), chunk 0 priced as the executor runs it (I 0,
-    W 2), communication free."""
-    from paratrain.pipeline.simulate import simulate  # (it reads this module's Schedule)
-
-    schedule = Schedule("dualpipev", p, 2)
-    programs = [list(prog) for prog in _programs("dualpipev", p, 2, m)]
-    cost = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
-    durations = [{(a.kind, a.chunk, a.mb): (cost[a.kind] if a.chunk else {"I": 0.0, "W": 2.0}.get(a.kind, cost[a.kind]))
-                  for a in prog if a.kind in COMPUTE} for prog in programs]
-    return simulate(programs, schedule, microbatches=m, durations=durations).makespan
 
 
 def _one_f_one_b(p: int, m: int, r: int, backward: str) -> list[Action]:

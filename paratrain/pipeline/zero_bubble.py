@@ -168,3 +168,36 @@ def dualpipev_order(stages: int, microbatches: int, rank: int) -> tuple[tuple[st
     for _ in range(r + 1):
         weight()
     return tuple(order)
+
+
+@functools.lru_cache(maxsize=256)
+def dualpipev_span(stages: int, microbatches: int) -> float:
+    """DualPipeV's makespan in chunk passes (v_span)."""
+    return v_span(tuple(dualpipev_order(stages, microbatches, r) for r in range(stages)), 2 * stages)
+
+
+def v_span(orders: tuple[tuple[tuple[str, int, int], ...], ...], chunks: int) -> float:
+    """The makespan of every rank's compute order run in order, communication free, each pass 1 (B 2) but chunk 0's I
+    0 and W 2 (as the executor runs them): F(c) after F(c - 1) of its micro-batch, I or B (c) after I or B (c + 1) (the
+    last chunk: after its own F), W after its I. (paratrain.pipeline.simulate runs whole programs; this needs none.)"""
+    done: dict[tuple[str, int, int], float] = {}
+    clock, at = [0.0] * len(orders), [0] * len(orders)
+    while any(at[r] < len(o) for r, o in enumerate(orders)):
+        moved = False
+        for r, order in enumerate(orders):
+            while at[r] < len(order):
+                kind, c, mb = order[at[r]]
+                need = (("F", c - 1, mb),) if kind == "F" and c else () if kind == "F" else (
+                    (("I", c, mb),) if kind == "W" else (("F", c, mb),) if c == chunks - 1 else (("I", c + 1, mb),))
+                if any(n not in done for n in need):
+                    break
+                cost = 2.0 if kind == "B" else {"I": 0.0, "W": 2.0}.get(kind, 1.0) if c == 0 else 1.0
+                clock[r] = max([clock[r], *(done[n] for n in need)]) + cost
+                done[(kind, c, mb)] = clock[r]
+                if kind == "B":
+                    done[("I", c, mb)] = clock[r]  # what the previous chunk waits for
+                at[r] += 1
+                moved = True
+        if not moved:
+            raise ScheduleError("a compute order waits on itself: no rank can move")
+    return max(clock)

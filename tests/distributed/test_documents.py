@@ -139,7 +139,7 @@ def _job(kind: str, **layout) -> dict:
     # the document-aware split (cp_balance documents): every micro-batch cut by its documents' work, here at one
     # token a piece, so each rank's positions are scattered over the window and travel with the micro-batch
     ("gpt", dict(cp=2, tp=2, sequence_parallel=True, cp_balance="documents", micro_batch=4)),
-    ("llama-tied", dict(cp=2, cp_balance="documents", micro_batch=4)),
+    ("llama-tied", dict(cp=2, cp_balance="documents", micro_batch=1)),  # one row: the fused kernel, runs cut at documents
     ("llama", dict(cp=2, cp_mode="ulysses", pp=2, cp_balance="documents", micro_batch=2)),
     ("gpt2", dict(cp=4, cp_mode="usp", cp_ulysses=2, cp_balance="documents", micro_batch=4)),
 ], ids=["gpt-tp2-sp", "gpt-pp2", "gpt-zero3", "llama-tp2", "llama-pp2", "gpt2-pp2", "gpt-cp2-ring", "gpt-cp2-ulysses",

@@ -19,7 +19,7 @@ from paratrain.context_parallel import (
     unshard_sequence,
 )
 from paratrain.context_parallel.block import Scoring
-from paratrain.context_parallel.ring import _plan
+from paratrain.context_parallel.ring_plan import plan
 from paratrain.topology import AxisGroup
 from tests.margins import within
 
@@ -146,6 +146,39 @@ def test_fused_pieces_are_the_plain_block(hkv):
     assert [p.causal for p in own] == [True, False, True] and other == (other[0],) and not other[0].causal
 
 
+def test_fused_pieces_of_packed_documents_are_the_masked_block():
+    """Packed documents the same in every row (document_starts): runs cut at each document's start, pairs of runs in
+    different documents skipped, so the fused pieces compute only pairs inside documents and give the plain kernel's
+    document-masked (out, lse) and gradients (float64, 1e-13), on the document-aware split's scattered positions."""
+    from paratrain.context_parallel.fused import fused_block_backward, fused_block_forward, plan_pieces
+    from paratrain.context_parallel.layout import document_split
+
+    lengths = (5, 9, 3, 12, 2, 1)
+    documents = torch.cat([torch.arange(n) for n in lengths])  # [32]: each token's position in its document
+    starts = tuple(torch.nonzero(documents == 0).flatten().tolist())
+    split = document_split(documents, 2)
+    scoring = Scoring(causal=True, scale=D ** -0.5)
+    for q_pos, k_pos in [(split[0], split[1]), (split[1], split[0]), (split[0], split[0])]:
+        q, k, v = _qkv(len(q_pos), len(k_pos), 2, seed=int(q_pos[0]))
+        q_doc = documents[q_pos].expand(B, -1)
+        plain_out, plain_lse = block_attention(q, k, v, q_pos, k_pos, scoring, None, q_doc)
+        pieces = plan_pieces(q_pos, k_pos, causal=True, starts=starts)
+        assert pieces is not None and sum(p.nq * p.nk for p in pieces) < len(q_pos) * len(k_pos) // 2
+        out, lse = torch.zeros_like(q), torch.full(q.shape[:3], float("-inf"), dtype=q.dtype)
+        fused_block_forward(q, k, v, pieces, scale=scoring.scale, out=out, lse=lse)
+        seen = torch.isfinite(plain_lse)
+        assert torch.equal(seen, torch.isfinite(lse))
+        within(float((out - plain_out).abs().max()), 1e-13, "fused documents out (float64)")
+        within(float((lse[seen] - plain_lse[seen]).abs().max()), 1e-13, "fused documents lse (float64)")
+        grad = torch.randn_like(out)
+        dq, dkv = torch.zeros_like(q), torch.zeros(2, *k.shape, dtype=k.dtype)
+        lse_safe = torch.where(seen, lse, torch.zeros_like(lse))
+        fused_block_backward(q, k, v, pieces, (out, lse_safe), grad, scale=scoring.scale, dq=dq, dkv=dkv)
+        expected = block_attention_backward(q, k, v, q_pos, k_pos, (out, lse), grad, scoring, None, q_doc)
+        for got, want, what in zip((dq, dkv[0], dkv[1]), expected, ("dq", "dk", "dv")):
+            within(float((got - want).abs().max()), 1e-13, f"fused documents {what} (float64)")
+
+
 def test_fully_masked_rows_give_zero_not_nan():
     q, k, v = _qkv(4, 4, 2, seed=3)
     q_pos, k_pos = torch.tensor([0, 1, 10, 11]), torch.tensor([5, 6, 7, 8])  # rows 0, 1 see no key
@@ -171,10 +204,11 @@ def _group(index: int, cp: int) -> AxisGroup:
 def test_ring_of_one_is_attention(kernel, monkeypatch):
     """Through the fused pieces, and through the plain block kernel holding scores of 3 rows at a time."""
     import paratrain.context_parallel.ring as ring
+    import paratrain.context_parallel.ring_plan as ring_plan
 
     if kernel != "fused":
         monkeypatch.setattr(ring, "fused_available", lambda device, dtype: False)
-        monkeypatch.setattr(ring, "SCORES_BUDGET", 3 * B * H * 8)
+        monkeypatch.setattr(ring_plan, "SCORES_BUDGET", 3 * B * H * 8)
     q, k, v = _qkv(8, 8, 2, seed=4)
     x = [t.clone().requires_grad_() for t in (q, k, v)]
     y = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -202,7 +236,7 @@ def test_balanced_split_gives_every_step_equal_work(cp):
     for balanced in (True, False):
         positions = torch.stack([local_positions(seq, r, cp, balanced=balanced) for r in range(cp)])
         for rank in range(cp):
-            steps = _plan(positions[rank], positions, _group(rank, cp), causal=True, device=torch.device("cpu"))
+            steps = plan(positions[rank], positions, _group(rank, cp), causal=True, device=torch.device("cpu"))
             work = [0 if s.skip else _count(s.rows, 2 * c) * _count(s.cols, 2 * c) for s in steps]
             if balanced:
                 assert work == [4 * c * c] + [2 * c * c] * (cp - 1), (rank, work)
