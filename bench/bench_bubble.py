@@ -18,6 +18,8 @@ and the autograd engine between actions are real). Stages are balanced, so the f
     zb-v             two chunks a rank in a V, list-scheduled with equal passes (chunk 0's I empty, its W the
                      whole backward, as the executor runs it), 2p chunks (p stages' activations) a rank at most:
                      Schedule.bubble, its simulated span (1 / 25 of the step at p = 2, 3 / 51 at p = 4, m = 8)
+    dualpipev        the V in DualPipeV's eight phases (a whole B beside I and W): Schedule.bubble, its simulated
+                     span (p - 1 passes idle a rank: 1 / 49 of the step at p = 2, 3 / 51 at p = 4, m = 8)
 
 Measured bubble of a step: 1 - sum of compute time / (p x the longest rank's step time); the median
 over steps is reported with its ratio to the formula and the replay (the simulator fed with every
@@ -35,7 +37,7 @@ from pathlib import Path
 from bench.world import run_world
 
 LAYERS, WIDTH, ROWS_PER_MICRO, MICROBATCHES = 8, 16, 2, 8
-SCHEDULES = ["gpipe", "1f1b", "interleaved", "zero-bubble", "zb-h1", "zb-v"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zero-bubble", "zb-h1", "zb-v", "dualpipev"]
 
 
 def _contender(schedule: str, pp: int, unit: float, steps: int) -> dict:
@@ -74,7 +76,7 @@ def _contender(schedule: str, pp: int, unit: float, steps: int) -> dict:
                 return Held.apply(x, unit, unit) + Held.apply(self.bias, 0.0, unit)
             return Held.apply(x, unit, 0.0) + Held.apply(self.bias, 0.0, 2 * unit)
 
-    v = 2 if schedule in ("interleaved", "zb-v") else 1
+    v = 2 if schedule in ("interleaved", "zb-v", "dualpipev") else 1
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=1, pp=pp, schedule=schedule, virtual_stages=v))
     model = nn.Sequential(*[Timed() for _ in range(LAYERS)])
 
@@ -140,10 +142,10 @@ def formula(schedule: str, p: int, m: int) -> float:
         return (p - 1) * (f + i) / (m * (f + i + w) + (p - 1) * (f + i))
     if schedule == "zb-h1":
         return (p - 1) * (f + i - w) / (m * (f + i + w) + (p - 1) * (f + i - w))
-    if schedule == "zb-v":  # its list schedule's own, simulated with equal passes and chunk 0's I empty
+    if schedule in ("zb-v", "dualpipev"):  # their simulated spans, equal passes and chunk 0's I empty
         from paratrain.pipeline.schedules import Schedule
 
-        return Schedule("zb-v", p, 2).bubble(m)
+        return Schedule(schedule, p, 2).bubble(m)
     return (p - 1) / (m + p - 1)
 
 

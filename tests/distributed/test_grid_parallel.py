@@ -199,13 +199,13 @@ LAYOUTS = {  # (world, kwargs): 2d on 4 ranks (tied embedding, dropout, untied),
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_2d_gpt_matches_the_single_process(pools, name):
-    """Loss and grad norm at every step, weights and AdamW state after 5 steps, float64. Worst measured (AMD EPYC,
-    avx2 and default kernels): loss 3.3e-16, grad norm 9.7e-16, weights 7.6e-15 (dropout; 132x under the bound),
-    optimizer 8.3e-17."""
+    """Loss and grad norm at every step, weights and AdamW state after 3 steps, float64. Worst measured over 5 steps
+    (AMD EPYC, avx2 and default kernels): loss 3.3e-16, grad norm 9.7e-16, weights 7.6e-15 (dropout; 132x under the
+    bound), optimizer 8.3e-17."""
     world, kwargs = LAYOUTS[name]
-    got = pools(world).run(_job, steps=5, **kwargs)
+    got = pools(world).run(_job, steps=3, **kwargs)
     extra = {k: v for k, v in kwargs.items() if k in ("dropout", "overrides")}
-    ref = reference_run(5, dtype="float64", **extra)
+    ref = reference_run(3, dtype="float64", **extra)
     for rank in got:
         within(rel_diff(rank["losses"], ref["losses"]), 1e-12, f"{name} loss (float64)")
         within(rel_diff(rank["grad_norms"], ref["grad_norms"]), 1e-12, f"{name} grad norm (float64)")

@@ -405,18 +405,18 @@ def test_started_by_external_torchrun(tmp_path):
 
 def test_default_demo_learns(tmp_path):
     """`paratrain train` with no flags but the step count: 2 processes, small GPT, built-in corpus (the
-    README's main job, shortened to 60 steps: the whole job takes about 2 minutes on 2 cores, and its
+    README's main job, shortened to 30 steps: the whole job takes about 2 minutes on 2 cores, and its
     validation loss 5.3 -> 1.7 is the README's measurement)."""
     started = time.monotonic()
     log = tmp_path / "demo.jsonl"
-    out = paratrain("train", "--steps", "60", "--log-json", str(log), timeout=600)
+    out = paratrain("train", "--steps", "30", "--log-json", str(log), timeout=600)
     elapsed = time.monotonic() - started
     assert out.returncode == 0, out.stderr
     val = [r["val_loss"] for r in records(log) if "val_loss" in r]
-    assert val[-1] < 0.55 * val[0], val  # 5.31 -> 2.44 at step 60 here (0.46)
+    assert val[-1] < 0.6 * val[0], val  # 5.31 -> 2.73 at step 30 here (0.51; 2.44 at step 60)
     assert "sample:" in out.stdout and "validation loss:" in out.stdout
     assert re.search(r"throughput: [\d,]+ tokens/s \(the steps after the first\)", out.stdout), out.stdout  # no MFU on CPU
-    assert elapsed < 120, f"60 steps of the demo took {elapsed:.0f}s"  # 30 s here
+    assert elapsed < 90, f"30 steps of the demo took {elapsed:.0f}s"  # 20 s here
 
 
 def test_plan_auto_calibrates_chooses_and_launches_the_layout(tmp_path):
