@@ -44,6 +44,9 @@ def pytest_collection_modifyitems(config, items):
     except ImportError:  # pragma: no cover
         has_gpu = False
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    large = pytest.mark.skip(reason="more processes than the suite's time allows: run with PARATRAIN_LARGE=1")
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip)
+        if "large" in item.keywords and os.environ.get("PARATRAIN_LARGE") != "1":
+            item.add_marker(large)

@@ -53,13 +53,14 @@ def test_pipeline_float64_is_exact(pools, schedule):
 
 @pytest.mark.parametrize("zero,sequence_parallel,recompute,schedule", [(1, True, True, "zb-h1"),
                                                                        (2, False, False, "1f1b"),
-                                                                       (1, False, False, "zb-v")])
+                                                                       (1, False, False, "zb-v"),
+                                                                       (1, True, False, "dualpipev")])
 def test_3d_hybrid_matches_single_process(pools, zero, sequence_parallel, recompute, schedule):
     """dp 2 x tp 2 x pp 2 on 8 processes, with ZeRO over dp (DeepSpeed refuses ZeRO-2 with pipelining),
-    sequence parallelism and recomputation; ZB-H1's and ZB-V's weight-gradient passes over tp slices and ZeRO-1's
-    buckets (ZB-V: the tied embedding and head both on pipeline rank 0)."""
+    sequence parallelism and recomputation; ZB-H1's, ZB-V's and DualPipeV's weight-gradient passes over tp slices and
+    ZeRO-1's buckets (the V: the tied embedding and head both on pipeline rank 0; DualPipeV: 8 micro-batches of 1)."""
     got = pools(8).run(_job, dp=2, tp=2, pp=2, zero=zero, sequence_parallel=sequence_parallel,
-                       recompute=recompute, micro_batch=2, schedule=schedule)
+                       recompute=recompute, micro_batch=1 if schedule == "dualpipev" else 2, schedule=schedule)
     ref = reference()
     assert_matches_reference(got, ref)
 
