@@ -224,8 +224,9 @@ def _candidate_fields(model: ModelConfig, devices: int, hardware: Hardware, *, g
                 if schedule == "zb-h1" and (per_rank // mb < pp or v_fits) and "schedule" not in pins:
                     continue  # ZB-H1 needs a micro-batch per stage at least (its rule, said when pinned); where ZB-V
                     # cuts the model, it idles half ZB-H1's at the same memory a rank, so only ZB-V is priced
-                if schedule == "dualpipev" and per_rank // mb < 2 * pp and "schedule" not in pins:
-                    continue  # (its rule, said when pinned)
+                if schedule == "dualpipev" and (per_rank // mb < 2 * pp or pp < 8) and "schedule" not in pins:
+                    continue  # its rule (said when pinned); below pp 8 it idles as ZB-V does, or one pass less at
+                    # pp 2, and holds one chunk more: ZB-V is priced there
                 if tp_mode != "1d" and (sp or ep > 1 or cut):  # the grid modes compose with none of these
                     continue
                 if tp_mode != "1d" and "micro_batch" not in pins and mb % ParallelConfig(
@@ -259,7 +260,7 @@ def grid_modes(tp: int) -> list[tuple[str, int]]:
 PIPELINES = ((1, "1f1b"), (1, "zb-h1"), (2, "interleaved"), (2, "zb-v"), (2, "dualpipev"))
 """The (chunks a rank, schedule) pairs the search tries under pp > 1 (pin --schedule for the others: GPipe holds
 every micro-batch, and zero-bubble trades ZB-H1's later stages' memory for more idle time); ZB-H1 only where the
-model has too few layers for the V's 2 pp chunks, DualPipeV where there are 2 pp micro-batches or more."""
+model has too few layers for the V's 2 pp chunks, DualPipeV at pp 8 and up with 2 pp micro-batches or more."""
 
 GRID_MAX_TP = 64
 """The search tries the grid modes up to this tp (pin --tp to try more): the largest grids of the papers (Optimus,
