@@ -63,11 +63,11 @@ def plan_pieces(q_pos: torch.Tensor, k_pos: torch.Tensor, *, causal: bool,
     if not causal:
         return (Piece(0, nq, 0, nk, False),)
     pieces = []
-    k_runs = _runs(k_pos.tolist(), starts)
+    by_document: dict[int, list[tuple[int, int, int]]] = {}  # runs of keys by their document (runs are cut at starts)
+    for run in _runs(k_pos.tolist(), starts):
+        by_document.setdefault(bisect.bisect_right(starts, run[1]), []).append(run)
     for q_at, q_first, q_len in _runs(q_pos.tolist(), starts):
-        for k_at, k_first, k_len in k_runs:
-            if starts and bisect.bisect_right(starts, q_first) != bisect.bisect_right(starts, k_first):
-                continue  # another document: masked
+        for k_at, k_first, k_len in by_document.get(bisect.bisect_right(starts, q_first), []):  # its own document's
             cuts = sorted({q_first, q_first + q_len, k_first, k_first + k_len})
             spans = list(zip(cuts, cuts[1:]))
             for qa, qb in (s for s in spans if q_first <= s[0] and s[1] <= q_first + q_len):

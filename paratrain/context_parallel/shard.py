@@ -192,9 +192,14 @@ class ContextParallelCore(nn.Module):
 
 def _documents_of(micro: Any) -> torch.Tensor | None:
     """The packed documents' positions [B, S] of a micro-batch: the third of (inputs, targets, positions), or a
-    mapping's "positions"; None without them."""
+    mapping's "positions", integers; None without them."""
     if isinstance(micro, Mapping):
-        return micro.get("positions")
-    if isinstance(micro, (tuple, list)) and len(micro) == 3:
-        return micro[2]
-    return None
+        found = micro.get("positions")
+    else:
+        found = micro[2] if isinstance(micro, (tuple, list)) and len(micro) == 3 else None
+    if found is not None and (not isinstance(found, torch.Tensor) or found.is_floating_point() or found.dim() != 2):
+        raise ValueError(f"cp_balance documents splits a micro-batch by its packed documents' positions: integers "
+                         f"[rows, seq] as the third of (inputs, targets, positions) (paratrain.nn.documents); got "
+                         f"{type(found).__name__} {getattr(found, 'dtype', '')} {tuple(getattr(found, 'shape', ()))}: "
+                         "pass positions there, or use cp_balance positions")
+    return found

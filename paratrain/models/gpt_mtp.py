@@ -83,6 +83,9 @@ class MultiTokenPrediction(nn.Module):
         """Run on a part of each sequence: inputs and labels are shifted on the whole sequence (look_ahead)."""
         self.sequence = shard
 
+    reads_fixed_split = "multi-token prediction shifts its inputs and labels in the fixed split's order"
+    """Why MTP cannot follow a split that changes by micro-batch (paratrain.hybrid.steps.apply_context_parallel)."""
+
     def forward(self, hidden: torch.Tensor, idx: torch.Tensor, documents: Documents | None, cos: torch.Tensor,
                 sin: torch.Tensor, head: nn.Module) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """hidden: the last block's output; idx[B, n] the input token ids; head: the model's (shared). Returns each

@@ -83,6 +83,11 @@ class Documents:
     def of(given: torch.Tensor | Documents | None) -> Documents | None:
         return given if given is None or isinstance(given, Documents) else Documents(given)
 
+    @property
+    def shape(self) -> torch.Size:
+        """positions' [B, S] (what a micro-batch's tensors are asked for: rows, sequence)."""
+        return self.positions.shape
+
     @staticmethod
     def tensor(given: torch.Tensor | Documents | None) -> torch.Tensor | None:
         """The positions[B, S] of `given` (a tensor as it is)."""

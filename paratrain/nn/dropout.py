@@ -84,6 +84,13 @@ class KeyedDropout(nn.Module):
                              "cut over the 2d grid's rows; DropoutStream.at_rows keys where the micro-batch starts)")
         self.split = {**self.split, dim: (*self.split.get(dim, ()), split)}
 
+    @property
+    def reads_fixed_split(self) -> str:
+        """Why this module cannot follow a split that changes by micro-batch (its masks drawn at the fixed split's
+        positions of a sequence); "" when it can (no dropout, or none placed along a sequence)."""
+        placed = any(isinstance(split, Placed) for splits in self.split.values() for split in splits)
+        return f"dropout {self.p:g} draws its masks at the fixed split's positions" if placed and self.p > 0 else ""
+
     def attach(self, stream: DropoutStream, name: str) -> None:
         """Draw from `stream` under `name` (the module's name in the model, the same in every layout)."""
         self.stream, self.key_name = stream, name

@@ -94,6 +94,13 @@ class Router(nn.Module):
         if settings.bias_rate > 0:  # state, not a parameter: in checkpoints, moved by update_bias
             self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
 
+    @property
+    def reads_fixed_split(self) -> str:
+        """Why this router cannot follow a split that changes by micro-batch: capacity counts each sequence's tokens
+        in the fixed split's order ("" when dropless)."""
+        return f"expert capacity ({self.capacity_factor:g}) counts tokens in the fixed split's order" \
+            if self.capacity_factor > 0 else ""
+
     def forward(self, x: torch.Tensor, sequence: SequenceSplit | None = None) -> Routing:
         """x [B, S, D]: S tokens of each sequence, all of it, or this rank's part under `sequence`."""
         with _no_autocast(x.device):  # routing in float32 at least, also under mixed precision

@@ -222,3 +222,33 @@ def test_one_mask_is_kept_for_every_layer():
     b, s, half = inputs.shape[0], inputs.shape[1], config.head_dim // 2
     expected = b * s * s * 4 + 2 * config.n_layer * b * s * half * 4 - 2 * config.seq_len * half * 4
     assert kept["documents"] - kept["causal"] == expected
+
+
+def _refusal(preset_name: str, overrides: dict) -> str | None:
+    import paratrain
+    from paratrain.config import ConfigError, preset
+
+    ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(cp=2, cp_balance="documents"))
+    model = paratrain.build_gpt(preset(preset_name, seq_len=SEQ, vocab_size=VOCAB, **overrides), seed=3)
+    try:
+        engine = paratrain.parallelize(model, ctx, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    except ConfigError as error:
+        return str(error)
+    inputs, targets, positions = batch(0)
+    with pytest.raises(ValueError, match="integers \\[rows, seq\\] as the third"):  # a float third tensor is no
+        engine.train_step((inputs, targets, positions.double()), paratrain.models.lm_loss)  # documents' positions
+    return None
+
+
+@pytest.mark.parametrize("preset_name,overrides,needle", [
+    ("tiny", dict(dropout=0.1), "dropout 0.1 draws its masks at the fixed split's positions"),
+    ("tiny", dict(mtp_depth=1), "multi-token prediction shifts its inputs and labels"),
+    ("tiny-moe", dict(capacity_factor=1.25), "expert capacity (1.25) counts tokens in the fixed split's order"),
+    ("tiny", {}, None),
+], ids=["dropout", "mtp", "capacity", "none"])
+def test_the_document_split_refuses_what_reads_the_fixed_split(pools, preset_name, overrides, needle):
+    """What draws or gathers at the fixed split's positions (the [B, S, D] dropout masks, MTP's shift, per-sequence
+    expert capacity) cannot follow a split that changes by micro-batch: paratrain.parallelize refuses it with the
+    rule (the run's checks say it before launch, tests/unit/test_config.py); a float third tensor is refused too."""
+    for message in pools(2).run(_refusal, preset_name, overrides):
+        assert (message is None) if needle is None else (needle in message), message

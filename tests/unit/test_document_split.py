@@ -54,3 +54,15 @@ def test_rows_are_weighed_together_and_equal_documents_keep_the_causal_balance()
 def test_a_window_the_split_cannot_cut_is_refused():
     with pytest.raises(Exception, match="divisible by 8"):
         document_split(packed(30), 4)
+
+
+def test_a_micro_batch_carrying_its_split_still_counts_its_rows():
+    """Under the document-aware split a micro-batch's positions are a Documents carrying the split: what counts a
+    batch's rows (the Trainer's loss normalisation) reads its shape as the positions'."""
+    from paratrain.hybrid.batches import batch_rows
+    from paratrain.nn.documents import Documents, WindowSplit
+
+    positions = packed(3, 5).expand(2, -1)
+    split = WindowSplit(torch.arange(4), torch.arange(8).view(2, 4), (0, 3))
+    assert batch_rows((positions, positions, Documents(positions, split))) == 2
+    assert Documents.tensor(Documents(positions, split)) is positions and Documents.tensor(positions) is positions
