@@ -154,6 +154,12 @@ class Pools:
             pool = self._pools[world_size] = RankPool(world_size)
         return pool
 
+    def drop(self, world_size: int) -> None:
+        """Close the pool of this size (a world left unusable); the next call for the size starts a fresh one."""
+        pool = self._pools.pop(world_size, None)
+        if pool is not None:
+            pool.close()
+
     def close(self) -> None:
         for pool in self._pools.values():
             pool.close()

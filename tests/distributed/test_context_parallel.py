@@ -190,7 +190,7 @@ def _capped_run(cp: int, allowance: int | None) -> dict:
     return {"losses": losses, "error": error, "grew": vm_bytes("VmPeak") - before}
 
 
-def test_a_sequence_one_process_cannot_hold_trains_under_cp4(pools, monkeypatch):
+def test_a_sequence_one_process_cannot_hold_trains_under_cp4(monkeypatch):
     """What users run first: a process capped below what one sequence needs fails to allocate; cp 4 ranks,
     each under the same cap, train it with one process's losses. The cap is set from the single process's
     measured growth over the step (fresh processes; big allocations mmapped and one malloc arena, so the
@@ -198,7 +198,6 @@ def test_a_sequence_one_process_cannot_hold_trains_under_cp4(pools, monkeypatch)
     205 MB, a cp 4 rank 59 MB (ring; its saved activations a quarter, ring's blocks O(S / cp))."""
     from tests.pool import RankPool
 
-    pools.close()  # fresh processes only
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
     monkeypatch.setenv("MALLOC_ARENA_MAX", "1")
 

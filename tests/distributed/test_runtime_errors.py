@@ -29,7 +29,7 @@ def _only_rank0_reduces() -> dict:
 
 def test_timeout_names_group_and_operation(pools, tmp_path):
     got = pools(2).run(_only_rank0_reduces, timeout=60)
-    pools.close()  # the abandoned collective leaves that world in no state to reuse
+    pools.drop(2)  # the abandoned collective leaves that world in no state to reuse
     assert ("all_reduce (#2 on this group) of (3,) torch.float32 on the dp group (ranks [0, 1]) failed on global "
             "rank 0") in got[0]["message"]
     for result in got:

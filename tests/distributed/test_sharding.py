@@ -10,7 +10,7 @@ import paratrain
 from tests.helpers import LR, TINY, lr_at, max_state_diff, regression_rows, rel_diff, squared_error, tiny_run
 from tests.margins import within
 
-STEPS = 10
+STEPS = 6  # AdamW steps against one process (the margins in docs were measured over 10)
 _cache: dict = {}
 
 

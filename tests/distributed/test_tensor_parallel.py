@@ -9,7 +9,7 @@ import torch.distributed as dist
 from tests.helpers import assert_matches_reference, max_state_diff, ranked_run, reference_run, rel_diff, tiny_run
 from tests.margins import within
 
-STEPS = 10
+STEPS = 6  # AdamW steps against one process (the margins in docs were measured over 10)
 
 
 def reference(dtype: str = "float32", dropout: float = 0.0) -> dict:

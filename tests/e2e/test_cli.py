@@ -542,8 +542,8 @@ def test_the_hugging_face_loop_from_text_in_every_layout_to_transformers(tmp_pat
                     "--val-fraction", "0.05", "--workers", "2", "--no-progress")
     assert out.returncode == 0, out.stderr
     logs = {}
-    for name, data, layout in (("one", corpus, ["--nproc", "1", "--steps", "6"]),
-                               ("cp2", corpus, ["--nproc", "2", "--cp", "2", "--steps", "6"]),
+    for name, data, layout in (("one", corpus, ["--nproc", "1", "--steps", "4"]),
+                               ("cp2", corpus, ["--nproc", "2", "--cp", "2", "--steps", "4"]),
                                ("tp2", str(tmp_path / "data"), ["--nproc", "4", "--dp", "2", "--tp", "2", "--zero", "1",
                                                                 "--steps", "3", "--save", str(tmp_path / "ckpt")])):
         logs[name] = tmp_path / f"{name}.jsonl"
