@@ -130,11 +130,10 @@ class SequenceShard:
         n = q.shape[-2]
         split = documents.split if isinstance(documents, Documents) else None
         documents = Documents.tensor(documents)
-        starts = None if split is None else split.starts
         if split is not None:
-            positions, everyone = split.mine, split.everyone
+            positions, everyone, starts = split.mine, split.everyone, split.starts
         else:
-            positions, everyone = self.positions(n, q.device), self.group_positions(n)
+            positions, everyone, starts = self.positions(n, q.device), self.group_positions(n), None
         if self.usp is not None:
             return usp_attention(q, k, v, *self.usp, group_positions=everyone, scale=scale, dropout=dropout,
                                  documents=documents, document_starts=starts)

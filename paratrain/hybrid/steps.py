@@ -236,8 +236,9 @@ def apply_context_parallel(model: nn.Module, ctx: Context, recipe: Recipe) -> Se
     usp = (ctx.mesh.group("cp_ulysses"), ctx.mesh.group("cp_ring")) if ctx.config.cp_mode == "usp" else None
     shard = SequenceShard(group, ctx.config.cp_mode, usp, ctx.config.cp_balance)
     recipe.split_sequence(model, shard)
-    fixed = sorted({getattr(m, "reads_fixed_split", "") for m in model.modules()} - {""})
-    if shard.balance == "documents" and fixed:  # (the run's checks say it before launch; this, paratrain.parallelize)
+    fixed = sorted({getattr(m, "reads_fixed_split", "") for m in model.modules()} - {""}) \
+        if shard.balance == "documents" else []
+    if fixed:  # (the run's checks say it before launch; this, paratrain.parallelize)
         raise ConfigError(f"cp_balance documents splits each micro-batch by its documents, and this model reads the "
                           f"fixed split: {'; '.join(fixed)}. Set them off (dropout 0, capacity_factor 0, no MTP), or "
                           "use cp_balance positions")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from paratrain.optim import is_matrix
-from paratrain.pipeline.schedules import V_SHAPED, Schedule
+from paratrain.pipeline.schedules import Schedule
 from paratrain.comm.buckets import plan_buckets
 from paratrain.config.model import ModelConfig
 from paratrain.planner.layout import Layout
@@ -109,10 +109,6 @@ def flat_groups(params: list[RankParam], *, zero: int, shards: int, bucket_bytes
     return plans
 
 
-_PLACED_AS = "zb-v"
-"""The V schedules place their chunks alike, and a stage's model states follow from the placement alone."""
-
-
 @functools.lru_cache(maxsize=8192)
 def _sharded_totals(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...],
                     bucket_bytes: int, optimizer: str = "adamw") -> tuple[int, int, int, int]:
@@ -155,19 +151,15 @@ def model_state_bytes(model: ModelConfig, layout: Layout, *, stage: int = 0,
     "reduce_scatter": NCCL's)."""
     optimizer, state_dtype, pp_split = settings.optimizer, settings.state_dtype, settings.pp_split
     if layout.zero == 0:
-        pipeline = layout.pipeline
-        if pipeline is not None and pipeline.name in V_SHAPED:  # one placement: one cache entry
-            pipeline = Schedule(_PLACED_AS, pipeline.stages, pipeline.chunks)
         numel, muon, tensors = _plain_totals(model, layout.dims, stage, tuple(pp_split), layout.expert_tp,
-                                             pipeline, optimizer)
+                                             layout.pipeline, optimizer)
         return with_totals({"params": 4 * numel, "grads": 4 * numel,
                             "optimizer": optimizer_bytes(optimizer, muon=muon, adamw=numel - muon,
                                                          adamw_tensors=tensors, state_dtype=state_dtype)},
                            kept_grads=4 * numel if settings.keep_grads else 0)
     elsize = BYTES[settings.precision]
     padded, shard, muon, groups = _sharded_totals(
-        model, Layout(dims=layout.dims, zero=layout.zero, expert_tp=layout.expert_tp,
-                      schedule=_PLACED_AS if layout.schedule in V_SHAPED else layout.schedule),
+        model, Layout(dims=layout.dims, zero=layout.zero, expert_tp=layout.expert_tp, schedule=layout.schedule),
         stage, tuple(pp_split), int(settings.bucket_mb * 2**20), optimizer)
     param_bytes = elsize * (shard if layout.zero == 3 else padded)
     gsize = settings.grad_bytes(layout)  # EngineOptions.grad_dtype: the buffers' dtype
