@@ -142,7 +142,12 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
                        "(default: embeddings and output heads)"),
     "--warmup": ("optim.warmup_steps", int, "warmup steps"),
     "--grad-clip": ("optim.grad_clip", float, "clip the global gradient norm (0: off)"),
-    "--precision": ("train.precision", str, "fp32, bf16 or fp16 (fp16: dynamic loss scaling)"),
+    "--precision": ("train.precision", str, "fp32, bf16, fp16 (dynamic loss scaling) or fp8 (bf16, the blocks' "
+                    "linears in float8)"),
+    "--fp8-recipe": ("train.fp8_recipe", str, "under --precision fp8: tensorwise (a scale per tensor, e5m2 "
+                     "gradients) or rowwise (a scale per row)"),
+    "--fp8-skip": ("train.fp8_skip", str, "under --precision fp8: regex of the blocks' linears left in bf16 "
+                   "(default: Hugging Face MoE routers)"),
     "--grad-dtype": ("train.grad_dtype", str, "under ZeRO with bf16 / fp16: gradients accumulate and are summed in "
                      "fp32 (default) or the precision's 16 bits (bf16 / fp16: half the bytes)"),
     "--grad-reduce-dtype": ("train.grad_reduce_dtype", str, "the dtype gradients are reduced in (default: "

@@ -161,3 +161,31 @@ def check_pipeline(model: ModelConfig, parallel: ParallelConfig, batch: BatchLay
         check_schedule(parallel.schedule, parallel.pp, m, parallel.virtual_stages)
     except ScheduleError as error:
         raise ConfigError(str(error)) from None
+
+
+FLOAT8_MULTIPLE = 16
+"""torch._scaled_mm's rule on CUDA: every matmul dimension a multiple of 16 (paratrain.memory.float8 keeps it on every
+device)."""
+
+
+def check_float8_layout(parallel: ParallelConfig) -> None:
+    """Precision fp8 under tensor parallelism: 1d only (the grids' blocks do not multiply in float8 yet)."""
+    if parallel.tp > 1 and parallel.tp_mode != "1d":
+        raise ConfigError(f"precision fp8 under tp_mode {parallel.tp_mode}: the grids' blocks do not multiply in "
+                          "float8 yet; use tp_mode 1d (with sequence_parallel) or precision bf16")
+
+
+def check_float8(model: ModelConfig, parallel: ParallelConfig, precision: str) -> None:
+    """Precision fp8: tensor parallelism in 1d only (the grids' blocks are not float8 yet), and the block linears'
+    widths multiples of 16 on each tp rank. A Hugging Face model's own widths are checked again when its linears are
+    made float8 (paratrain.memory.float8.apply_float8)."""
+    if precision != "fp8":
+        return
+    check_float8_layout(parallel)
+    multiple = FLOAT8_MULTIPLE * parallel.tp
+    widths = {"d_model": model.d_model, "the MLP's width": model.ff_dim}
+    unfit = [f"{name} {value}" for name, value in widths.items() if value % multiple]
+    if unfit:
+        raise ConfigError(f"precision fp8 multiplies the blocks' linears in float8, which needs each width a multiple "
+                          f"of {FLOAT8_MULTIPLE} on each of the tp = {parallel.tp} ranks (of {multiple} whole): "
+                          f"{', '.join(unfit)}. Change the widths, or use precision bf16")

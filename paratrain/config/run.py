@@ -103,12 +103,24 @@ class OptimSection:
     (paratrain.optim.EXCLUDE)."""
 
 
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+"""The precision policies' names (paratrain.memory.precision.POLICIES holds each; a unit test checks the two agree)."""
+FP8_RECIPES = ("tensorwise", "rowwise")
+"""paratrain.memory.float8.FLOAT8_RECIPES's names."""
+
+
 @dataclass
 class TrainSection:
     steps: int = 300
     """Optimizer steps in the whole run (a resumed run continues to the same total)."""
     precision: str = "fp32"
-    """'fp32', or 'bf16' (autocast with fp32 weights and gradients)."""
+    """'fp32', 'bf16' (autocast; under ZeRO 16-bit parameters, float32 masters), 'fp16' (and loss scaling) or 'fp8'
+    (bf16, and the blocks' linears multiply in float8: docs/precision.md)."""
+    fp8_recipe: str = "tensorwise"
+    """Under fp8: 'tensorwise' (a scale per tensor; e4m3 forward, e5m2 gradients) or 'rowwise' (a scale per row;
+    e4m3)."""
+    fp8_skip: str = r"(^|\.)gate$"
+    """Under fp8: a regex of the blocks' linears left in bf16 (default: Hugging Face MoE routers)."""
     grad_dtype: str = "fp32"
     """Under ZeRO with bf16 / fp16: gradients accumulate and are summed in 'fp32' (default) or the precision's own
     16 bits (half the bytes; DeepSpeed's default)."""

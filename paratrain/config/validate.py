@@ -4,17 +4,18 @@ each worker against the world it meets: check_run gives the RunPlan it builds)."
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import fields, replace
 from typing import Callable
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig, preset
 from paratrain.config.parallel import PS_ON_CPU, ParallelConfig
-from paratrain.config.model_rules import (check_context_parallel, check_experts, check_grid_rows, check_pipeline,
-                                          check_tensor_parallel)
+from paratrain.config.model_rules import (check_context_parallel, check_experts, check_float8, check_grid_rows,
+                                          check_pipeline, check_tensor_parallel)
 from paratrain.config.plan import RunPlan, batch_layout
 from paratrain.config.pp_layout import layout_split
-from paratrain.config.run import RunConfig, TrainSection
+from paratrain.config.run import FP8_RECIPES, PRECISIONS, RunConfig, TrainSection
 from paratrain.config.schedules import check_optimizer, check_rampup, check_seq_warmup
 from paratrain.config.world import DEVICES, check_min_nodes
 
@@ -109,6 +110,7 @@ def check_run(config: RunConfig, world_size: int, *, model_shape: ModelShape = p
     check_tensor_parallel(model, parallel, seq_len)
     check_context_parallel(model, parallel, seq_len)
     check_experts(model, parallel)
+    check_float8(model, parallel, config.train.precision)
     assert parallel.dp is not None
     micro_batch = data.micro_batch
     if not micro_batch and parallel.microbatches and data.global_batch % (parallel.dp * parallel.microbatches) == 0:
@@ -132,11 +134,17 @@ def check_run(config: RunConfig, world_size: int, *, model_shape: ModelShape = p
         raise ConfigError("optim.grad_clip and optim.warmup_steps must be >= 0")
     if train.steps < 1:
         raise ConfigError(f"train.steps must be >= 1, got {train.steps}")
-    if train.precision not in ("fp32", "bf16", "fp16"):
-        raise ConfigError(f"train.precision must be 'fp32', 'bf16' or 'fp16', got {train.precision!r}")
+    if train.precision not in PRECISIONS:
+        raise ConfigError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {train.precision!r}")
+    if train.fp8_recipe not in FP8_RECIPES:
+        raise ConfigError(f"train.fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {train.fp8_recipe!r}")
+    try:
+        re.compile(train.fp8_skip)
+    except re.error as error:
+        raise ConfigError(f"train.fp8_skip must be a regex of linear names, got {train.fp8_skip!r}: {error}") from None
     for name in ("grad_dtype", "grad_reduce_dtype"):
         value = getattr(train, name)
-        if value and value not in ("fp32", train.precision):
+        if value and value not in ("fp32", "bf16" if train.precision == "fp8" else train.precision):
             raise ConfigError(f"train.{name} must be 'fp32' or the precision's own ({train.precision!r}), got "
                               f"{value!r}: gradients are kept in float32 or in the parameters' 16 bits")
     for name in ("eval_every", "save_every", "keep_last", "eval_batches", "sample_tokens"):

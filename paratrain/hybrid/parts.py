@@ -17,6 +17,7 @@ from paratrain.data_parallel import BATCH_NORM_MODES, BufferSync
 from paratrain.nn.moe import RouterLog
 from paratrain.hybrid.pieces import Pieces
 from paratrain.memory import LossScaler, precision_policy
+from paratrain.memory.float8 import Float8Settings
 from paratrain.hybrid.step import NonFiniteWatch, PendingStep
 from paratrain.pipeline.runtime import PipelineExecutor
 from paratrain.sharding import WrapPolicy
@@ -107,7 +108,10 @@ class EngineOptions:
     precision: str = "fp32"
     """'fp32'; 'bf16' / 'fp16': under zero 0, autocast with float32 weights and gradients; under zero >= 1,
     parameters and gradients stored in the low dtype, float32 masters in the sharded optimizer. fp16 adds dynamic
-    loss scaling, starting at `loss_scale`."""
+    loss scaling, starting at `loss_scale`. 'fp8': bf16, and the blocks' linears multiply in float8 (`fp8`)."""
+    fp8: Float8Settings = Float8Settings()
+    """Under precision 'fp8': the float8 recipe ('tensorwise' / 'rowwise'), which linears stay in bf16, the scaling
+    (the logical tensors', or per shard to debug) and a ScaleLog (paratrain.memory.float8)."""
     grad_dtype: str = "fp32"
     """Under ZeRO with 16-bit parameters (precision bf16 / fp16): the dtype micro-batches accumulate gradients and
     shards are summed in, 'fp32' (Megatron's --accumulate-allreduce-grads-in-fp32) or the parameters' own ('bf16' /

@@ -18,6 +18,7 @@ from torch import nn
 from paratrain.comm import broadcast
 from paratrain.comm.placement import Placements
 from paratrain.config.errors import ConfigError
+from paratrain.config.model_rules import check_float8_layout
 from paratrain.config.pp_layout import layout_split
 from paratrain.context_parallel import SequenceShard
 from paratrain.data_parallel import apply_synced_batch_norm, batch_norms, buffer_rules
@@ -26,7 +27,8 @@ from paratrain.expert_parallel.tensor import ExpertTensorLayout, apply_expert_te
 from paratrain.hybrid.compile import compile_blocks
 from paratrain.hybrid.materialize import Inits, Source, materialize
 from paratrain.hybrid.pieces import Pieces
-from paratrain.memory import Precision, apply_activation_offload, apply_recompute, recompute_pattern
+from paratrain.memory import (Float8Settings, Precision, apply_activation_offload, apply_float8, apply_recompute,
+                              recompute_pattern)
 from paratrain.models.init import ParamInit
 from paratrain.nn.recipe import Recipe
 from paratrain.pipeline.runtime import PipelineExecutor
@@ -102,6 +104,22 @@ def apply_batch_norm(model: nn.Module, ctx: Context, mode: str) -> tuple[tuple[s
                   f"micro-batch, so the loss depends on dp ({dp_group.size}); batch_norm='sync' does not. "
                   "Their running statistics keep dp rank 0's (DDP's broadcast_buffers)", stacklevel=3)
     return (), tuple(norms)
+
+
+def apply_float8_step(model: nn.Module, ctx: Context, recipe: Recipe, settings: Float8Settings) -> list[str]:
+    """Precision fp8: the recipe's blocks' linears multiply in float8, each scale reduced over the groups that
+    split its tensor (tp's through the layers' splits, cp's tokens here). Refused under a 2d / 2.5d / 3d grid
+    (its blocks are not yet float8) and for a model without blocks. Returns the float8 linears' names."""
+    if recipe.blocks is None:
+        raise ConfigError(f"precision fp8 makes the linears of a model's blocks float8, and this "
+                          f"{type(model).__name__}'s recipe names no blocks: give it blocks (paratrain.recipe_for("
+                          "model, blocks=REGEX)) or use bf16")
+    check_float8_layout(ctx.config)
+    if ctx.device.type == "cuda" and torch.cuda.get_device_capability(ctx.device) < (8, 9):
+        raise ConfigError(f"precision fp8 needs float8 matmuls, which NVIDIA GPUs have from compute capability 8.9 "
+                          f"(Ada, Hopper); {torch.cuda.get_device_name(ctx.device)} is "
+                          f"{'.'.join(map(str, torch.cuda.get_device_capability(ctx.device)))}: use bf16")
+    return apply_float8(model, recipe.blocks, settings, tokens=ctx.mesh.groups.get("cp"), tp=ctx.config.tp)
 
 
 def apply_tensor_layout(model: nn.Module, ctx: Context, recipe: Recipe, *,

@@ -8,6 +8,8 @@
     fp16   as bf16 with float16, plus dynamic loss scaling: float16's narrow range would turn small
            gradients into zeros, so the loss is multiplied by a scale before backward and the
            gradients divided by it after; a step whose gradients overflow is skipped.
+    fp8    as bf16, and the blocks' linears multiply in float8 with scales of the logical tensors
+           (paratrain.memory.float8, docs/precision.md).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class Precision:
     gradients and reduces in float32 whatever the policy (autocast only)."""
     loss_scaling: bool = False
     """Dynamic loss scaling (LossScaler): float16's narrow range would turn small gradients into zeros."""
+    float8: bool = False
+    """The blocks' linears multiply in float8 (paratrain.memory.float8.apply_float8); the rest as `compute`."""
 
     @property
     def low(self) -> bool:
@@ -80,6 +84,7 @@ POLICIES: dict[str, Precision] = {
     "fp32": Precision("fp32", torch.float32, None),
     "bf16": Precision("bf16", torch.bfloat16, torch.bfloat16),
     "fp16": Precision("fp16", torch.float16, torch.float16, loss_scaling=True),
+    "fp8": Precision("fp8", torch.bfloat16, torch.bfloat16, float8=True),
 }
 """The precision policies by the name a config, a flag or EngineOptions gives."""
 PRECISIONS = tuple(POLICIES)

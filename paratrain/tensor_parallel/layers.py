@@ -28,6 +28,7 @@ from paratrain.comm.collectives import all_gather_async
 from paratrain.comm.regions import (
     all_gather_along,
     copy_to_tp_region,
+    gather_from_sequence_region,
     gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_along,
@@ -35,6 +36,7 @@ from paratrain.comm.regions import (
     scatter_to_tp_region,
 )
 from paratrain.eager import eager
+from paratrain.nn.kernels import LinearSplit, dense_linear, kernel_of
 from paratrain.topology.mesh import AxisGroup
 
 
@@ -109,13 +111,17 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _parameter(full.weight, _slice(full.weight, 0, group, "column-parallel weight"))
         self.bias = (_parameter(full.bias, _slice(full.bias, 0, group, "column-parallel bias"))
                      if full.bias is not None else None)
+        self.kernel = kernel_of(full)  # how the layer it slices multiplied (paratrain.nn.kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
+        if self.sequence_parallel and self.kernel is dense_linear:
             y = _gathered_linear(x, self.weight, self.bias, self.group, self.sequence_dim)
         else:
-            x = copy_to_tp_region(x, self.group) if self.reduce_input else x
-            y = F.linear(x, self.weight, self.bias)  # [B, S, out/tp]
+            if self.sequence_parallel:  # another kernel takes the gathered input (and keeps it, as it chooses)
+                x = gather_from_sequence_region(x, self.group, self.sequence_dim)
+            elif self.reduce_input:
+                x = copy_to_tp_region(x, self.group)
+            y = self.kernel(x, self.weight, self.bias, LinearSplit(out=self.group))  # [B, S, out/tp]
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
 
@@ -127,9 +133,10 @@ class PartialLinear(nn.Module):
     def __init__(self, full: nn.Linear, group: AxisGroup) -> None:
         super().__init__()
         self.group, self.weight, self.bias = group, full.weight, full.bias  # the same Parameters
+        self.kernel = kernel_of(full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+        return self.kernel(copy_to_tp_region(x, self.group), self.weight, self.bias, LinearSplit())
 
 
 class RowParallelLinear(nn.Module):
@@ -143,11 +150,12 @@ class RowParallelLinear(nn.Module):
         # adds it to its slice of the sequence only, so its gradient is partial: whoever applies
         # sequence parallelism must sum such gradients over tp before the update (as for norms).
         self.bias = _parameter(full.bias, full.bias.detach().clone()) if full.bias is not None else None
+        self.kernel = kernel_of(full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)
-        partial = F.linear(x, self.weight)  # [B, S, out], this rank's share of the sum
+        partial = self.kernel(x, self.weight, None, LinearSplit(inner=self.group))  # [B, S, out], this rank's share
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_region(partial, self.group, self.sequence_dim)
         else:

@@ -19,6 +19,7 @@ from paratrain.config.plan import BatchRampup, SeqWarmup
 from paratrain.config.validate import check_loggers
 from paratrain.data import GlobalBatchLoader, MixtureLoader, RunData, Source, TokenSource, WeightSchedule, open_data
 from paratrain.hybrid import Engine, EngineOptions, parallelize
+from paratrain.memory.float8 import Float8Settings
 from paratrain.models import build_gpt, lm_loss
 from paratrain.topology import Context
 from paratrain.train.faults import FaultInjection
@@ -198,6 +199,7 @@ class Trainer:
         else:
             self.model = build_gpt(plan.model, seed=config.seed, device="meta")
         options = EngineOptions(micro_batch=plan.batch.micro_batch, precision=train.precision,
+                                fp8=Float8Settings(recipe=train.fp8_recipe, skip=train.fp8_skip),
                                 grad_dtype=train.grad_dtype, grad_reduce_dtype=train.grad_reduce_dtype or None,
                                 grad_clip=config.optim.grad_clip, recompute=train.recompute, seed=config.seed,
                                 on_non_finite="skip" if train.nan_policy == "skip" else "raise", compile=train.compile)

@@ -1,0 +1,251 @@
+"""Float8 linears (precision 'fp8') whose scales are those of the logical tensors, in every layout.
+
+A float8 linear quantises its operands before each of its three matmuls (torch._scaled_mm, float32 accumulation):
+
+    forward       y  = x W^T      x [T, in] and W [out, in] in e4m3
+    input grad    dx = g W        g [T, out] in the recipe's gradient format, W again
+    weight grad   dW = g^T x      both along the tokens
+
+Each operand is divided by a scale taken from its largest magnitude (amax). Where a layout splits a tensor (a
+column-parallel weight's rows over tp, a row-parallel weight's columns and its input's features over tp, the tokens
+over cp) the amax of the slice a rank holds is not the tensor's, and a scale taken from it would make tp 2 train
+another model than tp 1 (pytorch/ao#1327). So every amax is reduced (max) over exactly the groups that split the
+dimensions it runs over, and the scale is the logical tensor's. Two recipes (as torchao names them):
+
+    tensorwise   one scale per tensor; e4m3 forward, e5m2 gradients (Transformer Engine's HYBRID format)
+    rowwise      one scale per row of each matmul operand along its reduced dimension; e4m3 everywhere
+
+Scales are powers of two (the largest s with amax * s <= the format's max), computed from the amax's exponent with
+no division or logarithm, so multiplying by one is exact and a rounding-level difference in an amax between two
+layouts changes a scale only where the amax crosses a power of two. The scales of a micro-batch's activations and
+gradients are the micro-batch's: the same in every layout for a given micro-batch size (paratrain's loaders give
+every layout the same micro-batches), not across micro-batch sizes.
+
+`scales="shard"` takes each amax from the slice a rank holds (no reduction): a debug switch that shows what the
+reduction buys (tests/distributed/test_float8.py). A `ScaleLog` records each scale's exponent range, reduced over
+the groups that split the tensor, for comparing layouts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.comm import all_reduce
+from paratrain.config.errors import ConfigError
+from paratrain.config.model_rules import FLOAT8_MULTIPLE
+from paratrain.eager import eager
+from paratrain.nn.kernels import KernelLinear, LinearSplit
+from paratrain.topology.mesh import AxisGroup
+
+
+@dataclass(frozen=True)
+class Float8Recipe:
+    name: str
+    forward: torch.dtype
+    """x and W."""
+    gradient: torch.dtype
+    """The output's gradient g."""
+    rowwise: bool
+    """One scale per row along each matmul's reduced dimension; False: one per tensor."""
+
+
+FLOAT8_RECIPES: dict[str, Float8Recipe] = {
+    "tensorwise": Float8Recipe("tensorwise", torch.float8_e4m3fn, torch.float8_e5m2, rowwise=False),
+    "rowwise": Float8Recipe("rowwise", torch.float8_e4m3fn, torch.float8_e4m3fn, rowwise=True),
+}
+SCALINGS = ("logical", "shard")
+
+
+@dataclass
+class ScaleLog:
+    """Every scale a float8 linear took, as (layer, operand, lowest exponent, highest exponent): the range over the
+    whole logical tensor (reduced over the groups that split it), so layouts can be compared entry by entry.
+    Operands: 'x', 'w' (forward), 'g', 'w_t' (input gradient), 'g_t', 'x_t' (weight gradient; tensorwise reuses
+    the forward's x and g scales and records nothing more)."""
+
+    entries: list[tuple[str, str, int, int]] = field(default_factory=list)
+
+    def take(self) -> list[tuple[str, str, int, int]]:
+        """The entries since the last take."""
+        out, self.entries = self.entries, []
+        return out
+
+
+def power_of_two_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32: the largest power of two s with amax * s <= dtype's largest value; 1 where amax is 0.
+
+    From amax = m 2^e (m in [0.5, 1)) and the format's max = mf 2^ef: s = 2^(ef - e), halved when m > mf. Exact
+    integer arithmetic on the exponent: the same on every kernel and machine."""
+    mf, ef = math.frexp(torch.finfo(dtype).max)
+    mantissa, exponent = torch.frexp(amax.float())
+    power = (ef - exponent - (mantissa > mf).to(exponent.dtype)).clamp(-126, 127)
+    power = torch.where(amax > 0, power, torch.zeros_like(power))
+    return torch.ldexp(torch.ones_like(amax, dtype=torch.float32), power)
+
+
+def _groups(*groups: AxisGroup | None) -> tuple[AxisGroup, ...]:
+    seen: list[AxisGroup] = []
+    for group in groups:
+        if group is not None and group.size > 1 and all(group is not g for g in seen):
+            seen.append(group)
+    return tuple(seen)
+
+
+@dataclass(frozen=True)
+class Float8Linear:
+    """The float8 kernel of one linear layer (a paratrain.nn.kernels.LinearKernel)."""
+
+    recipe: Float8Recipe
+    name: str
+    """The layer's name in the whole model (the ScaleLog's entries)."""
+    tokens: AxisGroup | None = None
+    """The group that splits the tokens at this layer (cp); None: whole on this rank."""
+    scaling: str = "logical"
+    """'logical' (amax reduced over the groups that split a tensor) or 'shard' (this rank's slice: debug only)."""
+    log: ScaleLog | None = None
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 split: LinearSplit) -> torch.Tensor:
+        y = _float8_linear(x, weight, self, split)
+        return y + bias.to(y.dtype) if bias is not None else y
+
+    def scale(self, tensor: torch.Tensor, dtype: torch.dtype, *, rows: bool, whole: Iterable[AxisGroup | None],
+              split_rows: Iterable[AxisGroup | None], operand: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(quantised tensor, its float32 scale: [rows, 1] or a scalar) for a 2-D `tensor`.
+
+        whole: the groups that split its columns (each row's amax runs over them); split_rows: the groups that
+        split its rows (a tensorwise amax runs over them too)."""
+        whole, split_rows = _groups(*whole), _groups(*split_rows)
+        amax = tensor.abs().amax(dim=1, keepdim=True) if rows else tensor.abs().amax()
+        amax = amax.float()
+        if self.scaling == "logical":
+            for group in whole + (() if rows else split_rows):
+                all_reduce(amax, group, op=dist.ReduceOp.MAX)
+        scale = power_of_two_scale(amax, dtype)
+        if self.log is not None:
+            self._record(scale, operand, _groups(*whole, *split_rows))
+        return (tensor.float() * scale).to(dtype), scale
+
+    def _record(self, scale: torch.Tensor, operand: str, groups: tuple[AxisGroup, ...]) -> None:
+        assert self.log is not None
+        exponent = torch.frexp(scale)[1].float() - 1
+        span = torch.stack([-exponent.min(), exponent.max()])
+        if self.scaling == "logical":
+            for group in groups:
+                all_reduce(span, group, op=dist.ReduceOp.MAX)
+        self.log.entries.append((self.name, operand, -int(span[0]), int(span[1])))
+
+
+def _mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+        out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K] @ b [N, K]^T of quantised operands, each divided back by its scale ([rows, 1] or a scalar)."""
+    return torch._scaled_mm(a, b.t(), scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal().t(),
+                            out_dtype=out_dtype)
+
+
+class _Float8Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, kernel: Float8Linear, split: LinearSplit,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        recipe, rows = kernel.recipe, kernel.recipe.rowwise
+        flat = x.reshape(-1, x.shape[-1])
+        qx, sx = kernel.scale(flat, recipe.forward, rows=rows, whole=(split.inner,), split_rows=(kernel.tokens,),
+                              operand="x")
+        qw, sw = kernel.scale(weight, recipe.forward, rows=rows, whole=(split.inner,), split_rows=(split.out,),
+                              operand="w")
+        y = _mm(qx, sx, qw, sw, out_dtype)
+        if rows:  # the weight gradient quantises x along the tokens: keep it in the compute dtype
+            ctx.save_for_backward(flat.to(out_dtype), weight)
+        else:  # tensorwise: the forward's float8 x and its scale serve the weight gradient as they are
+            ctx.save_for_backward(qx, sx, weight, sw)
+        ctx.kernel, ctx.split, ctx.x_shape, ctx.x_dtype = kernel, split, x.shape, x.dtype
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        kernel, split = ctx.kernel, ctx.split
+        recipe, rows = kernel.recipe, kernel.recipe.rowwise
+        g = grad.reshape(-1, grad.shape[-1])
+        qg, sg = kernel.scale(g, recipe.gradient, rows=rows, whole=(split.out,), split_rows=(kernel.tokens,),
+                              operand="g")
+        if rows:
+            flat, weight = ctx.saved_tensors
+            qwt, swt = kernel.scale(weight.t(), recipe.forward, rows=True, whole=(split.out,),
+                                    split_rows=(split.inner,), operand="w_t")
+            qgt, sgt = kernel.scale(g.t(), recipe.gradient, rows=True, whole=(kernel.tokens,),
+                                    split_rows=(split.out,), operand="g_t")
+            qxt, sxt = kernel.scale(flat.t(), recipe.forward, rows=True, whole=(kernel.tokens,),
+                                    split_rows=(split.inner,), operand="x_t")
+        else:
+            qx, sx, weight, sw = ctx.saved_tensors
+            qwt, swt = (weight.t().float() * sw).to(recipe.forward), sw  # the same values, laid out [in, out]
+            qgt, sgt, qxt, sxt = qg.t(), sg, qx.t(), sx
+        grad_x = _mm(qg, sg, qwt.contiguous(), swt, grad.dtype)
+        grad_w = _mm(qgt.contiguous(), sgt, qxt.contiguous(), sxt, torch.float32)
+        return grad_x.reshape(ctx.x_shape).to(ctx.x_dtype), grad_w.to(weight.dtype), None, None, None
+
+
+@eager  # its amax reductions are collectives: torch.compile breaks its graph here
+def _float8_linear(x: torch.Tensor, weight: torch.Tensor, kernel: Float8Linear, split: LinearSplit) -> torch.Tensor:
+    out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    if x.device.type == "meta":  # a dry run: shapes only
+        return torch.empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype, device=x.device)
+    return _Float8Matmul.apply(x, weight, kernel, split, out_dtype)
+
+
+@dataclass(frozen=True)
+class Float8Settings:
+    """Which linears compute in float8 under precision 'fp8', and how (EngineOptions.fp8; the run's [precision]
+    fp8_recipe / fp8_skip)."""
+
+    recipe: str = "tensorwise"
+    """A name in FLOAT8_RECIPES."""
+    skip: str = r"(^|\.)gate$"
+    """A regex of linear names left in the compute dtype besides what is never float8 (every linear outside the
+    recipe's blocks: the head, embeddings' projections; routers, which are not linears here). The default keeps
+    the Hugging Face MoE families' routers (`mlp.gate`, `block_sparse_moe.gate`): routing is a discrete choice."""
+    scaling: str = "logical"
+    """'logical': every scale the logical tensor's; 'shard': this rank's slice's (a debug switch, layout-dependent)."""
+    log: ScaleLog | None = None
+    """Where to record every scale taken (tests, forensics); None: nowhere."""
+
+    def __post_init__(self) -> None:
+        if self.recipe not in FLOAT8_RECIPES:
+            raise ValueError(f"fp8 recipe must be one of {', '.join(FLOAT8_RECIPES)}, got {self.recipe!r}")
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"fp8 scaling must be one of {', '.join(SCALINGS)}, got {self.scaling!r}")
+        re.compile(self.skip)
+
+
+
+
+def apply_float8(model: nn.Module, blocks: str, settings: Float8Settings, *, tokens: AxisGroup | None,
+                 tp: int) -> list[str]:
+    """Make every nn.Linear inside the blocks (module names matching `blocks`) and not matched by settings.skip a
+    float8 linear (paratrain.nn.kernels.KernelLinear with a Float8Linear kernel, the same Parameters); run before
+    tensor parallelism, whose layers keep the kernel of the linear they slice. Returns the names made float8.
+
+    tp: the tensor-parallel degree (each dimension must stay a multiple of 16 in a slice: refused otherwise)."""
+    recipe, skip, block = FLOAT8_RECIPES[settings.recipe], re.compile(settings.skip), re.compile(blocks)
+    chosen = [(name, module) for name, module in model.named_modules()
+              if type(module) is nn.Linear and not skip.search(name)
+              and any(block.fullmatch(name[:i]) for i in range(len(name)) if name[i] == ".")]
+    unfit = [f"{name} [{m.out_features}, {m.in_features}]" for name, m in chosen
+             if m.in_features % (FLOAT8_MULTIPLE * tp) or m.out_features % (FLOAT8_MULTIPLE * tp)]
+    if unfit:
+        raise ConfigError(f"precision fp8 multiplies in float8 with torch._scaled_mm, which needs every dimension a "
+                          f"multiple of {FLOAT8_MULTIPLE} on each of the tp = {tp} ranks (so of "
+                          f"{FLOAT8_MULTIPLE * tp} whole): {', '.join(unfit[:4])}{' ...' if len(unfit) > 4 else ''}. "
+                          "Leave them in bf16 with fp8_skip (a regex of their names), or change the widths")
+    for name, module in chosen:
+        kernel = Float8Linear(recipe, name, tokens=tokens, scaling=settings.scaling, log=settings.log)
+        parent, _, leaf = name.rpartition(".")
+        model.get_submodule(parent).register_module(leaf, KernelLinear(module, kernel))
+    return [name for name, _ in chosen]

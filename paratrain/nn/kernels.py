@@ -1,0 +1,69 @@
+"""How a linear layer multiplies: the kernel travels with the layer it was declared on.
+
+A `LinearKernel` computes y = x W^T + b for one linear layer. The dense one is F.linear; a float8 one
+(paratrain.memory.float8) quantises x, W and the output's gradient with scales that must be those of the logical
+tensors, so it must know which process groups split them on this rank. The layer that splits them says so through a
+`LinearSplit`: a tensor-parallel layer (paratrain.tensor_parallel.layers) knows which of the weight's dimensions it
+holds a slice of; the kernel knows (from its builder) which group splits the tokens (context parallelism).
+
+    KernelLinear(full, kernel)   an nn.Linear (the same Parameters) whose forward is kernel(x, W, b, WHOLE)
+    kernel_of(linear)            the kernel a layer was declared with: KernelLinear's, else dense_linear
+
+Strategies read kernel_of when they replace a linear by slices of it, so the kernel survives the replacement and
+nothing sets it afterwards. This module is below the strategies: groups are opaque to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LinearSplit:
+    """Which process groups split a linear's operands on this rank (None: whole here).
+
+    out    the weight's rows W[out, :] and the output's features (a column-parallel layer)
+    inner  the weight's columns W[:, in] and the input's features (a row-parallel layer)"""
+
+    out: object | None = None
+    inner: object | None = None
+
+
+WHOLE = LinearSplit()
+"""A linear whose weight and features are whole on this rank."""
+
+
+class LinearKernel(Protocol):
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 split: LinearSplit) -> torch.Tensor:
+        """x [..., in] (in/|inner| under a split), weight [out, in] (this rank's slice): x W^T (+ bias)."""
+        ...
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 split: LinearSplit = WHOLE) -> torch.Tensor:
+    """F.linear: the kernel of every linear not declared otherwise (it needs no split)."""
+    return F.linear(x, weight, bias)
+
+
+class KernelLinear(nn.Linear):
+    """An nn.Linear that multiplies with `kernel`, holding the Parameters of `full` (names and values unchanged)."""
+
+    def __init__(self, full: nn.Linear, kernel: LinearKernel) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = full.in_features, full.out_features
+        self.weight, self.bias = full.weight, full.bias  # the same Parameters
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.weight, self.bias, WHOLE)
+
+
+def kernel_of(linear: nn.Module) -> LinearKernel:
+    """The kernel `linear` was declared with: a KernelLinear's own, F.linear for any other."""
+    return linear.kernel if isinstance(linear, KernelLinear) else dense_linear
