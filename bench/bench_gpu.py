@@ -17,6 +17,7 @@ Rows, per model:
   engine offload activations           memory drop and time cost
   plain with F.cross_entropy           what the chunked loss saves (its float32 logits and gradient)
   engine Muon                          Muon on the matrices (bf16 Newton-Schulz), AdamW on the rest, vs AdamW
+  engine fp8 tensorwise / rowwise      the blocks' linears in float8 (paratrain.memory.float8), vs bf16
 and, for the engine rows, the planner's predicted peak memory and step time beside the measured
 (paratrain.planner.estimate with the card's profile: h200 or h100-80gb), and the host synchronisations of a step that
 does not log (torch.cuda.set_sync_debug_mode).
@@ -82,8 +83,8 @@ def _plain(config: Any, micro: int, *, compile: bool, loss: Callable = lm_loss) 
     return step, model
 
 
-def _engine(config: Any, micro: int, *, compile: bool, recompute: str = "none",
-            offload: str = "none", optimizer: str = "adamw") -> tuple[Callable, Any]:
+def _engine(config: Any, micro: int, *, compile: bool, recompute: str = "none", offload: str = "none",
+            optimizer: str = "adamw", precision: str = "bf16", fp8_recipe: str = "tensorwise") -> tuple[Callable, Any]:
     from paratrain.optim import MuonFactory, MuonSettings
 
     ctx = paratrain.init(paratrain.ParallelConfig(offload=offload), device="cuda")
@@ -91,8 +92,9 @@ def _engine(config: Any, micro: int, *, compile: bool, recompute: str = "none",
     factory = (MuonFactory(MuonSettings(lr=1e-4)) if optimizer == "muon"
                else lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True))
     engine = paratrain.parallelize(model, ctx, optimizer=factory,
-                                   options=paratrain.EngineOptions(micro_batch=micro, precision="bf16", grad_clip=1.0,
-                                                                   recompute=recompute, compile=compile))
+                                   options=paratrain.EngineOptions(
+                                       micro_batch=micro, precision=precision, grad_clip=1.0, recompute=recompute,
+                                       compile=compile, fp8=paratrain.Float8Settings(recipe=fp8_recipe)))
 
     def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         engine.step(batch, lm_loss)
@@ -133,7 +135,9 @@ def planner_prediction(config: Any, batch: int, micro: int, variant: dict[str, A
 
     record = estimate(config, Layout(micro_batch=micro, recompute=variant.get("recompute", "none")), hardware(profile),
                       global_batch=batch, kernels="compiled" if variant["compile"] else "eager",
-                      settings=StepSettings(precision="bf16", optimizer=variant.get("optimizer", "adamw")))
+                      settings=StepSettings(precision=variant.get("precision", "bf16"),
+                                            fp8_recipe=variant.get("fp8_recipe", "tensorwise"),
+                                            optimizer=variant.get("optimizer", "adamw")))
     return {"predicted_peak_gb": record["memory"]["peak"] / 1e9, "predicted_step_s": record["step_time_s"]}
 
 
@@ -150,7 +154,9 @@ def _measure(name: str, variant: dict[str, Any], config: Any, batch: int, micro:
                               loss=_full_logits_loss if variant.get("loss") == "full" else lm_loss)
     else:
         step, holder = _engine(config, micro, compile=variant["compile"], recompute=variant.get("recompute", "none"),
-                               offload=variant.get("offload", "none"), optimizer=variant.get("optimizer", "adamw"))
+                               offload=variant.get("offload", "none"), optimizer=variant.get("optimizer", "adamw"),
+                               precision=variant.get("precision", "bf16"),
+                               fp8_recipe=variant.get("fp8_recipe", "tensorwise"))
     seconds = _time(step, batches, warmup=args.warmup, steps=args.steps)
     row = {"model": name, **variant, "global_batch": batch, "micro_batch": micro, "step_s": seconds,
            "max_allocated_gb": torch.cuda.max_memory_allocated() / 1e9}
@@ -176,6 +182,7 @@ def _variants(compiled: bool) -> list[dict[str, Any]]:
     rows.append(dict(kind="engine", compile=False, offload="activations"))
     rows.append(dict(kind="plain", compile=False, loss="full"))
     rows.append(dict(kind="engine", compile=compiled, optimizer="muon"))  # Muon (bf16 Newton-Schulz), AdamW on the rest
+    rows += [dict(kind="engine", compile=compiled, precision="fp8", fp8_recipe=r) for r in ("tensorwise", "rowwise")]
     return rows
 
 

@@ -17,6 +17,7 @@ or, in the shape Lightning users know (paratrain.fit):
 from paratrain.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
 from paratrain.fit import Callback, FitResult, Trainer
 from paratrain.hybrid import Engine, EngineOptions, parallelize
+from paratrain.memory import Float8Settings
 from paratrain.models import GPT, build_gpt, lm_loss
 from paratrain.nn.recipe import Recipe, recipe_for
 from paratrain.topology import Context, init
@@ -25,7 +26,7 @@ from paratrain.train.serve import ServeResult, serve
 __version__ = "0.1.0"
 
 __all__ = [
-    "GPT", "Callback", "ConfigError", "Context", "Engine", "EngineOptions", "FitResult", "ModelConfig",
+    "GPT", "Callback", "ConfigError", "Context", "Engine", "EngineOptions", "FitResult", "Float8Settings", "ModelConfig",
     "ParallelConfig", "Recipe", "RunConfig", "ServeResult", "Trainer", "build_gpt", "init", "lm_loss", "parallelize",
     "recipe_for", "serve",
 ]

@@ -168,11 +168,11 @@ FLOAT8_MULTIPLE = 16
 device)."""
 
 
-def check_float8_layout(parallel: ParallelConfig) -> None:
+def check_float8_layout(tp: int, tp_mode: str) -> None:
     """Precision fp8 under tensor parallelism: 1d only (the grids' blocks do not multiply in float8 yet)."""
-    if parallel.tp > 1 and parallel.tp_mode != "1d":
-        raise ConfigError(f"precision fp8 under tp_mode {parallel.tp_mode}: the grids' blocks do not multiply in "
-                          "float8 yet; use tp_mode 1d (with sequence_parallel) or precision bf16")
+    if tp > 1 and tp_mode != "1d":
+        raise ConfigError(f"precision fp8 under tp_mode {tp_mode}: the grids' blocks do not multiply in float8 yet; "
+                          "use tp_mode 1d (with sequence_parallel) or precision bf16")
 
 
 def check_float8(model: ModelConfig, parallel: ParallelConfig, precision: str) -> None:
@@ -181,7 +181,7 @@ def check_float8(model: ModelConfig, parallel: ParallelConfig, precision: str) -
     made float8 (paratrain.memory.float8.apply_float8)."""
     if precision != "fp8":
         return
-    check_float8_layout(parallel)
+    check_float8_layout(parallel.tp, parallel.tp_mode)
     multiple = FLOAT8_MULTIPLE * parallel.tp
     widths = {"d_model": model.d_model, "the MLP's width": model.ff_dim}
     unfit = [f"{name} {value}" for name, value in widths.items() if value % multiple]

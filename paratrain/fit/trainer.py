@@ -177,7 +177,8 @@ class Trainer:
         no model (the folder's is trained; loss_fn defaults to its family's, over (input_ids, labels[,
         positions]) items)."""
         from paratrain.data_parallel import batch_norms, check_accumulation
-        from paratrain.hybrid.steps import check_whole_model
+        from paratrain.hybrid.steps import check_float8_model, check_whole_model
+        from paratrain.memory import Float8Settings
         from paratrain.launch import launched_by_torchrun
 
         if self.hf and model is not None:
@@ -189,6 +190,8 @@ class Trainer:
             recipe = recipe_for(model, self.recipe, tp_plan=self.tp_plan, layers=self.layers,
                                 pipeline_loss=self.pipeline_loss)
             check_whole_model(model, recipe, tp=self.parallel.tp, pp=self.parallel.pp, buffers=self.buffers)
+            if self.precision == "fp8":
+                check_float8_model(model, recipe, Float8Settings(), tp=self.parallel.tp, tp_mode=self.parallel.tp_mode)
         if model is not None and self.batch_norm == "sync" and self.parallel.pp == 1:  # (pp: the engine refuses)
             check_accumulation(batch_norms(model), dp=self.parallel.dp or 1, accumulation=self.batch.accumulation,
                                micro_batch=self.batch.micro_batch)

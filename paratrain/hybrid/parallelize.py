@@ -27,7 +27,7 @@ from paratrain.hybrid.pieces import Pieces, whole_shapes
 from paratrain.hybrid.state import optimizer_state
 from paratrain.hybrid.update import LocalUpdate, ServedUpdate, matrix_exchange
 from paratrain.hybrid.steps import (MemorySavers, apply_batch_norm, apply_context_parallel, apply_expert_layouts,
-                                    apply_float8_step, apply_memory_savers, apply_pipeline,
+                                    apply_float8_step, apply_memory_savers, float8_gathers, apply_pipeline,
                                     apply_tensor_layout, broadcast_weights, check_whole_model, grad_reduce_op,
                                     pipeline_executor, placer, values_source)
 from paratrain.memory import precision_policy
@@ -94,8 +94,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     # 3. Batch statistics: every BatchNorm normalises over the forward's samples on all dp ranks.
     synced, local = apply_batch_norm(model, ctx, options.batch_norm)
     # 3b. Float8: the blocks' linears multiply in float8 (before tensor parallelism, whose slices keep the kernel).
-    if policy.float8:
-        apply_float8_step(model, ctx, recipe, options.fp8)
+    float8 = apply_float8_step(model, ctx, recipe, options.fp8) if policy.float8 else []
     # 4. Tensor parallelism: planned modules replaced by slices of themselves, by name.
     tp = apply_tensor_layout(model, ctx, recipe, staged=stage is not None)
     # 5. Experts: each cut over tp (expert_tp), then each ep rank keeps its share of every MoE layer's.
@@ -161,7 +160,8 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                            grad_dtype=precision_policy(options.grad_dtype).compute if policy.stored else None,
                            reduce_dtype=(precision_policy(options.grad_reduce_dtype).compute
                                          if policy.stored and options.grad_reduce_dtype else None),
-                           deferred=stage is not None, keep_grads=ctx.config.keep_grads)
+                           deferred=stage is not None, keep_grads=ctx.config.keep_grads,
+                           float8_gather=float8_gathers(model, float8) if options.fp8.gathers_float8 else {})
         wrap = options.wrap if options.wrap is not None else recipe.blocks
         grads = ZeroSync(params, opt, names, zero, model=model, wrap=wrap,
                          placements=placements, device=ctx.device)

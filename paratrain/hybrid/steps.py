@@ -29,18 +29,20 @@ from paratrain.hybrid.materialize import Inits, Source, materialize
 from paratrain.hybrid.pieces import Pieces
 from paratrain.memory import (Float8Settings, Precision, apply_activation_offload, apply_float8, apply_recompute,
                               recompute_pattern)
+from paratrain.memory.float8 import float8_linears
 from paratrain.models.init import ParamInit
 from paratrain.nn.recipe import Recipe
 from paratrain.pipeline.runtime import PipelineExecutor
 from paratrain.pipeline.schedules import Schedule
 from paratrain.pipeline.stages import PipelineLayout, StageModel, chunk_ranges, model_layers
-from paratrain.tensor_parallel import TensorParallelLayout, apply_tensor_parallel, check_ties
+from paratrain.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelLayout,
+                                      apply_tensor_parallel, check_ties)
 from paratrain.tensor_parallel.plan import resolve_plan
 from paratrain.tensor_parallel.cube import Cube
 from paratrain.tensor_parallel.grid import Grid
 from paratrain.tensor_parallel.grid_plan import GridLayout, apply_grid_tensor_parallel
 from paratrain.tensor_parallel.sequence import route_sequence_chunks
-from paratrain.topology import Context
+from paratrain.topology import AxisGroup, Context
 
 
 @dataclass(frozen=True)
@@ -106,20 +108,38 @@ def apply_batch_norm(model: nn.Module, ctx: Context, mode: str) -> tuple[tuple[s
     return (), tuple(norms)
 
 
-def apply_float8_step(model: nn.Module, ctx: Context, recipe: Recipe, settings: Float8Settings) -> list[str]:
-    """Precision fp8: the recipe's blocks' linears multiply in float8, each scale reduced over the groups that
-    split its tensor (tp's through the layers' splits, cp's tokens here). Refused under a 2d / 2.5d / 3d grid
-    (its blocks are not yet float8) and for a model without blocks. Returns the float8 linears' names."""
+def check_float8_model(model: nn.Module, recipe: Recipe, settings: Float8Settings, *, tp: int, tp_mode: str) -> str:
+    """Precision fp8's rules on the whole model, pure (paratrain.Trainer runs them before launching): the recipe
+    names blocks, tp is 1d (a grid's blocks are not float8 yet), the linears' widths fit. Returns the blocks."""
     if recipe.blocks is None:
         raise ConfigError(f"precision fp8 makes the linears of a model's blocks float8, and this "
                           f"{type(model).__name__}'s recipe names no blocks: give it blocks (paratrain.recipe_for("
                           "model, blocks=REGEX)) or use bf16")
-    check_float8_layout(ctx.config)
+    check_float8_layout(tp, tp_mode)
+    float8_linears(model, recipe.blocks, settings, tp=tp)
+    return recipe.blocks
+
+
+def apply_float8_step(model: nn.Module, ctx: Context, recipe: Recipe, settings: Float8Settings) -> list[str]:
+    """Precision fp8: the recipe's blocks' linears multiply in float8, each scale reduced over the groups that
+    split its tensor (tp's through the layers' splits, cp's tokens here). check_float8_model's rules, and a GPU
+    older than float8 refused. Returns the float8 linears' names."""
+    blocks = check_float8_model(model, recipe, settings, tp=ctx.config.tp, tp_mode=ctx.config.tp_mode)
     if ctx.device.type == "cuda" and torch.cuda.get_device_capability(ctx.device) < (8, 9):
         raise ConfigError(f"precision fp8 needs float8 matmuls, which NVIDIA GPUs have from compute capability 8.9 "
                           f"(Ada, Hopper); {torch.cuda.get_device_name(ctx.device)} is "
                           f"{'.'.join(map(str, torch.cuda.get_device_capability(ctx.device)))}: use bf16")
-    return apply_float8(model, recipe.blocks, settings, tokens=ctx.mesh.groups.get("cp"), tp=ctx.config.tp)
+    return apply_float8(model, blocks, settings, tokens=ctx.mesh.groups.get("cp"), tp=ctx.config.tp)
+
+
+def float8_gathers(model: nn.Module, names: list[str]) -> dict[int, AxisGroup | None]:
+    """ZeRO-3's float8 gathers (ZeroOptions.float8_gather): each float8 linear's weight, by id, with the tp group
+    that splits it too (its scale is the whole weight's), None when tp leaves it whole."""
+    out: dict[int, AxisGroup | None] = {}
+    for name in names:
+        module = model.get_submodule(name)
+        out[id(module.weight)] = module.group if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) else None
+    return out
 
 
 def apply_tensor_layout(model: nn.Module, ctx: Context, recipe: Recipe, *,

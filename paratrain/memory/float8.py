@@ -28,7 +28,6 @@ the groups that split the tensor, for comparing layouts.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -41,7 +40,7 @@ from paratrain.comm import all_reduce
 from paratrain.config.errors import ConfigError
 from paratrain.config.model_rules import FLOAT8_MULTIPLE
 from paratrain.eager import eager
-from paratrain.nn.kernels import KernelLinear, LinearSplit
+from paratrain.nn.kernels import KernelLinear, LinearSplit, power_of_two_scale
 from paratrain.topology.mesh import AxisGroup
 
 
@@ -76,18 +75,6 @@ class ScaleLog:
         """The entries since the last take."""
         out, self.entries = self.entries, []
         return out
-
-
-def power_of_two_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32: the largest power of two s with amax * s <= dtype's largest value; 1 where amax is 0.
-
-    From amax = m 2^e (m in [0.5, 1)) and the format's max = mf 2^ef: s = 2^(ef - e), halved when m > mf. Exact
-    integer arithmetic on the exponent: the same on every kernel and machine."""
-    mf, ef = math.frexp(torch.finfo(dtype).max)
-    mantissa, exponent = torch.frexp(amax.float())
-    power = (ef - exponent - (mantissa > mf).to(exponent.dtype)).clamp(-126, 127)
-    power = torch.where(amax > 0, power, torch.zeros_like(power))
-    return torch.ldexp(torch.ones_like(amax, dtype=torch.float32), power)
 
 
 def _groups(*groups: AxisGroup | None) -> tuple[AxisGroup, ...]:
@@ -215,6 +202,15 @@ class Float8Settings:
     """'logical': every scale the logical tensor's; 'shard': this rank's slice's (a debug switch, layout-dependent)."""
     log: ScaleLog | None = None
     """Where to record every scale taken (tests, forensics); None: nowhere."""
+    gather: bool = True
+    """Under ZeRO-3 with the tensorwise recipe: gather the float8 linears' weights in float8 (half the bytes; the
+    same numbers: paratrain.sharding.float8_gather). False: in bf16."""
+
+    @property
+    def gathers_float8(self) -> bool:
+        """Whether ZeRO-3 gathers the float8 linears' weights in float8: tensorwise only (a rowwise linear casts
+        its weight along rows forward and columns backward, which one gathered grid cannot serve)."""
+        return self.gather and not FLOAT8_RECIPES[self.recipe].rowwise and self.scaling == "logical"
 
     def __post_init__(self) -> None:
         if self.recipe not in FLOAT8_RECIPES:
@@ -226,14 +222,11 @@ class Float8Settings:
 
 
 
-def apply_float8(model: nn.Module, blocks: str, settings: Float8Settings, *, tokens: AxisGroup | None,
-                 tp: int) -> list[str]:
-    """Make every nn.Linear inside the blocks (module names matching `blocks`) and not matched by settings.skip a
-    float8 linear (paratrain.nn.kernels.KernelLinear with a Float8Linear kernel, the same Parameters); run before
-    tensor parallelism, whose layers keep the kernel of the linear they slice. Returns the names made float8.
-
-    tp: the tensor-parallel degree (each dimension must stay a multiple of 16 in a slice: refused otherwise)."""
-    recipe, skip, block = FLOAT8_RECIPES[settings.recipe], re.compile(settings.skip), re.compile(blocks)
+def float8_linears(model: nn.Module, blocks: str, settings: Float8Settings, *, tp: int) -> list[tuple[str, nn.Linear]]:
+    """The linears precision fp8 makes float8: every nn.Linear inside the blocks (module names matching `blocks`)
+    that settings.skip does not name. Pure (paratrain.Trainer asks it before launching); refused where a dimension
+    would not stay a multiple of 16 in each of the tp slices."""
+    skip, block = re.compile(settings.skip), re.compile(blocks)
     chosen = [(name, module) for name, module in model.named_modules()
               if type(module) is nn.Linear and not skip.search(name)
               and any(block.fullmatch(name[:i]) for i in range(len(name)) if name[i] == ".")]
@@ -244,6 +237,15 @@ def apply_float8(model: nn.Module, blocks: str, settings: Float8Settings, *, tok
                           f"multiple of {FLOAT8_MULTIPLE} on each of the tp = {tp} ranks (so of "
                           f"{FLOAT8_MULTIPLE * tp} whole): {', '.join(unfit[:4])}{' ...' if len(unfit) > 4 else ''}. "
                           "Leave them in bf16 with fp8_skip (a regex of their names), or change the widths")
+    return chosen
+
+
+def apply_float8(model: nn.Module, blocks: str, settings: Float8Settings, *, tokens: AxisGroup | None,
+                 tp: int) -> list[str]:
+    """Make float8_linears' choice float8 linears (paratrain.nn.kernels.KernelLinear with a Float8Linear kernel,
+    the same Parameters); run before tensor parallelism, whose layers keep the kernel of the linear they slice.
+    Returns the names made float8. tokens: the group splitting the tokens (cp)."""
+    recipe, chosen = FLOAT8_RECIPES[settings.recipe], float8_linears(model, blocks, settings, tp=tp)
     for name, module in chosen:
         kernel = Float8Linear(recipe, name, tokens=tokens, scaling=settings.scaling, log=settings.log)
         parent, _, leaf = name.rpartition(".")

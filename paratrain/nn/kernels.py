@@ -10,11 +10,13 @@ holds a slice of; the kernel knows (from its builder) which group splits the tok
     kernel_of(linear)            the kernel a layer was declared with: KernelLinear's, else dense_linear
 
 Strategies read kernel_of when they replace a linear by slices of it, so the kernel survives the replacement and
-nothing sets it afterwards. This module is below the strategies: groups are opaque to it.
+nothing sets it afterwards. This module is below the strategies: groups are opaque to it. power_of_two_scale is the
+float8 scale both the float8 kernel and ZeRO-3's float8 gathers take.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -67,3 +69,15 @@ class KernelLinear(nn.Linear):
 def kernel_of(linear: nn.Module) -> LinearKernel:
     """The kernel `linear` was declared with: a KernelLinear's own, F.linear for any other."""
     return linear.kernel if isinstance(linear, KernelLinear) else dense_linear
+
+
+def power_of_two_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32: the largest power of two s with amax * s <= dtype's largest value; 1 where amax is 0.
+
+    From amax = m 2^e (m in [0.5, 1)) and the format's max = mf 2^ef: s = 2^(ef - e), halved when m > mf. Exact
+    integer arithmetic on the exponent: the same on every kernel and machine."""
+    mf, ef = math.frexp(torch.finfo(dtype).max)
+    mantissa, exponent = torch.frexp(amax.float())
+    power = (ef - exponent - (mantissa > mf).to(exponent.dtype)).clamp(-126, 127)
+    power = torch.where(amax > 0, power, torch.zeros_like(power))
+    return torch.ldexp(torch.ones_like(amax, dtype=torch.float32), power)

@@ -60,7 +60,8 @@ def choose_layout(config: RunConfig, *, world_size: int, hw: Hardware, pins: dic
     result = search(model, world_size, hw, global_batch=config.data.global_batch, seq_len=seq_len, pins=pins,
                     kernels="compiled" if config.train.compile else "eager",
                     settings=dataclasses.replace(PRICED, precision=config.train.precision, optimizer=config.optim.optimizer,
-                                     grad_dtype=config.train.grad_dtype, state_dtype=config.optim.state_dtype))
+                                     grad_dtype=config.train.grad_dtype, state_dtype=config.optim.state_dtype,
+                                     fp8_recipe=config.train.fp8_recipe))
     fitting = [r for r in result["candidates"] if r["fits"]]
     if not fitting:
         reason = (f"none of {len(result['candidates'])} layouts fits {hw.memory_bytes / 1e9:.1f} GB per process"

@@ -20,6 +20,7 @@ from typing import Any
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import PRESETS, preset
 from paratrain.config.parallel import CP_MODES
+from paratrain.config.run import FP8_RECIPES, PRECISIONS
 from paratrain.planner.hardware import CPU_PROFILE, GPU_PROFILE, PROFILES, hardware
 from paratrain.planner.search import PRICED, search
 from paratrain.planner.table import layout_text, plan_table
@@ -54,7 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "kernels and bytes; a per-operation profile only)")
     parser.add_argument("--global-batch", type=int, help="samples per optimizer step (required unless --calibrate)")
     parser.add_argument("--seq-len", type=int, help="tokens per sample (default: the model's)")
-    parser.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--precision", default="bf16", choices=PRECISIONS,
+                        help="fp8: the blocks' linears at the device's float8 rate, their casts, ZeRO-3's float8 "
+                             "gathers (paratrain.planner.float8)")
+    parser.add_argument("--fp8-recipe", default="tensorwise", choices=FP8_RECIPES)
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"),
                         help="price AdamW (two moments) or Muon (a momentum on the matrices, Newton-Schulz on owner "
                              "ranks and its all-to-alls: paratrain.planner.optimizer)")
@@ -140,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     result = search(model, devices, hw, global_batch=args.global_batch, seq_len=args.seq_len, pins=pins,
                     kernels="compiled" if args.compile else "eager",
                     settings=dataclasses.replace(PRICED, precision=args.precision, optimizer=args.optimizer,
-                                                 moe_imbalance=args.moe_imbalance))
+                                                 moe_imbalance=args.moe_imbalance, fp8_recipe=args.fp8_recipe))
     if args.tokens:
         for record in result["candidates"]:
             record["train_days"] = args.tokens / record["tokens_per_s"] / 86400

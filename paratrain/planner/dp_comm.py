@@ -10,7 +10,8 @@ Data parallelism (`data_parallel_volume`), gradients and parameters:
               it), all-gathered once
     zero 3    reduced after every micro-batch; a block's group gathered for its forward and again for
               its backward (once when parameters stay from forward to backward), the root's (embedding,
-              final norm, head) once per micro-batch
+              final norm, head) once per micro-batch; under fp8 (tensorwise) the blocks' linear weights
+              in float8, one byte an element, in groups of their own
     hierarchical sharding (MiCS / HSDP: ZeRO within shard groups of S < dp ranks, the dp / S groups
               replicas of each other): the gathers and reduce-scatters stay within the shard group
               (axis dp_shard), each reduced shard is then all-reduced across the replicas
@@ -25,6 +26,8 @@ from paratrain.planner.layout import Layout
 from paratrain.planner.memory import flat_groups
 from paratrain.planner.params import RankParam, rank_params
 from paratrain.planner.settings import BYTES, StepSettings
+
+FLOAT8_BYTES = 1
 
 
 def data_parallel_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches: int,
@@ -66,7 +69,7 @@ def _reduce_and_gather(volume: dict[str, dict[str, int]], params: list[RankParam
     shard_axis = "dp_shard" if hierarchical else axis
     elsize, gsize = BYTES[settings.precision], settings.reduce_bytes(layout)
     groups = flat_groups(params, zero=layout.zero, shards=shards, bucket_bytes=int(settings.bucket_mb * 2**20),
-                         expert_shards=shards)
+                         expert_shards=shards, float8=settings.float8_gathers(layout))
     reductions = 1 if layout.zero == 1 or layout.pp > 1 else micro_batches
     for g in groups:
         if settings.grad_reduce == "reduce_scatter":
@@ -81,8 +84,8 @@ def _reduce_and_gather(volume: dict[str, dict[str, int]], params: list[RankParam
         root = _root_groups(params)
         blocks, roots = groups[:len(groups) - root], groups[len(groups) - root:]
         per_block = 2 if settings.reshard_after_forward else 1
-        add(shard_axis, "all_gather", micro_batches * elsize * (per_block * sum(g.padded for g in blocks)
-                                                                + sum(g.padded for g in roots)))
+        gathered = sum(g.padded * (FLOAT8_BYTES if g.float8 else elsize) for g in blocks)  # float8: one byte
+        add(shard_axis, "all_gather", micro_batches * (per_block * gathered + elsize * sum(g.padded for g in roots)))
 
 
 def data_axis(layout: Layout) -> str:

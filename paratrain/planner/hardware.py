@@ -62,6 +62,10 @@ class Hardware:
     """Share of peak the fused attention kernel reaches on its FLOPs."""
     launch_s: float = 0.0
     """Device time lost per kernel launched (eager launches one by one; compiled blocks launch fewer)."""
+    float8_speedup: float = 1.0
+    """Float8 matmuls' rate over the 16-bit peak (precision fp8: paratrain.planner.float8): 2 on an H100 or H200
+    (1,979 over 989 dense TFLOP/s, the data sheets'), 0 on an A100 (none: fp8 is refused), 1 on a CPU (torch
+    emulates them; not measured)."""
     overlap_loss: float = 0.0
     """The share of an overlap lost: while a data-parallel collective runs under compute, that much of the
     overlapped time is still paid (compute slowed by the collective's SMs and memory traffic, a prefetch pipeline's
@@ -105,10 +109,10 @@ def with_rates(base: Hardware, *, best: float, attention: float, bandwidth: floa
 DATASHEET_MEMORY_BW = {"a100-40gb": 1.555e12, "a100-80gb": 2.039e12, "h100-80gb": 3.35e12, "h200": 4.8e12}
 """Device-memory bandwidth of the data sheets, bytes/s."""
 DATASHEETS: dict[str, Hardware] = {
-    "a100-40gb": Hardware("a100-40gb", 312e12, 40 * GIB, 0.75 * 300e9, 0.75 * 25e9),
-    "a100-80gb": Hardware("a100-80gb", 312e12, 80 * GIB, 0.75 * 300e9, 0.75 * 25e9),
-    "h100-80gb": Hardware("h100-80gb", 989e12, 80 * GIB, 0.75 * 450e9, 0.75 * 50e9),
-    "h200": Hardware("h200", 989e12, 141e9, 0.75 * 450e9, 0.75 * 50e9),
+    "a100-40gb": Hardware("a100-40gb", 312e12, 40 * GIB, 0.75 * 300e9, 0.75 * 25e9, float8_speedup=0.0),
+    "a100-80gb": Hardware("a100-80gb", 312e12, 80 * GIB, 0.75 * 300e9, 0.75 * 25e9, float8_speedup=0.0),
+    "h100-80gb": Hardware("h100-80gb", 989e12, 80 * GIB, 0.75 * 450e9, 0.75 * 50e9, float8_speedup=2.0),
+    "h200": Hardware("h200", 989e12, 141e9, 0.75 * 450e9, 0.75 * 50e9, float8_speedup=2.0),
 }
 """The data sheets alone: one efficiency for every FLOP (what paratrain.planner.fit starts from)."""
 FITTED_RATES = {

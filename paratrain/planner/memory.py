@@ -46,6 +46,8 @@ class FlatPlan:
     shards: int
     kind: str = "adamw"
     """The optimizer updating it: 'adamw', or 'muon' (paratrain.optim.Muon's matrix group)."""
+    float8: bool = False
+    """ZeRO-3 gathers it in float8 (the weights of float8 linears under the tensorwise recipe)."""
 
     @property
     def shard_numel(self) -> int:
@@ -78,8 +80,9 @@ def _role(param: RankParam) -> tuple[bool, bool, bool, bool, bool]:
 
 
 def flat_groups(params: list[RankParam], *, zero: int, shards: int, bucket_bytes: int,
-                expert_shards: int = 1, optimizer: str = "adamw") -> list[FlatPlan]:
-    """ZeroSync's flat groups for these parameters, in its order; experts' split over expert_shards."""
+                expert_shards: int = 1, optimizer: str = "adamw", float8: bool = False) -> list[FlatPlan]:
+    """ZeroSync's flat groups for these parameters, in its order; experts' split over expert_shards. float8: ZeRO-3
+    gathers the blocks' linear weights in float8, in groups of their own (paratrain.sharding.float8_gather)."""
     present = sorted({optimizer_group(p, optimizer) for p in params})
     group_of = {id(p): present.index(optimizer_group(p, optimizer)) for p in params}  # empty groups are dropped
     muon = {id(p) for p in params if optimizer == "muon" and optimizer_group(p, optimizer) == 0}
@@ -88,7 +91,7 @@ def flat_groups(params: list[RankParam], *, zero: int, shards: int, bucket_bytes
         by_id = {id(t): p for t, p in zip(tensors, params)}
         planned = plan_buckets(tensors, cap_bytes=bucket_bytes,
                                key=lambda t: (group_of[id(by_id[id(t)])], _role(by_id[id(t)])))
-        sizes = [(sum(t.numel() for t in group), by_id[id(group[0])].expert, id(by_id[id(group[0])]) in muon)
+        sizes = [(sum(t.numel() for t in group), by_id[id(group[0])].expert, id(by_id[id(group[0])]) in muon, False)
                  for group in planned]
     else:
         units: dict[str, list[RankParam]] = {}
@@ -97,26 +100,27 @@ def flat_groups(params: list[RankParam], *, zero: int, shards: int, bucket_bytes
         blocks = [u for u in units if u]
         sizes = []
         for unit in [*reversed(blocks), *([""] if "" in units else [])]:
-            by_key: dict[tuple[int, tuple[bool, ...], bool], int] = {}
+            by_key: dict[tuple[int, tuple[bool, ...], bool, bool], int] = {}
             for p in units[unit]:
-                key = (group_of[id(p)], _role(p), id(p) in muon)
+                key = (group_of[id(p)], _role(p), id(p) in muon, float8 and p.block_linear)
                 by_key[key] = by_key.get(key, 0) + p.numel
-            sizes += [(n, role[-1], matrix) for (_, role, matrix), n in by_key.items()]  # role[-1]: an expert group
+            # role[-1]: an expert group
+            sizes += [(n, role[-1], matrix, cast) for (_, role, matrix, cast), n in by_key.items()]
     plans = []
-    for n, expert, matrix in sizes:
+    for n, expert, matrix, cast in sizes:
         parts = expert_shards if expert else shards
-        plans.append(FlatPlan(math.ceil(n / parts) * parts, parts, "muon" if matrix else "adamw"))
+        plans.append(FlatPlan(math.ceil(n / parts) * parts, parts, "muon" if matrix else "adamw", cast))
     return plans
 
 
 @functools.lru_cache(maxsize=8192)
 def _sharded_totals(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...],
-                    bucket_bytes: int, optimizer: str = "adamw") -> tuple[int, int, int, int]:
+                    bucket_bytes: int, optimizer: str = "adamw", float8: bool = False) -> tuple[int, int, int, int]:
     """(padded elements, shard elements, of which Muon's, AdamW's flat groups) of a stage's ZeRO flat groups
     (`layout`: its dims and ZeRO stage, what they depend on)."""
     params = rank_params(model, layout.dims, stage, pp_split, expert_tp=layout.expert_tp, pipeline=layout.pipeline)
     groups = flat_groups(params, zero=layout.zero, shards=layout.shards, bucket_bytes=bucket_bytes,
-                         expert_shards=layout.expert_shards, optimizer=optimizer)
+                         expert_shards=layout.expert_shards, optimizer=optimizer, float8=float8)
     return (sum(g.padded for g in groups), sum(g.shard_numel for g in groups),
             sum(g.shard_numel for g in groups if g.kind == "muon"), sum(g.kind == "adamw" for g in groups))
 
@@ -160,7 +164,7 @@ def model_state_bytes(model: ModelConfig, layout: Layout, *, stage: int = 0,
     elsize = BYTES[settings.precision]
     padded, shard, muon, groups = _sharded_totals(
         model, Layout(dims=layout.dims, zero=layout.zero, expert_tp=layout.expert_tp, schedule=layout.schedule),
-        stage, tuple(pp_split), int(settings.bucket_mb * 2**20), optimizer)
+        stage, tuple(pp_split), int(settings.bucket_mb * 2**20), optimizer, settings.float8_gathers(layout))
     param_bytes = elsize * (shard if layout.zero == 3 else padded)
     gsize = settings.grad_bytes(layout)  # EngineOptions.grad_dtype: the buffers' dtype
     if layout.zero == 1:

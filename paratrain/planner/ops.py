@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 from paratrain.config.model import ModelConfig
+from paratrain.planner.float8 import block_linears, cast_bytes, float8_speedup
 from paratrain.planner.hardware import Hardware
 from paratrain.pipeline.schedules import Schedule
 from paratrain.planner.layout import Layout, chunk_layers, stage_chunks
@@ -167,8 +168,10 @@ class Cut:
         return tokens * width / (self.tp if self.sequence_parallel or self.mode != "1d" else 1)
 
 
-def _gemm_work(hw: Hardware, cut: Cut, tokens: int, shapes: list[tuple[int, int, bool]]) -> tuple[float, float, int]:
-    """(forward, backward seconds, extra kernels per pass) of linears (d_in, d_out, cut along d_out in 1d)."""
+def _gemm_work(hw: Hardware, cut: Cut, tokens: int, shapes: list[tuple[int, int, bool]],
+               speedup: float = 1.0) -> tuple[float, float, int]:
+    """(forward, backward seconds, extra kernels per pass) of linears (d_in, d_out, cut along d_out in 1d), at
+    `speedup` x the 16-bit rate (float8: paratrain.planner.float8)."""
     fwd = bwd = 0.0
     extra = 0
     for d_in, d_out, column in shapes:
@@ -177,18 +180,20 @@ def _gemm_work(hw: Hardware, cut: Cut, tokens: int, shapes: list[tuple[int, int,
         else:
             gemm, reps = cut.products(tokens, d_in, d_out)
         f, b = gemm_seconds(hw, [gemm])
-        fwd, bwd, extra = fwd + reps * f, bwd + reps * b, extra + reps - 1
+        fwd, bwd, extra = fwd + reps * f / speedup, bwd + reps * b / speedup, extra + reps - 1
     return fwd, bwd, extra
 
 
 @functools.lru_cache(maxsize=4096)  # the search prices the same block under many ZeRO stages, schedules and dp
 def block_work(model: ModelConfig, hw: Hardware, *, tokens: int, seq: int, cut: Cut, recompute: str, kernels: str,
-               act: int, mlp: bool = True) -> Work:
+               act: int, mlp: bool = True, float8: str = "") -> Work:
     """One block and one micro-batch of `tokens` rows on one tp rank (attention over `seq` keys); without its
-    MLP when `mlp` is false (a MoE block: paratrain.planner.moe_ops prices the layer in its place)."""
+    MLP when `mlp` is false (a MoE block: paratrain.planner.moe_ops prices the layer in its place). float8: the
+    recipe its linears multiply in float8 with (precision fp8: their rate and casts, paratrain.planner.float8)."""
     h, f, tp = model.d_model, model.ff_dim, cut.tp
-    linears = [(h, 3 * h, True), (h, h, False)] + ([(h, f, True), (f, h, False)] if mlp else [])
-    g_fwd, g_bwd, extra = _gemm_work(hw, cut, tokens, linears)
+    linears = block_linears(model, mlp=mlp)
+    speedup = float8_speedup(hw.name, hw.float8_speedup) if float8 else 1.0
+    g_fwd, g_bwd, extra = _gemm_work(hw, cut, tokens, linears, speedup)
     rate = hw.peak_flops * hw.attention_efficiency
     a_fwd = 0.5 * 4.0 * tokens * seq * h / tp / rate  # causal: half of q k^T and p v
     sizes = {"stream": cut.stream(tokens, h), "heads": tokens * h / tp, "ffn": tokens * f / tp if mlp else 0.0}
@@ -197,6 +202,10 @@ def block_work(model: ModelConfig, hw: Hardware, *, tokens: int, seq: int, cut: 
     m_fwd = sum(sizes[k] * counts[k][0] for k in sizes) * act / 2 / hw.memory_bw
     m_bwd = sum(sizes[k] * counts[k][1] for k in sizes) * act / 2 / hw.memory_bw
     m_bwd += (4 * h * h + (2 * h * f if mlp else 0)) / tp * mode.accumulate_bytes / hw.memory_bw
+    if float8:  # each operand's amax and cast (1d: the only fp8 tensor layout)
+        local = [(d_in, d_out // tp) if column else (d_in // tp, d_out) for d_in, d_out, column in linears]
+        c_fwd, c_bwd = cast_bytes(local, tokens, float8)
+        m_fwd, m_bwd = m_fwd + c_fwd / hw.memory_bw, m_bwd + c_bwd / hw.memory_bw
     # a grid's products and their sums; a MoE block's MLP kernels are the MoE layer's (4 forward, 10 backward)
     k_fwd = mode.kernels[0] + 2 * extra - (0 if mlp else 4)
     k_bwd = mode.kernels[1] + 4 * extra - (0 if mlp else 10)
@@ -229,13 +238,14 @@ def optimizer_work(hw: Hardware, elements: float, kernels: str) -> Work:
 
 
 def rank_work(model: ModelConfig, layout: Layout, hw: Hardware, *, micro_batches: int, seq: int, kernels: str,
-              act: int, stage_elements: float, moe_layer: Work = Work()) -> tuple[Work, Work]:
+              act: int, stage_elements: float, moe_layer: Work = Work(), float8: str = "") -> tuple[Work, Work]:
     """(the micro-batches' work of the pipeline rank whose compute is longest: its blocks and, on the last rank,
-    the head; once per step, its optimizer step over `stage_elements` parameter elements). moe_layer: a MoE
+    the head; once per step, its optimizer step over `stage_elements` parameter elements). float8: the blocks' float8
+    recipe under precision fp8 (block_work), "" otherwise. moe_layer: a MoE
     layer's work per micro-batch (paratrain.planner.moe_ops), in place of the MLP of each MoE block."""
     tokens = layout.micro_batch * seq // layout.cp
     cut = Cut.of(layout)
-    common = dict(tokens=tokens, seq=seq, cut=cut, recompute=layout.recompute, kernels=kernels, act=act)
+    common = dict(tokens=tokens, seq=seq, cut=cut, recompute=layout.recompute, kernels=kernels, act=act, float8=float8)
     block = block_work(model, hw, **common)
     # a MoE block: the block without its MLP, and the MoE layer in its place
     moe_block = block_work(model, hw, **common, mlp=False) + moe_layer if model.n_experts else Work()

@@ -41,6 +41,12 @@ class RankParam:
         return n
 
     @property
+    def block_linear(self) -> bool:
+        """A weight of one of the blocks' linear layers (a matrix in a ZeRO-3 unit, not the router's, not an expert
+        bank): what precision fp8 multiplies in float8."""
+        return bool(self.unit) and len(self.shape) == 2 and not self.expert and not self.name.endswith("router.weight")
+
+    @property
     def unit(self) -> str:
         """The ZeRO-3 unit holding it (paratrain.sharding.zero wraps "blocks.N" and "mtp.depths.K.block"; the rest is
         the root "")."""

@@ -18,6 +18,7 @@ from paratrain.config.model_rules import (check_context_parallel, check_experts,
                                       check_tensor_parallel)
 from paratrain.nn.loss import CHUNK_BYTES
 import paratrain.planner.param_server as param_server
+from paratrain.planner.float8 import float8_speedup
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
 from paratrain.planner.activations import activation_bytes, grid_cuts, storage_mode
@@ -143,7 +144,8 @@ def _record(model_config: ModelConfig, layout: Layout, hardware: Hardware, run: 
     """estimate's record of a layout already checked."""
     mem = memory(model_config, layout, global_batch=run.global_batch, seq=run.seq, settings=run.settings)
     t = step_time(model_config, layout, hardware, global_batch=run.global_batch, seq=run.seq,
-                  precision=run.settings.precision, kernels=run.kernels, moe_imbalance=run.settings.moe_imbalance)
+                  precision=run.settings.precision, kernels=run.kernels, moe_imbalance=run.settings.moe_imbalance,
+                  fp8_recipe=run.settings.fp8_recipe)
     step, terms = t.step_s, t.terms
     if run.settings.optimizer == "muon":  # after the pipelined part, as the element-wise step
         muon = muon_seconds(model_config, layout, hardware)
@@ -284,6 +286,8 @@ def search(model_config: ModelConfig, devices: int, hardware: Hardware, *, globa
     if seq_len and seq_len > model_config.seq_len:  # the model is built for sequences this long
         model_config = dataclasses.replace(model_config, seq_len=seq_len)
     seq = seq_len or model_config.seq_len
+    if settings.precision == "fp8":  # said once, not for every layout
+        float8_speedup(hardware.name, hardware.float8_speedup)
     fits, too_big, rejected = [], [], []
     for fields in _candidate_fields(model_config, devices, hardware, global_batch=global_batch, pins=pins or {},
                                     seq=seq):

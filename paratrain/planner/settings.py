@@ -33,10 +33,18 @@ class StepSettings:
     """adamw, muon (a momentum on its matrices, AdamW's state on the rest) or sgd (a momentum)."""
     state_dtype: str = "fp32"
     """The optimizer state's storage: fp32 or bf16 (OptimSection.state_dtype)."""
+    fp8_recipe: str = "tensorwise"
+    """Under precision fp8: the float8 recipe (ZeRO-3 gathers the float8 linears' weights in float8 under
+    tensorwise)."""
     moe_imbalance: float = 1.0
     """Mixture-of-Experts under ep: the busiest ep rank's routed rows over a balanced share, a run's measured
     `expert_load_factor` (--log-json; `paratrain plan --moe-imbalance`). That rank receives, keeps and runs this many
     times the balanced rows; 1: balanced routing."""
+
+    def float8_gathers(self, layout: Layout) -> bool:
+        """Whether ZeRO-3 gathers the blocks' linear weights in float8 (paratrain.memory.Float8Settings.gathers_float8:
+        precision fp8, the tensorwise recipe)."""
+        return self.precision == "fp8" and self.fp8_recipe == "tensorwise" and layout.zero == 3
 
     def grad_bytes(self, layout: Layout) -> int:
         """Bytes of a gradient element in ZeRO's buffers (zero 0: float32)."""

@@ -52,7 +52,9 @@ from dataclasses import dataclass, field, replace
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
+from paratrain.config.model_rules import check_float8_layout
 from paratrain.pipeline.schedules import Schedule
+from paratrain.planner.float8 import float8_speedup, linear_flops_per_token
 from paratrain.planner.grid import grid_time
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout, chunk_layers, layer_costs, stage_chunks
@@ -116,6 +118,8 @@ class _Held:
     """The embedding, final norm and head: ZeRO-3's root unit (the rest are the blocks' units)."""
     expert: int
     """The MoE layers' experts (this rank's E / ep), reduced and sharded over their dp / ep replicas."""
+    linear: int
+    """The blocks' linear weights (what ZeRO-3 gathers in float8 under fp8, tensorwise)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -124,7 +128,7 @@ def _held(model: ModelConfig, dims: ParallelDims, expert_tp: bool, pipeline: Sch
     for stage in {0, dims.pp - 1}:
         params = rank_params(model, dims, stage, expert_tp=expert_tp, pipeline=pipeline)
         held.append(_Held(sum(p.numel for p in params), sum(p.numel for p in params if not p.unit),
-                          sum(p.numel for p in params if p.expert)))
+                          sum(p.numel for p in params if p.expert), sum(p.numel for p in params if p.block_linear)))
     return max(held, key=lambda h: h.total)
 
 
@@ -150,7 +154,7 @@ def _stepped(model: ModelConfig, layout: Layout) -> float:
 
 
 def _data_parallel_time(model: ModelConfig, layout: Layout, hw: Hardware, *, compute: float, micro_batches: int,
-                        precision: str, grad_reduce: str) -> tuple[float, float]:
+                        precision: str, grad_reduce: str, float8_gathers: bool = False) -> tuple[float, float]:
     """Seconds of data-parallel traffic per step, as paratrain.planner.comm counts it for the engine, and how much
     of them runs under compute (module docstring). The dense parameters are reduced over dp x cp; under ZeRO with
     shard groups (MiCS / HSDP) reduce-scattered and gathered within a group of dp_shard x cp ranks and the shard
@@ -187,7 +191,9 @@ def _data_parallel_time(model: ModelConfig, layout: Layout, hw: Hardware, *, com
         return reduce + one_way(dense, expert), min(reduce, window)
     # ZeRO-3: every micro-batch gathers each block for its forward and again for its backward (its recomputed
     # forward runs inside the backward's gather), the root once; prefetched under the compute of every micro-batch
-    traffic = reduce + m * one_way(2 * (dense - held.root) + held.root, 2 * expert)
+    # (float8 gathers: the linear weights' two gathers in one byte each, one 16-bit gather's bytes)
+    gathered = 2 * (dense - held.root) - (held.linear if float8_gathers else 0) + held.root
+    traffic = reduce + m * one_way(gathered, 2 * expert)
     return traffic, min(traffic, compute)
 
 
@@ -216,10 +222,11 @@ def _context_parallel_time(model: ModelConfig, layout: Layout, hw: Hardware, *, 
 
 def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch: int, seq: int,
               precision: str = "bf16", grad_reduce: str = "reduce_scatter", kernels: str = "eager",
-              moe_imbalance: float = 1.0) -> StepTime:
+              moe_imbalance: float = 1.0, fp8_recipe: str = "tensorwise") -> StepTime:
     """kernels: how the blocks run, for a per-operation profile (paratrain.planner.ops.KERNELS): eager,
     compiled (torch.compile) or Megatron's fused kernels. moe_imbalance: StepSettings' (under ep the busiest rank's
-    experts' work and received rows times it, which every rank waits for)."""
+    experts' work and received rows times it, which every rank waits for). fp8_recipe: under precision fp8, the
+    blocks' float8 recipe (paratrain.planner.float8)."""
     if kernels not in KERNELS:
         raise ConfigError(f"kernels must be one of {sorted(KERNELS)} (how the blocks run: eager, compiled by "
                           f"torch.compile, or Megatron's fused kernels), got {kernels!r}")
@@ -240,6 +247,11 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     skewed = (skew - 1.0) * 12.0 * model.moe_layers * model.top_k * model.d_model * model.expert_dim * tokens * (
         hardware_flops / model_flops)
     moe_tp = tp if layout.expert_tp or layout.sequence_parallel else 1
+    float8 = fp8_recipe if precision == "fp8" else ""
+    if float8:
+        check_float8_layout(layout.tp, layout.tp_mode)  # the blocks' linears at the float8 rate (its casts: priced by operation only)
+        hardware_flops -= linear_flops_per_token(model) * tokens * hardware_flops / model_flops * (
+            1.0 - 1.0 / float8_speedup(hw.name, hw.float8_speedup))
     per_rank = (hardware_flops - moe_flops) / (dp * tp * cp) + (moe_flops + skewed) / (dp * cp * moe_tp)
     moe_here = round(model.moe_layers * trunk_here / model.n_layer) if model.n_experts else 0
     # the profile's fixed time per block and micro-batch, and a MoE layer's own beyond it (routing, sorting)
@@ -255,7 +267,7 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
         moe = moe_layer_work(model, layout, hw, tokens=layout.micro_batch * seq // cp, act=act,
                              kernels=kernels) * skew if model.n_experts else Work()
         work, optimizer = rank_work(model, layout, hw, micro_batches=m, seq=seq, kernels=kernels, act=act,
-                                    stage_elements=stepped, moe_layer=moe)
+                                    stage_elements=stepped, moe_layer=moe, float8=float8)
         compute, once = work.total, optimizer.total
         attention_rate = hw.peak_flops * hw.attention_efficiency
         by_operation = {"compute: GEMMs": work.gemm, "compute: attention": work.attention,
@@ -297,8 +309,8 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     pipelined = (compute + tp_time + ep_time + cp_time) / (1.0 - bubble)
     # pipeline: the fill and drain expose 2 (p - 1) transfers of an activation (or its gradient)
     pp_time = 2 * (pp - 1) * (hw.latency_s + tp_bytes / tp / _bandwidth(hw, layout.world_size)) if pp > 1 else 0.0
-    dp_time, overlap = _data_parallel_time(model, layout, hw, compute=compute, micro_batches=m,
-                                           precision=precision, grad_reduce=grad_reduce)
+    dp_time, overlap = _data_parallel_time(model, layout, hw, compute=compute, micro_batches=m, precision=precision,
+                                           grad_reduce=grad_reduce, float8_gathers=float8 == "tensorwise")
     # what overlaps compute is hidden but for the profile's overlap loss (compute slowed while it runs)
     dp_exposed = dp_time - overlap + hw.overlap_loss * overlap
     if layout.ps_mode != "off":  # the push and the pull after backward (paratrain.planner.param_server)

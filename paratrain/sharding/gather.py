@@ -18,14 +18,19 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Sequence, Union
+from typing import Any, Mapping, Protocol, Sequence, Union
 
 import torch
 from torch import nn
 
-from paratrain.comm import Pending, all_gather_async
+from paratrain.comm import all_gather_async
 from paratrain.comm.flat import FlatGroup
+from paratrain.sharding.float8_gather import Float8Gather
 from paratrain.topology import AxisGroup
+
+
+class InFlight(Protocol):
+    def wait(self) -> None: ...
 
 
 @dataclass
@@ -36,7 +41,8 @@ class Unit:
     groups: list[FlatGroup] = field(default_factory=list)
     state: str = "free"
     """'free', 'gathering' (all-gather in flight) or 'ready'."""
-    pending: list[Pending] = field(default_factory=list)
+    pending: list[InFlight] = field(default_factory=list)
+    """Gathers in flight: all-gathers (Pending), or float8 ones that read their values back on wait()."""
 
 
 WrapPolicy = Union[str, type, tuple[type, ...], None]
@@ -74,10 +80,11 @@ def units_of(model: nn.Module, params: list[nn.Parameter],
 
 class ParamGatherer:
     def __init__(self, root: Unit, units: list[Unit], shard_groups: Sequence[AxisGroup | None], *,
-                 reshard_after_forward: bool) -> None:
+                 reshard_after_forward: bool, float8: Mapping[int, Float8Gather] | None = None) -> None:
         """shard_groups: by FlatGroup index, the group each flat group's shards are spread over (None:
         unsharded); a unit may hold groups of different ones (a MoE block: experts over edp, the rest
-        over dp)."""
+        over dp). float8: by FlatGroup index, the groups gathered in float8 (paratrain.sharding.float8_gather)."""
+        self.float8 = dict(float8 or {})
         self.root = root
         self.units = units
         """Wrapped units in forward order."""
@@ -108,7 +115,9 @@ class ParamGatherer:
             for group in unit.groups:
                 group.allocate()
                 shard_group = self.shard_groups[group.index]
-                if shard_group is not None:
+                if group.index in self.float8:
+                    unit.pending.append(self.float8[group.index].start())
+                elif shard_group is not None:
                     unit.pending.append(all_gather_async(group.param_flat, group.shard, shard_group))
                 else:
                     group.shard_of(group.param_flat).copy_(group.shard)

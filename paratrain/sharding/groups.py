@@ -13,6 +13,8 @@ The optimizer is then re-pointed at the groups' masters (this rank's shards), it
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from torch import nn
 
 from paratrain.comm import plan_buckets
@@ -31,20 +33,22 @@ def bucket_groups(params: list[nn.Parameter], group_of: dict[int, int], placemen
 
 
 def unit_groups(params: list[nn.Parameter], group_of: dict[int, int], placements: Placements, *,
-                model: nn.Module | None, wrap: WrapPolicy,
-                storage: FlatStorage) -> tuple[list[FlatGroup], Unit, list[Unit]]:
+                model: nn.Module | None, wrap: WrapPolicy, storage: FlatStorage,
+                float8: Mapping[int, object] = {}) -> tuple[list[FlatGroup], Unit, list[Unit]]:
     """Stage 3: the flat groups of every unit (appended to its Unit.groups), the root unit, and the
-    wrapped units in forward order."""
+    wrapped units in forward order. float8: parameters (by id) gathered in float8, each with the group that also
+    splits it; grouped apart, by that group."""
     if model is None:
         raise ValueError("ZeRO-3 needs the model, to gather parameters around its modules")
     root, units, members = units_of(model, params, wrap)
     # Gradients complete in backward order: units reversed, the root (embedding) last.
     groups: list[FlatGroup] = []
     for unit in [*reversed(units), root]:
-        by_group: dict[tuple[int, Placement], list[nn.Parameter]] = {}
+        by_group: dict[tuple[int, Placement, bool, int], list[nn.Parameter]] = {}
         for param in members[id(unit)]:
-            by_group.setdefault((group_of[id(param)], placements(param)), []).append(param)
-        for (gi, placement), ps in by_group.items():
+            cast = (id(param) in float8, id(float8.get(id(param))))
+            by_group.setdefault((group_of[id(param)], placements(param), *cast), []).append(param)
+        for (gi, placement, *_), ps in by_group.items():
             unit.groups.append(FlatGroup(len(groups), ps, shards=placement.shards, shard_index=placement.shard_index,
                                          optimizer_group=gi, storage=storage))
             groups.append(unit.groups[-1])

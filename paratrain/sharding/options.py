@@ -11,9 +11,12 @@ The stage decides three things, answered here once instead of at every branch of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
+
+from paratrain.topology import AxisGroup
 
 REDUCE_OPS = ("reduce_scatter", "all_reduce")
 
@@ -44,6 +47,10 @@ class ZeroOptions:
     keep_grads: bool = False
     """Keep the gradient buffers between steps, zeroed (no allocation per step); False: released after
     each update, as torch's zero_grad(set_to_none=True)."""
+    float8_gather: Mapping[int, AxisGroup | None] = field(default_factory=dict)
+    """Stage 3: the parameters (by id) gathered in float8, each cast by its whole tensor's power-of-two scale, with
+    the group that splits the tensor besides the shard group (tp), if any: the weights of tensorwise float8
+    linears, which cast them so themselves (paratrain.sharding.float8_gather)."""
     deferred: bool = False           # pipeline: gradients reduced once in finish()
     """Reduce once per step, after the last backward (pipeline schedules interleave the micro-batches'
     backwards); stage 2 then keeps full gradients during the step and only the shards between steps."""

@@ -48,6 +48,7 @@ from torch import nn
 from paratrain.comm import NormPart, all_gather_async
 from paratrain.comm.placement import Placements
 from paratrain.comm.flat import FlatStorage
+from paratrain.sharding.float8_gather import Float8Gather
 from paratrain.sharding.gather import ParamGatherer, WrapPolicy
 from paratrain.comm.flat import optimizer_groups, point_optimizer_at
 from paratrain.sharding.groups import bucket_groups, unit_groups
@@ -80,9 +81,13 @@ class ZeroSync:
         self.gatherer: ParamGatherer | None = None
         if options.params_sharded:
             self.groups, root, units = unit_groups(params, group_of, placements, model=model, wrap=wrap,
-                                                   storage=storage)
-            self.gatherer = ParamGatherer(root, units, [placements(g.params[0]).shard for g in self.groups],
-                                          reshard_after_forward=options.reshard_after_forward)
+                                                   storage=storage, float8=options.float8_gather)
+            shard_groups = [placements(g.params[0]).shard for g in self.groups]
+            float8 = {g.index: Float8Gather(g, shard, also=options.float8_gather[id(g.params[0])])
+                      for g, shard in zip(self.groups, shard_groups)
+                      if shard is not None and id(g.params[0]) in options.float8_gather}
+            self.gatherer = ParamGatherer(root, units, shard_groups, reshard_after_forward=options.reshard_after_forward,
+                                          float8=float8)
         else:
             self.groups = bucket_groups(params, group_of, placements, bucket_bytes=options.bucket_bytes,
                                         storage=storage)

@@ -186,6 +186,9 @@ def test_a_layout_the_model_cannot_take_is_refused_before_any_process_starts():
     with pytest.raises(ConfigError, match="matches no module of the model"):
         paratrain.Trainer(devices=2, strategy="tp", tp_plan={"attn.qkv": "column"}, max_steps=1,
                           global_batch=16).fit(model, fit_script.loss_fn, train)
+    with pytest.raises(ConfigError, match="precision fp8 makes the linears of a model's blocks float8"):
+        paratrain.Trainer(devices=2, precision="fp8", max_steps=1, global_batch=16).fit(model, fit_script.loss_fn,
+                                                                                         train)
     assert time.perf_counter() - start < 2.0  # measured 0.01 s
     with pytest.raises(ConfigError, match="matches no module of the model"):
         paratrain.Trainer(devices=2, strategy="tp", tp_plan=LLAMA_TP_PLAN, max_steps=1,

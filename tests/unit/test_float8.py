@@ -89,3 +89,25 @@ def test_the_rules_before_launch():
         Float8Settings(recipe="blockwise")
 
 
+
+
+def test_the_planner_prices_float8():
+    """On an H100 profile fp8 prices the blocks' linears at twice the 16-bit rate plus their casts: faster than bf16,
+    slower than the linears' time halved; an A100 (no float8) and a grid are refused with the rule."""
+    from paratrain.config import preset
+    from paratrain.planner.hardware import PROFILES
+    from paratrain.planner.layout import Layout
+    from paratrain.planner.timing import step_time
+
+    model, layout = preset("gpt3-xl"), Layout.of(dp=8, zero=3, micro_batch=4)
+    times = {p: step_time(model, layout, PROFILES["h100-80gb"], global_batch=64, seq=2048, precision=p)
+             for p in ("bf16", "fp8")}
+    gemms = times["bf16"].terms["compute: GEMMs"]
+    assert times["fp8"].terms["compute: GEMMs"] < gemms
+    assert times["fp8"].terms["compute: memory-bound ops"] > times["bf16"].terms["compute: memory-bound ops"]
+    assert times["bf16"].step_s - gemms / 2 < times["fp8"].step_s < times["bf16"].step_s
+    with pytest.raises(ConfigError, match="a100-80gb does not have"):
+        step_time(model, layout, PROFILES["a100-80gb"], global_batch=64, seq=2048, precision="fp8")
+    with pytest.raises(ConfigError, match="tp_mode 2d"):
+        step_time(model, Layout.of(tp=4, tp_mode="2d", micro_batch=4), PROFILES["h100-80gb"], global_batch=64,
+                  seq=2048, precision="fp8")
