@@ -179,11 +179,19 @@ class _Float8Matmul(torch.autograd.Function):
         return grad_x.reshape(ctx.x_shape).to(ctx.x_dtype), grad_w.to(weight.dtype), None, None, None
 
 
-@eager  # its amax reductions are collectives: torch.compile breaks its graph here
 def _float8_linear(x: torch.Tensor, weight: torch.Tensor, kernel: Float8Linear, split: LinearSplit) -> torch.Tensor:
+    """The float8 product; traced by torch.compile where no amax is reduced and nothing logged (one rank holds
+    the tensors whole), run eagerly between compiled pieces otherwise (collectives, the log)."""
     out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     if x.device.type == "meta":  # a dry run: shapes only
         return torch.empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype, device=x.device)
+    local = kernel.log is None and (kernel.scaling == "shard" or not _groups(kernel.tokens, split.out, split.inner))
+    return (_Float8Matmul.apply if local else _eager_matmul)(x, weight, kernel, split, out_dtype)
+
+
+@eager  # its amax reductions are collectives: torch.compile breaks its graph here
+def _eager_matmul(x: torch.Tensor, weight: torch.Tensor, kernel: Float8Linear, split: LinearSplit,
+                  out_dtype: torch.dtype) -> torch.Tensor:
     return _Float8Matmul.apply(x, weight, kernel, split, out_dtype)
 
 

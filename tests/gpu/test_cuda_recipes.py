@@ -1,8 +1,8 @@
 """What landed since the last GPU session, on CUDA against the CPU: the same `paratrain train` command with
 `--device cpu` and `--device cuda` (one process, float32 unless named, TF32 off: torch's default for matmuls) gives
 the same losses. Muon (Newton-Schulz in float32 and in torch's bfloat16), the fine-grained MoE routers (sigmoid
-scores, group-limited top-k, the expert bias), their compiled blocks, and an HF Llama on text with packed documents
-masked. Run on a machine with an NVIDIA GPU; skipped elsewhere."""
+scores, group-limited top-k, the expert bias), their compiled blocks, float8 linears (tensorwise, rowwise,
+compiled), and an HF Llama on text with packed documents masked. Run on a machine with an NVIDIA GPU; skipped elsewhere."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ CASES = {
     "dsmoe": (["--model", "tiny-dsmoe"], [], 5e-6),  # 1.0e-7: no expert chosen differently
     "dsmoe-compiled": (["--model", "tiny-dsmoe"], ["--compile"], 5e-6),  # 1.5e-7
     "bf16": (["--model", "tiny", "--precision", "bf16"], [], 2e-3),  # 4.3e-5
+    # float8 (torch._scaled_mm on sm_89+ against the CPU's emulation): bf16's bound, not measured yet
+    "fp8-tensorwise": (["--model", "tiny", "--precision", "fp8"], [], 2e-3),
+    "fp8-rowwise": (["--model", "tiny", "--precision", "fp8", "--fp8-recipe", "rowwise"], [], 2e-3),
+    "fp8-compiled": (["--model", "tiny", "--precision", "fp8"], ["--compile"], 2e-3),
 }
 
 

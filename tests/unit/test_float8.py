@@ -111,3 +111,25 @@ def test_the_planner_prices_float8():
     with pytest.raises(ConfigError, match="tp_mode 2d"):
         step_time(model, Layout.of(tp=4, tp_mode="2d", micro_batch=4), PROFILES["h100-80gb"], global_batch=64,
                   seq=2048, precision="fp8")
+
+
+def test_compiled_blocks_trace_the_float8_kernel():
+    """One process, nothing to reduce: torch.compile traces the float8 product into each block's graph (no break) and
+    gives eager's losses."""
+    import paratrain
+    from paratrain.data import GlobalBatchLoader, load_source
+    from tests.helpers import LR, TINY
+    from torch._dynamo.utils import counters
+
+    def run(compile: bool | str) -> list[float]:
+        model = paratrain.build_gpt(TINY, seed=1)
+        engine = paratrain.parallelize(model, paratrain.init(device="cpu"),
+                                       optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
+                                       options=paratrain.EngineOptions(micro_batch=8, precision="fp8", compile=compile))
+        loader = GlobalBatchLoader(load_source("builtin").train, seq_len=TINY.seq_len, global_batch=8, dp=1,
+                                   dp_index=0, seed=1)
+        return [engine.train_step(loader.next(), paratrain.lm_loss) for _ in range(2)]
+
+    counters.clear()
+    assert run("aot_eager") == run(False)
+    assert not counters["graph_break"], dict(counters["graph_break"])
