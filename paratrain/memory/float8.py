@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm import all_reduce
+from paratrain.comm.regions import all_gather_along, reduce_scatter_along
 from paratrain.config.errors import ConfigError
 from paratrain.config.model_rules import FLOAT8_MULTIPLE
 from paratrain.eager import eager
@@ -137,23 +138,41 @@ def _mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.
                             out_dtype=out_dtype)
 
 
+def _gathered(flat: torch.Tensor, shape: torch.Size, split: LinearSplit) -> torch.Tensor:
+    """Rows of a [tokens, n] tensor laid out as `shape`'s leading dimensions, gathered along the sequence
+    (LinearSplit.sequence): the whole sequence's rows, in the same layout. Float8 travels as its bytes."""
+    if split.sequence is None:
+        return flat
+    as_bytes = flat.view(torch.uint8) if flat.element_size() == 1 else flat
+    whole = all_gather_along(as_bytes.view(*shape[:-1], flat.shape[-1]), split.sequence, split.sequence_dim)
+    whole = whole.reshape(-1, flat.shape[-1])
+    return whole.view(flat.dtype) if as_bytes is not flat else whole
+
+
 class _Float8Matmul(torch.autograd.Function):
+    """Under sequence parallelism (split.sequence) x arrives split along the sequence: it is cast first, its float8
+    bytes (and rowwise scales) gathered, and only this rank's part kept for backward, which gathers it again and
+    reduce-scatters the input's gradient (what _GatheredLinear does for the dense kernel, at half its bytes)."""
+
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, kernel: Float8Linear, split: LinearSplit,
                 out_dtype: torch.dtype) -> torch.Tensor:
         recipe, rows = kernel.recipe, kernel.recipe.rowwise
         flat = x.reshape(-1, x.shape[-1])
-        qx, sx = kernel.scale(flat, recipe.forward, rows=rows, whole=(split.inner,), split_rows=(kernel.tokens,),
-                              operand="x")
+        qx, sx = kernel.scale(flat, recipe.forward, rows=rows, whole=(split.inner,),
+                              split_rows=(kernel.tokens, split.sequence), operand="x")
         qw, sw = kernel.scale(weight, recipe.forward, rows=rows, whole=(split.inner,), split_rows=(split.out,),
                               operand="w")
-        y = _mm(qx, sx, qw, sw, out_dtype)
+        y = _mm(_gathered(qx, x.shape, split), _gathered(sx, x.shape, split) if rows else sx, qw, sw, out_dtype)
         if rows:  # the weight gradient quantises x along the tokens: keep it in the compute dtype
             ctx.save_for_backward(flat.to(out_dtype), weight)
         else:  # tensorwise: the forward's float8 x and its scale serve the weight gradient as they are
             ctx.save_for_backward(qx, sx, weight, sw)
         ctx.kernel, ctx.split, ctx.x_shape, ctx.x_dtype = kernel, split, x.shape, x.dtype
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        whole = list(x.shape[:-1])
+        if split.sequence is not None:
+            whole[split.sequence_dim] *= split.sequence.size
+        return y.reshape(*whole, weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -164,6 +183,7 @@ class _Float8Matmul(torch.autograd.Function):
                               operand="g")
         if rows:
             flat, weight = ctx.saved_tensors
+            flat = _gathered(flat, ctx.x_shape, split)
             qwt, swt = kernel.scale(weight.t(), recipe.forward, rows=True, whole=(split.out,),
                                     split_rows=(split.inner,), operand="w_t")
             qgt, sgt = kernel.scale(g.t(), recipe.gradient, rows=True, whole=(kernel.tokens,),
@@ -172,10 +192,14 @@ class _Float8Matmul(torch.autograd.Function):
                                     split_rows=(split.inner,), operand="x_t")
         else:
             qx, sx, weight, sw = ctx.saved_tensors
+            qx = _gathered(qx, ctx.x_shape, split)
             qwt, swt = (weight.t().float() * sw).to(recipe.forward), sw  # the same values, laid out [in, out]
             qgt, sgt, qxt, sxt = qg.t(), sg, qx.t(), sx
         grad_x = _mm(qg, sg, qwt.contiguous(), swt, grad.dtype)
         grad_w = _mm(qgt.contiguous(), sgt, qxt.contiguous(), sxt, torch.float32)
+        if split.sequence is not None:  # the whole sequence's input gradient, summed over tp: this rank's part
+            grad_x = reduce_scatter_along(grad_x.reshape(*grad.shape[:-1], grad_x.shape[-1]), split.sequence,
+                                          split.sequence_dim)
         return grad_x.reshape(ctx.x_shape).to(ctx.x_dtype), grad_w.to(weight.dtype), None, None, None
 
 
@@ -185,7 +209,8 @@ def _float8_linear(x: torch.Tensor, weight: torch.Tensor, kernel: Float8Linear, 
     out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     if x.device.type == "meta":  # a dry run: shapes only
         return torch.empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype, device=x.device)
-    local = kernel.log is None and (kernel.scaling == "shard" or not _groups(kernel.tokens, split.out, split.inner))
+    local = kernel.log is None and split.sequence is None and (
+        kernel.scaling == "shard" or not _groups(kernel.tokens, split.out, split.inner))
     return (_Float8Matmul.apply if local else _eager_matmul)(x, weight, kernel, split, out_dtype)
 
 

@@ -29,11 +29,15 @@ from torch import nn
 class LinearSplit:
     """Which process groups split a linear's operands on this rank (None: whole here).
 
-    out    the weight's rows W[out, :] and the output's features (a column-parallel layer)
-    inner  the weight's columns W[:, in] and the input's features (a row-parallel layer)"""
+    out       the weight's rows W[out, :] and the output's features (a column-parallel layer)
+    inner     the weight's columns W[:, in] and the input's features (a row-parallel layer)
+    sequence  the input's dimension `sequence_dim` (sequence parallelism: a column-parallel layer's input arrives
+              split along the sequence): the kernel gathers it, and reduce-scatters the input's gradient"""
 
     out: object | None = None
     inner: object | None = None
+    sequence: object | None = None
+    sequence_dim: int = 1
 
 
 WHOLE = LinearSplit()
@@ -49,7 +53,10 @@ class LinearKernel(Protocol):
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  split: LinearSplit = WHOLE) -> torch.Tensor:
-    """F.linear: the kernel of every linear not declared otherwise (it needs no split)."""
+    """F.linear: the kernel of every linear not declared otherwise (it needs no split; a sequence-parallel layer
+    gathers its input for it)."""
+    if split.sequence is not None:
+        raise ValueError("dense_linear gathers nothing: a sequence-parallel layer gathers the input itself")
     return F.linear(x, weight, bias)
 
 

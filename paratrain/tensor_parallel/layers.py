@@ -28,7 +28,6 @@ from paratrain.comm.collectives import all_gather_async
 from paratrain.comm.regions import (
     all_gather_along,
     copy_to_tp_region,
-    gather_from_sequence_region,
     gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_along,
@@ -117,11 +116,12 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel and self.kernel is dense_linear:
             y = _gathered_linear(x, self.weight, self.bias, self.group, self.sequence_dim)
         else:
-            if self.sequence_parallel:  # another kernel takes the gathered input (and keeps it, as it chooses)
-                x = gather_from_sequence_region(x, self.group, self.sequence_dim)
-            elif self.reduce_input:
-                x = copy_to_tp_region(x, self.group)
-            y = self.kernel(x, self.weight, self.bias, LinearSplit(out=self.group))  # [B, S, out/tp]
+            if self.sequence_parallel:  # another kernel gathers the input itself (float8: cast first, half the bytes)
+                split = LinearSplit(out=self.group, sequence=self.group, sequence_dim=self.sequence_dim)
+            else:
+                x = copy_to_tp_region(x, self.group) if self.reduce_input else x
+                split = LinearSplit(out=self.group)
+            y = self.kernel(x, self.weight, self.bias, split)  # [B, S, out/tp]
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
 

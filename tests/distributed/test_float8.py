@@ -16,7 +16,7 @@ from torch import nn
 
 import paratrain
 from paratrain.data import GlobalBatchLoader, load_source
-from paratrain.memory import FLOAT8_RECIPES, Float8Settings, ScaleLog
+from paratrain.memory import FLOAT8_RECIPES, Float8Settings, ScaleLog, saved_activations
 from paratrain.memory.float8 import Float8Linear
 from paratrain.planner.dp_comm import data_parallel_volume
 from paratrain.planner.layout import Layout
@@ -77,9 +77,11 @@ def _layers(recipe: str, scaling: str = "logical", **parallel) -> dict:
     for group in (g for g in (tokens, tp if sp else None) if g is not None):  # this rank's part of the sequence
         x, weights = (t.chunk(group.size, dim=1)[group.index] for t in (x, weights))
     x.requires_grad_(True)
-    y = down(torch.relu(up(x)))
+    with saved_activations(up) as saved:
+        hidden = up(x)
+    y = down(torch.relu(hidden))
     (y * weights).sum().backward()
-    return {"entries": log.take(), "y": y.detach()}
+    return {"entries": log.take(), "y": y.detach(), "saved": saved.bytes, "input": x.numel() * x.element_size()}
 
 
 def _apart(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -98,6 +100,8 @@ def test_each_scale_is_the_logical_tensors(pools, recipe):
             assert result["entries"] == whole["entries"], (parallel, result["entries"], whole["entries"])
             if parallel == dict(tp=2):  # the same float8 products, summed in two halves: float32's rounding
                 within(_apart(result["y"], whole["y"]), 1e-6, "tp 2 output")  # measured 1.2e-8
+            if parallel.get("sequence_parallel"):  # the column layer keeps its own part of the input, not the gathered
+                assert result["saved"] <= result["input"] + 64, result  # tensorwise: a quarter (float8 of float32)
     shard = pools(2).run(_layers, recipe, "shard", tp=2)[0]
     differ = sum(a != b for a, b in zip(shard["entries"], whole["entries"], strict=True))
     assert differ >= 2, shard["entries"]  # the weights' own at least
