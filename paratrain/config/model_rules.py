@@ -169,10 +169,10 @@ device)."""
 
 
 def check_float8_layout(tp: int, tp_mode: str) -> None:
-    """Precision fp8 under tensor parallelism: 1d only (the grids' blocks do not multiply in float8 yet)."""
-    if tp > 1 and tp_mode != "1d":
-        raise ConfigError(f"precision fp8 under tp_mode {tp_mode}: the grids' blocks do not multiply in float8 yet; "
-                          "use tp_mode 1d (with sequence_parallel) or precision bf16")
+    """Precision fp8 under tensor parallelism: 1d, 2d and 2.5d (the 3d cube's blocks do not multiply in float8 yet)."""
+    if tp > 1 and tp_mode == "3d":
+        raise ConfigError("precision fp8 under tp_mode 3d: the cube's blocks do not multiply in float8 yet; use "
+                          "tp_mode 1d, 2d or 2.5d, or precision bf16")
 
 
 def check_float8(model: ModelConfig, parallel: ParallelConfig, precision: str) -> None:
@@ -182,10 +182,10 @@ def check_float8(model: ModelConfig, parallel: ParallelConfig, precision: str) -
     if precision != "fp8":
         return
     check_float8_layout(parallel.tp, parallel.tp_mode)
-    multiple = FLOAT8_MULTIPLE * parallel.tp
+    multiple = FLOAT8_MULTIPLE * parallel.tp_split
     widths = {"d_model": model.d_model, "the MLP's width": model.ff_dim}
     unfit = [f"{name} {value}" for name, value in widths.items() if value % multiple]
     if unfit:
         raise ConfigError(f"precision fp8 multiplies the blocks' linears in float8, which needs each width a multiple "
-                          f"of {FLOAT8_MULTIPLE} on each of the tp = {parallel.tp} ranks (of {multiple} whole): "
-                          f"{', '.join(unfit)}. Change the widths, or use precision bf16")
+                          f"of {FLOAT8_MULTIPLE} in each of the {parallel.tp_split} slices tp cuts it into (of "
+                          f"{multiple} whole): {', '.join(unfit)}. Change the widths, or use precision bf16")

@@ -191,7 +191,7 @@ class Trainer:
                                 pipeline_loss=self.pipeline_loss)
             check_whole_model(model, recipe, tp=self.parallel.tp, pp=self.parallel.pp, buffers=self.buffers)
             if self.precision == "fp8":
-                check_float8_model(model, recipe, Float8Settings(), tp=self.parallel.tp, tp_mode=self.parallel.tp_mode)
+                check_float8_model(model, recipe, Float8Settings(), self.parallel)
         if model is not None and self.batch_norm == "sync" and self.parallel.pp == 1:  # (pp: the engine refuses)
             check_accumulation(batch_norms(model), dp=self.parallel.dp or 1, accumulation=self.batch.accumulation,
                                micro_batch=self.batch.micro_batch)

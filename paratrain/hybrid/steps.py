@@ -19,6 +19,7 @@ from paratrain.comm import broadcast
 from paratrain.comm.placement import Placements
 from paratrain.config.errors import ConfigError
 from paratrain.config.model_rules import check_float8_layout
+from paratrain.config.parallel import ParallelConfig
 from paratrain.config.pp_layout import layout_split
 from paratrain.context_parallel import SequenceShard
 from paratrain.data_parallel import apply_synced_batch_norm, batch_norms, buffer_rules
@@ -108,15 +109,15 @@ def apply_batch_norm(model: nn.Module, ctx: Context, mode: str) -> tuple[tuple[s
     return (), tuple(norms)
 
 
-def check_float8_model(model: nn.Module, recipe: Recipe, settings: Float8Settings, *, tp: int, tp_mode: str) -> str:
+def check_float8_model(model: nn.Module, recipe: Recipe, settings: Float8Settings, parallel: ParallelConfig) -> str:
     """Precision fp8's rules on the whole model, pure (paratrain.Trainer runs them before launching): the recipe
-    names blocks, tp is 1d (a grid's blocks are not float8 yet), the linears' widths fit. Returns the blocks."""
+    names blocks, tp is not the 3d cube (its blocks are not float8 yet), the linears' widths fit. Returns the blocks."""
     if recipe.blocks is None:
         raise ConfigError(f"precision fp8 makes the linears of a model's blocks float8, and this "
                           f"{type(model).__name__}'s recipe names no blocks: give it blocks (paratrain.recipe_for("
                           "model, blocks=REGEX)) or use bf16")
-    check_float8_layout(tp, tp_mode)
-    float8_linears(model, recipe.blocks, settings, tp=tp)
+    check_float8_layout(parallel.tp, parallel.tp_mode)
+    float8_linears(model, recipe.blocks, settings, parts=parallel.tp_split)
     return recipe.blocks
 
 
@@ -124,12 +125,12 @@ def apply_float8_step(model: nn.Module, ctx: Context, recipe: Recipe, settings: 
     """Precision fp8: the recipe's blocks' linears multiply in float8, each scale reduced over the groups that
     split its tensor (tp's through the layers' splits, cp's tokens here). check_float8_model's rules, and a GPU
     older than float8 refused. Returns the float8 linears' names."""
-    blocks = check_float8_model(model, recipe, settings, tp=ctx.config.tp, tp_mode=ctx.config.tp_mode)
+    blocks = check_float8_model(model, recipe, settings, ctx.config)
     if ctx.device.type == "cuda" and torch.cuda.get_device_capability(ctx.device) < (8, 9):
         raise ConfigError(f"precision fp8 needs float8 matmuls, which NVIDIA GPUs have from compute capability 8.9 "
                           f"(Ada, Hopper); {torch.cuda.get_device_name(ctx.device)} is "
                           f"{'.'.join(map(str, torch.cuda.get_device_capability(ctx.device)))}: use bf16")
-    return apply_float8(model, blocks, settings, tokens=ctx.mesh.groups.get("cp"), tp=ctx.config.tp)
+    return apply_float8(model, blocks, settings, tokens=ctx.mesh.groups.get("cp"), parts=ctx.config.tp_split)
 
 
 def float8_gathers(model: nn.Module, names: list[str]) -> dict[int, AxisGroup | None]:

@@ -41,7 +41,7 @@ from paratrain.comm.regions import all_gather_along, reduce_scatter_along
 from paratrain.config.errors import ConfigError
 from paratrain.config.model_rules import FLOAT8_MULTIPLE
 from paratrain.eager import eager
-from paratrain.nn.kernels import KernelLinear, LinearSplit, power_of_two_scale
+from paratrain.nn.kernels import KernelLinear, LinearSplit, power_of_two_scale, scaled_matmul
 from paratrain.topology.mesh import AxisGroup
 
 
@@ -99,6 +99,18 @@ class Float8Linear:
     """'logical' (amax reduced over the groups that split a tensor) or 'shard' (this rank's slice: debug only)."""
     log: ScaleLog | None = None
 
+    @property
+    def rowwise(self) -> bool:
+        return self.recipe.rowwise
+
+    @property
+    def forward_dtype(self) -> torch.dtype:
+        return self.recipe.forward
+
+    @property
+    def gradient_dtype(self) -> torch.dtype:
+        return self.recipe.gradient
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  split: LinearSplit) -> torch.Tensor:
         y = _float8_linear(x, weight, self, split)
@@ -131,13 +143,6 @@ class Float8Linear:
         self.log.entries.append((self.name, operand, -int(span[0]), int(span[1])))
 
 
-def _mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-        out_dtype: torch.dtype) -> torch.Tensor:
-    """a [M, K] @ b [N, K]^T of quantised operands, each divided back by its scale ([rows, 1] or a scalar)."""
-    return torch._scaled_mm(a, b.t(), scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal().t(),
-                            out_dtype=out_dtype)
-
-
 def _gathered(flat: torch.Tensor, shape: torch.Size, split: LinearSplit) -> torch.Tensor:
     """Rows of a [tokens, n] tensor laid out as `shape`'s leading dimensions, gathered along the sequence
     (LinearSplit.sequence): the whole sequence's rows, in the same layout. Float8 travels as its bytes."""
@@ -163,7 +168,8 @@ class _Float8Matmul(torch.autograd.Function):
                               split_rows=(kernel.tokens, split.sequence), operand="x")
         qw, sw = kernel.scale(weight, recipe.forward, rows=rows, whole=(split.inner,), split_rows=(split.out,),
                               operand="w")
-        y = _mm(_gathered(qx, x.shape, split), _gathered(sx, x.shape, split) if rows else sx, qw, sw, out_dtype)
+        sx_all = _gathered(sx, x.shape, split) if rows else sx
+        y = scaled_matmul(_gathered(qx, x.shape, split), sx_all, qw, sw, out_dtype)
         if rows:  # the weight gradient quantises x along the tokens: keep it in the compute dtype
             ctx.save_for_backward(flat.to(out_dtype), weight)
         else:  # tensorwise: the forward's float8 x and its scale serve the weight gradient as they are
@@ -195,8 +201,8 @@ class _Float8Matmul(torch.autograd.Function):
             qx = _gathered(qx, ctx.x_shape, split)
             qwt, swt = (weight.t().float() * sw).to(recipe.forward), sw  # the same values, laid out [in, out]
             qgt, sgt, qxt, sxt = qg.t(), sg, qx.t(), sx
-        grad_x = _mm(qg, sg, qwt.contiguous(), swt, grad.dtype)
-        grad_w = _mm(qgt.contiguous(), sgt, qxt.contiguous(), sxt, torch.float32)
+        grad_x = scaled_matmul(qg, sg, qwt.contiguous(), swt, grad.dtype)
+        grad_w = scaled_matmul(qgt.contiguous(), sgt, qxt.contiguous(), sxt, torch.float32)
         if split.sequence is not None:  # the whole sequence's input gradient, summed over tp: this rank's part
             grad_x = reduce_scatter_along(grad_x.reshape(*grad.shape[:-1], grad_x.shape[-1]), split.sequence,
                                           split.sequence_dim)
@@ -255,30 +261,33 @@ class Float8Settings:
 
 
 
-def float8_linears(model: nn.Module, blocks: str, settings: Float8Settings, *, tp: int) -> list[tuple[str, nn.Linear]]:
+def float8_linears(model: nn.Module, blocks: str, settings: Float8Settings, *,
+                   parts: int) -> list[tuple[str, nn.Linear]]:
     """The linears precision fp8 makes float8: every nn.Linear inside the blocks (module names matching `blocks`)
     that settings.skip does not name. Pure (paratrain.Trainer asks it before launching); refused where a dimension
-    would not stay a multiple of 16 in each of the tp slices."""
+    would not stay a multiple of 16 in each of the `parts` slices tensor parallelism cuts it into (tp under 1d, the
+    grid's side q under 2d / 2.5d)."""
     skip, block = re.compile(settings.skip), re.compile(blocks)
     chosen = [(name, module) for name, module in model.named_modules()
               if type(module) is nn.Linear and not skip.search(name)
               and any(block.fullmatch(name[:i]) for i in range(len(name)) if name[i] == ".")]
     unfit = [f"{name} [{m.out_features}, {m.in_features}]" for name, m in chosen
-             if m.in_features % (FLOAT8_MULTIPLE * tp) or m.out_features % (FLOAT8_MULTIPLE * tp)]
+             if m.in_features % (FLOAT8_MULTIPLE * parts) or m.out_features % (FLOAT8_MULTIPLE * parts)]
     if unfit:
         raise ConfigError(f"precision fp8 multiplies in float8 with torch._scaled_mm, which needs every dimension a "
-                          f"multiple of {FLOAT8_MULTIPLE} on each of the tp = {tp} ranks (so of "
-                          f"{FLOAT8_MULTIPLE * tp} whole): {', '.join(unfit[:4])}{' ...' if len(unfit) > 4 else ''}. "
+                          f"multiple of {FLOAT8_MULTIPLE} in each of the {parts} slices tensor parallelism cuts it "
+                          f"into (so of {FLOAT8_MULTIPLE * parts} whole): {', '.join(unfit[:4])}"
+                          f"{' ...' if len(unfit) > 4 else ''}. "
                           "Leave them in bf16 with fp8_skip (a regex of their names), or change the widths")
     return chosen
 
 
 def apply_float8(model: nn.Module, blocks: str, settings: Float8Settings, *, tokens: AxisGroup | None,
-                 tp: int) -> list[str]:
+                 parts: int) -> list[str]:
     """Make float8_linears' choice float8 linears (paratrain.nn.kernels.KernelLinear with a Float8Linear kernel,
     the same Parameters); run before tensor parallelism, whose layers keep the kernel of the linear they slice.
     Returns the names made float8. tokens: the group splitting the tokens (cp)."""
-    recipe, chosen = FLOAT8_RECIPES[settings.recipe], float8_linears(model, blocks, settings, tp=tp)
+    recipe, chosen = FLOAT8_RECIPES[settings.recipe], float8_linears(model, blocks, settings, parts=parts)
     for name, module in chosen:
         kernel = Float8Linear(recipe, name, tokens=tokens, scaling=settings.scaling, log=settings.log)
         parent, _, leaf = name.rpartition(".")

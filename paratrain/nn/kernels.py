@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Iterable, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -88,3 +88,31 @@ def power_of_two_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     power = (ef - exponent - (mantissa > mf).to(exponent.dtype)).clamp(-126, 127)
     power = torch.where(amax > 0, power, torch.zeros_like(power))
     return torch.ldexp(torch.ones_like(amax, dtype=torch.float32), power)
+
+
+@runtime_checkable
+class QuantisingKernel(Protocol):
+    """A kernel that casts its operands (float8), for layers that run their own products (a 2d grid's SUMMA): it
+    casts a tensor with the scale of the logical tensor, reduced over the groups the layer names."""
+
+    rowwise: bool
+    """One scale per row along each product's reduced dimension; False: one per tensor."""
+    forward_dtype: torch.dtype
+    gradient_dtype: torch.dtype
+    tokens: object | None
+    """The group splitting the tokens besides the layer's (cp)."""
+
+    def scale(self, tensor: torch.Tensor, dtype: torch.dtype, *, rows: bool, whole: Iterable[object | None],
+              split_rows: Iterable[object | None], operand: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cast tensor, its float32 scale: [rows, 1] or a scalar); whole: the groups splitting its columns,
+        split_rows: those splitting its rows."""
+        ...
+
+
+def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K] @ b [N, K]^T of cast operands (torch._scaled_mm, float32 accumulation), each divided back by its
+    scale ([rows, 1] or a scalar)."""
+    return torch._scaled_mm(a, b.t(), scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal().t(),
+                            out_dtype=out_dtype)
+

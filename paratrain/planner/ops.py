@@ -202,9 +202,14 @@ def block_work(model: ModelConfig, hw: Hardware, *, tokens: int, seq: int, cut: 
     m_fwd = sum(sizes[k] * counts[k][0] for k in sizes) * act / 2 / hw.memory_bw
     m_bwd = sum(sizes[k] * counts[k][1] for k in sizes) * act / 2 / hw.memory_bw
     m_bwd += (4 * h * h + (2 * h * f if mlp else 0)) / tp * mode.accumulate_bytes / hw.memory_bw
-    if float8:  # each operand's amax and cast (1d: the only fp8 tensor layout)
-        local = [(d_in, d_out // tp) if column else (d_in // tp, d_out) for d_in, d_out, column in linears]
-        c_fwd, c_bwd = cast_bytes(local, tokens, float8)
+    if float8:  # each operand's amax and cast, on this rank's blocks
+        if cut.mode == "1d":
+            local = [(d_in, d_out // tp) if column else (d_in // tp, d_out) for d_in, d_out, column in linears]
+            rows = tokens
+        else:  # SUMMA: every block cast once by its owner
+            blocks = [cut.products(tokens, d_in, d_out)[0] for d_in, d_out, _ in linears]
+            local, rows = [(g.k, g.n) for g in blocks], blocks[0].m
+        c_fwd, c_bwd = cast_bytes(local, rows, float8)
         m_fwd, m_bwd = m_fwd + c_fwd / hw.memory_bw, m_bwd + c_bwd / hw.memory_bw
     # a grid's products and their sums; a MoE block's MLP kernels are the MoE layer's (4 forward, 10 backward)
     k_fwd = mode.kernels[0] + 2 * extra - (0 if mlp else 4)

@@ -86,8 +86,8 @@ class ZeroSync:
             float8 = {g.index: Float8Gather(g, shard, also=options.float8_gather[id(g.params[0])])
                       for g, shard in zip(self.groups, shard_groups)
                       if shard is not None and id(g.params[0]) in options.float8_gather}
-            self.gatherer = ParamGatherer(root, units, shard_groups, reshard_after_forward=options.reshard_after_forward,
-                                          float8=float8)
+            self.gatherer = ParamGatherer(root, units, shard_groups,
+                                          reshard_after_forward=options.reshard_after_forward, float8=float8)
         else:
             self.groups = bucket_groups(params, group_of, placements, bucket_bytes=options.bucket_bytes,
                                         storage=storage)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from paratrain.comm.regions import reduce_scatter_to_sequence_region
+from paratrain.nn.kernels import dense_linear, kernel_of
 from paratrain.tensor_parallel.cube import Cube, cube_linear
 from paratrain.tensor_parallel.grid import Block
 from paratrain.tensor_parallel.grid_layers import (GRID_DOCUMENTS, check_rows, copied, gathered, local_padding, lookup, parameter,
@@ -35,6 +36,8 @@ class CubeLinear(nn.Module):
     def __init__(self, full: nn.Linear, cube: Cube, style: str, *, gather: bool = False) -> None:
         """gather: the output gathered whole on every rank (the column_gather style)."""
         super().__init__()
+        if kernel_of(full) is not dense_linear:
+            raise ValueError("the 3d cube's linears multiply densely only (precision fp8 is refused under tp_mode 3d)")
         self.cube, self.style, self.gather = cube, style, gather
         self.output = cube.turned if style == "column" else cube.stream
         self.weight = parameter(full.weight, cube_matrix(cube, style), f"3d {style} weight")

@@ -36,6 +36,7 @@ from paratrain.comm.collectives import all_reduce
 from paratrain.comm.regions import (copy_to_tp_region, gather_along_region, gather_from_sequence_region,
                                     gather_from_tp_region, reduce_from_tp_region, reduce_scatter_to_sequence_region,
                                     sum_in_region)
+from paratrain.nn.kernels import kernel_of
 from paratrain.nn.norms import upcast
 from paratrain.tensor_parallel.grid import Activations, Block, Grid
 from paratrain.tensor_parallel.loss import vocab_parallel_cross_entropy
@@ -97,12 +98,13 @@ class GridLinear(nn.Module):
         self.grid, self.gather = grid, gather
         self.weight = parameter(full.weight, matrix_block(grid), "2d linear weight")
         self.bias = parameter(full.bias, vector_block(grid.stream), "2d linear bias") if full.bias is not None else None
+        self.kernel = kernel_of(full)  # how the layer it slices multiplied (paratrain.nn.kernels)
 
     def blocks(self) -> dict[str, Block]:
         return {"weight": matrix_block(self.grid), "bias": vector_block(self.grid.stream)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = summa_linear(x, self.weight, self.grid)
+        y = summa_linear(x, self.weight, self.grid, self.kernel)
         if self.bias is not None:
             y = y + copied(self.bias, self.grid.stream.rows).to(y.dtype)  # every row adds it: summed down
         return gathered(y, self.grid.stream) if self.gather else y

@@ -33,6 +33,7 @@ from torch.utils.hooks import RemovableHandle
 
 from paratrain.comm.placement import Placements
 from paratrain.comm.regions import all_gather_along
+from paratrain.nn.kernels import KernelLinear
 from paratrain.nn.norms import RMSNorm
 from paratrain.nn.dropout import KeyedDropout
 from paratrain.nn.loss import VocabOutput
@@ -159,7 +160,7 @@ def _hf_rms_norm(module: nn.Module) -> bool:
 
 def _build(module: nn.Module, name: str, style: str, grid: Grid | Cube) -> nn.Module:
     cube = isinstance(grid, Cube)
-    if style in ("column", "row", "column_gather") and type(module) is nn.Linear:
+    if style in ("column", "row", "column_gather") and type(module) in (nn.Linear, KernelLinear):
         gather = style == "column_gather"  # logits whole on every rank (HF's lm_head)
         if isinstance(grid, Cube):
             return CubeLinear(module, grid, "column" if gather else style, gather=gather)

@@ -95,7 +95,7 @@ def test_tensor_parallel_rules(overrides, world, needle):
     ({"data.global_batch": 30, "data.micro_batch": 4}, 2, "is not an integer"),
     ({"data.seq_len": 4096}, 2, "must be <= the model's seq_len"),
     ({"train.precision": "fp4"}, 2, "precision must be one of fp32, bf16, fp16, fp8"),
-    ({"train.precision": "fp8", "parallel.tp": 4, "parallel.tp_mode": "2d"}, 4, "precision fp8 under tp_mode 2d"),
+    ({"train.precision": "fp8", "parallel.tp": 8, "parallel.tp_mode": "3d"}, 8, "precision fp8 under tp_mode 3d"),
     ({"train.precision": "fp8", "train.fp8_recipe": "blockwise"}, 1, "fp8_recipe must be one of tensorwise, rowwise"),
     ({"train.steps": 0}, 2, "train.steps must be >= 1"),
     ({"optim.lr": -1.0}, 2, "optim.lr must be > 0"),

@@ -66,24 +66,25 @@ def test_the_kernel_is_its_dequantised_reference(recipe):
 
 def test_which_linears_become_float8():
     """The blocks' nn.Linear layers, not the head, nor what the skip regex names; the Parameters stay the same."""
-    model = nn.ModuleDict({"blocks": nn.ModuleList([nn.ModuleDict({"up": nn.Linear(32, 64), "gate": nn.Linear(32, 16)})]),
-                           "head": nn.Linear(32, 64)})
+    block = nn.ModuleDict({"up": nn.Linear(32, 64), "gate": nn.Linear(32, 16)})
+    model = nn.ModuleDict({"blocks": nn.ModuleList([block]), "head": nn.Linear(32, 64)})
     before = {name: id(p) for name, p in model.named_parameters()}
-    chosen = apply_float8(model, r"blocks\.\d+", Float8Settings(), tokens=None, tp=1)
+    chosen = apply_float8(model, r"blocks\.\d+", Float8Settings(), tokens=None, parts=1)
     assert chosen == ["blocks.0.up"]
     assert isinstance(model["blocks"][0]["up"], KernelLinear) and type(model["head"]) is nn.Linear
     assert {name: id(p) for name, p in model.named_parameters()} == before
-    with pytest.raises(ConfigError, match="multiple of 16 on each of the tp = 2"):
-        apply_float8(model, r"blocks\.\d+", Float8Settings(skip="up"), tokens=None, tp=2)  # gate: [16, 32]
+    with pytest.raises(ConfigError, match="multiple of 16 in each of the 2 slices"):
+        apply_float8(model, r"blocks\.\d+", Float8Settings(skip="up"), tokens=None, parts=2)  # gate: [16, 32]
 
 
 def test_the_rules_before_launch():
     small = ModelConfig(d_model=64, n_head=4)
     check_float8(small, ParallelConfig(tp=2), "fp8")
-    with pytest.raises(ConfigError, match="multiple of 16 on each of the tp = 8 ranks"):
+    with pytest.raises(ConfigError, match="multiple of 16 in each of the 8 slices"):
         check_float8(small, ParallelConfig(tp=8), "fp8")
-    with pytest.raises(ConfigError, match="tp_mode 2d"):
-        check_float8(small, ParallelConfig(tp=4, tp_mode="2d"), "fp8")
+    check_float8(small, ParallelConfig(tp=4, tp_mode="2d"), "fp8")
+    with pytest.raises(ConfigError, match="tp_mode 3d"):
+        check_float8(small, ParallelConfig(tp=8, tp_mode="3d"), "fp8")
     check_float8(small, ParallelConfig(tp=8), "bf16")
     with pytest.raises(ValueError, match="fp8 recipe must be one of tensorwise, rowwise"):
         Float8Settings(recipe="blockwise")
@@ -108,8 +109,8 @@ def test_the_planner_prices_float8():
     assert times["bf16"].step_s - gemms / 2 < times["fp8"].step_s < times["bf16"].step_s
     with pytest.raises(ConfigError, match="a100-80gb does not have"):
         step_time(model, layout, PROFILES["a100-80gb"], global_batch=64, seq=2048, precision="fp8")
-    with pytest.raises(ConfigError, match="tp_mode 2d"):
-        step_time(model, Layout.of(tp=4, tp_mode="2d", micro_batch=4), PROFILES["h100-80gb"], global_batch=64,
+    with pytest.raises(ConfigError, match="tp_mode 3d"):
+        step_time(model, Layout.of(tp=8, tp_mode="3d", micro_batch=8), PROFILES["h100-80gb"], global_batch=64,
                   seq=2048, precision="fp8")
 
 
