@@ -24,6 +24,7 @@ SMALLEST = {
                  "--stalenesses", "--straggler-steps", "4"],  # part 2 synchronous only (async: the ps tests)
     "bench_planner": ["--steps", "1", "--hardware", "a100-80gb", "--layouts", "6"],
     "bench_optim": ["--worlds", "2", "--steps", "1", "--only", "paratrain-muon-zero1"],
+    "bench_fp8": ["--model", "tiny", "--steps", "4", "--runs", "bf16,fp8-tensorwise"],
     "bench_gpu": ["--models", "tiny", "--steps", "1", "--warmup", "1", "--no-compile", "--only", "0"],
 }
 

@@ -133,12 +133,13 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout,recipe", [("tp4-2d", "tensorwise"), ("tp4-2d", "rowwise"),
-                                           ("tp2-sp", "tensorwise"), ("tp2-sp", "rowwise"), ("pp2", "tensorwise"),
+@pytest.mark.parametrize("layout,recipe", [("tp4-2d", "rowwise"), ("tp2-sp", "tensorwise"), ("pp2", "tensorwise"),
                                            ("cp2", "rowwise"), ("zero3-dp4", "tensorwise"),
                                            ("dp2-tp2-sp-zero1", "rowwise")])
 def test_float8_training_matches_one_process_in_every_layout(pools, layout, recipe):
-    """10 steps (4 on the grid) in bf16 with float8 linears. The losses stay within bf16's layout bound. The scales
+    """10 steps (4 on the grid) in bf16 with float8 linears, each layout under one recipe (both measured: tp 4 2d
+    tensorwise 7.0e-5, tp 2 + SP rowwise 7.0e-5; each recipe's every layout at the scale level in
+    test_each_scale_is_the_logical_tensors). The losses stay within bf16's layout bound. The scales
     are the logical tensors' (test_each_scale_is_the_logical_tensors), of tensors that differ between layouts by
     bf16's rounding:
     a scale differs only where that rounding moves an amax across a power of two, a few in a hundred here, and

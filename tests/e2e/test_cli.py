@@ -896,17 +896,15 @@ def test_wandb_and_mlflow_hold_the_jsonl_logs_scalars(tmp_path):
 
 
 def test_muon_from_the_command_line_is_layout_free(tmp_path):
-    """--optimizer muon with warmup-stable-decay, float32, 8 steps. Newton-Schulz in float32: dp 2 x tp 2 gives one
-    process's losses within the parity suite's 1e-5 (measured 7.0e-8, AMD EPYC avx2; ZeRO-3 too when it ran here: the
-    distributed Muon tests cover it in-process). In
-    torch's bfloat16 (the default) a gradient's float32 rounding, which differs by layout, flips a bfloat16 rounding
-    now and then (about 1e-7 / 2^-8 of the elements: a few of the 196,608 per step) and the loss drifts further:
-    ZeRO-3 measured 1.5e-5 by step 6, so its bound is 1e-4."""
+    """--optimizer muon with warmup-stable-decay, float32, 8 steps. Newton-Schulz in torch's bfloat16 (the default):
+    a gradient's float32 rounding, which differs by layout, flips a bfloat16 rounding now and then (about 1e-7 / 2^-8
+    of the elements: a few of the 196,608 per step) and the loss drifts: ZeRO-3 measured 1.5e-5 by step 6, so its
+    bound is 1e-4. (Newton-Schulz in float32 under dp 2 x tp 2 gave one process's losses within 1e-5, measured
+    7.0e-8; trimmed for the suite's budget: the distributed Muon tests hold every layout in float64 in-process.)"""
     common = [*SMALL, "--steps", "8", "--optimizer", "muon", "--lr-schedule", "wsd", "--decay-fraction", "0.25"]
     runs = {}
-    layouts = {"one": ["--nproc", "1"], "zero3": ["--nproc", "4", "--zero", "3"],
-               "dp2xtp2": ["--nproc", "4", "--dp", "2", "--tp", "2"]}
-    for dtype, names, bound in (("fp32", ("one", "dp2xtp2"), 1e-5), ("bf16", ("one", "zero3"), 1e-4)):
+    layouts = {"one": ["--nproc", "1"], "zero3": ["--nproc", "4", "--zero", "3"]}
+    for dtype, names, bound in (("bf16", ("one", "zero3"), 1e-4),):
         for name in names:
             log = tmp_path / f"{name}-{dtype}.jsonl"
             out = paratrain("train", *layouts[name], *common, "--muon-ns-dtype", dtype, "--log-json", str(log))
