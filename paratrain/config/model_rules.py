@@ -176,9 +176,9 @@ def check_float8_layout(tp: int, tp_mode: str) -> None:
 
 
 def check_float8(model: ModelConfig, parallel: ParallelConfig, precision: str) -> None:
-    """Precision fp8: tensor parallelism in 1d only (the grids' blocks are not float8 yet), and the block linears'
-    widths multiples of 16 on each tp rank. A Hugging Face model's own widths are checked again when its linears are
-    made float8 (paratrain.memory.float8.apply_float8)."""
+    """Precision fp8: not the 3d cube (its blocks are not float8 yet), and the block linears' widths multiples of 16
+    in each slice tp cuts them into. A Hugging Face model's own widths are checked again when its linears are made
+    float8 (paratrain.memory.float8.float8_linears)."""
     if precision != "fp8":
         return
     check_float8_layout(parallel.tp, parallel.tp_mode)

@@ -42,7 +42,7 @@ from paratrain.fit.strategy import strategy_config
 from paratrain.hybrid import Engine, EngineOptions, parallelize
 from paratrain.hybrid.batches import Batch, batch_rows
 from paratrain.hybrid.parallelize import OptimizerFactory
-from paratrain.memory import PRECISIONS
+from paratrain.memory import PRECISIONS, Float8Settings
 from paratrain.nn.recipe import Layer, PipelineLoss, Recipe, recipe_for
 from paratrain.topology import Context, init
 from paratrain.train.loop import TrainLoop, start_loop
@@ -58,14 +58,14 @@ class Trainer:
                  micro_batch: int | None = None, lr: float = 1e-3, lr_schedule: str = "constant",
                  warmup_steps: int = 0, min_lr_ratio: float = 0.1, weight_decay: float = 0.0,
                  optimizer: OptimizerFactory | str | None = None, grad_clip: float = 0.0, precision: str = "fp32",
-                 recompute: bool | str = False, seed: int = 0, val_every: int = 0, val_batches: int = 0,
-                 save: str | None = None, save_every: int = 0, keep_last: int = 0, resume: str | None = None,
-                 log_json: str | None = None, tensorboard: str | None = None, callbacks: Sequence[Callback] = (),
-                 accelerator: str = "cpu", tp_plan: Mapping[str, str] | None = None,
+                 fp8: Float8Settings | None = None, recompute: bool | str = False, seed: int = 0, val_every: int = 0,
+                 val_batches: int = 0, save: str | None = None, save_every: int = 0, keep_last: int = 0,
+                 resume: str | None = None, log_json: str | None = None, tensorboard: str | None = None,
+                 callbacks: Sequence[Callback] = (), accelerator: str = "cpu", tp_plan: Mapping[str, str] | None = None,
                  pipeline_loss: PipelineLoss | None = None, wrap: Any = None,
                  layers: Callable[[nn.Module], list[Layer]] | None = None, recipe: Recipe | None = None,
-                 batch_norm: str = "sync",
-                 buffers: Mapping[str, str] | None = None, nan_policy: str = "stop", nan_skips: int = 10,
+                 batch_norm: str = "sync", buffers: Mapping[str, str] | None = None, nan_policy: str = "stop",
+                 nan_skips: int = 10,
                  max_restarts: int = 0, node_rank: int | None = None, master: str | None = None,
                  timeout_s: float = 300.0, hf: str | None = None) -> None:
         """devices: processes per node; num_nodes: nodes (their launchers meet at `master`, host:port,
@@ -80,7 +80,8 @@ class Trainer:
         optimizer: a factory params -> torch.optim.Optimizer, or a name: 'adamw' (None: betas 0.9, 0.999, with
             weight_decay on matrices only), 'muon' (Muon on the weight matrices, AdamW on the rest, one lr:
             paratrain.optim; any strategy), 'sgd' (momentum 0.9).
-        precision: 'fp32', 'bf16' or 'fp16'; recompute as parallelize's.
+        precision: 'fp32', 'bf16', 'fp16' or 'fp8' (fp8: the blocks' linears in float8, as `fp8` says:
+            paratrain.Float8Settings(recipe="rowwise", skip=REGEX); default tensorwise); recompute as parallelize's.
         val_every: validate every this many steps (and at step 0 and the end, when val_data is given);
             val_batches: global batches per validation (0: the whole validation set).
         save: a folder for sharded checkpoints, the CLI's (`paratrain inspect` reads them), written every
@@ -140,6 +141,7 @@ class Trainer:
         self.max_steps, self.lr, self.lr_schedule = max_steps, lr, lr_schedule
         self.warmup_steps, self.min_lr_ratio, self.weight_decay = warmup_steps, min_lr_ratio, weight_decay
         self.optimizer, self.grad_clip, self.precision, self.recompute = optimizer, grad_clip, precision, recompute
+        self.fp8 = fp8 or Float8Settings()
         self.seed, self.val_every, self.val_batches = seed, val_every, val_batches
         self.save, self.save_every, self.keep_last, self.resume = save, save_every, keep_last, resume
         self.log_json, self.tensorboard, self.callbacks = log_json, tensorboard, list(callbacks)
@@ -177,8 +179,7 @@ class Trainer:
         no model (the folder's is trained; loss_fn defaults to its family's, over (input_ids, labels[,
         positions]) items)."""
         from paratrain.data_parallel import batch_norms, check_accumulation
-        from paratrain.hybrid.steps import check_float8_model, check_whole_model
-        from paratrain.memory import Float8Settings
+        from paratrain.hybrid.steps import check_whole_model, float8_choice
         from paratrain.launch import launched_by_torchrun
 
         if self.hf and model is not None:
@@ -191,7 +192,7 @@ class Trainer:
                                 pipeline_loss=self.pipeline_loss)
             check_whole_model(model, recipe, tp=self.parallel.tp, pp=self.parallel.pp, buffers=self.buffers)
             if self.precision == "fp8":
-                check_float8_model(model, recipe, Float8Settings(), self.parallel)
+                float8_choice(model, recipe, self.fp8, self.parallel)
         if model is not None and self.batch_norm == "sync" and self.parallel.pp == 1:  # (pp: the engine refuses)
             check_accumulation(batch_norms(model), dp=self.parallel.dp or 1, accumulation=self.batch.accumulation,
                                micro_batch=self.batch.micro_batch)
@@ -236,7 +237,8 @@ class Trainer:
         assert model is not None and loss_fn is not None
         optimizer = self.optimizer if callable(self.optimizer) else optimizer_factory(OptimSection(
             optimizer=self.optimizer or "adamw", lr=self.lr, weight_decay=self.weight_decay, beta1=0.9, beta2=0.999))
-        options = EngineOptions(micro_batch=self.batch.micro_batch, precision=self.precision, grad_clip=self.grad_clip,
+        options = EngineOptions(micro_batch=self.batch.micro_batch, precision=self.precision, fp8=self.fp8,
+                                grad_clip=self.grad_clip,
                                 recompute=self.recompute, seed=self.seed, wrap=self.wrap, batch_norm=self.batch_norm,
                                 buffers=self.buffers, on_non_finite="skip" if self.nan_policy == "skip" else "raise")
         recipe = recipe_for(model, recipe, tp_plan=self.tp_plan, layers=self.layers, pipeline_loss=self.pipeline_loss)

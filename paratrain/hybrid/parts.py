@@ -17,7 +17,7 @@ from paratrain.data_parallel import BATCH_NORM_MODES, BufferSync
 from paratrain.nn.moe import RouterLog
 from paratrain.hybrid.pieces import Pieces
 from paratrain.memory import LossScaler, precision_policy
-from paratrain.memory.float8 import Float8Settings
+from paratrain.memory.float8_linears import Float8Settings
 from paratrain.hybrid.step import NonFiniteWatch, PendingStep
 from paratrain.pipeline.runtime import PipelineExecutor
 from paratrain.sharding import WrapPolicy

@@ -30,7 +30,7 @@ from paratrain.hybrid.materialize import Inits, Source, materialize
 from paratrain.hybrid.pieces import Pieces
 from paratrain.memory import (Float8Settings, Precision, apply_activation_offload, apply_float8, apply_recompute,
                               recompute_pattern)
-from paratrain.memory.float8 import float8_linears
+from paratrain.memory.float8_linears import float8_linears
 from paratrain.models.init import ParamInit
 from paratrain.nn.recipe import Recipe
 from paratrain.pipeline.runtime import PipelineExecutor
@@ -41,6 +41,7 @@ from paratrain.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, 
 from paratrain.tensor_parallel.plan import resolve_plan
 from paratrain.tensor_parallel.cube import Cube
 from paratrain.tensor_parallel.grid import Grid
+from paratrain.tensor_parallel.grid_layers import GridLinear
 from paratrain.tensor_parallel.grid_plan import GridLayout, apply_grid_tensor_parallel
 from paratrain.tensor_parallel.sequence import route_sequence_chunks
 from paratrain.topology import AxisGroup, Context
@@ -109,37 +110,49 @@ def apply_batch_norm(model: nn.Module, ctx: Context, mode: str) -> tuple[tuple[s
     return (), tuple(norms)
 
 
-def check_float8_model(model: nn.Module, recipe: Recipe, settings: Float8Settings, parallel: ParallelConfig) -> str:
-    """Precision fp8's rules on the whole model, pure (paratrain.Trainer runs them before launching): the recipe
-    names blocks, tp is not the 3d cube (its blocks are not float8 yet), the linears' widths fit. Returns the blocks."""
+def float8_choice(model: nn.Module, recipe: Recipe, settings: Float8Settings,
+                  parallel: ParallelConfig) -> tuple[list[str], dict[str, str]]:
+    """Precision fp8's linears (memory.float8.float8_linears: the blocks' nn.Linear, a plan's partial_linear kept
+    dense) and the tp plan's style of each module (empty at tp 1), with its rules, pure (paratrain.Trainer runs them
+    before launching): the recipe names blocks, tp is not the 3d cube (its blocks are not float8 yet), widths fit."""
     if recipe.blocks is None:
         raise ConfigError(f"precision fp8 makes the linears of a model's blocks float8, and this "
                           f"{type(model).__name__}'s recipe names no blocks: give it blocks (paratrain.recipe_for("
                           "model, blocks=REGEX)) or use bf16")
     check_float8_layout(parallel.tp, parallel.tp_mode)
-    float8_linears(model, recipe.blocks, settings, parts=parallel.tp_split)
-    return recipe.blocks
+    styles = resolve_plan(model, recipe.tp_plan, allow_missing=True) if parallel.tp > 1 and recipe.tp_plan else {}
+    dense = frozenset(name for name, style in styles.items() if style == "partial_linear")
+    return float8_linears(model, recipe.blocks, settings, parts=parallel.tp_split, dense=dense), styles
 
 
 def apply_float8_step(model: nn.Module, ctx: Context, recipe: Recipe, settings: Float8Settings) -> list[str]:
     """Precision fp8: the recipe's blocks' linears multiply in float8, each scale reduced over the groups that
-    split its tensor (tp's through the layers' splits, cp's tokens here). check_float8_model's rules, and a GPU
-    older than float8 refused. Returns the float8 linears' names."""
-    blocks = check_float8_model(model, recipe, settings, ctx.config)
+    split its tensor: tp's through the layers' splits; cp's tokens, and under sequence parallelism tp's for a linear
+    the plan leaves whole (it runs on the rank's chunk of the sequence, as a MoE layer's shared expert; where it
+    runs on the whole sequence the reduction is over equal values). float8_choice's rules, and a GPU older than float8
+    refused. Returns the float8 linears' names."""
+    names, styles = float8_choice(model, recipe, settings, ctx.config)
     if ctx.device.type == "cuda" and torch.cuda.get_device_capability(ctx.device) < (8, 9):
         raise ConfigError(f"precision fp8 needs float8 matmuls, which NVIDIA GPUs have from compute capability 8.9 "
                           f"(Ada, Hopper); {torch.cuda.get_device_name(ctx.device)} is "
                           f"{'.'.join(map(str, torch.cuda.get_device_capability(ctx.device)))}: use bf16")
-    return apply_float8(model, blocks, settings, tokens=ctx.mesh.groups.get("cp"), parts=ctx.config.tp_split)
+    cp, tp = ctx.mesh.groups.get("cp"), ctx.mesh.groups.get("tp")
+    chunked = (tp,) if ctx.config.sequence_parallel and tp is not None else ()
+    apply_float8(model, settings, {name: tuple(g for g in (cp, *(() if name in styles else chunked)) if g is not None)
+                                   for name in names})
+    return names
 
 
 def float8_gathers(model: nn.Module, names: list[str]) -> dict[int, AxisGroup | None]:
     """ZeRO-3's float8 gathers (ZeroOptions.float8_gather): each float8 linear's weight, by id, with the tp group
-    that splits it too (its scale is the whole weight's), None when tp leaves it whole."""
+    that splits it too (its scale is the whole weight's: a 1d slice's tp, a grid block's whole grid), None when tp
+    leaves it whole."""
     out: dict[int, AxisGroup | None] = {}
     for name in names:
         module = model.get_submodule(name)
-        out[id(module.weight)] = module.group if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) else None
+        split = module.grid.tp if isinstance(module, GridLinear) else module.group if isinstance(
+            module, (ColumnParallelLinear, RowParallelLinear)) else None
+        out[id(module.weight)] = split
     return out
 
 

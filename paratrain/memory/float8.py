@@ -21,27 +21,24 @@ layouts changes a scale only where the amax crosses a power of two. The scales o
 gradients are the micro-batch's: the same in every layout for a given micro-batch size (paratrain's loaders give
 every layout the same micro-batches), not across micro-batch sizes.
 
-`scales="shard"` takes each amax from the slice a rank holds (no reduction): a debug switch that shows what the
+`scaling="shard"` takes each amax from the slice a rank holds (no reduction): a debug switch that shows what the
 reduction buys (tests/distributed/test_float8.py). A `ScaleLog` records each scale's exponent range, reduced over
 the groups that split the tensor, for comparing layouts.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from paratrain.comm import all_reduce
 from paratrain.comm.regions import all_gather_along, reduce_scatter_along
-from paratrain.config.errors import ConfigError
 from paratrain.config.model_rules import FLOAT8_MULTIPLE
 from paratrain.eager import eager
-from paratrain.nn.kernels import KernelLinear, LinearSplit, power_of_two_scale, scaled_matmul
+from paratrain.nn.kernels import LinearSplit, power_of_two_scale, scaled_matmul
 from paratrain.topology.mesh import AxisGroup
 
 
@@ -93,8 +90,9 @@ class Float8Linear:
     recipe: Float8Recipe
     name: str
     """The layer's name in the whole model (the ScaleLog's entries)."""
-    tokens: AxisGroup | None = None
-    """The group that splits the tokens at this layer (cp); None: whole on this rank."""
+    tokens: tuple[AxisGroup, ...] = ()
+    """The groups that split the tokens at this layer: cp's, and under sequence parallelism tp's for a linear the
+    plan leaves whole (a MoE layer's shared expert runs on the rank's chunk of the sequence); none: whole here."""
     scaling: str = "logical"
     """'logical' (amax reduced over the groups that split a tensor) or 'shard' (this rank's slice: debug only)."""
     log: ScaleLog | None = None
@@ -131,7 +129,7 @@ class Float8Linear:
         scale = power_of_two_scale(amax, dtype)
         if self.log is not None:
             self._record(scale, operand, _groups(*whole, *split_rows))
-        return (tensor.float() * scale).to(dtype), scale
+        return (tensor.float() * scale).to(dtype).contiguous(), scale  # (a transposed tensor's cast, laid out anew)
 
     def _record(self, scale: torch.Tensor, operand: str, groups: tuple[AxisGroup, ...]) -> None:
         assert self.log is not None
@@ -165,7 +163,7 @@ class _Float8Matmul(torch.autograd.Function):
         recipe, rows = kernel.recipe, kernel.recipe.rowwise
         flat = x.reshape(-1, x.shape[-1])
         qx, sx = kernel.scale(flat, recipe.forward, rows=rows, whole=(split.inner,),
-                              split_rows=(kernel.tokens, split.sequence), operand="x")
+                              split_rows=(*kernel.tokens, split.sequence), operand="x")
         qw, sw = kernel.scale(weight, recipe.forward, rows=rows, whole=(split.inner,), split_rows=(split.out,),
                               operand="w")
         sx_all = _gathered(sx, x.shape, split) if rows else sx
@@ -185,16 +183,16 @@ class _Float8Matmul(torch.autograd.Function):
         kernel, split = ctx.kernel, ctx.split
         recipe, rows = kernel.recipe, kernel.recipe.rowwise
         g = grad.reshape(-1, grad.shape[-1])
-        qg, sg = kernel.scale(g, recipe.gradient, rows=rows, whole=(split.out,), split_rows=(kernel.tokens,),
+        qg, sg = kernel.scale(g, recipe.gradient, rows=rows, whole=(split.out,), split_rows=kernel.tokens,
                               operand="g")
         if rows:
             flat, weight = ctx.saved_tensors
             flat = _gathered(flat, ctx.x_shape, split)
             qwt, swt = kernel.scale(weight.t(), recipe.forward, rows=True, whole=(split.out,),
                                     split_rows=(split.inner,), operand="w_t")
-            qgt, sgt = kernel.scale(g.t(), recipe.gradient, rows=True, whole=(kernel.tokens,),
+            qgt, sgt = kernel.scale(g.t(), recipe.gradient, rows=True, whole=kernel.tokens,
                                     split_rows=(split.out,), operand="g_t")
-            qxt, sxt = kernel.scale(flat.t(), recipe.forward, rows=True, whole=(kernel.tokens,),
+            qxt, sxt = kernel.scale(flat.t(), recipe.forward, rows=True, whole=kernel.tokens,
                                     split_rows=(split.inner,), operand="x_t")
         else:
             qx, sx, weight, sw = ctx.saved_tensors
@@ -202,7 +200,8 @@ class _Float8Matmul(torch.autograd.Function):
             qwt, swt = (weight.t().float() * sw).to(recipe.forward), sw  # the same values, laid out [in, out]
             qgt, sgt, qxt, sxt = qg.t(), sg, qx.t(), sx
         grad_x = scaled_matmul(qg, sg, qwt.contiguous(), swt, grad.dtype)
-        grad_w = scaled_matmul(qgt.contiguous(), sgt, qxt.contiguous(), sxt, torch.float32)
+        # tensorwise in float32; rowwise in the compute dtype, what CUDA's row-wise _scaled_mm returns (as torchao)
+        grad_w = scaled_matmul(qgt.contiguous(), sgt, qxt.contiguous(), sxt, grad.dtype if rows else torch.float32)
         if split.sequence is not None:  # the whole sequence's input gradient, summed over tp: this rank's part
             grad_x = reduce_scatter_along(grad_x.reshape(*grad.shape[:-1], grad_x.shape[-1]), split.sequence,
                                           split.sequence_dim)
@@ -215,8 +214,12 @@ def _float8_linear(x: torch.Tensor, weight: torch.Tensor, kernel: Float8Linear, 
     out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     if x.device.type == "meta":  # a dry run: shapes only
         return torch.empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype, device=x.device)
+    if x.device.type == "cuda" and x.numel() // x.shape[-1] % FLOAT8_MULTIPLE:  # the weight gradient's inner dim
+        raise ValueError(f"{kernel.name}: float8 on CUDA needs the tokens a rank multiplies (micro-batch x "
+                         f"sequence / cp) a multiple of {FLOAT8_MULTIPLE}, got {x.numel() // x.shape[-1]}: change the "
+                         "micro-batch or the sequence length")
     local = kernel.log is None and split.sequence is None and (
-        kernel.scaling == "shard" or not _groups(kernel.tokens, split.out, split.inner))
+        kernel.scaling == "shard" or not _groups(*kernel.tokens, split.out, split.inner))
     return (_Float8Matmul.apply if local else _eager_matmul)(x, weight, kernel, split, out_dtype)
 
 
@@ -224,72 +227,3 @@ def _float8_linear(x: torch.Tensor, weight: torch.Tensor, kernel: Float8Linear, 
 def _eager_matmul(x: torch.Tensor, weight: torch.Tensor, kernel: Float8Linear, split: LinearSplit,
                   out_dtype: torch.dtype) -> torch.Tensor:
     return _Float8Matmul.apply(x, weight, kernel, split, out_dtype)
-
-
-@dataclass(frozen=True)
-class Float8Settings:
-    """Which linears compute in float8 under precision 'fp8', and how (EngineOptions.fp8; the run's [precision]
-    fp8_recipe / fp8_skip)."""
-
-    recipe: str = "tensorwise"
-    """A name in FLOAT8_RECIPES."""
-    skip: str = r"(^|\.)gate$"
-    """A regex of linear names left in the compute dtype besides what is never float8 (every linear outside the
-    recipe's blocks: the head, embeddings' projections; routers, which are not linears here). The default keeps
-    the Hugging Face MoE families' routers (`mlp.gate`, `block_sparse_moe.gate`): routing is a discrete choice."""
-    scaling: str = "logical"
-    """'logical': every scale the logical tensor's; 'shard': this rank's slice's (a debug switch, layout-dependent)."""
-    log: ScaleLog | None = None
-    """Where to record every scale taken (tests, forensics); None: nowhere."""
-    gather: bool = True
-    """Under ZeRO-3 with the tensorwise recipe: gather the float8 linears' weights in float8 (half the bytes; the
-    same numbers: paratrain.sharding.float8_gather). False: in bf16."""
-
-    @property
-    def gathers_float8(self) -> bool:
-        """Whether ZeRO-3 gathers the float8 linears' weights in float8: tensorwise only (a rowwise linear casts
-        its weight along rows forward and columns backward, which one gathered grid cannot serve)."""
-        return self.gather and not FLOAT8_RECIPES[self.recipe].rowwise and self.scaling == "logical"
-
-    def __post_init__(self) -> None:
-        if self.recipe not in FLOAT8_RECIPES:
-            raise ValueError(f"fp8 recipe must be one of {', '.join(FLOAT8_RECIPES)}, got {self.recipe!r}")
-        if self.scaling not in SCALINGS:
-            raise ValueError(f"fp8 scaling must be one of {', '.join(SCALINGS)}, got {self.scaling!r}")
-        re.compile(self.skip)
-
-
-
-
-def float8_linears(model: nn.Module, blocks: str, settings: Float8Settings, *,
-                   parts: int) -> list[tuple[str, nn.Linear]]:
-    """The linears precision fp8 makes float8: every nn.Linear inside the blocks (module names matching `blocks`)
-    that settings.skip does not name. Pure (paratrain.Trainer asks it before launching); refused where a dimension
-    would not stay a multiple of 16 in each of the `parts` slices tensor parallelism cuts it into (tp under 1d, the
-    grid's side q under 2d / 2.5d)."""
-    skip, block = re.compile(settings.skip), re.compile(blocks)
-    chosen = [(name, module) for name, module in model.named_modules()
-              if type(module) is nn.Linear and not skip.search(name)
-              and any(block.fullmatch(name[:i]) for i in range(len(name)) if name[i] == ".")]
-    unfit = [f"{name} [{m.out_features}, {m.in_features}]" for name, m in chosen
-             if m.in_features % (FLOAT8_MULTIPLE * parts) or m.out_features % (FLOAT8_MULTIPLE * parts)]
-    if unfit:
-        raise ConfigError(f"precision fp8 multiplies in float8 with torch._scaled_mm, which needs every dimension a "
-                          f"multiple of {FLOAT8_MULTIPLE} in each of the {parts} slices tensor parallelism cuts it "
-                          f"into (so of {FLOAT8_MULTIPLE * parts} whole): {', '.join(unfit[:4])}"
-                          f"{' ...' if len(unfit) > 4 else ''}. "
-                          "Leave them in bf16 with fp8_skip (a regex of their names), or change the widths")
-    return chosen
-
-
-def apply_float8(model: nn.Module, blocks: str, settings: Float8Settings, *, tokens: AxisGroup | None,
-                 parts: int) -> list[str]:
-    """Make float8_linears' choice float8 linears (paratrain.nn.kernels.KernelLinear with a Float8Linear kernel,
-    the same Parameters); run before tensor parallelism, whose layers keep the kernel of the linear they slice.
-    Returns the names made float8. tokens: the group splitting the tokens (cp)."""
-    recipe, chosen = FLOAT8_RECIPES[settings.recipe], float8_linears(model, blocks, settings, parts=parts)
-    for name, module in chosen:
-        kernel = Float8Linear(recipe, name, tokens=tokens, scaling=settings.scaling, log=settings.log)
-        parent, _, leaf = name.rpartition(".")
-        model.get_submodule(parent).register_module(leaf, KernelLinear(module, kernel))
-    return [name for name, _ in chosen]

@@ -99,8 +99,8 @@ class QuantisingKernel(Protocol):
     """One scale per row along each product's reduced dimension; False: one per tensor."""
     forward_dtype: torch.dtype
     gradient_dtype: torch.dtype
-    tokens: object | None
-    """The group splitting the tokens besides the layer's (cp)."""
+    tokens: tuple[object, ...]
+    """The groups splitting the tokens besides the layer's (cp)."""
 
     def scale(self, tensor: torch.Tensor, dtype: torch.dtype, *, rows: bool, whole: Iterable[object | None],
               split_rows: Iterable[object | None], operand: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from paratrain.config.errors import ConfigError
@@ -26,6 +25,7 @@ from paratrain.planner.memory import model_state_bytes
 from paratrain.planner.settings import BYTES, StepSettings
 from paratrain.planner.optimizer import muon_seconds
 from paratrain.planner.timing import step_time
+
 
 def check_layout(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int) -> None:
     """paratrain's own rules for the layout (the messages `paratrain train` gives), or ConfigError."""
@@ -53,15 +53,13 @@ PRICED = StepSettings(precision="bf16", grad_reduce="reduce_scatter")
 
 def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int,
            settings: StepSettings = PRICED) -> dict[str, float]:
-    """Device bytes of the busiest pipeline rank at its peak (every dp and tp rank of a stage holds the
-    same): model states in a step (the gradient buffers included), saved activations at the schedule's
-    peak, and transients
-    ("other": the logits' gradient and the chunked loss's float32 temporaries; ZeRO-3's gathered unit
-    and the one prefetched;
-    the gradient bucket being reduced). Offloaded optimizer state is in CPU memory, not counted. Under the
+    """Device bytes of the busiest pipeline rank at its peak (every dp and tp rank of a stage holds the same):
+    model states in a step (the gradient buffers included), saved activations at the schedule's peak, and transients
+    ("other": the logits' gradient and the chunked loss's float32 temporaries; ZeRO-3's gathered unit and the one
+    prefetched; the gradient bucket being reduced). Offloaded optimizer state is in CPU memory, not counted. Under the
     parameter server the parts are a trainer's, "server" a dedicated server's whole, and "peak" the larger
-    (paratrain.planner.param_server). "between_steps": what the rank holds while no step runs (parameters
-    and optimizer state; the gradients too with keep_grads). settings: the engine's (PRICED: bf16, NCCL's
+    (paratrain.planner.param_server). "between_steps": what the rank holds while no step runs (parameters and
+    optimizer state; the gradients too with keep_grads). settings: the engine's (PRICED: bf16, NCCL's
     reduce-scatter, AdamW)."""
     precision, bucket_mb, pp_split = settings.precision, settings.bucket_mb, settings.pp_split
     mode = storage_mode(precision, layout.zero)
@@ -118,7 +116,7 @@ def context_parallel_transient(model: ModelConfig, layout: Layout, *, seq: int, 
     return 4 * 2 * block if layout.cp_mode == "ring" else 2 * 4 * block  # USP: the larger, Ulysses' buffers
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Run:
     """What a candidate is priced for besides its layout and the hardware."""
 
@@ -163,15 +161,14 @@ def _divisors(n: int) -> list[int]:
 def candidates(model: ModelConfig, devices: int, hardware: Hardware, *, global_batch: int,
                pins: dict[str, Any] | None = None, seq: int | None = None) -> list[Layout]:
     """Every layout of `devices` ranks the search considers: tp within a node (any tp for the grid modes: 2d on a
-    square tp, 2.5d on depth x a square, 3d on a cube; without sequence parallelism, cp or ep), cp dividing the sequence into
-    2 cp chunks of which each rank keeps at least CP_MIN_TOKENS tokens (ring, and Ulysses where the heads
-    divide), pp up to the layers, 1 or 2 virtual stages, ZeRO 0-3 over
-    all of dp, power-of-two micro-batches, no / selective / full recompute, sequence parallelism with tp, and
-    for a MoE model every ep dividing both dp and the experts; `pins` fixes any field. Pins that make no
-    layout at all (an ep that does not divide dp) are left out: `search` lists them as rejected. The
-    parameter server is tried only when pinned (ps_mode, ps_servers, staleness): data parallelism alone over
-    the devices its dedicated servers leave (on one fabric it moves what an all-reduce moves, later and
-    through fewer links: it is chosen for asynchrony or sparse tables, not speed)."""
+    square tp, 2.5d on depth x a square, 3d on a cube; without sequence parallelism, cp or ep), cp dividing the
+    sequence into 2 cp chunks of which each rank keeps at least CP_MIN_TOKENS tokens (ring, and Ulysses where the
+    heads divide), pp up to the layers, 1 or 2 virtual stages, ZeRO 0-3 over all of dp, power-of-two micro-batches,
+    no / selective / full recompute, sequence parallelism with tp, and for a MoE model every ep dividing both dp and
+    the experts; `pins` fixes any field. Pins that make no layout at all (an ep that does not divide dp) are left
+    out: `search` lists them as rejected. The parameter server is tried only when pinned (ps_mode, ps_servers,
+    staleness): data parallelism alone over the devices its dedicated servers leave (on one fabric it moves what an
+    all-reduce moves, later and through fewer links: it is chosen for asynchrony or sparse tables, not speed)."""
     out = []
     for fields in _candidate_fields(model, devices, hardware, global_batch=global_batch, pins=pins or {},
                                     seq=seq or model.seq_len):

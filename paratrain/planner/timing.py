@@ -48,7 +48,7 @@ group when tp x cp x dp <= devices per node, and pp only when the whole world fi
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
@@ -57,8 +57,8 @@ from paratrain.pipeline.schedules import Schedule
 from paratrain.planner.float8 import float8_speedup, linear_flops_per_token
 from paratrain.planner.grid import grid_time
 from paratrain.planner.hardware import Hardware
+from paratrain.planner.held import rank_held, stepped_elements
 from paratrain.planner.layout import Layout, chunk_layers, layer_costs, stage_chunks
-from paratrain.planner.params import rank_params
 from paratrain.planner.memory import BYTES
 from paratrain.planner.moe_ops import moe_layer_work
 from paratrain.planner.ops import KERNELS, Work, rank_work
@@ -109,57 +109,13 @@ def _stages(model: ModelConfig, pp: int, v: int, pipeline: Schedule | None) -> t
     return share, max(t + m for t, m in zip(trunk, mtp)), max(trunk)
 
 
-@dataclass(frozen=True)
-class _Held:
-    """Parameter elements of the busiest pipeline rank (first or last stage), tp's, the grids' (2.5d: numel x depth
-    / tp) and ep's slices taken."""
-    total: int
-    root: int
-    """The embedding, final norm and head: ZeRO-3's root unit (the rest are the blocks' units)."""
-    expert: int
-    """The MoE layers' experts (this rank's E / ep), reduced and sharded over their dp / ep replicas."""
-    linear: int
-    """The blocks' linear weights (what ZeRO-3 gathers in float8 under fp8, tensorwise)."""
-
-
-@functools.lru_cache(maxsize=4096)
-def _held(model: ModelConfig, dims: ParallelDims, expert_tp: bool, pipeline: Schedule | None) -> _Held:
-    held = []
-    for stage in {0, dims.pp - 1}:
-        params = rank_params(model, dims, stage, expert_tp=expert_tp, pipeline=pipeline)
-        held.append(_Held(sum(p.numel for p in params), sum(p.numel for p in params if not p.unit),
-                          sum(p.numel for p in params if p.expert), sum(p.numel for p in params if p.block_linear)))
-    return max(held, key=lambda h: h.total)
-
-
-def _rank_held(model: ModelConfig, layout: Layout) -> _Held:
-    return _sliced_held(model, layout.dims, layout.expert_tp, layout.pipeline)
-
-
-@functools.lru_cache(maxsize=4096)
-def _sliced_held(model: ModelConfig, dims: ParallelDims, expert_tp: bool, pipeline: Schedule | None) -> _Held:
-    # what does not slice parameters (dp beyond ep, cp, the servers) set to 1
-    sliced = replace(dims, dp_replicate=dims.ep, dp_shard=1, cp=1, cp_ulysses=1, servers=0)
-    return _held(model, sliced, expert_tp, pipeline)
-
-
-def _stepped(model: ModelConfig, layout: Layout) -> float:
-    """Parameter elements this rank's optimizer steps: its ZeRO shard (the experts' over their own replicas)."""
-    if layout.offload or layout.ps_mode != "off":  # the optimizer runs on the host, or on the servers
-        return 0.0
-    held = _rank_held(model, layout)
-    if not layout.zero:
-        return float(held.total)
-    return (held.total - held.expert) / layout.shards + held.expert / layout.expert_shards
-
-
 def _data_parallel_time(model: ModelConfig, layout: Layout, hw: Hardware, *, compute: float, micro_batches: int,
                         precision: str, grad_reduce: str, float8_gathers: bool = False) -> tuple[float, float]:
     """Seconds of data-parallel traffic per step, as paratrain.planner.comm counts it for the engine, and how much
     of them runs under compute (module docstring). The dense parameters are reduced over dp x cp; under ZeRO with
     shard groups (MiCS / HSDP) reduce-scattered and gathered within a group of dp_shard x cp ranks and the shard
     all-reduced across the groups; the experts over their dp / ep replicas x cp (not at all when ep = dp)."""
-    held, m = _rank_held(model, layout), micro_batches
+    held, m = rank_held(model, layout), micro_batches
     tp, cp, dp = layout.tp, layout.cp, layout.dp
     dense, expert = held.total - held.expert, held.expert
     # 16-bit gradients under ZeRO, as the published runs it is fitted to (--grad-dtype bf16; the default float32
@@ -248,8 +204,8 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
         hardware_flops / model_flops)
     moe_tp = tp if layout.expert_tp or layout.sequence_parallel else 1
     float8 = fp8_recipe if precision == "fp8" else ""
-    if float8:
-        check_float8_layout(layout.tp, layout.tp_mode)  # the blocks' linears at the float8 rate (its casts: priced by operation only)
+    if float8:  # the blocks' linears at the float8 rate (their casts: priced by operation only)
+        check_float8_layout(layout.tp, layout.tp_mode)
         hardware_flops -= linear_flops_per_token(model) * tokens * hardware_flops / model_flops * (
             1.0 - 1.0 / float8_speedup(hw.name, hw.float8_speedup))
     per_rank = (hardware_flops - moe_flops) / (dp * tp * cp) + (moe_flops + skewed) / (dp * cp * moe_tp)
@@ -263,7 +219,7 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     attention_rate = rate
     if hw.per_operation:  # paratrain.planner.ops (and a MoE layer's: paratrain.planner.moe_ops)
         # the optimizer steps on this device over its ZeRO shard (not when offloaded, nor under the parameter server)
-        stepped = _stepped(model, layout)
+        stepped = stepped_elements(model, layout)
         moe = moe_layer_work(model, layout, hw, tokens=layout.micro_batch * seq // cp, act=act,
                              kernels=kernels) * skew if model.n_experts else Work()
         work, optimizer = rank_work(model, layout, hw, micro_batches=m, seq=seq, kernels=kernels, act=act,

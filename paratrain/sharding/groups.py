@@ -34,13 +34,14 @@ def bucket_groups(params: list[nn.Parameter], group_of: dict[int, int], placemen
 
 def unit_groups(params: list[nn.Parameter], group_of: dict[int, int], placements: Placements, *,
                 model: nn.Module | None, wrap: WrapPolicy, storage: FlatStorage,
-                float8: Mapping[int, object] = {}) -> tuple[list[FlatGroup], Unit, list[Unit]]:
+                float8: Mapping[int, object] | None = None) -> tuple[list[FlatGroup], Unit, list[Unit]]:
     """Stage 3: the flat groups of every unit (appended to its Unit.groups), the root unit, and the
     wrapped units in forward order. float8: parameters (by id) gathered in float8, each with the group that also
     splits it; grouped apart, by that group."""
     if model is None:
         raise ValueError("ZeRO-3 needs the model, to gather parameters around its modules")
     root, units, members = units_of(model, params, wrap)
+    float8 = float8 or {}
     # Gradients complete in backward order: units reversed, the root (embedding) last.
     groups: list[FlatGroup] = []
     for unit in [*reversed(units), root]:

@@ -101,6 +101,9 @@ def summa_linear(x: torch.Tensor, weight: torch.Tensor, grid: Grid,
         raise ValueError(f"a 2d grid linear multiplies densely or with a casting kernel, got {kernel!r}")
     if x.device.type == "meta":  # a dry run: shapes only
         return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=compute_dtype(x))
+    if x.device.type == "cuda" and x.numel() // x.shape[-1] % 16:  # the weight gradient's inner dimension
+        raise ValueError(f"float8 on CUDA needs the tokens a grid rank multiplies (micro-batch x sequence / (q x "
+                         f"depth x cp)) a multiple of 16, got {x.numel() // x.shape[-1]}: change the micro-batch")
     return _Float8Summa.apply(x, weight, grid, kernel, compute_dtype(x))
 
 
@@ -126,7 +129,7 @@ class _Float8Summa(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, grid: Grid, kernel: QuantisingKernel,
                 out_dtype: torch.dtype) -> torch.Tensor:
         rows, rowwise, fwd = x.reshape(-1, x.shape[-1]), kernel.rowwise, kernel.forward_dtype
-        tokens = (grid.col, grid.depth, kernel.tokens)
+        tokens = (grid.col, grid.depth, *kernel.tokens)
         qx, sx = kernel.scale(rows, fwd, rows=rowwise, whole=(grid.row,), split_rows=tokens, operand="x")
         qw, sw = kernel.scale(weight, fwd, rows=rowwise, whole=(grid.row,), split_rows=(grid.col,), operand="w")
         out = None
@@ -146,7 +149,7 @@ class _Float8Summa(torch.autograd.Function):
         saved, sx, qw, sw, weight = ctx.saved_tensors
         grid, kernel = ctx.grid, ctx.kernel
         rowwise, fwd, bwd = kernel.rowwise, kernel.forward_dtype, kernel.gradient_dtype
-        tokens = (grid.col, grid.depth, kernel.tokens)
+        tokens = (grid.col, grid.depth, *kernel.tokens)
         g = grad.reshape(-1, grad.shape[-1])  # dY[B_i, out_j]
         qg, sg = kernel.scale(g, bwd, rows=rowwise, whole=(grid.row,), split_rows=tokens, operand="g")
         if rowwise:  # W^T's rows (in) along out, dY^T's (out) and x^T's (in) along the tokens
@@ -154,16 +157,21 @@ class _Float8Summa(torch.autograd.Function):
                                     operand="w_t")
             qgt, sgt = kernel.scale(g.t(), bwd, rows=True, whole=tokens, split_rows=(grid.row,), operand="g_t")
             qxt, sxt = kernel.scale(saved.t(), fwd, rows=True, whole=tokens, split_rows=(grid.row,), operand="x_t")
-        else:  # one scale a tensor: the forward's casts, transposed
-            qwt, swt, qgt, sgt, qxt, sxt = qw.t().contiguous(), sw, qg.t().contiguous(), sg, saved.t().contiguous(), sx
+        else:  # one scale a tensor: the forward's casts, transposed (dY^T from the broadcast dY itself)
+            qwt, swt, qgt, sgt, qxt, sxt = qw.t().contiguous(), sw, None, sg, saved.t().contiguous(), sx
         grad_rows = torch.zeros(g.shape[0], qxt.shape[0], dtype=grad.dtype, device=grad.device)
         grad_weight = None
+        # tensorwise dW in float32; rowwise in the compute dtype, what CUDA's row-wise _scaled_mm returns
+        dw_dtype = grad.dtype if rowwise else torch.float32
         for s in range(grid.q):
             g_s, sg_s = _broadcast_cast(qg, sg, grid.row, src=s, mine=grid.j == s)  # dY[B_i, out_s]
-            gt_s, sgt_s = _broadcast_cast(qgt, sgt, grid.row, src=s, mine=grid.j == s)  # dY[B_i, out_s]^T
+            if rowwise:  # dY[B_i, out_s]^T, cast along the tokens
+                gt_s, sgt_s = _broadcast_cast(qgt, sgt, grid.row, src=s, mine=grid.j == s)
+            else:
+                gt_s, sgt_s = g_s.t(), sg_s
             wt_s, swt_s = _broadcast_cast(qwt, swt, grid.col, src=s, mine=grid.i == s)  # W[out_s, in_j]^T
-            grad_rows += scaled_matmul(g_s, sg_s, wt_s.contiguous(), swt_s, grad.dtype)
-            partial = scaled_matmul(gt_s.contiguous(), sgt_s, qxt.contiguous(), sxt, torch.float32).to(weight.dtype)
+            grad_rows += scaled_matmul(g_s, sg_s, wt_s, swt_s, grad.dtype)
+            partial = scaled_matmul(gt_s.contiguous(), sgt_s, qxt, sxt, dw_dtype).to(weight.dtype)
             reduce(partial, grid.col, dst_index=s)  # row i's share of dW[out_s, in_j]
             if grid.i == s:
                 grad_weight = partial

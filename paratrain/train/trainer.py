@@ -19,7 +19,7 @@ from paratrain.config.plan import BatchRampup, SeqWarmup
 from paratrain.config.validate import check_loggers
 from paratrain.data import GlobalBatchLoader, MixtureLoader, RunData, Source, TokenSource, WeightSchedule, open_data
 from paratrain.hybrid import Engine, EngineOptions, parallelize
-from paratrain.memory.float8 import Float8Settings
+from paratrain.memory import Float8Settings
 from paratrain.models import build_gpt, lm_loss
 from paratrain.topology import Context
 from paratrain.train.faults import FaultInjection

@@ -68,7 +68,7 @@ def test_bad_inputs_are_explained():
     with pytest.raises(ValueError, match="same number of rows"):
         split_batch((x, x[:2]), 2)
     with pytest.raises(ValueError, match="precision"):
-        _engine(precision="fp8")
+        _engine(precision="fp4")
 
 
 def test_split_batch_shapes():

@@ -10,7 +10,9 @@ from paratrain.config import ConfigError, ModelConfig, ParallelConfig
 from paratrain.config.model_rules import check_float8
 from paratrain.config.run import FP8_RECIPES, PRECISIONS
 from paratrain.memory import FLOAT8_RECIPES, POLICIES, Float8Settings, ScaleLog, apply_float8
-from paratrain.memory.float8 import Float8Linear, power_of_two_scale
+from paratrain.memory.float8 import Float8Linear
+from paratrain.memory.float8_linears import float8_linears
+from paratrain.nn.kernels import power_of_two_scale
 from paratrain.nn.kernels import KernelLinear
 
 
@@ -65,16 +67,21 @@ def test_the_kernel_is_its_dequantised_reference(recipe):
 
 
 def test_which_linears_become_float8():
-    """The blocks' nn.Linear layers, not the head, nor what the skip regex names; the Parameters stay the same."""
-    block = nn.ModuleDict({"up": nn.Linear(32, 64), "gate": nn.Linear(32, 16)})
+    """The blocks' nn.Linear layers, not the head, nor what the skip regex or `dense` (a plan's partial_linear) name;
+    the Parameters stay the same; none found is refused (fp8 would change nothing)."""
+    block = nn.ModuleDict({"up": nn.Linear(32, 64), "gate": nn.Linear(32, 16), "down": nn.Linear(64, 32)})
     model = nn.ModuleDict({"blocks": nn.ModuleList([block]), "head": nn.Linear(32, 64)})
     before = {name: id(p) for name, p in model.named_parameters()}
-    chosen = apply_float8(model, r"blocks\.\d+", Float8Settings(), tokens=None, parts=1)
+    chosen = float8_linears(model, r"blocks\.\d+", Float8Settings(), parts=1, dense=frozenset({"blocks.0.down"}))
     assert chosen == ["blocks.0.up"]
+    apply_float8(model, Float8Settings(), {name: () for name in chosen})
     assert isinstance(model["blocks"][0]["up"], KernelLinear) and type(model["head"]) is nn.Linear
+    assert type(model["blocks"][0]["down"]) is nn.Linear
     assert {name: id(p) for name, p in model.named_parameters()} == before
     with pytest.raises(ConfigError, match="multiple of 16 in each of the 2 slices"):
-        apply_float8(model, r"blocks\.\d+", Float8Settings(skip="up"), tokens=None, parts=2)  # gate: [16, 32]
+        float8_linears(model, r"blocks\.\d+", Float8Settings(skip="up"), parts=2)  # gate: [16, 32]
+    with pytest.raises(ConfigError, match="found no nn.Linear in the blocks"):
+        float8_linears(model, r"blocks\.\d+", Float8Settings(skip="."), parts=1)
 
 
 def test_the_rules_before_launch():
