@@ -44,7 +44,7 @@ def pytest_collection_modifyitems(config, items):
     except ImportError:  # pragma: no cover
         has_gpu = False
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
-    large = pytest.mark.skip(reason="more processes than the suite's time allows: run with PARATRAIN_LARGE=1")
+    large = pytest.mark.skip(reason="beyond the suite's time budget: run with PARATRAIN_LARGE=1")
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip)

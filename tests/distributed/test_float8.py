@@ -111,7 +111,9 @@ def test_each_scale_is_the_logical_tensors(pools, recipe):
     owner), each reduced
     over the groups that split its tensor; the per-shard switch changes them."""
     whole = _layers(recipe)
-    for world, grid in ((4, dict(tp=4, tp_mode="2d")), (8, dict(tp=8, tp_mode="2.5d", tp_depth=2))):
+    grids = ((4, dict(tp=4, tp_mode="2d")),) + (((8, dict(tp=8, tp_mode="2.5d", tp_depth=2)),)
+                                                 if recipe == "rowwise" else ())  # (2.5d: the one with more casts)
+    for world, grid in grids:
         for result in pools(world).run(_layers, recipe, **grid):
             assert result["entries"] == whole["entries"], (grid, result["entries"], whole["entries"])
     for parallel in (dict(tp=2), dict(tp=2, sequence_parallel=True), dict(cp=2)):
@@ -131,7 +133,7 @@ def test_each_scale_is_the_logical_tensors(pools, recipe):
 
 
 LAYOUTS = {
-    "tp4-2d": (4, dict(tp=4, tp_mode="2d", steps=4)),  # SUMMA's many small collectives: 11 s a step on 2 cores
+    "tp4-2d": (4, dict(tp=4, tp_mode="2d", steps=3)),  # SUMMA's many small collectives: 4 s a step on 2 cores
     "tp2-sp": (2, dict(tp=2, sequence_parallel=True)),
     "pp2": (2, dict(pp=2)),
     "cp2": (2, dict(cp=2)),
@@ -142,12 +144,13 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout,recipe", [("tp4-2d", "rowwise"), ("tp2-sp", "tensorwise"), ("pp2", "tensorwise"),
+@pytest.mark.parametrize("layout,recipe", [("tp4-2d", "rowwise"), ("pp2", "tensorwise"),
                                            ("cp2", "rowwise"), ("zero3-dp4", "tensorwise"),
                                            ("dp2-tp2-sp-zero1", "rowwise"), ("moe-tp2-sp", "tensorwise")])
 def test_float8_training_matches_one_process_in_every_layout(pools, layout, recipe):
-    """10 steps (4 on the grid) in bf16 with float8 linears, each layout under one recipe (both measured: tp 4 2d
-    tensorwise 7.0e-5, tp 2 + SP rowwise 7.0e-5; each recipe's every layout at the scale level in
+    """10 steps (3 on the grid) in bf16 with float8 linears, each layout under one recipe (both measured: tp 4 2d
+    tensorwise 7.0e-5, tp 2 + SP tensorwise 6.3e-5 and rowwise 7.0e-5, trimmed for the suite's budget: tp 2 + SP
+    runs in dp 2 x tp 2 and the MoE case; each recipe's every layout at the scale level in
     test_each_scale_is_the_logical_tensors). The losses stay within bf16's layout bound. The scales
     are the logical tensors' (test_each_scale_is_the_logical_tensors), of tensors that differ between layouts by
     bf16's rounding:
@@ -184,7 +187,7 @@ def test_float8_training_matches_one_process_in_every_layout(pools, layout, reci
 
 
 def _gathered(gather: bool, **parallel) -> dict:
-    """3 steps of ZeRO-3 fp8 (tensorwise), the float8 linears' weights gathered in float8 or in bf16: the losses and
+    """2 steps of ZeRO-3 fp8 (tensorwise), the float8 linears' weights gathered in float8 or in bf16: the losses and
     the all-gather bytes of one step."""
     from paratrain.comm import CollectiveCounter
 
@@ -196,7 +199,7 @@ def _gathered(gather: bool, **parallel) -> dict:
     loader = GlobalBatchLoader(load_source("builtin").train, seq_len=TINY.seq_len, global_batch=16,
                                dp=ctx.mesh.degree("dp"), dp_index=ctx.mesh.index("dp"), seed=1)
     losses = []
-    for step in range(3):
+    for step in range(2):
         engine.set_lr(lr_at(step))
         with CollectiveCounter() as counter:
             losses.append(engine.train_step(loader.next(), paratrain.lm_loss))
@@ -204,7 +207,9 @@ def _gathered(gather: bool, **parallel) -> dict:
             "micro_batches": 16 // ctx.mesh.degree("dp") // 4}
 
 
-@pytest.mark.parametrize("parallel", [dict(dp=2), dict(dp=2, tp=2), dict(dp=2, tp=4, tp_mode="2d")],
+@pytest.mark.parametrize("parallel", [dict(dp=2), dict(dp=2, tp=2),
+                                      # 8 processes, beyond the suite's budget (passed when added)
+                                      pytest.param(dict(dp=2, tp=4, tp_mode="2d"), marks=pytest.mark.large)],
                          ids=["dp2", "dp2-tp2", "dp2-tp4-2d"])
 def test_zero3_gathers_float8_weights_in_float8(pools, parallel):
     """The same losses bit for bit (the linears cast the gathered weights to the same float8 values), and the blocks'

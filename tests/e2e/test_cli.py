@@ -646,6 +646,7 @@ def test_a_hugging_face_mixtral_trains_in_every_layout_and_exports_as_the_hub_wr
     assert "takes the model's shape from its config.json" in capsys.readouterr().err  # not silently dropped
 
 
+@pytest.mark.large  # beyond the suite's budget: the grid runs in-process in test_grid_parallel, the CLI in others
 def test_2d_tensor_parallel_run_gives_one_process_loss(tmp_path):
     """--tp 4 --tp-mode 2d (a 2 x 2 grid, 4 processes) gives the one-process loss at every step within the parity
     suite's float32 bound (measured 7e-8 relative), and samples on every tp rank."""
