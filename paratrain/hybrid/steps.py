@@ -150,9 +150,12 @@ def float8_gathers(model: nn.Module, names: list[str]) -> dict[int, AxisGroup | 
     out: dict[int, AxisGroup | None] = {}
     for name in names:
         module = model.get_submodule(name)
-        split = module.grid.tp if isinstance(module, GridLinear) else module.group if isinstance(
-            module, (ColumnParallelLinear, RowParallelLinear)) else None
-        out[id(module.weight)] = split
+        if isinstance(module, GridLinear):
+            out[id(module.weight)] = module.grid.tp
+        elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            out[id(module.weight)] = module.group
+        else:
+            out[id(module.weight)] = None
     return out
 
 

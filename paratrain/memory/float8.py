@@ -36,9 +36,8 @@ import torch.distributed as dist
 
 from paratrain.comm import all_reduce
 from paratrain.comm.regions import all_gather_along, reduce_scatter_along
-from paratrain.config.model_rules import FLOAT8_MULTIPLE
 from paratrain.eager import eager
-from paratrain.nn.kernels import LinearSplit, power_of_two_scale, scaled_matmul
+from paratrain.nn.kernels import LinearSplit, check_float8_tokens, compute_dtype, power_of_two_scale, scaled_matmul
 from paratrain.topology.mesh import AxisGroup
 
 
@@ -211,13 +210,10 @@ class _Float8Matmul(torch.autograd.Function):
 def _float8_linear(x: torch.Tensor, weight: torch.Tensor, kernel: Float8Linear, split: LinearSplit) -> torch.Tensor:
     """The float8 product; traced by torch.compile where no amax is reduced and nothing logged (one rank holds
     the tensors whole), run eagerly between compiled pieces otherwise (collectives, the log)."""
-    out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    out_dtype = compute_dtype(x)
     if x.device.type == "meta":  # a dry run: shapes only
         return torch.empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype, device=x.device)
-    if x.device.type == "cuda" and x.numel() // x.shape[-1] % FLOAT8_MULTIPLE:  # the weight gradient's inner dim
-        raise ValueError(f"{kernel.name}: float8 on CUDA needs the tokens a rank multiplies (micro-batch x "
-                         f"sequence / cp) a multiple of {FLOAT8_MULTIPLE}, got {x.numel() // x.shape[-1]}: change the "
-                         "micro-batch or the sequence length")
+    check_float8_tokens(x, kernel.name)
     local = kernel.log is None and split.sequence is None and (
         kernel.scaling == "shard" or not _groups(*kernel.tokens, split.out, split.inner))
     return (_Float8Matmul.apply if local else _eager_matmul)(x, weight, kernel, split, out_dtype)

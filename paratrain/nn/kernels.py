@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.config.model_rules import FLOAT8_MULTIPLE
+
 
 @dataclass(frozen=True)
 class LinearSplit:
@@ -49,6 +51,24 @@ class LinearKernel(Protocol):
                  split: LinearSplit) -> torch.Tensor:
         """x [..., in] (in/|inner| under a split), weight [out, in] (this rank's slice): x W^T (+ bias)."""
         ...
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a layer computes x in: autocast's when it is on for x's device (a dry run's meta tensors have none),
+    else x's own."""
+    if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def check_float8_tokens(x: torch.Tensor, what: str) -> None:
+    """On CUDA, torch._scaled_mm needs every dimension a multiple of 16, the weight gradient's inner one (the tokens
+    this rank multiplies, x's rows) too: refused with the rule before it fails inside the matmul."""
+    rows = x.numel() // x.shape[-1]
+    if x.device.type == "cuda" and rows % FLOAT8_MULTIPLE:
+        raise ValueError(f"{what}: float8 on CUDA needs the tokens a rank multiplies (micro-batch x sequence, over "
+                         f"the ranks that split them) a multiple of {FLOAT8_MULTIPLE}, got {rows}: change the "
+                         "micro-batch or the sequence length")
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -36,8 +36,8 @@ import torch
 
 from paratrain.comm.regions import all_gather_along, reduce_scatter_along
 from paratrain.eager import eager
+from paratrain.nn.kernels import compute_dtype
 from paratrain.tensor_parallel.grid import Activations
-from paratrain.tensor_parallel.layers import compute_dtype
 from paratrain.topology.mesh import AxisGroup, Mesh
 
 

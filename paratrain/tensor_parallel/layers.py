@@ -35,7 +35,7 @@ from paratrain.comm.regions import (
     scatter_to_tp_region,
 )
 from paratrain.eager import eager
-from paratrain.nn.kernels import LinearSplit, dense_linear, kernel_of
+from paratrain.nn.kernels import LinearSplit, compute_dtype, dense_linear, kernel_of
 from paratrain.topology.mesh import AxisGroup
 
 
@@ -45,14 +45,6 @@ def _slice(tensor: torch.Tensor, dim: int, group: AxisGroup, what: str) -> torch
         raise ValueError(f"{what}: dim {dim} of size {size} must be divisible by tp ({group.size})")
     part = size // group.size
     return tensor.detach().narrow(dim, group.index * part, part).clone()
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a layer computes x in: autocast's when it is on for x's device (a dry run's meta tensors have none),
-    else x's own."""
-    if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 def _parameter(full: torch.Tensor, value: torch.Tensor) -> nn.Parameter:

@@ -29,9 +29,9 @@ import torch
 
 from paratrain.comm.collectives import all_reduce, broadcast, reduce
 from paratrain.eager import eager
-from paratrain.nn.kernels import LinearKernel, QuantisingKernel, dense_linear, scaled_matmul
+from paratrain.nn.kernels import (LinearKernel, QuantisingKernel, check_float8_tokens, compute_dtype, dense_linear,
+                                  scaled_matmul)
 from paratrain.tensor_parallel.grid import Grid
-from paratrain.tensor_parallel.layers import compute_dtype
 from paratrain.topology.mesh import AxisGroup
 
 
@@ -101,9 +101,7 @@ def summa_linear(x: torch.Tensor, weight: torch.Tensor, grid: Grid,
         raise ValueError(f"a 2d grid linear multiplies densely or with a casting kernel, got {kernel!r}")
     if x.device.type == "meta":  # a dry run: shapes only
         return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=compute_dtype(x))
-    if x.device.type == "cuda" and x.numel() // x.shape[-1] % 16:  # the weight gradient's inner dimension
-        raise ValueError(f"float8 on CUDA needs the tokens a grid rank multiplies (micro-batch x sequence / (q x "
-                         f"depth x cp)) a multiple of 16, got {x.numel() // x.shape[-1]}: change the micro-batch")
+    check_float8_tokens(x, "a 2d grid linear")
     return _Float8Summa.apply(x, weight, grid, kernel, compute_dtype(x))
 
 
