@@ -19,8 +19,12 @@ from bench.world import barrier_step_seconds, contest_arguments, run_world
 
 MODEL = dict(vocab_size=256, seq_len=128, n_layer=6, n_head=6, d_model=384)
 PER_RANK = 8
-CONTENDERS = ["paratrain-adamw-zero1", "paratrain-muon-zero1", "paratrain-adamw-zero3", "paratrain-muon-zero3",
-              "ddp-torch-muon", "deepspeed-muon-zero1", "deepspeed-muon-zero2"]
+CONTENDERS = ["paratrain-adamw-zero1", "paratrain-muon-zero1", "paratrain-muon-zero1-4mb", "paratrain-adamw-zero3",
+              "paratrain-muon-zero3", "ddp-torch-muon", "deepspeed-muon-zero1", "deepspeed-muon-zero2"]
+BUCKET_MB = {"paratrain-muon-zero1-4mb": 4.0}
+"""The exchange's bucket (ParallelConfig.bucket_mb, the gradients' too): the default 25 MiB holds the 8.8M matrix
+elements in one bucket (bfloat16: 17.6 MB); 4 MiB cuts them into 5, each one's all-to-alls overlapping another's
+Newton-Schulz."""
 
 
 def _contender(name: str, steps: int) -> dict:
@@ -43,7 +47,9 @@ def _contender(name: str, steps: int) -> dict:
         return F.cross_entropy(m(b[:, :-1]).reshape(-1, 256), b[:, 1:].reshape(-1))
 
     if name.startswith("paratrain"):
-        ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=world, zero=int(name[-1])))
+        zero = int(name.split("zero")[1][0])
+        ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=world, zero=zero,
+                                                                          bucket_mb=BUCKET_MB.get(name, 25.0)))
         factory = MuonFactory(muon) if "muon" in name else (lambda ps: torch.optim.AdamW(ps, lr=1e-4))
         engine = paratrain.parallelize(model, ctx, optimizer=factory)
 
@@ -93,11 +99,12 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{world} procs  {name:<22} did not run: {str(error).splitlines()[-1][:200]}", flush=True)
                 continue
             results.append(result)
-            print(f"{world} procs  {name:<22} step {result['step_s']:6.3f} s", flush=True)
+            print(f"{world} procs  {name:<25} step {result['step_s']:6.3f} s", flush=True)
     print(f"\nGPT {MODEL}, {PER_RANK} samples x {MODEL['seq_len']} tokens per rank, gloo on CPU")
     for world in args.worlds:
         rows = {r["name"]: r for r in results if r["world"] == world}
         for ours, peer in (("paratrain-muon-zero1", "paratrain-adamw-zero1"),
+                           ("paratrain-muon-zero1-4mb", "paratrain-muon-zero1"),
                            ("paratrain-muon-zero3", "paratrain-adamw-zero3"),
                            ("paratrain-muon-zero1", "ddp-torch-muon"), ("paratrain-muon-zero1", "deepspeed-muon-zero1")):
             if ours in rows and peer in rows:

@@ -133,6 +133,7 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
             "launched_during_backward": getattr(engine.grads, "launched_during_backward", None),
             "matrix_traffic": engine.update.matrices.traffic() if getattr(engine.update, "matrices", None) else None,
             "owner_flops": engine.update.matrices.owner_flops if getattr(engine.update, "matrices", None) else None,
+            "exchange_peak": engine.update.matrices.peak_bytes() if getattr(engine.update, "matrices", None) else None,
             "buckets": len(getattr(engine.grads, "buckets", getattr(engine.grads, "groups", []))),
             "timeline": engine.pipeline.times if engine.pipeline is not None else None}
 

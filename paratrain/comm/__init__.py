@@ -6,6 +6,7 @@ from paratrain.comm.collectives import (
     Pending,
     all_gather_async,
     all_to_all,
+    all_to_all_async,
     all_reduce,
     all_reduce_async,
     broadcast,
@@ -15,7 +16,7 @@ from paratrain.comm.norms import NormPart, divide_and_clip_, global_grad_norm
 from paratrain.comm.volume import CollectiveCounter, CommVolume
 
 __all__ = [
-    "Bucket", "CollectiveCounter", "CommVolume", "CollectiveError", "Pending", "all_gather_async", "all_to_all", "all_reduce", "all_reduce_async", "broadcast",
+    "Bucket", "CollectiveCounter", "CommVolume", "CollectiveError", "Pending", "all_gather_async", "all_to_all", "all_to_all_async", "all_reduce", "all_reduce_async", "broadcast",
     "reduce_scatter_async",
     "NormPart", "build_buckets", "divide_and_clip_", "plan_buckets", "global_grad_norm",
 ]

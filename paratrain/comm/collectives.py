@@ -147,3 +147,16 @@ def all_to_all(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup, *, 
     except RuntimeError as error:
         raise _fail("all_to_all", group, tensor, error, entry) from error
     _close(entry, "done", group)
+
+
+def all_to_all_async(output: torch.Tensor, tensor: torch.Tensor, group: AxisGroup, *, output_splits: list[int],
+                     input_splits: list[int]) -> Pending:
+    """Start all_to_all; call .wait() on the result before reading `output` or writing `tensor`."""
+    entry = _enter("all_to_all", group, tensor)
+    try:
+        work = dist.all_to_all_single(output, tensor, output_split_sizes=output_splits,
+                                      input_split_sizes=input_splits, group=group.pg, async_op=True)
+    except RuntimeError as error:
+        raise _fail("all_to_all", group, tensor, error, entry) from error
+    assert work is not None
+    return Pending("all_to_all", group, tensor, work, entry)

@@ -149,4 +149,6 @@ def matrix_exchange(optimizer: MatrixOptimizer, model: nn.Module, pieces: Pieces
     if dist.is_initialized() and dist.get_world_size() > 1:
         world = dist.get_world_size()
         group = AxisGroup("world", tuple(range(world)), dist.get_rank(), dist.group.WORLD, ctx.mesh.recorder)
-    return MatrixExchange(held, group, dtype=optimizer.matrix_dtype)
+    size = torch.empty(0, dtype=optimizer.matrix_dtype).element_size()
+    return MatrixExchange(held, group, dtype=optimizer.matrix_dtype,
+                          bucket_elements=max(1, int(ctx.config.bucket_mb * 2**20) // size))

@@ -9,7 +9,11 @@ holder). Each step:
     step      the owner maps the whole unit (Muon: Newton-Schulz)
     scatter   the owner sends every holder (every replica) the elements it holds
 
-in one all-to-all each way over the ranks given. The pieces a rank holds come as `Held` runs of whole elements,
+in buckets of about `bucket_elements` elements (the units in the order every rank sorts them), one all-to-all each
+way per bucket over the ranks given, overlapped: while the owners map bucket k, bucket k + 1's gather and bucket
+k - 1's scatter are in flight, and a step holds one
+bucket's messages at a time instead of every matrix's. The results are the same bits whatever the buckets (each
+unit is mapped alone). The pieces a rank holds come as `Held` runs of whole elements,
 whatever cut them: ZeRO-1/2/3's flat shards (through several tensors), 1-D tensor-parallel slices, 2-D / 2.5-D / 3-D
 blocks, expert shards over expert parallelism and expert-tp, pipeline stages (each holds its own units: nothing crosses stages).
 Elements travel in the optimizer's Newton-Schulz dtype (bfloat16 by default: half float32's bytes).
@@ -27,14 +31,13 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from paratrain.comm import all_to_all
+from paratrain.comm import Pending, all_to_all_async
 from paratrain.optim.matrices import MatrixStep, Segment, unit_shape
+from paratrain.optim.buckets import Bucket, Unit, bucket_units, plan_bucket
 from paratrain.topology import AxisGroup
 
 Run = tuple[int, int, int]
 """(element of the held range, element of the whole tensor, count): consecutive in both."""
-Unit = tuple[str, int]
-"""(whole tensor's name, index of the unit among its leading slices)."""
 
 
 @dataclass(frozen=True)
@@ -60,9 +63,11 @@ def newton_schulz_flops(shape: tuple[int, int], steps: int = 5) -> int:
 class MatrixExchange:
     """paratrain.optim.matrices.Matrices over the ranks of `group` (None: this rank alone holds everything)."""
 
-    def __init__(self, held: Sequence[Held], group: AxisGroup | None, *, dtype: torch.dtype) -> None:
+    def __init__(self, held: Sequence[Held], group: AxisGroup | None, *, dtype: torch.dtype,
+                 bucket_elements: int = 1 << 24) -> None:
         """held: this rank's pieces of the tensors the optimizer updates as matrices; group: the ranks holding any
-        (all trainers: collective over them, once); dtype: what elements travel in (the optimizer's)."""
+        (all trainers: collective over them, once); dtype: what elements travel in (the optimizer's);
+        bucket_elements: units are exchanged in buckets of about this many elements (a larger unit alone)."""
         self.group = group
         self.dtype = dtype
         self.tensors: list[torch.Tensor] = []
@@ -98,10 +103,10 @@ class MatrixExchange:
         if group is not None:
             everyone = [{} for _ in range(world)]
             dist.all_gather_object(everyone, signature, group=group.pg)
-        self._plan(everyone, mine, rank, world)
+        self._plan(everyone, mine, rank, world, bucket_elements)
 
     def _plan(self, everyone: list[dict[Unit, tuple]], mine: dict[Unit, list[tuple[int, int, int]]], rank: int,
-              world: int) -> None:
+              world: int, bucket_elements: int) -> None:
         units = sorted({u for held in everyone for u in held})
         shape_of = {u: held[u][0] for held in everyone for u in held}
         flops = {u: newton_schulz_flops(shape_of[u]) for u in units}
@@ -113,151 +118,96 @@ class MatrixExchange:
             load[owner[u]] += flops[u]
         self.owner_flops = load
         """Newton-Schulz FLOPs per step each rank of the group runs as an owner."""
-        send: list[list[list[Span]]] = [[] for _ in range(world)]       # gather: my local positions, per owner
-        recv_at: list[list[list[Span]]] = [[] for _ in range(world)]    # gather: owned positions, per sender
-        back: list[list[list[Span]]] = [[] for _ in range(world)]       # scatter: owned positions, per holder
-        back_at: list[list[list[Span]]] = [[] for _ in range(world)]    # scatter: my local positions, per owner
-        own_local: list[list[Span]] = []
-        own_owned: list[list[Span]] = []
-        self.units: list[tuple[Unit, int, tuple[int, int]]] = []  # (unit, offset in the owned buffer, shape)
-        owned = 0
-        for u in units:
-            rows, cols = shape_of[u]
-            size = rows * cols
-            classes: dict[tuple, list[int]] = defaultdict(list)  # the same elements held -> the ranks holding them
-            for r in range(world):
-                if u in everyone[r]:
-                    classes[everyone[r][u][1]].append(r)
-            if sum(n for sig in classes for _, n in sig) != size:
-                raise ValueError(f"{u[0]} (unit {u[1]}): the ranks' pieces cover {sum(n for s in classes for _, n in s)}"
-                                 f" of its {size} elements once each; a matrix optimizer needs every element held by"
-                                 " exactly one set of replicas")
-            o = owner[u]
-            if o == rank:
-                self.units.append((u, owned, (rows, cols)))
-            for sig, ranks in classes.items():
-                sender = o if o in ranks else ranks[0]
-                at = [(owned + start, n) for start, n in sig] if o == rank else None
-                if rank in ranks:
-                    local = [(loc, n) for _, loc, n in mine[u]]
-                    if o == rank:
-                        own_local.append(local)
-                        own_owned.append(at)  # type: ignore[arg-type]
-                    else:
-                        back_at[o].append(local)
-                        if sender == rank:
-                            send[o].append(local)
-                if o == rank:
-                    if sender != rank:
-                        recv_at[sender].append(at)  # type: ignore[arg-type]
-                    for r in ranks:
-                        if r != rank:
-                            back[r].append(at)  # type: ignore[arg-type]
-            if o == rank:
-                owned += size
-        self.owned = owned
         device = self.tensors[0].device if self.tensors else torch.device("cpu")
-
-        def cat(parts: list[list[Span]]) -> Positions:
-            return Positions.of([span for part in parts for span in part], device)
-
-        self._send, self._recv_at = [cat(x) for x in send], [cat(x) for x in recv_at]
-        self._back, self._back_at = [cat(x) for x in back], [cat(x) for x in back_at]
-        self._own_local, self._own_owned = cat(own_local), cat(own_owned)
+        self.buckets = [plan_bucket(part, everyone, mine, owner, shape_of, rank, world, device)
+                        for part in bucket_units(units, {u: shape_of[u][0] * shape_of[u][1] for u in units},
+                                                 bucket_elements)]
+        self.owned = sum(b.owned for b in self.buckets)
 
     # ---- Matrices -----------------------------------------------------------------------------------------------
     def segments(self, tensor: torch.Tensor) -> list[Segment]:
         return self._segments[id(tensor)]
 
     def apply(self, inputs: Sequence[tuple[torch.Tensor, torch.Tensor]], step: MatrixStep) -> list[torch.Tensor]:
+        """Bucket by bucket, overlapped: the next bucket's gather is in flight while this one's units are mapped,
+        and this one's scatter while the next is mapped; each result is written back over its inputs in `flat`
+        (every element belongs to one bucket, whose send buffers were copied out when its gather started)."""
         values = {id(t): v for t, v in inputs}
         if len(values) != len(self.tensors) or any(id(t) not in values for t in self.tensors):
             raise ValueError("MatrixExchange.apply: the inputs must be exactly the tensors it was planned for")
         flat = torch.cat([values[id(t)].reshape(-1).to(self.dtype) for t in self.tensors]) if self.tensors else \
             torch.empty(0, dtype=self.dtype)
-        owned = torch.empty(self.owned, dtype=flat.dtype, device=flat.device)
-        received = self._exchange(flat, self._send, self._recv_at)
-        for positions, values_in in zip(self._recv_at, received):
-            positions.put(owned, values_in)
-        self._own_owned.put(owned, self._own_local.take(flat))
-        for _, offset, (rows, cols) in self.units:
-            unit = owned[offset: offset + rows * cols]
-            unit.copy_(step(unit.view(rows, cols)).reshape(-1))
-        result = torch.zeros_like(flat)
-        received = self._exchange(owned, self._back, self._back_at)
-        for positions, values_in in zip(self._back_at, received):
-            positions.put(result, values_in)
-        self._own_local.put(result, self._own_owned.take(owned))
-        return [result[b: b + t.numel()].view(t.shape) for b, t in zip(self.base, self.tensors)]
+        gathering = self._start(flat, self.buckets[0], gather=True) if self.buckets else None
+        scattering: _InFlight | None = None
+        for k, bucket in enumerate(self.buckets):
+            arriving = gathering
+            gathering = self._start(flat, self.buckets[k + 1], gather=True) if k + 1 < len(self.buckets) else None
+            owned = torch.empty(bucket.owned, dtype=flat.dtype, device=flat.device)
+            for positions, values_in in zip(bucket.recv_at, _wait(arriving)):
+                positions.put(owned, values_in)
+            arriving = None  # its buffers freed before the units are mapped
+            bucket.own_owned.put(owned, bucket.own_local.take(flat))
+            for offset, (rows, cols) in bucket.units:
+                unit = owned[offset: offset + rows * cols]
+                unit.copy_(step(unit.view(rows, cols)).reshape(-1))
+            bucket.own_local.put(flat, bucket.own_owned.take(owned))
+            sent = self._start(owned, bucket, gather=False)
+            del owned
+            if scattering is not None:
+                self._finish(flat, scattering)
+            scattering = sent
+        if scattering is not None:
+            self._finish(flat, scattering)
+        return [flat[b: b + t.numel()].view(t.shape) for b, t in zip(self.base, self.tensors)]
 
-    def _exchange(self, source: torch.Tensor, send: list[Positions], recv: list[Positions]) -> list[torch.Tensor]:
-        """source[send[r]] to rank r, for every r; what rank r sent, in the sizes `recv` gives."""
+    def _start(self, source: torch.Tensor, bucket: Bucket, *, gather: bool) -> _InFlight:
+        """Start the bucket's gather (source: this rank's inputs, `flat`) or scatter (source: its owned units)."""
+        send, recv = (bucket.send, bucket.recv_at) if gather else (bucket.back, bucket.back_at)
         if self.group is None:
-            return [source.new_empty(0)] * len(recv)
+            return _InFlight(bucket, None, [source.new_empty(0)] * len(recv))
         out_splits = [len(x) for x in recv]
         buffer = torch.cat([x.take(source) for x in send])
         received = source.new_empty(sum(out_splits))
-        all_to_all(received, buffer, self.group, output_splits=out_splits, input_splits=[len(x) for x in send])
-        return list(received.split(out_splits))
+        work = all_to_all_async(received, buffer, self.group, output_splits=out_splits,
+                                input_splits=[len(x) for x in send])
+        return _InFlight(bucket, work, list(received.split(out_splits)))
+
+    @staticmethod
+    def _finish(flat: torch.Tensor, scatter: _InFlight) -> None:
+        """Wait for a bucket's scatter and write what each owner sent over this rank's inputs."""
+        for positions, values_in in zip(scatter.bucket.back_at, _wait(scatter)):
+            positions.put(flat, values_in)
+
+    def peak_bytes(self) -> int:
+        """Bytes apply allocates beyond its inputs at its peak: `flat` (this rank's matrix elements) and, at the
+        worst bucket, its owned units and the messages in flight then (the next bucket's gather, this one's
+        scatter and the previous one's; a message's send and receive buffers each). Index tensors of positions in
+        more than positions.FEW_SPANS spans (8 bytes an element, while one copy runs) are not counted."""
+        size = torch.empty(0, dtype=self.dtype).element_size()
+        if self.group is None:
+            return (self.numel + max((b.owned for b in self.buckets), default=0)) * size
+        peak = 0
+        for k, b in enumerate(self.buckets):  # gather k arrives, then scatter k starts, beside these
+            ahead = self.buckets[k + 1].gather_messages if k + 1 < len(self.buckets) else 0
+            behind = self.buckets[k - 1].scatter_messages if k else 0
+            peak = max(peak, b.owned + ahead + behind + max(b.gather_messages, b.scatter_messages))
+        return (self.numel + peak) * size
 
     def traffic(self) -> tuple[int, int]:
         """Elements this rank sends per step: (gather, scatter)."""
-        return sum(len(x) for x in self._send), sum(len(x) for x in self._back)
+        return (sum(len(x) for b in self.buckets for x in b.send), sum(len(x) for b in self.buckets for x in b.back))
 
 
-Span = tuple[int, int]
-"""(first position, count)."""
-FEW_SPANS = 64
-"""Positions in at most this many spans are copied span by span (slices), more by an expanded index."""
+@dataclass
+class _InFlight:
+    bucket: Bucket
+    work: Pending | None
+    received: list[torch.Tensor]
 
 
-@dataclass(frozen=True)
-class Positions:
-    """Element positions kept as spans (a few integers per contiguous stretch, not 8 bytes per element), expanded
-    into an index for the step that uses them."""
+def _wait(message: _InFlight | None) -> list[torch.Tensor]:
+    assert message is not None
+    if message.work is not None:
+        message.work.wait()
+    return message.received
 
-    starts: torch.Tensor
-    counts: torch.Tensor
-    total: int
-    spans: tuple[Span, ...] | None
-    """The spans, when at most FEW_SPANS (None: more)."""
-
-    @classmethod
-    def of(cls, spans: Sequence[Span], device: torch.device) -> Positions:
-        merged: list[list[int]] = []
-        for start, n in spans:
-            if merged and merged[-1][0] + merged[-1][1] == start:
-                merged[-1][1] += n
-            elif n:
-                merged.append([start, n])
-        starts = torch.tensor([m[0] for m in merged], dtype=torch.long, device=device)
-        counts = torch.tensor([m[1] for m in merged], dtype=torch.long, device=device)
-        return cls(starts, counts, int(counts.sum()) if merged else 0,
-                   tuple((a, n) for a, n in merged) if len(merged) <= FEW_SPANS else None)
-
-    def __len__(self) -> int:
-        return self.total
-
-    def take(self, source: torch.Tensor) -> torch.Tensor:
-        """source's elements at these positions, in order (copied span by span when there are few spans)."""
-        if self.spans is not None:
-            return torch.cat([source[a: a + n] for a, n in self.spans]) if self.spans else source.new_empty(0)
-        return source[self.index()]
-
-    def put(self, target: torch.Tensor, values: torch.Tensor) -> None:
-        """target at these positions = values, in order."""
-        if self.spans is not None:
-            at = 0
-            for a, n in self.spans:
-                target[a: a + n] = values[at: at + n]
-                at += n
-        else:
-            target[self.index()] = values
-
-    def index(self) -> torch.Tensor:
-        if not self.total:
-            return self.starts.new_empty(0)
-        shift = self.starts - (torch.cumsum(self.counts, 0) - self.counts)
-        # output_size: without it repeat_interleave reads the counts' sum back from the device (a host sync a step)
-        return torch.arange(self.total, device=self.starts.device) + torch.repeat_interleave(shift, self.counts,
-                                                                                             output_size=self.total)

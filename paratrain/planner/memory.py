@@ -83,11 +83,23 @@ def flat_groups(params: list[RankParam], *, zero: int, shards: int, bucket_bytes
                 expert_shards: int = 1, optimizer: str = "adamw", float8: bool = False) -> list[FlatPlan]:
     """ZeroSync's flat groups for these parameters, in its order; experts' split over expert_shards. float8: ZeRO-3
     gathers the blocks' linear weights in float8, in groups of their own (paratrain.sharding.float8_gather)."""
+    plans = []
+    for n, expert, matrix, cast in _group_sizes(tuple(params), zero == 3, bucket_bytes, optimizer, float8):
+        parts = expert_shards if expert else shards
+        plans.append(FlatPlan(math.ceil(n / parts) * parts, parts, "muon" if matrix else "adamw", cast))
+    return plans
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_sizes(params: tuple[RankParam, ...], zero3: bool, bucket_bytes: int, optimizer: str,
+                 float8: bool) -> tuple[tuple[int, bool, bool, bool], ...]:
+    """(elements, an expert group, Muon's, gathered in float8) of each flat group before padding: how the groups
+    are cut does not depend on the shard count (the search asks for many)."""
     present = sorted({optimizer_group(p, optimizer) for p in params})
     group_of = {id(p): present.index(optimizer_group(p, optimizer)) for p in params}  # empty groups are dropped
     muon = {id(p) for p in params if optimizer == "muon" and optimizer_group(p, optimizer) == 0}
-    if zero < 3:
-        tensors = meta_tensors(params, torch.float32)  # planned on the parameters as built: fp32
+    if not zero3:
+        tensors = meta_tensors(list(params), torch.float32)  # planned on the parameters as built: fp32
         by_id = {id(t): p for t, p in zip(tensors, params)}
         planned = plan_buckets(tensors, cap_bytes=bucket_bytes,
                                key=lambda t: (group_of[id(by_id[id(t)])], _role(by_id[id(t)])))
@@ -106,11 +118,7 @@ def flat_groups(params: list[RankParam], *, zero: int, shards: int, bucket_bytes
                 by_key[key] = by_key.get(key, 0) + p.numel
             # role[-1]: an expert group
             sizes += [(n, role[-1], matrix, cast) for (_, role, matrix, cast), n in by_key.items()]
-    plans = []
-    for n, expert, matrix, cast in sizes:
-        parts = expert_shards if expert else shards
-        plans.append(FlatPlan(math.ceil(n / parts) * parts, parts, "muon" if matrix else "adamw", cast))
-    return plans
+    return tuple(sizes)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -179,3 +187,15 @@ def model_state_bytes(model: ModelConfig, layout: Layout, *, stage: int = 0,
                             state_dtype=state_dtype) + masters
     return with_totals({"params": param_bytes, "grads": grad_bytes, "optimizer": state},
                        kept_grads=kept if settings.keep_grads else 0)
+
+
+def matrix_elements(model: ModelConfig, layout: Layout, *, stage: int = 0,
+                    settings: StepSettings = StepSettings()) -> int:
+    """Elements of the tensors Muon updates as matrices on pipeline rank `stage`: its ZeRO shards of Muon's flat
+    groups (padding included), or its parameters' (tp slices) without ZeRO (paratrain.optim.MatrixExchange.numel)."""
+    if layout.zero == 0:
+        return _plain_totals(model, layout.dims, stage, tuple(settings.pp_split), layout.expert_tp, layout.pipeline,
+                             "muon")[1]
+    return _sharded_totals(
+        model, Layout(dims=layout.dims, zero=layout.zero, expert_tp=layout.expert_tp, schedule=layout.schedule),
+        stage, tuple(settings.pp_split), int(settings.bucket_mb * 2**20), "muon", settings.float8_gathers(layout))[2]

@@ -11,11 +11,18 @@ S ways (tp slices x ZeRO shards, 1 for replicas) and held by r = R / S replicas,
 so a rank moves about M (S (1 + r) - 2) / (S R) elements in the optimizer's Newton-Schulz dtype (bfloat16: 2
 bytes). tests/distributed/test_muon.py checks the exchange's element counts on dp 2, tp 2 and ZeRO-1 against the
 per-unit terms exactly; this aggregate is an estimate (owners' balance, one bandwidth for the all-to-all).
+
+The exchange runs in n buckets of B = bucket_mb elements' worth (paratrain.optim.exchange), the next bucket's gather
+and the previous one's scatter in flight while the owners map one: the step is exposed for the larger of the
+Newton-Schulz and the exchange, plus the smaller's share of one bucket (the pipeline's fill and drain). In memory it
+holds the rank's matrix elements once more (the inputs gathered from), and at the worst bucket its owned units and
+up to three buckets' messages (`exchange_elements`; an estimate: who owns what is balanced by FLOPs, not elements).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 from paratrain.config.model import ModelConfig
 from paratrain.optim import is_matrix, newton_schulz_flops
@@ -41,7 +48,7 @@ def matrix_units(model: ModelConfig) -> tuple[tuple[int, int], ...]:
     return tuple(units)
 
 
-def muon_seconds(model: ModelConfig, layout: Layout, hw: Hardware) -> dict[str, float]:
+def muon_seconds(model: ModelConfig, layout: Layout, hw: Hardware, *, bucket_mb: float = 25.0) -> dict[str, float]:
     """{"newton-schulz", "exchange"}: seconds of the busiest rank's Muon step beyond an element-wise optimizer's."""
     units = matrix_units(model)
     if not units:
@@ -49,12 +56,50 @@ def muon_seconds(model: ModelConfig, layout: Layout, hw: Hardware) -> dict[str, 
     per_stage = 1.0 / layout.pp
     flops = sum(newton_schulz_flops(u) for u in units) * per_stage
     elements = sum(a * b for a, b in units) * per_stage
-    ranks = layout.dims.grid_size // layout.pp  # the ranks of a stage
-    split = layout.tp * (layout.shards if layout.zero else 1)
-    replicas = ranks / split
+    ranks, split, replicas = _holders(layout)
     rate = hw.peak_flops * hw.efficiency
     compute = max(flops / ranks, max(newton_schulz_flops(u) for u in units)) / rate
     moved = elements * (split * (1 + replicas) - 2) / (split * ranks) * NS_BYTES if ranks > 1 else 0.0
     bandwidth = hw.intra_node_bw if ranks <= hw.devices_per_node else hw.inter_node_bw
-    exchange = 2 * hw.latency_s + moved / bandwidth if ranks > 1 else 0.0
-    return {"newton-schulz": compute, "exchange": exchange}
+    buckets = _buckets(units, bucket_mb)
+    exchange = 2 * buckets * hw.latency_s + moved / bandwidth if ranks > 1 else 0.0
+    exposed = max(compute, exchange) + min(compute, exchange) / buckets  # pipelined by bucket
+    return {"newton-schulz": compute, "exchange": exposed - compute}
+
+
+def _holders(layout: Layout) -> tuple[int, int, float]:
+    """(R ranks of a stage, S ways each element is cut, r = R / S replicas of each piece)."""
+    ranks = layout.dims.grid_size // layout.pp
+    split = layout.tp * (layout.shards if layout.zero else 1)
+    return ranks, split, ranks / split
+
+
+def _buckets(units: tuple[tuple[int, int], ...], bucket_mb: float) -> int:
+    """How many buckets the exchange cuts the model's units into (about; a unit larger than a bucket alone)."""
+    per_bucket = max(1, int(bucket_mb * 2**20) // NS_BYTES)
+    return max(1, math.ceil(sum(a * b for a, b in units) / per_bucket))
+
+
+def exchange_elements(model: ModelConfig, layout: Layout, *, matrix_elements: int, bucket_mb: float,
+                      ns_bytes: int = NS_BYTES) -> float:
+    """An upper bound of the elements the exchange holds at its peak on a rank holding `matrix_elements` of the
+    matrices (its ZeRO shard of them, or its tp slices): those once more, plus at its worst bucket the units it owns
+    there o (at least the stage's largest unit, owned whole), their gather g and scatter s (send and receive
+    buffers): o + max(g, s), and beside it the next bucket's gather and the previous one's scatter where there are
+    more buckets. paratrain.optim.MatrixExchange.peak_bytes counts the same buffers from its plan exactly
+    (tests/distributed/test_muon.py: 1.05-1.55x that on four layouts of the tiny GPT; bound 2)."""
+    units = matrix_units(model)
+    if not units:
+        return 0.0
+    ranks, split, replicas = _holders(layout)
+    per_bucket = max(1, int(bucket_mb * 2**20) // ns_bytes)
+    sizes = [a * b for a, b in units]
+    n = max(1, math.ceil(sum(sizes) / per_bucket))
+    bucket = min(sum(sizes), max(per_bucket, max(sizes))) / layout.pp  # a bucket's elements this stage holds
+    own = max(bucket / ranks, max(sizes))
+    if ranks == 1:
+        return matrix_elements + own
+    gather = 2 * own * (split - 1) / split  # its units' pieces received, as many of others' sent
+    scatter = 2 * own * (replicas - 1 / split)
+    beside = gather + scatter if n >= 3 else max(gather, scatter) if n == 2 else 0.0
+    return matrix_elements + own + max(gather, scatter) + beside

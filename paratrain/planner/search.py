@@ -4,6 +4,7 @@ checked by paratrain's own rules, ranked by predicted step time)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Any, Mapping
@@ -21,10 +22,11 @@ from paratrain.planner.float8 import float8_speedup
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
 from paratrain.planner.activations import activation_bytes, grid_cuts, storage_mode
-from paratrain.planner.memory import model_state_bytes
+from paratrain.planner.memory import matrix_elements, model_state_bytes
 from paratrain.planner.settings import BYTES, StepSettings
-from paratrain.planner.optimizer import muon_seconds
+from paratrain.planner.optimizer import NS_BYTES, exchange_elements, muon_seconds
 from paratrain.planner.timing import step_time
+from paratrain.topology.dims import ParallelDims
 
 
 def check_layout(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int) -> None:
@@ -73,13 +75,14 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int,
             states = param_server.trainer_state_bytes(model, layout, bucket_mb=bucket_mb,
                                                       keep_grads=settings.keep_grads)
         else:
-            states = model_state_bytes(model, layout, stage=stage, settings=settings)
+            states = _states(model, layout.dims, layout.zero, layout.expert_tp, layout.schedule, layout.offload, stage,
+                             settings)
         between = states["between_steps"] - (states["optimizer"] if layout.offload else 0)
         states = {k: states[k] for k in ("params", "grads", "optimizer")}
         if layout.offload:
             states = {**states, "optimizer": 0}
-        activations = activation_bytes(model, layout, seq=seq, mode=mode, stage=stage, microbatches=microbatches,
-                                       pp_split=pp_split, moe_imbalance=settings.moe_imbalance)
+        activations = _activations(model, layout, seq, mode, stage, microbatches, tuple(pp_split),
+                                   settings.moe_imbalance)
         tokens = layout.micro_batch * local
         # the bucket being reduced (a push sends the gradients' own slices: nothing copied)
         other = 0.0 if served else min(bucket_mb * 2**20, states["grads"] or bucket_mb * 2**20)
@@ -96,6 +99,11 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int,
             other += 2 * unit * BYTES[precision if mode == "low" else "fp32"]
         record = {**{k: float(v) for k, v in states.items()}, "activations": activations, "other": other}
         record["peak"] = sum(record.values())
+        if settings.optimizer == "muon" and not served:  # after backward: the exchange's buffers, not activations
+            record["exchange"] = NS_BYTES * exchange_elements(
+                model, layout, matrix_elements=matrix_elements(model, layout, stage=stage, settings=settings),
+                bucket_mb=bucket_mb)
+            record["peak"] = max(record["peak"], record["peak"] - activations - other + record["exchange"])
         record["between_steps"] = float(between)
         if record["peak"] > best.get("peak", -1.0):
             best = record
@@ -103,6 +111,32 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int,
         best["server"] = float(sum(param_server.server_state_bytes(model, layout, bucket_mb=bucket_mb).values()))
         best["peak"] = max(best["peak"], best["server"])
     return best
+
+
+# The search asks for the same terms many times: model states do not depend on the micro-batch, recompute,
+# sequence parallelism or cp's mode; saved activations not on the ZeRO stage (its storage mode is passed). Each is
+# cached on what it reads.
+@functools.lru_cache(maxsize=1 << 16)
+def _states(model: ModelConfig, dims: ParallelDims, zero: int, expert_tp: bool, schedule: str, offload: bool,
+            stage: int, settings: StepSettings) -> dict[str, int]:
+    layout = Layout(dims=dims, zero=zero, expert_tp=expert_tp, schedule=schedule, offload=offload)
+    return model_state_bytes(model, layout, stage=stage, settings=settings)
+
+
+_SAVED: dict[tuple[Any, ...], float] = {}
+
+
+def _activations(model: ModelConfig, layout: Layout, seq: int, mode: str, stage: int, microbatches: int,
+                 pp_split: tuple[int, ...], moe_imbalance: float) -> float:
+    """activation_bytes, cached on the fields it reads (ZeRO 1, 2 and 3 share their dims and storage mode)."""
+    key = (model, layout.dims, layout.micro_batch, layout.recompute, layout.sequence_parallel, layout.schedule,
+           layout.cp_mode, layout.expert_tp, seq, mode, stage, microbatches, pp_split, moe_imbalance)
+    if key not in _SAVED:
+        if len(_SAVED) >= 1 << 16:
+            _SAVED.clear()
+        _SAVED[key] = activation_bytes(model, layout, seq=seq, mode=mode, stage=stage, microbatches=microbatches,
+                                       pp_split=pp_split, moe_imbalance=moe_imbalance)
+    return _SAVED[key]
 
 
 def context_parallel_transient(model: ModelConfig, layout: Layout, *, seq: int, act: int) -> float:
@@ -146,7 +180,7 @@ def _record(model_config: ModelConfig, layout: Layout, hardware: Hardware, run: 
                   fp8_recipe=run.settings.fp8_recipe)
     step, terms = t.step_s, t.terms
     if run.settings.optimizer == "muon":  # after the pipelined part, as the element-wise step
-        muon = muon_seconds(model_config, layout, hardware)
+        muon = muon_seconds(model_config, layout, hardware, bucket_mb=run.settings.bucket_mb)
         step += sum(muon.values())
         terms = {**terms, "Muon: Newton-Schulz": muon["newton-schulz"], "Muon: exchange": muon["exchange"]}
     return {"layout": layout.to_dict(), "memory": mem, "step_time_s": step, "compute_s": t.compute_s,

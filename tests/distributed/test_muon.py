@@ -96,3 +96,82 @@ def test_checkpoint_saved_under_zero3_resumes_under_tp2_and_one_process(pools, t
     single = tiny_run(dp=None, micro_batch=None, steps=STEPS // 2, start_step=STEPS // 2, load_sharded=root,
                       dtype="float64", optimizer="muon")
     within(rel_diff(single["losses"], ref), 1e-12, "Muon loss, saved ZeRO-3, loaded in one process (float64)")
+
+
+def _exchange_job(bucket_sizes: tuple[int, ...]) -> dict:
+    """Four ranks hold pieces of three matrices as layouts cut them: A [48, 40] by rows, each half on two replicas;
+    B [32, 64] in flat shards of unequal length, one through a row; C [16, 16] whole on every rank. Newton-Schulz in
+    float64 through exchanges of several bucket sizes, and the whole matrices mapped in one process."""
+    import functools
+
+    import torch
+    import torch.distributed as dist
+
+    from paratrain.optim import Held, MatrixExchange
+    from paratrain.optim.muon import newton_schulz
+    from paratrain.topology import AxisGroup
+
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    whole = {"A": torch.randn(48, 40, generator=gen, dtype=torch.float64),
+             "B": torch.randn(32, 64, generator=gen, dtype=torch.float64),
+             "C": torch.randn(16, 16, generator=gen, dtype=torch.float64)}
+    cuts = [0, 500, 1000, 1700, 2048]  # B's shards
+    a = whole["A"][24 * (rank // 2): 24 * (rank // 2 + 1)].reshape(-1).clone()
+    b = whole["B"].reshape(-1)[cuts[rank]: cuts[rank + 1]].clone()
+    c = whole["C"].reshape(-1).clone()
+    held = [Held(a, 0, a.numel(), "A", (48, 40), ((0, 24 * 40 * (rank // 2), a.numel()),)),
+            Held(b, 0, b.numel(), "B", (32, 64), ((0, cuts[rank], b.numel()),)),
+            Held(c, 0, c.numel(), "C", (16, 16), ((0, 0, c.numel()),))]
+    group = AxisGroup("world", tuple(range(4)), rank, dist.group.WORLD, None)
+    step = functools.partial(newton_schulz, coefficients=(3.4445, -4.7750, 2.0315), steps=5, eps=1e-7,
+                             dtype=torch.float64)
+    out: dict = {"results": [], "buckets": []}
+    for size in bucket_sizes:
+        exchange = MatrixExchange(held, group, dtype=torch.float64, bucket_elements=size)
+        result = exchange.apply([(a, a.clone()), (b, b.clone()), (c, c.clone())], step)
+        out["results"].append([r.clone() for r in result])
+        out["buckets"].append(len(exchange.buckets))
+    out["whole"] = [step(whole[n]).reshape(-1) for n in "ABC"]
+    out["mine"] = (24 * 40 * (rank // 2), cuts[rank], cuts[rank + 1])
+    return out
+
+
+def test_buckets_change_no_bit(pools):
+    """However the units are bucketed (each alone, two buckets, one) and so overlapped, every rank's update is
+    bitwise the whole matrix's Newton-Schulz in one process."""
+    import torch
+
+    got = pools(4).run(_exchange_job, bucket_sizes=(1, 2400, 1 << 20))
+    for r in got:
+        assert r["buckets"] == [3, 2, 1]
+        a0, b0, b1 = r["mine"]
+        whole_a, whole_b, whole_c = r["whole"]
+        for result in r["results"]:
+            assert torch.equal(result[0], whole_a[a0: a0 + 960])
+            assert torch.equal(result[1], whole_b[b0: b1])
+            assert torch.equal(result[2], whole_c)
+
+
+def test_planner_prices_the_exchange_buffers(pools):
+    """The planner's bound of the exchange buffers (paratrain.planner.optimizer.exchange_elements) against the engine's
+    own count of them (MatrixExchange.peak_bytes, from its plan), float64 (8 bytes an element), the tiny GPT with
+    0.05 MiB buckets (each unit alone) and with one bucket."""
+    from paratrain.config import PRESETS
+    from paratrain.planner.layout import Layout
+    from paratrain.planner.memory import matrix_elements
+    from paratrain.planner.optimizer import exchange_elements
+    from paratrain.planner.settings import StepSettings
+
+    model = PRESETS["tiny"]
+    for layout, bucket_mb in [(dict(dp=2, micro_batch=8), 0.05), (dict(dp=4, zero=1, micro_batch=4), 0.05),
+                              (dict(dp=4, zero=3, micro_batch=4), 100.0), (dict(dp=1, tp=2, micro_batch=8), 0.05)]:
+        world = layout["dp"] * layout.get("tp", 1)
+        got = pools(world).run(_job, steps=1, bucket_mb=bucket_mb, **layout)
+        measured = max(r["exchange_peak"] for r in got)
+        plan = Layout.of(**layout)
+        settings = StepSettings(bucket_mb=bucket_mb, optimizer="muon")
+        predicted = 8 * exchange_elements(model, plan, matrix_elements=matrix_elements(model, plan, settings=settings),
+                                          bucket_mb=bucket_mb, ns_bytes=8)
+        assert predicted >= measured, (layout, predicted, measured)
+        within(predicted / measured, 2.0, f"exchange buffers, planner / engine {layout}")
