@@ -6,7 +6,8 @@ FSDP2 with torch.distributed.checkpoint (DCP), on the same GPT, ZeRO-3 / fully_s
     python -m bench.bench_checkpoint --models small --modes sharded gathered
 
 Each mode runs in fresh processes: build, one AdamW step (so that the optimizer state exists), save
-(timed from a barrier to a barrier, the checkpoint on local disk), then a fresh model of the same
+(timed from a barrier to a barrier, the checkpoint on local disk; sharded-async: what the step waits for, the copy
+into shared memory, and apart the writer processes' time to the publish), then a fresh model of the same
 layout loads it (timed the same way). Reported for each: save and load seconds, the files written and
 their bytes, and the growth of the peak resident memory of the worst rank during the save and during
 the load (ru_maxrss after minus before: what the checkpoint itself cost on top of training).
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from bench.world import run_world
 
-MODES = ["sharded", "gathered", "dcp-fsdp2"]
+MODES = ["sharded", "sharded-async", "gathered", "dcp-fsdp2"]
 
 
 def _peak_gib() -> float:
@@ -80,10 +81,16 @@ def _job(mode: str, model_name: str, root: str) -> dict:
     step(built)
     folder = Path(root) / "ckpt"
 
-    if mode == "sharded":
+    written_s = None
+    if mode.startswith("sharded"):
         from paratrain.checkpoint import load_sharded, resolve_checkpoint, save_sharded, verify_shared
+        from paratrain.checkpoint.async_save import AsyncSaver
 
-        save = lambda: save_sharded(folder, 1, built[0].view(), {})  # noqa: E731
+        if mode == "sharded":
+            save = lambda: save_sharded(folder, 1, built[0].view(), {})  # noqa: E731
+        else:  # what the step waits for; then, apart, the writer's time to the publish
+            saver = AsyncSaver()
+            save = lambda: saver.save(folder, 1, built[0].view(), {})  # noqa: E731
         fresh = build()
         # as the trainer resumes: verified with the SHA-256s shared out over the ranks, then read
         load = lambda: load_sharded(resolve_checkpoint(folder), verify_shared(resolve_checkpoint(folder)),  # noqa: E731
@@ -118,11 +125,17 @@ def _job(mode: str, model_name: str, root: str) -> dict:
             dcp.load(state, checkpoint_id=str(folder))
             set_state_dict(fresh[0], fresh[1], model_state_dict=state["model"], optim_state_dict=state["optim"])
     save_s, save_gib = timed(save)
+    again_s = None
+    if mode == "sharded-async":  # the first save maps its staging buffer fresh; the next ones reuse it
+        written_s = save_s + timed(saver.wait)[0]
+        step(built)
+        again_s = timed(lambda: saver.save(folder, 2, built[0].view(), {}))[0]
+        timed(saver.close)
     load_s, load_gib = timed(load)
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, (save_gib, load_gib))
     files, size = _files(folder)
-    return {"save_s": save_s, "load_s": load_s, "files": files, "bytes": size,
+    return {"save_s": save_s, "written_s": written_s, "again_s": again_s, "load_s": load_s, "files": files, "bytes": size,
             "save_peak_growth_gib": max(e[0] for e in every), "load_peak_growth_gib": max(e[1] for e in every)}
 
 
@@ -142,7 +155,9 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 shutil.rmtree(root, ignore_errors=True)
             results.append({"model": model, "mode": mode, "world": args.world, **out})
-            print(f"{model:>6} {mode:>10}: save {out['save_s']:.2f} s (+{out['save_peak_growth_gib']:.2f} GiB peak), "
+            written = (f" (written and published {out['written_s']:.2f} s; the next save {out['again_s']:.2f} s)"
+                       if out["written_s"] else "")
+            print(f"{model:>6} {mode:>13}: save {out['save_s']:.2f} s{written} (+{out['save_peak_growth_gib']:.2f} GiB peak), "
                   f"load {out['load_s']:.2f} s (+{out['load_peak_growth_gib']:.2f} GiB peak), {out['files']} files, "
                   f"{out['bytes'] / 2**20:.0f} MiB", flush=True)
     if args.json:

@@ -49,7 +49,7 @@ from paratrain.checkpoint.io import (
     verify_checkpoint,
 )
 from paratrain.hybrid.pieces import Piece
-from paratrain.hybrid.view import DTYPES, StateError, StateView
+from paratrain.hybrid.view import DTYPES, LocalState, StateError, StateView
 
 def _gather(obj: Any) -> list[Any]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -74,53 +74,78 @@ def save_sharded(root: str | Path, step: int, view: StateView, meta: dict[str, A
     attachments: files rank 0 copies into the checkpoint, name inside it -> source (an `--hf` run's config.json and
     tokenizer files under hf/, so that `paratrain export --hf` needs no source folder), each listed in meta.json's
     "attachments" with its size and SHA-256 (verify_checkpoint checks them)."""
-    root = Path(root)
-    name = f"step_{step:08d}"
-    tmp = root / f".tmp-{name}"
+    root, name, tmp = Path(root), f"step_{step:08d}", prepare_folder(root, step, view.mesh.rank)
+    local = local_state(view)
     rank = view.mesh.rank
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():  # a save of this step that died before it was published
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    _barrier()
-    try:
-        local = view.local_state()
-    except StateError as error:
-        raise CheckpointError(str(error)) from None
-    tensors, index, scalars, groups = local.tensors, local.index, local.scalars, local.groups
-    file_name = f"rank-{rank:05d}.safetensors"
-    files = {}
-    if tensors:
-        save_file(tensors, str(tmp / file_name))
-        _fsync_file(tmp / file_name)
-        files[file_name] = {"bytes": (tmp / file_name).stat().st_size, "sha256": _digest(tmp / file_name)}
-        for entry in index.values():
-            entry["file"] = file_name
+    files = write_rank_file(tmp, rank, local.tensors, local.index)
     if before_publish is not None:
         before_publish()
-    parts = _gather((files, index, scalars, groups))
+    parts = _gather((files, local.index, local.scalars, local.groups))
     if rank == 0:
-        attached = {}
-        for inside, source in (attachments or {}).items():
-            (tmp / inside).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source, tmp / inside)
-            _fsync_file(tmp / inside)
-            attached[inside] = {"bytes": (tmp / inside).stat().st_size, "sha256": _digest(tmp / inside)}
-        document = {"format": FORMAT, "step": step, "world_size": len(parts), **meta, **view.scalars(),
-                    "files": {}, "tensors": {}, **({"attachments": attached} if attached else {}),
-                    "optimizer": {"param_groups": _merge_groups([p[3] for p in parts]), "scalars": {}}}
-        for part_files, part_index, part_scalars, _ in parts:
-            document["files"].update(part_files)
-            document["optimizer"]["scalars"].update(part_scalars)
-            for key, entry in part_index.items():
-                whole = document["tensors"].setdefault(key, {"shape": entry["shape"], "dtype": entry["dtype"],
-                                                              "pieces": []})
-                whole["pieces"].append({k: entry[k] for k in ("file", "split", "lo", "hi")})
-        _fsync_write(tmp / "meta.json", json.dumps(document, indent=1, sort_keys=True))
+        write_index(tmp, step, parts, {**meta, **view.scalars()}, attachments)
         _publish(root, tmp, name, keep_last=keep_last)
     _barrier()
     return root / name
+
+
+def prepare_folder(root: str | Path, step: int, rank: int) -> Path:
+    """Collective: rank 0 makes the step's empty temporary folder (a save of this step that died before it was
+    published is removed first), the others wait for it."""
+    tmp = Path(root) / f".tmp-step_{step:08d}"
+    if rank == 0:
+        Path(root).mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    _barrier()
+    return tmp
+
+
+def local_state(view: StateView) -> LocalState:
+    try:
+        return view.local_state()
+    except StateError as error:
+        raise CheckpointError(str(error)) from None
+
+
+Part = tuple[dict[str, Any], dict[str, Any], dict[str, Any], list[dict[str, Any]]]
+"""A rank's share of the index: (its files' sizes and SHA-256, its pieces, its optimizer scalars, its groups)."""
+
+
+def write_rank_file(tmp: Path, rank: int, tensors: Mapping[str, torch.Tensor],
+                    index: dict[str, Any]) -> dict[str, Any]:
+    """This rank's pieces, fsynced into `tmp`; its files' entries (the index entries get their file's name)."""
+    if not tensors:
+        return {}
+    file_name = f"rank-{rank:05d}.safetensors"
+    save_file(dict(tensors), str(tmp / file_name))
+    _fsync_file(tmp / file_name)
+    for entry in index.values():
+        entry["file"] = file_name
+    return {file_name: {"bytes": (tmp / file_name).stat().st_size, "sha256": _digest(tmp / file_name)}}
+
+
+def write_index(tmp: Path, step: int, parts: Sequence[Part], meta: dict[str, Any],
+                attachments: Mapping[str, str | Path] | None) -> None:
+    """Rank 0: the attachments copied in, then meta.json of every rank's part (meta: the run's extras and the
+    engine's scalars), fsynced."""
+    attached = {}
+    for inside, source in (attachments or {}).items():
+        (tmp / inside).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, tmp / inside)
+        _fsync_file(tmp / inside)
+        attached[inside] = {"bytes": (tmp / inside).stat().st_size, "sha256": _digest(tmp / inside)}
+    document = {"format": FORMAT, "step": step, "world_size": len(parts), **meta,
+                "files": {}, "tensors": {}, **({"attachments": attached} if attached else {}),
+                "optimizer": {"param_groups": _merge_groups([p[3] for p in parts]), "scalars": {}}}
+    for part_files, part_index, part_scalars, _ in parts:
+        document["files"].update(part_files)
+        document["optimizer"]["scalars"].update(part_scalars)
+        for key, entry in part_index.items():
+            whole = document["tensors"].setdefault(key, {"shape": entry["shape"], "dtype": entry["dtype"],
+                                                          "pieces": []})
+            whole["pieces"].append({k: entry[k] for k in ("file", "split", "lo", "hi")})
+    _fsync_write(tmp / "meta.json", json.dumps(document, indent=1, sort_keys=True))
 
 
 def _merge_groups(per_rank: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]]:

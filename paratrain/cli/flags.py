@@ -158,6 +158,8 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--save": ("train.save", str, "checkpoint folder"),
     "--save-every": ("train.save_every", int, "checkpoint every N steps (0: only at the end)"),
     "--keep-last": ("train.keep_last", int, "keep only the newest N checkpoints (0: all)"),
+    "--save-mode": ("train.save_mode", str, "sync (the step waits for the files) or async (for a copy in shared "
+                                            "memory; a writer process per rank writes them)"),
     "--resume": ("train.resume", str, "resume from this checkpoint folder (verified first), or auto: the newest "
                  "checkpoint under --save that verifies (none: start at step 0)"),
     "--log-json": ("train.log_json", str, "write one JSON object per step to this file"),

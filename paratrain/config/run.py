@@ -148,6 +148,10 @@ class TrainSection:
     keep_last: int = 0
     """Keep only the newest this many checkpoints under `save` (older ones are deleted once a newer one
     is complete); 0 keeps every one."""
+    save_mode: str = "sync"
+    """'sync': the step waits while every rank writes its pieces; 'async': it waits only for a copy of them into
+    shared memory, and a writer process per rank writes and publishes them while training goes on
+    (paratrain.checkpoint.async_save; the same files)."""
     resume: str = ""
     """Checkpoint folder to resume from (its latest checkpoint, verified first), or 'auto': the newest
     checkpoint under `save` that verifies (none: start at step 0)."""

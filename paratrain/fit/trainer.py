@@ -60,7 +60,7 @@ class Trainer:
                  optimizer: OptimizerFactory | str | None = None, grad_clip: float = 0.0, precision: str = "fp32",
                  fp8: Float8Settings | None = None, recompute: bool | str = False, seed: int = 0, val_every: int = 0,
                  val_batches: int = 0, save: str | None = None, save_every: int = 0, keep_last: int = 0,
-                 resume: str | None = None, log_json: str | None = None, tensorboard: str | None = None,
+                 save_mode: str = "sync", resume: str | None = None, log_json: str | None = None, tensorboard: str | None = None,
                  callbacks: Sequence[Callback] = (), accelerator: str = "cpu", tp_plan: Mapping[str, str] | None = None,
                  pipeline_loss: PipelineLoss | None = None, wrap: Any = None,
                  layers: Callable[[nn.Module], list[Layer]] | None = None, recipe: Recipe | None = None,
@@ -85,7 +85,8 @@ class Trainer:
         val_every: validate every this many steps (and at step 0 and the end, when val_data is given);
             val_batches: global batches per validation (0: the whole validation set).
         save: a folder for sharded checkpoints, the CLI's (`paratrain inspect` reads them), written every
-            save_every steps (0: at the end only), keeping the newest keep_last (0: all); resume: a
+            save_every steps (0: at the end only), keeping the newest keep_last (0: all), by save_mode 'sync' or
+            'async' (the step waits for a copy; a writer process per rank writes: the CLI's --save-mode); resume: a
             checkpoint folder or root, or 'auto' (the newest under save that verifies, if any).
         log_json: the CLI's per-step JSON records; tensorboard: the same as TensorBoard scalars.
         accelerator: 'cpu' (gloo), 'cuda' (NCCL, one GPU per process) or 'auto'.
@@ -144,6 +145,12 @@ class Trainer:
         self.fp8 = fp8 or Float8Settings()
         self.seed, self.val_every, self.val_batches = seed, val_every, val_batches
         self.save, self.save_every, self.keep_last, self.resume = save, save_every, keep_last, resume
+        if save_mode not in ("sync", "async"):
+            raise ConfigError(f"save_mode must be 'sync' or 'async', got {save_mode!r}")
+        if save_mode == "async" and self.parallel.ps_mode != "off":
+            raise ConfigError("save_mode='async' copies each trainer's pieces for a writer process; the parameter "
+                              "server's slices are written synchronously: use save_mode='sync' with this strategy")
+        self.save_mode = save_mode
         self.log_json, self.tensorboard, self.callbacks = log_json, tensorboard, list(callbacks)
         self.accelerator, self.tp_plan, self.pipeline_loss, self.wrap = accelerator, tp_plan, pipeline_loss, wrap
         self.layers, self.recipe, self.batch_norm, self.buffers = layers, recipe, batch_norm, dict(buffers or {})
@@ -248,7 +255,7 @@ class Trainer:
             steps=self.max_steps, lr=self.lr, warmup_steps=self.warmup_steps,
             min_lr_ratio=self.min_lr_ratio, lr_schedule=self.lr_schedule, eval_every=self.val_every,
             eval_batches=self.val_batches, save=self.save or "", save_every=self.save_every, keep_last=self.keep_last,
-            nan_skips=self.nan_skips, log_json=self.log_json or "", tensorboard=self.tensorboard or "",
+            save_mode=self.save_mode, nan_skips=self.nan_skips, log_json=self.log_json or "", tensorboard=self.tensorboard or "",
             checkpoint_meta={"trainer": "paratrain.Trainer"}, attempt=relaunch_attempt())
         self.loop = start_loop(TrainLoop(engine, ctx, _batch_loss(loss_fn), loader, val_loader, settings,
                                          hooks=[CallbackHooks(self, self.callbacks)]), resume=self.resume or "")

@@ -16,8 +16,9 @@ from typing import Any, Protocol
 
 import torch
 
-from paratrain.checkpoint import (SHARDED_FORMAT, checkpoint_to_resume, load_checkpoint, load_sharded,
-                                  resolve_checkpoint, save_sharded)
+from paratrain.checkpoint import (SHARDED_FORMAT, CheckpointError, checkpoint_to_resume, load_checkpoint,
+                                  load_sharded, resolve_checkpoint, save_sharded)
+from paratrain.checkpoint.async_save import AsyncSaver
 from paratrain.comm.order import check_collective_order
 from paratrain.hybrid import Engine, NonFiniteError, StepStats
 from paratrain.hybrid.engine import LossFn
@@ -81,6 +82,7 @@ class TrainLoop:
         """Optimizer steps done (the next step's number is step + 1)."""
         self.log = get_logger(ctx.rank)
         self.non_finite_skips = 0
+        self.saver = AsyncSaver() if settings.save and settings.save_mode == "async" else None
 
     # --- checkpoints ---
 
@@ -104,14 +106,28 @@ class TrainLoop:
         return True
 
     def save(self) -> None:
-        """Collective: every rank writes its own pieces; rank 0 publishes the index once all are on disk."""
+        """Collective: every rank writes its own pieces; rank 0 publishes the index once all are on disk. Under
+        save_mode 'async' the step waits for a copy of them, and a checkpoint that failed in the background is
+        said here (the newest published one stays `latest`) and training goes on."""
         meta = {**self.settings.checkpoint_meta, "loader": self.train.state_dict()}
         self.engine.before_save(self.step)  # the parameter servers write their pieces too
-        folder = save_sharded(self.settings.save, self.step, self.engine.view(), meta, keep_last=self.settings.keep_last,
-                              before_publish=lambda: [hook.before_publish(self) for hook in self.hooks],
-                              attachments=self.settings.checkpoint_files)
+        hooks = lambda: [hook.before_publish(self) for hook in self.hooks]  # noqa: E731
+        if self.saver is None:
+            folder = save_sharded(self.settings.save, self.step, self.engine.view(), meta,
+                                  keep_last=self.settings.keep_last, before_publish=hooks,
+                                  attachments=self.settings.checkpoint_files)
+            if self.ctx.is_main:
+                self.log.info("saved checkpoint %s", folder)
+            return
+        try:
+            self.saver.wait()
+        except CheckpointError as error:
+            self.log.warning("%s", error)
+        folder = self.saver.save(self.settings.save, self.step, self.engine.view(), meta,
+                                 keep_last=self.settings.keep_last, before_publish=hooks,
+                                 attachments=self.settings.checkpoint_files)
         if self.ctx.is_main:
-            self.log.info("saved checkpoint %s", folder)
+            self.log.info("checkpoint %s copied in %.3f s; its writer publishes it", folder, self.saver.blocked_s)
 
     # --- the loop ---
 
@@ -211,6 +227,8 @@ class TrainLoop:
             if result.tokens_per_s and self.settings.flops_per_token:
                 result.mfu = mfu(result.tokens_per_s, self.settings.flops_per_token, self.ctx.world_size, peak)
         except BaseException as error:
+            if self.saver is not None:  # a save in flight is given up (the previous one stays `latest`)
+                self.saver.abort()
             for hook in self.hooks:
                 hook.on_error(self, error)
             raise
@@ -218,6 +236,8 @@ class TrainLoop:
             if bar is not None:
                 bar.close()
             logs.close()
+        if self.saver is not None:  # the last checkpoint written and published before the run returns
+            self.saver.close()
         for hook in self.hooks:
             hook.on_end(self, result)
         return result

@@ -32,6 +32,8 @@ class LoopSettings:
     save_every: int = 0
     keep_last: int = 0
     """Keep the newest this many checkpoints (0: all)."""
+    save_mode: str = "sync"
+    """'async': paratrain.checkpoint.async_save (the step waits for a copy, a writer process writes)."""
     nan_skips: int = 10
     """Under the engine's on_non_finite='skip': the most non-finite steps skipped before the run stops."""
     check_collectives: bool = False

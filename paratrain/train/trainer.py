@@ -221,7 +221,7 @@ class Trainer:
             min_lr_ratio=config.optim.min_lr_ratio, lr_schedule=config.optim.lr_schedule,
             decay_fraction=config.optim.decay_fraction, log_every=train.log_every, eval_every=train.eval_every,
             eval_batches=train.eval_batches or 1, save=train.save, save_every=train.save_every,
-            keep_last=train.keep_last, nan_skips=train.nan_skips, check_collectives=train.check_collectives,
+            keep_last=train.keep_last, save_mode=train.save_mode, nan_skips=train.nan_skips, check_collectives=train.check_collectives,
             log_json=train.log_json or (f"{train.log_dir}/log.jsonl" if "jsonl" in loggers else ""),
             tensorboard=train.tensorboard or (f"{train.log_dir}/tensorboard" if "tensorboard" in loggers else ""),
             loggers=tuple(n for n in loggers if n in ("wandb", "mlflow")), log_dir=train.log_dir,

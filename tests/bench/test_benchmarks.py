@@ -18,7 +18,7 @@ SMALLEST = {
     "bench_pp": ["--steps", "1", "--only", "paratrain-1f1b"],
     "bench_bubble": ["--pp", "2", "--schedules", "1f1b", "--steps", "1", "--unit", "2"],
     "bench_moe": ["--steps", "3", "--only", "paratrain-ep2"],  # step 0 warms up, step 1 counts bytes: one timed step
-    "bench_checkpoint": ["--models", "tiny", "--world", "2", "--modes", "sharded"],
+    "bench_checkpoint": ["--models", "tiny", "--world", "2", "--modes", "sharded", "sharded-async"],
     "bench_materialize": ["--model", "tiny", "--world", "2", "--whole-world", "2", "--modes", "meta"],
     "bench_ps": ["--world", "2", "--steps", "1", "--only", "ps-dedicated", "--scenarios", "alternating",
                  "--stalenesses", "--straggler-steps", "4"],  # part 2 synchronous only (async: the ps tests)

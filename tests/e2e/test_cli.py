@@ -80,11 +80,13 @@ def test_invalid_config_is_refused_before_launch(capsys):
 
 
 def test_train_log_save_resume(tmp_path):
+    """--save-mode async here (the restart tests save synchronously): the same checkpoints, resumed below."""
     log = tmp_path / "log.jsonl"
     out = paratrain("train", "--dp", "2", *SMALL, "--steps", "4", "--log-json", str(log),  # 2 processes
-                    "--save", str(tmp_path / "ckpt"), "--save-every", "2", "--recompute", "--zero", "2",
-                    "--tensorboard", str(tmp_path / "tb"))
+                    "--save", str(tmp_path / "ckpt"), "--save-every", "2", "--save-mode", "async", "--recompute",
+                    "--zero", "2", "--tensorboard", str(tmp_path / "tb"))
     assert out.returncode == 0, out.stderr
+    assert "copied in" in out.stderr and not list((tmp_path / "ckpt").glob(".tmp-*")), out.stderr
     rows = records(log)
     assert rows[0] == {"step": 0, "val_loss": rows[0]["val_loss"]}
     steps = [r for r in rows if "loss" in r]
