@@ -15,17 +15,25 @@ Unit = tuple[str, int]
 """(whole tensor's name, index of the unit among its leading slices)."""
 
 
-def bucket_units(units: Sequence[Unit], sizes: dict[Unit, int], bucket_elements: int) -> list[list[Unit]]:
-    """Consecutive units (in the order every rank sorts them) in buckets of at most `bucket_elements` elements, a
-    larger unit alone."""
-    buckets: list[list[Unit]] = []
-    filled = bucket_elements
+def bucket_units(units: Sequence[Unit], sizes: dict[Unit, int], owner: dict[Unit, int], world: int,
+                 bucket_elements: int) -> list[list[Unit]]:
+    """Buckets of about `bucket_elements` elements in which every owner that has units left owns its share
+    (bucket_elements / owners, at least one unit), each owner's units taken in the order every rank sorts them:
+    so every rank orthogonalises in every bucket, and the owners of one bucket run at once (buckets of consecutive
+    units would leave one owner working while the rest wait for the next bucket's all-to-all)."""
+    queues: list[list[Unit]] = [[] for _ in range(world)]
     for u in units:
-        if filled + sizes[u] > bucket_elements:
-            buckets.append([])
-            filled = 0
-        buckets[-1].append(u)
-        filled += sizes[u]
+        queues[owner[u]].append(u)
+    share = max(1, bucket_elements // max(1, sum(1 for q in queues if q)))
+    buckets: list[list[Unit]] = []
+    while any(queues):
+        bucket: list[Unit] = []
+        for queue in queues:
+            taken = 0
+            while queue and (taken == 0 or taken + sizes[queue[0]] <= share):
+                taken += sizes[queue[0]]
+                bucket.append(queue.pop(0))
+        buckets.append(bucket)
     return buckets
 
 

@@ -9,14 +9,14 @@ holder). Each step:
     step      the owner maps the whole unit (Muon: Newton-Schulz)
     scatter   the owner sends every holder (every replica) the elements it holds
 
-in buckets of about `bucket_elements` elements (the units in the order every rank sorts them), one all-to-all each
-way per bucket over the ranks given, overlapped: while the owners map bucket k, bucket k + 1's gather and bucket
-k - 1's scatter are in flight, and a step holds one
-bucket's messages at a time instead of every matrix's. The results are the same bits whatever the buckets (each
-unit is mapped alone). The pieces a rank holds come as `Held` runs of whole elements,
-whatever cut them: ZeRO-1/2/3's flat shards (through several tensors), 1-D tensor-parallel slices, 2-D / 2.5-D / 3-D
-blocks, expert shards over expert parallelism and expert-tp, pipeline stages (each holds its own units: nothing crosses stages).
-Elements travel in the optimizer's Newton-Schulz dtype (bfloat16 by default: half float32's bytes).
+in buckets of about `bucket_elements` elements, one all-to-all each way per bucket over the ranks given, overlapped:
+while the owners map bucket k, bucket k + 1's gather and bucket k - 1's scatter are in flight, and a step holds one
+bucket's messages at a time instead of every matrix's. Each owner has its share of every bucket
+(paratrain.optim.buckets), so a bucket's owners all work at once. The results are the same bits whatever the
+buckets (each unit is mapped alone). The pieces a rank holds come as `Held` runs of whole elements, whatever cut
+them: ZeRO-1/2/3's flat shards (through several tensors), 1-D tensor-parallel slices, 2-D / 2.5-D / 3-D blocks,
+expert shards over expert parallelism and expert-tp, pipeline stages (each holds its own units: nothing crosses
+stages). Elements travel in the optimizer's Newton-Schulz dtype (bfloat16 by default: half float32's bytes).
 
 Bytes per step (elements times the dtype's size): gather = the elements of each unit outside the owner's own
 piece, each once; scatter = the elements each holder other than the owner holds (replicas each) -- `traffic()`.
@@ -120,8 +120,8 @@ class MatrixExchange:
         """Newton-Schulz FLOPs per step each rank of the group runs as an owner."""
         device = self.tensors[0].device if self.tensors else torch.device("cpu")
         self.buckets = [plan_bucket(part, everyone, mine, owner, shape_of, rank, world, device)
-                        for part in bucket_units(units, {u: shape_of[u][0] * shape_of[u][1] for u in units},
-                                                 bucket_elements)]
+                        for part in bucket_units(units, {u: shape_of[u][0] * shape_of[u][1] for u in units}, owner,
+                                                 world, bucket_elements)]
         self.owned = sum(b.owned for b in self.buckets)
 
     # ---- Matrices -----------------------------------------------------------------------------------------------
@@ -179,19 +179,21 @@ class MatrixExchange:
             positions.put(flat, values_in)
 
     def peak_bytes(self) -> int:
-        """Bytes apply allocates beyond its inputs at its peak: `flat` (this rank's matrix elements) and, at the
-        worst bucket, its owned units and the messages in flight then (the next bucket's gather, this one's
-        scatter and the previous one's; a message's send and receive buffers each). Index tensors of positions in
-        more than positions.FEW_SPANS spans (8 bytes an element, while one copy runs) are not counted."""
+        """Bytes of a step's matrix part at its peak: the inputs the optimizer hands apply (this rank's matrix
+        elements in the exchange's dtype, which its caller holds meanwhile), `flat` (as many) and, at the worst
+        bucket, its owned units and the messages in flight then (the next bucket's gather, this one's scatter and
+        the previous one's; a message's send and receive buffers each). Newton-Schulz's own temporaries (about
+        2 (m n + m^2) elements of the unit being mapped) and index tensors of positions in more than
+        positions.FEW_SPANS spans (8 bytes an element, while one copy runs) are not counted."""
         size = torch.empty(0, dtype=self.dtype).element_size()
         if self.group is None:
-            return (self.numel + max((b.owned for b in self.buckets), default=0)) * size
+            return (2 * self.numel + max((b.owned for b in self.buckets), default=0)) * size
         peak = 0
         for k, b in enumerate(self.buckets):  # gather k arrives, then scatter k starts, beside these
             ahead = self.buckets[k + 1].gather_messages if k + 1 < len(self.buckets) else 0
             behind = self.buckets[k - 1].scatter_messages if k else 0
             peak = max(peak, b.owned + ahead + behind + max(b.gather_messages, b.scatter_messages))
-        return (self.numel + peak) * size
+        return (2 * self.numel + peak) * size
 
     def traffic(self) -> tuple[int, int]:
         """Elements this rank sends per step: (gather, scatter)."""

@@ -15,8 +15,9 @@ per-unit terms exactly; this aggregate is an estimate (owners' balance, one band
 The exchange runs in n buckets of B = bucket_mb elements' worth (paratrain.optim.exchange), the next bucket's gather
 and the previous one's scatter in flight while the owners map one: the step is exposed for the larger of the
 Newton-Schulz and the exchange, plus the smaller's share of one bucket (the pipeline's fill and drain). In memory it
-holds the rank's matrix elements once more (the inputs gathered from), and at the worst bucket its owned units and
-up to three buckets' messages (`exchange_elements`; an estimate: who owns what is balanced by FLOPs, not elements).
+holds the rank's matrix elements twice (the update inputs, and the exchange's copy it gathers from and writes the
+results over), and at the worst bucket its owned units and up to three buckets' messages (`exchange_elements`; an
+estimate: who owns what is balanced by FLOPs, not elements).
 """
 
 from __future__ import annotations
@@ -74,32 +75,33 @@ def _holders(layout: Layout) -> tuple[int, int, float]:
     return ranks, split, ranks / split
 
 
-def _buckets(units: tuple[tuple[int, int], ...], bucket_mb: float) -> int:
-    """How many buckets the exchange cuts the model's units into (about; a unit larger than a bucket alone)."""
-    per_bucket = max(1, int(bucket_mb * 2**20) // NS_BYTES)
+def _buckets(units: tuple[tuple[int, int], ...], bucket_mb: float, ns_bytes: int = NS_BYTES) -> int:
+    """How many buckets the exchange cuts the model's units into (about: each owner's share at least a unit)."""
+    per_bucket = max(1, int(bucket_mb * 2**20) // ns_bytes)
     return max(1, math.ceil(sum(a * b for a, b in units) / per_bucket))
 
 
 def exchange_elements(model: ModelConfig, layout: Layout, *, matrix_elements: int, bucket_mb: float,
                       ns_bytes: int = NS_BYTES) -> float:
-    """An upper bound of the elements the exchange holds at its peak on a rank holding `matrix_elements` of the
-    matrices (its ZeRO shard of them, or its tp slices): those once more, plus at its worst bucket the units it owns
-    there o (at least the stage's largest unit, owned whole), their gather g and scatter s (send and receive
-    buffers): o + max(g, s), and beside it the next bucket's gather and the previous one's scatter where there are
-    more buckets. paratrain.optim.MatrixExchange.peak_bytes counts the same buffers from its plan exactly
-    (tests/distributed/test_muon.py: 1.05-1.55x that on four layouts of the tiny GPT; bound 2)."""
+    """An estimate of the elements a Muon step's matrix part holds at its peak on a rank holding `matrix_elements`
+    of the matrices (its ZeRO shard of them, or its tp slices): the update inputs and the exchange's copy of them,
+    plus at its worst bucket the units it owns there o (its share of the bucket, at least the largest unit, owned
+    whole), their gather g and scatter s (send and receive buffers): o + max(g, s), and beside it the next bucket's
+    gather and the previous one's scatter where there are more buckets. paratrain.optim.MatrixExchange.peak_bytes
+    counts the same from its plan (tests/distributed/test_muon.py: 1.01-1.07x that on four layouts of the
+    tiny GPT; bound 1.25); not to the byte: who owns what is balanced by FLOPs, not priced per rank."""
     units = matrix_units(model)
     if not units:
         return 0.0
     ranks, split, replicas = _holders(layout)
-    per_bucket = max(1, int(bucket_mb * 2**20) // ns_bytes)
     sizes = [a * b for a, b in units]
-    n = max(1, math.ceil(sum(sizes) / per_bucket))
-    bucket = min(sum(sizes), max(per_bucket, max(sizes))) / layout.pp  # a bucket's elements this stage holds
+    per_bucket = max(1, int(bucket_mb * 2**20) // ns_bytes)
+    n = _buckets(units, bucket_mb, ns_bytes)
+    bucket = min(sum(sizes), per_bucket) / layout.pp  # a bucket's elements this stage holds
     own = max(bucket / ranks, max(sizes))
     if ranks == 1:
-        return matrix_elements + own
+        return 2 * matrix_elements + own
     gather = 2 * own * (split - 1) / split  # its units' pieces received, as many of others' sent
     scatter = 2 * own * (replicas - 1 / split)
     beside = gather + scatter if n >= 3 else max(gather, scatter) if n == 2 else 0.0
-    return matrix_elements + own + max(gather, scatter) + beside
+    return 2 * matrix_elements + own + max(gather, scatter) + beside

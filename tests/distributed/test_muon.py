@@ -99,9 +99,10 @@ def test_checkpoint_saved_under_zero3_resumes_under_tp2_and_one_process(pools, t
 
 
 def _exchange_job(bucket_sizes: tuple[int, ...]) -> dict:
-    """Four ranks hold pieces of three matrices as layouts cut them: A [48, 40] by rows, each half on two replicas;
-    B [32, 64] in flat shards of unequal length, one through a row; C [16, 16] whole on every rank. Newton-Schulz in
-    float64 through exchanges of several bucket sizes, and the whole matrices mapped in one process."""
+    """Four ranks hold pieces of eight matrices as layouts cut them: A [48, 40] by rows, each half on two replicas;
+    B [32, 64] in flat shards of unequal length, one through a row; C0..C5 [16, 16] whole on every rank.
+    Newton-Schulz in float64 through exchanges of several bucket sizes, and the whole matrices mapped in one
+    process."""
     import functools
 
     import torch
@@ -113,49 +114,40 @@ def _exchange_job(bucket_sizes: tuple[int, ...]) -> dict:
 
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(0)
-    whole = {"A": torch.randn(48, 40, generator=gen, dtype=torch.float64),
-             "B": torch.randn(32, 64, generator=gen, dtype=torch.float64),
-             "C": torch.randn(16, 16, generator=gen, dtype=torch.float64)}
+    shapes = {"A": (48, 40), "B": (32, 64), **{f"C{i}": (16, 16) for i in range(6)}}
+    whole = {n: torch.randn(*shape, generator=gen, dtype=torch.float64) for n, shape in shapes.items()}
     cuts = [0, 500, 1000, 1700, 2048]  # B's shards
-    a = whole["A"][24 * (rank // 2): 24 * (rank // 2 + 1)].reshape(-1).clone()
-    b = whole["B"].reshape(-1)[cuts[rank]: cuts[rank + 1]].clone()
-    c = whole["C"].reshape(-1).clone()
-    held = [Held(a, 0, a.numel(), "A", (48, 40), ((0, 24 * 40 * (rank // 2), a.numel()),)),
-            Held(b, 0, b.numel(), "B", (32, 64), ((0, cuts[rank], b.numel()),)),
-            Held(c, 0, c.numel(), "C", (16, 16), ((0, 0, c.numel()),))]
+    mine = {"A": (24 * 40 * (rank // 2), 24 * 40), "B": (cuts[rank], cuts[rank + 1] - cuts[rank]),
+            **{n: (0, 256) for n in shapes if n.startswith("C")}}
+    pieces = {n: whole[n].reshape(-1)[at: at + n_].clone() for n, (at, n_) in mine.items()}
+    held = [Held(pieces[n], 0, n_, n, shapes[n], ((0, at, n_),)) for n, (at, n_) in mine.items()]
     group = AxisGroup("world", tuple(range(4)), rank, dist.group.WORLD, None)
     step = functools.partial(newton_schulz, coefficients=(3.4445, -4.7750, 2.0315), steps=5, eps=1e-7,
                              dtype=torch.float64)
-    out: dict = {"results": [], "buckets": []}
+    out: dict = {"buckets": [], "equal": []}
     for size in bucket_sizes:
         exchange = MatrixExchange(held, group, dtype=torch.float64, bucket_elements=size)
-        result = exchange.apply([(a, a.clone()), (b, b.clone()), (c, c.clone())], step)
-        out["results"].append([r.clone() for r in result])
-        out["buckets"].append(len(exchange.buckets))
-    out["whole"] = [step(whole[n]).reshape(-1) for n in "ABC"]
-    out["mine"] = (24 * 40 * (rank // 2), cuts[rank], cuts[rank + 1])
+        result = exchange.apply([(pieces[n], pieces[n].clone()) for n in mine], step)
+        out["buckets"].append([len(b.units) for b in exchange.buckets])  # units this rank owns, per bucket
+        out["equal"].append(all(torch.equal(r, step(whole[n]).reshape(-1)[at: at + n_])
+                                for r, (n, (at, n_)) in zip(result, mine.items())))
     return out
 
 
 def test_buckets_change_no_bit(pools):
-    """However the units are bucketed (each alone, two buckets, one) and so overlapped, every rank's update is
-    bitwise the whole matrix's Newton-Schulz in one process."""
-    import torch
-
-    got = pools(4).run(_exchange_job, bucket_sizes=(1, 2400, 1 << 20))
+    """However the units are bucketed (each owner's one unit a bucket, several, one bucket of all) and so
+    overlapped, every rank's update is bitwise the whole matrix's Newton-Schulz in one process, and every bucket
+    gives work to every owner that has some left."""
+    got = pools(4).run(_exchange_job, bucket_sizes=(1, 1200, 1 << 20))
     for r in got:
-        assert r["buckets"] == [3, 2, 1]
-        a0, b0, b1 = r["mine"]
-        whole_a, whole_b, whole_c = r["whole"]
-        for result in r["results"]:
-            assert torch.equal(result[0], whole_a[a0: a0 + 960])
-            assert torch.equal(result[1], whole_b[b0: b1])
-            assert torch.equal(result[2], whole_c)
+        assert all(r["equal"]), r
+        assert len(r["buckets"][0]) >= 2 and len(r["buckets"][-1]) == 1, r["buckets"]
+        assert r["buckets"][0][0] >= 1  # every rank owns units here (8 over 4), and some of the first bucket
 
 
 def test_planner_prices_the_exchange_buffers(pools):
-    """The planner's bound of the exchange buffers (paratrain.planner.optimizer.exchange_elements) against the engine's
-    own count of them (MatrixExchange.peak_bytes, from its plan), float64 (8 bytes an element), the tiny GPT with
+    """The planner's estimate of the exchange buffers (paratrain.planner.optimizer.exchange_elements) against the
+    engine's own count of them (MatrixExchange.peak_bytes, from its plan), float64 (8 bytes an element), the tiny GPT with
     0.05 MiB buckets (each unit alone) and with one bucket."""
     from paratrain.config import PRESETS
     from paratrain.planner.layout import Layout
@@ -173,5 +165,4 @@ def test_planner_prices_the_exchange_buffers(pools):
         settings = StepSettings(bucket_mb=bucket_mb, optimizer="muon")
         predicted = 8 * exchange_elements(model, plan, matrix_elements=matrix_elements(model, plan, settings=settings),
                                           bucket_mb=bucket_mb, ns_bytes=8)
-        assert predicted >= measured, (layout, predicted, measured)
-        within(predicted / measured, 2.0, f"exchange buffers, planner / engine {layout}")
+        within(abs(predicted / measured - 1), 0.25, f"exchange buffers, planner / engine - 1, {layout}")  # <= 0.07
