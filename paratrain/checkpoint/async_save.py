@@ -6,17 +6,20 @@
     saver.close()                                   # the last one written and published
 
 At a step boundary every rank copies its pieces (paratrain.checkpoint.sharded's, the same files) into one host
-buffer in shared memory (a file under /dev/shm mapped by both processes), kept from one save to the next: the only
-part the step waits for. A writer process of its own (`python -m paratrain.checkpoint.writer`, not a thread:
-the step's Python never shares the interpreter lock with hashing and writing; told each job as a JSON line) writes them
-into the step's temporary folder, fsyncs them, takes their SHA-256 and leaves its share of the index beside them
-(`part-RRRRR.json`); rank 0's writer waits for every rank's share, writes meta.json and publishes the folder as a
-synchronous save does (renames, then `latest`). The bytes are the synchronous save's: weights changed after the
-copy cannot reach them. A new save first waits for the previous one, so one checkpoint is in flight at a time.
+buffer of shared memory (an anonymous memory file both processes map; on systems without one, a file in the
+temporary folder), kept from one save to the next: the only part the step waits for. A writer process of its own
+(`python -m paratrain.checkpoint.writer`, not a thread: the step's Python never shares the interpreter lock with
+hashing and writing; told each job as a JSON line) writes them into the step's temporary folder, fsyncs them, takes
+their SHA-256 and leaves its share of the index beside them (`part-RRRRR.json`); rank 0's writer waits for every
+rank's share, writes meta.json and publishes the folder as a synchronous save does (renames, then `latest`). The
+bytes are the synchronous save's (the index's keys are strings, so its JSON round trip keeps their order): weights
+changed after the copy cannot reach them. A new save first waits for the previous one: one checkpoint in flight.
 
-A writer that dies (killed, a full disk) publishes nothing: `latest` still names the previous checkpoint, complete
-and verified. The rank whose writer died says so at its next save (or at close) and leaves a `rank-RRRRR.failed`
-marker in the folder, so that rank 0's writer stops waiting for it; a fresh writer takes the next save.
+A writer that fails (a full disk) or dies (killed) publishes nothing: `latest` still names the previous checkpoint,
+complete and verified. It leaves a `rank-RRRRR.failed` marker in the step's folder (its trainer does, for a writer
+that died), so that rank 0's writer stops waiting for that share; the rank says so at its next save, and a fresh
+writer takes over where one died. A writer whose trainer is gone stops. The staging memory costs the rank's
+checkpoint bytes in host RAM for the whole run.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import select
+import selectors
 import subprocess
 import sys
 import tempfile
@@ -51,21 +54,32 @@ def _tmp(root: str | Path, step: int) -> Path:
     return Path(root) / f".tmp-step_{step:08d}"
 
 
+def _failed(root: str | Path, step: int, rank: int, why: str) -> None:
+    """Mark this rank's share of the step as never coming (rank 0's writer stops waiting for it)."""
+    tmp = _tmp(root, step)
+    if tmp.is_dir():
+        _fsync_write(tmp / f"rank-{rank:05d}.failed", why + "\n")
+
+
 def write(job: dict[str, Any]) -> None:
     """One job, in the writer process: this rank's file and its share of the index; on rank 0, once every
-    rank's share is there, meta.json and the publish."""
-    tmp = _tmp(job["root"], job["step"])
-    rank, step = job["rank"], job["step"]
-    if job["delay_s"]:
-        time.sleep(job["delay_s"])
-    _check_trainer(job)
-    buffer = torch.from_file(job["buffer"], shared=True, size=job["bytes"], dtype=torch.uint8)
-    tensors = {key: buffer[at: at + math.prod(shape) * DTYPES[dtype].itemsize].view(DTYPES[dtype]).view(shape)
-               for key, dtype, shape, at in job["tensors"]}
-    files = write_rank_file(tmp, rank, tensors, job["index"])
-    part = tmp / f"part-{rank:05d}.json"
-    _fsync_write(part.with_suffix(".tmp"), json.dumps([files, job["index"], job["scalars"], job["groups"]]))
-    os.replace(part.with_suffix(".tmp"), part)
+    rank's share is there, meta.json and the publish. A failure before this rank's share is there leaves the
+    marker."""
+    tmp, rank, step = _tmp(job["root"], job["step"]), job["rank"], job["step"]
+    try:
+        if job["delay_s"]:
+            time.sleep(job["delay_s"])
+        buffer = torch.from_file(job["buffer"], shared=True, size=job["bytes"], dtype=torch.uint8)
+        tensors = {key: buffer[at: at + math.prod(shape) * DTYPES[dtype].itemsize].view(DTYPES[dtype]).view(shape)
+                   for key, dtype, shape, at in job["tensors"]}
+        files = write_rank_file(tmp, rank, tensors, job["index"])
+        _check_trainer(job)
+        part = tmp / f"part-{rank:05d}.json"
+        _fsync_write(part.with_suffix(".tmp"), json.dumps([files, job["index"], job["scalars"], job["groups"]]))
+        os.replace(part.with_suffix(".tmp"), part)
+    except BaseException as error:
+        _failed(job["root"], step, rank, f"{type(error).__name__}: {error}")
+        raise
     if rank != 0:
         return
     parts, started = [], time.monotonic()
@@ -73,7 +87,9 @@ def write(job: dict[str, Any]) -> None:
         path = tmp / f"part-{r:05d}.json"
         while not path.exists():
             if (tmp / f"rank-{r:05d}.failed").exists():
-                raise CheckpointError(f"rank {r}'s checkpoint writer died writing step {step}: not published")
+                why = (tmp / f"rank-{r:05d}.failed").read_text().strip()
+                raise CheckpointError(f"rank {r}'s checkpoint writer did not write step {step} ({why}): not "
+                                      "published")
             _check_trainer(job)
             if time.monotonic() - started > PARTS_TIMEOUT_S:
                 raise CheckpointError(f"rank {r}'s share of step {step} did not arrive in {PARTS_TIMEOUT_S:.0f} s: "
@@ -106,21 +122,43 @@ def main() -> None:
         print(REPLY + json.dumps({"step": job["step"], "error": error}), flush=True)
 
 
+class _Staging:
+    """The host buffer a rank's pieces are copied into: an anonymous memory file (Linux: nothing is left behind
+    when both processes end) or, elsewhere, a file in the temporary folder."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.fd: int | None = None
+        if hasattr(os, "memfd_create"):
+            self.fd = os.memfd_create("paratrain-stage")
+            os.ftruncate(self.fd, size)
+            self.path = f"/proc/self/fd/{self.fd}"  # the same number in the writer (pass_fds)
+        else:
+            handle, self.path = tempfile.mkstemp(prefix="paratrain-stage-")
+            os.close(handle)
+        self.mapped = torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8)
+
+    def close(self) -> None:
+        del self.mapped
+        if self.fd is not None:
+            os.close(self.fd)
+        elif os.path.exists(self.path):
+            os.unlink(self.path)
+
+
 class AsyncSaver:
     """save_sharded's checkpoints, written by a writer process of this rank while training goes on."""
 
-    def __init__(self, *, delay_s: float = 0.0, staging_dir: str | None = None) -> None:
+    def __init__(self, *, delay_s: float = 0.0) -> None:
         self._process: subprocess.Popen[bytes] | None = None
         self._unread = b""
         self._pending: tuple[str, int, int] | None = None  # (root, step, rank) in flight
-        self._dir = staging_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-        self._buffer: tuple[str, int] | None = None  # (path, bytes) of the staging file
-        self._count = 0
+        self._staging: _Staging | None = None
         self.delay_s = delay_s
         """Tests: the writer sleeps this long before writing (a writer to kill mid-write)."""
         self.blocked_s = 0.0
-        """Seconds the last save kept the step waiting (the previous save's end, the folder, the copy)."""
-        self._start()  # its imports run while training starts, not at the first save
+        """Seconds the last save kept the step waiting (the previous save's end, the folder, the copy). The writer
+        starts with the first save (handed the staging memory); its imports overlap that save's writing."""
 
     @property
     def writer_pid(self) -> int | None:
@@ -130,22 +168,31 @@ class AsyncSaver:
              attachments: Mapping[str, str | Path] | None = None,
              before_publish: Callable[[], None] | None = None) -> Path:
         """Collective, as save_sharded: the previous save waited for (its failure raised: CheckpointError), this
-        rank's pieces copied, the writing handed over; returns the folder the checkpoint will be published as."""
+        rank's pieces copied, the writing handed over; returns the folder the checkpoint will be published as.
+        before_publish runs once the copy is handed over (the files may not be written yet)."""
         started = time.perf_counter()
         self.wait()
         rank = view.mesh.rank
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         prepare_folder(root, step, rank)
-        local = local_state(view)
+        local = local_state(view, to_cpu=False)  # copied once, from where they are into the staging memory
         job = {"root": str(root), "step": step, "rank": rank, "world": world, "trainer": os.getpid(),
                **self._stage(local.tensors),
                "index": local.index, "scalars": local.scalars, "groups": local.groups, "keep_last": keep_last,
                "delay_s": self.delay_s, "meta": {**meta, **view.scalars()} if rank == 0 else {},
                "attachments": {k: str(v) for k, v in (attachments or {}).items()} if rank == 0 else {}}
-        process = self._start()
-        assert process.stdin is not None
-        process.stdin.write((json.dumps(job) + "\n").encode())
-        process.stdin.flush()
+        line = (json.dumps(job) + "\n").encode()
+        for attempt in (0, 1):  # a writer that died since the last save: a fresh one
+            process = self._start()
+            assert process.stdin is not None
+            try:
+                process.stdin.write(line)
+                process.stdin.flush()
+                break
+            except BrokenPipeError:
+                self._process = None
+                if attempt:
+                    raise CheckpointError(f"rank {rank}'s checkpoint writer could not be started") from None
         self._pending = (str(root), step, rank)
         self.blocked_s = time.perf_counter() - started
         if before_publish is not None:
@@ -153,34 +200,30 @@ class AsyncSaver:
         return Path(root) / f"step_{step:08d}"
 
     def _stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """Copy the tensors into the staging file (a new one when they no longer fit); where each lies."""
+        """Copy the tensors into the staging memory (a larger one, and a writer that maps it, when they no longer
+        fit); where each lies."""
         placed, at = [], 0
         for key, tensor in tensors.items():
             placed.append([key, dtype_name(tensor.dtype), list(tensor.shape), at])
             at += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
         size = max(at, ALIGN)
-        if self._buffer is None or self._buffer[1] < size:
-            self._drop_buffer()
-            self._count += 1
-            path = os.path.join(self._dir, f"paratrain-stage-{os.getpid()}-{self._count}")
-            self._buffer = (path, size)
-        path, size = self._buffer
-        buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        if self._staging is None or self._staging.size < size:
+            self._stop_writer()  # idle (waited for): the next one is handed the new memory
+            if self._staging is not None:
+                self._staging.close()
+            self._staging = _Staging(size)
+        buffer = self._staging.mapped
         for (_, _, _, offset), tensor in zip(placed, tensors.values()):
             nbytes = tensor.numel() * tensor.element_size()
             buffer[offset: offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-        return {"buffer": path, "bytes": size, "tensors": placed}
-
-    def _drop_buffer(self) -> None:
-        if self._buffer is not None and os.path.exists(self._buffer[0]):
-            os.unlink(self._buffer[0])
-        self._buffer = None
+        return {"buffer": self._staging.path, "bytes": self._staging.size, "tensors": placed}
 
     def _start(self) -> subprocess.Popen[bytes]:
         if self._process is None or self._process.poll() is not None:
             self._unread = b""
+            fds = (self._staging.fd,) if self._staging is not None and self._staging.fd is not None else ()
             self._process = subprocess.Popen([sys.executable, "-m", "paratrain.checkpoint.writer"],
-                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=fds,
                                              env={**os.environ, "OMP_NUM_THREADS": "1"})
         return self._process
 
@@ -190,62 +233,80 @@ class AsyncSaver:
         if self._pending is None:
             return
         root, step, rank = self._pending
-        self._pending = None
         process = self._process
         assert process is not None and process.stdout is not None
         while True:
             reply = self._reply(process)
-            if reply is not None:
+            if reply is not None and reply["step"] == step:
                 break
-            if process.poll() is not None:
-                self._process = None
-                tmp = _tmp(root, step)
-                if tmp.is_dir():  # rank 0's writer stops waiting for this rank's share
-                    _fsync_write(tmp / f"rank-{rank:05d}.failed", f"exit code {process.returncode}\n")
+            if reply is None and process.poll() is not None:
+                self._pending, self._process = None, None
+                _failed(root, step, rank, f"its writer died, exit code {process.returncode}")
                 raise CheckpointError(f"rank {rank}'s checkpoint writer died (exit code {process.returncode}) "
                                       f"writing step {step}: that checkpoint is not published; `latest` under {root} "
                                       "still names the previous one")
+        self._pending = None
         if reply["error"] is not None:
-            raise CheckpointError(f"rank {rank}'s checkpoint writer failed on step {reply['step']}: {reply['error']}")
+            raise CheckpointError(f"rank {rank}'s checkpoint writer failed on step {step}: {reply['error']}")
 
     def _reply(self, process: subprocess.Popen[bytes]) -> dict[str, Any] | None:
-        """The writer's reply, if one arrives within half a second (read from the pipe's descriptor itself:
-        nothing waits in a Python buffer that select cannot see)."""
+        """The writer's next reply, if one arrives within half a second (read from the pipe's descriptor itself:
+        nothing waits in a Python buffer the selector cannot see)."""
         assert process.stdout is not None
         fd = process.stdout.fileno()
         deadline = time.monotonic() + 0.5
-        while b"\n" not in self._unread:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return None
-            chunk = os.read(fd, 65536)
-            if not chunk:  # the writer closed its end
-                return None
-            self._unread += chunk
-        while b"\n" in self._unread:
-            line, self._unread = self._unread.split(b"\n", 1)
-            text = line.decode(errors="replace")
-            if text.startswith(REPLY):
-                return json.loads(text[len(REPLY):])
-        return None
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ)
+            while True:
+                while b"\n" in self._unread:
+                    line, self._unread = self._unread.split(b"\n", 1)
+                    text = line.decode(errors="replace")
+                    if text.startswith(REPLY):
+                        return json.loads(text[len(REPLY):])
+                left = deadline - time.monotonic()
+                if left <= 0 or not selector.select(left):
+                    return None
+                chunk = os.read(fd, 65536)
+                if not chunk:  # the writer closed its end: it is ending
+                    try:
+                        process.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        pass
+                    return None
+                self._unread += chunk
+
+    def _stop_writer(self) -> None:
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        if process.stdin is not None:
+            process.stdin.close()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
     def abort(self) -> None:
-        """The writer killed and the staging file removed, a save in flight given up (its folder stays
+        """The writer killed and the staging memory released, a save in flight given up (its folder stays
         unpublished: `latest` names the previous checkpoint)."""
         if self._process is not None and self._process.poll() is None:
             self._process.kill()
             self._process.wait()
+        if self._pending is not None:
+            _failed(*self._pending, "its trainer gave it up")
         self._process, self._pending = None, None
-        self._drop_buffer()
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
 
     def close(self) -> None:
-        """The save in flight finished, the writer stopped, the staging file removed."""
+        """The save in flight finished (its failure raised: CheckpointError), the writer stopped, the staging
+        memory released."""
         try:
             self.wait()
         finally:
-            if self._process is not None:
-                if self._process.poll() is None and self._process.stdin is not None:
-                    self._process.stdin.close()
-                    self._process.wait(timeout=30)
-                self._process = None
-            self._drop_buffer()
+            self._stop_writer()
+            if self._staging is not None:
+                self._staging.close()
+                self._staging = None

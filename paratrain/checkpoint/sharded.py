@@ -101,9 +101,9 @@ def prepare_folder(root: str | Path, step: int, rank: int) -> Path:
     return tmp
 
 
-def local_state(view: StateView) -> LocalState:
+def local_state(view: StateView, *, to_cpu: bool = True) -> LocalState:
     try:
-        return view.local_state()
+        return view.local_state(to_cpu=to_cpu)
     except StateError as error:
         raise CheckpointError(str(error)) from None
 

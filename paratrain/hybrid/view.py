@@ -102,8 +102,9 @@ class StateView:
         tensor = self.model.get_parameter(owned.local_name) if _is_param(self.model, owned.local_name) else owned.owner
         return self.placements(tensor).writes(self.mesh.groups.get("tp"), sharded=sharded)
 
-    def local_state(self) -> LocalState:
-        """This rank's pieces to write: values and per-element optimizer state, as 1-D CPU tensors."""
+    def local_state(self, *, to_cpu: bool = True) -> LocalState:
+        """This rank's pieces to write: values and per-element optimizer state, as 1-D CPU tensors (to_cpu False:
+        where they are, views where they can be: for a caller that copies them itself)."""
         out = LocalState({}, {}, {}, [])
         state = self.optimizer.state
         owners = self.owners()
@@ -121,7 +122,7 @@ class StateView:
                 if key in out.tensors:
                     raise StateError(f"two pieces of {key} on one rank")
                 flat = tensor.detach().reshape(-1)[owned.offset: owned.offset + owned.length]
-                out.tensors[key] = flat.to("cpu").contiguous()
+                out.tensors[key] = flat.to("cpu").contiguous() if to_cpu else flat
                 out.index[key] = {"shape": list(owned.piece.shape), "dtype": dtype_name(tensor.dtype),
                                   "split": _cuts_entry(owned.piece),
                                   "lo": owned.lo, "hi": owned.lo + owned.length}
