@@ -152,8 +152,6 @@ def check_run(config: RunConfig, world_size: int, *, model_shape: ModelShape = p
             raise ConfigError(f"train.{name} must be >= 0, got {getattr(train, name)}")
     if train.recompute not in ("none", "full", "selective"):
         raise ConfigError(f"train.recompute must be 'none', 'full' or 'selective', got {train.recompute!r}")
-    if train.save_mode not in ("sync", "async"):
-        raise ConfigError(f"train.save_mode must be 'sync' or 'async', got {train.save_mode!r}")
     if train.nan_policy not in ("stop", "skip"):
         raise ConfigError(f"train.nan_policy must be 'stop' or 'skip', got {train.nan_policy!r}")
     if train.nan_skips < 0:
@@ -206,10 +204,7 @@ def check_forensics(train: TrainSection, parallel: ParallelConfig) -> None:
     if (train.check_replicas or train.straggler_factor) and parallel.ps_mode != "off":
         raise ConfigError("--check-replicas and --straggler-factor watch collective data parallelism; the parameter "
                           "server's trainers hold no replicas to compare: use ps_mode 'off'")
-    if train.save_mode == "async" and parallel.ps_mode != "off":
-        raise ConfigError("--save-mode async copies each trainer's pieces for a writer process; the parameter "
-                          "servers write their own slices synchronously: use --save-mode sync with ps_mode "
-                          f"{parallel.ps_mode!r}")
+    check_save_mode(train.save_mode, parallel.ps_mode)
     if train.straggler_factor and not (math.isfinite(train.straggler_factor) and train.straggler_factor > 1):
         raise ConfigError(f"train.straggler_factor must be a number > 1 (e.g. 1.5), or 0 to switch it off, got "
                           f"{train.straggler_factor}")
@@ -240,3 +235,13 @@ def skipped_batches(text: str) -> set[int]:
             raise ConfigError(f"train.skip_batches {text!r}: write batch numbers and ranges from 1, e.g. 3,10-12")
         out.update(range(int(first), int(last or first) + 1))
     return out
+
+
+def check_save_mode(save_mode: str, ps_mode: str) -> None:
+    """'sync' or 'async'; async copies each trainer's pieces for a writer process, which the parameter server's
+    slices (written by the servers themselves) do not take."""
+    if save_mode not in ("sync", "async"):
+        raise ConfigError(f"save_mode must be 'sync' or 'async', got {save_mode!r}")
+    if save_mode == "async" and ps_mode != "off":
+        raise ConfigError(f"save_mode 'async' copies each trainer's pieces for a writer process; the parameter "
+                          f"servers (ps_mode {ps_mode!r}) write their own slices synchronously: use save_mode 'sync'")

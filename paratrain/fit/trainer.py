@@ -32,7 +32,7 @@ from torch import nn
 
 from paratrain.config import ConfigError, ParallelConfig
 from paratrain.config.run import LR_SCHEDULES, OPTIMIZERS, LaunchSection, OptimSection
-from paratrain.config.validate import DEVICES, batch_layout
+from paratrain.config.validate import DEVICES, batch_layout, check_save_mode
 from paratrain.data_parallel import BATCH_NORM_MODES
 from paratrain.data.stream import Data, dataset_loader, is_stream
 from paratrain.fit.callbacks import Callback, CallbackHooks
@@ -145,11 +145,7 @@ class Trainer:
         self.fp8 = fp8 or Float8Settings()
         self.seed, self.val_every, self.val_batches = seed, val_every, val_batches
         self.save, self.save_every, self.keep_last, self.resume = save, save_every, keep_last, resume
-        if save_mode not in ("sync", "async"):
-            raise ConfigError(f"save_mode must be 'sync' or 'async', got {save_mode!r}")
-        if save_mode == "async" and self.parallel.ps_mode != "off":
-            raise ConfigError("save_mode='async' copies each trainer's pieces for a writer process; the parameter "
-                              "server's slices are written synchronously: use save_mode='sync' with this strategy")
+        check_save_mode(save_mode, self.parallel.ps_mode)
         self.save_mode = save_mode
         self.log_json, self.tensorboard, self.callbacks = log_json, tensorboard, list(callbacks)
         self.accelerator, self.tp_plan, self.pipeline_loss, self.wrap = accelerator, tp_plan, pipeline_loss, wrap

@@ -75,8 +75,8 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int,
             states = param_server.trainer_state_bytes(model, layout, bucket_mb=bucket_mb,
                                                       keep_grads=settings.keep_grads)
         else:
-            states = _states(model, layout.dims, layout.zero, layout.expert_tp, layout.schedule, layout.offload, stage,
-                             settings)
+            states = dict(_states(model, layout.dims, layout.zero, layout.expert_tp, layout.schedule, layout.offload,
+                                  stage, settings))
         between = states["between_steps"] - (states["optimizer"] if layout.offload else 0)
         states = {k: states[k] for k in ("params", "grads", "optimizer")}
         if layout.offload:
