@@ -163,6 +163,11 @@ def test_bad_settings_are_refused_with_the_rule():
     with pytest.raises(ConfigError, match="does not start dedicated parameter servers"):
         paratrain.Trainer(devices=3, max_steps=1, global_batch=8,
                           strategy=ParallelConfig(ps_mode="sync", ps_servers=1))
+    with pytest.raises(ConfigError, match="save_mode must be 'sync' or 'async'"):
+        paratrain.Trainer(devices=2, max_steps=1, global_batch=8, save_mode="later")
+    with pytest.raises(ConfigError, match="parameter servers .* write their own slices"):
+        paratrain.Trainer(devices=2, max_steps=1, global_batch=8, save_mode="async",
+                          strategy=ParallelConfig(ps_mode="sync"))
     model, train, _ = fit_script.build()
     with pytest.raises(ConfigError, match="fewer than one global batch"):
         paratrain.Trainer(max_steps=1, global_batch=128).fit(model, fit_script.loss_fn, train)
