@@ -30,7 +30,6 @@ import os
 import selectors
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -39,7 +38,9 @@ import torch
 import torch.distributed as dist
 
 from paratrain.checkpoint.io import CheckpointError, _fsync_write, _publish
-from paratrain.checkpoint.sharded import local_state, prepare_folder, write_index, write_rank_file
+from paratrain.checkpoint.files import write_index, write_rank_file
+from paratrain.checkpoint.sharded import local_state, prepare_folder
+from paratrain.checkpoint.staging import Staging
 from paratrain.hybrid.view import DTYPES, StateView, dtype_name
 
 PARTS_TIMEOUT_S = 1800.0
@@ -122,30 +123,6 @@ def main() -> None:
         print(REPLY + json.dumps({"step": job["step"], "error": error}), flush=True)
 
 
-class _Staging:
-    """The host buffer a rank's pieces are copied into: an anonymous memory file (Linux: nothing is left behind
-    when both processes end) or, elsewhere, a file in the temporary folder."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.fd: int | None = None
-        if hasattr(os, "memfd_create"):
-            self.fd = os.memfd_create("paratrain-stage")
-            os.ftruncate(self.fd, size)
-            self.path = f"/proc/self/fd/{self.fd}"  # the same number in the writer (pass_fds)
-        else:
-            handle, self.path = tempfile.mkstemp(prefix="paratrain-stage-")
-            os.close(handle)
-        self.mapped = torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8)
-
-    def close(self) -> None:
-        del self.mapped
-        if self.fd is not None:
-            os.close(self.fd)
-        elif os.path.exists(self.path):
-            os.unlink(self.path)
-
-
 class AsyncSaver:
     """save_sharded's checkpoints, written by a writer process of this rank while training goes on."""
 
@@ -153,7 +130,7 @@ class AsyncSaver:
         self._process: subprocess.Popen[bytes] | None = None
         self._unread = b""
         self._pending: tuple[str, int, int] | None = None  # (root, step, rank) in flight
-        self._staging: _Staging | None = None
+        self._staging: Staging | None = None
         self.delay_s = delay_s
         """Tests: the writer sleeps this long before writing (a writer to kill mid-write)."""
         self.blocked_s = 0.0
@@ -211,7 +188,7 @@ class AsyncSaver:
             self._stop_writer()  # idle (waited for): the next one is handed the new memory
             if self._staging is not None:
                 self._staging.close()
-            self._staging = _Staging(size)
+            self._staging = Staging(size)
         buffer = self._staging.mapped
         for (_, _, _, offset), tensor in zip(placed, tensors.values()):
             nbytes = tensor.numel() * tensor.element_size()

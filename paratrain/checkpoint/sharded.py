@@ -25,7 +25,6 @@ model unless its own layout keeps it whole.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from pathlib import Path
@@ -34,20 +33,16 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from paratrain.checkpoint.io import SHARDED_FORMAT as FORMAT
 from paratrain.checkpoint.io import (
     CheckpointError,
-    _digest,
-    _fsync_file,
-    _fsync_write,
     _publish,
     digest_matches,
     older_hint,
     resolve_checkpoint,
     verify_checkpoint,
 )
+from paratrain.checkpoint.files import write_index, write_rank_file
 from paratrain.hybrid.pieces import Piece
 from paratrain.hybrid.view import DTYPES, LocalState, StateError, StateView
 
@@ -106,57 +101,6 @@ def local_state(view: StateView, *, to_cpu: bool = True) -> LocalState:
         return view.local_state(to_cpu=to_cpu)
     except StateError as error:
         raise CheckpointError(str(error)) from None
-
-
-Part = tuple[dict[str, Any], dict[str, Any], dict[str, Any], list[dict[str, Any]]]
-"""A rank's share of the index: (its files' sizes and SHA-256, its pieces, its optimizer scalars, its groups)."""
-
-
-def write_rank_file(tmp: Path, rank: int, tensors: Mapping[str, torch.Tensor],
-                    index: dict[str, Any]) -> dict[str, Any]:
-    """This rank's pieces, fsynced into `tmp`; its files' entries (the index entries get their file's name)."""
-    if not tensors:
-        return {}
-    file_name = f"rank-{rank:05d}.safetensors"
-    save_file(dict(tensors), str(tmp / file_name))
-    _fsync_file(tmp / file_name)
-    for entry in index.values():
-        entry["file"] = file_name
-    return {file_name: {"bytes": (tmp / file_name).stat().st_size, "sha256": _digest(tmp / file_name)}}
-
-
-def write_index(tmp: Path, step: int, parts: Sequence[Part], meta: dict[str, Any],
-                attachments: Mapping[str, str | Path] | None) -> None:
-    """Rank 0: the attachments copied in, then meta.json of every rank's part (meta: the run's extras and the
-    engine's scalars), fsynced."""
-    attached = {}
-    for inside, source in (attachments or {}).items():
-        (tmp / inside).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, tmp / inside)
-        _fsync_file(tmp / inside)
-        attached[inside] = {"bytes": (tmp / inside).stat().st_size, "sha256": _digest(tmp / inside)}
-    document = {"format": FORMAT, "step": step, "world_size": len(parts), **meta,
-                "files": {}, "tensors": {}, **({"attachments": attached} if attached else {}),
-                "optimizer": {"param_groups": _merge_groups([p[3] for p in parts]), "scalars": {}}}
-    for part_files, part_index, part_scalars, _ in parts:
-        document["files"].update(part_files)
-        document["optimizer"]["scalars"].update(part_scalars)
-        for key, entry in part_index.items():
-            whole = document["tensors"].setdefault(key, {"shape": entry["shape"], "dtype": entry["dtype"],
-                                                          "pieces": []})
-            whole["pieces"].append({k: entry[k] for k in ("file", "split", "lo", "hi")})
-    _fsync_write(tmp / "meta.json", json.dumps(document, indent=1, sort_keys=True))
-
-
-def _merge_groups(per_rank: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Optimizer param groups of every rank, merged by their settings (pipeline stages each hold some)."""
-    merged: dict[str, dict[str, Any]] = {}
-    for groups in per_rank:
-        for g in groups:
-            settings = {k: v for k, v in g.items() if k != "params"}
-            entry = merged.setdefault(repr(sorted(settings.items())), {**settings, "params": []})
-            entry["params"] = sorted(set(entry["params"]) | set(g["params"]))
-    return list(merged.values())
 
 
 class SavedTensor:
