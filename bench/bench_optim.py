@@ -23,8 +23,8 @@ CONTENDERS = ["paratrain-adamw-zero1", "paratrain-muon-zero1", "paratrain-muon-z
               "paratrain-muon-zero3", "ddp-torch-muon", "deepspeed-muon-zero1", "deepspeed-muon-zero2"]
 BUCKET_MB = {"paratrain-muon-zero1-4mb": 4.0}
 """The exchange's bucket (ParallelConfig.bucket_mb, the gradients' too): the default 25 MiB holds the 8.8M matrix
-elements in one bucket (bfloat16: 17.6 MB); 4 MiB cuts them into 5, each one's all-to-alls overlapping another's
-Newton-Schulz."""
+elements in one bucket (bfloat16: 17.6 MB); 4 MiB cuts them into several, each owner holding its share of each,
+every bucket's all-to-alls overlapping another's Newton-Schulz."""
 
 
 def _contender(name: str, steps: int) -> dict:
