@@ -53,10 +53,12 @@ class Placement:
 
     @classmethod
     def data_parallel(cls, mesh: Mesh) -> Placement:
-        """A parameter replicated over dp (and cp; sharded over dp_shard under ZeRO), on one pipeline stage."""
+        """A parameter replicated over dp (and cp; sharded over dp_shard under ZeRO), on one pipeline stage. Under
+        DiLoCo over its replica group only (the groups meet at outer steps, not in the gradient strategy)."""
         pp = mesh.groups.get("pp")
-        return cls(reduce=mesh.data_group(), shard=mesh.groups.get("dp_shard"),
-                   replicate=mesh.groups.get("dp_replicate"), split=(pp,) if pp is not None else ())
+        local = mesh.dims.dp_local
+        return cls(reduce=mesh.data_group(), shard=mesh.data_group() if local else mesh.groups.get("dp_shard"),
+                   replicate=None if local else mesh.groups.get("dp_replicate"), split=(pp,) if pp is not None else ())
 
     def split_over(self, group: AxisGroup) -> Placement:
         """The same, and other ranks of `group` hold other pieces of it."""

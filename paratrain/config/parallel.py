@@ -6,8 +6,8 @@ from dataclasses import dataclass, replace
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.pp_layout import layout_chunks
-from paratrain.config.rules import (PS_MODES, TP_MODES, check_expert_parallel, check_parameter_server, check_shard_group,
-                                    check_tp_mode, check_usp, grid_side)
+from paratrain.config.rules import (PS_MODES, TP_MODES, check_diloco, check_expert_parallel, check_parameter_server,
+                                    check_shard_group, check_tp_mode, check_usp, grid_side)
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zero-bubble", "zb-h1", "zb-v", "dualpipev")
 """The pipeline schedules paratrain.pipeline.schedules builds, by name (config is the ground floor:
@@ -176,6 +176,20 @@ class ParallelConfig:
     ps_sparse: tuple[str, ...] = ()
     """Embedding tables (their weights' names, e.g. 'tok_emb.weight') whose rows travel only where a step
     touched them, and which the servers update only there (paratrain.param_server.sparse)."""
+    dp_mode: str = "sync"
+    """How the data-parallel ranks stay together: 'sync' (every step's gradients summed over all of dp) or
+    'diloco' (Douillard et al. 2023: dp cut into `replica_groups` groups of consecutive ranks, each taking
+    `inner_steps` optimizer steps on its own rows of the global batches with its gradients summed inside the
+    group, then one outer Nesterov step on the groups' averaged pseudo-gradient; paratrain.data_parallel.diloco)."""
+    replica_groups: int = 1
+    """dp_mode 'diloco': the groups dp is cut into (dp / replica_groups consecutive dp ranks each, ZeRO sharding
+    inside a group); 1 otherwise."""
+    inner_steps: int = 1
+    """dp_mode 'diloco': the optimizer steps each group takes between two outer steps (DiLoCo's H)."""
+    outer_lr: float = 0.7
+    """dp_mode 'diloco': the outer step's learning rate (the paper's 0.7)."""
+    outer_momentum: float = 0.9
+    """dp_mode 'diloco': the outer step's Nesterov momentum (the paper's 0.9; 0 is plain averaging at outer_lr 1)."""
 
     @property
     def trainers(self) -> int:
@@ -270,6 +284,7 @@ class ParallelConfig:
             )
         check_shard_group(self.shard_group, self.zero, dp)
         check_expert_parallel(self.ep, dp)
+        check_diloco(self, dp)
         implied = V_CHUNKS.get(self.schedule, 1) if self.pp > 1 and self.virtual_stages == 1 else self.virtual_stages
         return replace(self, dp=dp, virtual_stages=implied)  # a V schedule's two chunks a rank, unless given
 

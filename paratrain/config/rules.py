@@ -28,9 +28,17 @@ class LayoutFields(Protocol):
     ps_servers: int
     staleness: int
     ps_sparse: tuple[str, ...]
+    dp_mode: str
+    replica_groups: int
+    inner_steps: int
+    outer_lr: float
+    outer_momentum: float
 
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 """How tensor parallelism splits each layer (ParallelConfig.tp_mode)."""
+
+DP_MODES: tuple[str, ...] = ("sync", "diloco")
+"""How the data-parallel ranks stay together (ParallelConfig.dp_mode): every step, or DiLoCo's outer steps."""
 
 PS_MODES: tuple[str, ...] = ("off", "sync", "async")
 """The parameter server (ParallelConfig.ps_mode): off (collective data parallelism), synchronous, or
@@ -154,3 +162,36 @@ def check_parameter_server(config: LayoutFields, world_size: int) -> None:
     if world_size - config.ps_servers < 1:
         raise ConfigError(f"ps_servers ({config.ps_servers}) leaves no trainer among {world_size} processes: run "
                           f"more processes (--nproc trainers + {config.ps_servers} servers)")
+
+
+def check_diloco(config: LayoutFields, dp: int) -> None:
+    """DiLoCo (dp_mode 'diloco'): replica groups of consecutive dp ranks, each training alone for inner_steps
+    steps between outer steps. What this version composes it with: tp, pp, cp and ZeRO inside each group."""
+    if config.dp_mode not in DP_MODES:
+        raise ConfigError(f"dp_mode must be one of {', '.join(DP_MODES)}, got {config.dp_mode!r}")
+    if config.dp_mode == "sync":
+        if config.replica_groups != 1 or config.inner_steps != 1:
+            raise ConfigError(f"replica_groups ({config.replica_groups}) and inner_steps ({config.inner_steps}) "
+                              "configure DiLoCo, and dp_mode is 'sync': set dp_mode 'diloco', or drop them")
+        return
+    groups = [g for g in range(2, dp + 1) if dp % g == 0]
+    if config.replica_groups not in groups:
+        raise ConfigError(f"dp_mode diloco cuts dp ({dp}) into replica_groups groups of consecutive dp ranks, at "
+                          f"least 2: replica_groups ({config.replica_groups}) must divide dp and be >= 2; "
+                          + (f"choose replica_groups in {groups}" if groups else "run dp >= 2 (--nproc)"))
+    if config.inner_steps < 1:
+        raise ConfigError(f"DiLoCo's inner_steps ({config.inner_steps}) is the steps each replica group takes between outer "
+                          "steps: it must be >= 1 (1 averages the groups' updates after every step)")
+    if not config.outer_lr > 0 or not 0 <= config.outer_momentum < 1:
+        raise ConfigError(f"DiLoCo's outer step needs outer_lr > 0 (got {config.outer_lr}) and 0 <= "
+                          f"outer_momentum < 1 (got {config.outer_momentum}); the paper's are 0.7 and 0.9")
+    inside = dp // config.replica_groups
+    if config.shard_group is not None and config.shard_group != inside:
+        raise ConfigError(f"dp_mode diloco shards ZeRO's state inside each replica group of dp / replica_groups = "
+                          f"{inside} ranks (the groups' weights differ between outer steps): shard_group "
+                          f"({config.shard_group}) must be {inside}, or left out")
+    given = [name for name, on in (("ep", config.ep > 1), ("ps_mode", config.ps_mode != "off")) if on]
+    if given:
+        raise ConfigError(f"dp_mode diloco with {', '.join(given)}: not built in this version (experts under ep "
+                          "and the parameter server reduce over all of dp); DiLoCo composes with tp, pp, cp and "
+                          f"ZeRO inside each replica group: drop {', '.join(given)}, or use dp_mode sync")

@@ -180,8 +180,9 @@ class Engine:
                 loss_sum, count = self._forward(self._on_device(micro), loss_fn)
                 totals[0] += loss_sum.double()
                 totals[1] += count
-        if self.dp_group is not None:
-            all_reduce(totals, self.dp_group)
+        for group in (self.dp_group, self.ctx.mesh.replica_group()):  # DiLoCo: each group's rows by its weights
+            if group is not None:
+                all_reduce(totals, group)
         self.model.train()
         return float(totals[0] / totals[1])
 

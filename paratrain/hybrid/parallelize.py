@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from paratrain.comm.placement import Placement, Placements
-from paratrain.data_parallel import BufferSync, GradSync
+from paratrain.config.errors import ConfigError
+from paratrain.data_parallel import BufferSync, GradSync, OuterSettings, OuterStep, optimizer_tensors
 from paratrain.hybrid.engine import Engine
 from paratrain.hybrid.materialize import Source, is_meta
 from paratrain.hybrid.parts import EngineOptions, EngineParts, GradientStrategy, Update
@@ -123,7 +124,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         if tp is not None:
             hooks += tp.register_grad_hooks(model, split=cut_over_tp)
     if options.sync_initial_weights and not meta:  # the same weights on every replica
-        broadcast_weights(model, placements)
+        broadcast_weights(model, placements, across=ctx.mesh.replica_group())
     # Buffers that forward changes (BatchNorm's under 'local', a user's counter) kept equal over dp.
     dp_group = ctx.mesh.data_group()
     buffer_sync = None if dp_group is None else BufferSync(model, dp_group, options.buffers or {}, device=ctx.device,
@@ -171,8 +172,15 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                 hooks += tp.register_grad_hooks(model, split=cut_over_tp)
         save_state = grads.optimizer_state
     if matrix:  # 8c. each matrix gets an owner that runs its whole-matrix step
+        if ctx.config.dp_mode == "diloco":
+            raise ConfigError("dp_mode diloco with a matrix optimizer (Muon): its matrices' owners are spread over "
+                              "every rank, and DiLoCo's replica groups train apart: use AdamW or SGD inside the "
+                              "groups, or dp_mode sync")
         update = LocalUpdate(matrix_exchange(opt, model, pieces, grads.groups if isinstance(grads, ZeroSync) else [],
                                              ctx))
+    if ctx.config.dp_mode == "diloco":  # 8d. the replica groups' outer step every inner_steps steps
+        update = LocalUpdate(outer=OuterStep(optimizer_tensors(opt), ctx.mesh.replica_group(), OuterSettings(
+            ctx.config.inner_steps, ctx.config.outer_lr, ctx.config.outer_momentum), bucket_elements=bucket_bytes // 4))
     # 9. Loss scaling where the policy needs it (fp16), its overflow decision shared by all ranks.
     scaler = policy.scaler(options.loss_scale)
     # 10. Pipeline: the executor that runs the schedule's actions on this rank.

@@ -216,16 +216,18 @@ def placer(model: nn.Module, source: Source | None, pieces: Pieces,
 
 
 @torch.no_grad()
-def broadcast_weights(model: nn.Module, placements: Placements) -> None:
+def broadcast_weights(model: nn.Module, placements: Placements, *, across: AxisGroup | None = None) -> None:
     """dp rank 0's weights (and buffers) to the other replicas: cheap, once, and replicas start equal
-    even for a model whose init was not layout-free."""
+    even for a model whose init was not layout-free. across: DiLoCo's replica group, whose first group's
+    weights the others start from (placements reduce inside a group only)."""
     for tensor in model.parameters():
-        replicas = placements(tensor).reduce
-        if replicas is not None:
-            broadcast(tensor.data, replicas)
+        for replicas in (placements(tensor).reduce, across):
+            if replicas is not None:
+                broadcast(tensor.data, replicas)
     for tensor in model.buffers():
-        if placements.default.reduce is not None:
-            broadcast(tensor, placements.default.reduce)
+        for replicas in (placements.default.reduce, across):
+            if replicas is not None:
+                broadcast(tensor, replicas)
 
 
 def pipeline_executor(layout: PipelineLayout, ctx: Context, recipe: Recipe, *, family: str, hidden: int | None,

@@ -28,8 +28,13 @@ from paratrain.hybrid.pieces import Pieces
 from paratrain.hybrid.step import PendingStep
 from paratrain.memory.precision import overflowed
 from paratrain.optim import Held, MatrixExchange, Matrices, MatrixOptimizer
+from paratrain.config.errors import ConfigError
+from paratrain.data_parallel.diloco import OuterStep
 from paratrain.param_server import ServerClient
 from paratrain.topology import AxisGroup, Context
+
+DILOCO_STATE = ("a DiLoCo run's state is not in checkpoints in this version (each replica group's inner optimizer "
+                "state and the outer copy and momentum would be): save and load under dp_mode 'sync'")
 
 
 @dataclass(frozen=True)
@@ -39,8 +44,12 @@ class LocalUpdate:
     cut)."""
 
     matrices: Matrices | None = None
+    outer: OuterStep | None = None
+    """DiLoCo (dp_mode 'diloco'): the outer step every inner_steps steps, over the replica groups."""
 
     def apply(self, engine: Stepping, totals: torch.Tensor, micro_batches: int, *, wait: bool) -> PendingStep:
+        if self.outer is not None:
+            self.outer.begin()
         local_loss = totals[0].clone()  # this rank's own, to name it if the step is not finite
         if engine.dp_group is not None:
             all_reduce(totals, engine.dp_group)
@@ -58,7 +67,7 @@ class LocalUpdate:
             pending.loss_scale = scale
             if overflowed(grads, engine.ctx.device, engine.agree):  # fp16 overflow somewhere: every rank skips
                 scaler.update(overflow=True)
-                engine.grads.after_step()
+                self._after_step(engine, pending.number)
                 pending.skipped = True
                 return pending
         # The gradients are sums over the global batch (times the loss scale): their norm as means per
@@ -68,7 +77,7 @@ class LocalUpdate:
         pending.grad_norm = global_grad_norm(engine.grads.norm_parts()) / divisor
         if wait or engine.options.on_non_finite == "skip":
             if pending.stats().non_finite:  # "raise" has raised; "skip": every rank skips alike
-                engine.grads.after_step()
+                self._after_step(engine, pending.number)
                 return pending
         else:
             engine.watch.see(pending)
@@ -80,19 +89,29 @@ class LocalUpdate:
             engine.optimizer.step()
         if engine.router_log is not None:  # the balancing biases move with the step taken (not a skipped one)
             engine.router_log.update_biases(counts)
-        engine.grads.after_step()
+        self._after_step(engine, pending.number)
         if scaler is not None:
             scaler.update(overflow=False)
         return pending
 
+    def _after_step(self, engine: Stepping, step: int) -> None:
+        """Step `step` is over, taken or skipped (DiLoCo's outer step counts steps, so every group meets at the
+        same one): the outer step on what the optimizer steps, then the strategy pushes it into the parameters."""
+        if self.outer is not None:
+            self.outer.after_step(step)
+        engine.grads.after_step()
+
     def before_save(self, step: int) -> None:
-        pass
+        if self.outer is not None:
+            raise ConfigError(DILOCO_STATE)
 
     def before_load(self) -> None:
-        pass
+        if self.outer is not None:
+            raise ConfigError(DILOCO_STATE)
 
     def after_load(self, step: int) -> None:
-        pass
+        if self.outer is not None:
+            raise ConfigError(DILOCO_STATE)
 
     def close(self) -> None:
         pass

@@ -101,3 +101,18 @@ def expert_data_axis(layout: Layout) -> str:
 def _root_groups(params: list[RankParam]) -> int:
     """How many of ZeRO-3's flat groups belong to the root unit (one per optimizer group and role)."""
     return len({(len(p.shape) >= 2, p.tp_split, p.tied, p.norm_skip, p.grid_vector) for p in params if not p.unit})
+
+
+def outer_elements(model: ModelConfig, group: Layout, *, stage: int, settings: StepSettings = StepSettings()) -> int:
+    """DiLoCo (dp_mode 'diloco'): the elements one rank's outer step all-reduces over the replica groups, every
+    inner_steps steps: what its inner optimizer steps (paratrain.data_parallel.diloco). `group` is one replica
+    group's layout (its dp the group's dp ranks): its parameters on pipeline rank `stage`, or under ZeRO its shard
+    of each flat group, padding included. The bytes moved are 2 x this x the optimizer's element size (float32
+    masters or parameters), as for any all-reduce (paratrain.comm.volume)."""
+    params = rank_params(model, group.dims, stage, settings.pp_split, expert_tp=group.expert_tp,
+                         pipeline=group.pipeline)
+    if group.zero == 0:
+        return sum(p.numel for p in params)
+    groups = flat_groups(params, zero=group.zero, shards=group.shards, bucket_bytes=int(settings.bucket_mb * 2**20),
+                         expert_shards=group.expert_shards, float8=settings.float8_gathers(group))
+    return sum(g.shard_numel for g in groups)

@@ -57,10 +57,13 @@ class ParallelDims:
     cp_ulysses: int = 1
     """USP (cp_mode 'usp'): the consecutive cp ranks of one Ulysses group, the ring passing blocks across the
     cp / cp_ulysses groups (cp_split); 1 otherwise."""
+    dp_local: bool = False
+    """DiLoCo (dp_mode 'diloco'): the dp_replicate groups train apart, each summing its gradients over its own
+    dp_shard ranks (x cp) only, and meet at outer steps over dp_replicate (Mesh.data_group, Mesh.replica_group)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name != "tp_mode" and getattr(self, f.name) < (0 if f.name == "servers" else 1):
+            if f.name not in ("tp_mode", "dp_local") and getattr(self, f.name) < (0 if f.name == "servers" else 1):
                 raise ConfigError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
         check_grid_shape(self.tp_mode, self.tp, self.tp_depth)
         check_expert_parallel(self.ep, self.dp)
@@ -70,24 +73,28 @@ class ParallelDims:
     @classmethod
     def of(cls, *, dp: int = 1, tp: int = 1, pp: int = 1, virtual_stages: int = 1, ep: int = 1,
            dp_shard: int = 1, cp: int = 1, servers: int = 0, tp_mode: str = "1d", tp_depth: int = 1,
-           cp_ulysses: int = 1) -> ParallelDims:
+           cp_ulysses: int = 1, dp_local: bool = False) -> ParallelDims:
         """From the data-parallel degree as a whole, split into dp / dp_shard replicas of dp_shard ranks."""
         if dp < 1:
             raise ConfigError(f"dp must be >= 1, got {dp}")
         check_divides_dp("shard group", dp_shard, dp)
         return cls(pp=pp, virtual_stages=virtual_stages, dp_replicate=dp // dp_shard, dp_shard=dp_shard, ep=ep,
-                   tp=tp, cp=cp, servers=servers, tp_mode=tp_mode, tp_depth=tp_depth, cp_ulysses=cp_ulysses)
+                   tp=tp, cp=cp, servers=servers, tp_mode=tp_mode, tp_depth=tp_depth, cp_ulysses=cp_ulysses,
+                   dp_local=dp_local)
 
     @classmethod
     def from_config(cls, config: ParallelConfig) -> ParallelDims:
         """The dims of a config already resolved against its world size (ParallelConfig.resolved):
-        read, not resolved again. ZeRO shards over shard_group dp ranks (all of dp without one)."""
+        read, not resolved again. ZeRO shards over shard_group dp ranks (all of dp without one); DiLoCo's replica
+        groups are the dp_replicate groups, whatever the ZeRO stage (each group's dp / replica_groups ranks the
+        dp_shard ranks)."""
         if config.dp is None:
             raise ConfigError("dp is not resolved yet: call ParallelConfig.resolved(world_size) first")
-        shard = (config.shard_group or config.dp) if config.zero else 1
+        local = config.dp_mode == "diloco"
+        shard = config.dp // config.replica_groups if local else (config.shard_group or config.dp) if config.zero else 1
         return cls.of(dp=config.dp, tp=config.tp, pp=config.pp, virtual_stages=config.virtual_stages, ep=config.ep,
                       dp_shard=shard, cp=config.cp, servers=config.ps_servers, tp_mode=config.tp_mode,
-                      tp_depth=config.tp_depth, cp_ulysses=config.cp_ulysses)
+                      tp_depth=config.tp_depth, cp_ulysses=config.cp_ulysses, dp_local=local)
 
     @property
     def dp(self) -> int:

@@ -148,8 +148,22 @@ class Mesh:
 
     def data_group(self) -> AxisGroup | None:
         """The ranks a replicated parameter's gradient, and a step's loss and token count, are summed
-        over: dp, or dp x cp under context parallelism (None: one such rank)."""
+        over: dp, or dp x cp under context parallelism (None: one such rank); under DiLoCo (dims.dp_local)
+        those of this rank's replica group only (its dp_shard ranks, x cp)."""
+        if self.dims.dp_local:
+            if self.dims.dp_shard == 1 and self.dims.cp == 1:
+                return None  # a replica group of one rank
+            return self.groups["dp_shard"]
         return self.groups.get("dp_cp", self.groups.get("dp"))
+
+    def replica_group(self) -> AxisGroup | None:
+        """Under DiLoCo (dims.dp_local): the ranks at this rank's place in every replica group, which hold the
+        same parameters (or ZeRO shard) at an outer step; None otherwise."""
+        if not self.dims.dp_local:
+            return None
+        if "dp_replicate" in self.groups:
+            return self.groups["dp_replicate"]
+        return self.groups["dp"]  # replica groups of one dp rank each, without cp: the dp group links them
 
     def expert_data_group(self) -> AxisGroup | None:
         """The ranks an expert's gradient is summed over: those holding the same experts (edp), times cp
