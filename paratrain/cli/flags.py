@@ -98,6 +98,14 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--ps-servers": ("parallel.ps_servers", int, "dedicated parameter-server processes beside the --nproc trainers "
                      "(0: each trainer serves a slice, ZeRO-2's traffic)"),
     "--staleness": ("parallel.staleness", int, "--ps-mode async: clocks a trainer may run ahead of the slowest"),
+    "--dp-mode": ("parallel.dp_mode", str, "sync (gradients summed over dp every step, default) or diloco (replica "
+                  "groups train apart, meeting every --inner-steps steps for an outer Nesterov step)"),
+    "--replica-groups": ("parallel.replica_groups", int, "--dp-mode diloco: the groups of consecutive dp ranks "
+                         "(divides dp; ZeRO shards inside a group)"),
+    "--inner-steps": ("parallel.inner_steps", int, "--dp-mode diloco: steps each group takes between outer steps (H)"),
+    "--outer-lr": ("parallel.outer_lr", float, "--dp-mode diloco: the outer step's learning rate (default 0.7)"),
+    "--outer-momentum": ("parallel.outer_momentum", float, "--dp-mode diloco: the outer step's Nesterov momentum "
+                         "(default 0.9)"),
     "--data": ("data.source", str, "builtin, a .txt / .jsonl / .parquet file (bytes for the GPT; with --hf tokenized "
                                    "by the model's tokenizer, cached), a folder `paratrain tokenize` wrote (or "
                                    "Megatron's train/val .bin + .idx), a folder with train.bin/val.bin (uint16), a "

@@ -195,3 +195,17 @@ def check_diloco(config: LayoutFields, dp: int) -> None:
         raise ConfigError(f"dp_mode diloco with {', '.join(given)}: not built in this version (experts under ep "
                           "and the parameter server reduce over all of dp); DiLoCo composes with tp, pp, cp and "
                           f"ZeRO inside each replica group: drop {', '.join(given)}, or use dp_mode sync")
+
+
+def check_diloco_uses(*, plan_auto: bool = False, muon: bool = False, spike: bool = False,
+                      expert_bias: bool = False) -> None:
+    """What a DiLoCo run does not do in this version, by name (the CLI's checks and paratrain.Trainer's)."""
+    given = [what for what, on in (
+        ("--plan auto (the planner's search prices synchronous data parallelism)", plan_auto),
+        ("Muon (its matrices' owners span every rank, and the groups train apart)", muon),
+        ("--spike-policy (it undoes a step by loading the state, or skips on one group's loss)", spike),
+        ("--expert-bias (each group would move its balancing biases on its own counts)", expert_bias),
+    ) if on]
+    if given:
+        raise ConfigError("dp_mode diloco with " + "; ".join(given) + ": not built in this version; drop them, or "
+                          "use dp_mode sync")

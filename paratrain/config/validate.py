@@ -11,6 +11,7 @@ from typing import Callable
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig, preset
 from paratrain.config.parallel import PS_ON_CPU, ParallelConfig
+from paratrain.config.rules import check_diloco_uses
 from paratrain.config.model_rules import (check_context_parallel, check_experts, check_float8, check_grid_rows,
                                           check_pipeline, check_tensor_parallel)
 from paratrain.config.plan import RunPlan, batch_layout
@@ -111,6 +112,8 @@ def check_run(config: RunConfig, world_size: int, *, model_shape: ModelShape = p
     check_context_parallel(model, parallel, seq_len)
     check_experts(model, parallel)
     check_float8(model, parallel, config.train.precision)
+    if parallel.dp_mode == "diloco":
+        check_diloco_run(config, model)
     assert parallel.dp is not None
     micro_batch = data.micro_batch
     if not micro_batch and parallel.microbatches and data.global_batch % (parallel.dp * parallel.microbatches) == 0:
@@ -245,3 +248,10 @@ def check_save_mode(save_mode: str, ps_mode: str) -> None:
     if save_mode == "async" and ps_mode != "off":
         raise ConfigError(f"save_mode 'async' copies each trainer's pieces for a writer process; the parameter "
                           f"servers (ps_mode {ps_mode!r}) write their own slices synchronously: use save_mode 'sync'")
+
+
+
+def check_diloco_run(config: RunConfig, model: ModelConfig) -> None:
+    """What a DiLoCo run (dp_mode 'diloco') does not do in this version, refused by name before launch."""
+    check_diloco_uses(plan_auto=config.launch.plan == "auto", muon=config.optim.optimizer == "muon",
+                      spike=config.train.spike_policy != "off", expert_bias=model.expert_bias_rate > 0)

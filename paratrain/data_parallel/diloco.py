@@ -27,6 +27,10 @@ from paratrain.comm import all_reduce
 from paratrain.topology.mesh import AxisGroup
 
 
+OUTER, MOMENTUM = "diloco_outer", "diloco_momentum"
+"""The outer state's keys in a checkpoint, per element beside the optimizer's ("NAME::diloco_outer")."""
+
+
 @dataclass(frozen=True)
 class OuterSettings:
     """DiLoCo's outer optimizer (ParallelConfig's inner_steps, outer_lr, outer_momentum)."""
@@ -104,6 +108,40 @@ class OuterStep:
             buckets[-1].append(i)
             size += t.numel()
         return [b for b in buckets if b]
+
+    @property
+    def groups(self) -> int:
+        """The replica groups (paratrain.hybrid.view.Replicas)."""
+        return self.group.size if self.group is not None else 1
+
+    @property
+    def prefix(self) -> str:
+        """Before this group's keys in a checkpoint: none for the first group (its state is the checkpoint's plain
+        one: `paratrain export` and a look at the weights read it), "replica-G/" for group G."""
+        index = self.group.index if self.group is not None else 0
+        return f"replica-{index}/" if index else ""
+
+    def state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """What a checkpoint keeps beside the optimizer's state: the outer copy and the Nesterov buffer of every
+        tensor the optimizer steps (by id()), per element, so they are saved and resharded as its moments are."""
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for inner, outer, buf in zip(self.inner, self.outer, self.momentum):
+            out[id(inner)] = {OUTER: outer, **({MOMENTUM: buf} if buf is not None else {})}
+        return out
+
+    def restore(self, optimizer: torch.optim.Optimizer) -> None:
+        """State was loaded into the optimizer's state (the checkpoint's OUTER / MOMENTUM entries land there): take
+        them back as the outer state, leaving the optimizer its own."""
+        tensors = list(self.tensors())
+        outer, momentum = [], []
+        for t in tensors:
+            held = optimizer.state.get(t, {})
+            if OUTER not in held:
+                raise ValueError("the loaded state holds no DiLoCo outer copy (a checkpoint of a dp_mode sync run, or a "
+                                 "whole state dict): resume a DiLoCo run from its own checkpoint")
+            outer.append(held.pop(OUTER))
+            momentum.append(held.pop(MOMENTUM, None))
+        self.inner, self.outer, self.momentum = tensors, outer, momentum
 
     def state_bytes(self) -> int:
         """Bytes of the outer state: the outer copy and (momentum > 0) the Nesterov buffer, once both exist."""

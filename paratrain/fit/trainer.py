@@ -33,6 +33,7 @@ from torch import nn
 from paratrain.config import ConfigError, ParallelConfig
 from paratrain.config.run import LR_SCHEDULES, OPTIMIZERS, LaunchSection, OptimSection
 from paratrain.config.validate import DEVICES, batch_layout, check_save_mode
+from paratrain.config.rules import check_diloco_uses
 from paratrain.data_parallel import BATCH_NORM_MODES
 from paratrain.data.stream import Data, dataset_loader, is_stream
 from paratrain.fit.callbacks import Callback, CallbackHooks
@@ -137,6 +138,8 @@ class Trainer:
         if optimizer == "muon" and self.parallel.ps_mode != "off":
             raise ConfigError("optimizer='muon' needs each whole matrix, which the parameter server's slices do not "
                               "give: use a strategy without it (zero1/2/3 shard Muon's state) or optimizer='adamw'")
+        if self.parallel.dp_mode == "diloco":
+            check_diloco_uses(muon=optimizer == "muon")
         self.batch = batch_layout(global_batch, micro_batch or 0, self.parallel.dp or 1)
         self.devices, self.num_nodes = devices, num_nodes
         self.max_steps, self.lr, self.lr_schedule = max_steps, lr, lr_schedule

@@ -251,12 +251,13 @@ class Engine:
     def view(self) -> StateView:
         """This rank's training state as pieces of the whole model (what checkpoints save and load)."""
         return StateView(self.model, self.ctx.mesh, self.optimizer, self.flat_groups, self.pieces,
-                         self.parts.placements, self.dropout, self.scaler, self._restarted)
+                         self.parts.placements, self.dropout, self.scaler, self._restarted,
+                         replicas=self.update.replicas())
 
     def _restarted(self) -> None:
         """State was loaded: the gradient strategy starts afresh (the parameter servers loaded theirs)."""
         self.grads.after_step()
-        self.update.after_load(self.dropout.step)
+        self.update.after_load(self.dropout.step, self.optimizer)
 
     @property
     def flat_groups(self) -> list[FlatGroup]:

@@ -16,6 +16,7 @@ from paratrain.context_parallel import SequenceShard
 from paratrain.data_parallel import BATCH_NORM_MODES, BufferSync
 from paratrain.nn.moe import RouterLog
 from paratrain.hybrid.pieces import Pieces
+from paratrain.hybrid.view import Replicas
 from paratrain.memory import LossScaler, precision_policy
 from paratrain.memory.float8_linears import Float8Settings
 from paratrain.hybrid.step import NonFiniteWatch, PendingStep
@@ -85,8 +86,12 @@ class Update(Protocol):
         """A whole state dict is about to be loaded in memory (Engine.load_state_dict): refuse it if it cannot be."""
         ...
 
-    def after_load(self, step: int) -> None:
-        """State of `step` steps was loaded."""
+    def after_load(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+        """State of `step` steps was loaded into `optimizer` (and the model)."""
+        ...
+
+    def replicas(self) -> Replicas | None:
+        """DiLoCo's replica groups, whose states a checkpoint keeps apart (None: one state)."""
         ...
 
     def close(self) -> None:

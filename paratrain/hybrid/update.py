@@ -33,8 +33,8 @@ from paratrain.data_parallel.diloco import OuterStep
 from paratrain.param_server import ServerClient
 from paratrain.topology import AxisGroup, Context
 
-DILOCO_STATE = ("a DiLoCo run's state is not in checkpoints in this version (each replica group's inner optimizer "
-                "state and the outer copy and momentum would be): save and load under dp_mode 'sync'")
+DILOCO_STATE = ("a whole state dict (Engine.state_dict) holds one replica group's state without DiLoCo's outer copy and "
+                "momentum: save and resume a dp_mode diloco run through its sharded checkpoints (paratrain.checkpoint)")
 
 
 @dataclass(frozen=True)
@@ -102,16 +102,18 @@ class LocalUpdate:
         engine.grads.after_step()
 
     def before_save(self, step: int) -> None:
-        if self.outer is not None:
-            raise ConfigError(DILOCO_STATE)
+        pass
 
     def before_load(self) -> None:
         if self.outer is not None:
             raise ConfigError(DILOCO_STATE)
 
-    def after_load(self, step: int) -> None:
-        if self.outer is not None:
-            raise ConfigError(DILOCO_STATE)
+    def after_load(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+        if self.outer is not None:  # the outer copy and momentum came in with the optimizer's state
+            self.outer.restore(optimizer)
+
+    def replicas(self) -> OuterStep | None:
+        return self.outer
 
     def close(self) -> None:
         pass
@@ -148,8 +150,11 @@ class ServedUpdate:
     def before_load(self) -> None:
         self.client.check_memory_load()
 
-    def after_load(self, step: int) -> None:
+    def after_load(self, step: int, optimizer: torch.optim.Optimizer) -> None:
         self.client.mark_loaded(step)
+
+    def replicas(self) -> None:
+        return None
 
     def close(self) -> None:
         """The servers' loops return."""

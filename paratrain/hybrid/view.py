@@ -76,6 +76,8 @@ class StateView:
     """Called once state is loaded (the gradient strategy starts a step afresh)."""
     buffers: bool = True
     """Whether this rank saves and loads the model's persistent buffers (a parameter server holds none)."""
+    replicas: Replicas | None = None
+    """DiLoCo: this rank's replica group, whose state is its own (None: one state for the whole job)."""
 
     def owners(self) -> list[Owned]:
         """This rank's exact values by what holds them: parameters (by optimizer owner: a flat group's
@@ -108,14 +110,16 @@ class StateView:
         out = LocalState({}, {}, {}, [])
         state = self.optimizer.state
         owners = self.owners()
+        prefix = self.replicas.prefix if self.replicas is not None else ""
+        extra = self.replicas.state() if self.replicas is not None else {}
         for owned in owners:
             if not self.writes(owned):
                 continue
             name = owned.piece.name
-            entries = [(name, owned.owner)]
-            for key, value in state.get(owned.owner, {}).items():
+            entries = [(prefix + name, owned.owner)]
+            for key, value in {**state.get(owned.owner, {}), **extra.get(id(owned.owner), {})}.items():
                 if isinstance(value, torch.Tensor) and value.shape == owned.owner.shape and value.dim() > 0:
-                    entries.append((f"{name}{SEP}{key}", value))
+                    entries.append((f"{prefix}{name}{SEP}{key}", value))
                 else:
                     out.scalars.setdefault(name, {})[key] = _scalar(value, name)
             for key, tensor in entries:
@@ -137,13 +141,23 @@ class StateView:
         out: dict[str, Any] = {"rng": {"dropout_step": self.dropout.step}}
         if self.scaler is not None:
             out["loss_scaler"] = self.scaler.state_dict()
+        if self.replicas is not None:
+            out["replica_groups"] = self.replicas.groups
         return out
 
     @torch.no_grad()
     def load(self, reader: Reader, meta: Mapping[str, Any]) -> None:
         """This rank's values, optimizer state and scalars from `reader` (only the pieces it keeps);
         meta: {"optimizer": {"scalars": {name: {key: value}}, "param_groups": [...]}, "rng": ...,
-        "loss_scaler": ...} as a sharded checkpoint's meta.json holds them."""
+        "loss_scaler": ...} as a sharded checkpoint's meta.json holds them. DiLoCo: this replica group's state
+        (the first group's under the plain names, each other's under its prefix), from a checkpoint of as many."""
+        groups = self.replicas.groups if self.replicas is not None else 1
+        if int(meta.get("replica_groups", 1)) != groups:
+            raise StateError(f"the saved state holds {meta.get('replica_groups', 1)} DiLoCo replica group(s) and this "
+                             f"run has {groups}: resume with replica_groups {meta.get('replica_groups', 1)} "
+                             "(dp_mode diloco), or from a checkpoint of this layout")
+        if self.replicas is not None and self.replicas.prefix:
+            reader = _Prefixed(reader, self.replicas.prefix)
         keys = set(reader.keys())
         by_name: dict[str, list[Run]] = {}
         for run in self.pieces.storage(self.model, self.groups, buffers=False):
@@ -191,6 +205,36 @@ class StateView:
                 raise StateError(f"an optimizer group of {len(mine)} parameters matches {len(matches)} saved groups "
                                  "(a checkpoint of another model or optimizer?)")
             group.update({k: v for k, v in matches[0].items() if k != "params"})
+
+
+class Replicas(Protocol):
+    """DiLoCo's replica groups, as the view saves and loads them (paratrain.data_parallel.diloco.OuterStep)."""
+
+    groups: int
+    """How many replica groups the state has."""
+    prefix: str
+    """Before this group's keys ('' for the first group: its state is the checkpoint's plain one)."""
+
+    def state(self) -> Mapping[int, Mapping[str, torch.Tensor]]:
+        """Per-element state to save beside the optimizer's, by id() of the tensor the optimizer steps."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Prefixed:
+    """A Reader of the keys under `prefix`, by their names without it."""
+
+    reader: Reader
+    prefix: str
+
+    def keys(self) -> Iterable[str]:
+        return [k[len(self.prefix):] for k in self.reader.keys() if k.startswith(self.prefix)]
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.reader.dtype(self.prefix + key)
+
+    def open(self, key: str) -> Values:
+        return self.reader.open(self.prefix + key)
 
 
 class MemoryReader:

@@ -225,7 +225,7 @@ class TrainLoop:
                 interval_start = time.perf_counter()
             result.wall_s = time.perf_counter() - started
             if result.tokens_per_s and self.settings.flops_per_token:
-                result.mfu = mfu(result.tokens_per_s, self.settings.flops_per_token, self.ctx.world_size, peak)
+                result.mfu = mfu(result.tokens_per_s, self.settings.flops_per_token, self._counted_ranks, peak)
         except BaseException as error:
             if self.saver is not None:  # a save in flight is given up (the previous one stays `latest`)
                 self.saver.abort()
@@ -249,9 +249,16 @@ class TrainLoop:
         config = self.settings.checkpoint_meta.get("config", {})
         return (WandbLog if name == "wandb" else MlflowLog)(self.settings.log_dir, config)
 
+    @property
+    def _counted_ranks(self) -> int:
+        """The ranks whose tokens a step's statistics count: the world, or under DiLoCo one replica group's (each
+        group's statistics are its own: the logs are rank 0's group's)."""
+        dims = self.ctx.mesh.dims
+        return self.ctx.world_size // dims.dp_replicate if dims.dp_local else self.ctx.world_size
+
     def _record(self, step: int, lr: float, stats: StepStats, step_time: float, peak: float | None) -> dict[str, Any]:
         """The JSON record of one step (warning once on rank 0 about a skipped update)."""
-        record = step_record(step, lr, stats, step_time, world_size=self.ctx.world_size,
+        record = step_record(step, lr, stats, step_time, world_size=self._counted_ranks,
                              flops_per_token=self.settings.flops_per_token, peak=peak)
         if stats.non_finite:  # skipped by on_non_finite='skip'
             self.non_finite_skips += 1

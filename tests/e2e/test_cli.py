@@ -79,6 +79,25 @@ def test_invalid_config_is_refused_before_launch(capsys):
         assert "torch sees no CUDA GPU on this node" in capsys.readouterr().err
 
 
+def test_diloco_from_the_cli_saves_mid_round_and_resumes(tmp_path):
+    """--dp-mode diloco on 4 processes (2 replica groups of dp 2 x ZeRO-2, an outer step every 2 steps): saved
+    asynchronously after step 3 (mid-round: the groups' weights differ), resumed to step 4 with the same losses;
+    the log's loss is rank 0's group's. The engine's float64 parity is tests/distributed/test_diloco.py."""
+    args = ["--nproc", "4", *SMALL, "--dp-mode", "diloco", "--replica-groups", "2", "--inner-steps", "2", "--zero", "2",
+            "--steps", "4"]
+    log, log2 = tmp_path / "log.jsonl", tmp_path / "log2.jsonl"
+    out = paratrain("train", *args, "--log-json", str(log), "--save", str(tmp_path / "ckpt"), "--save-every", "3",
+                    "--save-mode", "async")
+    assert out.returncode == 0, out.stderr
+    steps = [r for r in records(log) if "loss" in r]
+    assert steps[0]["tokens"] == 8 * 32 // 2  # one group's rows of the global batch
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000004"
+    (tmp_path / "ckpt" / "latest").write_text("step_00000003\n")
+    out = paratrain("train", *args, "--log-json", str(log2), "--resume", str(tmp_path / "ckpt"))
+    assert out.returncode == 0, out.stderr
+    assert losses(log2) == {4: losses(log)[4]}  # bit for bit
+
+
 def test_train_log_save_resume(tmp_path):
     """--save-mode async here (the restart tests save synchronously): the same checkpoints, resumed below."""
     log = tmp_path / "log.jsonl"
