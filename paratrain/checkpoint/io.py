@@ -26,10 +26,18 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from paratrain.data_parallel.diloco import REPLICA_PREFIX
+
 FORMAT = "paratrain-checkpoint/1"
 SHARDED_FORMAT = "paratrain-checkpoint/2"
 """paratrain.checkpoint.sharded: one file per rank, an index in meta.json."""
 _SEP = "::"
+
+
+def model_names(meta: dict[str, Any]) -> list[str]:
+    """The model's tensors in a sharded checkpoint's index, sorted: not the optimizer's state (NAME::KEY), not a
+    DiLoCo replica group's own copy (REPLICA_PREFIX G/NAME: the first group's state is the plain names')."""
+    return sorted(k for k in meta["tensors"] if "::" not in k and not k.startswith(REPLICA_PREFIX))
 
 
 def _cpu(tensor: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from paratrain.checkpoint.io import SHARDED_FORMAT, resolve_checkpoint, verify_checkpoint
+from paratrain.checkpoint.io import SHARDED_FORMAT, model_names, resolve_checkpoint, verify_checkpoint
 from paratrain.checkpoint.sharded import CheckpointReader
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -88,7 +88,7 @@ def export_model(path: str | Path, out: str | Path, *, dtype: str | None = None)
     tensors = {}
     if meta.get("format") == SHARDED_FORMAT:  # each tensor assembled from its pieces
         reader = CheckpointReader(folder, meta)
-        for name in sorted(k for k in meta["tensors"] if "::" not in k):
+        for name in model_names(meta):
             saved = reader.open(name)
             tensor = saved.values(saved.shape, 0, math.prod(saved.shape)).view(saved.shape)
             tensors[name] = tensor.to(DTYPES[dtype]) if dtype is not None and tensor.is_floating_point() else tensor

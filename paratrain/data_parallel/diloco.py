@@ -27,6 +27,9 @@ from paratrain.comm import all_reduce
 from paratrain.topology.mesh import AxisGroup
 
 
+REPLICA_PREFIX = "replica-"
+"""Before a replica group's keys in a checkpoint ("replica-1/blocks.0.attn.qkv.weight"); the first group's have none."""
+
 OUTER, MOMENTUM = "diloco_outer", "diloco_momentum"
 """The outer state's keys in a checkpoint, per element beside the optimizer's ("NAME::diloco_outer")."""
 
@@ -119,7 +122,7 @@ class OuterStep:
         """Before this group's keys in a checkpoint: none for the first group (its state is the checkpoint's plain
         one: `paratrain export` and a look at the weights read it), "replica-G/" for group G."""
         index = self.group.index if self.group is not None else 0
-        return f"replica-{index}/" if index else ""
+        return f"{REPLICA_PREFIX}{index}/" if index else ""
 
     def state(self) -> dict[int, dict[str, torch.Tensor]]:
         """What a checkpoint keeps beside the optimizer's state: the outer copy and the Nesterov buffer of every

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from paratrain.checkpoint.io import SHARDED_FORMAT, resolve_checkpoint, verify_checkpoint
+from paratrain.checkpoint.io import SHARDED_FORMAT, model_names, resolve_checkpoint, verify_checkpoint
 from paratrain.checkpoint.sharded import CheckpointReader
 from paratrain.config.errors import ConfigError
 from paratrain.data.tokenize import TOKENIZER_FILES
@@ -91,7 +91,7 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, *, source: str | 
         raise ConfigError(f"{folder} is not a sharded checkpoint (format {meta.get('format')!r}): export --hf reads "
                           "the checkpoints `--save` and save_sharded write")
     reader = CheckpointReader(folder, meta)
-    names = sorted(k for k in meta["tensors"] if "::" not in k)
+    names = model_names(meta)
     shapes = expected_shapes(source)
     missing, unexpected = sorted(set(shapes) - set(names)), sorted(set(names) - set(shapes))
     if missing or unexpected:

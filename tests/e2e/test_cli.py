@@ -96,6 +96,14 @@ def test_diloco_from_the_cli_saves_mid_round_and_resumes(tmp_path):
     out = paratrain("train", *args, "--log-json", str(log2), "--resume", str(tmp_path / "ckpt"))
     assert out.returncode == 0, out.stderr
     assert losses(log2) == {4: losses(log)[4]}  # bit for bit
+    from paratrain.checkpoint.tools import export_model  # the first group's model, without the others' copies
+
+    exported = export_model(tmp_path / "ckpt", tmp_path / "model.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(exported["out"]), framework="pt") as f:
+        names = list(f.keys())
+    assert names and not [n for n in names if "replica-" in n or "::" in n]
 
 
 def test_train_log_save_resume(tmp_path):
