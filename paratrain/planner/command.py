@@ -22,6 +22,7 @@ from paratrain.config.model import PRESETS, preset
 from paratrain.config.parallel import CP_MODES
 from paratrain.config.run import FP8_RECIPES, PRECISIONS
 from paratrain.planner.hardware import CPU_PROFILE, GPU_PROFILE, PROFILES, hardware
+from paratrain.planner.diloco import check_groups, price_outer_step
 from paratrain.planner.search import PRICED, search
 from paratrain.planner.table import layout_text, plan_table
 
@@ -82,6 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ps-servers", type=int, default=0,
                         help="with --ps-mode: dedicated servers among the --gpus devices (0: colocated)")
     parser.add_argument("--staleness", type=int, default=0, help="with --ps-mode async: clocks a trainer may run ahead")
+    parser.add_argument("--dp-mode", choices=("sync", "diloco"), default="sync",
+                        help="diloco: price DiLoCo's replica groups (each a job of --gpus / --replica-groups ranks on "
+                             "its share of the global batch; the pins are a group's) and its outer step every "
+                             "--inner-steps steps (paratrain.planner.diloco)")
+    parser.add_argument("--replica-groups", type=int, default=1, help="with --dp-mode diloco: the groups")
+    parser.add_argument("--inner-steps", type=int, default=1, help="with --dp-mode diloco: steps between outer steps")
     parser.add_argument("--sequence-parallel", action="store_true", default=None, help="pin sequence parallelism on")
     parser.add_argument("--dry-run", action="store_true",
                         help="build rank --rank of the pinned layout (--gpus ranks; --dp/--tp/--pp/--zero/--micro-batch) "
@@ -141,16 +148,26 @@ def run(args: argparse.Namespace) -> int:
                           "server: give --ps-mode sync or async")
     if args.seq_len and args.seq_len > model.seq_len:  # the model is built for sequences this long
         model = dataclasses.replace(model, seq_len=args.seq_len)
-    result = search(model, devices, hw, global_batch=args.global_batch, seq_len=args.seq_len, pins=pins,
-                    kernels="compiled" if args.compile else "eager",
-                    settings=dataclasses.replace(PRICED, precision=args.precision, optimizer=args.optimizer,
-                                                 moe_imbalance=args.moe_imbalance, fp8_recipe=args.fp8_recipe))
+    groups = args.replica_groups if args.dp_mode == "diloco" else 1
+    if args.dp_mode == "diloco":
+        check_groups(devices, args.global_batch, groups, args.inner_steps)
+    elif args.replica_groups != 1 or args.inner_steps != 1:
+        raise ConfigError("--replica-groups and --inner-steps price DiLoCo: give --dp-mode diloco")
+    settings = dataclasses.replace(PRICED, precision=args.precision, optimizer=args.optimizer,
+                                   moe_imbalance=args.moe_imbalance, fp8_recipe=args.fp8_recipe)
+    result = search(model, devices // groups, hw, global_batch=args.global_batch // groups, seq_len=args.seq_len,
+                    pins=pins, kernels="compiled" if args.compile else "eager", settings=settings)
+    if groups > 1:
+        price_outer_step(result["candidates"], model, hw, groups=groups, inner_steps=args.inner_steps,
+                         settings=settings)
     if args.tokens:
         for record in result["candidates"]:
             record["train_days"] = args.tokens / record["tokens_per_s"] / 86400
     record = {"model": {"preset": args.model, **{k: getattr(model, k) for k in ("n_layer", "d_model", "n_head")},
                         "params": model.num_params()},
               "hardware": hw.to_dict(), "devices": devices, **result}
+    if groups > 1:
+        record["diloco"] = {"replica_groups": groups, "inner_steps": args.inner_steps}
     if args.plot:
         from paratrain.plot import plot_plan
 

@@ -57,6 +57,12 @@ def plan_table(record: dict[str, Any], top: int, *, tokens: float | None) -> str
                      + (record["rejected"][0]["reason"] if record["rejected"] else "none"))
         return "\n".join(lines)
     best = candidates[0]
+    if "diloco" in record:
+        groups, steps = record["diloco"]["replica_groups"], record["diloco"]["inner_steps"]
+        lines.append(f"DiLoCo: {groups} replica groups of {record['devices'] // groups} devices, an outer step every "
+                     f"{steps} steps; each row is one group's layout (run it with --dp {groups} x its dp "
+                     f"--dp-mode diloco --replica-groups {groups}); peak GB counts the outer copy and momentum, step "
+                     "s the outer all-reduce's share, tok/s every group's")
     header = (f"{'layout':<32} {'peak GB':>8} {'between':>7} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'step s':>8} "
               f"{'tok/s':>10} {'MFU':>5} {'bubble':>6}" + (f" {'days':>6}" if tokens else "") + "  why")
     lines.append(header)
