@@ -106,6 +106,8 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--outer-lr": ("parallel.outer_lr", float, "--dp-mode diloco: the outer step's learning rate (default 0.7)"),
     "--outer-momentum": ("parallel.outer_momentum", float, "--dp-mode diloco: the outer step's Nesterov momentum "
                          "(default 0.9)"),
+    "--outer-fragments": ("parallel.outer_fragments", int, "--dp-mode diloco: Streaming DiLoCo's fragments of the "
+                          "model, staggered over the inner steps (divides --inner-steps; default 1)"),
     "--data": ("data.source", str, "builtin, a .txt / .jsonl / .parquet file (bytes for the GPT; with --hf tokenized "
                                    "by the model's tokenizer, cached), a folder `paratrain tokenize` wrote (or "
                                    "Megatron's train/val .bin + .idx), a folder with train.bin/val.bin (uint16), a "

@@ -190,6 +190,10 @@ class ParallelConfig:
     """dp_mode 'diloco': the outer step's learning rate (the paper's 0.7)."""
     outer_momentum: float = 0.9
     """dp_mode 'diloco': the outer step's Nesterov momentum (the paper's 0.9; 0 is plain averaging at outer_lr 1)."""
+    outer_fragments: int = 1
+    """dp_mode 'diloco': Streaming DiLoCo's fragments (consecutive parameters of about equal size, each meeting every
+    inner_steps steps, staggered by inner_steps / outer_fragments: the same bytes in smaller bursts); divides
+    inner_steps. 1: the whole model at once."""
 
     @property
     def trainers(self) -> int:

@@ -33,6 +33,7 @@ class LayoutFields(Protocol):
     inner_steps: int
     outer_lr: float
     outer_momentum: float
+    outer_fragments: int
 
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 """How tensor parallelism splits each layer (ParallelConfig.tp_mode)."""
@@ -170,9 +171,10 @@ def check_diloco(config: LayoutFields, dp: int) -> None:
     if config.dp_mode not in DP_MODES:
         raise ConfigError(f"dp_mode must be one of {', '.join(DP_MODES)}, got {config.dp_mode!r}")
     if config.dp_mode == "sync":
-        if config.replica_groups != 1 or config.inner_steps != 1:
-            raise ConfigError(f"replica_groups ({config.replica_groups}) and inner_steps ({config.inner_steps}) "
-                              "configure DiLoCo, and dp_mode is 'sync': set dp_mode 'diloco', or drop them")
+        if config.replica_groups != 1 or config.inner_steps != 1 or config.outer_fragments != 1:
+            raise ConfigError(f"replica_groups ({config.replica_groups}), inner_steps ({config.inner_steps}) and "
+                              f"outer_fragments ({config.outer_fragments}) configure DiLoCo, and dp_mode is 'sync': set "
+                              "dp_mode 'diloco', or drop them")
         return
     groups = [g for g in range(2, dp + 1) if dp % g == 0]
     if config.replica_groups not in groups:
@@ -182,6 +184,11 @@ def check_diloco(config: LayoutFields, dp: int) -> None:
     if config.inner_steps < 1:
         raise ConfigError(f"DiLoCo's inner_steps ({config.inner_steps}) is the steps each replica group takes between outer "
                           "steps: it must be >= 1 (1 averages the groups' updates after every step)")
+    if config.outer_fragments < 1 or config.inner_steps % config.outer_fragments:
+        choices = [f for f in range(1, config.inner_steps + 1) if config.inner_steps % f == 0]
+        raise ConfigError(f"Streaming DiLoCo staggers outer_fragments ({config.outer_fragments}) fragments evenly over "
+                          f"the inner_steps ({config.inner_steps}) between outer steps: it must divide them; choose "
+                          f"outer_fragments in {choices}")
     if not config.outer_lr > 0 or not 0 <= config.outer_momentum < 1:
         raise ConfigError(f"DiLoCo's outer step needs outer_lr > 0 (got {config.outer_lr}) and 0 <= "
                           f"outer_momentum < 1 (got {config.outer_momentum}); the paper's are 0.7 and 0.9")

@@ -19,7 +19,7 @@ OuterStep.state_bytes says); the all-reduce moves them once per `inner_steps` st
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -36,11 +36,37 @@ OUTER, MOMENTUM = "diloco_outer", "diloco_momentum"
 
 @dataclass(frozen=True)
 class OuterSettings:
-    """DiLoCo's outer optimizer (ParallelConfig's inner_steps, outer_lr, outer_momentum)."""
+    """DiLoCo's outer optimizer (ParallelConfig's inner_steps, outer_lr, outer_momentum, outer_fragments)."""
 
     inner_steps: int
     lr: float
     momentum: float
+    fragments: int = 1
+    """Streaming DiLoCo (Douillard et al. 2025): the model's parameters cut into this many fragments of consecutive
+    whole-model parameters (fragment_of), fragment f meeting every inner_steps steps at the steps
+    (f + 1) x inner_steps / fragments past a multiple of inner_steps: the same bytes per round, in smaller bursts."""
+
+    def due(self, step: int) -> list[int]:
+        """The fragments whose outer step follows step `step` (counted from 1)."""
+        every = self.inner_steps // self.fragments
+        return [f for f in range(self.fragments) if (step - (f + 1) * every) % self.inner_steps == 0]
+
+
+Span = tuple[int, int, int, int]
+"""(index of a tensor the optimizer steps, first element, elements, fragment)."""
+
+
+def fragment_of(sizes: Sequence[tuple[str, int]], fragments: int) -> dict[str, int]:
+    """Whole-model parameter name -> its fragment: the parameters in model order, cut into `fragments` runs of about
+    equal elements (a run ends once it reaches its share of the total), so every layout cuts alike."""
+    total = sum(n for _, n in sizes)
+    out, seen, fragment = {}, 0, 0
+    for name, n in sizes:
+        out[name] = fragment
+        seen += n
+        while fragment < fragments - 1 and seen >= (fragment + 1) * total / fragments:
+            fragment += 1
+    return out
 
 
 class OuterStep:
@@ -49,68 +75,78 @@ class OuterStep:
     what the optimizer stepped back into the parameters)."""
 
     def __init__(self, tensors: Callable[[], list[torch.Tensor]], group: AxisGroup | None, settings: OuterSettings,
-                 *, bucket_elements: int) -> None:
+                 *, bucket_elements: int, spans: Callable[[list[torch.Tensor]], list[Span]] | None = None) -> None:
         """tensors: what the inner optimizer steps (read at the first step: a meta model is materialised by then);
-        group: the replica group (None: a single group, whose outer step is the Nesterov step alone)."""
+        group: the replica group (None: a single group, whose outer step is the Nesterov step alone); spans: which
+        elements of those tensors belong to which fragment (each element to one; None: whole tensors, fragment 0)."""
         self.tensors, self.group, self.settings = tensors, group, settings
         self.bucket_elements = bucket_elements
+        self.spans_of = spans or (lambda ts: [(i, 0, t.numel(), 0) for i, t in enumerate(ts)])
         self.inner: list[torch.Tensor] = []
         self.outer: list[torch.Tensor] = []
         self.momentum: list[torch.Tensor | None] = []
+        self.spans: list[Span] = []
         self.rounds = 0
-        """Outer steps taken."""
+        """Outer steps taken (of fragments: each fragment's counts)."""
 
     def begin(self) -> None:
-        """Before an inner step: the outer copy is taken once, from the weights the first round starts at."""
+        """Before an inner step: the outer copy is taken once, from the weights the first round starts at; the
+        Nesterov buffer starts at zero (its first step then is torch's clone of the pseudo-gradient, exactly)."""
         if not self.inner:
-            self.inner = list(self.tensors())
-            self.outer = [t.detach().clone() for t in self.inner]
-            self.momentum = [None] * len(self.inner)
+            self._hold(list(self.tensors()), None, None)
+
+    def _hold(self, inner: list[torch.Tensor], outer: list[torch.Tensor] | None,
+              momentum: list[torch.Tensor | None] | None) -> None:
+        self.inner = inner
+        self.outer = outer if outer is not None else [t.detach().clone() for t in inner]
+        keep = self.settings.momentum > 0
+        self.momentum = [m if m is not None else (torch.zeros_like(t) if keep else None)
+                         for m, t in zip(momentum or [None] * len(inner), inner)]
+        self.spans = self.spans_of(inner)
 
     @torch.no_grad()
     def after_step(self, step: int) -> bool:
-        """After step `step` (counted from 1): every inner_steps steps, the outer step; True when it ran."""
-        if step % self.settings.inner_steps or not self.inner:
-            return False
-        for bucket in self._buckets():
-            flat = torch.cat([(self.outer[i] - self.inner[i]).reshape(-1) for i in bucket])
-            if self.group is not None:
-                all_reduce(flat, self.group)
-                flat.div_(self.group.size)
-            offset = 0
-            for i in bucket:
-                n = self.inner[i].numel()
-                self._nesterov(i, flat[offset: offset + n].view_as(self.inner[i]))
-                offset += n
-        self.rounds += 1
-        return True
+        """After step `step` (counted from 1): the outer step of the fragments due; True when one ran."""
+        due = set(self.settings.due(step)) if self.inner else set()
+        for fragment in sorted(due):
+            for bucket in self._buckets([s for s in self.spans if s[3] == fragment]):
+                flat = torch.cat([(self.outer[i] - self.inner[i]).view(-1)[o: o + n] for i, o, n, _ in bucket])
+                if self.group is not None:
+                    all_reduce(flat, self.group)
+                    flat.div_(self.group.size)
+                at = 0
+                for i, o, n, _ in bucket:
+                    self._nesterov(i, o, n, flat[at: at + n])
+                    at += n
+            self.rounds += 1
+        return bool(due)
 
-    def _nesterov(self, i: int, delta: torch.Tensor) -> None:
-        """torch.optim.SGD's single-tensor step (dampening 0, nesterov) on the outer copy, with the averaged
-        pseudo-gradient as its gradient; the inner tensor takes the result."""
-        momentum, grad = self.settings.momentum, delta
-        if momentum:
-            buf = self.momentum[i]
-            if buf is None:
-                buf = self.momentum[i] = delta.clone()
-            else:
-                buf.mul_(momentum).add_(delta)
-            grad = delta.add(buf, alpha=momentum)
-        self.outer[i].add_(grad, alpha=-self.settings.lr)
-        self.inner[i].copy_(self.outer[i])
+    def _nesterov(self, i: int, first: int, n: int, delta: torch.Tensor) -> None:
+        """torch.optim.SGD's single-tensor step (dampening 0, nesterov) on elements [first, first + n) of the outer
+        copy, with the averaged pseudo-gradient as its gradient; the inner tensor takes the result."""
+        outer = self.outer[i].view(-1)[first: first + n]
+        grad = delta
+        buf = self.momentum[i]
+        if buf is not None:
+            part = buf.view(-1)[first: first + n]
+            part.mul_(self.settings.momentum).add_(delta)
+            grad = delta.add(part, alpha=self.settings.momentum)
+        outer.add_(grad, alpha=-self.settings.lr)
+        self.inner[i].view(-1)[first: first + n].copy_(outer)
 
-    def _buckets(self) -> list[list[int]]:
-        """Indices of the tensors in all-reduce buckets of one dtype and at most bucket_elements elements (a larger
-        tensor alone), in the optimizer's order: the same on every rank of a replica group."""
-        buckets: list[list[int]] = []
+    def _buckets(self, spans: list[Span]) -> list[list[Span]]:
+        """The spans in all-reduce buckets of one dtype and at most bucket_elements elements (a larger span alone), in
+        the optimizer's order: the same on every rank of a replica group."""
+        buckets: list[list[Span]] = []
         size, dtype = 0, None
-        for i, t in enumerate(self.inner):
-            if not buckets or t.dtype != dtype or size + t.numel() > self.bucket_elements:
+        for span in spans:
+            t = self.inner[span[0]]
+            if not buckets or t.dtype != dtype or size + span[2] > self.bucket_elements:
                 buckets.append([])
                 size, dtype = 0, t.dtype
-            buckets[-1].append(i)
-            size += t.numel()
-        return [b for b in buckets if b]
+            buckets[-1].append(span)
+            size += span[2]
+        return buckets
 
     @property
     def groups(self) -> int:
@@ -144,7 +180,7 @@ class OuterStep:
                                  "whole state dict): resume a DiLoCo run from its own checkpoint")
             outer.append(held.pop(OUTER))
             momentum.append(held.pop(MOMENTUM, None))
-        self.inner, self.outer, self.momentum = tensors, outer, momentum
+        self._hold(tensors, outer, momentum)
 
     def state_bytes(self) -> int:
         """Bytes of the outer state: the outer copy and (momentum > 0) the Nesterov buffer, once both exist."""

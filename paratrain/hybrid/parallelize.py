@@ -21,12 +21,13 @@ from torch import nn
 from paratrain.comm.placement import Placement, Placements
 from paratrain.config.errors import ConfigError
 from paratrain.data_parallel import BufferSync, GradSync, OuterSettings, OuterStep, optimizer_tensors
+from paratrain.data_parallel.diloco import fragment_of
 from paratrain.hybrid.engine import Engine
 from paratrain.hybrid.materialize import Source, is_meta
 from paratrain.hybrid.parts import EngineOptions, EngineParts, GradientStrategy, Update
 from paratrain.hybrid.pieces import Pieces, whole_shapes
 from paratrain.hybrid.state import optimizer_state
-from paratrain.hybrid.update import LocalUpdate, ServedUpdate, matrix_exchange
+from paratrain.hybrid.update import LocalUpdate, ServedUpdate, matrix_exchange, outer_spans
 from paratrain.hybrid.steps import (MemorySavers, apply_batch_norm, apply_context_parallel, apply_expert_layouts,
                                     apply_float8_step, apply_memory_savers, float8_gathers, apply_pipeline,
                                     apply_tensor_layout, broadcast_weights, check_whole_model, grad_reduce_op,
@@ -81,6 +82,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
     if init is not None and not meta:
         raise ValueError("init= is for a model built on the meta device; this model already holds its values")
     whole = whole_shapes(model)
+    sizes = [(name, p.numel()) for name, p in model.named_parameters()]  # the whole model's, in order
     source = values_source(model, init) if meta else None
     check_whole_model(model, recipe, tp=ctx.config.tp, pp=ctx.config.pp, buffers=options.buffers or {})
     routed = any(isinstance(m, MoE) for m in model.modules())  # of the whole model, before a pipeline cut
@@ -178,9 +180,13 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                               "groups, or dp_mode sync")
         update = LocalUpdate(matrix_exchange(opt, model, pieces, grads.groups if isinstance(grads, ZeroSync) else [],
                                              ctx))
-    if ctx.config.dp_mode == "diloco":  # 8d. the replica groups' outer step every inner_steps steps
-        update = LocalUpdate(outer=OuterStep(optimizer_tensors(opt), ctx.mesh.replica_group(), OuterSettings(
-            ctx.config.inner_steps, ctx.config.outer_lr, ctx.config.outer_momentum), bucket_elements=bucket_bytes // 4))
+    if ctx.config.dp_mode == "diloco":  # 8d. the replica groups' outer step every inner_steps steps (by fragments)
+        settings = OuterSettings(ctx.config.inner_steps, ctx.config.outer_lr, ctx.config.outer_momentum,
+                                 ctx.config.outer_fragments)
+        spans = None if settings.fragments == 1 else outer_spans(
+            model, pieces, grads.groups if isinstance(grads, ZeroSync) else [], fragment_of(sizes, settings.fragments))
+        update = LocalUpdate(outer=OuterStep(optimizer_tensors(opt), ctx.mesh.replica_group(), settings,
+                                             bucket_elements=bucket_bytes // 4, spans=spans))
     # 9. Loss scaling where the policy needs it (fp16), its overflow decision shared by all ranks.
     scaler = policy.scaler(options.loss_scale)
     # 10. Pipeline: the executor that runs the schedule's actions on this rank.

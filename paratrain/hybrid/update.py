@@ -14,7 +14,7 @@ the optimizer lives.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, cast
+from typing import Callable, Mapping, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from paratrain.hybrid.step import PendingStep
 from paratrain.memory.precision import overflowed
 from paratrain.optim import Held, MatrixExchange, Matrices, MatrixOptimizer
 from paratrain.config.errors import ConfigError
-from paratrain.data_parallel.diloco import OuterStep
+from paratrain.data_parallel.diloco import OuterStep, Span
 from paratrain.param_server import ServerClient
 from paratrain.topology import AxisGroup, Context
 
@@ -176,3 +176,27 @@ def matrix_exchange(optimizer: MatrixOptimizer, model: nn.Module, pieces: Pieces
     size = torch.empty(0, dtype=optimizer.matrix_dtype).element_size()
     return MatrixExchange(held, group, dtype=optimizer.matrix_dtype,
                           bucket_elements=max(1, int(ctx.config.bucket_mb * 2**20) // size))
+
+
+def outer_spans(model: nn.Module, pieces: Pieces, groups: Sequence[FlatGroup],
+                fragments: Mapping[str, int]) -> Callable[[list[torch.Tensor]], list[Span]]:
+    """Streaming DiLoCo's fragments on what the optimizer steps: each element of those tensors (a parameter, a ZeRO
+    shard or master cut through several) in its whole-model parameter's fragment (`fragments`: by name); padding
+    in the fragment of the elements before it. Read at the first step (a meta model is materialised by then)."""
+    def spans(tensors: list[torch.Tensor]) -> list[Span]:
+        index = {id(t): i for i, t in enumerate(tensors)}
+        runs: dict[int, list[tuple[int, int, int]]] = {i: [] for i in range(len(tensors))}
+        for o in pieces.owners(model, groups):
+            if id(o.owner) in index:
+                runs[index[id(o.owner)]].append((o.offset, o.length, fragments[o.piece.name]))
+        out: list[Span] = []
+        for i, t in enumerate(tensors):
+            at, fragment = 0, runs[i][0][2] if runs[i] else 0
+            for first, n, f in sorted(runs[i]) + [(t.numel(), 0, -1)]:
+                if first > at:  # a gap (padding): the fragment before it
+                    out.append((i, at, first - at, fragment))
+                if n:
+                    out.append((i, first, n, f))
+                    at, fragment = first + n, f
+        return out
+    return spans
