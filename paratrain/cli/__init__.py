@@ -22,7 +22,7 @@ import argparse
 import sys
 
 from paratrain.cli.flags import build_parser
-from paratrain.cli.launching import train, worker
+from paratrain.cli.launching import replica_group, train, worker
 from paratrain.config import PRESETS, ConfigError
 
 
@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             return train(args)
         if args.command == "worker":
             return worker(args)
+        if args.command == "replica-group":
+            return replica_group(args)
         if args.command == "plan":
             from paratrain.planner.command import run
 

@@ -98,10 +98,17 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--ps-servers": ("parallel.ps_servers", int, "dedicated parameter-server processes beside the --nproc trainers "
                      "(0: each trainer serves a slice, ZeRO-2's traffic)"),
     "--staleness": ("parallel.staleness", int, "--ps-mode async: clocks a trainer may run ahead of the slowest"),
+    "--fault-tolerance": ("parallel.fault_tolerance", str, "off, or replica: --replica-groups groups of dp that "
+                          "survive each other (a lost group costs a step, not a relaunch; a group started again with "
+                          "--replica-group G --lighthouse HOST:PORT joins the running job)"),
+    "--replica-group": ("launch.replica_group", int, "--fault-tolerance replica: start this replica group alone (a "
+                        "lost one, again), meeting the others at --lighthouse"),
+    "--lighthouse": ("launch.lighthouse", str, "--fault-tolerance replica: HOST:PORT of the running job's store (its "
+                     "first launcher prints it)"),
     "--dp-mode": ("parallel.dp_mode", str, "sync (gradients summed over dp every step, default) or diloco (replica "
                   "groups train apart, meeting every --inner-steps steps for an outer Nesterov step)"),
-    "--replica-groups": ("parallel.replica_groups", int, "--dp-mode diloco: the groups of consecutive dp ranks "
-                         "(divides dp; ZeRO shards inside a group)"),
+    "--replica-groups": ("parallel.replica_groups", int, "--dp-mode diloco or --fault-tolerance replica: the groups "
+                         "of consecutive dp ranks (divides dp; ZeRO shards inside a group)"),
     "--inner-steps": ("parallel.inner_steps", int, "--dp-mode diloco: steps each group takes between outer steps (H)"),
     "--outer-lr": ("parallel.outer_lr", float, "--dp-mode diloco: the outer step's learning rate (default 0.7)"),
     "--outer-momentum": ("parallel.outer_momentum", float, "--dp-mode diloco: the outer step's Nesterov momentum "
@@ -252,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--run-plan", required=True, metavar="FILE", help="the run the launcher resolved (JSON)")
     worker.add_argument("--attempt", type=int, default=0, help="the launch's attempt: 0 the first, K a relaunch")
     worker.add_argument("--flight-dir", default="", help="where this worker leaves its flight record")
+    group = commands.add_parser("replica-group")  # no help: the fault-tolerant launcher starts one per group
+    group.add_argument("--run-plan", required=True, metavar="FILE", help="the group's run, resolved (JSON)")
     add_tool_commands(commands)
     from paratrain.planner.command import add_arguments
 

@@ -35,6 +35,8 @@ def prepare_launch(config: RunConfig, *, gpus: int) -> RunPlan:
     Returns the RunPlan; raises ConfigError with the rule, the numbers and a fix."""
     world_size = launch_world_size(config, gpus=gpus)
     config.launch.nproc = world_size // config.launch.nnodes
+    if config.parallel.fault_tolerance == "replica" and config.launch.replica_group >= 0:
+        world_size *= config.parallel.replica_groups  # this launcher runs one replica group of the job
     servers = config.parallel.ps_servers  # dedicated parameter servers: the last node starts them too
     if servers and config.launch.nnodes > 1 and config.launch.rdzv_backend != "static":
         raise ConfigError(f"--ps-servers {servers} across nodes needs the static rendezvous (--rdzv-backend static, "
@@ -118,7 +120,12 @@ def train(args: argparse.Namespace) -> int:
     if config.launch.plan == "auto":
         config = plan_auto(config, args, gpus=gpus)
     plan = prepare_launch(config, gpus=gpus)
-    if plan.parallel.world_size == 1:  # one process: no launcher, no process group
+    if plan.parallel.fault_tolerance == "replica" and config.launch.replica_group < 0:
+        from paratrain.launch.replicas import launch_replica_groups
+
+        return launch_replica_groups(config, plan)
+    if plan.parallel.world_size // max(1, plan.parallel.replica_groups if plan.parallel.fault_tolerance == "replica"
+                                       else 1) == 1:  # one process: no launcher, no process group
         from paratrain.launch import train_on_this_rank
 
         train_on_this_rank(plan)
@@ -181,6 +188,23 @@ def plan_auto(config: RunConfig, args: argparse.Namespace, *, gpus: int) -> RunC
     return config
 
 
+def replica_group(args: argparse.Namespace) -> int:
+    """`paratrain replica-group --run-plan FILE`: one replica group of a fault-tolerant job (its own launcher and
+    world), as the job's first launcher starts it (paratrain.launch.replicas)."""
+    from paratrain.launch import JobFailed, launch, train_on_this_rank
+
+    config = read_run(args.run_plan)
+    if config.launch.nproc == 1:
+        train_on_this_rank(checked_run(config, config.parallel.replica_groups))
+        return 0
+    try:
+        launch(config.launch, Path(args.run_plan), shared=config.train.save or None)
+    except JobFailed as failure:
+        print(f"paratrain: replica group {config.launch.replica_group}: {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def worker(args: argparse.Namespace) -> int:
     """`paratrain worker --run-plan FILE`: one process of a job `paratrain train` launched."""
     from paratrain.launch import launched_by_torchrun
@@ -201,8 +225,10 @@ def train_worker(config: RunConfig) -> int:
 
     @record
     def main() -> None:
-        plan = checked_run(config, int(os.environ["WORLD_SIZE"]))
-        train_on_this_rank(plan)
+        world = int(os.environ["WORLD_SIZE"])
+        if config.parallel.fault_tolerance == "replica":  # this world is one replica group of the job
+            world *= config.parallel.replica_groups
+        train_on_this_rank(checked_run(config, world))
 
     main()
     leave()

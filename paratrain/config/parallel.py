@@ -6,8 +6,8 @@ from dataclasses import dataclass, replace
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.pp_layout import layout_chunks
-from paratrain.config.rules import (PS_MODES, TP_MODES, check_diloco, check_expert_parallel, check_parameter_server,
-                                    check_shard_group, check_tp_mode, check_usp, grid_side)
+from paratrain.config.rules import (PS_MODES, TP_MODES, check_diloco, check_expert_parallel, check_fault_tolerance,
+                                    check_parameter_server, check_shard_group, check_tp_mode, check_usp, grid_side)
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zero-bubble", "zb-h1", "zb-v", "dualpipev")
 """The pipeline schedules paratrain.pipeline.schedules builds, by name (config is the ground floor:
@@ -176,14 +176,19 @@ class ParallelConfig:
     ps_sparse: tuple[str, ...] = ()
     """Embedding tables (their weights' names, e.g. 'tok_emb.weight') whose rows travel only where a step
     touched them, and which the servers update only there (paratrain.param_server.sparse)."""
+    fault_tolerance: str = "off"
+    """'replica': dp cut into `replica_groups` groups of consecutive ranks, each its own job (launcher and world),
+    meeting each step through a lighthouse store; a group that dies is dropped at the step it failed in and the
+    others redo that step with the global batch divided anew (paratrain.topology.quorum), a group started again
+    joins at a step boundary with the state from a peer (paratrain.train.fault_tolerance). 'off': one world."""
     dp_mode: str = "sync"
     """How the data-parallel ranks stay together: 'sync' (every step's gradients summed over all of dp) or
     'diloco' (Douillard et al. 2023: dp cut into `replica_groups` groups of consecutive ranks, each taking
     `inner_steps` optimizer steps on its own rows of the global batches with its gradients summed inside the
     group, then one outer Nesterov step on the groups' averaged pseudo-gradient; paratrain.data_parallel.diloco)."""
     replica_groups: int = 1
-    """dp_mode 'diloco': the groups dp is cut into (dp / replica_groups consecutive dp ranks each, ZeRO sharding
-    inside a group); 1 otherwise."""
+    """dp_mode 'diloco' or fault_tolerance 'replica': the groups dp is cut into (dp / replica_groups consecutive dp
+    ranks each, ZeRO sharding inside a group); 1 otherwise."""
     inner_steps: int = 1
     """dp_mode 'diloco': the optimizer steps each group takes between two outer steps (DiLoCo's H)."""
     outer_lr: float = 0.7
@@ -289,6 +294,7 @@ class ParallelConfig:
         check_shard_group(self.shard_group, self.zero, dp)
         check_expert_parallel(self.ep, dp)
         check_diloco(self, dp)
+        check_fault_tolerance(self, dp)
         implied = V_CHUNKS.get(self.schedule, 1) if self.pp > 1 and self.virtual_stages == 1 else self.virtual_stages
         return replace(self, dp=dp, virtual_stages=implied)  # a V schedule's two chunks a rank, unless given
 

@@ -29,6 +29,7 @@ class LayoutFields(Protocol):
     staleness: int
     ps_sparse: tuple[str, ...]
     dp_mode: str
+    fault_tolerance: str
     replica_groups: int
     inner_steps: int
     outer_lr: float
@@ -171,7 +172,8 @@ def check_diloco(config: LayoutFields, dp: int) -> None:
     if config.dp_mode not in DP_MODES:
         raise ConfigError(f"dp_mode must be one of {', '.join(DP_MODES)}, got {config.dp_mode!r}")
     if config.dp_mode == "sync":
-        if config.replica_groups != 1 or config.inner_steps != 1 or config.outer_fragments != 1:
+        if (config.replica_groups != 1 and config.fault_tolerance == "off") or config.inner_steps != 1 \
+                or config.outer_fragments != 1:
             raise ConfigError(f"replica_groups ({config.replica_groups}), inner_steps ({config.inner_steps}) and "
                               f"outer_fragments ({config.outer_fragments}) configure DiLoCo, and dp_mode is 'sync': set "
                               "dp_mode 'diloco', or drop them")
@@ -216,3 +218,32 @@ def check_diloco_uses(*, plan_auto: bool = False, muon: bool = False, spike: boo
     if given:
         raise ConfigError("dp_mode diloco with " + "; ".join(given) + ": not built in this version; drop them, or "
                           "use dp_mode sync")
+
+
+FAULT_TOLERANCE: tuple[str, ...] = ("off", "replica")
+"""ParallelConfig.fault_tolerance: one world, or replica groups that survive each other (paratrain.topology.quorum)."""
+
+
+def check_fault_tolerance(config: LayoutFields, dp: int) -> None:
+    """Replica groups (fault_tolerance 'replica'): dp cut into groups of consecutive ranks, each a job of its own,
+    summing gradients over the live groups each step. What this version composes it with: tp, pp, cp and ZeRO
+    inside a group."""
+    if config.fault_tolerance not in FAULT_TOLERANCE:
+        raise ConfigError(f"fault_tolerance must be one of {', '.join(FAULT_TOLERANCE)}, got {config.fault_tolerance!r}")
+    if config.fault_tolerance == "off":
+        return
+    groups = [g for g in range(2, dp + 1) if dp % g == 0]
+    if config.replica_groups not in groups:
+        raise ConfigError(f"fault_tolerance replica cuts dp ({dp}) into replica_groups groups of consecutive dp ranks "
+                          f"that survive each other, at least 2: replica_groups ({config.replica_groups}) must divide "
+                          "dp and be >= 2; " + (f"choose replica_groups in {groups}" if groups else "run dp >= 2"))
+    inside = dp // config.replica_groups
+    if config.shard_group is not None and config.shard_group != inside:
+        raise ConfigError(f"fault_tolerance replica shards ZeRO's state inside each replica group of dp / "
+                          f"replica_groups = {inside} ranks (a group's loss must not take another's shards with it): "
+                          f"shard_group ({config.shard_group}) must be {inside}, or left out")
+    given = [name for name, on in (("ep", config.ep > 1), ("ps_mode", config.ps_mode != "off"),
+                                   ("dp_mode diloco", config.dp_mode == "diloco")) if on]
+    if given:
+        raise ConfigError(f"fault_tolerance replica with {', '.join(given)}: not built in this version; replica groups "
+                          f"compose with tp, pp, cp and ZeRO inside each group: drop {', '.join(given)}")

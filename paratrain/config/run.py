@@ -229,6 +229,11 @@ class LaunchSection:
     device: str = "auto"
     """'cpu' (gloo), 'cuda' (NCCL, one GPU per process) or 'auto': CUDA when this node sees a GPU. On
     CUDA the default nproc is the number of visible GPUs, and more processes than GPUs are refused."""
+    replica_group: int = -1
+    """Under parallel.fault_tolerance 'replica': the replica group this launcher runs (set by the top launcher for
+    each group it starts; given by hand to start a lost group again, with lighthouse); -1: the top launcher."""
+    lighthouse: str = ""
+    """Under fault tolerance: HOST:PORT of the store the replica groups meet at (the top launcher's; it prints it)."""
     max_restarts: int = 0
     """Launch the job again this many times when a rank fails; it resumes from the newest
     checkpoint under train.save that verifies (so train.save is needed)."""

@@ -119,6 +119,8 @@ def check_run(config: RunConfig, world_size: int, *, model_shape: ModelShape = p
     if not micro_batch and parallel.microbatches and data.global_batch % (parallel.dp * parallel.microbatches) == 0:
         micro_batch = data.global_batch // (parallel.dp * parallel.microbatches)  # SMP's way: say the count
     batch = batch_layout(data.global_batch, micro_batch, parallel.dp)
+    if parallel.fault_tolerance == "replica":
+        check_replica_run(config, model, parallel, batch.micro_batch)
     check_grid_rows(parallel, batch)
     check_pipeline(model, parallel, batch)
     if parallel.pp_layout and parallel.pp > 1:  # the run's pp_split, as the layout writes it for this model
@@ -255,3 +257,33 @@ def check_diloco_run(config: RunConfig, model: ModelConfig) -> None:
     """What a DiLoCo run (dp_mode 'diloco') does not do in this version, refused by name before launch."""
     check_diloco_uses(plan_auto=config.launch.plan == "auto", muon=config.optim.optimizer == "muon",
                       spike=config.train.spike_policy != "off", expert_bias=model.expert_bias_rate > 0)
+
+
+def check_replica_run(config: RunConfig, model: ModelConfig, parallel: ParallelConfig, micro_batch: int) -> None:
+    """Fault tolerance by replica groups (paratrain.topology.quorum): the global batch divides among any number of
+    surviving groups, and what this version does not compose with it, refused by name."""
+    assert parallel.dp is not None
+    groups, inside, batch = parallel.replica_groups, parallel.dp // parallel.replica_groups, config.data.global_batch
+    for live in range(1, groups + 1):
+        if batch % (live * inside * micro_batch):
+            raise ConfigError(f"fault_tolerance replica divides each global batch ({batch}) among the live replica "
+                              f"groups' dp ranks ({inside} a group) in micro-batches of {micro_batch}: with {live} of "
+                              f"{groups} groups left that is {live * inside} x {micro_batch} rows, which does not "
+                              f"divide it; use a global batch that every count of groups divides (a multiple of "
+                              f"{math.lcm(*range(1, groups + 1)) * inside * micro_batch})")
+    launch = config.launch
+    given = [what for what, on in (
+        ("--precision fp16 (its loss scale's overflow decision is the group's)", config.train.precision == "fp16"),
+        ("a MoE model (its routing statistics and balancing are the group's)", model.n_experts > 0),
+        ("--plan auto", launch.plan == "auto"), ("--optimizer muon", config.optim.optimizer == "muon"),
+        ("--spike-policy", config.train.spike_policy != "off"),
+        ("--max-restarts (start a lost group again with --replica-group G --lighthouse HOST:PORT: it joins the "
+         "running job)", launch.max_restarts > 0),
+        ("--nnodes > 1 (the lighthouse is the first launcher's, on this host)", launch.nnodes > 1),
+    ) if on]
+    if given:
+        raise ConfigError("fault_tolerance replica with " + "; ".join(given) + ": not built in this version; drop them")
+    if launch.replica_group >= groups or (launch.replica_group >= 0) != bool(launch.lighthouse):
+        raise ConfigError(f"--replica-group G (0 .. {groups - 1}) starts one replica group of a running job and "
+                          f"needs --lighthouse HOST:PORT (its first launcher prints it), got --replica-group "
+                          f"{launch.replica_group} --lighthouse {launch.lighthouse!r}: give both, or neither")

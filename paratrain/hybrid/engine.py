@@ -85,7 +85,7 @@ class Engine:
         (read back from the device: see step() for a step that does not wait for it)."""
         return self.step(batch, loss_fn, wait=True).stats().loss
 
-    def step(self, batch: Batch, loss_fn: LossFn, *, wait: bool = False) -> PendingStep:
+    def step(self, batch: Batch, loss_fn: LossFn, *, wait: bool = False, first_row: int | None = None) -> PendingStep:
         """As train_step, without reading anything back to the host: on a GPU the step is queued and
         this returns at once. Its loss, gradient norm and token count stay on the device until
         PendingStep.stats() reads them (read them once per log interval). Two policies must decide
@@ -94,12 +94,15 @@ class Engine:
         found by the next stats() or check() (collective), which raises NonFiniteError naming it:
         the updates in between are not undone, so read before saving a checkpoint.
         wait: read the values before the update (as train_step does): a non-finite step then raises
-        or is skipped before it changes anything."""
+        or is skipped before it changes anything. first_row: where this rank's rows start in the global batch
+        (keyed dropout's positions); None: dp index x rows (replica groups give theirs:
+        paratrain.train.fault_tolerance)."""
         self._check_open()
         self.model.train()
         rows = batch_rows(batch)
         micro_batches = split_batch(batch, self.micro_batch or rows)
-        first_row = self.ctx.mesh.index("dp") * rows  # this rank's rows of the global batch
+        if first_row is None:
+            first_row = self.ctx.mesh.index("dp") * rows  # this rank's rows of the global batch
         if self.buffers is not None:
             self.buffers.check_micro_batches(len(micro_batches), rows)
             self.buffers.begin_step()

@@ -143,7 +143,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                                    ("the parameter server's slices", ctx.config.ps_mode != "off")) if cut]
     check_layout_fits(opt, cuts)
     grads: GradientStrategy
-    update: Update = LocalUpdate()
+    update: Update = LocalUpdate(quorum=ctx.replicas)  # replica groups: their sums over the quorum each step
     if ctx.config.ps_mode != "off":  # 8b. the parameter server: pushes and pulls instead of collectives
         if meta:
             place()

@@ -30,6 +30,7 @@ from paratrain.memory.precision import overflowed
 from paratrain.optim import Held, MatrixExchange, Matrices, MatrixOptimizer
 from paratrain.config.errors import ConfigError
 from paratrain.data_parallel.diloco import OuterStep, Span
+from paratrain.topology.quorum import Quorum
 from paratrain.param_server import ServerClient
 from paratrain.topology import AxisGroup, Context
 
@@ -46,6 +47,9 @@ class LocalUpdate:
     matrices: Matrices | None = None
     outer: OuterStep | None = None
     """DiLoCo (dp_mode 'diloco'): the outer step every inner_steps steps, over the replica groups."""
+    quorum: Quorum | None = None
+    """Fault tolerance (fault_tolerance 'replica'): the loss sum, token count and reduced gradients summed over the
+    replica groups of the step's quorum, before anything is applied (paratrain.topology.quorum)."""
 
     def apply(self, engine: Stepping, totals: torch.Tensor, micro_batches: int, *, wait: bool) -> PendingStep:
         if self.outer is not None:
@@ -53,6 +57,8 @@ class LocalUpdate:
         local_loss = totals[0].clone()  # this rank's own, to name it if the step is not finite
         if engine.dp_group is not None:
             all_reduce(totals, engine.dp_group)
+        if self.quorum is not None:  # ReplicaLost here leaves the step undone on every rank of the group
+            self.quorum.reduce([totals, *engine.grads.owned_grads()])
         if engine.buffers is not None:
             engine.buffers.end_step()
         pending = PendingStep(engine.watch, engine.dropout.advance(), micro_batches, totals, local_loss)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from paratrain.config import RunPlan
 from paratrain.topology import join, lay_out
+from paratrain.topology.quorum import Quorum, connect
 from paratrain.topology.recorder import FlightRecorder
 from paratrain.planner.check import predicted_memory
 from paratrain.train import Trainer, TrainResult
@@ -31,7 +32,8 @@ def train_on_this_rank(plan: RunPlan) -> TrainResult:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(threads_per_rank(local_world))
     timeout = timedelta(seconds=plan.config.launch.timeout_s)  # the plan is resolved: laid out, not resolved again
-    ctx = lay_out(join(plan.config.launch.device, timeout=timeout), plan.parallel, timeout=timeout)
+    member = join(plan.config.launch.device, timeout=timeout)
+    ctx = lay_out(member, plan.parallel, timeout=timeout, replicas=replica_quorum(plan, member.rank, member.world_size))
     folder, recorder = plan.config.launch.flight_dir, ctx.mesh.recorder
     if folder and recorder is not None:
         _leave_a_record_when_stopped(recorder, folder)
@@ -47,6 +49,17 @@ def train_on_this_rank(plan: RunPlan) -> TrainResult:
     if ctx.is_main:
         print_summary(result)
     return result
+
+
+def replica_quorum(plan: RunPlan, rank: int, world: int) -> Quorum | None:
+    """Under fault tolerance: this rank's view of the replica groups, through the lighthouse (None otherwise)."""
+    if plan.parallel.fault_tolerance != "replica":
+        return None
+    launch = plan.config.launch
+    timeout = timedelta(seconds=launch.timeout_s)
+    return Quorum(connect(launch.lighthouse, timedelta(seconds=max(60.0, launch.timeout_s))),
+                  group=launch.replica_group, groups=plan.parallel.replica_groups, rank=rank, world=world,
+                  timeout=timeout)
 
 
 def memory_hooks(plan: RunPlan) -> list[MemorySnapshot]:

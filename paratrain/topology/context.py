@@ -13,6 +13,7 @@ from paratrain.config.errors import ConfigError
 from paratrain.config.parallel import ParallelConfig
 from paratrain.config.world import DEVICES, resolve_device
 from paratrain.topology.dims import ParallelDims
+from paratrain.topology.quorum import Quorum
 from paratrain.topology.mesh import Mesh
 
 
@@ -30,11 +31,14 @@ class Context:
     device: torch.device
     backend: str
     """'gloo', 'nccl', or 'none' for a single process without torch.distributed."""
+    replicas: Quorum | None = None
+    """Under fault tolerance (fault_tolerance 'replica'): this replica group's place among the others, whose
+    worlds are apart (rank and world_size are this group's); None otherwise."""
 
     @property
     def is_main(self) -> bool:
-        """Rank 0: the one that prints, logs and writes files."""
-        return self.rank == 0
+        """Rank 0 (of replica group 0 under fault tolerance): the one that prints, logs and writes files."""
+        return self.rank == 0 and (self.replicas is None or self.replicas.group == 0)
 
     @property
     def is_server(self) -> bool:
@@ -109,7 +113,8 @@ def join(device: str = "auto", *, timeout: timedelta = timedelta(minutes=5)) -> 
     return Member(rank=rank, world_size=world_size, device=on, backend=backend)
 
 
-def lay_out(member: Member, resolved: ParallelConfig, *, timeout: timedelta = timedelta(minutes=5)) -> Context:
+def lay_out(member: Member, resolved: ParallelConfig, *, timeout: timedelta = timedelta(minutes=5),
+            replicas: Quorum | None = None) -> Context:
     """The Context of a joined process under a config already resolved against its world size
     (ParallelConfig.resolved, or a RunPlan's): the dims are built once here and the mesh reads them.
     Collective when the world has more than one process (every rank builds the same groups)."""
@@ -121,7 +126,7 @@ def lay_out(member: Member, resolved: ParallelConfig, *, timeout: timedelta = ti
                           f"{member.world_size} (ParallelConfig.resolved)")
     mesh = Mesh.build(dims, member.rank, timeout=timeout) if member.world_size > 1 else Mesh.single()
     return Context(config=resolved, dims=dims, mesh=mesh, rank=member.rank, world_size=member.world_size,
-                   device=member.device, backend=member.backend)
+                   device=member.device, backend=member.backend, replicas=replicas)
 
 
 def _local_gpu() -> int:

@@ -91,6 +91,11 @@ class ParallelDims:
         if config.dp is None:
             raise ConfigError("dp is not resolved yet: call ParallelConfig.resolved(world_size) first")
         local = config.dp_mode == "diloco"
+        if config.fault_tolerance == "replica":  # each replica group is a world of its own: its dims are its own
+            dp = config.dp // config.replica_groups
+            return cls.of(dp=dp, tp=config.tp, pp=config.pp, virtual_stages=config.virtual_stages, ep=config.ep,
+                          dp_shard=dp if config.zero else 1, cp=config.cp, servers=config.ps_servers,
+                          tp_mode=config.tp_mode, tp_depth=config.tp_depth, cp_ulysses=config.cp_ulysses)
         shard = config.dp // config.replica_groups if local else (config.shard_group or config.dp) if config.zero else 1
         return cls.of(dp=config.dp, tp=config.tp, pp=config.pp, virtual_stages=config.virtual_stages, ep=config.ep,
                       dp_shard=shard, cp=config.cp, servers=config.ps_servers, tp_mode=config.tp_mode,

@@ -23,6 +23,7 @@ from paratrain.comm.order import check_collective_order
 from paratrain.hybrid import Engine, NonFiniteError, StepStats
 from paratrain.hybrid.engine import LossFn
 from paratrain.topology import Context
+from paratrain.train.fault_tolerance import ReplicaSteps
 from paratrain.train.log import get_logger
 from paratrain.train.loop_settings import LoopResult, LoopSettings
 from paratrain.train.metrics import JsonLog, RecordLog, Records, mfu, peak_flops, step_record
@@ -83,6 +84,8 @@ class TrainLoop:
         self.log = get_logger(ctx.rank)
         self.non_finite_skips = 0
         self.saver = AsyncSaver() if settings.save and settings.save_mode == "async" else None
+        self.replicas = ReplicaSteps(ctx.replicas) if ctx.replicas is not None else None
+        """Under fault tolerance: each step's rows from the quorum, redone when a replica group is lost."""
 
     # --- checkpoints ---
 
@@ -156,6 +159,8 @@ class TrainLoop:
             TensorBoardLog(s.tensorboard, resumed_at=self.step) if s.tensorboard and self.ctx.is_main else None,
             *(self._logger(name) for name in s.loggers if self.ctx.is_main))
         peak = peak_flops(self.ctx.device)
+        if self.replicas is not None:  # meet the other groups (a group joining a running job gets its state here)
+            self.replicas.begin(self)
         bar = self._progress_bar()
         start_step = self.step
         for hook in self.hooks:
@@ -174,11 +179,14 @@ class TrainLoop:
                 self.engine.set_lr(lr)
                 for hook in self.hooks:
                     hook.on_step_start(self)
+                if self.replicas is not None:  # joiners admitted, and sent the state, before this step's batch
+                    self.replicas.boundary(self)
                 batch = self.train.next()
                 for hook in self.hooks:
                     batch = hook.on_batch(self, batch)
                 try:
-                    pending = self.engine.step(batch, self.loss_fn)
+                    pending = (self.engine.step(batch, self.loss_fn) if self.replicas is None
+                               else self.replicas.step(self, batch))
                 except NonFiniteError as error:  # read before the update (on_non_finite='skip', fp16)
                     raise self._stopped(error.step, str(error)) from None
                 self.step += 1
@@ -187,7 +195,8 @@ class TrainLoop:
                 unread.append((self.step, lr, pending))
                 last = self.step == s.steps
                 validating = self.val is not None and (bool(s.eval_every and self.step % s.eval_every == 0) or last)
-                saving = bool(s.save and ((s.save_every and self.step % s.save_every == 0) or last))
+                saving = bool(s.save and ((s.save_every and self.step % s.save_every == 0) or last)
+                              and (self.replicas is None or self.replicas.saves()))
                 if bar is not None:
                     bar.update(1)
                 if not (self.step % s.log_every == 0 or validating or saving or pending.ready

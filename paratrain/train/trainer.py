@@ -172,6 +172,12 @@ def loaders(data: RunData, documents: bool, *, seq_len: int, global_batch: int, 
             MixtureLoader(parts["val"], first, shuffle=False, **args))
 
 
+def job_rank(ctx: Context) -> int:
+    """This rank's number in the whole job (under fault tolerance: its replica group's ranks come after the groups
+    before it), as --fail-at names ranks."""
+    return ctx.rank if ctx.replicas is None else ctx.replicas.group * ctx.world_size + ctx.rank
+
+
 class Trainer:
     """The CLI's run on one rank: the GPT and its byte- or token-level data set up from the run plan,
     then the shared TrainLoop (paratrain.train.loop), then a text sample."""
@@ -206,6 +212,8 @@ class Trainer:
         self.engine: Engine = parallelize(self.model, ctx, optimizer=optimizer_factory(config.optim),
                                           options=options, recipe=recipe, init=source)
         dp, dp_index = ctx.mesh.degree("dp"), ctx.mesh.index("dp")
+        if ctx.replicas is not None:  # each step's rows come from the quorum: every rank reads the whole global batch
+            dp, dp_index = 1, 0
         loader_args = dict(seq_len=plan.seq_len, global_batch=plan.batch.global_batch, dp=dp,
                            dp_index=dp_index, seed=config.seed)
         rampup = BatchRampup.parse(config.data.batch_rampup, plan.batch.global_batch) \
@@ -229,7 +237,7 @@ class Trainer:
             flops_per_token=plan.model.flops_per_token(plan.seq_len), checkpoint_meta={"config": to_dict(config)},
             checkpoint_files=carried_files(config.model.hf) if config.model.hf else {}, attempt=self.attempt)
         self.loop = start_loop(TrainLoop(self.engine, ctx, loss_fn, self.train_loader, self.val_loader, settings,
-                                         hooks=[*run_hooks(plan, ctx.rank, self.attempt), *hooks]),
+                                         hooks=[*run_hooks(plan, job_rank(ctx), self.attempt), *hooks]),
                                resume=train.resume)
 
     @property
