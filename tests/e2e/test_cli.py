@@ -193,6 +193,44 @@ def test_a_killed_rank_is_named_first():
     assert "then: rank 0" in final
 
 
+def test_a_lost_replica_group_costs_a_step_and_a_restarted_one_rejoins(tmp_path):
+    """--fault-tolerance replica, 2 replica groups of dp 2 x ZeRO-2: rank 3 (group 1) SIGKILLed at step 6; group 0
+    redoes step 6 alone (its rows: the whole global batch) without a relaunch, the time from the failure to the
+    redone step said; group 1 started again by a second launcher at step 8 joins at a step boundary with the state
+    from group 0 (the SHA-256 of its tensors equal to the sender's), and every step's loss equals one process's
+    (float32: the parity suite's bound; tests/distributed/test_replica_groups.py holds float64)."""
+    ft = ["--zero", "2", "--fault-tolerance", "replica", "--replica-groups", "2", "--steps", "30", "--log-every", "1",
+          "--timeout", "3", "--warmup", "30"]  # SMALL's warmup 2 amplifies rounding past step 10 (1e-4 by step 29)
+    log, ref = tmp_path / "log.jsonl", tmp_path / "ref.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen([sys.executable, "-m", "paratrain", "train", "--nproc", "4", *SMALL, *ft, "--fail-at",
+                              "3:6:kill", "--inject", "slow:0:400", "--log-json", str(log)],
+                             stderr=subprocess.PIPE, text=True, env=env)
+    assert first.stderr is not None
+    banner = first.stderr.readline()
+    address = re.search(r"lighthouse (\S+);", banner).group(1)  # type: ignore[union-attr]
+    deadline = time.monotonic() + 180
+    while not (log.exists() and any(r.get("step", 0) >= 8 for r in records(log) if "loss" in r)):
+        assert time.monotonic() < deadline and first.poll() is None, banner
+        time.sleep(0.1)
+    second = subprocess.run([sys.executable, "-m", "paratrain", "train", "--nproc", "2", *SMALL, *ft,
+                             "--replica-group", "1", "--lighthouse", address],
+                            stderr=subprocess.PIPE, text=True, env=env, timeout=240)
+    rest = first.communicate(timeout=240)[1]
+    assert first.returncode == 0 and second.returncode == 0, rest + second.stderr
+    lost = re.search(r"replica group\(s\) \[1\] lost at step 6; the step was redone by \[0\]: ([\d.]+) s", rest)
+    assert lost and float(lost.group(1)) < 5.0, rest  # measured: 1.1 s (--timeout 3: the recovery window is 1 s)
+    joined = re.search(r"replica group 1 joined at step (\d+) \(epoch 2, groups \[0, 1\]\); its weights' SHA-256 "
+                       r"[0-9a-f]{64} equals replica group 0's", second.stderr)
+    assert joined and 8 < int(joined.group(1)) < 30, second.stderr  # measured: step 21
+    out = paratrain("train", "--nproc", "1", *SMALL, "--steps", "30", "--warmup", "30", "--log-json", str(ref))
+    assert out.returncode == 0, out.stderr
+    got, want = losses(log), losses(ref)
+    assert sorted(got) == list(range(1, 31))  # every step once, the redone one too
+    for step in want:  # measured: <= 5.4e-7 relative
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+
+
 def test_a_rank_hung_on_another_node_is_found_by_every_node(tmp_path):
     """The hang report (which also serves one node): two launcher agents on 127.0.0.1 (2 processes each, --timeout 5), rank 3 (node 1) stops answering
     at step 3: every rank leaves its flight record in the shared --save folder, so node 0's launcher,
