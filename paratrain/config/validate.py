@@ -167,8 +167,9 @@ def check_run(config: RunConfig, world_size: int, *, model_shape: ModelShape = p
     if train.fail_at:
         parts = train.fail_at.split(":")
         if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[:2]) or parts[2:] not in (
-                [], ["kill"], ["hang"], ["kill-saving"], ["kill-node"]):
+                [], ["kill"], ["kill-backward"], ["hang"], ["kill-saving"], ["kill-node"]):
             raise ConfigError(f"train.fail_at must be 'RANK:STEP' (raise), 'RANK:STEP:kill' (SIGKILL), "
+                              f"'RANK:STEP:kill-backward' (SIGKILL in that step's backward), "
                               f"'RANK:STEP:hang' (stop answering), 'RANK:STEP:kill-saving' (SIGKILL while saving "
                               f"the checkpoint of STEP) or 'RANK:STEP:kill-node' (SIGKILL its launcher and every "
                               f"worker of its node), e.g. '1:3', got {train.fail_at!r}")

@@ -3,6 +3,7 @@ below), as loop hooks.
 
     RANK:STEP              that rank raises at that step
     RANK:STEP:kill         that rank SIGKILLs itself (as the out-of-memory killer or `kill -9` would)
+    RANK:STEP:kill-backward  the same, in the middle of that step's backward (the first gradient it computes)
     RANK:STEP:hang         that rank stops answering (its peers time out in a collective)
     RANK:STEP:kill-saving  SIGKILL while saving the checkpoint of STEP (its own file written, unpublished)
     RANK:STEP:kill-node    SIGKILL its whole node: its launcher and every worker of it (Linux)
@@ -31,6 +32,12 @@ class FaultInjection(Hook):
         self.armed = self.rank == rank and attempt == 0
 
     def on_step_start(self, loop: TrainLoop) -> None:
+        if self.armed and self.how == ["kill-backward"] and self.step == loop.step + 1:
+            for param in loop.engine.model.parameters():  # the first gradient of the step's backward kills
+                if param.requires_grad:
+                    param.register_hook(_kill)
+                    break
+            return
         self.at_step(loop.step + 1)
 
     def at_step(self, step: int) -> None:
@@ -49,6 +56,10 @@ class FaultInjection(Hook):
     def before_publish(self, loop: TrainLoop) -> None:
         if self.armed and self.how == ["kill-saving"] and self.step == loop.step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill(grad: torch.Tensor) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _kill_node() -> None:

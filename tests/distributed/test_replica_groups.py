@@ -1,6 +1,6 @@
 """Replica groups (fault_tolerance 'replica') in float64 against one process: two groups of dp 2 x ZeRO-2, each its own
 world (as their launchers start them), meeting through a lighthouse store this test holds; rank 3 SIGKILLs itself at
-step 4, and group 0 redoes that step alone. The whole TrainLoop runs (paratrain.train.fault_tolerance); the one
+step 4 (in its backward), and group 0 redoes that step alone. The whole TrainLoop runs (paratrain.train.fault_tolerance); the one
 process runs the same loop on the same global batches. (The CLI's launchers, the timing and a group rejoining:
 tests/e2e/test_cli.py.)"""
 
@@ -51,7 +51,7 @@ def _group_rank(group: int, rank: int, port: int, lighthouse: str, out: str) -> 
     quorum = Quorum(connect(lighthouse, timedelta(seconds=60)), group=group, groups=GROUPS, rank=rank, world=RANKS,
                     timeout=timeout)
     ctx = lay_out(member, config, timeout=timeout, replicas=quorum)
-    loop = _loop(ctx, [FaultInjection("3:4:kill", rank=group * RANKS + rank, attempt=0)])
+    loop = _loop(ctx, [FaultInjection("3:4:kill-backward", rank=group * RANKS + rank, attempt=0)])
     result = loop.run()
     Path(out).write_text(json.dumps({"losses": result.losses, "recoveries": [
         {k: v for k, v in r.items() if k != "failed_at"} for r in loop.replicas.recoveries]}))

@@ -194,7 +194,7 @@ def test_a_killed_rank_is_named_first():
 
 
 def test_a_lost_replica_group_costs_a_step_and_a_restarted_one_rejoins(tmp_path):
-    """--fault-tolerance replica, 2 replica groups of dp 2 x ZeRO-2: rank 3 (group 1) SIGKILLed at step 6; group 0
+    """--fault-tolerance replica, 2 replica groups of dp 2 x ZeRO-2: rank 3 (group 1) SIGKILLed in the backward of step 6; group 0
     redoes step 6 alone (its rows: the whole global batch) without a relaunch, the time from the failure to the
     redone step said; group 1 started again by a second launcher at step 8 joins at a step boundary with the state
     from group 0 (the SHA-256 of its tensors equal to the sender's), and every step's loss equals one process's
@@ -204,7 +204,7 @@ def test_a_lost_replica_group_costs_a_step_and_a_restarted_one_rejoins(tmp_path)
     log, ref = tmp_path / "log.jsonl", tmp_path / "ref.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     first = subprocess.Popen([sys.executable, "-m", "paratrain", "train", "--nproc", "4", *SMALL, *ft, "--fail-at",
-                              "3:6:kill", "--inject", "slow:0:400", "--log-json", str(log)],
+                              "3:6:kill-backward", "--inject", "slow:0:400", "--log-json", str(log)],
                              stderr=subprocess.PIPE, text=True, env=env)
     assert first.stderr is not None
     banner = first.stderr.readline()
