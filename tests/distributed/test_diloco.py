@@ -196,19 +196,3 @@ def _load_as_sync(root: str) -> None:
     engine = paratrain.parallelize(paratrain.build_gpt(TINY, seed=7, dtype=torch.float64), ctx, optimizer=_optimizer)
     folder = resolve_checkpoint(root)
     load_sharded(folder, verify_shared(folder), engine.view())
-
-
-def test_diloco_refusals():
-    bad = {"replica_groups 3 of dp 4": dict(dp=4, dp_mode="diloco", replica_groups=3),
-           "one group": dict(dp=4, dp_mode="diloco", replica_groups=1),
-           "inner steps 0": dict(dp=4, dp_mode="diloco", replica_groups=2, inner_steps=0),
-           "momentum 1": dict(dp=4, dp_mode="diloco", replica_groups=2, outer_momentum=1.0),
-           "shard group across groups": dict(dp=4, zero=1, shard_group=4, dp_mode="diloco", replica_groups=2),
-           "ep": dict(dp=4, ep=2, dp_mode="diloco", replica_groups=2),
-           "groups without diloco": dict(dp=4, replica_groups=2),
-           "fragments not dividing H": dict(dp=4, dp_mode="diloco", replica_groups=2, inner_steps=4, outer_fragments=3)}
-    for what, fields in bad.items():
-        with pytest.raises(paratrain.ConfigError) as error:
-            paratrain.ParallelConfig(**fields).resolved(4)
-        assert "diloco" in str(error.value).lower() or "DiLoCo" in str(error.value), what
-    paratrain.ParallelConfig(dp=4, zero=1, shard_group=2, dp_mode="diloco", replica_groups=2).resolved(4)

@@ -1,0 +1,59 @@
+"""The rules of replica groups, before launch: DiLoCo's (dp_mode 'diloco') and fault tolerance's (fault_tolerance
+'replica'), each refused with its rule; and what a run with them cannot do yet, by name."""
+
+from __future__ import annotations
+
+import pytest
+
+import paratrain
+from paratrain.cli import main
+
+
+def test_diloco_refusals():
+    bad = {"replica_groups 3 of dp 4": dict(dp=4, dp_mode="diloco", replica_groups=3),
+           "one group": dict(dp=4, dp_mode="diloco", replica_groups=1),
+           "inner steps 0": dict(dp=4, dp_mode="diloco", replica_groups=2, inner_steps=0),
+           "momentum 1": dict(dp=4, dp_mode="diloco", replica_groups=2, outer_momentum=1.0),
+           "shard group across groups": dict(dp=4, zero=1, shard_group=4, dp_mode="diloco", replica_groups=2),
+           "ep": dict(dp=4, ep=2, dp_mode="diloco", replica_groups=2),
+           "groups without diloco": dict(dp=4, replica_groups=2),
+           "fragments not dividing H": dict(dp=4, dp_mode="diloco", replica_groups=2, inner_steps=4, outer_fragments=3)}
+    for what, fields in bad.items():
+        with pytest.raises(paratrain.ConfigError) as error:
+            paratrain.ParallelConfig(**fields).resolved(4)
+        assert "diloco" in str(error.value).lower() or "DiLoCo" in str(error.value), what
+    paratrain.ParallelConfig(dp=4, zero=1, shard_group=2, dp_mode="diloco", replica_groups=2).resolved(4)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(dp=4, fault_tolerance="replica", replica_groups=3), "replica_groups (3) must divide dp"),
+    (dict(dp=4, fault_tolerance="replica", replica_groups=1), "replica_groups (1) must divide dp"),
+    (dict(dp=4, zero=1, shard_group=4, fault_tolerance="replica", replica_groups=2), "shard_group (4) must be 2"),
+    (dict(dp=4, ep=2, fault_tolerance="replica", replica_groups=2), "with ep"),
+    (dict(dp=4, fault_tolerance="replica", replica_groups=2, dp_mode="diloco"), "with dp_mode diloco"),
+    (dict(dp=4, fault_tolerance="sometimes"), "fault_tolerance must be one of"),
+])
+def test_fault_tolerance_refusals(fields, message):
+    with pytest.raises(paratrain.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        paratrain.ParallelConfig(**fields).resolved(4)
+    paratrain.ParallelConfig(dp=4, zero=2, fault_tolerance="replica", replica_groups=2).resolved(4)
+
+
+SMALL = ["train", "--nproc", "4", "--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "2"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nproc", "6", "--fault-tolerance", "replica", "--replica-groups", "3", "--global-batch", "6", "--micro-batch",
+      "1"], "with 2 of 3 groups left that is 4 x 1 rows"),
+    (["--fault-tolerance", "replica", "--replica-groups", "2", "--global-batch", "8", "--precision", "fp16"],
+     "--precision fp16"),
+    (["--fault-tolerance", "replica", "--replica-groups", "2", "--global-batch", "8", "--max-restarts", "1",
+      "--save", "/tmp/x"], "--max-restarts"),
+    (["--nproc", "2", "--fault-tolerance", "replica", "--replica-groups", "2", "--global-batch", "8", "--replica-group",
+      "1"], "needs --lighthouse"),
+    (["--dp-mode", "diloco", "--replica-groups", "2", "--global-batch", "8", "--optimizer", "muon"], "Muon"),
+    (["--dp-mode", "diloco", "--replica-groups", "2", "--global-batch", "8", "--plan", "auto"], "--plan auto"),
+])
+def test_runs_with_replica_groups_refuse_what_they_cannot_do(capsys, flags, message):
+    assert main([*SMALL, *flags]) == 2
+    assert message in capsys.readouterr().err
