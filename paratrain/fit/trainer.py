@@ -138,6 +138,10 @@ class Trainer:
         if optimizer == "muon" and self.parallel.ps_mode != "off":
             raise ConfigError("optimizer='muon' needs each whole matrix, which the parameter server's slices do not "
                               "give: use a strategy without it (zero1/2/3 shard Muon's state) or optimizer='adamw'")
+        if self.parallel.fault_tolerance != "off":
+            raise ConfigError("fault_tolerance 'replica' runs each replica group as a job of its own (its launcher and "
+                              "world), which paratrain.Trainer's one launch does not start: use `paratrain train "
+                              "--fault-tolerance replica --replica-groups N` (docs/reliability.md)")
         if self.parallel.dp_mode == "diloco":
             check_diloco_uses(muon=optimizer == "muon")
         self.batch = batch_layout(global_batch, micro_batch or 0, self.parallel.dp or 1)
