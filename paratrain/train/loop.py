@@ -261,8 +261,11 @@ class TrainLoop:
     @property
     def _counted_ranks(self) -> int:
         """The ranks whose tokens a step's statistics count: the world, or under DiLoCo one replica group's (each
-        group's statistics are its own: the logs are rank 0's group's)."""
+        group's statistics are its own: the logs are rank 0's group's), or under fault tolerance every live group's
+        (this world is one group; the statistics are the quorum's)."""
         dims = self.ctx.mesh.dims
+        if self.ctx.replicas is not None:
+            return self.ctx.world_size * len(self.ctx.replicas.epoch.members)
         return self.ctx.world_size // dims.dp_replicate if dims.dp_local else self.ctx.world_size
 
     def _record(self, step: int, lr: float, stats: StepStats, step_time: float, peak: float | None) -> dict[str, Any]:
