@@ -43,7 +43,7 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
              cp: int = 1, cp_mode: str = "ring", cp_ulysses: int = 1, ps_mode: str = "off", ps_servers: int = 0,
              staleness: int = 0, ps_sparse: tuple[str, ...] = (), optimizer: str = "adamw",
              expert_tp: bool = False, keep_grads: bool = False, tp_mode: str = "1d",
-             tp_depth: int = 1) -> dict[str, Any]:
+             tp_depth: int = 1, routing_ids: bool = False) -> dict[str, Any]:
     """Train the tiny GPT `steps` steps on the built-in corpus under a layout; per-step losses and
     grad norms, and the final full state. dp None: the single-process reference (no process group).
     start, start_step: resume from a full state (engine.state_dict()) taken after start_step steps.
@@ -53,7 +53,8 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
     ps_mode, ps_servers, staleness, ps_sparse: the parameter server (a dedicated server rank serves and returns
     its pushes; a trainer returns the sparse rows' bytes it pushed). optimizer: "adamw" (weight decay 0.1) or
     "sgd" (plain: no momentum, no weight decay) or "adagrad" (no weight decay, eps 1e-2) or "muon" (Muon on the
-    matrices, Moonshot's lr match, AdamW on the embedding and vectors)."""
+    matrices, Moonshot's lr match, AdamW on the embedding and vectors). routing_ids: every token's chosen experts
+    at every step (RoutingProbe)."""
     torch.manual_seed(12345)  # must not matter: init and data order are keyed
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=dp, tp=tp, sequence_parallel=sequence_parallel, pp=pp,
                                                   schedule=schedule, virtual_stages=virtual_stages, pp_split=pp_split,
@@ -91,6 +92,7 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
                                  resume=load_sharded or "")
         return {"server": True, "pushes": served.pushes}
     engine = paratrain.parallelize(gpt, ctx, optimizer=make_optimizer, options=options)
+    probe = RoutingProbe(engine) if routing_ids else None
     source = load_source("builtin")
     loader = GlobalBatchLoader(source.train, seq_len=TINY.seq_len, global_batch=global_batch,
                                dp=ctx.mesh.degree("dp"), dp_index=ctx.mesh.index("dp"), seed=seed)
@@ -135,7 +137,50 @@ def tiny_run(*, dp: int | None, micro_batch: int | None, steps: int = 10, global
             "owner_flops": engine.update.matrices.owner_flops if getattr(engine.update, "matrices", None) else None,
             "exchange_peak": engine.update.matrices.peak_bytes() if getattr(engine.update, "matrices", None) else None,
             "buckets": len(getattr(engine.grads, "buckets", getattr(engine.grads, "groups", []))),
-            "timeline": engine.pipeline.times if engine.pipeline is not None else None}
+            "timeline": engine.pipeline.times if engine.pipeline is not None else None,
+            "routing_ids": probe.chosen if probe is not None else None}
+
+
+class RoutingProbe:
+    """Every token's chosen experts (before capacity) at every training forward of every MoE layer on this rank:
+    (step, layer, global row, global position) -> the k expert ids, in choice order. Under cp or sequence
+    parallelism the layer's split gives its tokens' positions; the rows are where the engine's dropout stream says the
+    micro-batch starts. Recomputations in backward are left out."""
+
+    def __init__(self, engine: Any) -> None:
+        from paratrain.nn.moe import MoE
+
+        self.engine = engine
+        self.chosen: dict[tuple[int, str, int, int], tuple[int, ...]] = {}
+        for name, module in engine.model.named_modules():
+            if isinstance(module, MoE):
+                module.router.register_forward_hook(self._hook(name, module))
+
+    def _hook(self, name: str, moe: Any) -> Any:
+        def record(router: Any, args: Any, routing: Any) -> None:
+            if not moe.training or torch._C._current_graph_task_id() != -1:
+                return
+            expert = routing.expert.detach().cpu()
+            rows, length = expert.shape[:2]
+            positions = (moe.sequence.positions(length, torch.device("cpu")).tolist() if moe.sequence is not None
+                         else list(range(length)))
+            stream = self.engine.dropout
+            for b in range(rows):
+                for s, position in enumerate(positions):
+                    key = (stream.step, name, stream.row_offset + b, int(position))
+                    ids = tuple(expert[b, s].tolist())
+                    assert self.chosen.setdefault(key, ids) == ids, key
+        return record
+
+
+def merged_routing(ranks: list[dict[str, Any]]) -> dict[tuple[int, str, int, int], tuple[int, ...]]:
+    """The ranks' RoutingProbe records as one (a token routed on two ranks, as tp without sequence parallelism
+    routes it, must have chosen alike on both)."""
+    out: dict[tuple[int, str, int, int], tuple[int, ...]] = {}
+    for rank in ranks:
+        for key, ids in rank["routing_ids"].items():
+            assert out.setdefault(key, ids) == ids, key
+    return out
 
 
 def plain_token_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, logits: torch.Tensor,

@@ -72,6 +72,8 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--capacity-factor": ("model.overrides.capacity_factor", float, "assignments an expert takes per sequence: "
                           "ceil(F x seq x top_k / experts); 0: dropless (default)"),
     "--aux-loss-coef": ("model.overrides.aux_loss_coef", float, "weight of the Switch load-balancing loss (default 0.01)"),
+    "--global-aux-coef": ("model.overrides.global_aux_coef", float, "weight of the global-batch load-balancing loss "
+                          "(the previous global batch's load fractions x the router probabilities; default 0: off)"),
     "--z-loss-coef": ("model.overrides.z_loss_coef", float, "weight of the router z-loss (default 0.001)"),
     "--mtp-depth": ("model.overrides.mtp_depth", int, "multi-token prediction (DeepSeek-V3): D extra depths after the "
                     "last block, depth k predicting the token k + 1 ahead (default 0: off)"),

@@ -70,6 +70,11 @@ class ModelConfig:
     are dropped (the token keeps its residual). 0: dropless."""
     aux_loss_coef: float = 0.01
     """Weight of the Switch load-balancing loss (per sequence, averaged over sequences)."""
+    global_aux_coef: float = 0.0
+    """Weight of the global-batch load-balancing loss (Qiu et al. 2025, "Demons in the Detail"): E sum_e f_e P_e with
+    f_e the fraction of the previous step's global batch's assignments expert e ran (the last whole batch whose
+    counts every layout knows alike: the current one's are not known before a micro-batch's backward) and P_e the
+    mean router probability over the tokens; 0: off."""
     z_loss_coef: float = 0.001
     """Weight of the router z-loss (per token, averaged over tokens)."""
     mtp_depth: int = 0
@@ -137,7 +142,7 @@ class ModelConfig:
                                   "block i has a MoE layer when (i + 1) % moe_every == 0")
             if self.d_expert < 0:
                 raise ConfigError(f"model.d_expert must be >= 0 (0: ff_dim), got {self.d_expert}")
-            for name in ("capacity_factor", "aux_loss_coef", "z_loss_coef"):
+            for name in ("capacity_factor", "aux_loss_coef", "global_aux_coef", "z_loss_coef"):
                 value = getattr(self, name)
                 if not (math.isfinite(value) and value >= 0):
                     raise ConfigError(f"model.{name} must be a finite number >= 0, got {value}")

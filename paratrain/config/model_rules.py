@@ -126,6 +126,10 @@ def check_experts(model: ModelConfig, parallel: ParallelConfig) -> None:
                           f"batch's counts after each step, which the parameter server's update (ps_mode "
                           f"{parallel.ps_mode!r}) does not see: use ps_mode 'off', or --expert-bias 0 with the "
                           "auxiliary loss")
+    if model.global_aux_coef > 0 and parallel.ps_mode != "off":
+        raise ConfigError(f"the global-batch balancing loss (global_aux_coef {model.global_aux_coef:g}) reads the "
+                          f"previous global batch's counts, which the parameter server's update (ps_mode "
+                          f"{parallel.ps_mode!r}) does not see: use ps_mode 'off', or --global-aux-coef 0")
     if parallel.expert_tp and model.expert_dim % parallel.tp:
         raise ConfigError(f"expert_tp cuts each expert's width ({model.expert_dim}) over tp = {parallel.tp}: it must "
                           "divide; set d_expert to a multiple of tp or drop --expert-tp")

@@ -213,7 +213,8 @@ def check_diloco_uses(*, plan_auto: bool = False, muon: bool = False, spike: boo
         ("--plan auto (the planner's search prices synchronous data parallelism)", plan_auto),
         ("Muon (its matrices' owners span every rank, and the groups train apart)", muon),
         ("--spike-policy (it undoes a step by loading the state, or skips on one group's loss)", spike),
-        ("--expert-bias (each group would move its balancing biases on its own counts)", expert_bias),
+        ("--expert-bias / --global-aux-coef (each group would move its routers' state on its own counts)",
+         expert_bias),
     ) if on]
     if given:
         raise ConfigError("dp_mode diloco with " + "; ".join(given) + ": not built in this version; drop them, or "

@@ -257,7 +257,8 @@ def check_save_mode(save_mode: str, ps_mode: str) -> None:
 def check_diloco_run(config: RunConfig, model: ModelConfig) -> None:
     """What a DiLoCo run (dp_mode 'diloco') does not do in this version, refused by name before launch."""
     check_diloco_uses(plan_auto=config.launch.plan == "auto", muon=config.optim.optimizer == "muon",
-                      spike=config.train.spike_policy != "off", expert_bias=model.expert_bias_rate > 0)
+                      spike=config.train.spike_policy != "off",
+                      expert_bias=model.expert_bias_rate > 0 or model.global_aux_coef > 0)
 
 
 def check_replica_run(config: RunConfig, model: ModelConfig, parallel: ParallelConfig, micro_batch: int) -> None:

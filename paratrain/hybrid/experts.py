@@ -37,7 +37,7 @@ def attach_router_log(model: nn.Module, *, routed: bool = False) -> RouterLog | 
     layers = [(name, module) for name, module in model.named_modules() if isinstance(module, MoE)]
     if not layers:
         return RouterLog() if routed else None
-    log = RouterLog(biased={name: module.router for name, module in layers if module.router.settings.bias_rate > 0})
+    log = RouterLog(moving={name: module.router for name, module in layers if module.router.moves})
     for name, module in layers:
         module.attach(log, name)
     return log

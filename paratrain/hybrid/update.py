@@ -93,8 +93,8 @@ class LocalUpdate:
             cast(MatrixOptimizer, engine.optimizer).step_with(self.matrices)
         else:
             engine.optimizer.step()
-        if engine.router_log is not None:  # the balancing biases move with the step taken (not a skipped one)
-            engine.router_log.update_biases(counts)
+        if engine.router_log is not None:  # the biases and load fractions move with the step taken (not a skipped one)
+            engine.router_log.after_step(counts)
         self._after_step(engine, pending.number)
         if scaler is not None:
             scaler.update(overflow=False)

@@ -82,19 +82,20 @@ class RouterLog:
     """Assignments dropped by capacity."""
     assigned: torch.Tensor | None = None
     """Assignments made (tokens x top_k)."""
-    biased: dict[str, Router] = field(default_factory=dict)
-    """Layer name -> its router, for the layers that balance with a bias (update_biases moves them)."""
+    moving: dict[str, Router] = field(default_factory=dict)
+    """Layer name -> its router, for the layers whose routers keep state a step moves (a balancing bias, the load
+    fractions of the global-batch loss): after_step moves them."""
 
     def scale_gradients(self, scale: float) -> None:
         """The coming backward starts from the loss sum times `scale` (fp16's loss scale, else 1): the
         auxiliary terms receive the same."""
         self.grad_scale = scale
 
-    def update_biases(self, counts: dict[str, torch.Tensor]) -> None:
-        """After a step: each biased layer's bias moved from the global batch's assignments per expert (`counts`,
+    def after_step(self, counts: dict[str, torch.Tensor]) -> None:
+        """After a step: each moving router's state moved from the global batch's assignments per expert (`counts`,
         by layer name, summed over every rank that routed tokens: paratrain.hybrid.experts.routing_totals)."""
-        for name, router in self.biased.items():
-            router.update_bias(counts[name])
+        for name, router in self.moving.items():
+            router.after_step(counts[name])
 
     def reset(self) -> None:
         self.aux_sum = self.balance_sum = self.z_sum = self.dropped = self.assigned = None

@@ -72,6 +72,9 @@ class RouterSettings:
     by this much a step towards balance from the global batch's counts (update_bias); 0: no bias."""
     capacity_factor: float = 0.0
     aux_coef: float = 0.01
+    global_aux_coef: float = 0.0
+    """The global-batch balancing loss's weight (ModelConfig.global_aux_coef): it weighs the router probabilities by
+    the previous global batch's load fractions (the `load` buffer, moved by after_step); 0: off."""
     z_coef: float = 0.001
 
     @classmethod
@@ -79,7 +82,8 @@ class RouterSettings:
         """The routing of the GPT's MoE layers, from its config."""
         return cls(top_k=config.top_k, scores=config.router, groups=config.expert_groups, topk_groups=config.topk_groups,
                    scale=config.router_scale, bias_rate=config.expert_bias_rate,
-                   capacity_factor=config.capacity_factor, aux_coef=config.aux_loss_coef, z_coef=config.z_loss_coef)
+                   capacity_factor=config.capacity_factor, aux_coef=config.aux_loss_coef,
+                   global_aux_coef=config.global_aux_coef, z_coef=config.z_loss_coef)
 
 
 class Router(nn.Module):
@@ -93,6 +97,13 @@ class Router(nn.Module):
         self.aux_coef, self.z_coef = settings.aux_coef, settings.z_coef
         if settings.bias_rate > 0:  # state, not a parameter: in checkpoints, moved by update_bias
             self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
+        if settings.global_aux_coef > 0:  # the previous global batch's load fractions (uniform before the first)
+            self.register_buffer("load", torch.full((n_experts,), 1.0 / n_experts, dtype=torch.float64))
+
+    @property
+    def moves(self) -> bool:
+        """Whether the router keeps state a step moves (after_step): the balancing bias, the load fractions."""
+        return self.settings.bias_rate > 0 or self.settings.global_aux_coef > 0
 
     @property
     def reads_fixed_split(self) -> str:
@@ -141,8 +152,21 @@ class Router(nn.Module):
         fraction = counts / (seq * self.top_k)  # f[B, E]
         # aux_coef * sum_b S aux_b = aux_coef * E * sum_b,e f_be * (sum over b's tokens of p_bse): this rank's tokens'
         balance = self.aux_coef * self.n_experts * (fraction * probs.sum(dim=1)).sum()
+        if self.settings.global_aux_coef > 0:  # E sum_e f_e P_e over the global batch: this rank's tokens' share
+            balance = balance + self.settings.global_aux_coef * self.n_experts * (
+                probs.sum(dim=(0, 1)) * self.load.to(probs.dtype)).sum()
         z = self.z_coef * torch.logsumexp(logits, dim=-1).pow(2).sum()
         return Routing(gate, expert, keep, balance, z)
+
+    @torch.no_grad()
+    def after_step(self, counts: torch.Tensor) -> None:
+        """A step was taken, whose global batch gave each expert `counts` [E] assignments (integers summed over
+        every rank that routed tokens): the bias moves (update_bias), the load fractions become these."""
+        if self.settings.bias_rate > 0:
+            self.update_bias(counts)
+        if self.settings.global_aux_coef > 0:
+            counts = counts.to(self.load.device, torch.float64)
+            self.load.copy_(counts / counts.sum().clamp(min=1.0))
 
     @torch.no_grad()
     def update_bias(self, counts: torch.Tensor) -> None:

@@ -29,6 +29,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+MEET_TIMEOUT_S = 120.0
+"""How long the groups wait for each other to start (launchers and imports take seconds; --timeout is a step's)."""
+
 RECOVERY_WINDOW_S = 1.0
 """After a failure, how long a surviving group waits for the quorum's other groups to say they survived too."""
 
@@ -99,7 +102,8 @@ class Quorum:
             joining = self.store.check(["ft/epoch/0"])
             if not joining:
                 self.store.set(f"ft/start/{self.group}", "1")
-                self._wait([f"ft/start/{g}" for g in range(self.groups)], "every replica group to start")
+                self._wait([f"ft/start/{g}" for g in range(self.groups)], "every replica group to start",
+                           seconds=max(MEET_TIMEOUT_S, self.timeout.total_seconds()))
                 self.store.compare_set("ft/epoch/0", "", json.dumps(
                     {"members": list(range(self.groups)), "from_step": 1, "join": False}))
         joining = bool(_share([joining])[0])
@@ -217,11 +221,12 @@ class Quorum:
         return Epoch(number, tuple(record["members"]), record["from_step"], record.get("source"),
                      tuple(record.get("joiners", ())))
 
-    def _wait(self, keys: list[str], what: str, *, forever: bool = False) -> None:
-        deadline = None if forever else time.monotonic() + self.timeout.total_seconds()
+    def _wait(self, keys: list[str], what: str, *, forever: bool = False, seconds: float | None = None) -> None:
+        seconds = self.timeout.total_seconds() if seconds is None else seconds
+        deadline = None if forever else time.monotonic() + seconds
         while not self.store.check(keys):
             if deadline is not None and time.monotonic() > deadline:
-                raise GroupLost(f"replica group {self.group} waited {self.timeout.total_seconds():.0f} s for {what}")
+                raise GroupLost(f"replica group {self.group} waited {seconds:.0f} s for {what}")
             time.sleep(POLL_S)
 
     # --- point to point at the same place of another group (paratrain.train.rejoin) ---

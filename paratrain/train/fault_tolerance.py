@@ -16,16 +16,32 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from paratrain.hybrid import Engine
+from paratrain.hybrid.engine import LossFn
+from paratrain.topology import Context
 from paratrain.topology.quorum import Epoch, Quorum, ReplicaLost
 
-if TYPE_CHECKING:
-    from paratrain.hybrid import Engine
-    from paratrain.train.loop import TrainLoop
+
+class Cursor(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class TrainLoop(Protocol):
+    """What these steps read and set of the loop that runs them (paratrain.train.loop.TrainLoop)."""
+
+    engine: Engine
+    ctx: Context
+    loss_fn: LossFn
+    train: Cursor
+    log: logging.Logger
+    step: int
 
 
 class ReplicaSteps:

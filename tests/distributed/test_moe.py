@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import assert_matches_reference, max_state_diff, ranked_run, reference_run, rel_diff
+from tests.helpers import assert_matches_reference, max_state_diff, merged_routing, ranked_run, reference_run, rel_diff
 from tests.margins import within
 
 STEPS = 8
@@ -69,7 +69,7 @@ FINE_STEPS = 5
 
 
 def _fine_job(**kwargs) -> dict:
-    return ranked_run(steps=FINE_STEPS, model="tiny-dsmoe", dtype="float64", **kwargs)
+    return ranked_run(steps=FINE_STEPS, model="tiny-dsmoe", dtype="float64", routing_ids=True, **kwargs)
 
 
 @pytest.mark.parametrize("layout", [
@@ -83,23 +83,57 @@ def _fine_job(**kwargs) -> dict:
 def test_the_fine_grained_router_is_the_same_in_every_layout(pools, layout):
     """tiny-dsmoe (DeepSeek-V3's router in small: 16 experts, top-4, sigmoid scores, 4 groups of which 2 kept, weights
     x 2.5, the balancing bias moved by 0.001 a step from the global batch's counts, a shared expert), float64, 5
-    steps: loss, gradient norm and weights (the biases among them) equal one process's within 1e-12, every step's
-    per-expert extremes equal, and the biases bitwise equal: their moves are signs of integer counts summed over every
+    steps: loss, gradient norm and weights (the biases among them) equal one process's within 1e-12, every token's
+    chosen experts at every step and layer identical (its global row and position, RoutingProbe), and the biases
+    bitwise equal: their moves are signs of integer counts summed over every
     rank that routed tokens; with the preset's MTP depth. Measured (AMD EPYC, avx2 and default kernels): loss <= 2.6e-16,
     grad norm <= 6.0e-16, weights <= 4.5e-15 (tp 2 + SP, default kernels)."""
     world = layout["dp"] * layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
     got = pools(world).run(_fine_job, **layout)
-    ref = reference_run(FINE_STEPS, dtype="float64", model="tiny-dsmoe")
+    ref = reference_run(FINE_STEPS, dtype="float64", model="tiny-dsmoe", routing_ids=True)
     within(rel_diff(got[0]["losses"], ref["losses"]), 1e-12, "fine-grained MoE loss (float64)")
     within(rel_diff(got[0]["grad_norms"], ref["grad_norms"]), 1e-12, "fine-grained MoE grad norm (float64)")
     within(max_state_diff(got[0]["model"], ref["model"]), 1e-12, "fine-grained MoE weights (float64)")
     for mine, theirs in zip(got[0]["routing"], ref["routing"], strict=True):
         assert (mine["expert_tokens_min"], mine["expert_tokens_max"]) == (theirs["expert_tokens_min"],
                                                                           theirs["expert_tokens_max"])
+    chosen, want = merged_routing(got), ref["routing_ids"]  # every token's experts at every step and layer
+    assert len(want) == FINE_STEPS * 2 * 16 * 32 and chosen == want  # 2 MoE layers, 16 rows of 32 tokens
     biases = sorted(name for name in ref["model"] if name.endswith("router.expert_bias"))
     assert biases == ["blocks.1.moe.router.expert_bias", "blocks.3.moe.router.expert_bias"]
     for name in biases:
         assert ref["model"][name].abs().sum() > 0  # it moved
+        assert bool((got[0]["model"][name] == ref["model"][name]).all()), name
+
+
+GLOBAL_AUX = (("global_aux_coef", 0.05),)
+
+
+def _global_aux_job(**kwargs) -> dict:
+    return ranked_run(steps=5, model="tiny-moe", overrides=GLOBAL_AUX, dtype="float64", **kwargs)
+
+
+@pytest.mark.parametrize("layout", [
+    dict(dp=2, ep=2, micro_batch=4),                                  # each dp rank its rows, the experts shared
+    dict(dp=1, tp=2, sequence_parallel=True, micro_batch=8),          # each tp rank routes its chunk
+    dict(dp=1, cp=2, micro_batch=8),                                  # each sequence split
+    dict(dp=1, pp=2, micro_batch=2),                                  # a MoE layer (and its load fractions) a stage
+], ids=["dp2xep2", "tp2-sp", "cp2", "pp2"])
+def test_the_global_batch_balancing_loss_is_the_same_in_every_layout(pools, layout):
+    """--global-aux-coef: E sum_e f_e P_e with f_e the previous global batch's load fractions (integer counts summed
+    over every rank that routed tokens), so every layout weighs alike: float64, 5 steps, loss and weights within
+    1e-12 of one process and the load fractions bitwise equal; the term changes the training (measured: losses <=
+    1.7e-16 relative, weights <= 1.9e-15, avx2 and default kernels)."""
+    world = layout["dp"] * layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
+    got = pools(world).run(_global_aux_job, **layout)
+    ref = reference_run(5, dtype="float64", model="tiny-moe", overrides=GLOBAL_AUX)
+    plain = reference_run(5, dtype="float64", model="tiny-moe")
+    assert abs(ref["losses"][-1] - plain["losses"][-1]) > 1e-6  # it weighs
+    within(rel_diff(got[0]["losses"], ref["losses"]), 1e-12, "global-batch balancing loss (float64)")
+    within(max_state_diff(got[0]["model"], ref["model"]), 1e-12, "global-batch balancing weights (float64)")
+    loads = sorted(name for name in ref["model"] if name.endswith("router.load"))
+    assert loads and all(ref["model"][name].max() > ref["model"][name].min() for name in loads)  # moved off uniform
+    for name in loads:
         assert bool((got[0]["model"][name] == ref["model"][name]).all()), name
 
 

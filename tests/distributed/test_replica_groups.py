@@ -44,13 +44,13 @@ def _group_rank(group: int, rank: int, port: int, lighthouse: str, out: str) -> 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(RANKS), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       LOCAL_WORLD_SIZE=str(RANKS), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    timeout = timedelta(seconds=3)
-    member = join("cpu", timeout=timeout)
+    timeout = timedelta(seconds=3)  # the quorum's: how soon a group that stops answering is dropped
+    member = join("cpu", timeout=timedelta(seconds=120))  # the group's own world: its ranks start seconds apart
     config = paratrain.ParallelConfig(dp=GROUPS * RANKS, zero=2, bucket_mb=0.05, fault_tolerance="replica",
                                       replica_groups=GROUPS).resolved(GROUPS * RANKS)
     quorum = Quorum(connect(lighthouse, timedelta(seconds=60)), group=group, groups=GROUPS, rank=rank, world=RANKS,
                     timeout=timeout)
-    ctx = lay_out(member, config, timeout=timeout, replicas=quorum)
+    ctx = lay_out(member, config, timeout=timedelta(seconds=120), replicas=quorum)
     loop = _loop(ctx, [FaultInjection("3:4:kill-backward", rank=group * RANKS + rank, attempt=0)])
     result = loop.run()
     Path(out).write_text(json.dumps({"losses": result.losses, "recoveries": [
