@@ -158,7 +158,6 @@ def test_diloco_equals_its_simulation(pools, world, layout):
 @pytest.mark.parametrize("world,layout", [
     (4, dict(dp=4, zero=2)),                          # flat shards cut through the fragments' borders
     (4, dict(dp=2, pp=2, micro_batch=4)),             # the tied embedding and head on two stages, one fragment each
-    (4, dict(dp=2, tp=2)),
 ])
 def test_streaming_diloco_by_fragments_equals_its_simulation(pools, world, layout):
     """Streaming DiLoCo: 2 fragments, one meeting after steps 2 and 6, the other after 4 and 8."""
@@ -166,7 +165,8 @@ def test_streaming_diloco_by_fragments_equals_its_simulation(pools, world, layou
     ref = reference(fragments=2)
     assert max_state_diff(ref["model"], reference()["model"]) > 1e-6  # the fragments change the training
     for rank in got:
-        # measured: losses <= 3.2e-16 relative, weights <= 2.5e-15 (tp 2; avx2 and default kernels)
+        # measured: losses <= 3.2e-16 relative, weights <= 7.2e-16 (avx2 and default kernels; tp 2, no longer run:
+        # 2.5e-15)
         within(max(abs(a - b) / abs(b) for a, b in zip(rank["losses"], ref["losses"][rank["group"]])), 1e-12,
                "loss by fragments (float64)")
         within(max_state_diff(rank["model"], ref["models"][rank["group"]]), 1e-12, "weights by fragments (float64)")

@@ -24,6 +24,8 @@ STRINGS = {
     "--resume": ["", "/nonexistent/ckpt"], "--log-json": ["", "/tmp/paratrain-flags/log.jsonl"],
     "--fail-at": ["", "1:3", "x", "1:2:3"], "--pp-split": ["2", "1,3", "3,1", "0"],
     "--nan-policy": ["stop", "skip", "never"],
+    "--dp-mode": ["sync", "diloco", "local"], "--fault-tolerance": ["off", "replica", "always"],
+    "--lighthouse": ["", "127.0.0.1:1"],
 }
 SWITCHES = ["--recompute", "--recompute=selective", "--sequence-parallel", "--no-progress", "--keep-params",
             "--no-memory-check", "--compile", "--check-collectives"]
