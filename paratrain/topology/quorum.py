@@ -6,7 +6,7 @@ each step, sum their gradients (after the group's own reduction) and their loss 
 groups in the quorum: one process group per place in a group (rank r of every member), built from the store under
 the quorum's epoch, so no world-wide group exists that a lost group could break.
 
-    start        the first groups meet; a group started later is a joiner (paratrain.train.rejoin)
+    start        the first groups meet; a group started later is a joiner (paratrain.train.fault_tolerance)
     reduce       each step: the all-reduce over the members, then the group agrees (MAX of a flag) whether every
                  rank's went through; if not, ReplicaLost on every rank of the group alike
     recover      after ReplicaLost: the surviving groups register under the epoch, wait RECOVERY_WINDOW_S for the
@@ -15,8 +15,9 @@ the quorum's epoch, so no world-wide group exists that a lost group could break.
     boundary     before each step: the first member's leader admits the joiners that registered (the epoch after,
                  from the next step), and every rank switches to an epoch whose step has come
 
-Store keys (under "ft/"): epoch/E {"members", "from_step", "join"}; start/G; alive/E/G; joins (a counter);
-join/K the group of request K; admit/K the epoch that admits it; ready/E the source's leader reached it.
+Store keys (under "ft/"): epoch/E {"members", "from_step", "join", "source", "joiners"}; start/G; alive/E/G; joins
+(a counter); join/K the group of request K; admit/K the epoch that admits it; ready/E the source's leader reached it;
+done once the run is over (a joiner still waiting gives up).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class Quorum:
 
     def start(self) -> bool:
         """Meet the other groups: True when this group joins a job already running (its state comes from a peer:
-        paratrain.train.rejoin), False when it starts with the job (epoch 0: every group)."""
+        paratrain.train.fault_tolerance), False when it starts with the job (epoch 0: every group)."""
         joining = False
         if self.leader:
             joining = self.store.check(["ft/epoch/0"])
@@ -129,7 +130,7 @@ class Quorum:
     def boundary(self, step: int) -> Epoch | None:
         """Before step `step` (1-based) on every rank: the coordinator admits registered joiners (the next epoch,
         from step + 1); an epoch whose step has come is entered. Returns it when it admits joiners (their state is
-        to be sent: paratrain.train.rejoin), else None."""
+        to be sent: paratrain.train.fault_tolerance), else None."""
         if self.coordinator:
             self._admit(step)
         following = self.epoch.number + 1
@@ -159,12 +160,17 @@ class Quorum:
         for group, k in joiners.items():
             self.store.set(f"ft/admit/{k}", json.dumps({"epoch": number, **record}))
 
+    def end(self) -> None:
+        """The run is over (the coordinator says so: a group waiting to join stops waiting)."""
+        if self.coordinator:
+            self.store.set("ft/done", "1")
+
     # --- each step ---
 
     def reduce(self, tensors: list[torch.Tensor]) -> None:
         """Sum `tensors` over the members (in place), then agree inside the group that every rank's sum went
         through: ReplicaLost on every rank of the group if not (nothing was applied yet: the step can be redone)."""
-        failed = torch.zeros(1)
+        failed, self.last_error = torch.zeros(1), ""
         if self.pg is not None:
             try:
                 works = [self.pg.allreduce([t]) for t in tensors]
@@ -178,8 +184,8 @@ class Quorum:
         except RuntimeError as error:
             raise GroupLost(f"replica group {self.group} lost one of its own ranks: {error}") from None
         if failed.item():
-            raise ReplicaLost(f"a collective over the replica groups {list(self.epoch.members)} failed "
-                              f"(epoch {self.epoch.number})")
+            raise ReplicaLost(f"a collective over the replica groups {list(self.epoch.members)} failed (epoch "
+                              f"{self.epoch.number}){': ' + self.last_error if self.last_error else ' on a peer rank'}")
 
     def recover(self, step: int) -> Epoch:
         """After ReplicaLost in step `step`: the next epoch's members, the groups that said they survived within
@@ -227,9 +233,11 @@ class Quorum:
         while not self.store.check(keys):
             if deadline is not None and time.monotonic() > deadline:
                 raise GroupLost(f"replica group {self.group} waited {seconds:.0f} s for {what}")
+            if forever and self.store.check(["ft/done"]):
+                raise GroupLost(f"replica group {self.group}: the run ended while it waited for {what}")
             time.sleep(POLL_S)
 
-    # --- point to point at the same place of another group (paratrain.train.rejoin) ---
+    # --- point to point at the same place of another group (paratrain.train.fault_tolerance) ---
 
     def send(self, tensor: torch.Tensor, group: int, tag: int) -> None:
         assert self.pg is not None

@@ -103,6 +103,10 @@ class ReplicaSteps:
         share, mine = total // count, total // (count * dp)
         return place * share + index * mine, place * share + (index + 1) * mine
 
+    def end(self) -> None:
+        """The run's last step is done."""
+        self.quorum.end()
+
     def saves(self) -> bool:
         """Whether this group writes the run's checkpoints and logs: replica group 0 (each group holds the whole
         state; one writes it)."""

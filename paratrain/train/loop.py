@@ -233,6 +233,8 @@ class TrainLoop:
                     self.save()
                 interval_start = time.perf_counter()
             result.wall_s = time.perf_counter() - started
+            if self.replicas is not None:  # a group still waiting to join is told the run is over
+                self.replicas.end()
             if result.tokens_per_s and self.settings.flops_per_token:
                 result.mfu = mfu(result.tokens_per_s, self.settings.flops_per_token, self._counted_ranks, peak)
         except BaseException as error:
