@@ -282,6 +282,9 @@ def check_replica_run(config: RunConfig, model: ModelConfig, parallel: ParallelC
         ("--max-restarts (start a lost group again with --replica-group G --lighthouse HOST:PORT: it joins the "
          "running job)", launch.max_restarts > 0),
         ("--nnodes > 1 (the lighthouse is the first launcher's, on this host)", launch.nnodes > 1),
+        ("--device cuda (each group's launcher would number its GPUs from 0, and a joiner's state travels over "
+         "gloo's CPU point-to-point)", launch.device == "cuda"),
+        ("--batch-rampup (its batches are checked against the whole dp only)", bool(config.data.batch_rampup)),
     ) if on]
     if given:
         raise ConfigError("fault_tolerance replica with " + "; ".join(given) + ": not built in this version; drop them")

@@ -174,6 +174,9 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                 hooks += tp.register_grad_hooks(model, split=cut_over_tp)
         save_state = grads.optimizer_state
     if matrix:  # 8c. each matrix gets an owner that runs its whole-matrix step
+        if ctx.replicas is not None:
+            raise ConfigError("fault_tolerance replica with a matrix optimizer (Muon): not built in this version (its "
+                              "update is not yet summed over the replica groups); use AdamW or SGD, or no replica groups")
         if ctx.config.dp_mode == "diloco":
             raise ConfigError("dp_mode diloco with a matrix optimizer (Muon): its matrices' owners are spread over "
                               "every rank, and DiLoCo's replica groups train apart: use AdamW or SGD inside the "

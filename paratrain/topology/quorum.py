@@ -58,6 +58,8 @@ class Epoch:
     source: int | None = None
     """An epoch that admits joiners: the group that admitted them and sends them the state."""
     joiners: tuple[int, ...] = ()
+    joins: int = 0
+    """The join requests answered by this epoch or before (whoever coordinates next goes on from there)."""
 
 
 def connect(address: str, timeout: timedelta) -> dist.TCPStore:
@@ -97,67 +99,72 @@ class Quorum:
 
     def start(self) -> bool:
         """Meet the other groups: True when this group joins a job already running (its state comes from a peer:
-        paratrain.train.fault_tolerance), False when it starts with the job (epoch 0: every group)."""
+        paratrain.train.fault_tolerance), False when it starts with the job (epoch 0: every group). Every rank waits
+        on the store itself (not in a collective of its group, whose timeout is a step's)."""
         joining = False
         if self.leader:
             joining = self.store.check(["ft/epoch/0"])
             if not joining:
                 self.store.set(f"ft/start/{self.group}", "1")
-                self._wait([f"ft/start/{g}" for g in range(self.groups)], "every replica group to start",
-                           seconds=max(MEET_TIMEOUT_S, self.timeout.total_seconds()))
-                self.store.compare_set("ft/epoch/0", "", json.dumps(
-                    {"members": list(range(self.groups)), "from_step": 1, "join": False}))
-        joining = bool(_share([joining])[0])
-        if not joining:
-            self._enter(self._read(0))
-        return joining
+        joining = bool(_share([joining])[0])  # at once: the leader has only looked
+        if joining:
+            return True
+        meet = max(MEET_TIMEOUT_S, self.timeout.total_seconds())
+        self._wait([f"ft/start/{g}" for g in range(self.groups)], "every replica group to start", seconds=meet)
+        if self.leader:
+            self.store.compare_set("ft/epoch/0", "", json.dumps(
+                {"members": list(range(self.groups)), "from_step": 1, "join": False, "joins": 0}))
+        self._wait(["ft/epoch/0"], "the first epoch", seconds=meet)
+        self._enter(self._read(0))
+        return False
 
     def request_join(self) -> Epoch:
-        """A joiner: ask to be admitted and wait for the epoch that admits this group (from its from_step on)."""
-        record = None
+        """A joiner: ask to be admitted and wait (every rank on the store) for the epoch that admits this group."""
+        request = [self.store.add("ft/joins", 1) if self.leader else 0]
         if self.leader:
-            request = self.store.add("ft/joins", 1)
-            self.store.set(f"ft/join/{request}", str(self.group))
-            self._wait([f"ft/admit/{request}"], "the running groups to admit this one", forever=True)
-            record = json.loads(self.store.get(f"ft/admit/{request}"))
-        record = _share([record])[0]
+            self.store.set(f"ft/join/{request[0]}", str(self.group))
+        number = int(_share(request)[0])
+        self._wait([f"ft/admit/{number}"], "the running groups to admit this one", forever=True)
+        record = json.loads(self.store.get(f"ft/admit/{number}"))
         epoch = Epoch(record["epoch"], tuple(record["members"]), record["from_step"], record["source"],
-                      tuple(record["joiners"]))
+                      tuple(record["joiners"]), record["joins"])
         self._wait([f"ft/ready/{epoch.number}"], "the running groups to reach the admitting step", forever=True)
         self._enter(epoch)
         return epoch
 
     def boundary(self, step: int) -> Epoch | None:
-        """Before step `step` (1-based) on every rank: the coordinator admits registered joiners (the next epoch,
-        from step + 1); an epoch whose step has come is entered. Returns it when it admits joiners (their state is
-        to be sent: paratrain.train.fault_tolerance), else None."""
+        """Before step `step` (1-based) on every rank: an epoch whose step has come is entered; then the coordinator
+        admits the joiners registered since the last admission (the next epoch, from step + 1). Returns the entered
+        epoch when it admits joiners (their state is to be sent: paratrain.train.fault_tolerance), else None."""
+        entered = None
+        following = self.epoch.number + 1
+        if self.store.check([f"ft/epoch/{following}"]):
+            epoch = self._read(following)
+            if epoch.from_step == step:
+                if epoch.source == self.group and self.leader:
+                    self.store.set(f"ft/ready/{epoch.number}", "1")
+                self._enter(epoch)
+                entered = epoch if epoch.joiners else None
         if self.coordinator:
             self._admit(step)
-        following = self.epoch.number + 1
-        if not self.store.check([f"ft/epoch/{following}"]):
-            return None
-        epoch = self._read(following)
-        if epoch.from_step != step:
-            return None
-        if self.coordinator:
-            self.store.set(f"ft/ready/{epoch.number}", "1")
-        self._enter(epoch)
-        return epoch if epoch.joiners else None
+        return entered
 
     def _admit(self, step: int) -> None:
         requests = self.store.add("ft/joins", 0)
         if requests == self.joins_seen:
             return
+        number = self.epoch.number + 1
+        if self.store.check([f"ft/epoch/{number}"]):
+            return  # an epoch is already on its way (a recovery's): admit at a later boundary
         joiners = {int(self.store.get(f"ft/join/{k}")): k for k in range(self.joins_seen + 1, requests + 1)}
-        self.joins_seen = requests
         members = sorted(set(self.epoch.members) | set(joiners))
         record = {"members": members, "from_step": step + 1, "join": True, "source": self.group,
-                  "joiners": sorted(set(joiners) - set(self.epoch.members))}
-        number = self.epoch.number + 1
+                  "joiners": sorted(set(joiners) - set(self.epoch.members)), "joins": requests}
         stored = json.loads(self.store.compare_set(f"ft/epoch/{number}", "", json.dumps(record)).decode())
         if stored != record:
             return  # a recovery took the epoch first: the joiners are admitted at a later boundary
-        for group, k in joiners.items():
+        self.joins_seen = requests
+        for k in joiners.values():
             self.store.set(f"ft/admit/{k}", json.dumps({"epoch": number, **record}))
 
     def end(self) -> None:
@@ -188,27 +195,30 @@ class Quorum:
                               f"{self.epoch.number}){': ' + self.last_error if self.last_error else ' on a peer rank'}")
 
     def recover(self, step: int) -> Epoch:
-        """After ReplicaLost in step `step`: the next epoch's members, the groups that said they survived within
-        RECOVERY_WINDOW_S (or at once, all of them); this group redoes the step with them."""
+        """After ReplicaLost in step `step`: the next epoch's members, the groups that said they survived at the same
+        step within RECOVERY_WINDOW_S (or at once, all of them); this group redoes the step with them. A group left
+        out (late, or at another step: a collective that went through on some groups only) stops with GroupLost and
+        can join again. Every rank reads the epoch from the store."""
         number = self.epoch.number + 1
-        record = None
         if self.leader:
-            self.store.set(f"ft/alive/{number}/{self.group}", "1")
+            self.store.set(f"ft/alive/{number}/{self.group}", str(step))
             others = [g for g in self.epoch.members if g != self.group]
             deadline = time.monotonic() + RECOVERY_WINDOW_S
             while time.monotonic() < deadline and not self.store.check([f"ft/alive/{number}/{g}" for g in others]):
                 time.sleep(POLL_S)
-            alive = [g for g in self.epoch.members if self.store.check([f"ft/alive/{number}/{g}"])]
-            proposal = {"members": alive, "from_step": step, "join": False}
-            record = json.loads(self.store.compare_set(f"ft/epoch/{number}", "", json.dumps(proposal)).decode())
-        record = _share([record])[0]
+            alive = [g for g in self.epoch.members if self.store.check([f"ft/alive/{number}/{g}"])
+                     and int(self.store.get(f"ft/alive/{number}/{g}")) == step]
+            proposal = {"members": alive, "from_step": step, "join": False, "joins": self.joins_seen}
+            self.store.compare_set(f"ft/epoch/{number}", "", json.dumps(proposal))
+        self._wait([f"ft/epoch/{number}"], f"the groups' epoch {number} after the failure")
+        record = json.loads(self.store.get(f"ft/epoch/{number}"))
         if record["join"]:
             raise GroupLost(f"replica group {self.group}: a failure at step {step} met joiners being admitted "
                             f"(epoch {number}); this version does not recover both at once: restart the job")
-        epoch = Epoch(number, tuple(record["members"]), record["from_step"])
-        if self.group not in epoch.members:
-            raise GroupLost(f"replica group {self.group} was left out of epoch {number} (members "
-                            f"{list(epoch.members)}): restart it to join again")
+        epoch = Epoch(number, tuple(record["members"]), record["from_step"], joins=record.get("joins", 0))
+        if self.group not in epoch.members or epoch.from_step != step:
+            raise GroupLost(f"replica group {self.group} (at step {step}) was left out of epoch {number} (members "
+                            f"{list(epoch.members)} from step {epoch.from_step}): start it again to join")
         self._enter(epoch)
         return epoch
 
@@ -216,6 +226,7 @@ class Quorum:
 
     def _enter(self, epoch: Epoch) -> None:
         self.epoch = epoch
+        self.joins_seen = max(self.joins_seen, epoch.joins)  # requests this epoch's record has answered
         if len(epoch.members) == 1:
             self.pg = None
             return
@@ -225,7 +236,7 @@ class Quorum:
     def _read(self, number: int) -> Epoch:
         record = json.loads(self.store.get(f"ft/epoch/{number}"))
         return Epoch(number, tuple(record["members"]), record["from_step"], record.get("source"),
-                     tuple(record.get("joiners", ())))
+                     tuple(record.get("joiners", ())), record.get("joins", 0))
 
     def _wait(self, keys: list[str], what: str, *, forever: bool = False, seconds: float | None = None) -> None:
         seconds = self.timeout.total_seconds() if seconds is None else seconds

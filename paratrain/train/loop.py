@@ -153,14 +153,14 @@ class TrainLoop:
     def run(self) -> LoopResult:
         s = self.settings
         result = LoopResult()
+        if self.replicas is not None:  # meet the other groups (a group joining a running job gets its state here,
+            self.replicas.begin(self)  # before its logs open: they then append, as a resumed run's do)
         logs = Records(
             JsonLog(s.log_json if self.ctx.is_main else None, append=self.step > 0,
                     keep_until=(self.step if self.step > 0 else -1) if self.settings.attempt > 0 else None),
             TensorBoardLog(s.tensorboard, resumed_at=self.step) if s.tensorboard and self.ctx.is_main else None,
             *(self._logger(name) for name in s.loggers if self.ctx.is_main))
         peak = peak_flops(self.ctx.device)
-        if self.replicas is not None:  # meet the other groups (a group joining a running job gets its state here)
-            self.replicas.begin(self)
         bar = self._progress_bar()
         start_step = self.step
         for hook in self.hooks:

@@ -32,6 +32,7 @@ def test_diloco_refusals():
     (dict(dp=4, ep=2, fault_tolerance="replica", replica_groups=2), "with ep"),
     (dict(dp=4, fault_tolerance="replica", replica_groups=2, dp_mode="diloco"), "with dp_mode diloco"),
     (dict(dp=4, fault_tolerance="sometimes"), "fault_tolerance must be one of"),
+    (dict(dp=4, zero=3, fault_tolerance="replica", replica_groups=2), "zero 3"),
 ])
 def test_fault_tolerance_refusals(fields, message):
     with pytest.raises(paratrain.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -51,6 +52,8 @@ SMALL = ["train", "--nproc", "4", "--model", "tiny", "--seq-len", "32", "--micro
       "--save", "/tmp/x"], "--max-restarts"),
     (["--nproc", "2", "--fault-tolerance", "replica", "--replica-groups", "2", "--global-batch", "8", "--replica-group",
       "1"], "needs --lighthouse"),
+    (["--fault-tolerance", "replica", "--replica-groups", "2", "--global-batch", "16", "--batch-rampup", "8,8,64"],
+     "--batch-rampup"),
     (["--dp-mode", "diloco", "--replica-groups", "2", "--global-batch", "8", "--optimizer", "muon"], "Muon"),
     (["--dp-mode", "diloco", "--replica-groups", "2", "--global-batch", "8", "--plan", "auto"], "--plan auto"),
 ])
