@@ -86,8 +86,6 @@ class OuterStep:
         self.outer: list[torch.Tensor] = []
         self.momentum: list[torch.Tensor | None] = []
         self.spans: list[Span] = []
-        self.rounds = 0
-        """Outer steps taken (of fragments: each fragment's counts)."""
 
     def begin(self) -> None:
         """Before an inner step: the outer copy is taken once, from the weights the first round starts at; the
@@ -118,7 +116,6 @@ class OuterStep:
                 for i, o, n, _ in bucket:
                     self._nesterov(i, o, n, flat[at: at + n])
                     at += n
-            self.rounds += 1
         return bool(due)
 
     def _nesterov(self, i: int, first: int, n: int, delta: torch.Tensor) -> None:
