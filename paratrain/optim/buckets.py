@@ -1,11 +1,17 @@
-"""The exchange's buckets (paratrain.optim.exchange): consecutive units in the order every rank sorts them, and for
-each bucket what this rank sends, receives and maps, as positions in its inputs (`flat`) or its owned units."""
+"""The exchange's plan (paratrain.optim.exchange), as pure functions of who holds what: each unit's owner, the
+buckets (each owner's units in the order every rank sorts them), and for each bucket what this rank sends, receives
+and maps, as positions in its inputs (`flat`) or its owned units (`plan_bucket`) or as counts of elements on every
+rank (`bucket_sizes`: what the planner prices, paratrain.planner.optimizer, without positions or tensors).
+
+A unit's holders fall into classes: the ranks holding the same elements of it (replicas), each class a disjoint part
+of the unit. A class sends its elements to the owner from the owner itself when it is in the class, else from the
+class's lowest rank; the owner sends every member of every class but itself its elements back."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Protocol, Sequence
 
 import torch
 
@@ -13,6 +19,29 @@ from paratrain.optim.positions import Positions, Span
 
 Unit = tuple[str, int]
 """(whole tensor's name, index of the unit among its leading slices)."""
+
+
+Classes = Sequence[tuple[Sequence[int], int]]
+"""A unit's holders: (the ranks holding one part of it, in ascending order; how many elements that part has)."""
+
+
+def assign_owners(units: Sequence[Unit], holders: Mapping[Unit, Sequence[int]], flops: Mapping[Unit, int],
+                  world: int) -> tuple[dict[Unit, int], list[int]]:
+    """Each unit's owner, largest first: its least loaded holder (ties: the lowest rank), unless that holder would
+    then carry more than the least loaded rank of all plus the largest unit, when that rank owns it instead (it
+    receives the whole unit: more traffic, but no rank waits on another's Newton-Schulz for longer than one
+    unit's). Returns the owners and the FLOPs each of the `world` ranks runs as one: the loads differ by at most
+    the largest unit's (as in longest-processing-time scheduling: each unit lands where the total stays within
+    the smallest load plus the largest unit, and the smallest load only grows)."""
+    load = [0] * world
+    owner: dict[Unit, int] = {}
+    largest = max((flops[u] for u in units), default=0)
+    for u in sorted(units, key=lambda u: (-flops[u], u)):
+        holder = min(holders[u], key=lambda r: (load[r], r))
+        least = min(range(world), key=lambda r: (load[r], r))
+        owner[u] = holder if load[holder] + flops[u] <= load[least] + largest else least
+        load[owner[u]] += flops[u]
+    return owner, load
 
 
 def bucket_units(units: Sequence[Unit], sizes: dict[Unit, int], owner: dict[Unit, int], world: int,
@@ -64,6 +93,76 @@ class Bucket:
     @property
     def scatter_messages(self) -> int:
         return sum(len(x) for x in self.back) + sum(len(x) for x in self.back_at)
+
+
+class BucketFigures(Protocol):
+    """What a bucket holds on one rank, in elements (a Bucket's, or a BucketSizes')."""
+
+    @property
+    def owned(self) -> int: ...
+
+    @property
+    def gather_messages(self) -> int: ...
+
+    @property
+    def scatter_messages(self) -> int: ...
+
+
+def peak_elements(numel: int, buckets: Sequence[BucketFigures], *, alone: bool) -> int:
+    """Elements a rank holding `numel` of the matrices holds at the peak of an exchange's step: the inputs handed
+    to it and its copy of them (2 numel) and, at the worst bucket k, its owned units, gather k's or scatter k's
+    messages (the larger: the gather's buffers are freed before the scatter starts), beside gather k + 1 and
+    scatter k - 1 in flight. alone: no other rank (nothing is sent, only the owned units)."""
+    if alone:
+        return 2 * numel + max((b.owned for b in buckets), default=0)
+    peak = 0
+    for k, b in enumerate(buckets):
+        ahead = buckets[k + 1].gather_messages if k + 1 < len(buckets) else 0
+        behind = buckets[k - 1].scatter_messages if k else 0
+        peak = max(peak, b.owned + ahead + behind + max(b.gather_messages, b.scatter_messages))
+    return 2 * numel + peak
+
+
+@dataclass(frozen=True)
+class BucketSizes:
+    """One bucket on one rank, in elements: what plan_bucket's Bucket holds, counted."""
+
+    owned: int = 0
+    sent: int = 0
+    """Gather: elements it sends owners."""
+    received: int = 0
+    """Gather: elements it receives as an owner."""
+    returned: int = 0
+    """Scatter: elements it sends holders as an owner."""
+    given: int = 0
+    """Scatter: elements it receives from owners."""
+
+    @property
+    def gather_messages(self) -> int:
+        return self.sent + self.received
+
+    @property
+    def scatter_messages(self) -> int:
+        return self.returned + self.given
+
+
+def bucket_sizes(units: Sequence[Unit], classes: Mapping[Unit, Classes], owner: Mapping[Unit, int],
+                 sizes: Mapping[Unit, int], world: int) -> list[BucketSizes]:
+    """plan_bucket's counts for every rank of `world` at once (index: the rank), from each unit's classes."""
+    owned, sent, received, returned, given = ([0] * world for _ in range(5))
+    for u in units:
+        o = owner[u]
+        owned[o] += sizes[u]
+        for ranks, n in classes[u]:
+            sender = o if o in ranks else ranks[0]
+            if sender != o:
+                sent[sender] += n
+                received[o] += n
+            for r in ranks:
+                if r != o:
+                    returned[o] += n
+                    given[r] += n
+    return [BucketSizes(owned[r], sent[r], received[r], returned[r], given[r]) for r in range(world)]
 
 
 def plan_bucket(units: Sequence[Unit], everyone: list[dict[Unit, tuple]], mine: dict[Unit, list[tuple[int, int, int]]],

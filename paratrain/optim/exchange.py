@@ -1,8 +1,9 @@
 """MatrixExchange: a matrix optimizer's whole-matrix step under any layout.
 
-Each unit matrix (a 2-D weight, or one expert's slice of a stacked 3-D one) gets one owner rank among the ranks that
-hold some of it, chosen once so that the owners' Newton-Schulz FLOPs balance (largest first, to the least loaded
-holder). Each step:
+Each unit matrix (a 2-D weight, or one expert's slice of a stacked 3-D one) gets one owner rank, chosen once so that
+the owners' Newton-Schulz FLOPs balance to within the largest unit's (paratrain.optim.buckets.assign_owners: largest
+first, to its least loaded holder, or to the least loaded rank where that holder would be over the bound: ZeRO-3's
+small shards leave few holders to a unit). Each step:
 
     gather    every element of a unit travels once to its owner, from the owner itself where it holds it, else from
               the lowest rank of the replicas holding it (dp replicas, ranks a ZeRO shard or a tp slice repeats on)
@@ -15,8 +16,8 @@ bucket's messages at a time instead of every matrix's. Each owner has its share 
 (paratrain.optim.buckets), so a bucket's owners all work at once. The results are the same bits whatever the
 buckets (each unit is mapped alone). The pieces a rank holds come as `Held` runs of whole elements, whatever cut
 them: ZeRO-1/2/3's flat shards (through several tensors), 1-D tensor-parallel slices, 2-D / 2.5-D / 3-D blocks,
-expert shards over expert parallelism and expert-tp, pipeline stages (each holds its own units: nothing crosses
-stages). Elements travel in the optimizer's Newton-Schulz dtype (bfloat16 by default: half float32's bytes).
+expert shards over expert parallelism and expert-tp, pipeline stages (each holds its own units; a unit goes to a
+rank of another stage only where its own stage's ranks are over the balance bound). Elements travel in the optimizer's Newton-Schulz dtype (bfloat16 by default: half float32's bytes).
 
 Bytes per step (elements times the dtype's size): gather = the elements of each unit outside the owner's own
 piece, each once; scatter = the elements each holder other than the owner holds (replicas each) -- `traffic()`.
@@ -33,7 +34,7 @@ import torch.distributed as dist
 
 from paratrain.comm import Pending, all_to_all_async
 from paratrain.optim.matrices import MatrixStep, Segment, unit_shape
-from paratrain.optim.buckets import Bucket, Unit, bucket_units, plan_bucket
+from paratrain.optim.buckets import Bucket, Unit, assign_owners, bucket_units, peak_elements, plan_bucket
 from paratrain.topology import AxisGroup
 
 Run = tuple[int, int, int]
@@ -109,13 +110,8 @@ class MatrixExchange:
               world: int, bucket_elements: int) -> None:
         units = sorted({u for held in everyone for u in held})
         shape_of = {u: held[u][0] for held in everyone for u in held}
-        flops = {u: newton_schulz_flops(shape_of[u]) for u in units}
-        load = [0] * world
-        owner: dict[Unit, int] = {}
-        for u in sorted(units, key=lambda u: (-flops[u], u)):  # largest first, to the least loaded holder
-            holders = [r for r in range(world) if u in everyone[r]]
-            owner[u] = min(holders, key=lambda r: (load[r], r))
-            load[owner[u]] += flops[u]
+        holders = {u: [r for r in range(world) if u in everyone[r]] for u in units}
+        owner, load = assign_owners(units, holders, {u: newton_schulz_flops(shape_of[u]) for u in units}, world)
         self.owner_flops = load
         """Newton-Schulz FLOPs per step each rank of the group runs as an owner."""
         device = self.tensors[0].device if self.tensors else torch.device("cpu")
@@ -186,14 +182,7 @@ class MatrixExchange:
         2 (m n + m^2) elements of the unit being mapped) and index tensors of positions in more than
         positions.FEW_SPANS spans (8 bytes an element, while one copy runs) are not counted."""
         size = torch.empty(0, dtype=self.dtype).element_size()
-        if self.group is None:
-            return (2 * self.numel + max((b.owned for b in self.buckets), default=0)) * size
-        peak = 0
-        for k, b in enumerate(self.buckets):  # gather k arrives, then scatter k starts, beside these
-            ahead = self.buckets[k + 1].gather_messages if k + 1 < len(self.buckets) else 0
-            behind = self.buckets[k - 1].scatter_messages if k else 0
-            peak = max(peak, b.owned + ahead + behind + max(b.gather_messages, b.scatter_messages))
-        return (2 * self.numel + peak) * size
+        return peak_elements(self.numel, self.buckets, alone=self.group is None) * size
 
     def traffic(self) -> tuple[int, int]:
         """Elements this rank sends per step: (gather, scatter)."""

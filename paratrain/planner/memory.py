@@ -95,30 +95,39 @@ def _group_sizes(params: tuple[RankParam, ...], zero3: bool, bucket_bytes: int, 
                  float8: bool) -> tuple[tuple[int, bool, bool, bool], ...]:
     """(elements, an expert group, Muon's, gathered in float8) of each flat group before padding: how the groups
     are cut does not depend on the shard count (the search asks for many)."""
+    return tuple((sum(params[i].numel for i in members), expert, matrix, cast)
+                 for members, expert, matrix, cast in flat_members(params, zero3, bucket_bytes, optimizer, float8))
+
+
+@functools.lru_cache(maxsize=4096)
+def flat_members(params: tuple[RankParam, ...], zero3: bool, bucket_bytes: int, optimizer: str,
+                 float8: bool) -> tuple[tuple[tuple[int, ...], bool, bool, bool], ...]:
+    """ZeroSync's flat groups (paratrain.sharding.groups) before padding: (the indices in `params` of its
+    parameters, in the order the group lays them out; an expert group; Muon's; gathered in float8) of each."""
     present = sorted({optimizer_group(p, optimizer) for p in params})
     group_of = {id(p): present.index(optimizer_group(p, optimizer)) for p in params}  # empty groups are dropped
     muon = {id(p) for p in params if optimizer == "muon" and optimizer_group(p, optimizer) == 0}
+    index = {id(p): i for i, p in enumerate(params)}
     if not zero3:
         tensors = meta_tensors(list(params), torch.float32)  # planned on the parameters as built: fp32
         by_id = {id(t): p for t, p in zip(tensors, params)}
         planned = plan_buckets(tensors, cap_bytes=bucket_bytes,
                                key=lambda t: (group_of[id(by_id[id(t)])], _role(by_id[id(t)])))
-        sizes = [(sum(t.numel() for t in group), by_id[id(group[0])].expert, id(by_id[id(group[0])]) in muon, False)
-                 for group in planned]
-    else:
-        units: dict[str, list[RankParam]] = {}
-        for p in params:
-            units.setdefault(p.unit, []).append(p)
-        blocks = [u for u in units if u]
-        sizes = []
-        for unit in [*reversed(blocks), *([""] if "" in units else [])]:
-            by_key: dict[tuple[int, tuple[bool, ...], bool, bool], int] = {}
-            for p in units[unit]:
-                key = (group_of[id(p)], _role(p), id(p) in muon, float8 and p.block_linear)
-                by_key[key] = by_key.get(key, 0) + p.numel
-            # role[-1]: an expert group
-            sizes += [(n, role[-1], matrix, cast) for (_, role, matrix, cast), n in by_key.items()]
-    return tuple(sizes)
+        return tuple((tuple(index[id(by_id[id(t)])] for t in group), by_id[id(group[0])].expert,
+                      id(by_id[id(group[0])]) in muon, False) for group in planned)
+    units: dict[str, list[RankParam]] = {}
+    for p in params:
+        units.setdefault(p.unit, []).append(p)
+    blocks = [u for u in units if u]
+    groups = []
+    for unit in [*reversed(blocks), *([""] if "" in units else [])]:
+        by_key: dict[tuple[int, tuple[bool, ...], bool, bool], list[int]] = {}
+        for p in units[unit]:
+            key = (group_of[id(p)], _role(p), id(p) in muon, float8 and p.block_linear)
+            by_key.setdefault(key, []).append(index[id(p)])
+        # role[-1]: an expert group
+        groups += [(tuple(members), role[-1], matrix, cast) for (_, role, matrix, cast), members in by_key.items()]
+    return tuple(groups)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -187,15 +196,3 @@ def model_state_bytes(model: ModelConfig, layout: Layout, *, stage: int = 0,
                             state_dtype=state_dtype) + masters
     return with_totals({"params": param_bytes, "grads": grad_bytes, "optimizer": state},
                        kept_grads=kept if settings.keep_grads else 0)
-
-
-def matrix_elements(model: ModelConfig, layout: Layout, *, stage: int = 0,
-                    settings: StepSettings = StepSettings()) -> int:
-    """Elements of the tensors Muon updates as matrices on pipeline rank `stage`: its ZeRO shards of Muon's flat
-    groups (padding included), or its parameters' (tp slices) without ZeRO (paratrain.optim.MatrixExchange.numel)."""
-    if layout.zero == 0:
-        return _plain_totals(model, layout.dims, stage, tuple(settings.pp_split), layout.expert_tp, layout.pipeline,
-                             "muon")[1]
-    return _sharded_totals(
-        model, Layout(dims=layout.dims, zero=layout.zero, expert_tp=layout.expert_tp, schedule=layout.schedule),
-        stage, tuple(settings.pp_split), int(settings.bucket_mb * 2**20), "muon", settings.float8_gathers(layout))[2]

@@ -12,8 +12,8 @@ from paratrain.nn.loss import CHUNK_BYTES
 import paratrain.planner.param_server as param_server
 from paratrain.planner.activations import activation_bytes, grid_cuts, storage_mode
 from paratrain.planner.layout import Layout
-from paratrain.planner.memory import matrix_elements, model_state_bytes
-from paratrain.planner.optimizer import NS_BYTES, exchange_elements
+from paratrain.planner.memory import model_state_bytes
+from paratrain.planner.optimizer import exchange_bytes
 from paratrain.planner.settings import BYTES, StepSettings
 from paratrain.topology.dims import ParallelDims
 
@@ -22,7 +22,7 @@ PRICED = StepSettings(precision="bf16", grad_reduce="reduce_scatter")
 
 
 def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int,
-           settings: StepSettings = PRICED) -> dict[str, float]:
+           settings: StepSettings = PRICED, exact: bool = True) -> dict[str, float]:
     """Device bytes of the busiest pipeline rank at its peak (every dp and tp rank of a stage holds the same):
     model states in a step (the gradient buffers included), saved activations at the schedule's peak, and transients
     ("other": the logits' gradient and the chunked loss's float32 temporaries; ZeRO-3's gathered unit and the one
@@ -30,7 +30,8 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int,
     parameter server the parts are a trainer's, "server" a dedicated server's whole, and "peak" the larger
     (paratrain.planner.param_server). "between_steps": what the rank holds while no step runs (parameters and
     optimizer state; the gradients too with keep_grads). settings: the engine's (PRICED: bf16, NCCL's
-    reduce-scatter, AdamW)."""
+    reduce-scatter, AdamW). exact: Muon's exchange buffers from the exchange's own plan (else the search's estimate
+    of them: paratrain.planner.optimizer)."""
     precision, bucket_mb, pp_split = settings.precision, settings.bucket_mb, settings.pp_split
     mode = storage_mode(precision, layout.zero)
     microbatches = global_batch // (layout.dp * layout.micro_batch)
@@ -68,9 +69,7 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int,
         record = {**{k: float(v) for k, v in states.items()}, "activations": activations, "other": other}
         record["peak"] = sum(record.values())
         if settings.optimizer == "muon" and not served:  # after backward: the exchange's buffers, not activations
-            record["exchange"] = NS_BYTES * exchange_elements(
-                model, layout, matrix_elements=matrix_elements(model, layout, stage=stage, settings=settings),
-                bucket_mb=bucket_mb)
+            record["exchange"] = float(exchange_bytes(model, layout, stage=stage, settings=settings, exact=exact))
             record["peak"] = max(record["peak"], record["peak"] - activations - other + record["exchange"])
         record["between_steps"] = float(between)
         if record["peak"] > best.get("peak", -1.0):

@@ -31,6 +31,8 @@ class StepSettings:
     """The gradient buffers kept between steps (ParallelConfig.keep_grads)."""
     optimizer: str = "adamw"
     """adamw, muon (a momentum on its matrices, AdamW's state on the rest) or sgd (a momentum)."""
+    muon_ns_dtype: str = "bf16"
+    """Muon's Newton-Schulz dtype (OptimSection.muon_ns_dtype): what its exchange moves and holds."""
     state_dtype: str = "fp32"
     """The optimizer state's storage: fp32 or bf16 (OptimSection.state_dtype)."""
     fp8_recipe: str = "tensorwise"
