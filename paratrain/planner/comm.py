@@ -70,8 +70,15 @@ def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches
     attention's point-to-point messages are not in it (paratrain.context_parallel.ring counts them)."""
     precision, pp_split = settings.precision, settings.pp_split
     volume = data_parallel_volume(model, layout, stage=stage, micro_batches=micro_batches, settings=settings)
-    calls = Counter(tensor_parallel_calls(model, layout, stage=stage, precision=precision, pp_split=pp_split))
-    calls = Counter({call: n * micro_batches for call, n in calls.items()})
+    # per micro-batch without zero bubble's W repeats, then each chunk's W repeats as many times as its W runs
+    w_runs = w_counts(layout, stage, micro_batches)
+    base = Counter(tensor_parallel_calls(model, layout, stage=stage, precision=precision, pp_split=pp_split,
+                                         w_chunks=()))
+    calls = Counter({call: n * micro_batches for call, n in base.items()})
+    for chunk, runs in w_runs.items():
+        with_w = Counter(tensor_parallel_calls(model, layout, stage=stage, precision=precision, pp_split=pp_split,
+                                               w_chunks=(chunk,)))
+        calls.update({call: (n - base[call]) * runs for call, n in with_w.items() if n > base[call]})
     calls.update(step_calls(model, layout, stage=stage, precision=precision, bucket_mb=settings.bucket_mb,
                             pp_split=pp_split, grad_bytes=settings.grad_bytes(layout)))
     for (axis, op, numel, size), n in calls.items():
@@ -83,9 +90,12 @@ def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches
         ops["all_gather"] = ops.get("all_gather", 0) + micro_batches * 2 * depths * layout.micro_batch * model.seq_len * 8
     if model.n_experts:  # ep's all-to-alls, cp's per-sequence fractions (paratrain.planner.moe_comm)
         moe, act = _moe_layers(model, layout, stage, pp_split), _activation_bytes(layout, precision)
-        again = _w_repeats(model, layout, stage, pp_split)[2]
-        for axis, (op, n) in expert_exchanges(model, layout, moe=moe, act=act, w_again=again).items():
-            volume.setdefault(axis, {})[op] = volume.get(axis, {}).get(op, 0) + n * micro_batches
+        # each micro-batch's exchanges, then each W's repeat of its chunk's backward ones
+        runs = [(moe, 0, micro_batches)] + [(0, _w_repeats(model, layout, stage, pp_split, (c,))[2], n)
+                                             for c, n in w_runs.items()]
+        for layers, again, times in runs:
+            for axis, (op, n) in expert_exchanges(model, layout, moe=layers, act=act, w_again=again).items():
+                volume.setdefault(axis, {})[op] = volume.get(axis, {}).get(op, 0) + n * times
     ulysses = ulysses_bytes(model, layout, stage=stage, precision=precision, pp_split=pp_split)
     if ulysses:  # USP's all-to-alls run inside its Ulysses groups, each call the same tensor as Ulysses' own
         volume.setdefault("cp_ulysses" if layout.cp_mode == "usp" else "cp", {})["all_to_all"] = ulysses * micro_batches
@@ -97,8 +107,10 @@ def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches
 
 
 def tensor_parallel_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str = "fp32",
-                          pp_split: tuple[int, ...] = ()) -> list[Call]:
-    """The tp collectives of one micro-batch on pipeline rank `stage` (empty when tp is 1)."""
+                          pp_split: tuple[int, ...] = (), w_chunks: tuple[int, ...] | None = None) -> list[Call]:
+    """The tp collectives of one micro-batch on pipeline rank `stage` (empty when tp is 1), with zero bubble's W
+    repeats of the chunks `w_chunks` (None: every chunk whose W repeats traffic, as when every micro-batch's
+    backward is split)."""
     if layout.tp == 1:
         return []
     blocks, first, last = _held(model, layout, stage, pp_split)
@@ -113,7 +125,7 @@ def tensor_parallel_calls(model: ModelConfig, layout: Layout, *, stage: int, pre
     tokens = layout.micro_batch * model.seq_len // layout.cp
     again = blocks if layout.recompute == "full" else 0
     # zero-bubble's W: the backward's traffic once more, on the chunks whose I does something (not chunk 0's)
-    w_blocks, w_head, w_moe = _w_repeats(model, layout, stage, pp_split)
+    w_blocks, w_head, w_moe = _w_repeats(model, layout, stage, pp_split, w_chunks)
     w_last, w_again = int(w_head) + (depths if w_head else 0), w_blocks if layout.recompute == "full" else 0
     calls: list[Call] = []
     if layout.sequence_parallel:
@@ -239,17 +251,30 @@ def _held(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, .
     return len(layers & set(range(1, model.n_layer + 1))) + (model.mtp_depth if last else 0), 0 in layers, last
 
 
-def _w_repeats(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...]) -> tuple[int, bool, int]:
+def _w_repeats(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...],
+               chunks: tuple[int, ...] | None = None) -> tuple[int, bool, int]:
     """(blocks, the MTP depths' with the head; whether the head; MoE layers) on pipeline rank `stage` whose zero-bubble
     W runs after an I that did something: their backward's traffic runs again. Chunk 0's I has no input gradient to
-    take (the token ids), so its W is the whole backward; none without a split backward."""
+    take (the token ids), so its W is the whole backward; none without a split backward. chunks: only these of the
+    rank's (None: all)."""
     if layout.pipeline is None or not layout.pipeline.splits_backward:
         return 0, False, 0
     ranges = chunk_layers(model, layout.dims, pp_split)
-    layers = {i for c in layout.chunks_of(stage) if c > 0 for i in range(*ranges[c])}
+    layers = {i for c in layout.chunks_of(stage) if c > 0 and (chunks is None or c in chunks)
+              for i in range(*ranges[c])}
     head = model.n_layer + 1 in layers
     blocks = layers & set(range(1, model.n_layer + 1))
     return len(blocks) + (model.mtp_depth if head else 0), head, sum(model.is_moe(i - 1) for i in blocks)
+
+
+def w_counts(layout: Layout, stage: int, micro_batches: int) -> dict[int, int]:
+    """{chunk: its W passes in a step} for the chunks of pipeline rank `stage` whose W repeats the backward's traffic
+    (chunk > 0, a split backward): every micro-batch's under ZB-H1 and ZB-V, only those DualPipeV splits (its other
+    backward passes run whole, as B)."""
+    if layout.pipeline is None or not layout.pipeline.splits_backward:
+        return {}
+    counts = Counter(a.chunk for a in layout.pipeline.order(stage, micro_batches) if a.kind == "W" and a.chunk > 0)
+    return dict(sorted(counts.items()))
 
 
 def _activation_bytes(layout: Layout, precision: str) -> int:

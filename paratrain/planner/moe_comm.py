@@ -33,7 +33,7 @@ def expert_exchanges(model: ModelConfig, layout: Layout, *, moe: int, act: int,
     exchanges: dict[str, tuple[str, int]] = {}
     if layout.cp > 1 and moe:
         exchanges["cp"] = ("all_reduce", moe * 2 * layout.micro_batch * model.n_experts * 4)
-    if layout.ep > 1 and moe:
+    if layout.ep > 1 and (moe or w_again):
         tokens = layout.micro_batch * model.seq_len // layout.cp // (layout.tp if layout.sequence_parallel else 1)
         rows = tokens * model.top_k * model.d_model * act  # (under sequence parallelism each tp rank its chunk's)
         forward = model.n_experts * 8 + 2 * rows  # a recomputed block (full) exchanges its forward's again

@@ -54,6 +54,11 @@ GRID = [  # (model, world, rank, layout, global batch, micro-batch, precision, r
     (preset("tiny", n_layer=6), 16, 13, dict(dp=2, tp=2, pp=4, zero=1, schedule="zb-v"), 8, 1, "fp32", "full"),
     (MTP, 4, 1, dict(dp=1, tp=2, pp=2, sequence_parallel=True, schedule="zb-v"), 8, 1, "bf16", "none"),
     ("tiny-moe", 4, 3, dict(dp=2, ep=2, pp=2, schedule="zb-v"), 8, 1, "bf16", "full"),
+    # DualPipeV: ZB-V's V, but only some backward passes split (the rest whole B): W repeats only where one runs
+    (preset("tiny", n_layer=6), 16, 2, dict(dp=2, tp=2, pp=4, zero=1, sequence_parallel=True, schedule="dualpipev"),
+     16, 1, "bf16", "none"),
+    ("tiny", 4, 2, dict(tp=2, pp=2, schedule="dualpipev"), 8, 1, "fp32", "none"),
+    ("tiny-moe", 4, 2, dict(dp=2, ep=2, pp=2, schedule="dualpipev"), 8, 1, "bf16", "none"),
     # USP: Ulysses' all-to-alls on "cp_ulysses", the ring across (its sends are the kernel's, not counted)
     ("tiny", 16, 13, dict(dp=2, cp=4, tp=2, sequence_parallel=True, zero=1, cp_mode="usp", cp_ulysses=2), 8, 1,
      "bf16", "none"),
