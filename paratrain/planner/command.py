@@ -156,8 +156,7 @@ def run(args: argparse.Namespace) -> int:
     settings = dataclasses.replace(PRICED, precision=args.precision, optimizer=args.optimizer,
                                    moe_imbalance=args.moe_imbalance, fp8_recipe=args.fp8_recipe)
     result = search(model, devices // groups, hw, global_batch=args.global_batch // groups, seq_len=args.seq_len,
-                    pins=pins, kernels="compiled" if args.compile else "eager", settings=settings,
-                    exact=max(16, args.top))
+                    pins=pins, kernels="compiled" if args.compile else "eager", settings=settings)
     if groups > 1:
         price_outer_step(result["candidates"], model, hw, groups=groups, inner_steps=args.inner_steps,
                          settings=settings)

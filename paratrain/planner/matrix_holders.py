@@ -29,6 +29,22 @@ from paratrain.topology.dims import ParallelDims
 
 
 @dataclass(frozen=True)
+class MatrixLayout:
+    """What the exchange's plan depends on: the grid, ZeRO's stage, expert-tp, the pipeline, and the caps (bytes)
+    of ZeRO's flat groups and of the exchange's buckets (of ns_bytes-byte elements)."""
+
+    dims: ParallelDims
+    zero: int = 0
+    expert_tp: bool = False
+    pipeline: Schedule | None = None
+    pp_split: tuple[int, ...] = ()
+    bucket_bytes: int = 25 * 2**20
+    ns_bytes: int = 2
+    float8: bool = False
+    """ZeRO-3 gathers the float8 linears' weights in groups of their own."""
+
+
+@dataclass(frozen=True)
 class ExchangePlan:
     """The exchange's plan on every rank of the grid (index: the global rank)."""
 
@@ -47,25 +63,17 @@ class ExchangePlan:
     """The largest unit's Newton-Schulz FLOPs."""
 
 
-def exchange_plan(model: ModelConfig, dims: ParallelDims, *, zero: int, expert_tp: bool = False,
-                  pipeline: Schedule | None = None, pp_split: tuple[int, ...] = (), bucket_mb: float = 25.0,
-                  ns_bytes: int = 2, float8: bool = False) -> ExchangePlan:
-    """The plan MatrixExchange makes for Muon on the grid of `dims` (ZeRO stage `zero`, flat groups of bucket_mb,
-    buckets of bucket_mb of ns_bytes-byte elements)."""
-    return _plan(model, dims, zero, expert_tp, pipeline, tuple(pp_split), int(bucket_mb * 2**20), ns_bytes, float8)
-
-
 @functools.lru_cache(maxsize=256)
-def _plan(model: ModelConfig, dims: ParallelDims, zero: int, expert_tp: bool, pipeline: Schedule | None,
-          pp_split: tuple[int, ...], bucket_bytes: int, ns_bytes: int, float8: bool) -> ExchangePlan:
+def exchange_plan(model: ModelConfig, where: MatrixLayout) -> ExchangePlan:
+    """The plan MatrixExchange makes for Muon's matrices of `model` laid out as `where` says."""
+    dims = where.dims
     world = dims.grid_size
     whole = {p.name: p.shape for p in rank_params(model, ParallelDims(), 0)}
     parts: dict[Unit, dict[tuple, list[int]]] = defaultdict(dict)  # unit -> part -> [ranks..., then its size last]
     numel = []
     for rank in range(world):
         c = dims.coords(rank)
-        held, n = _rank_parts(model, dims, c["pp"], c["dp"], c["cp"], c["tp"], zero, expert_tp, pipeline, pp_split,
-                              bucket_bytes, float8)
+        held, n = _rank_parts(model, where, (c["pp"], c["dp"], c["cp"], c["tp"]))
         numel.append(n)
         for unit, part, count in held:
             entry = parts[unit].setdefault(part, [count])
@@ -83,7 +91,7 @@ def _plan(model: ModelConfig, dims: ParallelDims, zero: int, expert_tp: bool, pi
     flops = {u: newton_schulz_flops(shapes[u]) for u in units}
     owner, load = assign_owners(units, holders, flops, world)
     buckets = [bucket_sizes(part, classes, owner, sizes, world)
-               for part in bucket_units(units, sizes, owner, world, max(1, bucket_bytes // ns_bytes))]
+               for part in bucket_units(units, sizes, owner, world, max(1, where.bucket_bytes // where.ns_bytes))]
     per_rank = [[b[r] for b in buckets] for r in range(world)]
     return ExchangePlan(
         numel=tuple(numel),
@@ -98,11 +106,13 @@ def _unit_shape(shape: tuple[int, ...]) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_parts(model: ModelConfig, dims: ParallelDims, pp: int, dp: int, cp: int, tp: int, zero: int,
-                expert_tp: bool, pipeline: Schedule | None, pp_split: tuple[int, ...], bucket_bytes: int,
-                float8: bool) -> tuple[tuple[tuple[Unit, tuple, int], ...], int]:
-    """((unit, which part of it, elements of it held), ...) and the elements of Muon's tensors on one rank."""
-    params = tuple(rank_params(model, dims, pp, pp_split, expert_tp=expert_tp, pipeline=pipeline))
+def _rank_parts(model: ModelConfig, where: MatrixLayout,
+                coords: tuple[int, int, int, int]) -> tuple[tuple[tuple[Unit, tuple, int], ...], int]:
+    """((unit, which part of it, elements of it held), ...) and the elements of Muon's tensors on the rank at
+    `coords` (pp, dp, cp, tp)."""
+    pp, dp, cp, tp = coords
+    dims, zero = where.dims, where.zero
+    params = tuple(rank_params(model, dims, pp, where.pp_split, expert_tp=where.expert_tp, pipeline=where.pipeline))
     mine = [i for i, p in enumerate(params) if optimizer_group(p, "muon") == 0]
     place = _tp_part(dims, tp)
     ep = dims.ep
@@ -118,7 +128,7 @@ def _rank_parts(model: ModelConfig, dims: ParallelDims, pp: int, dp: int, cp: in
                 held.append(((p.name, first + j), (place if p.tp_split else None,), size))
         return tuple(held), sum(params[i].numel for i in mine)
     total = 0
-    for members, expert, matrix, _ in flat_members(params, zero == 3, bucket_bytes, "muon", float8):
+    for members, expert, matrix, _ in flat_members(params, zero == 3, where.bucket_bytes, "muon", where.float8):
         if not matrix:
             continue
         count, index = (expert_parts, expert_shard) if expert else (dense_parts, shard)

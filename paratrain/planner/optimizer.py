@@ -29,10 +29,9 @@ from paratrain.optim import is_matrix, newton_schulz_flops
 from paratrain.optim.buckets import BucketSizes, bucket_units, peak_elements
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
-from paratrain.planner.matrix_holders import ExchangePlan, exchange_plan
+from paratrain.planner.matrix_holders import ExchangePlan, MatrixLayout, exchange_plan
 from paratrain.planner.memory import optimizer_group
 from paratrain.planner.params import rank_params
-from paratrain.pipeline.schedules import Schedule
 from paratrain.planner.settings import StepSettings
 from paratrain.topology.dims import ParallelDims
 
@@ -68,17 +67,20 @@ class ExchangeFigures:
 
 def layout_exchange(model: ModelConfig, layout: Layout, settings: StepSettings) -> ExchangePlan:
     """The exchange's plan for Muon on `layout` under `settings` (its flat groups, buckets and Newton-Schulz dtype)."""
-    return exchange_plan(model, layout.dims, zero=layout.zero, expert_tp=layout.expert_tp, pipeline=layout.pipeline,
-                         pp_split=tuple(settings.pp_split), bucket_mb=settings.bucket_mb,
-                         ns_bytes=NS_BYTES[settings.muon_ns_dtype], float8=settings.float8_gathers(layout))
+    return exchange_plan(model, _matrix_layout(layout, settings))
+
+
+def _matrix_layout(layout: Layout, settings: StepSettings) -> MatrixLayout:
+    return MatrixLayout(layout.dims, layout.zero, layout.expert_tp, layout.pipeline, tuple(settings.pp_split),
+                        int(settings.bucket_mb * 2**20), NS_BYTES[settings.muon_ns_dtype],
+                        settings.float8_gathers(layout))
 
 
 def exchange_figures(model: ModelConfig, layout: Layout, settings: StepSettings, *, exact: bool = True) -> ExchangeFigures:
     """The busiest ranks' figures: from the exchange's plan (exact), or estimated (what the search ranks its many
     layouts by: the plan takes about a second on a thousand ranks)."""
     if not exact:
-        return _estimate(model, layout.dims, layout.zero, layout.expert_tp, layout.pipeline, tuple(settings.pp_split),
-                         settings.bucket_mb, NS_BYTES[settings.muon_ns_dtype])
+        return _estimate(model, _matrix_layout(layout, settings))
     plan = layout_exchange(model, layout, settings)
     dims = layout.dims
     stages = [dims.coords(r)["pp"] for r in range(dims.grid_size)]
@@ -90,17 +92,17 @@ def exchange_figures(model: ModelConfig, layout: Layout, settings: StepSettings,
 
 
 @functools.lru_cache(maxsize=4096)
-def _estimate(model: ModelConfig, dims: ParallelDims, zero: int, expert_tp: bool, pipeline: Schedule | None,
-              pp_split: tuple[int, ...], bucket_mb: float, ns_bytes: int) -> ExchangeFigures:
+def _estimate(model: ModelConfig, where: MatrixLayout) -> ExchangeFigures:
     """The exchange's plan on one stage of identical ranks: each of the R ranks holds 1 / S of every unit (S = tp x
     ZeRO's shards), r = R / S replicas of each piece; the stage's units go to owners largest first (the least
     loaded rank) and into buckets as the exchange cuts them (paratrain.optim.buckets); in a bucket of T elements of
     which the busiest owner owns o, a rank sends T (S - 1) / (S R) and gets (T - o) / S back as a holder, and as an
     owner receives o (S - 1) / S and returns o (r - 1 / S). tests/unit/test_muon_plan.py measures it against the
     plan: the peak within 0.9-1.25x, the busiest owner's FLOPs 0.8-1.3x."""
+    dims, zero = where.dims, where.zero
     whole = {p.name: p.shape for p in rank_params(model, ParallelDims(), 0)}
     units: list[tuple[str, int]] = []
-    for p in rank_params(model, dims, 0, pp_split, expert_tp=expert_tp, pipeline=pipeline):
+    for p in rank_params(model, dims, 0, where.pp_split, expert_tp=where.expert_tp, pipeline=where.pipeline):
         if optimizer_group(p, "muon") == 0:
             units += [(p.name, j) for j in range(math.prod(whole[p.name][:-2]))]
     shape = {u: (int(whole[u[0]][-2]), int(whole[u[0]][-1])) for u in units}
@@ -116,7 +118,7 @@ def _estimate(model: ModelConfig, dims: ParallelDims, zero: int, expert_tp: bool
         owner[u] = r
         heapq.heappush(heap, (least + flops[u], r))
     load = [least for least, _ in heap]
-    element = max(1, int(bucket_mb * 2**20) // ns_bytes)
+    element = max(1, where.bucket_bytes // where.ns_bytes)
     figures = []
     for bucket in bucket_units(sorted(units), sizes, owner, ranks, element):
         total = sum(sizes[u] for u in bucket)

@@ -205,16 +205,19 @@ CP_MIN_TOKENS = 1024
 try any): context parallelism is for sequences whose activations do not fit, and below this its exchange per
 token costs more than it saves (an assumption of the search, not a rule of the engine)."""
 
+EXACT = 16
+"""Under Muon, the fastest fitting layouts the search prices again from the exchange's own plan."""
+
 _DEFAULTS = Layout().to_dict()
 """A layout's flat fields at their defaults, in to_dict's order."""
 
 
 def search(model_config: ModelConfig, devices: int, hardware: Hardware, *, global_batch: int,
            seq_len: int | None = None, pins: dict[str, Any] | None = None, kernels: str = "eager",
-           settings: StepSettings = PRICED, exact: int = 16) -> dict[str, list[dict[str, Any]]]:
+           settings: StepSettings = PRICED) -> dict[str, list[dict[str, Any]]]:
     """{"candidates": fitting layouts, fastest first, then those that do not fit, smallest peak first;
     "rejected": [{"layout", "reason"}] for layouts paratrain's rules refuse}. Under Muon every layout is priced
-    with its exchange estimated, then the `exact` fastest fitting ones again from the exchange's own plan (about a
+    with its exchange estimated, then the EXACT fastest fitting ones again from the exchange's own plan (about a
     second each on a thousand ranks) and ranked again: the table's first rows and `--plan auto`'s choice are
     priced exactly (their records say "muon_exchange": "exact")."""
     if seq_len and seq_len > model_config.seq_len:  # the model is built for sequences this long
@@ -237,8 +240,8 @@ def search(model_config: ModelConfig, devices: int, hardware: Hardware, *, globa
     fits.sort(key=lambda r: r["step_time_s"])
     if muon:  # the first ones again, from the exchange's own plan
         exact_run = dataclasses.replace(run, exact=True)
-        again = [_record(model_config, Layout.of(**r["layout"]), hardware, exact_run) for r in fits[:exact]]
-        fits = sorted([r for r in again if r["fits"]], key=lambda r: r["step_time_s"]) + fits[exact:]
+        again = [_record(model_config, Layout.of(**r["layout"]), hardware, exact_run) for r in fits[:EXACT]]
+        fits = sorted([r for r in again if r["fits"]], key=lambda r: r["step_time_s"]) + fits[EXACT:]
         too_big += [r for r in again if not r["fits"]]
     too_big.sort(key=lambda r: r["memory"]["peak"])
     return {"candidates": fits + too_big, "rejected": rejected}

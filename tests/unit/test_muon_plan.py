@@ -44,12 +44,12 @@ def test_owners_balance_to_one_largest_matrix_on_a_thousand_ranks():
 
 def test_the_search_prices_its_first_layouts_from_the_plan():
     from paratrain.planner.hardware import hardware
-    from paratrain.planner.search import estimate, search
+    from paratrain.planner.search import EXACT, estimate, search
 
     hw = hardware("a100-80gb")
-    result = search(PRESETS["gpt2"], 8, hw, global_batch=64, settings=MUON, exact=3)
+    result = search(PRESETS["gpt2"], 8, hw, global_batch=64, settings=MUON)
     kinds = [r["muon_exchange"] for r in result["candidates"] if r["fits"]]
-    assert kinds[:3] == ["exact"] * 3 and set(kinds[3:]) == {"estimated"}
+    assert len(kinds) > EXACT and kinds[:EXACT] == ["exact"] * EXACT and set(kinds[EXACT:]) == {"estimated"}
     best = result["candidates"][0]
     again = estimate(PRESETS["gpt2"], Layout.of(**best["layout"]), hw, global_batch=64, settings=MUON)
     assert again["memory"] == best["memory"] and again["step_time_s"] == best["step_time_s"]
