@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from paratrain.config.model import ModelConfig
 from paratrain.optim.buckets import Classes, Unit, assign_owners, bucket_sizes, bucket_units, peak_elements
 from paratrain.optim.exchange import newton_schulz_flops
+from paratrain.optim.matrices import unit_shape
 from paratrain.pipeline.schedules import Schedule
 from paratrain.planner.memory import flat_members, optimizer_group
 from paratrain.planner.params import RankParam, rank_params
@@ -81,7 +82,7 @@ def exchange_plan(model: ModelConfig, where: MatrixLayout) -> ExchangePlan:
                 raise AssertionError(f"{unit}: ranks of one part hold {entry[0]} and {count} elements")
             entry.append(rank)
     units = sorted(parts)
-    shapes = {u: _unit_shape(whole[u[0]]) for u in units}
+    shapes = {u: unit_shape(whole[u[0]]) for u in units}
     sizes = {u: shapes[u][0] * shapes[u][1] for u in units}
     classes: dict[Unit, Classes] = {u: [(tuple(e[1:]), e[0]) for e in parts[u].values()] for u in units}
     for u in units:
@@ -99,10 +100,6 @@ def exchange_plan(model: ModelConfig, where: MatrixLayout) -> ExchangePlan:
         received=tuple((sum(b.received for b in bs), sum(b.given for b in bs)) for bs in per_rank),
         peak=tuple(peak_elements(numel[r], per_rank[r], alone=world == 1) for r in range(world)),
         owner_flops=tuple(load), buckets=len(buckets), largest_flops=max(flops.values(), default=0))
-
-
-def _unit_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    return int(shape[-2]), int(shape[-1])
 
 
 @functools.lru_cache(maxsize=4096)

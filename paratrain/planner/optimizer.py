@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from paratrain.config.model import ModelConfig
 from paratrain.optim import is_matrix, newton_schulz_flops
+from paratrain.optim.matrices import unit_shape
 from paratrain.optim.buckets import BucketSizes, bucket_units, peak_elements
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
@@ -105,7 +106,7 @@ def _estimate(model: ModelConfig, where: MatrixLayout) -> ExchangeFigures:
     for p in rank_params(model, dims, 0, where.pp_split, expert_tp=where.expert_tp, pipeline=where.pipeline):
         if optimizer_group(p, "muon") == 0:
             units += [(p.name, j) for j in range(math.prod(whole[p.name][:-2]))]
-    shape = {u: (int(whole[u[0]][-2]), int(whole[u[0]][-1])) for u in units}
+    shape = {u: unit_shape(whole[u[0]]) for u in units}
     sizes = {u: shape[u][0] * shape[u][1] for u in units}
     ranks = dims.grid_size // dims.pp
     split = dims.tp * (dims.dp_shard * dims.cp if zero else 1)
