@@ -150,14 +150,18 @@ def uses_documents(plan: RunPlan, data: RunData) -> bool:
     return documents == "on" or (documents == "auto" and indexed and bool(plan.config.model.hf))
 
 
-def loaders(data: RunData, documents: bool, *, seq_len: int, global_batch: int, dp: int, dp_index: int,
-            seed: int, rampup: BatchRampup | None = None, warmup: SeqWarmup | None = None
+def loaders(plan: RunPlan, data: RunData, *, dp: int, dp_index: int
             ) -> tuple[GlobalBatchLoader | MixtureLoader, GlobalBatchLoader | MixtureLoader]:
-    """The train and validation loaders of the run's data: one source's windows, or a mixture's (paratrain.data.
-    mixture; validation mixes the sources' validation parts by the weights of step 0). rampup: the training
-    loader's global batch grows to global_batch; warmup: its sequences grow to seq_len (validation reads whole global
-    batches of whole sequences)."""
-    args = dict(seq_len=seq_len, global_batch=global_batch, dp=dp, dp_index=dp_index, seed=seed)
+    """The train and validation loaders of the run's data, dp_index's share of dp: one source's windows, or a
+    mixture's (paratrain.data.mixture; validation mixes the sources' validation parts by the weights of step 0). The
+    plan gives the windows, the seed and the documents (uses_documents); its --batch-rampup grows the training
+    loader's global batch to the plan's, its --seq-warmup grows its sequences to seq_len (validation reads whole
+    global batches of whole sequences)."""
+    config, seq_len, global_batch = plan.config, plan.seq_len, plan.batch.global_batch
+    documents = uses_documents(plan, data)
+    rampup = BatchRampup.parse(config.data.batch_rampup, global_batch) if config.data.batch_rampup else None
+    warmup = SeqWarmup.parse(config.data.seq_warmup, seq_len) if config.data.seq_warmup else None
+    args = dict(seq_len=seq_len, global_batch=global_batch, dp=dp, dp_index=dp_index, seed=config.seed)
     if data.weights is None:
         source = data.first
         return (GlobalBatchLoader(source.train, **args, document_starts=source.train_documents if documents else None,
@@ -214,13 +218,7 @@ class Trainer:
         dp, dp_index = ctx.mesh.degree("dp"), ctx.mesh.index("dp")
         if ctx.replicas is not None:  # each step's rows come from the quorum: every rank reads the whole global batch
             dp, dp_index = 1, 0
-        loader_args = dict(seq_len=plan.seq_len, global_batch=plan.batch.global_batch, dp=dp,
-                           dp_index=dp_index, seed=config.seed)
-        rampup = BatchRampup.parse(config.data.batch_rampup, plan.batch.global_batch) \
-            if config.data.batch_rampup else None
-        warmup = SeqWarmup.parse(config.data.seq_warmup, plan.seq_len) if config.data.seq_warmup else None
-        self.train_loader, self.val_loader = loaders(data, uses_documents(plan, data), **loader_args, rampup=rampup,
-                                                     warmup=warmup)
+        self.train_loader, self.val_loader = loaders(plan, data, dp=dp, dp_index=dp_index)
         loggers = check_loggers(train.logger)
         from paratrain.hf.export import carried_files
 
