@@ -54,15 +54,15 @@ def hf_memory(folder: str, parallel: ParallelConfig, *, global_batch: int, micro
     """The first rank of each pipeline stage of `parallel`'s layout, dry-run (module docstring)."""
     dims = ParallelDims.from_config(parallel)
     ranks = [dims.rank(pp=stage) for stage in range(dims.pp)]
-    return [hf_rank_memory(folder, parallel, rank=rank, world_size=dims.world_size, global_batch=global_batch,
+    return [hf_rank_memory(folder, parallel, rank=rank, global_batch=global_batch,
                            micro_batch=micro_batch, seq_len=seq_len, precision=precision, recompute=recompute)
             for rank in ranks]
 
 
-def hf_rank_memory(folder: str, parallel: ParallelConfig, *, rank: int, world_size: int, global_batch: int,
-                   micro_batch: int, seq_len: int, precision: str = "fp32", recompute: str = "none") -> HFRankMemory:
+def hf_rank_memory(folder: str, parallel: ParallelConfig, *, rank: int, global_batch: int, micro_batch: int,
+                   seq_len: int, precision: str = "fp32", recompute: str = "none") -> HFRankMemory:
     """Build rank `rank` of the layout from the folder on the meta device, step it once, and measure it (in this
-    process, which must not be in a process group already)."""
+    process, which must not be in a process group already). The world is the layout's (parallel is resolved)."""
     from paratrain.config.run import OptimSection
     from paratrain.hf.load import pretrained_for_training
     from paratrain.hybrid import EngineOptions, parallelize
@@ -71,6 +71,7 @@ def hf_rank_memory(folder: str, parallel: ParallelConfig, *, rank: int, world_si
     from paratrain.train.optim import adamw_factory
 
     started = time.perf_counter()
+    world_size = ParallelDims.from_config(parallel).world_size
     with fake_rank(parallel, rank=rank, world_size=world_size, global_batch=global_batch,
                    micro_batch=micro_batch) as ctx:
         dp = ctx.mesh.degree("dp")

@@ -62,7 +62,7 @@ def test_the_dry_run_predicts_each_ranks_memory_to_the_byte(pools, folders, kind
     measured = pools(world).run(_measured, folders[kind], **layout)
     parallel = paratrain.ParallelConfig(**layout).resolved(world)
     for rank in measured:
-        predicted = hf_rank_memory(folders[kind], parallel, rank=rank["rank"], world_size=world,
+        predicted = hf_rank_memory(folders[kind], parallel, rank=rank["rank"],
                                    global_batch=GLOBAL_BATCH, micro_batch=MICRO, seq_len=SEQ)
         assert predicted.states == rank["states"], (rank["rank"], predicted.states, rank["states"])
         if kind in ("mixtral", "deepseek-v3"):  # routing: index tensors sized by the experts a batch reaches (data);
