@@ -32,16 +32,17 @@ from paratrain.topology.dims import ParallelDims
 @dataclass(frozen=True)
 class MatrixLayout:
     """What the exchange's plan depends on: the grid, ZeRO's stage, expert-tp, the pipeline, and the caps (bytes)
-    of ZeRO's flat groups and of the exchange's buckets (of ns_bytes-byte elements)."""
+    of ZeRO's flat groups and of the exchange's buckets (of ns_bytes-byte elements). No defaults: the planner's
+    StepSettings holds them (planner.optimizer builds this from a Layout and its settings)."""
 
     dims: ParallelDims
-    zero: int = 0
-    expert_tp: bool = False
-    pipeline: Schedule | None = None
-    pp_split: tuple[int, ...] = ()
-    bucket_bytes: int = 25 * 2**20
-    ns_bytes: int = 2
-    float8: bool = False
+    zero: int
+    expert_tp: bool
+    pipeline: Schedule | None
+    pp_split: tuple[int, ...]
+    bucket_bytes: int
+    ns_bytes: int
+    float8: bool
     """ZeRO-3 gathers the float8 linears' weights in groups of their own."""
 
 

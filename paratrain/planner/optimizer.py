@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from paratrain.config.model import ModelConfig
 from paratrain.optim import is_matrix, newton_schulz_flops
-from paratrain.optim.matrices import unit_shape
 from paratrain.optim.buckets import BucketSizes, bucket_units, peak_elements
+from paratrain.optim.matrices import unit_shape
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
 from paratrain.planner.matrix_holders import ExchangePlan, MatrixLayout, exchange_plan
@@ -72,9 +72,9 @@ def layout_exchange(model: ModelConfig, layout: Layout, settings: StepSettings) 
 
 
 def _matrix_layout(layout: Layout, settings: StepSettings) -> MatrixLayout:
-    return MatrixLayout(layout.dims, layout.zero, layout.expert_tp, layout.pipeline, tuple(settings.pp_split),
-                        int(settings.bucket_mb * 2**20), NS_BYTES[settings.muon_ns_dtype],
-                        settings.float8_gathers(layout))
+    return MatrixLayout(layout.dims, zero=layout.zero, expert_tp=layout.expert_tp, pipeline=layout.pipeline,
+                        pp_split=tuple(settings.pp_split), bucket_bytes=int(settings.bucket_mb * 2**20),
+                        ns_bytes=NS_BYTES[settings.muon_ns_dtype], float8=settings.float8_gathers(layout))
 
 
 def exchange_figures(model: ModelConfig, layout: Layout, settings: StepSettings, *, exact: bool = True) -> ExchangeFigures:
