@@ -57,8 +57,8 @@ def main() -> None:
     print(f"{'run':<12} {'published s':>11} {'paratrain s':>11} {'ratio':>6} {'calculon s':>10} {'ratio':>6} "
           f"{'MFU pub':>7} {'MFU pred':>8} {'peak GiB':>8} {'calc GiB':>8}")
     for run in korthikanti_table5():
-        t = step_time(run.model, run.layout, a100, global_batch=run.global_batch, seq=2048, precision=run.precision,
-                      kernels="fused")
+        t = step_time(run.model, run.layout, a100, global_batch=run.global_batch, seq=2048,
+                      settings=replace(PRICED, precision=run.precision), kernels="fused")
         mem = memory(run.model, run.layout, global_batch=run.global_batch, seq=2048,
                      settings=replace(PRICED, precision=run.precision))
         flops = run.model.flops_per_token(2048) * run.global_batch * 2048
@@ -90,8 +90,8 @@ def main() -> None:
           f"{'peak GiB':>8}")
     table2 = []
     for run, (*_, tflops, days) in zip(narayanan_table2(), NARAYANAN_TABLE2):
-        t = step_time(run.model, run.layout, a100, global_batch=run.global_batch, seq=2048, precision=run.precision,
-                      kernels="fused")
+        t = step_time(run.model, run.layout, a100, global_batch=run.global_batch, seq=2048,
+                      settings=replace(PRICED, precision=run.precision), kernels="fused")
         peak = memory(run.model, run.layout, global_batch=run.global_batch, seq=2048,
                       settings=replace(PRICED, precision=run.precision))["peak"]
         table2.append({"run": run.name, "published_s": run.step_s, "predicted_s": t.step_s, "published_tflops": tflops,
@@ -104,8 +104,8 @@ def main() -> None:
 
 
 def predicted(run, hw) -> float:
-    return step_time(run.model, run.layout, hw, global_batch=run.global_batch, seq=2048, precision=run.precision,
-                     kernels="fused").step_s
+    return step_time(run.model, run.layout, hw, global_batch=run.global_batch, seq=2048,
+                     settings=replace(PRICED, precision=run.precision), kernels="fused").step_s
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from paratrain.config.model import ModelConfig, preset
 from paratrain.planner.hardware import DATASHEET_MEMORY_BW, DATASHEETS, PROFILES, Hardware, with_rates
 from paratrain.planner.layout import Layout
+from paratrain.planner.settings import PRICED
 from paratrain.planner.timing import step_time
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ take any value, which long sequences then pay for."""
 
 def predict(row: Row, hw: Hardware) -> float:
     return step_time(row.model, row.layout, hw, global_batch=row.global_batch, seq=row.model.seq_len,
-                     precision=row.precision, kernels=row.kernels).step_s
+                     settings=replace(PRICED, precision=row.precision), kernels=row.kernels).step_s
 
 
 def error(rows: list[Row], hw: Hardware) -> float:

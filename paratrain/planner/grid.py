@@ -133,15 +133,14 @@ def grid_time(model: ModelConfig, layout: Layout, hw: Hardware, *, blocks: int, 
     """Seconds one micro-batch's grid collectives take on a stage (on the critical path, as 1d's): each call over
     the links its group spans; a broadcast or reduce of n bytes takes n / bw (pipelined), an all-gather or
     reduce-scatter (k - 1) / k of its full tensor, an all-reduce twice that."""
-    return _grid_time(model, layout.tp_mode, layout.tp, layout.tp_depth, layout.micro_batch, layout.recompute, hw,
-                      blocks, last, act, seq)
+    grid = Layout.of(tp=layout.tp, tp_mode=layout.tp_mode, tp_depth=layout.tp_depth, micro_batch=layout.micro_batch,
+                     recompute=layout.recompute)  # what the calls read: cached on it
+    return _grid_time(model, grid, hw, blocks, last, act, seq)
 
 
 @functools.lru_cache(maxsize=8192)
-def _grid_time(model: ModelConfig, mode: str, tp: int, depth: int, micro_batch: int, recompute: str, hw: Hardware,
-               blocks: int, last: bool, act: int, seq: int) -> float:
-    layout = Layout.of(tp=tp, tp_mode=mode, tp_depth=depth, micro_batch=micro_batch, recompute=recompute)
-    spans, q = _spans(layout), layout.dims.grid_side
+def _grid_time(model: ModelConfig, layout: Layout, hw: Hardware, blocks: int, last: bool, act: int, seq: int) -> float:
+    spans, q, depth = _spans(layout), layout.dims.grid_side, layout.tp_depth
 
     def seconds(calls: list[Call]) -> float:
         total = 0.0

@@ -184,12 +184,23 @@ def _gemm_work(hw: Hardware, cut: Cut, tokens: int, shapes: list[tuple[int, int,
     return fwd, bwd, extra
 
 
+@dataclass(frozen=True)
+class Numerics:
+    """How a rank's blocks compute: kernels (KERNELS' name: eager, compiled or Megatron's fused), the bytes of an
+    activation element (act: 2 in 16-bit precisions, 4 in float32), and float8: the recipe the blocks' linears
+    multiply in float8 with (precision fp8: their rate and casts, paratrain.planner.float8), "" otherwise."""
+
+    kernels: str = "eager"
+    act: int = 2
+    float8: str = ""
+
+
 @functools.lru_cache(maxsize=4096)  # the search prices the same block under many ZeRO stages, schedules and dp
-def block_work(model: ModelConfig, hw: Hardware, *, tokens: int, seq: int, cut: Cut, recompute: str, kernels: str,
-               act: int, mlp: bool = True, float8: str = "") -> Work:
+def block_work(model: ModelConfig, hw: Hardware, *, tokens: int, seq: int, cut: Cut, recompute: str,
+               numerics: Numerics, mlp: bool = True) -> Work:
     """One block and one micro-batch of `tokens` rows on one tp rank (attention over `seq` keys); without its
-    MLP when `mlp` is false (a MoE block: paratrain.planner.moe_ops prices the layer in its place). float8: the
-    recipe its linears multiply in float8 with (precision fp8: their rate and casts, paratrain.planner.float8)."""
+    MLP when `mlp` is false (a MoE block: paratrain.planner.moe_ops prices the layer in its place)."""
+    kernels, act, float8 = numerics.kernels, numerics.act, numerics.float8
     h, f, tp = model.d_model, model.ff_dim, cut.tp
     linears = block_linears(model, mlp=mlp)
     speedup = float8_speedup(hw.name, hw.float8_speedup) if float8 else 1.0
@@ -242,19 +253,18 @@ def optimizer_work(hw: Hardware, elements: float, kernels: str) -> Work:
     return Work(memory=elements * KERNELS[kernels].optimizer_bytes / hw.memory_bw, launches=20 * hw.launch_s)
 
 
-def rank_work(model: ModelConfig, layout: Layout, hw: Hardware, *, micro_batches: int, seq: int, kernels: str,
-              act: int, stage_elements: float, moe_layer: Work = Work(), float8: str = "") -> tuple[Work, Work]:
+def rank_work(model: ModelConfig, layout: Layout, hw: Hardware, *, micro_batches: int, seq: int, numerics: Numerics,
+              stage_elements: float, moe_layer: Work = Work()) -> tuple[Work, Work]:
     """(the micro-batches' work of the pipeline rank whose compute is longest: its blocks and, on the last rank,
-    the head; once per step, its optimizer step over `stage_elements` parameter elements). float8: the blocks' float8
-    recipe under precision fp8 (block_work), "" otherwise. moe_layer: a MoE
+    the head; once per step, its optimizer step over `stage_elements` parameter elements). moe_layer: a MoE
     layer's work per micro-batch (paratrain.planner.moe_ops), in place of the MLP of each MoE block."""
     tokens = layout.micro_batch * seq // layout.cp
     cut = Cut.of(layout)
-    common = dict(tokens=tokens, seq=seq, cut=cut, recompute=layout.recompute, kernels=kernels, act=act, float8=float8)
+    common = dict(tokens=tokens, seq=seq, cut=cut, recompute=layout.recompute, numerics=numerics)
     block = block_work(model, hw, **common)
     # a MoE block: the block without its MLP, and the MoE layer in its place
     moe_block = block_work(model, hw, **common, mlp=False) + moe_layer if model.n_experts else Work()
-    head = head_work(model, hw, tokens=tokens, cut=cut, act=act, kernels=kernels)
+    head = head_work(model, hw, tokens=tokens, cut=cut, act=numerics.act, kernels=numerics.kernels)
     if model.mtp_depth:  # each MTP depth: a dense block and the head again (its 2D -> D projection not priced)
         head = head * (1 + model.mtp_depth) + block * model.mtp_depth
     best = Work()
@@ -263,7 +273,7 @@ def rank_work(model: ModelConfig, layout: Layout, hw: Hardware, *, micro_batches
         mine = block * (blocks - moe_blocks) + moe_block * moe_blocks + (head if has_head else Work())
         if mine.total > best.total:
             best = mine
-    return best * micro_batches, optimizer_work(hw, stage_elements, kernels)
+    return best * micro_batches, optimizer_work(hw, stage_elements, numerics.kernels)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -14,12 +14,8 @@ from paratrain.planner.activations import activation_bytes, grid_cuts, storage_m
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import model_state_bytes
 from paratrain.planner.optimizer import exchange_bytes
-from paratrain.planner.settings import BYTES, StepSettings
+from paratrain.planner.settings import BYTES, PRICED, StepSettings
 from paratrain.topology.dims import ParallelDims
-
-PRICED = StepSettings(precision="bf16", grad_reduce="reduce_scatter")
-"""What the search prices unless told: bf16 with NCCL's reduce-scatter, AdamW."""
-
 
 def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int,
            settings: StepSettings = PRICED, exact: bool = True) -> dict[str, float]:

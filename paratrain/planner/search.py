@@ -19,8 +19,8 @@ from paratrain.planner.float8 import float8_speedup
 from paratrain.planner.hardware import Hardware
 from paratrain.planner.layout import Layout
 from paratrain.planner.optimizer import muon_seconds
-from paratrain.planner.peak import PRICED, memory
-from paratrain.planner.settings import StepSettings
+from paratrain.planner.peak import memory
+from paratrain.planner.settings import PRICED, StepSettings
 from paratrain.planner.timing import step_time
 
 
@@ -72,9 +72,8 @@ def _record(model_config: ModelConfig, layout: Layout, hardware: Hardware, run: 
     """estimate's record of a layout already checked."""
     mem = memory(model_config, layout, global_batch=run.global_batch, seq=run.seq, settings=run.settings,
                  exact=run.exact)
-    t = step_time(model_config, layout, hardware, global_batch=run.global_batch, seq=run.seq,
-                  precision=run.settings.precision, kernels=run.kernels, moe_imbalance=run.settings.moe_imbalance,
-                  fp8_recipe=run.settings.fp8_recipe)
+    t = step_time(model_config, layout, hardware, global_batch=run.global_batch, seq=run.seq, settings=run.settings,
+                  kernels=run.kernels)
     step, terms = t.step_s, t.terms
     if run.settings.optimizer == "muon":  # after the pipelined part, as the element-wise step
         muon = muon_seconds(model_config, layout, hardware, run.settings, exact=run.exact)

@@ -59,3 +59,7 @@ class StepSettings:
         if self.grad_reduce_dtype is None or not layout.zero or BYTES[self.precision] == 4:
             return self.grad_bytes(layout)
         return 4 if self.grad_reduce_dtype == "fp32" else BYTES[self.precision]
+
+
+PRICED = StepSettings(precision="bf16", grad_reduce="reduce_scatter")
+"""What the planner prices unless told: bf16 with NCCL's reduce-scatter, AdamW."""

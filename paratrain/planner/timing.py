@@ -61,8 +61,9 @@ from paratrain.planner.held import rank_held, stepped_elements
 from paratrain.planner.layout import Layout, chunk_layers, layer_costs, stage_chunks
 from paratrain.planner.memory import BYTES
 from paratrain.planner.moe_ops import moe_layer_work
-from paratrain.planner.ops import KERNELS, Work, rank_work
+from paratrain.planner.ops import KERNELS, Numerics, Work, rank_work
 from paratrain.planner.param_server import exchange_time
+from paratrain.planner.settings import PRICED, StepSettings
 from paratrain.topology.dims import ParallelDims
 
 @dataclass(frozen=True)
@@ -177,12 +178,13 @@ def _context_parallel_time(model: ModelConfig, layout: Layout, hw: Hardware, *, 
 
 
 def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch: int, seq: int,
-              precision: str = "bf16", grad_reduce: str = "reduce_scatter", kernels: str = "eager",
-              moe_imbalance: float = 1.0, fp8_recipe: str = "tensorwise") -> StepTime:
+              settings: StepSettings = PRICED, kernels: str = "eager") -> StepTime:
     """kernels: how the blocks run, for a per-operation profile (paratrain.planner.ops.KERNELS): eager,
-    compiled (torch.compile) or Megatron's fused kernels. moe_imbalance: StepSettings' (under ep the busiest rank's
-    experts' work and received rows times it, which every rank waits for). fp8_recipe: under precision fp8, the
-    blocks' float8 recipe (paratrain.planner.float8)."""
+    compiled (torch.compile) or Megatron's fused kernels. settings: what the step time reads of the engine's
+    settings: the precision, ZeRO's reduction primitive, moe_imbalance (under ep the busiest rank's experts' work and
+    received rows times it, which every rank waits for) and, under precision fp8, the blocks' float8 recipe
+    (paratrain.planner.float8)."""
+    precision, moe_imbalance = settings.precision, settings.moe_imbalance
     if kernels not in KERNELS:
         raise ConfigError(f"kernels must be one of {sorted(KERNELS)} (how the blocks run: eager, compiled by "
                           f"torch.compile, or Megatron's fused kernels), got {kernels!r}")
@@ -203,7 +205,7 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     skewed = (skew - 1.0) * 12.0 * model.moe_layers * model.top_k * model.d_model * model.expert_dim * tokens * (
         hardware_flops / model_flops)
     moe_tp = tp if layout.expert_tp or layout.sequence_parallel else 1
-    float8 = fp8_recipe if precision == "fp8" else ""
+    float8 = settings.fp8_recipe if precision == "fp8" else ""
     if float8:  # the blocks' linears at the float8 rate (their casts: priced by operation only)
         check_float8_layout(layout.tp, layout.tp_mode)
         hardware_flops -= linear_flops_per_token(model) * tokens * hardware_flops / model_flops * (
@@ -222,8 +224,8 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
         stepped = stepped_elements(model, layout)
         moe = moe_layer_work(model, layout, hw, tokens=layout.micro_batch * seq // cp, act=act,
                              kernels=kernels) * skew if model.n_experts else Work()
-        work, optimizer = rank_work(model, layout, hw, micro_batches=m, seq=seq, kernels=kernels, act=act,
-                                    stage_elements=stepped, moe_layer=moe, float8=float8)
+        work, optimizer = rank_work(model, layout, hw, micro_batches=m, seq=seq, numerics=Numerics(kernels, act, float8),
+                                    stage_elements=stepped, moe_layer=moe)
         compute, once = work.total, optimizer.total
         attention_rate = hw.peak_flops * hw.attention_efficiency
         by_operation = {"compute: GEMMs": work.gemm, "compute: attention": work.attention,
@@ -266,7 +268,7 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     # pipeline: the fill and drain expose 2 (p - 1) transfers of an activation (or its gradient)
     pp_time = 2 * (pp - 1) * (hw.latency_s + tp_bytes / tp / _bandwidth(hw, layout.world_size)) if pp > 1 else 0.0
     dp_time, overlap = _data_parallel_time(model, layout, hw, compute=compute, micro_batches=m, precision=precision,
-                                           grad_reduce=grad_reduce, float8_gathers=float8 == "tensorwise")
+                                           grad_reduce=settings.grad_reduce, float8_gathers=float8 == "tensorwise")
     # what overlaps compute is hidden but for the profile's overlap loss (compute slowed while it runs)
     dp_exposed = dp_time - overlap + hw.overlap_loss * overlap
     if layout.ps_mode != "off":  # the push and the pull after backward (paratrain.planner.param_server)

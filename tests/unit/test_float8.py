@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -105,20 +107,23 @@ def test_the_planner_prices_float8():
     from paratrain.config import preset
     from paratrain.planner.hardware import PROFILES
     from paratrain.planner.layout import Layout
+    from paratrain.planner.settings import PRICED
     from paratrain.planner.timing import step_time
 
     model, layout = preset("gpt3-xl"), Layout.of(dp=8, zero=3, micro_batch=4)
-    times = {p: step_time(model, layout, PROFILES["h100-80gb"], global_batch=64, seq=2048, precision=p)
+    times = {p: step_time(model, layout, PROFILES["h100-80gb"], global_batch=64, seq=2048,
+                          settings=replace(PRICED, precision=p))
              for p in ("bf16", "fp8")}
     gemms = times["bf16"].terms["compute: GEMMs"]
     assert times["fp8"].terms["compute: GEMMs"] < gemms
     assert times["fp8"].terms["compute: memory-bound ops"] > times["bf16"].terms["compute: memory-bound ops"]
     assert times["bf16"].step_s - gemms / 2 < times["fp8"].step_s < times["bf16"].step_s
     with pytest.raises(ConfigError, match="a100-80gb does not have"):
-        step_time(model, layout, PROFILES["a100-80gb"], global_batch=64, seq=2048, precision="fp8")
+        step_time(model, layout, PROFILES["a100-80gb"], global_batch=64, seq=2048,
+                  settings=replace(PRICED, precision="fp8"))
     with pytest.raises(ConfigError, match="tp_mode 3d"):
         step_time(model, Layout.of(tp=8, tp_mode="3d", micro_batch=8), PROFILES["h100-80gb"], global_batch=64,
-                  seq=2048, precision="fp8")
+                  seq=2048, settings=replace(PRICED, precision="fp8"))
 
 
 def test_compiled_blocks_trace_the_float8_kernel():

@@ -90,7 +90,7 @@ def test_published_megatron_runs_step_time_and_memory():
     runs = korthikanti_table5()
     mfu = {}
     for run in runs:
-        t = step_time(run.model, run.layout, a100, global_batch=run.global_batch, seq=2048, precision="fp16",
+        t = step_time(run.model, run.layout, a100, global_batch=run.global_batch, seq=2048, settings=FP16,
                       kernels="fused")
         assert abs(t.step_s / run.step_s - 1) < 0.15, (run.name, t.step_s, run.step_s)
         mfu[run.name] = t.mfu
@@ -104,7 +104,7 @@ def test_published_megatron_runs_step_time_and_memory():
     for efficiency in [0.3 + 0.02 * i for i in range(31)]:  # 0.3 .. 0.9
         flat = hardware("a100-80gb", efficiency=efficiency)
         ratios = [step_time(r.model, r.layout, flat, global_batch=r.global_batch, seq=2048,
-                            precision="fp16").step_s / r.step_s for r in runs]
+                            settings=FP16).step_s / r.step_s for r in runs]
         assert max(abs(x - 1) for x in ratios) > 0.15, efficiency
 
 
@@ -152,7 +152,7 @@ def test_published_rates_predict_a_model_left_out(held_out):
 
 
 def _published_ratio(run, hw) -> float:
-    return step_time(run.model, run.layout, hw, global_batch=run.global_batch, seq=2048, precision="fp16",
+    return step_time(run.model, run.layout, hw, global_batch=run.global_batch, seq=2048, settings=FP16,
                      kernels="fused").step_s / run.step_s
 
 
@@ -238,13 +238,13 @@ def test_a_moe_layer_is_priced_by_operation():
     accumulation off 7 of 8 and adds the all-to-alls; full recomputation runs the layer's forward again."""
     from paratrain.planner.layout import Layout
     from paratrain.planner.moe_ops import moe_layer_work
-    from paratrain.planner.ops import Cut, block_work
+    from paratrain.planner.ops import Cut, Numerics, block_work
 
     h100 = hardware("h100-80gb")
     dense = preset("gpt3-xl")
     halves = replace(dense, n_experts=2, top_k=2, d_expert=dense.ff_dim // 2)
     layout = Layout.of(micro_batch=4)
-    common = dict(tokens=4 * 2048, seq=2048, cut=Cut(), recompute="none", kernels="eager", act=2)
+    common = dict(tokens=4 * 2048, seq=2048, cut=Cut(), recompute="none", numerics=Numerics("eager", 2))
     mlp = block_work(dense, h100, **common).gemm - block_work(dense, h100, **common, mlp=False).gemm
     moe = moe_layer_work(halves, layout, h100, tokens=4 * 2048, act=2, kernels="eager")
     assert abs(moe.gemm / mlp - 1) < 0.1, moe.gemm / mlp
