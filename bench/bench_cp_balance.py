@@ -50,7 +50,7 @@ def _timed(lengths: tuple[int, ...], balance: str, repeats: int) -> list[float]:
     import torch.distributed as dist
 
     import paratrain
-    from paratrain.context_parallel import ring_attention
+    from paratrain.context_parallel import AttentionSpec, ring_attention
 
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig(dp=1, cp=dist.get_world_size()))
     group = ctx.mesh.group("cp")
@@ -66,7 +66,7 @@ def _timed(lengths: tuple[int, ...], balance: str, repeats: int) -> list[float]:
         dist.barrier()
         started = time.perf_counter()
         out = ring_attention(q, k, v, group, q_positions=mine, group_positions=everyone,
-                             documents=documents[mine].unsqueeze(0), document_starts=starts)
+                             spec=AttentionSpec(documents=documents[mine].unsqueeze(0), document_starts=starts))
         out.sum().backward()
         if i:
             times.append(time.perf_counter() - started)

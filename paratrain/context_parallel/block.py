@@ -41,15 +41,15 @@ Drop = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class Scoring:
     """How a block's scores are formed: s = scale q k^T, masked where causal and key position > query
-    position."""
+    position; and drop: its probabilities' dropout (keyed by position), None without."""
 
     causal: bool
     scale: float
+    drop: Drop | None = None
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                    scoring: Scoring, drop: Drop | None = None,
-                    q_doc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    scoring: Scoring, q_doc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, H, Sq, D], k, v [B, Hkv, Sk, D], q_pos [Sq], k_pos [Sk] (global positions, LongTensor), q_doc
     [B, Sq] (packed documents: each query's position in its document, or None)
     -> (out [B, H, Sq, D], lse [B, H, Sq]). Plain differentiable torch ops, so autograd (and gradcheck)
@@ -57,29 +57,29 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
     scores = _scores(q, k, q_pos, k_pos, scoring, q_doc)  # [B, Hkv, g Sq, Sk]
     lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, g Sq]; -inf where every key is masked
     probs = torch.exp(scores - _finite(lse).unsqueeze(-1))  # 0 on fully masked rows
-    out = _dropped(probs, q.shape[1], q_pos, k_pos, drop) @ v  # [B, Hkv, g Sq, D]
+    out = _dropped(probs, q.shape[1], q_pos, k_pos, scoring.drop) @ v  # [B, Hkv, g Sq, D]
     return _unfold(out, q.shape[1]), _unfold(lse.unsqueeze(-1), q.shape[1]).squeeze(-1)
 
 
 def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                             k_pos: torch.Tensor, merged: tuple[torch.Tensor, torch.Tensor], grad_out: torch.Tensor,
-                             scoring: Scoring, drop: Drop | None = None,
+                             k_pos: torch.Tensor, whole: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                             scoring: Scoring,
                              q_doc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of the gradients of the *whole* attention, recomputed from its inputs.
 
-    merged = (out [B, H, Sq, D], lse [B, H, Sq]): the results over every block (not this block's),
-    grad_out [B, H, Sq, D] their incoming gradient. With P = exp(s - lse) this block's exact
+    whole = (out [B, H, Sq, D], lse [B, H, Sq], grad_out [B, H, Sq, D]): the results merged over every block (not
+    this block's) and their incoming gradient. With P = exp(s - lse) this block's exact
     probabilities in the whole softmax:
 
         dv = P^T dO        dP = dO v^T        dS = P * (dP - rowsum(dO * O))
         dq = scale dS k    dk = scale dS^T q
 
-    (with dropout's mask Z: dv = (P * Z)^T dO and dP = (dO v^T) * Z, the mask drawn again by `drop`)
+    (with dropout's mask Z: dv = (P * Z)^T dO and dP = (dO v^T) * Z, the mask drawn again by scoring.drop)
 
     -> (dq [B, H, Sq, D], dk [B, Hkv, Sk, D], dv [B, Hkv, Sk, D]); dq summed over the blocks and dk, dv
     over the query rows of every rank give the whole attention's gradients.
     """
-    h, (out, lse), scale = q.shape[1], merged, scoring.scale
+    h, (out, lse, grad_out), scale, drop = q.shape[1], whole, scoring.scale, scoring.drop
     scores = _scores(q, k, q_pos, k_pos, scoring, q_doc)  # [B, Hkv, g Sq, Sk]
     p = torch.exp(scores - _finite(_fold(lse.unsqueeze(-1), k.shape[1]).squeeze(-1)).unsqueeze(-1))
     d_o = _fold(grad_out, k.shape[1])  # [B, Hkv, g Sq, D]

@@ -93,11 +93,11 @@ def fused_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, piece
 
 
 def fused_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: tuple[Piece, ...],
-                         merged: tuple[torch.Tensor, torch.Tensor], grad_out: torch.Tensor, *, scale: float,
+                         whole: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *, scale: float,
                          dq: torch.Tensor, dkv: torch.Tensor) -> None:
     """Add this block's share of the whole attention's gradients: dq [B, H, Sq, D] and dkv [2, B, Hkv, Sk, D]
-    in place, from the merged (out, lse) over every block and their incoming gradient."""
-    out, lse = merged
+    in place, from whole = (out, lse, grad_out): the results merged over every block and their incoming gradient."""
+    out, lse, grad_out = whole
     for p in pieces:
         rows, cols = (2, p.q0, p.nq), (2, p.k0, p.nk)
         dq_p, dk_p, dv_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(

@@ -52,40 +52,35 @@ of a block that can meet.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from paratrain.comm.collectives import Pending, all_gather_async
-from paratrain.context_parallel.block import Drop, Scoring, block_attention, block_attention_backward, merge_partials
+from paratrain.context_parallel.block import Scoring, block_attention, block_attention_backward, merge_partials
 from paratrain.context_parallel.fused import fused_available, fused_block_backward, fused_block_forward
 from paratrain.context_parallel.ring_plan import Step, plan
+from paratrain.context_parallel.spec import AttentionSpec
 from paratrain.nn.dropout import KeyedDropout
 from paratrain.topology.mesh import AxisGroup
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup, *,
                    q_positions: torch.Tensor, kv_positions: torch.Tensor | None = None,
-                   group_positions: torch.Tensor | None = None, causal: bool = True, scale: float | None = None,
-                   dropout: KeyedDropout | None = None, documents: torch.Tensor | None = None,
-                   document_starts: tuple[int, ...] | None = None, head_block: tuple[int, int] | None = None
-                   ) -> torch.Tensor:
+                   group_positions: torch.Tensor | None = None, spec: AttentionSpec = AttentionSpec()) -> torch.Tensor:
     """Attention of this rank's queries over the keys and values of every rank of `group` (the cp axis).
 
     q [B, H, S_l, D], k, v [B, Hkv, S_l, D] (H % Hkv == 0: GQA, q head h reads kv head h // (H / Hkv)),
     q_positions [S_l] and kv_positions [S_l] (default q_positions) the global positions of this rank's rows,
-    LongTensors on q's device -> out [B, H, S_l, D]. causal: key position <= query position. scale:
-    1 / sqrt(D) by default. Collective over `group`: every rank calls it with the same shapes and flags.
-    group_positions: every rank's kv positions, [cp, S_l] on the CPU, when the caller knows them (a
-    SequenceShard does): then no rank asks the others, and the ring's plan is made on the host without
-    waiting for the device. dropout: a KeyedDropout on the attention probabilities, drawn per block at
-    its (query, key) positions of the whole sequence (cp S_l long), as one process would draw them.
-    documents: [B, S_l], each query's position in its packed document (paratrain.nn.documents; causal only);
-    document_starts: where the documents start in the window when every row has the same (the fused kernel then
-    computes only pairs inside documents; paratrain.context_parallel.fused).
-    head_block: (index, heads) when q's H heads are block `index` of `heads` the dropout's tensor has (USP).
+    LongTensors on q's device -> out [B, H, S_l, D]. Collective over `group`: every rank calls it with the same
+    shapes and spec. group_positions: every rank's kv positions, [cp, S_l] on the CPU, when the caller knows them
+    (a SequenceShard does): then no rank asks the others, and the ring's plan is made on the host without
+    waiting for the device. spec: causal, scale, dropout (drawn per block at its (query, key) positions of the
+    whole sequence, cp S_l long), documents and their starts, the dropout's head block (AttentionSpec).
     """
+    causal, dropout, documents, document_starts = spec.causal, spec.dropout, spec.documents, spec.document_starts
     if documents is not None and (not causal or documents.shape != (q.shape[0], q.shape[2])):
         raise ValueError(f"ring_attention: documents must be [B, S_l] = [{q.shape[0]}, {q.shape[2]}] positions of "
                          f"causal attention's queries, got {tuple(documents.shape)} (causal={causal})")
@@ -94,7 +89,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Axi
                          "alike; pass kv_positions only without it")
     kv_positions = q_positions if kv_positions is None else kv_positions
     _check_shapes(q, k, v, q_positions, kv_positions)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = spec.scale_of(q.shape[-1])
     if group_positions is None:
         group_positions, host_q = _gather_positions(kv_positions, group), q_positions
     elif group_positions.shape != (group.size, k.shape[2]):
@@ -105,10 +100,23 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Axi
     steps = plan(host_q, group_positions, group, causal=causal, device=q.device,
                   fused=dropout is None and (documents is None or document_starts is not None) and fused_available(
                       q.device, q.dtype), heads=q.shape[0] * q.shape[1], starts=document_starts or ())
-    heads = None if head_block is None else (torch.arange(head_block[0] * q.shape[1], (head_block[0] + 1) * q.shape[1],
-                                                          device=q.device), head_block[1])
+    block = spec.head_block
+    heads = None if block is None else (torch.arange(block[0] * q.shape[1], (block[0] + 1) * q.shape[1],
+                                                     device=q.device), block[1])
     drop = None if dropout is None else functools.partial(_drop_block, dropout, group.size * k.shape[2], heads)
-    return _RingAttention.apply(q, k, v, group, q_positions, steps, Scoring(causal, scale), drop, documents)
+    return _RingAttention.apply(q, k, v, q_positions, RingCall(group, tuple(steps), Scoring(causal, scale, drop),
+                                                               documents))
+
+
+@dataclass(frozen=True, eq=False)
+class RingCall:
+    """What one ring_attention call's forward and backward share besides its tensors: the cp group, the ring's plan
+    (a Step per hop), how a block's scores are formed and dropped, and the queries' document positions [B, S_l]."""
+
+    group: AxisGroup
+    steps: tuple[Step, ...]
+    scoring: Scoring
+    documents: torch.Tensor | None
 
 
 def _drop_block(dropout: KeyedDropout, seq_len: int, heads: tuple[torch.Tensor, int] | None, probs: torch.Tensor,
@@ -120,38 +128,36 @@ def _drop_block(dropout: KeyedDropout, seq_len: int, heads: tuple[torch.Tensor, 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup,
-                q_positions: torch.Tensor, steps: list[Step], scoring: Scoring, drop: Drop | None,
-                documents: torch.Tensor | None) -> torch.Tensor:
-        out, lse = _forward(q, k, v, q_positions, steps, group, scoring, drop, documents)
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+                call: RingCall) -> torch.Tensor:
+        out, lse = _forward(q, k, v, q_positions, call)
         ctx.save_for_backward(q, k, v, q_positions, out, lse)
-        ctx.steps, ctx.group, ctx.scoring, ctx.drop, ctx.documents = steps, group, scoring, drop, documents
+        ctx.call = call
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        dq, dk, dv = _backward(ctx.saved_tensors, grad_out.contiguous(), ctx.steps, ctx.group, ctx.scoring,
-                               ctx.drop, ctx.documents)
-        return dq, dk, dv, None, None, None, None, None, None
+        dq, dk, dv = _backward(ctx.saved_tensors, grad_out.contiguous(), ctx.call)
+        return dq, dk, dv, None, None
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, steps: list[Step],
-             group: AxisGroup, scoring: Scoring, drop: Drop | None,
-             documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+             call: RingCall) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (out [B, H, S_l, D] in q's dtype, lse [B, H, S_l] in at least float32) merged over every block of
     the ring (accumulated in at least float32)."""
+    group, scoring, documents = call.group, call.scoring, call.documents
     wide = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros(q.shape, dtype=wide, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=wide, device=q.device)  # no key seen yet
     kv = torch.stack([k, v])  # [2, B, Hkv, S_l, D]: one message per hop
-    for s, step in enumerate(steps):
-        hop = _pass_on(kv, group) if s + 1 < len(steps) else None  # posted before the compute it overlaps
+    for s, step in enumerate(call.steps):
+        hop = _pass_on(kv, group) if s + 1 < len(call.steps) else None  # posted before the compute it overlaps
         if step.pieces is not None:
             fused_block_forward(q, kv[0], kv[1], step.pieces, scale=scoring.scale, out=out, lse=lse)
         elif not step.skip:
             k_b, v_b, k_pos_b = _take(kv[0], step.cols), _take(kv[1], step.cols), _take(step.k_pos, step.cols)
             for rows in step.rows:
-                out_b, lse_b = block_attention(_take(q, rows), k_b, v_b, _take(q_pos, rows), k_pos_b, scoring, drop,
+                out_b, lse_b = block_attention(_take(q, rows), k_b, v_b, _take(q_pos, rows), k_pos_b, scoring,
                                                _rows_of(documents, rows))
                 merged_out, merged_lse = merge_partials(_take(out, rows), _take(lse, rows), out_b, lse_b)
                 out, lse = _put(out, rows, merged_out), _put(lse, rows, merged_lse)
@@ -160,31 +166,31 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Ten
     return out.to(q.dtype), lse
 
 
-def _backward(saved: tuple[torch.Tensor, ...], grad_out: torch.Tensor, steps: list[Step], group: AxisGroup,
-              scoring: Scoring, drop: Drop | None,
-              documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward(saved: tuple[torch.Tensor, ...], grad_out: torch.Tensor,
+              call: RingCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """saved = (q, k, v, q_pos, out, lse) of the forward -> (dq [B, H, S_l, D], dk, dv [B, Hkv, S_l, D]):
     the K/V blocks go round again, each followed by its (dk, dv) accumulator, which comes home after cp
     hops."""
     q, k, v, q_pos, out, lse = saved
+    group, scoring, documents = call.group, call.scoring, call.documents
     dq = torch.zeros_like(q)
     kv = torch.stack([k, v])
     d_kv = torch.zeros_like(kv)  # at step 0 the accumulator of this rank's own block
     d_hop: tuple[torch.Tensor, list[Pending]] | None = None
-    for s, step in enumerate(steps):
-        hop = _pass_on(kv, group) if s + 1 < len(steps) else None
+    for s, step in enumerate(call.steps):
+        hop = _pass_on(kv, group) if s + 1 < len(call.steps) else None
         share: torch.Tensor | None = None  # this rank's queries' share of the block's (dk, dv), computed
         cols = step.cols  # while the previous rank's accumulator arrives
         if step.pieces is not None:
             share, cols = torch.zeros_like(kv), None
-            fused_block_backward(q, kv[0], kv[1], step.pieces, (out, lse), grad_out, scale=scoring.scale, dq=dq,
+            fused_block_backward(q, kv[0], kv[1], step.pieces, (out, lse, grad_out), scale=scoring.scale, dq=dq,
                                  dkv=share)
         elif not step.skip:
             k_b, v_b, k_pos_b = _take(kv[0], cols), _take(kv[1], cols), _take(step.k_pos, cols)
             for rows in step.rows:
                 dq_b, dk_b, dv_b = block_attention_backward(
                     _take(q, rows), k_b, v_b, _take(q_pos, rows), k_pos_b,
-                    (_take(out, rows), _take(lse, rows).to(q.dtype)), _take(grad_out, rows), scoring, drop,
+                    (_take(out, rows), _take(lse, rows).to(q.dtype), _take(grad_out, rows)), scoring,
                     _rows_of(documents, rows))
                 dq = dq + dq_b if rows is None else dq.index_add_(2, rows, dq_b)
                 share = torch.stack([dk_b, dv_b]) if share is None else share + torch.stack([dk_b, dv_b])

@@ -41,6 +41,7 @@ from paratrain.comm import all_gather_async, all_reduce
 from paratrain.context_parallel.layout import document_split, local_positions, shard_sequence
 from paratrain.context_parallel.ring import ring_attention
 from paratrain.context_parallel.ulysses import ulysses_attention
+from paratrain.context_parallel.spec import AttentionSpec
 from paratrain.context_parallel.usp import usp_attention
 from paratrain.nn.documents import Documents, WindowSplit
 from paratrain.nn.dropout import KeyedDropout
@@ -134,14 +135,12 @@ class SequenceShard:
             positions, everyone, starts = split.mine, split.everyone, split.starts
         else:
             positions, everyone, starts = self.positions(n, q.device), self.group_positions(n), None
+        spec = AttentionSpec(causal=True, scale=scale, dropout=dropout, documents=documents, document_starts=starts)
         if self.usp is not None:
-            return usp_attention(q, k, v, *self.usp, group_positions=everyone, scale=scale, dropout=dropout,
-                                 documents=documents, document_starts=starts)
+            return usp_attention(q, k, v, *self.usp, group_positions=everyone, spec=spec)
         if self.mode == "ulysses":
-            return ulysses_attention(q, k, v, self.group, q_positions=positions, group_positions=everyone,
-                                     causal=True, scale=scale, dropout=dropout, documents=documents)
-        return ring_attention(q, k, v, self.group, q_positions=positions, group_positions=everyone, causal=True,
-                              scale=scale, dropout=dropout, documents=documents, document_starts=starts)
+            return ulysses_attention(q, k, v, self.group, q_positions=positions, group_positions=everyone, spec=spec)
+        return ring_attention(q, k, v, self.group, q_positions=positions, group_positions=everyone, spec=spec)
 
     def attention_core(self, dropout: nn.Module | None = None) -> nn.Module:
         """A module that stands where a model's attention core (softmax(q k^T) v) stood; dropout: that

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from paratrain.comm import all_gather_async, all_to_all
 from paratrain.nn.documents import document_mask
 from paratrain.nn.dropout import KeyedDropout
+from paratrain.context_parallel.spec import AttentionSpec
 from paratrain.topology.mesh import AxisGroup
 
 
@@ -143,23 +144,24 @@ def _position_order(q_positions: torch.Tensor, group: AxisGroup, device: torch.d
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AxisGroup, *,
-                      q_positions: torch.Tensor, group_positions: torch.Tensor | None = None, causal: bool = True,
-                      scale: float | None = None, dropout: KeyedDropout | None = None,
-                      documents: torch.Tensor | None = None) -> torch.Tensor:
+                      q_positions: torch.Tensor, group_positions: torch.Tensor | None = None,
+                      spec: AttentionSpec = AttentionSpec()) -> torch.Tensor:
     """Attention over the whole sequence of the cp group, from and to this rank's sequence shard.
 
     q [B, H, S_l, D], k and v [B, Hkv, S_l, D]: the tokens at global positions q_positions [S_l]
     (the same for every batch row; k and v are the same tokens'). Returns [B, H, S_l, D], equal to
-    single-process attention (softmax(q kᵀ scale) v, keys at positions <= the query's when causal;
-    scale defaults to 1 / sqrt(D)) over the whole sequence at those positions. Collective over `group`.
+    single-process attention (softmax(q kᵀ scale) v, keys at positions <= the query's when spec.causal;
+    spec.scale defaults to 1 / sqrt(D)) over the whole sequence at those positions. Collective over `group`.
     group_positions: every rank's positions [cp, S_l] on the host when the caller knows them (a
-    SequenceShard does; else they are all-gathered). dropout: a KeyedDropout on the attention
+    SequenceShard does; else they are all-gathered). spec.dropout: a KeyedDropout on the attention
     probabilities (causal only): attention is then written out (the scores, the mask and the
     probabilities of this rank's H / cp heads over the whole sequence are kept), the mask keyed by
-    (row, head of this tp rank, query position, key position) as one process draws it. documents: [B, S_l],
+    (row, head of this tp rank, query position, key position) as one process draws it. spec.documents: [B, S_l],
     each token's position in its packed document (paratrain.nn.documents; causal only): all-gathered with the
-    sequence (8 B S bytes per rank), so the whole sequence's document mask is one process's.
+    sequence (8 B S bytes per rank), so the whole sequence's document mask is one process's (the document starts
+    and head block of the spec are ring attention's).
     """
+    causal, scale, dropout, documents = spec.causal, spec.scale, spec.dropout, spec.documents
     cp, heads, kv_heads = group.size, q.shape[1], k.shape[1]
     check_ulysses_heads(heads, kv_heads, cp)
     if q_positions.shape != (q.shape[2],) or k.shape[2] != q.shape[2] or v.shape != k.shape:

@@ -34,26 +34,24 @@ head block u of the tp rank's heads (ring_attention's head_block), so the mask i
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from paratrain.context_parallel.ring import ring_attention
+from paratrain.context_parallel.spec import AttentionSpec
 from paratrain.context_parallel.ulysses import check_ulysses_heads, gathered_sequence, heads_to_sequence, sequence_to_heads
-from paratrain.nn.dropout import KeyedDropout
 from paratrain.topology.mesh import AxisGroup
 
 
 def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses: AxisGroup, ring: AxisGroup, *,
-                  group_positions: torch.Tensor, causal: bool = True, scale: float | None = None,
-                  dropout: KeyedDropout | None = None, documents: torch.Tensor | None = None,
-                  document_starts: tuple[int, ...] | None = None) -> torch.Tensor:
+                  group_positions: torch.Tensor, spec: AttentionSpec = AttentionSpec()) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence of the cp group (ulysses x ring ranks).
 
     q [B, H, S_l, D], k, v [B, Hkv, S_l, D]: this rank's tokens; group_positions [cp, S_l] on the host: every cp
     rank's global positions, row i cp index i (a SequenceShard's group_positions). Returns [B, H, S_l, D], equal to
-    single-process attention over the whole sequence at those positions (causal: key position <= query position;
-    scale 1 / sqrt(D) by default). Collective over both groups. dropout: a KeyedDropout on the probabilities, drawn
-    as one process draws them; documents: [B, S_l], each token's position in its packed document (causal only);
-    document_starts: where they start in the window when every row has the same (ring_attention's)."""
+    single-process attention over the whole sequence at those positions (spec: AttentionSpec's causal mask, scale,
+    keyed dropout drawn as one process draws it, packed documents and their starts). Collective over both groups."""
     u, r = ulysses.size, ring.size
     cp, local = u * r, q.shape[2]
     check_ulysses_heads(q.shape[1], k.shape[1], u)
@@ -65,8 +63,8 @@ def usp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses: Ax
     heads = q.shape[1]
     q, k, v = (sequence_to_heads(t, ulysses) for t in (q, k, v))  # [B, H/U, U S_l, D], the group's shards in order
     ring_positions = group_positions.reshape(r, u * local)  # place r: cp ranks rU .. rU + U - 1, in group order
-    documents = None if documents is None else gathered_sequence(documents, ulysses)
+    documents = None if spec.documents is None else gathered_sequence(spec.documents, ulysses)
     out = ring_attention(q, k, v, ring, q_positions=ring_positions[ring.index].to(q.device),
-                         group_positions=ring_positions, causal=causal, scale=scale, dropout=dropout,
-                         documents=documents, document_starts=document_starts, head_block=(ulysses.index, heads))
+                         group_positions=ring_positions,
+                         spec=replace(spec, documents=documents, head_block=(ulysses.index, heads)))
     return heads_to_sequence(out, ulysses)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from paratrain.context_parallel import local_positions, ring_attention, shard_sequence, unshard_sequence
+from paratrain.context_parallel import AttentionSpec, local_positions, ring_attention, shard_sequence, unshard_sequence
 from paratrain.topology import AxisGroup
 from tests.margins import within
 
@@ -46,7 +46,8 @@ def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Ten
           q_pos: torch.Tensor, kv_pos: torch.Tensor, causal: bool) -> list[np.ndarray]:
     """This rank's out, dq, dk, dv from its shards."""
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = ring_attention(q, k, v, group, q_positions=q_pos, kv_positions=kv_pos, causal=causal)
+    out = ring_attention(q, k, v, group, q_positions=q_pos, kv_positions=kv_pos,
+                         spec=AttentionSpec(causal=causal))
     out.backward(grad_out)
     return [t.detach().numpy() for t in (out, q.grad, k.grad, v.grad)]
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from paratrain.comm.volume import CollectiveCounter
 from paratrain.context_parallel.layout import local_positions
+from paratrain.context_parallel.spec import AttentionSpec
 from paratrain.context_parallel.ulysses import ulysses_attention
 from paratrain.topology import AxisGroup
 from tests.margins import within
@@ -50,7 +51,8 @@ def _parity(split: str, heads: int, kv_heads: int, seq: int, causal: bool) -> di
     (expected * grad).sum().backward()
     positions = _positions(split, seq, group.size, group.index)
     ql, kl, vl = (t.index_select(2, positions).requires_grad_() for t in (q, k, v))
-    out = ulysses_attention(ql, kl, vl, group, q_positions=positions, causal=causal, scale=scale)
+    out = ulysses_attention(ql, kl, vl, group, q_positions=positions,
+                            spec=AttentionSpec(causal=causal, scale=scale))
     (out * grad.index_select(2, positions)).sum().backward()
     pairs = {"O": (out, expected), "dQ": (ql.grad, qd.grad), "dK": (kl.grad, kd.grad), "dV": (vl.grad, vd.grad)}
     return {name: float((mine - whole.index_select(2, positions)).abs().max()) for name, (mine, whole) in pairs.items()}
@@ -76,7 +78,8 @@ def _bytes(heads: int, kv_heads: int, seq: int, causal: bool) -> tuple[dict[str,
     positions = _positions("balanced", seq, group.size, group.index)
     q, k, v, grad = (t.index_select(2, positions).requires_grad_() for t in _whole(heads, kv_heads, seq))
     with CollectiveCounter() as forward:
-        out = ulysses_attention(q, k, v, group, q_positions=positions, causal=causal)
+        out = ulysses_attention(q, k, v, group, q_positions=positions,
+                                spec=AttentionSpec(causal=causal))
     with CollectiveCounter() as backward:
         (out * grad.detach()).sum().backward()
     return forward.volume.bytes, backward.volume.bytes

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from paratrain.comm.volume import CollectiveCounter
-from paratrain.context_parallel import local_positions, usp_attention
+from paratrain.context_parallel import AttentionSpec, local_positions, usp_attention
 from paratrain.topology import AxisGroup, ParallelDims
 from tests.margins import within
 
@@ -48,7 +48,8 @@ def _parity(ulysses: int, heads: int, kv_heads: int, seq: int, causal: bool) -> 
     everyone = torch.stack([local_positions(seq, r, cp) for r in range(cp)])
     positions = everyone[rank]
     ql, kl, vl = (t.index_select(2, positions).requires_grad_() for t in (q, k, v))
-    out = usp_attention(ql, kl, vl, inner, ring, group_positions=everyone, causal=causal, scale=scale)
+    out = usp_attention(ql, kl, vl, inner, ring, group_positions=everyone,
+                        spec=AttentionSpec(causal=causal, scale=scale))
     (out * grad.index_select(2, positions)).sum().backward()
     pairs = {"O": (out, expected), "dQ": (ql.grad, qd.grad), "dK": (kl.grad, kd.grad), "dV": (vl.grad, vd.grad)}
     return {name: float((mine - whole.index_select(2, positions)).abs().max()) for name, (mine, whole) in pairs.items()}

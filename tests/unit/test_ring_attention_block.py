@@ -58,7 +58,7 @@ class _Block(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[no-untyped-def]
         q, k, v, q_pos, k_pos, out, lse = ctx.saved_tensors
-        dq, dk, dv = block_attention_backward(q, k, v, q_pos, k_pos, (out, lse), grad_out,
+        dq, dk, dv = block_attention_backward(q, k, v, q_pos, k_pos, (out, lse, grad_out),
                                               Scoring(ctx.causal, D ** -0.5))
         return dq, dk, dv, None, None, None
 
@@ -105,8 +105,8 @@ def test_merge_of_two_blocks_is_attention_over_both(hkv):
     _reference(*x, q_pos, k_pos, True).backward(grad_out)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for cols in (first, second):
-        dq_b, dk_b, dv_b = block_attention_backward(q, k[:, :, cols], v[:, :, cols], q_pos, k_pos[cols], (out, lse),
-                                                    grad_out, Scoring(True, scale))
+        dq_b, dk_b, dv_b = block_attention_backward(q, k[:, :, cols], v[:, :, cols], q_pos, k_pos[cols],
+                                                    (out, lse, grad_out), Scoring(True, scale))
         dq, dk[:, :, cols], dv[:, :, cols] = dq + dq_b, dk_b, dv_b
     within(max(float((a - b.grad).abs().max()) for a, b in zip((dq, dk, dv), x)), 1e-14,
            "block backward shares vs SDPA gradients")
@@ -137,8 +137,8 @@ def test_fused_pieces_are_the_plain_block(hkv):
         grad = torch.randn_like(out)
         dq, dkv = torch.zeros_like(q), torch.zeros(2, *k.shape, dtype=k.dtype)
         lse_safe = torch.where(seen, lse, torch.zeros_like(lse))  # a fully masked row's share is 0 either way
-        fused_block_backward(q, k, v, pieces, (out, lse_safe), grad, scale=scoring.scale, dq=dq, dkv=dkv)
-        expected = block_attention_backward(q, k, v, q_pos, k_pos, (out, lse), grad, scoring)
+        fused_block_backward(q, k, v, pieces, (out, lse_safe, grad), scale=scoring.scale, dq=dq, dkv=dkv)
+        expected = block_attention_backward(q, k, v, q_pos, k_pos, (out, lse, grad), scoring)
         for got, want, what in zip((dq, dkv[0], dkv[1]), expected, ("dq", "dk", "dv")):
             within(float((got - want).abs().max()), 1e-13, f"fused block {what} (float64)")
     own = plan_pieces(local_positions(16, 0, 2), local_positions(16, 0, 2), causal=True)
@@ -161,7 +161,7 @@ def test_fused_pieces_of_packed_documents_are_the_masked_block():
     for q_pos, k_pos in [(split[0], split[1]), (split[1], split[0]), (split[0], split[0])]:
         q, k, v = _qkv(len(q_pos), len(k_pos), 2, seed=int(q_pos[0]))
         q_doc = documents[q_pos].expand(B, -1)
-        plain_out, plain_lse = block_attention(q, k, v, q_pos, k_pos, scoring, None, q_doc)
+        plain_out, plain_lse = block_attention(q, k, v, q_pos, k_pos, scoring, q_doc)
         pieces = plan_pieces(q_pos, k_pos, causal=True, starts=starts)
         assert pieces is not None and sum(p.nq * p.nk for p in pieces) < len(q_pos) * len(k_pos) // 2
         out, lse = torch.zeros_like(q), torch.full(q.shape[:3], float("-inf"), dtype=q.dtype)
@@ -173,8 +173,8 @@ def test_fused_pieces_of_packed_documents_are_the_masked_block():
         grad = torch.randn_like(out)
         dq, dkv = torch.zeros_like(q), torch.zeros(2, *k.shape, dtype=k.dtype)
         lse_safe = torch.where(seen, lse, torch.zeros_like(lse))
-        fused_block_backward(q, k, v, pieces, (out, lse_safe), grad, scale=scoring.scale, dq=dq, dkv=dkv)
-        expected = block_attention_backward(q, k, v, q_pos, k_pos, (out, lse), grad, scoring, None, q_doc)
+        fused_block_backward(q, k, v, pieces, (out, lse_safe, grad), scale=scoring.scale, dq=dq, dkv=dkv)
+        expected = block_attention_backward(q, k, v, q_pos, k_pos, (out, lse, grad), scoring, q_doc)
         for got, want, what in zip((dq, dkv[0], dkv[1]), expected, ("dq", "dk", "dv")):
             within(float((got - want).abs().max()), 1e-13, f"fused documents {what} (float64)")
 
@@ -187,7 +187,7 @@ def test_fully_masked_rows_give_zero_not_nan():
     assert torch.isneginf(lse[:, :, :2]).all() and torch.isfinite(lse[:, :, 2:]).all()
     both_out, both_lse = merge_partials(out, lse, out, lse)  # rows masked in both blocks stay masked
     assert not torch.isnan(both_out).any() and torch.isneginf(both_lse[:, :, :2]).all()
-    grads = block_attention_backward(q, k, v, q_pos, k_pos, (out, lse), torch.ones_like(out), Scoring(True, D ** -0.5))
+    grads = block_attention_backward(q, k, v, q_pos, k_pos, (out, lse, torch.ones_like(out)), Scoring(True, D ** -0.5))
     assert all(torch.isfinite(g).all() for g in grads)
     assert torch.equal(grads[0][:, :, :2], torch.zeros_like(grads[0][:, :, :2]))
     none_seen = torch.tensor([20, 21, 22, 23])  # every key after every query: the whole block masked
