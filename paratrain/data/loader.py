@@ -70,8 +70,7 @@ class GlobalOrder:
     """Which sample indices each dp rank reads at each step (see the module docstring)."""
 
     def __init__(self, num_samples: int, *, global_batch: int, dp: int, dp_index: int, seed: int,
-                 shuffle: bool = True, what: str = "the data", rampup: BatchRampup | None = None,
-                 order: str = "dense") -> None:
+                 shuffle: bool = True, rampup: BatchRampup | None = None, order: str = "dense") -> None:
         """rampup: the global batch grows from rampup.start to global_batch (BatchRampup); None: fixed.
         order: 'dense' (torch.randperm per epoch) or 'keyed' (KeyedPermutation: O(1) memory, streaming sources)."""
         if order not in ORDERS:
@@ -84,7 +83,7 @@ class GlobalOrder:
             raise ValueError(f"the ramp-up's target ({rampup.target}) must be the global batch ({global_batch})")
         self.rampup = rampup
         if num_samples < global_batch:
-            raise ValueError(f"{what} holds {num_samples} samples, fewer than one global batch ({global_batch}): "
+            raise ValueError(f"{self.describe()} holds {num_samples} samples, fewer than one global batch ({global_batch}): "
                              "use more data or a smaller global batch")
         self.num_samples = num_samples
         self.global_batch = global_batch
@@ -98,6 +97,10 @@ class GlobalOrder:
         """Global sample indices of this rank's rows in the last batch (for tests and debugging)."""
         self.last_batch = 0
         """Samples of the last global batch, all ranks together."""
+
+    def describe(self) -> str:
+        """What the samples are, for messages (a subclass names its source)."""
+        return "the data"
 
     @property
     def batches_per_epoch(self) -> int:
@@ -197,8 +200,10 @@ class GlobalBatchLoader(GlobalOrder):
         self.document_starts = (np.asarray(document_starts, dtype=np.int64) if isinstance(document_starts, np.ndarray)
                                 else document_starts)
         super().__init__((len(tokens) - 1) // seq_len, global_batch=global_batch, dp=dp, dp_index=dp_index,
-                         seed=seed, shuffle=shuffle, what=f"the data (in samples of {seq_len + 1} tokens)",
-                         rampup=rampup, order=order)
+                         seed=seed, shuffle=shuffle, rampup=rampup, order=order)
+
+    def describe(self) -> str:
+        return f"the data (in samples of {self.seq_len + 1} tokens)"
 
     def next(self) -> tuple[torch.Tensor, ...]:
         """This rank's rows of the next global batch: inputs[G/dp, S] and targets[G/dp, S], int64 (and
@@ -282,7 +287,10 @@ class DatasetLoader(GlobalOrder):
                             "wrap an iterable in a list, or give a torch.utils.data.TensorDataset")
         self.dataset = dataset
         super().__init__(len(dataset), global_batch=global_batch, dp=dp, dp_index=dp_index, seed=seed,
-                         shuffle=shuffle, what=f"the dataset ({type(dataset).__name__})")
+                         shuffle=shuffle)
+
+    def describe(self) -> str:
+        return f"the dataset ({type(self.dataset).__name__})"
 
     def next(self) -> Any:
         """This rank's rows of the next global batch, its items stacked by default_collate."""

@@ -146,9 +146,11 @@ class PositionsOf(Wrapper):
 
 def _attend_through(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
-                    sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
     """HF's attention-function signature: query [B, H, n, hd], key, value [B, KV, n, hd] (this rank's
-    tokens) -> ([B, n, H, hd], no weights)."""
+    tokens) -> ([B, n, H, hd], no weights). The model's other keywords (sliding_window, softcap, s_aux) are read
+    from kwargs to be refused where cp cannot honour them."""
+    sliding_window = kwargs.get("sliding_window")
     shard = kwargs.get(SHARD_KEY)
     if shard is None:
         raise ConfigError("an HF model under context parallelism ran without its sequence split: run it whole "
