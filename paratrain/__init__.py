@@ -14,14 +14,45 @@ or, in the shape Lightning users know (paratrain.fit):
     paratrain.Trainer(devices=4, strategy="zero2", max_steps=100, global_batch=32).fit(model, loss_fn, dataset)
 """
 
-from paratrain.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
-from paratrain.fit import Callback, FitResult, Trainer
-from paratrain.hybrid import Engine, EngineOptions, parallelize
-from paratrain.memory import Float8Settings
-from paratrain.models import GPT, build_gpt, lm_loss
-from paratrain.nn.recipe import Recipe, recipe_for
-from paratrain.topology import Context, init
-from paratrain.train.serve import ServeResult, serve
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from paratrain.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
+    from paratrain.fit import Callback, FitResult, Trainer
+    from paratrain.hybrid import Engine, EngineOptions, parallelize
+    from paratrain.memory import Float8Settings
+    from paratrain.models import GPT, build_gpt, lm_loss
+    from paratrain.nn.recipe import Recipe, recipe_for
+    from paratrain.topology import Context, init
+    from paratrain.train.serve import ServeResult, serve
+
+_EXPORTS = {
+    "ConfigError": "paratrain.config", "ModelConfig": "paratrain.config", "ParallelConfig": "paratrain.config",
+    "RunConfig": "paratrain.config", "Callback": "paratrain.fit", "FitResult": "paratrain.fit",
+    "Trainer": "paratrain.fit", "Engine": "paratrain.hybrid", "EngineOptions": "paratrain.hybrid",
+    "parallelize": "paratrain.hybrid", "Float8Settings": "paratrain.memory", "GPT": "paratrain.models",
+    "build_gpt": "paratrain.models", "lm_loss": "paratrain.models", "Recipe": "paratrain.nn.recipe",
+    "recipe_for": "paratrain.nn.recipe", "Context": "paratrain.topology", "init": "paratrain.topology",
+    "ServeResult": "paratrain.train.serve", "serve": "paratrain.train.serve",
+}
+"""Each public name and the module that defines it, imported when first used (PEP 562): `paratrain plan` and the
+CLI's --help then load the planner or the parser only, not the engine, the trainers and their torch modules."""
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'paratrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # the next access is a plain global
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __version__ = "0.1.0"
 

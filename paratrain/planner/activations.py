@@ -234,10 +234,25 @@ def _chunk_sizes(model: ModelConfig, saved: tuple[Any, ...], seq: int, mode: str
     sizes = []
     for start, end in chunk_layers(model, layout.dims, pp_split):
         held = range(max(start, 1), min(end, model.n_layer + 1))  # GPT layer i + 1 is block i
-        moe = sum(model.is_moe(i - 1) for i in held)
+        moe = _moe_blocks(model, held)
         ends = (embedding if start == 0 else 0.0) + (head if end == model.n_layer + 2 else 0.0)
         sizes.append((len(held) - moe) * block + moe * moe_block + ends)
     return tuple(sizes)
+
+
+def _moe_blocks(model: ModelConfig, layers: range) -> int:
+    """How many of these GPT layers (layer i + 1 is block i) are MoE blocks."""
+    before = _moe_before(model)
+    return before[layers.stop - 1] - before[layers.start - 1] if len(layers) else 0
+
+
+@functools.lru_cache(maxsize=64)
+def _moe_before(model: ModelConfig) -> tuple[int, ...]:
+    """[i]: the MoE blocks among GPT layers 1 .. i."""
+    counts = [0]
+    for block in range(model.n_layer):
+        counts.append(counts[-1] + model.is_moe(block))
+    return tuple(counts)
 
 
 def activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str, stage: int = 0,
@@ -309,7 +324,7 @@ def _casts(model: ModelConfig, dims: ParallelDims, sequence_parallel: bool, mode
     casts = []
     for start, end in chunk_layers(model, layout.dims, pp_split):
         held = range(max(start, 1), min(end, model.n_layer + 1))
-        dense = sum(not model.is_moe(i - 1) for i in held)
+        dense = len(held) - _moe_blocks(model, held)
         last = head + model.mtp_depth * (block + mtp_proj_cast(model, mode))  # the head and the MTP depths
         casts.append(dense * block + (last if end == model.n_layer + 2 else 0.0))
     return tuple(casts)

@@ -44,6 +44,23 @@ def check_fields(model: ModelConfig, fields: Mapping[str, Any], *, global_batch:
     check_pipeline(model, parallel, batch)
 
 
+def _refusal(model: ModelConfig, fields: dict[str, Any], *, global_batch: int, seq: int,
+             refusals: dict[tuple[Any, ...], str | None]) -> str | None:
+    """check_fields' message for these fields (None: they pass), asked once for the layouts that differ only in
+    recompute: the rules read every other field but that one, whose three values the search tries are all allowed."""
+    if fields["recompute"] not in ("none", "full", "selective"):  # (a pinned value: check_fields says the rule)
+        key: tuple[Any, ...] = tuple(fields.values())
+    else:
+        key = tuple(v for k, v in fields.items() if k != "recompute")
+    if key not in refusals:
+        try:
+            check_fields(model, fields, global_batch=global_batch, seq=seq)
+            refusals[key] = None
+        except ConfigError as error:
+            refusals[key] = str(error)
+    return refusals[key]
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
     """What a candidate is priced for besides its layout and the hardware."""
@@ -227,13 +244,17 @@ def search(model_config: ModelConfig, devices: int, hardware: Hardware, *, globa
     fits, too_big, rejected = [], [], []
     muon = settings.optimizer == "muon"
     run = Run(global_batch, seq, settings, kernels, exact=not muon)
+    refusals: dict[tuple[Any, ...], str | None] = {}  # the rules' answer, by the fields they read
     for fields in _candidate_fields(model_config, devices, hardware, global_batch=global_batch, pins=pins or {},
                                     seq=seq):
-        try:
-            check_fields(model_config, fields, global_batch=global_batch, seq=seq)
-            record = _record(model_config, Layout.of(**fields), hardware, run)
-        except ConfigError as error:
-            rejected.append({"layout": fields, "reason": str(error)})
+        reason = _refusal(model_config, fields, global_batch=global_batch, seq=seq, refusals=refusals)
+        if reason is None:
+            try:
+                record = _record(model_config, Layout.of(**fields), hardware, run)
+            except ConfigError as error:
+                reason = str(error)
+        if reason is not None:
+            rejected.append({"layout": fields, "reason": reason})
             continue
         (fits if record["fits"] else too_big).append(record)
     fits.sort(key=lambda r: r["step_time_s"])
