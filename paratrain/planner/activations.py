@@ -39,6 +39,7 @@ import numpy as np
 from paratrain.config.model import ModelConfig
 from paratrain.memory import precision_policy
 from paratrain.pipeline.schedules import Action, Schedule
+import paratrain.planner.cp_cost as cp_cost
 from paratrain.planner.layout import Layout, chunk_layers
 from paratrain.planner.moe_activations import moe_activation_bytes
 from paratrain.planner.mtp_activations import mtp_activation_bytes, mtp_proj_cast
@@ -81,8 +82,7 @@ def block_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode
     sequence parallelism, cp, recomputation and ep are what count; rope tables excluded: they are one storage
     for the whole model, see rope_bytes); seq: tokens of a whole sequence; moe: a block with a MoE layer
     for its MLP (moe_imbalance: StepSettings')."""
-    cp, whole = layout.cp, seq
-    b, s, d, f, h, t = layout.micro_batch, seq // cp, model.d_model, model.ff_dim, model.n_head, layout.tp
+    b, s, d, f, h, t = layout.micro_batch, layout.local_tokens(seq), model.d_model, model.ff_dim, model.n_head, layout.tp
     sequence_parallel, recompute, ep = layout.sequence_parallel, layout.recompute, layout.ep
     n = b * s
     q = t if sequence_parallel else 1
@@ -106,14 +106,10 @@ def block_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode
     copy = 0 if heads == 1 or s == 1 else 1
     if recompute == "selective":
         attention = 6 * n * d / t * act
-    elif cp > 1 and layout.cp_mode == "ulysses":  # head-sharded q, k, v, out; lse; the sort orders
-        attention = (4 + copy) * n * d / t * act + b * (h // t) * s * 4 + 2 * 8 * whole
-    elif cp > 1 and layout.cp_mode == "usp":  # Ulysses' head-sharded q, k, v, out; the ring's lse (no sort)
-        attention = (4 + copy) * n * d / t * act + lse_rows * heads * s * 4
-    else:  # SDPA's or the ring's own backward: q, k, v (a view of qkv's output), out, float32 log-sum-exp
-        attention = (6 + copy) * n * d / t * act + lse_rows * heads * s * 4
-    if cp > 1 and mode == "fp32":  # the rotation keeps this block's float32 cos and sin at its positions
-        attention += 2 * s * (model.head_dim // 2) * 4
+    else:  # SDPA's or cp's attention's own backward: its [n, d / tp] tensors, float32 log-sum-exp (cp_cost)
+        kept, extra = cp_cost.saved_attention(layout, seq=seq)
+        attention = (kept + copy) * n * d / t * act + lse_rows * heads * s * 4 + extra
+    attention += cp_cost.rotation_bytes(model, layout, local=s, mode=mode)
     if moe:  # the MoE layer keeps its own copies of the normed input (moe_activation_bytes)
         norms += _norm_and_column_input(n / q, d, mode) - n / q * d * (4 if mode == "fp32" else 2)
         mlp = moe_activation_bytes(model, micro_batch=b, seq=s // q, mode=mode, ep=ep,
@@ -149,36 +145,27 @@ def head_weight_cast(model: ModelConfig, *, tp: int, sequence_parallel: bool, mo
     return model.padded_vocab // tp * model.d_model * 2 if mode == "autocast" and not sequence_parallel else 0.0
 
 
-def rope_bytes(model: ModelConfig, *, seq: int, mode: str, recompute: str = "none", cp: int = 1) -> float:
+def rope_bytes(model: ModelConfig, *, seq: int, mode: str, recompute: str = "none", indexed: bool = False) -> float:
     """The rotary tables (cos, sin: [model.seq_len, head_dim / 2], float32 buffers: ZeRO stores only
     parameters in 16 bits: every block reads its rows of the whole tables), kept once for the whole
     model: by the rotations in float32, or as inputs of recomputed blocks. In 16-bit compute the
-    rotations keep 16-bit copies per block instead, and under context parallelism copies of the rows at
-    the rank's positions (both counted in the block)."""
-    if recompute != "full" and (mode != "fp32" or cp > 1):
+    rotations keep 16-bit copies per block instead, and (indexed: a sequence split over ranks) copies of the rows
+    at the rank's positions (both counted in the block)."""
+    if recompute != "full" and (mode != "fp32" or indexed):
         return 0.0
     return 2 * model.seq_len * (model.head_dim // 2) * 4
 
 
-def positions_bytes(layout: Layout, *, seq: int) -> float:
-    """Ring attention keeps the positions of this rank's tokens (int64 [seq / cp]), one storage shared by
-    every layer (paratrain.context_parallel.shard); USP's ring its Ulysses group's, a view of every cp rank's
-    ([cp, seq / cp]: 8 seq bytes, one storage); nothing without cp, with Ulysses, or when the attention core is
-    recomputed."""
-    if layout.cp == 1 or layout.cp_mode == "ulysses" or layout.recompute != "none":
-        return 0.0
-    return 8 * seq if layout.cp_mode == "usp" else 8 * seq // layout.cp
-
-
-def embedding_activation_bytes(*, micro_batch: int, seq: int, tp: int = 1, cp: int = 1, share: int = 1) -> float:
-    """The embedding keeps the token ids (int64; the batch holds one more column of targets; under cp a
-    copy of this rank's seq / cp positions); split over tp, each rank keeps its local ids and the mask
-    of ids outside its vocabulary slice (a grid looks every row of the micro-batch up, 2.5d its grid's
+def embedding_activation_bytes(*, micro_batch: int, seq: int, tp: int = 1, sequence_parts: int = 1,
+                               share: int = 1) -> float:
+    """The embedding keeps the token ids (int64; the batch holds one more column of targets; a sequence split over
+    sequence_parts ranks a copy of this rank's seq / parts positions); split over tp, each rank keeps its local ids
+    and the mask of ids outside its vocabulary slice (a grid looks every row of the micro-batch up, 2.5d its grid's
     share: 1 / share of them)."""
-    n = micro_batch * seq // cp // share
+    n = micro_batch * seq // sequence_parts // share
     if tp > 1:
         return n * 9
-    return n * 8 if cp > 1 else micro_batch * (seq + 1) * 8
+    return n * 8 if sequence_parts > 1 else micro_batch * (seq + 1) * 8
 
 
 def head_activation_bytes(model: ModelConfig, *, micro_batch: int, seq: int, tp: int = 1,
@@ -211,25 +198,22 @@ def chunk_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode
                            pp_split: tuple[int, ...] = (), moe_imbalance: float = 1.0) -> list[float]:
     """Bytes one micro-batch leaves saved in each pipeline chunk (its layers' terms)."""
     # cached on what they depend on (the search asks for many ZeRO stages, schedules and pipeline ranks at once)
-    saved = (layout.dims, layout.micro_batch, layout.recompute, layout.sequence_parallel, layout.cp_mode,
-             layout.expert_tp, moe_imbalance)
-    return list(_chunk_sizes(model, saved, seq, mode, pp_split))
+    return list(_chunk_sizes(model, layout.saved_fields, moe_imbalance, seq, mode, pp_split))
 
 
 @functools.lru_cache(maxsize=8192)
-def _chunk_sizes(model: ModelConfig, saved: tuple[Any, ...], seq: int, mode: str,
+def _chunk_sizes(model: ModelConfig, saved: tuple[Any, ...], moe_imbalance: float, seq: int, mode: str,
                  pp_split: tuple[int, ...]) -> tuple[float, ...]:
-    dims, micro_batch, recompute, sequence_parallel, cp_mode, expert_tp, moe_imbalance = saved
-    layout = Layout(dims=replace(dims, dp_replicate=dims.dp, dp_shard=1), micro_batch=micro_batch, recompute=recompute,
-                    sequence_parallel=sequence_parallel, cp_mode=cp_mode, expert_tp=expert_tp)
+    layout = Layout.of_saved(saved)
     block = block_activation_bytes(model, layout, seq=seq, mode=mode)
     moe_block = block_activation_bytes(model, layout, seq=seq, mode=mode, moe=True, moe_imbalance=moe_imbalance)
-    kwargs = dict(micro_batch=layout.micro_batch, seq=seq // layout.cp, tp=layout.tp)
+    kwargs = dict(micro_batch=layout.micro_batch, seq=layout.local_tokens(seq), tp=layout.tp)
     grid = grid_cuts(layout) if layout.tp_mode != "1d" else None
     head = head_activation_bytes(model, sequence_parallel=layout.sequence_parallel, mode=mode, grid=grid, **kwargs)
     head += mtp_activation_bytes(model, layout, seq=seq, mode=mode, block=block, head=head, head_cast=head_weight_cast(
         model, tp=layout.tp, sequence_parallel=layout.sequence_parallel, mode=mode))
-    embedding = embedding_activation_bytes(micro_batch=layout.micro_batch, seq=seq, tp=layout.tp, cp=layout.cp,
+    embedding = embedding_activation_bytes(micro_batch=layout.micro_batch, seq=seq, tp=layout.tp,
+                                           sequence_parts=layout.dims.sequence_parts,
                                            share=layout.tp_depth if layout.tp_mode == "2.5d" else 1)
     sizes = []
     for start, end in chunk_layers(model, layout.dims, pp_split):
@@ -265,8 +249,9 @@ def activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str,
     ranges = chunk_layers(model, layout.dims, pp_split)
     mine = layout.chunks_of(stage)
     has_block = any(max(ranges[c][0], 1) < min(ranges[c][1], model.n_layer + 1) for c in mine)
-    rope = (rope_bytes(model, seq=seq, mode=mode, recompute=layout.recompute, cp=layout.cp)
-            + positions_bytes(layout, seq=seq)) if has_block else 0.0
+    rope = (rope_bytes(model, seq=seq, mode=mode, recompute=layout.recompute,
+                       indexed=layout.dims.sequence_parts > 1) + cp_cost.positions_bytes(layout, seq=seq)
+            ) if has_block else 0.0
     if layout.pp == 1:
         return sizes[0] + rope
     casts = _chunk_casts(model, layout, mode, pp_split)

@@ -48,7 +48,7 @@ from collections import Counter
 
 from paratrain.config.model import ModelConfig
 from paratrain.planner.activations import grid_cuts
-from paratrain.planner.dp_comm import data_axis, data_parallel_volume
+from paratrain.planner.dp_comm import data_parallel_volume
 from paratrain.planner.grid import grid_calls
 from paratrain.planner.moe_comm import Call, expert_exchanges, expert_step_calls, sequence_parallel_moe
 from paratrain.planner.layout import Layout, chunk_layers
@@ -170,9 +170,9 @@ def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str
     # input axis) over three or four
     parts = {"1d": 2, "3d": 4}.get(layout.tp_mode, 3) if layout.tp > 1 else 1
     if layout.dp * layout.cp > 1:
-        calls.append((data_axis(layout), "all_reduce", 2, 8))
+        calls.append((layout.dims.data_axis, "all_reduce", 2, 8))
         if layout.zero:  # the norm's squares add up over the ranks that hold different shards
-            shard_axis = "dp_shard" if layout.shard_group not in (None, layout.dp) else data_axis(layout)
+            shard_axis = "dp_shard" if layout.shard_group not in (None, layout.dp) else layout.dims.data_axis
             calls += [(shard_axis, "all_reduce", 1, 4)] * parts
     if model.n_experts:  # routing statistics (paratrain.hybrid.experts.routing_totals) and the experts' norm part
         calls += expert_step_calls(model, layout, moe=_moe_layers(model, layout, stage, pp_split))

@@ -48,7 +48,7 @@ def price_outer_step(candidates: list[dict[str, Any]], model: ModelConfig, hw: H
         memory["diloco"] = held
         memory["peak"] += held
         memory["between_steps"] += held
-        span = layout.tp * layout.cp * layout.dp * groups  # the replica groups' ranks at one place lie this far apart
+        span = layout.dims.inside("dp") * layout.dp * groups  # the replica groups' ranks at one place lie this far apart
         bw = hw.intra_node_bw if span <= hw.devices_per_node else hw.inter_node_bw
         seconds = (hw.latency_s + 2 * (groups - 1) / groups * OUTER_BYTES * elements / bw) / inner_steps
         step = record["step_time_s"]

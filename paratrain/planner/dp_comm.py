@@ -16,7 +16,7 @@ Data parallelism (`data_parallel_volume`), gradients and parameters:
               replicas of each other): the gathers and reduce-scatters stay within the shard group
               (axis dp_shard), each reduced shard is then all-reduced across the replicas
               (dp_replicate); an all-reduce reduction is one all-reduce over the whole of dp
-    experts (under ep) the same over the ranks holding the same experts (edp, x cp), in flat groups of their own
+    experts (under ep) the same over the ranks holding the same experts (ParallelDims.expert_replicas), in flat groups of their own
 """
 
 from __future__ import annotations
@@ -37,17 +37,17 @@ def data_parallel_volume(model: ModelConfig, layout: Layout, *, stage: int, micr
     (ZeRO over shard groups of S < dp ranks): "dp_shard" for the reduce-scatters and the gathers
     within a shard group, "dp_replicate" for the all-reduce of each shard across the dp / S copies
     (an all-reduce reduction stays one all-reduce over dp)."""
-    if layout.dp * layout.cp == 1:
+    if layout.dims.replicas == 1:
         return {}
-    data = data_axis(layout)
+    data = layout.dims.data_axis
     volume: dict[str, dict[str, int]] = {}
     params = rank_params(model, layout.dims, stage, settings.pp_split, expert_tp=layout.expert_tp,
                          pipeline=layout.pipeline)
     dense = [p for p in params if not p.expert]
     _reduce_and_gather(volume, dense, layout, micro_batches, settings, axis=data, shards=layout.shards)
     experts = [p for p in params if p.expert]
-    if experts and layout.dp // layout.ep * layout.cp > 1:  # over the ranks holding the same experts (ep > 1 only)
-        _reduce_and_gather(volume, experts, layout, micro_batches, settings, axis=expert_data_axis(layout),
+    if experts and layout.dims.expert_replicas > 1:  # over the ranks holding the same experts (ep > 1 only)
+        _reduce_and_gather(volume, experts, layout, micro_batches, settings, axis=layout.dims.expert_data_axis,
                            shards=layout.expert_shards)
     return volume
 
@@ -88,14 +88,6 @@ def _reduce_and_gather(volume: dict[str, dict[str, int]], params: list[RankParam
         add(shard_axis, "all_gather", micro_batches * (per_block * gathered + elsize * sum(g.padded for g in roots)))
 
 
-def data_axis(layout: Layout) -> str:
-    """The mesh's name for the ranks holding the same parameters: "dp", or "dp_cp" under cp."""
-    return "dp_cp" if layout.cp > 1 else "dp"
-
-
-def expert_data_axis(layout: Layout) -> str:
-    """The mesh's name for the ranks holding the same experts under ep: "edp", or "edp_cp" under cp."""
-    return "edp_cp" if layout.cp > 1 else "edp"
 
 
 def _root_groups(params: list[RankParam]) -> int:

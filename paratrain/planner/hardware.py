@@ -79,6 +79,23 @@ class Hardware:
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
+    def bandwidth(self, span: int) -> float:
+        """The link of a group whose ranks lie within `span` consecutive ranks: inside a node when span fits in one."""
+        return self.intra_node_bw if span <= self.devices_per_node else self.inter_node_bw
+
+    def bus_time(self, nbytes: float, ranks: int, span: int, *, factor: float) -> float:
+        """Seconds of a collective of `nbytes` over `ranks` ranks lying within `span` consecutive ranks: latency +
+        factor x (k - 1) / k x bytes / bandwidth (factor 2 for an all-reduce, 1 for a reduce-scatter or all-gather)."""
+        return bus_time(nbytes, ranks, self.bandwidth(span), self.latency_s, factor=factor)
+
+
+def bus_time(nbytes: float, ranks: int, bw: float, latency: float, *, factor: float) -> float:
+    """factor x (k - 1) / k x bytes / bw after the latency: 2 for an all-reduce, 1 for reduce-scatter or all-gather;
+    0 for a group of one."""
+    if ranks <= 1:
+        return 0.0
+    return latency + factor * (ranks - 1) / ranks * nbytes / bw
+
 
 def roofline_table(peak: float, memory_bw: float, best: float, dims: tuple[int, ...] = (
         128, 256, 512, 1024, 2048, 4096, 8192, 16384), tokens: int = 16384) -> tuple[tuple[float, ...], ...]:

@@ -9,7 +9,7 @@ ZeRO-3 unit owns) it states here for the reference GPT, next to the rule it mirr
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from paratrain.config.errors import ConfigError
@@ -77,6 +77,23 @@ class Layout:
     @property
     def dp(self) -> int:
         return self.dims.dp
+
+    @functools.cached_property
+    def saved_fields(self) -> tuple[Any, ...]:
+        """What a micro-batch's saved activations read of the layout (the planner caches them on it; of_saved builds
+        a layout of them): the dims, micro-batch, recompute, sequence parallelism, cp's mode and expert tp."""
+        return (self.dims, self.micro_batch, self.recompute, self.sequence_parallel, self.cp_mode, self.expert_tp)
+
+    @classmethod
+    def of_saved(cls, saved: tuple[Any, ...]) -> Layout:
+        """A layout of saved_fields (dp replicated: saved activations do not read ZeRO's split)."""
+        dims, micro_batch, recompute, sequence_parallel, cp_mode, expert_tp = saved
+        return cls(dims=replace(dims, dp_replicate=dims.dp, dp_shard=1), micro_batch=micro_batch, recompute=recompute,
+                   sequence_parallel=sequence_parallel, cp_mode=cp_mode, expert_tp=expert_tp)
+
+    def local_tokens(self, seq: int) -> int:
+        """The tokens of a sequence of `seq` this rank holds (ParallelDims.sequence_parts split it)."""
+        return seq // self.dims.sequence_parts
 
     @functools.cached_property
     def pipeline(self) -> Schedule | None:

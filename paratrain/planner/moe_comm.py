@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections import Counter
 
 from paratrain.config.model import ModelConfig
-from paratrain.planner.dp_comm import data_axis, expert_data_axis
 from paratrain.planner.layout import Layout
 
 Call = tuple[str, str, int, int]
@@ -34,7 +33,7 @@ def expert_exchanges(model: ModelConfig, layout: Layout, *, moe: int, act: int,
     if layout.cp > 1 and moe:
         exchanges["cp"] = ("all_reduce", moe * 2 * layout.micro_batch * model.n_experts * 4)
     if layout.ep > 1 and (moe or w_again):
-        tokens = layout.micro_batch * model.seq_len // layout.cp // (layout.tp if layout.sequence_parallel else 1)
+        tokens = layout.micro_batch * layout.local_tokens(model.seq_len) // (layout.tp if layout.sequence_parallel else 1)
         rows = tokens * model.top_k * model.d_model * act  # (under sequence parallelism each tp rank its chunk's)
         forward = model.n_experts * 8 + 2 * rows  # a recomputed block (full) exchanges its forward's again
         recomputed = layout.recompute == "full"  # (W's walk recomputes the block's forward once more)
@@ -51,8 +50,8 @@ def expert_step_calls(model: ModelConfig, layout: Layout, *, moe: int) -> list[C
     calls: list[Call] = []
     if layout.sequence_parallel and layout.tp > 1:
         calls += [("tp", "all_reduce", 1, 8), ("tp", "all_reduce", 4 + moe * model.n_experts, 8)]
-    if layout.dp * layout.cp > 1:
-        calls.append((data_axis(layout), "all_reduce", 4 + moe * model.n_experts, 8))
+    if layout.dims.replicas > 1:
+        calls.append((layout.dims.data_axis, "all_reduce", 4 + moe * model.n_experts, 8))
     parts = 1 + layout.expert_tp if layout.ep > 1 else 0
     if layout.pp > 1:
         calls += [("pp", "all_reduce", 7, 8), ("pp", "all_reduce", 2, 8)] + [("pp", "all_reduce", 1, 4)] * parts
@@ -61,7 +60,7 @@ def expert_step_calls(model: ModelConfig, layout: Layout, *, moe: int) -> list[C
     if layout.expert_tp and layout.ep > 1 and layout.tp > 1:
         calls.append(("tp", "all_reduce", 1, 4))
     if layout.zero and layout.ep > 1 and layout.expert_shards > 1:
-        calls += [(expert_data_axis(layout), "all_reduce", 1, 4)] * parts
+        calls += [(layout.dims.expert_data_axis, "all_reduce", 1, 4)] * parts
     return calls
 
 

@@ -23,7 +23,7 @@ def mtp_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: 
     head's, head_cast: the head's weight copy within it (both as paratrain.planner.activations counts them)."""
     if not model.mtp_depth:
         return 0.0
-    d, n = model.d_model, layout.micro_batch * (seq // layout.cp)
+    d, n = model.d_model, layout.micro_batch * layout.local_tokens(seq)
     tokens = n / (layout.tp if layout.sequence_parallel else 1)
     ids = n * (9 if layout.tp > 1 else 8)
     res = 2 if mode == "low" else 4  # the embedding's output: float32 but for ZeRO's 16-bit parameters

@@ -258,7 +258,7 @@ def rank_work(model: ModelConfig, layout: Layout, hw: Hardware, *, micro_batches
     """(the micro-batches' work of the pipeline rank whose compute is longest: its blocks and, on the last rank,
     the head; once per step, its optimizer step over `stage_elements` parameter elements). moe_layer: a MoE
     layer's work per micro-batch (paratrain.planner.moe_ops), in place of the MLP of each MoE block."""
-    tokens = layout.micro_batch * seq // layout.cp
+    tokens = layout.micro_batch * layout.local_tokens(seq)
     cut = Cut.of(layout)
     common = dict(tokens=tokens, seq=seq, cut=cut, recompute=layout.recompute, numerics=numerics)
     block = block_work(model, hw, **common)

@@ -109,7 +109,7 @@ def _estimate(model: ModelConfig, where: MatrixLayout) -> ExchangeFigures:
     shape = {u: unit_shape(whole[u[0]]) for u in units}
     sizes = {u: shape[u][0] * shape[u][1] for u in units}
     ranks = dims.grid_size // dims.pp
-    split = dims.tp * (dims.dp_shard * dims.cp if zero else 1)
+    split = dims.tp * (dims.shard_ranks if zero else 1)
     replicas = ranks / split
     flops = {u: newton_schulz_flops(shape[u]) for u in units}
     heap = [(0, r) for r in range(ranks)]  # every rank holds every unit: longest processing time first

@@ -9,6 +9,7 @@ from typing import Any
 
 from paratrain.config.model import ModelConfig
 from paratrain.nn.loss import CHUNK_BYTES
+import paratrain.planner.cp_cost as cp_cost
 import paratrain.planner.param_server as param_server
 from paratrain.planner.activations import activation_bytes, grid_cuts, storage_mode
 from paratrain.planner.layout import Layout
@@ -31,7 +32,7 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int,
     precision, bucket_mb, pp_split = settings.precision, settings.bucket_mb, settings.pp_split
     mode = storage_mode(precision, layout.zero)
     microbatches = global_batch // (layout.dp * layout.micro_batch)
-    local = seq // layout.cp  # the tokens of a sequence this rank holds (context parallelism)
+    local = layout.local_tokens(seq)  # the tokens of a sequence this rank holds
     act = 4 if mode == "fp32" else 2
     best: dict[str, float] = {}
     served = layout.ps_mode != "off"
@@ -51,7 +52,7 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int,
         tokens = layout.micro_batch * local
         # the bucket being reduced (a push sends the gradients' own slices: nothing copied)
         other = 0.0 if served else min(bucket_mb * 2**20, states["grads"] or bucket_mb * 2**20)
-        other += context_parallel_transient(model, layout, seq=seq, act=act)
+        other += cp_cost.transient_bytes(model, layout, seq=seq, act=act)
         if stage == layout.pp - 1:  # the logits' gradient (compute dtype) and the loss's float32 chunks
             logits = tokens * model.padded_vocab / layout.tp
             other += logits * act + min(2 * CHUNK_BYTES, 2 * 4 * logits)
@@ -92,8 +93,7 @@ _SAVED: dict[tuple[Any, ...], float] = {}
 def _activations(model: ModelConfig, layout: Layout, seq: int, mode: str, stage: int, microbatches: int,
                  pp_split: tuple[int, ...], moe_imbalance: float) -> float:
     """activation_bytes, cached on the fields it reads (ZeRO 1, 2 and 3 share their dims and storage mode)."""
-    key = (model, layout.dims, layout.micro_batch, layout.recompute, layout.sequence_parallel, layout.schedule,
-           layout.cp_mode, layout.expert_tp, seq, mode, stage, microbatches, pp_split, moe_imbalance)
+    key = (model, layout.saved_fields, layout.schedule, seq, mode, stage, microbatches, pp_split, moe_imbalance)
     if key not in _SAVED:
         if len(_SAVED) >= 1 << 16:
             _SAVED.clear()
@@ -101,13 +101,3 @@ def _activations(model: ModelConfig, layout: Layout, seq: int, mode: str, stage:
                                        pp_split=pp_split, moe_imbalance=moe_imbalance)
     return _SAVED[key]
 
-
-def context_parallel_transient(model: ModelConfig, layout: Layout, *, seq: int, act: int) -> float:
-    """Bytes attention under cp holds while one layer runs (not saved: freed when it returns). Ring, in
-    backward: this rank's K/V block, the one arriving, and the two (dK, dV) accumulators, each
-    2 [B, h / tp, seq / cp, hd]. Ulysses: the all-to-all's send and receive buffers of q, k, v and the
-    output, 2 x 4 [B, h / tp, seq / cp, hd], at most. An estimate, not checked to the byte."""
-    if layout.cp == 1:
-        return 0.0
-    block = layout.micro_batch * seq // layout.cp * model.d_model / layout.tp * act  # [B, h / tp, seq / cp, hd]
-    return 4 * 2 * block if layout.cp_mode == "ring" else 2 * 4 * block  # USP: the larger, Ulysses' buffers

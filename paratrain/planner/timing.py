@@ -54,9 +54,10 @@ from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
 from paratrain.config.model_rules import check_float8_layout
 from paratrain.pipeline.schedules import Schedule
+import paratrain.planner.cp_cost as cp_cost
 from paratrain.planner.float8 import float8_speedup, linear_flops_per_token
 from paratrain.planner.grid import grid_time
-from paratrain.planner.hardware import Hardware
+from paratrain.planner.hardware import Hardware, bus_time
 from paratrain.planner.held import rank_held, stepped_elements
 from paratrain.planner.layout import Layout, chunk_layers, layer_costs, stage_chunks
 from paratrain.planner.memory import BYTES
@@ -83,18 +84,6 @@ class StepTime:
     """The step time by term (module docstring), seconds: they add up to step_s (`paratrain plan --explain`)."""
 
 
-def _bus_time(nbytes: float, ranks: int, bw: float, latency: float, *, factor: float) -> float:
-    """factor x (k - 1) / k x bytes / bw: 2 for an all-reduce, 1 for reduce-scatter or all-gather."""
-    if ranks <= 1:
-        return 0.0
-    return latency + factor * (ranks - 1) / ranks * nbytes / bw
-
-
-def _bandwidth(hw: Hardware, span: int) -> float:
-    """A group whose ranks lie within `span` consecutive ranks: inside a node when span fits in one."""
-    return hw.intra_node_bw if span <= hw.devices_per_node else hw.inter_node_bw
-
-
 @functools.lru_cache(maxsize=4096)
 def _stages(model: ModelConfig, pp: int, v: int, pipeline: Schedule | None) -> tuple[float, int, int]:
     """The busiest pipeline rank's share of the model's work (layers are split by these costs), the most blocks a
@@ -117,21 +106,21 @@ def _data_parallel_time(model: ModelConfig, layout: Layout, hw: Hardware, *, com
     shard groups (MiCS / HSDP) reduce-scattered and gathered within a group of dp_shard x cp ranks and the shard
     all-reduced across the groups; the experts over their dp / ep replicas x cp (not at all when ep = dp)."""
     held, m = rank_held(model, layout), micro_batches
-    tp, cp, dp = layout.tp, layout.cp, layout.dp
+    dp, inside = layout.dp, layout.dims.inside("dp")  # the ranks inside one dp index (tp x cp)
     dense, expert = held.total - held.expert, held.expert
     # 16-bit gradients under ZeRO, as the published runs it is fitted to (--grad-dtype bf16; the default float32
     # buffers move twice the bytes: planner.comm counts them, this estimate does not yet); zero 0: float32
     elsize = BYTES[precision] if layout.zero else 4
-    whole = tp * cp * dp  # the ranks a dp group spans (and the experts' replicas, ep apart)
-    replicas, expert_replicas = dp * cp, dp // layout.ep * cp
+    whole = inside * dp  # the ranks a dp group spans (and the experts' replicas, ep apart)
+    replicas, expert_replicas = layout.dims.replicas, layout.dims.expert_replicas
     hierarchical = layout.zero and layout.shard_group is not None
     shard = layout.shards if hierarchical else replicas
 
     def bus(elements: float, ranks: int, span: int, factor: float) -> float:  # (no experts: no collective)
-        return _bus_time(elements * elsize, ranks, _bandwidth(hw, span), hw.latency_s, factor=factor) if elements else 0.0
+        return bus_time(elements * elsize, ranks, hw.bandwidth(span), hw.latency_s, factor=factor) if elements else 0.0
 
     def one_way(dense_elements: float, expert_elements: float) -> float:  # a reduce-scatter or an all-gather
-        return bus(dense_elements, shard, tp * cp * (layout.dims.dp_shard if hierarchical else dp), 1) + bus(
+        return bus(dense_elements, shard, inside * (layout.dims.dp_shard if hierarchical else dp), 1) + bus(
             expert_elements, expert_replicas, whole, 1)
 
     backward = (2.0 / 3.0) * compute  # every micro-batch's backward
@@ -154,29 +143,6 @@ def _data_parallel_time(model: ModelConfig, layout: Layout, hw: Hardware, *, com
     return traffic, min(traffic, compute)
 
 
-def _context_parallel_time(model: ModelConfig, layout: Layout, hw: Hardware, *, seq: int, act: int,
-                           rate: float) -> float:
-    """Seconds cp's attention exchange adds per block and micro-batch on the critical path (module docstring)."""
-    cp, tp = layout.cp, layout.tp
-    if cp == 1:
-        return 0.0
-    block = layout.micro_batch * seq // cp * model.d_model / tp * act  # [B, h / tp, seq / cp, hd]
-    bw = _bandwidth(hw, tp * cp)
-    if layout.cp_mode == "ulysses":  # q, k, v, out each way; (cp - 1) / cp of each leaves the rank
-        return 8 * _bus_time(block, cp, bw, hw.latency_s, factor=1)
-    inner = layout.cp_ulysses if layout.cp_mode == "usp" else 1
-    exchange = 8 * _bus_time(block, inner, _bandwidth(hw, tp * inner), hw.latency_s, factor=1) if inner > 1 else 0.0
-    ring = cp // inner
-    hop = hw.latency_s + 2 * block / bw  # this rank's k and v to the next rank (USP: U x the positions, 1 / U the heads)
-    # one ring step of causal attention under the balanced split: this rank's queries meet 2 c^2 keys of the
-    # block (c = s / 2 ring), 4 (h / tp / U) FLOPs a pair (q k^T and p v): 2 b (s / ring)^2 (h / tp) / U; backward
-    # twice that
-    attention = 2.0 * layout.micro_batch * (seq / ring) ** 2 * model.d_model / tp / inner / rate
-    forward = (ring - 1) * max(0.0, hop - attention)
-    backward = (ring - 1) * max(0.0, 2 * hop - 2 * attention) + hop  # K/V and their (dK, dV); the last home
-    return exchange + forward + backward
-
-
 def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch: int, seq: int,
               settings: StepSettings = PRICED, kernels: str = "eager") -> StepTime:
     """kernels: how the blocks run, for a per-operation profile (paratrain.planner.ops.KERNELS): eager,
@@ -188,7 +154,8 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     if kernels not in KERNELS:
         raise ConfigError(f"kernels must be one of {sorted(KERNELS)} (how the blocks run: eager, compiled by "
                           f"torch.compile, or Megatron's fused kernels), got {kernels!r}")
-    dp, tp, pp, v, cp = layout.dp, layout.tp, layout.pp, layout.virtual_stages, layout.cp
+    dp, tp, pp, v = layout.dp, layout.tp, layout.pp, layout.virtual_stages
+    local = layout.local_tokens(seq)  # the tokens of a sequence this rank holds
     m = global_batch // (dp * layout.micro_batch)  # micro-batches per rank and step
     tokens = global_batch * seq
     model_flops = model.flops_per_token(seq) * tokens
@@ -210,7 +177,8 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
         check_float8_layout(layout.tp, layout.tp_mode)
         hardware_flops -= linear_flops_per_token(model) * tokens * hardware_flops / model_flops * (
             1.0 - 1.0 / float8_speedup(hw.name, hw.float8_speedup))
-    per_rank = (hardware_flops - moe_flops) / (dp * tp * cp) + (moe_flops + skewed) / (dp * cp * moe_tp)
+    per_rank = (hardware_flops - moe_flops) / layout.dims.inside("pp") + (moe_flops + skewed) / (
+        layout.dims.replicas * moe_tp)
     moe_here = round(model.moe_layers * trunk_here / model.n_layer) if model.n_experts else 0
     # the profile's fixed time per block and micro-batch, and a MoE layer's own beyond it (routing, sorting)
     overhead = (hw.overhead_s * blocks_here + hw.moe_overhead_s * moe_here) * m
@@ -222,7 +190,7 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     if hw.per_operation:  # paratrain.planner.ops (and a MoE layer's: paratrain.planner.moe_ops)
         # the optimizer steps on this device over its ZeRO shard (not when offloaded, nor under the parameter server)
         stepped = stepped_elements(model, layout)
-        moe = moe_layer_work(model, layout, hw, tokens=layout.micro_batch * seq // cp, act=act,
+        moe = moe_layer_work(model, layout, hw, tokens=layout.micro_batch * local, act=act,
                              kernels=kernels) * skew if model.n_experts else Work()
         work, optimizer = rank_work(model, layout, hw, micro_batches=m, seq=seq, numerics=Numerics(kernels, act, float8),
                                     stage_elements=stepped, moe_layer=moe)
@@ -234,39 +202,39 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     # tensor parallelism, on the critical path, per block and micro-batch: 4 all-reduces of b s h; with
     # sequence parallelism 4 all-gathers and 4 reduce-scatters (each half an all-reduce's traffic)
     # and 2 more all-gathers in backward (the column layers keep only their slice of the input)
-    tp_bytes = layout.micro_batch * seq // cp * model.d_model * act
+    tp_bytes = layout.micro_batch * local * model.d_model * act
     # (full recomputation runs the forward's again as far as backward needs it: paratrain 1 all-reduce, or 2
     # all-gathers and 1 reduce-scatter, as planner.comm counts them to the byte; Megatron's fused runs the whole
     # forward's, 2 all-reduces, or 2 all-gathers and 2 reduce-scatters whose inputs backward then keeps)
     full, megatron = layout.recompute == "full", kernels == "fused"
     if layout.sequence_parallel:  # all-gathers and reduce-scatters
         count = (12 if megatron else 13) if full else 10
-        per_block = count * _bus_time(tp_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=1)
+        per_block = count * bus_time(tp_bytes, tp, hw.bandwidth(tp), hw.latency_s, factor=1)
     else:  # all-reduces
         count = (6 if megatron else 5) if full else 4
-        per_block = count * _bus_time(tp_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=2)
+        per_block = count * bus_time(tp_bytes, tp, hw.bandwidth(tp), hw.latency_s, factor=2)
     tp_time = m * blocks_here * per_block
     if layout.tp_mode != "1d" and tp > 1:  # a grid's collectives, each over the links its sub-axis spans; its
         # head's SUMMA too (its weight term is large): paratrain.planner.grid
-        tp_time = m * grid_time(model, layout, hw, blocks=blocks_here, last=pp == 1, act=act, seq=seq // cp)
-    cp_time = m * blocks_here * _context_parallel_time(model, layout, hw, seq=seq, act=act, rate=attention_rate)
+        tp_time = m * grid_time(model, layout, hw, blocks=blocks_here, last=pp == 1, act=act, seq=local)
+    cp_time = m * blocks_here * cp_cost.exchange_time(model, layout, hw, seq=seq, act=act, rate=attention_rate)
     # expert parallelism, on the critical path, per MoE layer and micro-batch: the rows to the experts and
     # back, forward and backward (4 all-to-alls of micro-batch x seq x top_k rows; a share (ep - 1) / ep
     # leaves the rank), over the link its ep ranks (consecutive in dp) span
     ep_time = 0.0
-    rows_bytes = layout.micro_batch * seq // cp * model.top_k * model.d_model * act  # a micro-batch's routed rows
+    rows_bytes = layout.micro_batch * local * model.top_k * model.d_model * act  # a micro-batch's routed rows
     if layout.ep > 1:  # (under sequence parallelism each tp rank sends its chunk's rows)
         sent = rows_bytes / tp if layout.sequence_parallel else rows_bytes
-        ep_time = m * moe_here * 4 * _bus_time(sent * skew, layout.ep, _bandwidth(hw, tp * cp * layout.ep),
+        ep_time = m * moe_here * 4 * bus_time(sent * skew, layout.ep, hw.bandwidth(layout.dims.inside("dp") * layout.ep),
                                                hw.latency_s, factor=1)
     if layout.expert_tp and tp > 1:  # the experts' outputs summed over tp: an all-reduce each way of the rows;
         # under sequence parallelism the rows all-gathered and the outputs reduce-scattered, and back in backward
         ops, factor = (4, 1) if layout.sequence_parallel else (2, 2)
-        ep_time += m * moe_here * ops * _bus_time(rows_bytes, tp, _bandwidth(hw, tp), hw.latency_s, factor=factor)
+        ep_time += m * moe_here * ops * bus_time(rows_bytes, tp, hw.bandwidth(tp), hw.latency_s, factor=factor)
     bubble = layout.pipeline.bubble(m) if layout.pipeline is not None else 0.0
     pipelined = (compute + tp_time + ep_time + cp_time) / (1.0 - bubble)
     # pipeline: the fill and drain expose 2 (p - 1) transfers of an activation (or its gradient)
-    pp_time = 2 * (pp - 1) * (hw.latency_s + tp_bytes / tp / _bandwidth(hw, layout.world_size)) if pp > 1 else 0.0
+    pp_time = 2 * (pp - 1) * (hw.latency_s + tp_bytes / tp / hw.bandwidth(layout.world_size)) if pp > 1 else 0.0
     dp_time, overlap = _data_parallel_time(model, layout, hw, compute=compute, micro_batches=m, precision=precision,
                                            grad_reduce=settings.grad_reduce, float8_gathers=float8 == "tensorwise")
     # what overlaps compute is hidden but for the profile's overlap loss (compute slowed while it runs)

@@ -149,6 +149,48 @@ class ParallelDims:
         return rows, cols, depths
 
     @property
+    def replicas(self) -> int:
+        """The ranks holding the same parameters at one (pp, tp) place, what a dense gradient is summed over: dp x cp
+        (a data group's size: cp ranks hold whole parameters and each reads its part of the sequences)."""
+        return self.dp * self.cp
+
+    @property
+    def expert_replicas(self) -> int:
+        """The ranks holding the same experts at one (pp, tp, ep) place: dp / ep x cp (an expert data group's size)."""
+        return self.dp // self.ep * self.cp
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks one copy of ZeRO's state is split over: dp_shard x cp (a shard group's size)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def sequence_parts(self) -> int:
+        """The ranks each sequence is split over (context parallelism): a rank holds seq / sequence_parts tokens."""
+        return self.cp
+
+    @property
+    def data_axis(self) -> str:
+        """The mesh's name for the ranks of a data group (data_groups): "dp", or "dp_cp" under context parallelism."""
+        return "dp_cp" if self.cp > 1 else "dp"
+
+    @property
+    def expert_data_axis(self) -> str:
+        """The mesh's name for the ranks of an expert data group (expert_data_groups): "edp", or "edp_cp" under
+        context parallelism."""
+        return "edp_cp" if self.cp > 1 else "edp"
+
+    def inside(self, axis: str) -> int:
+        """The ranks inside one index of `axis` in rank order (the degrees of the axes inner to it): a group of
+        `axis` strides this far, and a group of the axes inner to it spans this many consecutive ranks."""
+        inner = 1
+        for name in reversed(AXES):
+            if name == axis:
+                return inner
+            inner *= self.degree(name)
+        raise ValueError(f"unknown axis {axis!r}: choose one of {AXES}")
+
+    @property
     def grid_size(self) -> int:
         """The ranks of the (pp, dp, cp, tp) grid: the trainers."""
         return self.dp * self.tp * self.pp * self.cp
