@@ -17,11 +17,8 @@ the caching allocator's slack (GPU). Rough figures, on the side of letting a run
 
 
 def layout_of(plan: RunPlan) -> Layout:
-    parallel = plan.parallel
-    return Layout(dims=ParallelDims.from_config(parallel), zero=parallel.zero, micro_batch=plan.batch.micro_batch,
-                  recompute=plan.config.train.recompute, sequence_parallel=parallel.sequence_parallel,
-                  schedule=parallel.schedule, offload="optimizer" in parallel.offloaded, cp_mode=parallel.cp_mode,
-                  ps_mode=parallel.ps_mode, staleness=parallel.staleness, expert_tp=parallel.expert_tp)
+    return Layout.of_config(plan.parallel, ParallelDims.from_config(plan.parallel), micro_batch=plan.batch.micro_batch,
+                            recompute=plan.config.train.recompute)
 
 
 def predicted_memory(plan: RunPlan, *, device: str) -> dict[str, float]:

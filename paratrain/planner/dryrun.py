@@ -134,9 +134,7 @@ def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_si
         entries = sorted((e for group in recorder.window.values() for e in group), key=lambda e: e.order)
         collectives = [_collective(e) for e in entries]
         stage = ctx.mesh.index("pp")
-        layout = Layout(dims=ctx.dims, zero=ctx.config.zero, micro_batch=micro_batch,
-                        sequence_parallel=ctx.config.sequence_parallel, schedule=ctx.config.schedule,
-                        recompute=recompute, cp_mode=ctx.config.cp_mode, expert_tp=ctx.config.expert_tp)
+        layout = Layout.of_config(ctx.config, ctx.dims, micro_batch=micro_batch, recompute=recompute)
         grad_reduce = "reduce_scatter" if ctx.config.grad_reduce == "reduce_scatter" else "all_reduce"
         settings = StepSettings(precision=precision, bucket_mb=ctx.config.bucket_mb, grad_reduce=grad_reduce,
                                 reshard_after_forward=ctx.config.reshard_after_forward,

@@ -5,7 +5,7 @@ and the elements its optimizer steps."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from paratrain.config.model import ModelConfig
 from paratrain.pipeline.schedules import Schedule
@@ -43,9 +43,7 @@ def rank_held(model: ModelConfig, layout: Layout) -> Held:
 
 @functools.lru_cache(maxsize=4096)
 def _sliced_held(model: ModelConfig, dims: ParallelDims, expert_tp: bool, pipeline: Schedule | None) -> Held:
-    # what does not slice parameters (dp beyond ep, cp, the servers) set to 1
-    sliced = replace(dims, dp_replicate=dims.ep, dp_shard=1, cp=1, cp_ulysses=1, servers=0)
-    return _held(model, sliced, expert_tp, pipeline)
+    return _held(model, dims.parameter_slices(), expert_tp, pipeline)
 
 
 def stepped_elements(model: ModelConfig, layout: Layout) -> float:

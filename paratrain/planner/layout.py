@@ -14,7 +14,7 @@ from typing import Any
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
-from paratrain.config.parallel import CP_MODES
+from paratrain.config.parallel import CP_MODES, ParallelConfig
 from paratrain.config.rules import check_shard_group, check_usp
 from paratrain.pipeline.schedules import Schedule
 from paratrain.pipeline.stages import balanced_split
@@ -57,6 +57,15 @@ class Layout:
             check_usp(self.cp, self.cp_mode, self.cp_ulysses)
         if self.ps_mode not in ("off", "sync", "async"):
             raise ConfigError(f"ps_mode must be 'off', 'sync' or 'async', got {self.ps_mode!r}")
+
+    @classmethod
+    def of_config(cls, parallel: ParallelConfig, dims: ParallelDims, *, micro_batch: int, recompute: str) -> Layout:
+        """The layout a run of this resolved ParallelConfig has (dims: its ParallelDims, which the config's DiLoCo and
+        replica groups shape), with the run's micro-batch and recomputation."""
+        return cls(dims=dims, zero=parallel.zero, micro_batch=micro_batch, recompute=recompute,
+                   sequence_parallel=parallel.sequence_parallel, schedule=parallel.schedule,
+                   offload="optimizer" in parallel.offloaded, cp_mode=parallel.cp_mode, ps_mode=parallel.ps_mode,
+                   staleness=parallel.staleness, expert_tp=parallel.expert_tp)
 
     @classmethod
     def of(cls, **fields: Any) -> Layout:

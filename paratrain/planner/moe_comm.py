@@ -30,7 +30,7 @@ def expert_exchanges(model: ModelConfig, layout: Layout, *, moe: int, act: int,
     layer's router returns no single tensor to take its weights' gradient from), sending the rows' gradients both
     ways again (and, recomputed, the forward's rows)."""
     exchanges: dict[str, tuple[str, int]] = {}
-    if layout.cp > 1 and moe:
+    if layout.dims.sequence_parts > 1 and moe:  # the sequence's parts' fractions summed
         exchanges["cp"] = ("all_reduce", moe * 2 * layout.micro_batch * model.n_experts * 4)
     if layout.ep > 1 and (moe or w_again):
         tokens = layout.micro_batch * layout.local_tokens(model.seq_len) // (layout.tp if layout.sequence_parallel else 1)

@@ -17,7 +17,7 @@ grid: ranks grid_size .. world_size - 1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from itertools import product
 
 from paratrain.config.errors import ConfigError
@@ -179,6 +179,11 @@ class ParallelDims:
         """The mesh's name for the ranks of an expert data group (expert_data_groups): "edp", or "edp_cp" under
         context parallelism."""
         return "edp_cp" if self.cp > 1 else "edp"
+
+    def parameter_slices(self) -> ParallelDims:
+        """These dims with only the axes that cut parameters: pp, tp and ep (a dp of ep ranks, unsharded); the rest
+        of dp, cp and the servers at 1."""
+        return replace(self, dp_replicate=self.ep, dp_shard=1, cp=1, cp_ulysses=1, servers=0)
 
     def inside(self, axis: str) -> int:
         """The ranks inside one index of `axis` in rank order (the degrees of the axes inner to it): a group of
