@@ -48,6 +48,7 @@ from collections import Counter
 
 from paratrain.config.model import ModelConfig
 from paratrain.planner.activations import grid_cuts
+import paratrain.planner.cp_cost as cp_cost
 from paratrain.planner.dp_comm import data_parallel_volume
 from paratrain.planner.grid import grid_calls
 from paratrain.planner.moe_comm import Call, expert_exchanges, expert_step_calls, sequence_parallel_moe
@@ -84,10 +85,12 @@ def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches
     for (axis, op, numel, size), n in calls.items():
         ops = volume.setdefault(axis, {})
         ops[op] = ops.get(op, 0) + n * _FACTOR[op] * numel * size
-    depths = model.mtp_depth if layout.cp > 1 and _held(model, layout, stage, pp_split)[2] else 0
-    if depths:  # each MTP depth's tokens and labels ahead: the token ids gathered over cp (int64; look_ahead)
-        ops = volume.setdefault("cp", {})
-        ops["all_gather"] = ops.get("all_gather", 0) + micro_batches * 2 * depths * layout.micro_batch * model.seq_len * 8
+    blocks, _, last = _held(model, layout, stage, pp_split)
+    for axis, sequence_ops in cp_cost.step_volume(model, layout, blocks=blocks, last=last, micro_batches=micro_batches,
+                                                  act=_activation_bytes(layout, precision)).items():
+        ops = volume.setdefault(axis, {})  # cp's own: Ulysses' all-to-alls, the MTP depths' ids gathered
+        for op, n in sequence_ops.items():
+            ops[op] = ops.get(op, 0) + n
     if model.n_experts:  # ep's all-to-alls, cp's per-sequence fractions (paratrain.planner.moe_comm)
         moe, act = _moe_layers(model, layout, stage, pp_split), _activation_bytes(layout, precision)
         # each micro-batch's exchanges, then each W's repeat of its chunk's backward ones
@@ -96,9 +99,6 @@ def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches
         for layers, again, times in runs:
             for axis, (op, n) in expert_exchanges(model, layout, moe=layers, act=act, w_again=again).items():
                 volume.setdefault(axis, {})[op] = volume.get(axis, {}).get(op, 0) + n * times
-    ulysses = ulysses_bytes(model, layout, stage=stage, precision=precision, pp_split=pp_split)
-    if ulysses:  # USP's all-to-alls run inside its Ulysses groups, each call the same tensor as Ulysses' own
-        volume.setdefault("cp_ulysses" if layout.cp_mode == "usp" else "cp", {})["all_to_all"] = ulysses * micro_batches
     sent = pipeline_sends(model, layout, stage=stage, micro_batches=micro_batches, precision=precision,
                           pp_split=pp_split)
     if sent:
@@ -121,8 +121,8 @@ def tensor_parallel_calls(model: ModelConfig, layout: Layout, *, stage: int, pre
     # sequence parallelism their two input norms and projection are replicated weights summed over tp too
     depths = model.mtp_depth if last else 0
     first, last = int(first) + depths, int(last) + depths  # (_held counts their blocks)
-    full = layout.micro_batch * model.seq_len // layout.cp * model.d_model  # this rank's tokens
-    tokens = layout.micro_batch * model.seq_len // layout.cp
+    tokens = layout.micro_batch * layout.local_tokens(model.seq_len)  # this rank's tokens
+    full = tokens * model.d_model
     again = blocks if layout.recompute == "full" else 0
     # zero-bubble's W: the backward's traffic once more, on the chunks whose I does something (not chunk 0's)
     w_blocks, w_head, w_moe = _w_repeats(model, layout, stage, pp_split, w_chunks)
@@ -169,7 +169,7 @@ def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str
     # parameters) and its vectors' blocks along each activation layout's width (2d: the row; 3d: the output and the
     # input axis) over three or four
     parts = {"1d": 2, "3d": 4}.get(layout.tp_mode, 3) if layout.tp > 1 else 1
-    if layout.dp * layout.cp > 1:
+    if layout.dims.replicas > 1:
         calls.append((layout.dims.data_axis, "all_reduce", 2, 8))
         if layout.zero:  # the norm's squares add up over the ranks that hold different shards
             shard_axis = "dp_shard" if layout.shard_group not in (None, layout.dp) else layout.dims.data_axis
@@ -196,27 +196,11 @@ def pipeline_sends(model: ModelConfig, layout: Layout, *, stage: int, micro_batc
     mine = layout.chunks_of(stage)  # (a V schedule's turn hands chunk p - 1's output to chunk p on its own rank)
     messages = sum((c < chunks - 1 and placed(c + 1) != stage) + (c > 0 and placed(c - 1) != stage)
                    for c in mine) * micro_batches
-    split = (layout.tp if layout.sequence_parallel else 1) * layout.cp
+    split = (layout.tp if layout.sequence_parallel else 1) * layout.dims.sequence_parts
     rows, width = (1, 1) if layout.tp_mode == "1d" else grid_cuts(layout)[:2]  # a grid's block of the activation
     message = (layout.micro_batch // rows * (model.seq_len // split) * (model.d_model // width)
                * _activation_bytes(layout, precision))
     return messages * message
-
-
-def ulysses_bytes(model: ModelConfig, layout: Layout, *, stage: int, precision: str = "fp32",
-                  pp_split: tuple[int, ...] = ()) -> int:
-    """Ulysses' all-to-all bytes of one micro-batch on pipeline rank `stage` (0 unless cp > 1 in Ulysses or USP
-    mode), counted as paratrain.comm.volume counts (each call its input): per block 4 calls forward (q, k,
-    v, the output) and 4 backward, each [B, h / tp, seq / cp, hd] (the GPT has no grouped kv heads); a
-    recomputed block (full) runs its 4 forward calls again in backward, a recomputed attention core
-    (selective) 3: torch.utils.checkpoint stops once it has what backward keeps, and nothing keeps the
-    output's all-to-all inside the core."""
-    if layout.cp == 1 or layout.cp_mode == "ring":
-        return 0
-    blocks, _, _ = _held(model, layout, stage, pp_split)
-    calls = 8 + {"full": 4, "selective": 3}.get(layout.recompute, 0)
-    tensor = layout.micro_batch * model.seq_len // layout.cp * model.d_model // layout.tp
-    return blocks * calls * tensor * _activation_bytes(layout, precision)
 
 
 

@@ -74,3 +74,26 @@ def positions_bytes(layout: Layout, *, seq: int) -> float:
     if layout.cp == 1 or layout.cp_mode == "ulysses" or layout.recompute != "none":
         return 0.0
     return 8 * seq if layout.cp_mode == "usp" else 8 * seq // layout.cp
+
+
+def step_volume(model: ModelConfig, layout: Layout, *, blocks: int, last: bool, micro_batches: int,
+                act: int) -> dict[str, dict[str, int]]:
+    """cp's own collectives of a step on a pipeline rank running `blocks` blocks (last: it holds the head), {axis: {op:
+    bytes}} counted as paratrain.comm.volume counts (each call its input; act: the stream's element bytes).
+    Ulysses' all-to-alls (USP's inside its Ulysses groups, axis cp_ulysses, each call the same tensor as Ulysses'
+    own): per block 4 calls forward (q, k, v, the output) and 4 backward, each [B, h / tp, seq / cp, hd] (the GPT has
+    no grouped kv heads); a recomputed block (full) runs its 4 forward calls again in backward, a recomputed attention
+    core (selective) 3: torch.utils.checkpoint stops once it has what backward keeps, and nothing keeps the output's
+    all-to-all inside the core. On the head's rank, each MTP depth's tokens and labels ahead: the token ids gathered
+    over cp (int64; look_ahead)."""
+    volume: dict[str, dict[str, int]] = {}
+    if layout.cp == 1:
+        return volume
+    if model.mtp_depth and last:
+        volume["cp"] = {"all_gather": micro_batches * 2 * model.mtp_depth * layout.micro_batch * model.seq_len * 8}
+    if layout.cp_mode != "ring":
+        calls = 8 + {"full": 4, "selective": 3}.get(layout.recompute, 0)
+        tensor = layout.micro_batch * model.seq_len // layout.cp * model.d_model // layout.tp
+        axis = "cp_ulysses" if layout.cp_mode == "usp" else "cp"
+        volume.setdefault(axis, {})["all_to_all"] = blocks * calls * tensor * act * micro_batches
+    return volume
