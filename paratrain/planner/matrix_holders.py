@@ -74,8 +74,7 @@ def exchange_plan(model: ModelConfig, where: MatrixLayout) -> ExchangePlan:
     parts: dict[Unit, dict[tuple, list[int]]] = defaultdict(dict)  # unit -> part -> [ranks..., then its size last]
     numel = []
     for rank in range(world):
-        c = dims.coords(rank)
-        held, n = _rank_parts(model, where, (c["pp"], c["dp"], c["cp"], c["tp"]))
+        held, n = _rank_parts(model, where, rank)
         numel.append(n)
         for unit, part, count in held:
             entry = parts[unit].setdefault(part, [count])
@@ -105,18 +104,16 @@ def exchange_plan(model: ModelConfig, where: MatrixLayout) -> ExchangePlan:
 
 @functools.lru_cache(maxsize=4096)
 def _rank_parts(model: ModelConfig, where: MatrixLayout,
-                coords: tuple[int, int, int, int]) -> tuple[tuple[tuple[Unit, tuple, int], ...], int]:
-    """((unit, which part of it, elements of it held), ...) and the elements of Muon's tensors on the rank at
-    `coords` (pp, dp, cp, tp)."""
-    pp, dp, cp, tp = coords
+                rank: int) -> tuple[tuple[tuple[Unit, tuple, int], ...], int]:
+    """((unit, which part of it, elements of it held), ...) and the elements of Muon's tensors on `rank`."""
     dims, zero = where.dims, where.zero
+    coords = dims.coords(rank)
+    pp, dp, tp = coords["pp"], coords["dp"], coords["tp"]
     params = tuple(rank_params(model, dims, pp, where.pp_split, expert_tp=where.expert_tp, pipeline=where.pipeline))
     mine = [i for i, p in enumerate(params) if optimizer_group(p, "muon") == 0]
     place = _tp_part(dims, tp)
-    ep = dims.ep
-    shard = (dp % dims.dp_shard) * dims.cp + cp  # paratrain.topology.mesh: dp_shard (x cp), dp index outer
-    expert_shard = (dp // ep) * dims.cp + cp  # edp (x cp)
-    dense_parts, expert_parts = dims.dp_shard * dims.cp, dims.dp // ep * dims.cp
+    shard, expert_shard = dims.shard_index(coords), dims.expert_shard_index(coords)
+    dense_parts, expert_parts = dims.shard_ranks, dims.expert_replicas
     held: list[tuple[Unit, tuple, int]] = []
     if not zero:
         for i in mine:

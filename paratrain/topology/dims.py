@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from itertools import product
+from typing import Mapping
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.parallel import ParallelConfig
@@ -179,6 +180,15 @@ class ParallelDims:
         """The mesh's name for the ranks of an expert data group (expert_data_groups): "edp", or "edp_cp" under
         context parallelism."""
         return "edp_cp" if self.cp > 1 else "edp"
+
+    def shard_index(self, coords: Mapping[str, int]) -> int:
+        """A rank's index (its coords) in its ZeRO shard group of shard_ranks ranks: dp_shard x cp, dp index outer
+        (paratrain.topology.mesh's dp_shard group, data_split's order)."""
+        return (coords["dp"] % self.dp_shard) * self.cp + coords["cp"]
+
+    def expert_shard_index(self, coords: Mapping[str, int]) -> int:
+        """A rank's index in its expert data group of expert_replicas ranks: dp / ep x cp, dp index outer."""
+        return (coords["dp"] // self.ep) * self.cp + coords["cp"]
 
     def parameter_slices(self) -> ParallelDims:
         """These dims with only the axes that cut parameters: pp, tp and ep (a dp of ep ranks, unsharded); the rest
