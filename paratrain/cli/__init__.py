@@ -57,7 +57,7 @@ def _checkpoint_tool(args: argparse.Namespace) -> int:
 
 
 def _tokenize(args: argparse.Namespace) -> int:
-    from paratrain.data.tokenize import tokenize_corpus
+    from paratrain.data.tokenize import TrainBpe, tokenize_corpus
 
     if args.chat:
         from paratrain.data.chat import tokenize_chat
@@ -70,7 +70,7 @@ def _tokenize(args: argparse.Namespace) -> int:
               f"({record['train']['loss_tokens']} in the loss) for training, {record['val']['documents']} for "
               "validation")
         return 0
-    record = tokenize_corpus(args.files, args.out, tokenizer=args.tokenizer, train_bpe_vocab=args.train_bpe or 0,
+    record = tokenize_corpus(args.files, args.out, tokenizer=args.tokenizer or TrainBpe(args.train_bpe),
                              text_key=args.text_key, eos_token=args.eos_token, workers=args.workers,
                              val_fraction=args.val_fraction, progress=args.progress)
     print(f"wrote {args.out}: {record['train']['documents']} documents, {record['train']['tokens']} tokens for "

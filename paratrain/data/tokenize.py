@@ -34,6 +34,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -158,15 +159,24 @@ def in_validation(index: int, fraction: float) -> bool:
     return fraction > 0 and int((index + 1) * fraction) > int(index * fraction)
 
 
-def tokenize_corpus(files: Sequence[str | Path], out: str | Path, *, tokenizer: str | Path | None = None,
-                    train_bpe_vocab: int = 0, text_key: str = "text", eos_token: str | None = None,
-                    workers: int = 1, val_fraction: float = 0.01, progress: bool = True) -> dict[str, Any]:
-    """Write OUT as the module docstring says; returns what tokens.json holds."""
+@dataclass(frozen=True)
+class TrainBpe:
+    """In place of a tokenizer folder: train a byte-level BPE of `vocab` entries on the corpus itself
+    (`paratrain tokenize --train-bpe VOCAB`)."""
+
+    vocab: int
+
+
+def tokenize_corpus(files: Sequence[str | Path], out: str | Path, *, tokenizer: str | Path | TrainBpe,
+                    text_key: str = "text", eos_token: str | None = None, workers: int = 1,
+                    val_fraction: float = 0.01, progress: bool = True) -> dict[str, Any]:
+    """Write OUT as the module docstring says; returns what tokens.json holds. tokenizer: a local tokenizer folder,
+    or TrainBpe(vocab) to train one on the files."""
     out = Path(out)
     if out.exists():
         raise ConfigError(f"{out} exists: paratrain tokenize publishes a new folder; remove it or choose another --out")
-    if (tokenizer is None) == (not train_bpe_vocab):
-        raise ConfigError("give one of --tokenizer DIR (a local tokenizer folder) and --train-bpe VOCAB")
+    if isinstance(tokenizer, TrainBpe) and tokenizer.vocab < 1:
+        raise ConfigError(f"--train-bpe VOCAB must be at least 1, got {tokenizer.vocab}")
     if not files:
         raise ConfigError("no input files: give the corpus's .txt, .jsonl or .parquet files")
     if not 0 <= val_fraction < 1 or workers < 1:
@@ -175,13 +185,13 @@ def tokenize_corpus(files: Sequence[str | Path], out: str | Path, *, tokenizer: 
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         (staging / "tokenizer").mkdir()
-        if tokenizer is not None:
+        if not isinstance(tokenizer, TrainBpe):
             model, eos = load_tokenizer(tokenizer, eos_token)
             for name in TOKENIZER_FILES:
                 if (Path(tokenizer) / name).is_file():
                     shutil.copyfile(Path(tokenizer) / name, staging / "tokenizer" / name)
         else:
-            model, eos = train_bpe(files, train_bpe_vocab, text_key), EOS_TRAINED
+            model, eos = train_bpe(files, tokenizer.vocab, text_key), EOS_TRAINED
             model.save(str(staging / "tokenizer" / "tokenizer.json"))  # a folder transformers' AutoTokenizer loads
             (staging / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(
                 {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TRAINED, "bos_token": None}, indent=1))

@@ -12,7 +12,7 @@ from paratrain.config import ConfigError
 from paratrain.data import load_source
 from paratrain.data.indexed import IndexedTokens, IndexedWriter
 from paratrain.data.sources import builtin_text
-from paratrain.data.tokenize import EOS_TRAINED, check_tokenizer, tokenize_corpus
+from paratrain.data.tokenize import EOS_TRAINED, TrainBpe, check_tokenizer, tokenize_corpus
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def test_the_same_bytes_for_one_and_two_workers(corpus, tmp_path):
     every file the same bytes; each document ends with the end-of-sequence id, every 20th is validation."""
     folder, documents = corpus
     inputs = [folder / "docs.jsonl", folder / "extra.txt"]
-    one = tokenize_corpus(inputs, tmp_path / "one", train_bpe_vocab=1000, val_fraction=0.05, progress=False)
+    one = tokenize_corpus(inputs, tmp_path / "one", tokenizer=TrainBpe(1000), val_fraction=0.05, progress=False)
     two = tokenize_corpus(inputs, tmp_path / "two", tokenizer=tmp_path / "one" / "tokenizer", workers=2,
                           val_fraction=0.05, progress=False)
     for name in ("train.bin", "train.idx", "val.bin", "val.idx"):
@@ -104,21 +104,23 @@ def test_the_index_is_megatrons_layout(tmp_path):
 
 def test_another_tokenizer_and_bad_inputs_are_refused(corpus, tmp_path):
     folder, _ = corpus
-    tokenize_corpus([folder / "extra.txt"] * 4, tmp_path / "a", train_bpe_vocab=300, val_fraction=0.25,
+    tokenize_corpus([folder / "extra.txt"] * 4, tmp_path / "a", tokenizer=TrainBpe(300), val_fraction=0.25,
                     progress=False)
-    tokenize_corpus([folder / "docs.jsonl"], tmp_path / "b", train_bpe_vocab=400, progress=False)
+    tokenize_corpus([folder / "docs.jsonl"], tmp_path / "b", tokenizer=TrainBpe(400), progress=False)
     check_tokenizer(tmp_path / "a", tmp_path / "a" / "tokenizer")
     with pytest.raises(ConfigError, match="written with another tokenizer"):
         check_tokenizer(tmp_path / "a", tmp_path / "b" / "tokenizer")
     with pytest.raises(ConfigError, match="exists"):
-        tokenize_corpus([folder / "extra.txt"], tmp_path / "a", train_bpe_vocab=300, progress=False)
+        tokenize_corpus([folder / "extra.txt"], tmp_path / "a", tokenizer=TrainBpe(300), progress=False)
     with pytest.raises(ConfigError, match="no text field 'body'.*--text-key"):
-        tokenize_corpus([folder / "docs.jsonl"], tmp_path / "c", train_bpe_vocab=300, text_key="body", progress=False)
+        tokenize_corpus([folder / "docs.jsonl"], tmp_path / "c", tokenizer=TrainBpe(300), text_key="body",
+                        progress=False)
     with pytest.raises(ConfigError, match="none fell there"):
-        tokenize_corpus([folder / "extra.txt"], tmp_path / "d", train_bpe_vocab=300, val_fraction=0.1, progress=False)
+        tokenize_corpus([folder / "extra.txt"], tmp_path / "d", tokenizer=TrainBpe(300), val_fraction=0.1,
+                        progress=False)
     assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()  # nothing half-written is published
-    with pytest.raises(ConfigError, match="one of --tokenizer DIR"):
-        tokenize_corpus([folder / "extra.txt"], tmp_path / "e", progress=False)
+    with pytest.raises(ConfigError, match="--train-bpe VOCAB must be at least 1, got 0"):
+        tokenize_corpus([folder / "extra.txt"], tmp_path / "e", tokenizer=TrainBpe(0), progress=False)
 
 
 def test_parquet_and_jsonl_give_the_same_tokens(corpus, tmp_path):
@@ -129,7 +131,7 @@ def test_parquet_and_jsonl_give_the_same_tokens(corpus, tmp_path):
     folder, _ = corpus
     texts = [json.loads(line)["text"] for line in (folder / "docs.jsonl").read_text().splitlines()]
     pq.write_table(pa.table({"body": texts}), tmp_path / "docs.parquet")
-    tokenize_corpus([folder / "docs.jsonl"], tmp_path / "j", train_bpe_vocab=500, progress=False)
+    tokenize_corpus([folder / "docs.jsonl"], tmp_path / "j", tokenizer=TrainBpe(500), progress=False)
     tokenize_corpus([tmp_path / "docs.parquet"], tmp_path / "p", tokenizer=tmp_path / "j" / "tokenizer",
                     text_key="body", progress=False)
     for name in ("train.bin", "train.idx", "val.bin", "val.idx"):
