@@ -967,8 +967,9 @@ def test_wandb_and_mlflow_hold_the_jsonl_logs_scalars(tmp_path):
 
 
 def test_muon_from_the_command_line_is_layout_free(tmp_path):
-    """--optimizer muon with warmup-stable-decay, float32, 8 steps, under ZeRO-3 on 4 and dp 2 x tp 2: one process's
-    losses within the parity suite's 1e-5 (measured 2.8e-8 and 7.0e-8), Newton-Schulz in float32. In torch's
+    """--optimizer muon with warmup-stable-decay, float32, 8 steps, under ZeRO-3 on 4: one process's losses within the
+    parity suite's 1e-5 (measured 2.8e-8; dp 2 x tp 2 7.0e-8, left to tests/distributed/test_muon.py, which holds
+    every layout in float64), Newton-Schulz in float32. In torch's
     bfloat16 (the default) a gradient's float32 rounding, which differs by layout, flips a bfloat16 rounding now and
     then (about 1e-7 / 2^-8 of the elements: a few of the 196,608 per step) and the loss drifts by more (ZeRO-3
     measured 1.5e-5 by step 6, dp 2 x tp 2 1.3e-5: docs/optimizers.md); the distributed Muon tests hold every layout
@@ -976,8 +977,7 @@ def test_muon_from_the_command_line_is_layout_free(tmp_path):
     common = [*SMALL, "--steps", "8", "--optimizer", "muon", "--lr-schedule", "wsd", "--decay-fraction", "0.25",
               "--muon-ns-dtype", "fp32"]
     runs = {}
-    layouts = {"one": ["--nproc", "1"], "zero3": ["--nproc", "4", "--zero", "3"],
-               "dp2xtp2": ["--nproc", "4", "--dp", "2", "--tp", "2"]}
+    layouts = {"one": ["--nproc", "1"], "zero3": ["--nproc", "4", "--zero", "3"]}
     for name, layout in layouts.items():
         log = tmp_path / f"{name}.jsonl"
         out = paratrain("train", *layout, *common, "--log-json", str(log))
@@ -985,7 +985,7 @@ def test_muon_from_the_command_line_is_layout_free(tmp_path):
         runs[name] = losses(log)
         lrs = [r["lr"] for r in records(log) if "lr" in r]
         assert lrs[2:6] == [lrs[2]] * 4 and lrs[-1] < lrs[5], lrs  # warmup 2, flat, the last 2 steps decay
-    for name in ("zero3", "dp2xtp2"):
+    for name in ("zero3",):
         worst = max(abs(runs[name][n] - runs["one"][n]) / runs["one"][n] for n in runs["one"])
         print(f"\nMuon {name}, Newton-Schulz in fp32: losses within {worst:.1e} of one process's")
         assert worst <= 1e-5, (name, worst)
