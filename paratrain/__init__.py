@@ -43,9 +43,16 @@ CLI's --help then load the planner or the parser only, not the engine, the train
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'paratrain' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    """A public name (_EXPORTS) or a subpackage (`paratrain.fit.Callback` after `import paratrain`), imported now."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    else:
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"{__name__}.{name}":  # a module it imports is missing: say that one
+                raise
+            raise AttributeError(f"module 'paratrain' has no attribute {name!r}") from None
     globals()[name] = value  # the next access is a plain global
     return value
 
