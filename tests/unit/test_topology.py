@@ -112,3 +112,21 @@ def test_cp_composes_with_every_axis_and_names_a_bad_mode():
     assert shards == [[0, 1, 2, 3], [4, 5, 6, 7]] and replicas == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert dims.expert_data_groups() == [[0, 1, 4, 5], [2, 3, 6, 7]]  # dp indices e, e + 2 times every cp
     assert ParallelConfig(cp=2, zero=3).resolved(8).dp == 4
+
+
+@pytest.mark.parametrize("dims", [ParallelDims.of(dp=4, tp=2, cp=2, pp=2, ep=2, dp_shard=2),
+                                  ParallelDims.of(dp=2, tp=1, cp=4, pp=1, dp_shard=2), ParallelDims.of(dp=8, ep=4)])
+def test_the_planners_accessors_are_the_groups_sizes_and_order(dims):
+    """What the planner reads of ParallelDims (replicas, expert_replicas, shard_ranks, shard_index, inside) is what the
+    groups the mesh builds hold: their sizes, each rank's place in its shard group, and how far a group strides."""
+    assert dims.replicas == len(dims.data_groups()[0])
+    assert dims.expert_replicas == len(dims.expert_data_groups()[0])
+    shard_groups, _ = dims.data_split(dims.dp_shard)
+    assert dims.shard_ranks == len(shard_groups[0])
+    for group in shard_groups:
+        assert [dims.shard_index(dims.coords(rank)) for rank in group] == list(range(len(group)))
+    for group in dims.expert_data_groups():
+        assert [dims.expert_shard_index(dims.coords(rank)) for rank in group] == list(range(len(group)))
+    for axis in ("pp", "dp", "cp", "tp"):
+        group = dims.all_groups(axis)[0]
+        assert all(b - a == dims.inside(axis) for a, b in zip(group, group[1:])), axis
