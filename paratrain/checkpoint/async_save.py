@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from paratrain.checkpoint.io import CheckpointError, _fsync_write, _publish
 from paratrain.checkpoint.files import write_index, write_rank_file
+from paratrain.checkpoint.memory_copies import MemoryCopies, send_copy
 from paratrain.checkpoint.sharded import local_state, prepare_folder
 from paratrain.checkpoint.staging import Staging
 from paratrain.hybrid.view import DTYPES, StateView, dtype_name
@@ -62,10 +63,11 @@ def _failed(root: str | Path, step: int, rank: int, why: str) -> None:
         _fsync_write(tmp / f"rank-{rank:05d}.failed", why + "\n")
 
 
-def write(job: dict[str, Any]) -> None:
-    """One job, in the writer process: this rank's file and its share of the index; on rank 0, once every
-    rank's share is there, meta.json and the publish. A failure before this rank's share is there leaves the
-    marker."""
+def write(job: dict[str, Any]) -> list[str]:
+    """One job, in the writer process: this rank's file and its share of the index (and their copies to the
+    keepers of job["keepers"]: paratrain.checkpoint.memory_copies); on rank 0, once every rank's share is there,
+    meta.json and the publish. A failure before this rank's share is there leaves the marker. Returns the
+    keepers the copies did not reach (the checkpoint on disk does not wait for them)."""
     tmp, rank, step = _tmp(job["root"], job["step"]), job["rank"], job["step"]
     try:
         if job["delay_s"]:
@@ -81,8 +83,20 @@ def write(job: dict[str, Any]) -> None:
     except BaseException as error:
         _failed(job["root"], step, rank, f"{type(error).__name__}: {error}")
         raise
-    if rank != 0:
-        return
+    missed = []
+    if job.get("keepers"):  # the same file's bytes and share of the index, to the keepers (memory_copies)
+        data = b"".join((tmp / name).read_bytes() for name in files)
+        missed = send_copy(job["keepers"], bytes.fromhex(job["key"]), rank=rank, step=step,
+                           part=(files, job["index"], job["scalars"], job["groups"]),
+                           meta={"world": job["world"], "meta": job["meta"]}, data=data)
+    if rank == 0:
+        _publish_when_complete(job)
+    return missed
+
+
+def _publish_when_complete(job: dict[str, Any]) -> None:
+    """Rank 0's writer: once every rank's share is there, meta.json and the publish."""
+    tmp, step = _tmp(job["root"], job["step"]), job["step"]
     parts, started = [], time.monotonic()
     for r in range(job["world"]):
         path = tmp / f"part-{r:05d}.json"
@@ -115,12 +129,13 @@ def main() -> None:
     torch.set_num_threads(1)
     for line in sys.stdin:
         job = json.loads(line)
+        missed: list[str] = []
         try:
-            write(job)
+            missed = write(job)
             error = None
         except BaseException as failed:  # said to the trainer at its next save
             error = f"{type(failed).__name__}: {failed}"
-        print(REPLY + json.dumps({"step": job["step"], "error": error}), flush=True)
+        print(REPLY + json.dumps({"step": job["step"], "error": error, "missed": missed}), flush=True)
 
 
 class AsyncSaver:
@@ -133,6 +148,9 @@ class AsyncSaver:
         self._staging: Staging | None = None
         self.delay_s = delay_s
         """Tests: the writer sleeps this long before writing (a writer to kill mid-write)."""
+        self.missed: list[str] = []
+        """The keepers the last save's memory copies did not reach (said by wait; the checkpoint on disk is not
+        affected)."""
         self.blocked_s = 0.0
         """Seconds the last save kept the step waiting (the previous save's end, the folder, the copy). The writer
         starts with the first save (handed the staging memory); its imports overlap that save's writing."""
@@ -143,10 +161,11 @@ class AsyncSaver:
 
     def save(self, root: str | Path, step: int, view: StateView, meta: dict[str, Any], *, keep_last: int = 0,
              attachments: Mapping[str, str | Path] | None = None,
-             before_publish: Callable[[], None] | None = None) -> Path:
+             before_publish: Callable[[], None] | None = None, copies: MemoryCopies | None = None) -> Path:
         """Collective, as save_sharded: the previous save waited for (its failure raised: CheckpointError), this
         rank's pieces copied, the writing handed over; returns the folder the checkpoint will be published as.
-        before_publish runs once the copy is handed over (the files may not be written yet)."""
+        before_publish runs once the copy is handed over (the files may not be written yet). copies: the writer
+        also sends the rank's file to these keepers (paratrain.checkpoint.memory_copies)."""
         started = time.perf_counter()
         self.wait()
         rank = view.mesh.rank
@@ -157,7 +176,8 @@ class AsyncSaver:
                **self._stage(local.tensors),
                "index": local.index, "scalars": local.scalars, "groups": local.groups, "keep_last": keep_last,
                "delay_s": self.delay_s, "meta": {**meta, **view.scalars()} if rank == 0 else {},
-               "attachments": {k: str(v) for k, v in (attachments or {}).items()} if rank == 0 else {}}
+               "attachments": {k: str(v) for k, v in (attachments or {}).items()} if rank == 0 else {},
+               **({"keepers": copies.targets, "key": copies.key.hex()} if copies is not None else {})}
         line = (json.dumps(job) + "\n").encode()
         for attempt in (0, 1):  # a writer that died since the last save: a fresh one
             process = self._start()
@@ -223,6 +243,7 @@ class AsyncSaver:
                                       f"writing step {step}: that checkpoint is not published; `latest` under {root} "
                                       "still names the previous one")
         self._pending = None
+        self.missed = reply.get("missed", [])
         if reply["error"] is not None:
             raise CheckpointError(f"rank {rank}'s checkpoint writer failed on step {step}: {reply['error']}")
 

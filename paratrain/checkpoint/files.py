@@ -42,8 +42,16 @@ def write_index(tmp: Path, step: int, parts: Sequence[Part], meta: dict[str, Any
         shutil.copyfile(source, tmp / inside)
         _fsync_file(tmp / inside)
         attached[inside] = {"bytes": (tmp / inside).stat().st_size, "sha256": _digest(tmp / inside)}
+    document = index_document(step, parts, meta, attached)
+    _fsync_write(tmp / "meta.json", json.dumps(document, indent=1, sort_keys=True))
+
+
+def index_document(step: int, parts: Sequence[Part], meta: dict[str, Any],
+                   attached: Mapping[str, Any]) -> dict[str, Any]:
+    """meta.json's document: every rank's part merged (a save's, or the memory copies' of a step:
+    paratrain.checkpoint.memory_copies); attached: the attachments' sizes and SHA-256."""
     document = {"format": FORMAT, "step": step, "world_size": len(parts), **meta,
-                "files": {}, "tensors": {}, **({"attachments": attached} if attached else {}),
+                "files": {}, "tensors": {}, **({"attachments": dict(attached)} if attached else {}),
                 "optimizer": {"param_groups": _merge_groups([p[3] for p in parts]), "scalars": {}}}
     for part_files, part_index, part_scalars, _ in parts:
         document["files"].update(part_files)
@@ -52,7 +60,7 @@ def write_index(tmp: Path, step: int, parts: Sequence[Part], meta: dict[str, Any
             whole = document["tensors"].setdefault(key, {"shape": entry["shape"], "dtype": entry["dtype"],
                                                           "pieces": []})
             whole["pieces"].append({k: entry[k] for k in ("file", "split", "lo", "hi")})
-    _fsync_write(tmp / "meta.json", json.dumps(document, indent=1, sort_keys=True))
+    return document
 
 
 def _merge_groups(per_rank: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -179,6 +179,8 @@ TRAIN_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--keep-last": ("train.keep_last", int, "keep only the newest N checkpoints (0: all)"),
     "--save-mode": ("train.save_mode", str, "sync (the step waits for the files) or async (for a copy in shared "
                                             "memory; a writer process per rank writes them)"),
+    "--memory-copies": ("train.memory_copies", int, "with --save-mode async across nodes: also keep each rank's "
+                        "checkpoint in the RAM of N other nodes; a relaunch resumes from memory (0: disk only)"),
     "--resume": ("train.resume", str, "resume from this checkpoint folder (verified first), or auto: the newest "
                  "checkpoint under --save that verifies (none: start at step 0)"),
     "--log-json": ("train.log_json", str, "write one JSON object per step to this file"),

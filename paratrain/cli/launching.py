@@ -133,7 +133,8 @@ def train(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="paratrain-run-") as folder:  # this node's workers read it
         run_file = write_run(config, Path(folder) / "run.json")
         try:
-            launch(config.launch, run_file, shared=config.train.save or None)
+            launch(config.launch, run_file, shared=config.train.save or None,
+                   memory_copies=config.train.memory_copies)
         except JobFailed as failure:
             print(f"paratrain: {failure}", file=sys.stderr)
             return 1

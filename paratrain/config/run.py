@@ -152,6 +152,10 @@ class TrainSection:
     """'sync': the step waits while every rank writes its pieces; 'async': it waits only for a copy of them into
     shared memory, and a writer process per rank writes and publishes them while training goes on
     (paratrain.checkpoint.async_save; the same files)."""
+    memory_copies: int = 0
+    """With save_mode 'async' across nodes: each rank's checkpoint is also kept in the RAM of its own node's launcher
+    and of this many other nodes' (paratrain.checkpoint.memory_copies); a relaunch resumes from memory when the
+    copy is at least as new as the newest checkpoint on disk. 0: disk only."""
     resume: str = ""
     """Checkpoint folder to resume from (its latest checkpoint, verified first), or 'auto': the newest
     checkpoint under `save` that verifies (none: start at step 0)."""

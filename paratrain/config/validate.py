@@ -84,6 +84,7 @@ def check_run(config: RunConfig, world_size: int, *, model_shape: ModelShape = p
     if launch.max_restarts and not config.train.save:
         raise ConfigError(f"--max-restarts {launch.max_restarts} restarts failed workers from the newest verified "
                           "checkpoint under --save: give --save DIR (and --save-every N, how far a restart goes back)")
+    check_memory_copies(config)
     if launch.device not in DEVICES:
         raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {launch.device!r}")
     if launch.device == "cuda" and config.parallel.ps_mode != "off":
@@ -252,6 +253,26 @@ def check_save_mode(save_mode: str, ps_mode: str) -> None:
         raise ConfigError(f"save_mode 'async' copies each trainer's pieces for a writer process; the parameter "
                           f"servers (ps_mode {ps_mode!r}) write their own slices synchronously: use save_mode 'sync'")
 
+
+
+def check_memory_copies(config: RunConfig) -> None:
+    """--memory-copies K (paratrain.checkpoint.memory_copies): the asynchronous save's writers send the copies, to K
+    other nodes' launchers."""
+    copies, train, launch = config.train.memory_copies, config.train, config.launch
+    if copies == 0:
+        return
+    if copies < 0:
+        raise ConfigError(f"train.memory_copies must be >= 0, got {copies}")
+    if train.save_mode != "async" or not train.save:
+        raise ConfigError(f"--memory-copies {copies} keeps the asynchronous save's copies in other nodes' RAM: give "
+                          "--save DIR --save-mode async (and --save-every N)")
+    if launch.nnodes <= copies:
+        raise ConfigError(f"--memory-copies {copies} puts each rank's copy on {copies} other node(s), and the job has "
+                          f"{launch.nnodes} node(s) (--nnodes): a copy on its own node dies with it; give "
+                          f"--memory-copies {launch.nnodes - 1} or fewer, or 0 on one node")
+    if config.parallel.fault_tolerance == "replica":
+        raise ConfigError("--memory-copies serves a relaunch of the whole job (--max-restarts); under "
+                          "--fault-tolerance replica the groups recover from each other live: give one of the two")
 
 
 def check_diloco_run(config: RunConfig, model: ModelConfig) -> None:

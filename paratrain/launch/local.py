@@ -43,7 +43,7 @@ RECORDS_WAIT_S = 5.0
 flight records in the shared folder before it writes its hang report."""
 
 
-def launch(launch_cfg: LaunchSection, run_file: Path, *, shared: str | None = None) -> None:
+def launch(launch_cfg: LaunchSection, run_file: Path, *, shared: str | None = None, memory_copies: int = 0) -> None:
     """Run `python -m paratrain worker --run-plan RUN_FILE` on nproc local processes (this node's share of
     the job): each builds its RunPlan from the run file, which this node's launcher wrote.
 
@@ -62,13 +62,17 @@ def launch(launch_cfg: LaunchSection, run_file: Path, *, shared: str | None = No
     every node, and the launchers keep the job's live attempt (SHARED/flight/live.json): a node lost
     whole and started again with the same command reads it and rejoins that attempt's rendezvous,
     where the other nodes wait for it (up to --timeout); the file goes when the job ends. None (or one
-    node): a local temporary folder, and no rejoining."""
+    node): a local temporary folder, and no rejoining.
+
+    memory_copies K > 0: this launcher keeps a Keeper for the job's whole life (every attempt): the RAM its own
+    workers' and the previous K nodes' workers' checkpoint copies go to (paratrain.checkpoint.memory_copies)."""
     live = Path(shared) / "flight" / "live.json" if shared and launch_cfg.nnodes > 1 else None
     first = _live_attempt(live, launch_cfg) if live is not None else 0
     alive = threading.Event()
     if live is not None:  # refreshed while this launcher runs: a file nobody refreshes is a dead job's
         threading.Thread(target=_refresh, args=(live, alive), daemon=True).start()
     argv = ["worker", "--run-plan", str(run_file)]
+    keeper = _start_keeper(launch_cfg) if memory_copies else None
     try:
         for attempt in range(first, launch_cfg.max_restarts + 1):
             if live is not None:  # replaced whole: a node reading it never sees half of it
@@ -91,6 +95,18 @@ def launch(launch_cfg: LaunchSection, run_file: Path, *, shared: str | None = No
         alive.set()
         if live is not None:
             live.unlink(missing_ok=True)
+        if keeper is not None:
+            keeper.close()
+
+
+def _start_keeper(launch_cfg: LaunchSection) -> Any:
+    """This node's Keeper, on the address the rendezvous is reached by; its workers told where (inherited env)."""
+    from paratrain.checkpoint.memory_copies import Keeper, job_key, reachable_host
+
+    key = job_key(launch_cfg.rdzv_endpoint, launch_cfg.rdzv_id)
+    keeper = Keeper(reachable_host(launch_cfg.rdzv_endpoint), key)
+    os.environ.update(keeper.environment(key))
+    return keeper
 
 
 def _refresh(live: Path, done: threading.Event) -> None:

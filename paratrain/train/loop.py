@@ -19,6 +19,7 @@ import torch
 from paratrain.checkpoint import (SHARDED_FORMAT, CheckpointError, checkpoint_to_resume, load_checkpoint,
                                   load_sharded, resolve_checkpoint, save_sharded)
 from paratrain.checkpoint.async_save import AsyncSaver
+from paratrain.checkpoint.memory_copies import MemoryCopies, newest_folder_step
 from paratrain.comm.order import check_collective_order
 from paratrain.hybrid import Engine, NonFiniteError, StepStats
 from paratrain.hybrid.engine import LossFn
@@ -84,6 +85,8 @@ class TrainLoop:
         self.log = get_logger(ctx.rank)
         self.non_finite_skips = 0
         self.saver = AsyncSaver() if settings.save and settings.save_mode == "async" else None
+        self.copies = MemoryCopies(settings.memory_copies) if self.saver is not None and settings.memory_copies else None
+        """Under memory copies: the keepers this rank's checkpoints also go to, and a relaunch reads first."""
         self.replicas = ReplicaSteps(ctx.replicas) if ctx.replicas is not None else None
         """Under fault tolerance: each step's rows from the quorum, redone when a replica group is lost."""
 
@@ -93,6 +96,8 @@ class TrainLoop:
         """Restore the engine and the loader from a checkpoint folder or root, or 'auto' (the newest
         under settings.save that verifies); False when 'auto' finds none. Verified with the hashing
         shared out over the ranks, who agree on the verdict."""
+        if path == "auto" and self.copies is not None and self._resume_from_memory():
+            return True
         found = checkpoint_to_resume(path, self.settings.save)
         if found is None:
             return False
@@ -106,6 +111,20 @@ class TrainLoop:
         self.step = int(meta["step"])
         self.log.info("resumed from %s at step %d on world %d (dp %d)", folder, self.step, self.ctx.world_size,
                       self.ctx.mesh.degree("dp"))
+        return True
+
+    def _resume_from_memory(self) -> bool:
+        """The memory copies' newest complete step, if none on disk is newer (the folders listed, none read)."""
+        assert self.copies is not None
+        found = self.copies.newest(at_least=newest_folder_step(self.settings.save))
+        if found is None:
+            return False
+        meta = self.copies.load(*found, self.engine.view())
+        self.train.load_state_dict(meta["loader"])
+        self.step = int(meta["step"])
+        self.log.info("resumed from the memory copies of step %d (on %s; no checkpoint file read) at step %d on "
+                      "world %d (dp %d)", self.step, ", ".join(sorted(set(found[1].values()))), self.step,
+                      self.ctx.world_size, self.ctx.mesh.degree("dp"))
         return True
 
     def save(self) -> None:
@@ -126,9 +145,12 @@ class TrainLoop:
             self.saver.wait()
         except CheckpointError as error:
             self.log.warning("%s", error)
+        if self.saver.missed:
+            self.log.warning("the memory copies of the last checkpoint did not reach %s (it is on disk)",
+                             ", ".join(self.saver.missed))
         folder = self.saver.save(self.settings.save, self.step, self.engine.view(), meta,
                                  keep_last=self.settings.keep_last, before_publish=hooks,
-                                 attachments=self.settings.checkpoint_files)
+                                 attachments=self.settings.checkpoint_files, copies=self.copies)
         if self.ctx.is_main:
             self.log.info("checkpoint %s copied in %.3f s; its writer publishes it", folder, self.saver.blocked_s)
 

@@ -34,6 +34,9 @@ class LoopSettings:
     """Keep the newest this many checkpoints (0: all)."""
     save_mode: str = "sync"
     """'async': paratrain.checkpoint.async_save (the step waits for a copy, a writer process writes)."""
+    memory_copies: int = 0
+    """With 'async': each rank's copies also kept by the launchers of this many other nodes
+    (paratrain.checkpoint.memory_copies)."""
     nan_skips: int = 10
     """Under the engine's on_non_finite='skip': the most non-finite steps skipped before the run stops."""
     check_collectives: bool = False

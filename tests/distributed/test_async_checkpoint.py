@@ -104,3 +104,88 @@ def test_a_writer_killed_mid_write_publishes_nothing(pools, tmp_path):
     assert not (tmp_path / "step_00000002").exists()
     verify_shared(tmp_path / "step_00000001")
     verify_shared(tmp_path / "step_00000003")
+
+
+def _copies(addresses: list[str], key: str, copies: int):
+    """This rank's MemoryCopies, rank r standing for node r (its keeper addresses[r])."""
+    import os
+
+    import torch.distributed as dist
+
+    from paratrain.checkpoint.memory_copies import ADDRESS, KEY, NODE, MemoryCopies
+
+    rank = dist.get_rank()
+    before = {name: os.environ.get(name) for name in (ADDRESS, KEY, NODE)}
+    os.environ.update({ADDRESS: addresses[rank], KEY: key, NODE: str(rank)})
+    try:
+        return MemoryCopies(copies)
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _save_with_copies_job(root: str, addresses: list[str], key: str) -> dict:
+    import paratrain
+    from paratrain.checkpoint.async_save import AsyncSaver
+
+    engine, batch = _engine(1)
+    copies = _copies(addresses, key, 1)
+    saver = AsyncSaver()
+    for step in (1, 2, 3):  # the keepers hold the newest 2 of each rank
+        engine.train_step(batch, paratrain.lm_loss)
+        saver.save(root, step, engine.view(), {"loader": {"epoch": 0, "cursor": step}}, copies=copies)
+    saver.close()
+    engine.close()
+    return {"targets": copies.targets, "missed": saver.missed}
+
+
+def _load_from_copies_job(root: str, addresses: list[str], key: str) -> dict:
+    import torch
+
+    from paratrain.checkpoint import CheckpointError, load_sharded, verify_shared
+
+    disk, _ = _engine(1)
+    folder = Path(root) / "step_00000003"
+    load_sharded(folder, verify_shared(folder), disk.view())
+    engine, _ = _engine(1)
+    copies = _copies(addresses, key, 1)
+    found = copies.newest(at_least=3)
+    assert copies.newest(at_least=4) is None
+    meta = copies.load(*found, engine.view())
+    same = all(torch.equal(a, b) for a, b in zip(engine.view().local_state().tensors.values(),
+                                                  disk.view().local_state().tensors.values()))
+    error = None
+    try:
+        copies.load(found[0] - 2, found[1], engine.view())  # step 1: no longer held
+    except CheckpointError as failed:
+        error = str(failed)
+    disk.close()
+    engine.close()
+    return {"step": found[0], "holders": found[1], "cursor": meta["loader"]["cursor"], "same": same,
+            "old_step": error}
+
+
+def test_memory_copies_restore_the_disk_checkpoints_state_from_a_peers_ram(pools, tmp_path):
+    """dp 2 ZeRO-1, each rank standing for a node with its own keeper, one memory copy (rank r's file to keepers r
+    and 1 - r), three saves. Keeper 1 then lost (its node): the newest complete step is 3, held whole by keeper 0,
+    and loading from it sets the state the disk checkpoint of step 3 sets, tensor for tensor; step 1 was dropped
+    (the newest 2 kept)."""
+    from paratrain.checkpoint.memory_copies import Keeper
+
+    key = bytes(range(32))
+    keepers = [Keeper("127.0.0.1", key), Keeper("127.0.0.1", key)]
+    addresses = [k.address for k in keepers]
+    try:
+        saved = pools(2).run(_save_with_copies_job, str(tmp_path), addresses, key.hex())
+        assert [r["targets"] for r in saved] == [addresses, addresses[::-1]] and not any(r["missed"] for r in saved)
+        keepers[1].close()
+        got = pools(2).run(_load_from_copies_job, str(tmp_path), addresses, key.hex())
+    finally:
+        keepers[0].close()
+        keepers[1].close()
+    for r in got:
+        assert r["step"] == 3 and set(r["holders"].values()) == {addresses[0]} and r["cursor"] == 3, r
+        assert r["same"] and "holds no copy of rank 0's step 1" in r["old_step"], r

@@ -379,15 +379,18 @@ def test_an_asynchronous_parameter_server_run_logs_bounded_staleness(tmp_path):
     assert all(0 <= r["staleness"] <= 2 and r["staleness_max"] <= 2 for r in steps), steps
 
 
-def test_a_node_killed_whole_and_started_again_rejoins(tmp_path, uninterrupted):
+def test_a_node_killed_whole_and_started_again_rejoins_from_its_peers_memory(tmp_path, uninterrupted):
     """Two launcher agents on 127.0.0.1 started as `srun` starts them (SLURM's variables give the node
-    count, each node's rank and the rendezvous; 2 processes each, --max-restarts 1): at step 6 node 1 is
-    killed whole (its launcher and workers). Node 0 relaunches and waits for it; node 1, started again
-    with the same command, reads the job's live attempt from the shared --save folder and rejoins it.
-    Both resume from step 4 and finish: each step logged once, the losses one uninterrupted process's."""
+    count, each node's rank and the rendezvous; 2 processes each, --max-restarts 1), saving asynchronously with
+    one memory copy: at step 6 node 1 is killed whole (its launcher, its keeper and workers). Node 0 relaunches
+    and waits for it; node 1, started again with the same command, reads the job's live attempt from the shared
+    --save folder and rejoins it. Both resume from step 4 out of node 0's RAM (node 0's keeper holds its own
+    ranks' copies and node 1's): the checkpoint files on disk were cut to nothing after the kill, and no file is
+    read. Each step is logged once, the losses one uninterrupted process's (float32 rounding)."""
     port = free_port()
     common = ["train", "--nproc", "2", *SMALL, "--steps", str(RESTART_STEPS), "--save", str(tmp_path / "ckpt"),
-              "--save-every", "4", "--max-restarts", "1", "--fail-at", "2:6:kill-node"]
+              "--save-every", "4", "--save-mode", "async", "--memory-copies", "1", "--max-restarts", "1",
+              "--fail-at", "2:6:kill-node"]
     slurm = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_NNODES": "2", "SLURM_NTASKS": "2",
              "SLURM_JOB_NODELIST": "127.0.0.1", "MASTER_PORT": str(port)}
 
@@ -405,18 +408,22 @@ def test_a_node_killed_whole_and_started_again_rejoins(tmp_path, uninterrupted):
     while json.loads(live.read_text())["attempt"] != 1:  # node 0 has seen the failure and relaunched
         assert time.monotonic() < deadline, live.read_text()
         time.sleep(0.1)
+    saved = list((tmp_path / "ckpt").glob("step_*/rank-*.safetensors"))
+    for file in saved:  # a restart that read them would fail their SHA-256
+        file.write_bytes(b"")
     again = node(1)  # started again by hand (or by the cluster's scheduler)
     (_, err0), (_, err1) = node0.communicate(timeout=240), again.communicate(timeout=240)
     elapsed = time.monotonic() - started
     assert (node0.returncode, again.returncode) == (0, 0), (err0[-2000:], err1[-2000:])
     assert "rejoining attempt 1 of the job at 127.0.0.1:" in err1 and "restarting (1 of 1)" in err0
-    assert "resumed from" in err0 and "step_00000004 at step 4 on world 4 (dp 4)" in err0, err0[-2000:]
+    assert saved and "resumed from the memory copies of step 4 (on 127.0.0.1:" in err0, err0[-2000:]
+    assert "no checkpoint file read) at step 4 on world 4 (dp 4)" in err0
     rows = [r for r in records(tmp_path / "node0.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == list(range(1, RESTART_STEPS + 1))
     for row in rows:
         assert row["loss"] == pytest.approx(uninterrupted[row["step"]], rel=1e-5), row["step"]
     assert not (tmp_path / "ckpt" / "flight" / "live.json").exists()  # the job ended
-    print(f"\nnode 1 killed whole at step 6 and started again: {elapsed:.1f} s to the end")
+    print(f"\nnode 1 killed whole at step 6 and started again, resumed from node 0's RAM: {elapsed:.1f} s to the end")
 
 
 def test_a_lost_node_is_left_behind_with_min_nodes(tmp_path, uninterrupted):

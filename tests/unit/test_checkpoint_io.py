@@ -183,3 +183,34 @@ def test_buffers_travel_with_the_state(tmp_path):
         for name, tensor in first.model.state_dict().items():
             assert torch.equal(tensor, second.model.state_dict()[name]), (restore, name)
         assert int(second.model[1].num_batches_tracked) == 3
+
+
+def test_a_memory_copy_is_checked_against_its_sha256_and_keepers_keep_the_newest_two():
+    """paratrain.checkpoint.memory_copies without processes: a keeper keeps each rank's newest KEEP steps, says
+    which copy it lacks, and a reader refuses bytes that do not match the SHA-256 written with them."""
+    import hashlib
+
+    from safetensors.torch import save as to_bytes
+
+    from paratrain.checkpoint import CheckpointError
+    from paratrain.checkpoint.memory_copies import KEEP, Keeper, MemoryReader, _ask
+
+    key = b"k" * 32
+    keeper = Keeper("127.0.0.1", key)
+    data = to_bytes({"w": torch.arange(6.0)})
+    try:
+        for step in (1, 2, 3):
+            _ask(keeper.address, key, "put", 0, step, ({}, {}, {}, []), {"world": 1, "meta": {}}, data)
+        assert KEEP == 2 and _ask(keeper.address, key, "inventory") == {2: [0], 3: [0]}
+        with pytest.raises(CheckpointError, match="holds no copy of rank 0's step 1"):
+            _ask(keeper.address, key, "file", 0, 1)
+        document = {"tensors": {"w": {"shape": [6], "dtype": "float32", "pieces": []}},
+                    "files": {"rank-00000.safetensors": {"sha256": hashlib.sha256(data).hexdigest()}}}
+        reader = MemoryReader(document, {"rank-00000.safetensors": keeper.address}, key, 3)
+        assert torch.equal(reader.read("rank-00000.safetensors", "w", 2, 5), torch.tensor([2.0, 3.0, 4.0]))
+        document["files"]["rank-00000.safetensors"]["sha256"] = "0" * 64
+        with pytest.raises(CheckpointError, match="does not match the SHA-256 written with it"):
+            MemoryReader(document, {"rank-00000.safetensors": keeper.address}, key, 3).read(
+                "rank-00000.safetensors", "w", 0, 6)
+    finally:
+        keeper.close()

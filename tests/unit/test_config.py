@@ -135,6 +135,11 @@ def test_tensor_parallel_rules(overrides, world, needle):
      "give --max-restarts"),
     ({"launch.nnodes": 2, "launch.min_nodes": 1, "launch.rdzv_endpoint": "h:1", "launch.rdzv_backend": "c10d",
       "launch.max_restarts": 1, "train.save": "/tmp/ckpt", "parallel.dp": 4}, 4, "drop --dp 4"),
+    ({"train.memory_copies": 1, "train.save": "/tmp/ckpt", "launch.nnodes": 2, "launch.rdzv_endpoint": "h:1"}, 4,
+     "give --save DIR --save-mode async"),
+    ({"train.memory_copies": 1, "train.save": "/tmp/ckpt", "train.save_mode": "async"}, 2,
+     r"the job has 1 node\(s\) \(--nnodes\): a copy on its own node dies with it"),
+    ({"train.memory_copies": -1}, 2, "memory_copies must be >= 0"),
 ])
 def test_run_rules(overrides, world, needle):
     with pytest.raises(ConfigError, match=needle):
