@@ -119,6 +119,10 @@ def train(args: argparse.Namespace) -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if config.launch.plan == "auto":
         config = plan_auto(config, args, gpus=gpus)
+    if config.parallel.fault_tolerance == "replica" and config.launch.replica_group >= 0:
+        from paratrain.launch.replicas import one_group_launch
+
+        config.launch = one_group_launch(config.launch)  # a group lies inside a node, whatever --nnodes said
     plan = prepare_launch(config, gpus=gpus)
     if plan.parallel.fault_tolerance == "replica" and config.launch.replica_group < 0:
         from paratrain.launch.replicas import launch_replica_groups

@@ -302,13 +302,16 @@ def check_replica_run(config: RunConfig, model: ModelConfig, parallel: ParallelC
         ("--spike-policy", config.train.spike_policy != "off"),
         ("--max-restarts (start a lost group again with --replica-group G --lighthouse HOST:PORT: it joins the "
          "running job)", launch.max_restarts > 0),
-        ("--nnodes > 1 (the lighthouse is the first launcher's, on this host)", launch.nnodes > 1),
         ("--device cuda (each group's launcher would number its GPUs from 0, and a joiner's state travels over "
          "gloo's CPU point-to-point)", launch.device == "cuda"),
         ("--batch-rampup (its batches are checked against the whole dp only)", bool(config.data.batch_rampup)),
     ) if on]
     if given:
         raise ConfigError("fault_tolerance replica with " + "; ".join(given) + ": not built in this version; drop them")
+    if launch.replica_group < 0 and groups % launch.nnodes:
+        raise ConfigError(f"fault_tolerance replica runs whole replica groups on each node: replica_groups ({groups}) "
+                          f"must be a multiple of the nodes ({launch.nnodes}, --nnodes): give --replica-groups "
+                          f"{launch.nnodes} or a multiple of it")
     if launch.replica_group >= groups or (launch.replica_group >= 0) != bool(launch.lighthouse):
         raise ConfigError(f"--replica-group G (0 .. {groups - 1}) starts one replica group of a running job and "
                           f"needs --lighthouse HOST:PORT (its first launcher prints it), got --replica-group "

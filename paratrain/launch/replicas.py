@@ -15,31 +15,54 @@ from datetime import timedelta
 from pathlib import Path
 
 from paratrain.config import RunConfig, RunPlan, write_run
+from paratrain.config.run import LaunchSection
 
 
 def launch_replica_groups(config: RunConfig, plan: RunPlan) -> int:
+    """This node's replica groups (all of them on one node; across --nnodes N, node n runs groups n R / N ..
+    (n + 1) R / N - 1, each a job of its own inside the node), meeting at the lighthouse: on one node a store on a
+    free local port, across nodes node 0's at the rendezvous endpoint, which the others connect to. 0 when a group
+    of this node finished the run (or, across nodes, none of its groups was lost), else 1."""
     import torch.distributed as dist
 
-    groups = plan.parallel.replica_groups
-    per_group = config.launch.nproc // groups
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=max(60.0, config.launch.timeout_s)))
-    address = f"127.0.0.1:{store.port}"
-    print(f"paratrain: {groups} replica groups of {per_group} processes meet at the lighthouse {address}; a lost "
-          f"group starts again with the same command and --nproc {per_group} --replica-group G --lighthouse {address}",
+    groups, nodes, node = plan.parallel.replica_groups, config.launch.nnodes, config.launch.node_rank
+    mine = range(node * groups // nodes, (node + 1) * groups // nodes)
+    per_group = config.launch.nproc // len(mine)
+    timeout = timedelta(seconds=max(60.0, config.launch.timeout_s))
+    store = None
+    if nodes == 1:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        address = f"127.0.0.1:{store.port}"
+    else:  # node 0 holds it where every node's launcher already meets
+        address = config.launch.rdzv_endpoint
+        if node == 0:
+            host, _, port = address.rpartition(":")
+            store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False, timeout=timeout)
+    where = f"replica groups {list(mine)} of {groups}" if nodes > 1 else f"{groups} replica groups"
+    print(f"paratrain: {where} of {per_group} processes meet at the lighthouse {address}; a lost group starts again "
+          f"with the same command and --nproc {per_group} --replica-group G --lighthouse {address}",
           file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="paratrain-replicas-") as folder:
         children = []
-        for g in range(groups):
-            launch = dataclasses.replace(config.launch, nproc=per_group, replica_group=g, lighthouse=address)
+        for g in mine:  # each inside this node: its own one-node launch
+            launch = dataclasses.replace(config.launch, nproc=per_group, replica_group=g, lighthouse=address,
+                                         nnodes=1, node_rank=0, rdzv_endpoint="", min_nodes=0)
             run_file = write_run(dataclasses.replace(config, launch=launch,
                                                      parallel=dataclasses.replace(config.parallel, dp=plan.parallel.dp)),
                                  Path(folder) / f"group-{g}.json")
             children.append(subprocess.Popen([sys.executable, "-m", "paratrain", "replica-group", "--run-plan",
                                               str(run_file)]))
         codes = [child.wait() for child in children]
-    lost = [g for g, code in enumerate(codes) if code]
-    if lost and len(lost) < groups:
+    lost = [g for g, code in zip(mine, codes) if code]
+    if lost and len(lost) < len(mine):
         print(f"paratrain: replica group(s) {lost} were lost; the others finished the run", file=sys.stderr, flush=True)
+    elif lost and nodes > 1:
+        print(f"paratrain: this node's replica group(s) {lost} were lost; the other nodes' groups go on (start one "
+              f"again with --replica-group G --lighthouse {address})", file=sys.stderr, flush=True)
     del store  # the lighthouse goes with the job
-    return 0 if len(lost) < groups else 1
+    return 0 if len(lost) < len(mine) else 1
+
+
+def one_group_launch(launch: LaunchSection) -> LaunchSection:
+    """A replica group started by hand (--replica-group G, with the job's own flags): a job inside this node."""
+    return dataclasses.replace(launch, nnodes=1, node_rank=0, rdzv_endpoint="", min_nodes=0)

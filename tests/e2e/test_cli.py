@@ -195,27 +195,38 @@ def test_a_killed_rank_is_named_first():
 
 
 def test_a_lost_replica_group_costs_a_step_and_a_restarted_one_rejoins(tmp_path):
-    """--fault-tolerance replica, 2 replica groups of dp 2 x ZeRO-2: rank 3 (group 1) SIGKILLed in the backward of step 6; group 0
-    redoes step 6 alone (its rows: the whole global batch) without a relaunch, the time from the failure to the
-    redone step said; group 1 started again by a second launcher at step 8 joins at a step boundary with the state
-    from group 0 (the SHA-256 of its tensors equal to the sender's), and every step's loss equals one process's
-    (float32: the parity suite's bound; tests/distributed/test_replica_groups.py holds float64)."""
+    """--fault-tolerance replica across two nodes (two launchers on 127.0.0.1, --nnodes 2, each running one replica
+    group of dp 2 x ZeRO-2; node 0 holds the lighthouse at the rendezvous endpoint): rank 3 (group 1, node 1)
+    SIGKILLed in the backward of step 6; group 0 redoes step 6 alone (its rows: the whole global batch) without a
+    relaunch, the time from the failure to the redone step said, and node 1's launcher says its group was lost;
+    group 1 started again at step 8 (the node's same command, with --replica-group 1 --lighthouse) joins at a step
+    boundary with the state from group 0 (the SHA-256 of its tensors equal to the sender's), and every step's loss
+    equals one process's (float32: the parity suite's bound; tests/distributed/test_replica_groups.py holds
+    float64). (One node runs the same launcher with every group: paratrain.launch.replicas.)"""
     ft = ["--zero", "2", "--fault-tolerance", "replica", "--replica-groups", "2", "--steps", "40", "--log-every", "1",
           "--timeout", "3", "--warmup", "40"]  # SMALL's warmup 2 amplifies rounding past step 10 (1e-4 by step 29)
     log, ref = tmp_path / "log.jsonl", tmp_path / "ref.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen([sys.executable, "-m", "paratrain", "train", "--nproc", "4", *SMALL, *ft, "--fail-at",
-                              "3:6:kill-backward", "--inject", "slow:0:400", "--log-json", str(log)],
+    endpoint = f"127.0.0.1:{free_port()}"
+
+    def node(rank: int, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "paratrain", "train", "--nproc", "2", *SMALL, *ft, "--nnodes", "2", "--node-rank",
+                str(rank), "--rdzv-endpoint", endpoint, *extra]
+
+    first = subprocess.Popen(node(0, "--fail-at", "3:6:kill-backward", "--inject", "slow:0:400", "--log-json", str(log)),
+                             stderr=subprocess.PIPE, text=True, env=env)
+    other = subprocess.Popen(node(1, "--fail-at", "3:6:kill-backward", "--inject", "slow:0:400"),
                              stderr=subprocess.PIPE, text=True, env=env)
     assert first.stderr is not None
     banner = first.stderr.readline()
-    address = re.search(r"lighthouse (\S+);", banner).group(1)  # type: ignore[union-attr]
+    assert f"replica groups [0] of 2 of 2 processes meet at the lighthouse {endpoint}" in banner, banner
     deadline = time.monotonic() + 180
     while not (log.exists() and any(r.get("step", 0) >= 8 for r in records(log) if "loss" in r)):
         assert time.monotonic() < deadline and first.poll() is None, banner
         time.sleep(0.1)
-    second = subprocess.run([sys.executable, "-m", "paratrain", "train", "--nproc", "2", *SMALL, *ft,
-                             "--replica-group", "1", "--lighthouse", address],
+    lost_node = other.communicate(timeout=60)[1]
+    assert other.returncode == 1 and "this node's replica group(s) [1] were lost" in lost_node, lost_node[-2000:]
+    second = subprocess.run(node(1, "--replica-group", "1", "--lighthouse", endpoint),
                             stderr=subprocess.PIPE, text=True, env=env, timeout=240)
     rest = first.communicate(timeout=240)[1]
     assert first.returncode == 0 and second.returncode == 0, rest + second.stderr
@@ -230,6 +241,8 @@ def test_a_lost_replica_group_costs_a_step_and_a_restarted_one_rejoins(tmp_path)
     assert sorted(got) == list(range(1, 41))  # every step once, the redone one too
     for step in want:  # measured: <= 5.4e-7 relative
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
+    print(f"\nreplica groups on two nodes: group 1 lost at step 6, redone in {lost.group(1)} s; rejoined at step "
+          f"{joined.group(1)}")
 
 
 def test_a_rank_hung_on_another_node_is_found_by_every_node(tmp_path):

@@ -54,6 +54,9 @@ SMALL = ["train", "--nproc", "4", "--model", "tiny", "--seq-len", "32", "--micro
       "1"], "needs --lighthouse"),
     (["--fault-tolerance", "replica", "--replica-groups", "2", "--global-batch", "16", "--batch-rampup", "8,8,64"],
      "--batch-rampup"),
+    (["--nproc", "3", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "--fault-tolerance", "replica",
+      "--replica-groups", "3", "--global-batch", "12", "--micro-batch", "1"],
+     "replica_groups (3) must be a multiple of the nodes (2, --nnodes): give --replica-groups 2 or a multiple of it"),
     (["--dp-mode", "diloco", "--replica-groups", "2", "--global-batch", "8", "--optimizer", "muon"], "Muon"),
     (["--dp-mode", "diloco", "--replica-groups", "2", "--global-batch", "8", "--plan", "auto"], "--plan auto"),
 ])
