@@ -228,13 +228,18 @@ class MemoryCopies:
         document = found[0]
         if isinstance(document, Missing):
             raise CheckpointError(str(document))
-        files = {name: holders[int(name.split("-")[1].split(".")[0])] for name in document["files"]}
+        files = {name: holders[_rank_of(name)] for name in document["files"]}
         reader = MemoryReader(document, files, self.key, step)
         try:
             view.load(reader, document)
         except StateError as error:
             raise CheckpointError(f"the memory copies of step {step}: {error}") from None
         return document
+
+
+def _rank_of(file_name: str) -> int:
+    """The rank whose file this is (paratrain.checkpoint.files names them rank-RRRRR.safetensors)."""
+    return int(file_name.split("-")[1].split(".")[0])
 
 
 class MemoryReader(CheckpointReader):
@@ -249,8 +254,7 @@ class MemoryReader(CheckpointReader):
     def read(self, file_name: str, key: str, lo: int, hi: int) -> torch.Tensor:
         tensors = self._loaded.get(file_name)
         if tensors is None:
-            rank = int(file_name.split("-")[1].split(".")[0])
-            data = _ask(self.files[file_name], self.key, "file", rank, self.step)
+            data = _ask(self.files[file_name], self.key, "file", _rank_of(file_name), self.step)
             if hashlib.sha256(data).hexdigest() != self.document["files"][file_name]["sha256"]:
                 raise CheckpointError(f"the memory copy of {file_name} (step {self.step}, keeper "
                                       f"{self.files[file_name]}) does not match the SHA-256 written with it")
