@@ -282,11 +282,10 @@ def check_diloco_run(config: RunConfig, model: ModelConfig) -> None:
                       expert_bias=model.expert_bias_rate > 0 or model.global_aux_coef > 0)
 
 
-def check_replica_run(config: RunConfig, model: ModelConfig, parallel: ParallelConfig, micro_batch: int) -> None:
-    """Fault tolerance by replica groups (paratrain.topology.quorum): the global batch divides among any number of
-    surviving groups, and what this version does not compose with it, refused by name."""
+def check_replica_batch(parallel: ParallelConfig, batch: int, micro_batch: int) -> None:
+    """Under fault_tolerance replica: every count of live groups divides the global batch into whole micro-batches."""
     assert parallel.dp is not None
-    groups, inside, batch = parallel.replica_groups, parallel.dp // parallel.replica_groups, config.data.global_batch
+    groups, inside = parallel.replica_groups, parallel.dp // parallel.replica_groups
     for live in range(1, groups + 1):
         if batch % (live * inside * micro_batch):
             raise ConfigError(f"fault_tolerance replica divides each global batch ({batch}) among the live replica "
@@ -294,7 +293,13 @@ def check_replica_run(config: RunConfig, model: ModelConfig, parallel: ParallelC
                               f"{groups} groups left that is {live * inside} x {micro_batch} rows, which does not "
                               f"divide it; use a global batch that every count of groups divides (a multiple of "
                               f"{math.lcm(*range(1, groups + 1)) * inside * micro_batch})")
-    launch = config.launch
+
+
+def check_replica_run(config: RunConfig, model: ModelConfig, parallel: ParallelConfig, micro_batch: int) -> None:
+    """Fault tolerance by replica groups (paratrain.topology.quorum): the global batch divides among any number of
+    surviving groups, and what this version does not compose with it, refused by name."""
+    check_replica_batch(parallel, config.data.global_batch, micro_batch)
+    groups, launch = parallel.replica_groups, config.launch
     given = [what for what, on in (
         ("--precision fp16 (its loss scale's overflow decision is the group's)", config.train.precision == "fp16"),
         ("a MoE model (its routing statistics and balancing are the group's)", model.n_experts > 0),

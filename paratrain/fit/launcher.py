@@ -48,17 +48,9 @@ def launch_workers(model: nn.Module | None, launch: LaunchSection, *, max_restar
     max_restarts times (the workers resume from the newest checkpoint under `save`); then load the
     trained weights into `model` (None: a Trainer(hf=...) model, which save_pretrained exports from the
     checkpoints) and return rank 0's FitResult."""
-    from safetensors.torch import load_model
-
     from paratrain.launch import JobFailed, launch_script
 
-    command = _this_program()
-    if command is None:
-        raise RuntimeError(
-            f"paratrain.Trainer(devices={launch.nproc}, num_nodes={launch.nnodes}) starts its workers by running "
-            f"this program again, and there is no script to run (an interactive session or python -c): put the "
-            f"code in a script and run `python script.py`, or launch it with "
-            f"`torchrun --nproc-per-node {launch.nproc} script.py`")
+    command = this_program(launch)
     handoff = tempfile.mkdtemp(prefix="paratrain-fit-")
     os.environ[HANDOFF_ENV] = handoff
     try:
@@ -72,11 +64,7 @@ def launch_workers(model: nn.Module | None, launch: LaunchSection, *, max_restar
                     raise
                 print(f"paratrain.Trainer: {error}\nrelaunching (restart {attempt + 1} of {max_restarts}) "
                       f"from the newest checkpoint under {save}", file=sys.stderr, flush=True)
-        result = FitResult(**_int_keys(json.loads((Path(handoff) / "result.json").read_text())))
-        # Tied weights were written once, under their first name: safetensors' load_model restores every
-        # alias of a shared tensor, and still refuses a missing or unexpected name.
-        if model is not None:
-            load_model(model, str(Path(handoff) / "model.safetensors"))
+        result = load_handoff(Path(handoff), model)
     finally:
         os.environ.pop(HANDOFF_ENV, None)
         os.environ.pop(ATTEMPT_ENV, None)
@@ -84,6 +72,30 @@ def launch_workers(model: nn.Module | None, launch: LaunchSection, *, max_restar
             part.unlink()
         Path(handoff).rmdir()
     return result
+
+
+def load_handoff(folder: Path, model: nn.Module | None) -> FitResult:
+    """The FitResult rank 0 left in `folder`, and the trained weights loaded into `model` (None: not gathered)."""
+    from safetensors.torch import load_model
+
+    result = FitResult(**_int_keys(json.loads((folder / "result.json").read_text())))
+    # Tied weights were written once, under their first name: safetensors' load_model restores every
+    # alias of a shared tensor, and still refuses a missing or unexpected name.
+    if model is not None:
+        load_model(model, str(folder / "model.safetensors"))
+    return result
+
+
+def this_program(launch: LaunchSection) -> list[str]:
+    """The arguments after `python` that run this program again (_this_program), or the error that there is none."""
+    command = _this_program()
+    if command is None:
+        raise RuntimeError(
+            f"paratrain.Trainer(devices={launch.nproc}, num_nodes={launch.nnodes}) starts its workers by running "
+            f"this program again, and there is no script to run (an interactive session or python -c): put the "
+            f"code in a script and run `python script.py`, or launch it with "
+            f"`torchrun --nproc-per-node {launch.nproc} script.py`")
+    return command
 
 
 def hand_over(engine: Engine, result: FitResult, *, weights: bool = True) -> None:

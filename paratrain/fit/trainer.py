@@ -23,6 +23,7 @@ gathers it whole). (The launching side: paratrain.fit.launcher; strategy names: 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from datetime import timedelta
 from typing import Any, Callable, Mapping, Sequence
@@ -37,7 +38,9 @@ from paratrain.config.rules import check_diloco_uses
 from paratrain.data_parallel import BATCH_NORM_MODES
 from paratrain.data.stream import Data, dataset_loader, is_stream
 from paratrain.fit.callbacks import Callback, CallbackHooks
-from paratrain.fit.launcher import hand_over, launch_workers, launched_by_trainer, relaunch_attempt
+from paratrain.fit.launcher import hand_over, launch_workers, launched_by_trainer, relaunch_attempt, this_program
+from paratrain.fit.replicas import (GROUP_ENV, LIGHTHOUSE_ENV, check_replica_trainer, group_launch, launch_groups,
+                                    quorum_for, run_group, this_group)
 from paratrain.fit.result import FitResult
 from paratrain.fit.strategy import strategy_config
 from paratrain.hybrid import Engine, EngineOptions, parallelize
@@ -45,7 +48,7 @@ from paratrain.hybrid.batches import Batch, batch_rows
 from paratrain.hybrid.parallelize import OptimizerFactory
 from paratrain.memory import PRECISIONS, Float8Settings
 from paratrain.nn.recipe import Layer, PipelineLoss, Recipe, recipe_for
-from paratrain.topology import Context, init
+from paratrain.topology import Context, join, lay_out
 from paratrain.train.loop import TrainLoop, start_loop
 from paratrain.train.loop_settings import LoopSettings
 from paratrain.train.optim import optimizer_factory
@@ -68,7 +71,8 @@ class Trainer:
                  batch_norm: str = "sync", buffers: Mapping[str, str] | None = None, nan_policy: str = "stop",
                  nan_skips: int = 10,
                  max_restarts: int = 0, node_rank: int | None = None, master: str | None = None,
-                 timeout_s: float = 300.0, hf: str | None = None) -> None:
+                 timeout_s: float = 300.0, hf: str | None = None, fault_tolerance: str = "off",
+                 replica_groups: int = 2, replica_group: int | None = None, lighthouse: str = "") -> None:
         """devices: processes per node; num_nodes: nodes (their launchers meet at `master`, host:port,
         default $MASTER_ADDR:$MASTER_PORT, with node_rank default $NODE_RANK, as Lightning reads them).
         strategy: 'ddp', 'zero1' / 'zero2' / 'zero3' ('fsdp' = zero3), 'tp' (tp= devices by default),
@@ -106,6 +110,10 @@ class Trainer:
             its pieces from the safetensors files (paratrain.hf.from_pretrained; a vocabulary tp does not divide
             padded), its family's recipe and loss unless given; save_pretrained(OUT) then writes the trained
             model back as a folder transformers loads.
+        fault_tolerance: 'off', or 'replica': dp cut into replica_groups groups, each launched as a job of its own,
+            so that a lost group costs the others a step, not a relaunch (as `paratrain train --fault-tolerance
+            replica`; docs/reliability.md); replica_group=G with lighthouse='HOST:PORT' (the address the
+            launching process prints) starts group G alone: a lost one, again, joining the running job.
         """
         if devices < 1 or num_nodes < 1:
             raise ConfigError(f"devices and num_nodes must be >= 1, got devices={devices}, num_nodes={num_nodes}")
@@ -129,7 +137,10 @@ class Trainer:
             raise ConfigError(f"max_restarts={max_restarts}: a relaunch resumes from the newest checkpoint under save=, "
                               "so give save= (and save_every= to lose fewer steps), or max_restarts=0")
         self.world_size = devices * num_nodes
-        self.parallel = strategy_config(strategy, devices=devices, tp=tp, pp=pp).resolved(self.world_size)
+        layout = strategy_config(strategy, devices=devices, tp=tp, pp=pp)
+        if fault_tolerance != "off":
+            layout = dataclasses.replace(layout, fault_tolerance=fault_tolerance, replica_groups=replica_groups)
+        self.parallel = layout.resolved(self.world_size)
         if self.parallel.ps_servers:
             raise ConfigError(f"ps_servers={self.parallel.ps_servers}: paratrain.Trainer does not start dedicated "
                               "parameter servers (ranks that run paratrain.serve, not fit); use ps_servers=0 "
@@ -138,13 +149,14 @@ class Trainer:
         if optimizer == "muon" and self.parallel.ps_mode != "off":
             raise ConfigError("optimizer='muon' needs each whole matrix, which the parameter server's slices do not "
                               "give: use a strategy without it (zero1/2/3 shard Muon's state) or optimizer='adamw'")
-        if self.parallel.fault_tolerance != "off":
-            raise ConfigError("fault_tolerance 'replica' runs each replica group as a job of its own (its launcher and "
-                              "world), which paratrain.Trainer's one launch does not start: use `paratrain train "
-                              "--fault-tolerance replica --replica-groups N` (docs/reliability.md)")
         if self.parallel.dp_mode == "diloco":
             check_diloco_uses(muon=optimizer == "muon")
         self.batch = batch_layout(global_batch, micro_batch or 0, self.parallel.dp or 1)
+        if self.parallel.fault_tolerance == "replica":
+            check_replica_trainer(self.parallel, self.batch, num_nodes=num_nodes, precision=precision,
+                                  muon=optimizer == "muon", max_restarts=max_restarts, accelerator=accelerator,
+                                  replica_group=replica_group, lighthouse=lighthouse)
+        self.replica_group, self.lighthouse = replica_group, lighthouse
         self.devices, self.num_nodes = devices, num_nodes
         self.max_steps, self.lr, self.lr_schedule = max_steps, lr, lr_schedule
         self.warmup_steps, self.min_lr_ratio, self.weight_decay = warmup_steps, min_lr_ratio, weight_decay
@@ -210,18 +222,42 @@ class Trainer:
             if data is not None and not is_stream(data) and len(data) < self.batch.global_batch:
                 raise ConfigError(f"{name} holds {len(data)} samples, fewer than one global batch "
                                   f"({self.batch.global_batch}): lower global_batch or give more data")
+        groups = self.parallel.replica_groups if self.parallel.fault_tolerance == "replica" else 1
         if launched_by_torchrun():
             world = int(os.environ["WORLD_SIZE"])
-            if world != self.world_size:
+            if world != self.world_size // groups:
                 raise ConfigError(f"this process was launched into a job of {world} processes, and the Trainer asks "
-                                  f"for devices x num_nodes = {self.devices} x {self.num_nodes} = {self.world_size}: "
-                                  "make them agree")
+                                  f"for devices x num_nodes = {self.devices} x {self.num_nodes} = {self.world_size}"
+                                  + (f" in {groups} replica groups" if groups > 1 else "") + ": make them agree")
             return self._fit_here(model, loss_fn, train_data, val_data)
         if self.world_size == 1:
             return self._fit_here(model, loss_fn, train_data, val_data)
         launch = LaunchSection(nproc=self.devices, nnodes=self.num_nodes, node_rank=self.node_rank,
                                rdzv_endpoint=self.master, device=self.accelerator, timeout_s=self.timeout_s)
+        if groups > 1:
+            return self._launch_replica_groups(model, launch, train_data, val_data, loss_fn)
         return launch_workers(model, launch, max_restarts=self.max_restarts, save=self.save)
+
+    def _launch_replica_groups(self, model: nn.Module | None, launch: LaunchSection, train_data: Data,
+                               val_data: Data | None, loss_fn: UserLoss | None) -> FitResult:
+        """fault_tolerance 'replica' (paratrain.fit.replicas): in the launching process, start this node's groups;
+        in a group's process, its workers (or, a group of one process, train here); by hand (replica_group=G),
+        group G alone, returning its result."""
+        from paratrain.launch.replicas import node_groups
+
+        one = group_launch(launch, len(node_groups(self.parallel.replica_groups, self.num_nodes, self.node_rank)))
+        if this_group() is not None:  # a group's own process
+            if one.nproc == 1:
+                return self._fit_here(model, loss_fn, train_data, val_data)  # hands over and leaves
+            run_group(one, this_program(launch))
+        if self.replica_group is None:
+            return launch_groups(model, launch, self.parallel, this_program(launch))
+        os.environ.update({GROUP_ENV: str(self.replica_group), LIGHTHOUSE_ENV: self.lighthouse})
+        try:
+            return launch_workers(model, one, max_restarts=0, save=self.save)
+        finally:
+            os.environ.pop(GROUP_ENV, None)
+            os.environ.pop(LIGHTHOUSE_ENV, None)
 
     # --- a rank of the job ---
 
@@ -231,8 +267,13 @@ class Trainer:
 
         if launched_by_trainer():
             torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-        ctx = self.ctx = init(self.parallel, device=self.accelerator, timeout=timedelta(seconds=self.timeout_s))
+        timeout = timedelta(seconds=self.timeout_s)
+        member = join(self.accelerator, timeout=timeout)
+        ctx = self.ctx = lay_out(member, self.parallel, timeout=timeout, replicas=quorum_for(
+            member, self.parallel, timeout_s=self.timeout_s, device=self.accelerator))
         dp, dp_index = ctx.mesh.degree("dp"), ctx.mesh.index("dp")
+        if ctx.replicas is not None:  # each step's rows come from the quorum: every rank reads the whole global batch
+            dp, dp_index = 1, 0
         loader = dataset_loader(train_data, global_batch=self.batch.global_batch, dp=dp, dp_index=dp_index,
                                 seed=self.seed)
         val_loader = None if val_data is None else dataset_loader(

@@ -12,9 +12,9 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from paratrain.config import ConfigError, RunPlan
+from paratrain.config import RunPlan
 from paratrain.topology import join, lay_out
-from paratrain.topology.quorum import Quorum, connect
+from paratrain.topology.quorum import Quorum, reach
 from paratrain.topology.recorder import FlightRecorder
 from paratrain.planner.check import predicted_memory
 from paratrain.train import Trainer, TrainResult
@@ -56,14 +56,8 @@ def replica_quorum(plan: RunPlan, rank: int, world: int) -> Quorum | None:
     if plan.parallel.fault_tolerance != "replica":
         return None
     launch = plan.config.launch
-    if torch.cuda.is_available() and launch.device != "cpu":
-        raise ConfigError("fault_tolerance replica runs on the CPU (gloo) in this version: each group's launcher "
-                          "would number its GPUs from 0, and a joiner's state travels over gloo's CPU point-to-point; "
-                          "give --device cpu")
-    timeout = timedelta(seconds=launch.timeout_s)
-    return Quorum(connect(launch.lighthouse, timedelta(seconds=max(60.0, launch.timeout_s))),
-                  group=launch.replica_group, groups=plan.parallel.replica_groups, rank=rank, world=world,
-                  timeout=timeout)
+    return reach(launch.lighthouse, group=launch.replica_group, groups=plan.parallel.replica_groups, rank=rank,
+                 world=world, timeout_s=launch.timeout_s, device=launch.device)
 
 
 def memory_hooks(plan: RunPlan) -> list[MemorySnapshot]:

@@ -30,6 +30,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from paratrain.config.errors import ConfigError
+
 MEET_TIMEOUT_S = 120.0
 """How long the groups wait for each other to start (launchers and imports take seconds; --timeout is a step's)."""
 
@@ -66,6 +68,17 @@ def connect(address: str, timeout: timedelta) -> dist.TCPStore:
     """The lighthouse at HOST:PORT (a client: the top launcher holds the store)."""
     host, _, port = address.rpartition(":")
     return dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+def reach(address: str, *, group: int, groups: int, rank: int, world: int, timeout_s: float, device: str) -> Quorum:
+    """Replica group `group` of `groups`' rank `rank` (of its own world of `world`), meeting the others at the
+    lighthouse at HOST:PORT; a step's collectives wait up to timeout_s. CPU (gloo) only in this version."""
+    if torch.cuda.is_available() and device != "cpu":
+        raise ConfigError("fault_tolerance replica runs on the CPU (gloo) in this version: each group's launcher "
+                          "would number its GPUs from 0, and a joiner's state travels over gloo's CPU point-to-point; "
+                          "give device cpu")
+    return Quorum(connect(address, timedelta(seconds=max(60.0, timeout_s))), group=group, groups=groups, rank=rank,
+                  world=world, timeout=timedelta(seconds=timeout_s))
 
 
 class Quorum:

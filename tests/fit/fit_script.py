@@ -54,11 +54,29 @@ class FailOnce(paratrain.fit.Callback):
             raise RuntimeError(f"injected failure after step {self.step}")
 
 
+class KillOnce(paratrain.fit.Callback):
+    """Rank `rank` of replica group `group` SIGKILLs itself after step `step` (a group lost; the job goes on)."""
+
+    def __init__(self, group: int, rank: int, step: int) -> None:
+        self.group, self.rank, self.step = group, rank, step
+
+    def on_train_step_end(self, trainer: paratrain.Trainer, record: dict) -> None:
+        import os
+        import signal
+
+        ctx = trainer.ctx
+        if record["step"] == self.step and ctx is not None and ctx.replicas is not None \
+                and (ctx.replicas.group, ctx.rank) == (self.group, self.rank):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
     devices, strategy, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     options = {key: json.loads(value) for key, value in (arg.split("=", 1) for arg in sys.argv[4:])}
     if "fail_once_after" in options:
         options["callbacks"] = [FailOnce(options.pop("fail_once_after"))]
+    if "kill_group_rank_after" in options:
+        options["callbacks"] = [KillOnce(*options.pop("kill_group_rank_after"))]
     model, train, val = build()
     if options.pop("stream", False):
         train = Stream(train)

@@ -97,6 +97,27 @@ def test_a_failed_worker_is_relaunched_and_the_fit_continues_exactly(tmp_path):
     assert steps == [1, 2, 3, 4, 5, 6]  # each step logged once across both launches
 
 
+@pytest.mark.e2e
+def test_a_lost_replica_group_costs_the_fit_a_step(tmp_path):
+    """Trainer(fault_tolerance="replica", replica_groups=2) on 4 devices under ZeRO-2: each group of 2 launched as a
+    job of its own; rank 1 of group 1 SIGKILLed after step 3 of 6. Group 0 redoes step 4 alone, the fit returns its
+    result in the launching process, and the losses and weights are one process's (float64)."""
+    result, model = in_process()
+    done = subprocess.run([sys.executable, str(SCRIPT), "4", "zero2", str(tmp_path / "out.json"),
+                           'fault_tolerance="replica"',
+                           "kill_group_rank_after=[1, 1, 3]"],
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "replica group(s) [1] were lost; the others finished the run" in done.stderr, done.stderr[-3000:]
+    assert "lost at step 4; the step was redone by [0]" in done.stderr, done.stderr[-3000:]
+    got = json.loads((tmp_path / "out.json").read_text())
+    within(rel_diff(list(got["losses"].values()), list(result.losses.values())), 1e-12, "loss, a group lost (float64)")
+    within(rel_diff(list(got["val_losses"].values()), list(result.val_losses.values())), 1e-12,
+           "val loss, a group lost (float64)")
+    weights = {k: torch.tensor(v, dtype=torch.float64) for k, v in got["model"].items()}
+    within(max_state_diff(weights, dict(model.state_dict())), 1e-12, "weights, a group lost (float64)")
+
+
 def test_resume_continues_exactly(tmp_path):
     whole, _ = in_process()
     model, train, val = fit_script.build()

@@ -63,3 +63,20 @@ SMALL = ["train", "--nproc", "4", "--model", "tiny", "--seq-len", "32", "--micro
 def test_runs_with_replica_groups_refuse_what_they_cannot_do(capsys, flags, message):
     assert main([*SMALL, *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(global_batch=6, micro_batch=1, replica_groups=3, devices=6), "with 2 of 3 groups left that is 4 x 1 rows"),
+    (dict(precision="fp16"), "precision='fp16'"),
+    (dict(optimizer="muon"), "optimizer='muon'"),
+    (dict(max_restarts=1, save="/tmp/x"), "max_restarts"),
+    (dict(replica_group=1), "needs lighthouse='HOST:PORT'"),
+    (dict(replica_group=2, lighthouse="127.0.0.1:1"), "replica_group=G (0 .. 1)"),
+    (dict(strategy="zero3"), "zero 3"),
+])
+def test_a_trainer_with_replica_groups_refuses_what_it_cannot_do(options, message):
+    """Trainer(fault_tolerance="replica"): the CLI's rules, before any process starts."""
+    settings = {**dict(devices=4, strategy="zero2", max_steps=2, global_batch=8, fault_tolerance="replica"), **options}
+    with pytest.raises(paratrain.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        paratrain.Trainer(**settings)
+    paratrain.Trainer(devices=4, strategy="zero2", max_steps=2, global_batch=8, fault_tolerance="replica")
