@@ -303,13 +303,15 @@ def check_replica_run(config: RunConfig, model: ModelConfig, parallel: ParallelC
     given = [what for what, on in (
         ("--precision fp16 (its loss scale's overflow decision is the group's)", config.train.precision == "fp16"),
         ("a MoE model (its routing statistics and balancing are the group's)", model.n_experts > 0),
-        ("--plan auto", launch.plan == "auto"), ("--optimizer muon", config.optim.optimizer == "muon"),
+        ("--plan auto", launch.plan == "auto"),
         ("--spike-policy", config.train.spike_policy != "off"),
         ("--max-restarts (start a lost group again with --replica-group G --lighthouse HOST:PORT: it joins the "
          "running job)", launch.max_restarts > 0),
         ("--device cuda (each group's launcher would number its GPUs from 0, and a joiner's state travels over "
          "gloo's CPU point-to-point)", launch.device == "cuda"),
         ("--batch-rampup (its batches are checked against the whole dp only)", bool(config.data.batch_rampup)),
+        ("--save with --dp-mode diloco (each group's inner state is its own, and replica group 0 writes only its "
+         "own: the groups recover from each other live)", parallel.dp_mode == "diloco" and bool(config.train.save)),
     ) if on]
     if given:
         raise ConfigError("fault_tolerance replica with " + "; ".join(given) + ": not built in this version; drop them")

@@ -19,12 +19,13 @@ OuterStep.state_bytes says); the all-reduce moves them once per `inner_steps` st
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from paratrain.comm import all_reduce
 from paratrain.topology.mesh import AxisGroup
+from paratrain.topology.quorum import Quorum, ReplicaLost
 
 
 REPLICA_PREFIX = "replica-"
@@ -75,11 +76,17 @@ class OuterStep:
     what the optimizer stepped back into the parameters)."""
 
     def __init__(self, tensors: Callable[[], list[torch.Tensor]], group: AxisGroup | None, settings: OuterSettings,
-                 *, bucket_elements: int, spans: Callable[[list[torch.Tensor]], list[Span]] | None = None) -> None:
+                 *, bucket_elements: int, spans: Callable[[list[torch.Tensor]], list[Span]] | None = None,
+                 quorum: Quorum | None = None) -> None:
         """tensors: what the inner optimizer steps (read at the first step: a meta model is materialised by then);
         group: the replica group (None: a single group, whose outer step is the Nesterov step alone); spans: which
-        elements of those tensors belong to which fragment (each element to one; None: whole tensors, fragment 0)."""
-        self.tensors, self.group, self.settings = tensors, group, settings
+        elements of those tensors belong to which fragment (each element to one; None: whole tensors, fragment 0);
+        quorum: under fault_tolerance 'replica', the replica groups are worlds of their own that meet here instead
+        (group None): the pseudo-gradient averaged over the quorum's live members, a lost group's round skipped."""
+        self.tensors, self.group, self.settings, self.quorum = tensors, group, settings, quorum
+        self.lost_rounds: list[dict[str, Any]] = []
+        """Under a quorum: each outer round a replica group was lost in (the step, the groups lost, the members that
+        averaged it)."""
         self.bucket_elements = bucket_elements
         self.spans_of = spans or (lambda ts: [(i, 0, t.numel(), 0) for i, t in enumerate(ts)])
         self.inner: list[torch.Tensor] = []
@@ -106,6 +113,9 @@ class OuterStep:
     def after_step(self, step: int) -> bool:
         """After step `step` (counted from 1): the outer step of the fragments due; True when one ran."""
         due = set(self.settings.due(step)) if self.inner else set()
+        if due and self.quorum is not None:
+            self._over_the_quorum(step)
+            return True
         for fragment in sorted(due):
             for bucket in self._buckets([s for s in self.spans if s[3] == fragment]):
                 flat = torch.cat([(self.outer[i] - self.inner[i]).view(-1)[o: o + n] for i, o, n, _ in bucket])
@@ -117,6 +127,31 @@ class OuterStep:
                     self._nesterov(i, o, n, flat[at: at + n])
                     at += n
         return bool(due)
+
+    def _over_the_quorum(self, step: int) -> None:
+        """The outer step over the replica groups of the quorum (one fragment: validated): every bucket's
+        pseudo-gradient summed first, then applied, so a group lost in any bucket's sum leaves nothing applied; the
+        survivors agree on the members (Quorum.recover) and sum again without it, its round's work left out."""
+        assert self.quorum is not None
+        buckets = self._buckets(self.spans)
+        while True:
+            flats = [torch.cat([(self.outer[i] - self.inner[i]).view(-1)[o: o + n] for i, o, n, _ in bucket])
+                     for bucket in buckets]
+            before = list(self.quorum.epoch.members)
+            try:
+                self.quorum.reduce(flats)
+                break
+            except ReplicaLost:
+                members = list(self.quorum.recover(step).members)
+                self.lost_rounds.append({"step": step, "lost": sorted(set(before) - set(members)),
+                                         "members": members})
+        count = len(self.quorum.epoch.members)
+        for bucket, flat in zip(buckets, flats):
+            flat.div_(count)
+            at = 0
+            for i, o, n, _ in bucket:
+                self._nesterov(i, o, n, flat[at: at + n])
+                at += n
 
     def _nesterov(self, i: int, first: int, n: int, delta: torch.Tensor) -> None:
         """torch.optim.SGD's single-tensor step (dampening 0, nesterov) on elements [first, first + n) of the outer

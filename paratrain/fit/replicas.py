@@ -111,20 +111,24 @@ def quorum_for(member: Member, parallel: ParallelConfig, *, timeout_s: float, de
                           "job of its own; run the script as `python script.py` and the Trainer starts them")
     group, lighthouse = here
     return reach(lighthouse, group=group, groups=parallel.replica_groups, rank=member.rank, world=member.world_size,
-                 timeout_s=timeout_s, device=device)
+                 timeout_s=timeout_s, device=device,
+                 admit_every=parallel.inner_steps if parallel.dp_mode == "diloco" else 1)
 
 
 
-def check_replica_trainer(parallel: ParallelConfig, batch: BatchLayout, *, num_nodes: int, precision: str, muon: bool,
-                          max_restarts: int, accelerator: str, replica_group: int | None, lighthouse: str) -> None:
+def check_replica_trainer(parallel: ParallelConfig, batch: BatchLayout, *, num_nodes: int, precision: str,
+                          max_restarts: int, accelerator: str, replica_group: int | None, lighthouse: str,
+                          save: str | None) -> None:
     """A Trainer's fault tolerance checked before launch, as `paratrain train`'s is (check_replica_run)."""
     check_replica_batch(parallel, batch.global_batch, batch.micro_batch)
     given = [what for what, on in (
         ("precision='fp16' (its loss scale's overflow decision is the group's)", precision == "fp16"),
-        ("optimizer='muon'", muon), ("accelerator='cuda' (each group would number its GPUs from 0, and a joiner's "
-                                     "state travels over gloo's CPU point-to-point)", accelerator == "cuda"),
+        ("accelerator='cuda' (each group would number its GPUs from 0, and a joiner's state travels over gloo's CPU "
+         "point-to-point)", accelerator == "cuda"),
         ("max_restarts (start a lost group again with replica_group=G, lighthouse='HOST:PORT': it joins the "
-         "running job)", max_restarts > 0)) if on]
+         "running job)", max_restarts > 0),
+        ("save= with dp_mode diloco (each group's inner state is its own, and replica group 0 writes only its own)",
+         parallel.dp_mode == "diloco" and bool(save))) if on]
     if given:
         raise ConfigError("fault_tolerance='replica' with " + "; ".join(given) + ": not built in this version; drop "
                           "them")

@@ -154,8 +154,8 @@ class Trainer:
         self.batch = batch_layout(global_batch, micro_batch or 0, self.parallel.dp or 1)
         if self.parallel.fault_tolerance == "replica":
             check_replica_trainer(self.parallel, self.batch, num_nodes=num_nodes, precision=precision,
-                                  muon=optimizer == "muon", max_restarts=max_restarts, accelerator=accelerator,
-                                  replica_group=replica_group, lighthouse=lighthouse)
+                                  max_restarts=max_restarts, accelerator=accelerator, replica_group=replica_group,
+                                  lighthouse=lighthouse, save=save)
         self.replica_group, self.lighthouse = replica_group, lighthouse
         self.devices, self.num_nodes = devices, num_nodes
         self.max_steps, self.lr, self.lr_schedule = max_steps, lr, lr_schedule

@@ -174,22 +174,20 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                 hooks += tp.register_grad_hooks(model, split=cut_over_tp)
         save_state = grads.optimizer_state
     if matrix:  # 8c. each matrix gets an owner that runs its whole-matrix step
-        if ctx.replicas is not None:
-            raise ConfigError("fault_tolerance replica with a matrix optimizer (Muon): not built in this version (its "
-                              "update is not yet summed over the replica groups); use AdamW or SGD, or no replica groups")
         if ctx.config.dp_mode == "diloco":
             raise ConfigError("dp_mode diloco with a matrix optimizer (Muon): its matrices' owners are spread over "
                               "every rank, and DiLoCo's replica groups train apart: use AdamW or SGD inside the "
                               "groups, or dp_mode sync")
         update = LocalUpdate(matrix_exchange(opt, model, pieces, grads.groups if isinstance(grads, ZeroSync) else [],
-                                             ctx))
-    if ctx.config.dp_mode == "diloco":  # 8d. the replica groups' outer step every inner_steps steps (by fragments)
+                                             ctx), quorum=ctx.replicas)  # the groups' sums precede the owners' step
+    if ctx.config.dp_mode == "diloco":  # 8d. the replica groups' outer step every inner_steps steps (by fragments;
+        # under fault tolerance the groups are worlds of their own, meeting over the quorum at outer steps only)
         settings = OuterSettings(ctx.config.inner_steps, ctx.config.outer_lr, ctx.config.outer_momentum,
                                  ctx.config.outer_fragments)
         spans = None if settings.fragments == 1 else outer_spans(
             model, pieces, grads.groups if isinstance(grads, ZeroSync) else [], fragment_of(sizes, settings.fragments))
         update = LocalUpdate(outer=OuterStep(optimizer_tensors(opt), ctx.mesh.replica_group(), settings,
-                                             bucket_elements=bucket_bytes // 4, spans=spans))
+                                             bucket_elements=bucket_bytes // 4, spans=spans, quorum=ctx.replicas))
     # 9. Loss scaling where the policy needs it (fp16), its overflow decision shared by all ranks.
     scaler = policy.scaler(options.loss_scale)
     # 10. Pipeline: the executor that runs the schedule's actions on this rank.

@@ -56,8 +56,10 @@ def replica_quorum(plan: RunPlan, rank: int, world: int) -> Quorum | None:
     if plan.parallel.fault_tolerance != "replica":
         return None
     launch = plan.config.launch
-    return reach(launch.lighthouse, group=launch.replica_group, groups=plan.parallel.replica_groups, rank=rank,
-                 world=world, timeout_s=launch.timeout_s, device=launch.device)
+    parallel = plan.parallel
+    return reach(launch.lighthouse, group=launch.replica_group, groups=parallel.replica_groups, rank=rank,
+                 world=world, timeout_s=launch.timeout_s, device=launch.device,
+                 admit_every=parallel.inner_steps if parallel.dp_mode == "diloco" else 1)
 
 
 def memory_hooks(plan: RunPlan) -> list[MemorySnapshot]:

@@ -70,24 +70,29 @@ def connect(address: str, timeout: timedelta) -> dist.TCPStore:
     return dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
 
 
-def reach(address: str, *, group: int, groups: int, rank: int, world: int, timeout_s: float, device: str) -> Quorum:
+def reach(address: str, *, group: int, groups: int, rank: int, world: int, timeout_s: float, device: str,
+          admit_every: int = 1) -> Quorum:
     """Replica group `group` of `groups`' rank `rank` (of its own world of `world`), meeting the others at the
-    lighthouse at HOST:PORT; a step's collectives wait up to timeout_s. CPU (gloo) only in this version."""
+    lighthouse at HOST:PORT; a step's collectives wait up to timeout_s; joiners admitted at steps after a multiple
+    of admit_every (DiLoCo's inner_steps: at the start of an outer round). CPU (gloo) only in this version."""
     if torch.cuda.is_available() and device != "cpu":
         raise ConfigError("fault_tolerance replica runs on the CPU (gloo) in this version: each group's launcher "
                           "would number its GPUs from 0, and a joiner's state travels over gloo's CPU point-to-point; "
                           "give device cpu")
     return Quorum(connect(address, timedelta(seconds=max(60.0, timeout_s))), group=group, groups=groups, rank=rank,
-                  world=world, timeout=timedelta(seconds=timeout_s))
+                  world=world, timeout=timedelta(seconds=timeout_s), admit_every=admit_every)
 
 
 class Quorum:
     """This rank's view of the replica groups: the current epoch and the process group at its place in the groups."""
 
-    def __init__(self, store: dist.Store, *, group: int, groups: int, rank: int, world: int, timeout: timedelta) -> None:
+    def __init__(self, store: dist.Store, *, group: int, groups: int, rank: int, world: int, timeout: timedelta,
+                 admit_every: int = 1) -> None:
         """group: this replica group's number; groups: how many the job has; rank, world: this rank's place in its
-        group's own world and that world's size (ranks at the same place across groups are peers)."""
-        self.store, self.group, self.groups = store, group, groups
+        group's own world and that world's size (ranks at the same place across groups are peers); admit_every:
+        joiners start at a step after a multiple of it (DiLoCo: an outer round's first, where the groups' weights
+        are the outer copy)."""
+        self.store, self.group, self.groups, self.admit_every = store, group, groups, admit_every
         self.rank, self.world, self.timeout = rank, world, timeout
         self.epoch = Epoch(-1, (), 0)
         self.pg: dist.ProcessGroup | None = None
@@ -163,6 +168,8 @@ class Quorum:
         return entered
 
     def _admit(self, step: int) -> None:
+        if step % self.admit_every:  # the joiners start at step + 1
+            return
         requests = self.store.add("ft/joins", 0)
         if requests == self.joins_seen:
             return

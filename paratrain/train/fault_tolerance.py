@@ -54,6 +54,7 @@ class ReplicaSteps:
         """A group that joined a running job: the SHA-256 of the state it received (equal to the sender's)."""
         self.recoveries: list[dict[str, Any]] = []
         """Each recovery: the step redone, the members after it, the seconds from the failure to the redone step."""
+        self.rounds_said = 0
 
     def begin(self, loop: TrainLoop) -> None:
         """Meet the other groups; a group joining a running job waits to be admitted and receives the state."""
@@ -79,6 +80,7 @@ class ReplicaSteps:
             lo, hi = self.rows(loop, _rows(batch))
             try:
                 pending = loop.engine.step(_cut(batch, lo, hi), loop.loss_fn, first_row=lo)
+                self._say_lost_rounds(loop)
                 if self.recoveries and self.recoveries[-1].get("seconds") is None:
                     record = self.recoveries[-1]
                     pending.stats()  # the redone step is complete
@@ -95,6 +97,18 @@ class ReplicaSteps:
                 epoch = self.quorum.recover(number)
                 self.recoveries.append({"step": number, "members": list(epoch.members), "failed_at": failed_at,
                                         "lost": sorted(before - set(epoch.members)), "seconds": None})
+
+    def _say_lost_rounds(self, loop: TrainLoop) -> None:
+        """DiLoCo's outer rounds a group was lost in (the groups meet only there: the survivors averaged without it)."""
+        outer = loop.engine.update.replicas()
+        while outer is not None and len(outer.lost_rounds) > self.rounds_said:
+            record = outer.lost_rounds[self.rounds_said]
+            self.rounds_said += 1
+            self.recoveries.append({**record, "seconds": 0.0})
+            if self.quorum.coordinator:
+                loop.log.warning("replica group(s) %s lost in the outer round of step %d: the pseudo-gradient "
+                                 "averaged over %s, the lost group's inner steps of the round left out",
+                                 record["lost"], record["step"], record["members"])
 
     def rows(self, loop: TrainLoop, total: int) -> tuple[int, int]:
         """This rank's rows [lo, hi) of a global batch of `total` rows under the current quorum."""
@@ -136,6 +150,10 @@ def state_tensors(engine: Engine) -> list[torch.Tensor]:
         grouped.update(id(p) for p in g.params)
     tensors += [p.data for p in engine.model.parameters() if id(p) not in grouped]
     tensors += [b for _, b in engine.model.named_buffers()]
+    outer = engine.update.replicas()
+    if outer is not None:  # DiLoCo: the outer copy and momentum (a joiner starts a round: they are the sender's)
+        outer.begin()
+        tensors += outer.outer + [m for m in outer.momentum if m is not None]
     return tensors
 
 

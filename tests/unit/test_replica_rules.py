@@ -30,7 +30,8 @@ def test_diloco_refusals():
     (dict(dp=4, fault_tolerance="replica", replica_groups=1), "replica_groups (1) must divide dp"),
     (dict(dp=4, zero=1, shard_group=4, fault_tolerance="replica", replica_groups=2), "shard_group (4) must be 2"),
     (dict(dp=4, ep=2, fault_tolerance="replica", replica_groups=2), "with ep"),
-    (dict(dp=4, fault_tolerance="replica", replica_groups=2, dp_mode="diloco"), "with dp_mode diloco"),
+    (dict(dp=4, fault_tolerance="replica", replica_groups=2, dp_mode="diloco", inner_steps=4, outer_fragments=2),
+     "with dp_mode diloco with outer_fragments > 1"),
     (dict(dp=4, fault_tolerance="sometimes"), "fault_tolerance must be one of"),
     (dict(dp=4, zero=3, fault_tolerance="replica", replica_groups=2), "zero 3"),
 ])
@@ -68,7 +69,8 @@ def test_runs_with_replica_groups_refuse_what_they_cannot_do(capsys, flags, mess
 @pytest.mark.parametrize("options, message", [
     (dict(global_batch=6, micro_batch=1, replica_groups=3, devices=6), "with 2 of 3 groups left that is 4 x 1 rows"),
     (dict(precision="fp16"), "precision='fp16'"),
-    (dict(optimizer="muon"), "optimizer='muon'"),
+    (dict(strategy=paratrain.ParallelConfig(zero=2, dp_mode="diloco", inner_steps=2), save="/tmp/x"),
+     "save= with dp_mode diloco"),
     (dict(max_restarts=1, save="/tmp/x"), "max_restarts"),
     (dict(replica_group=1), "needs lighthouse='HOST:PORT'"),
     (dict(replica_group=2, lighthouse="127.0.0.1:1"), "replica_group=G (0 .. 1)"),
