@@ -245,10 +245,8 @@ def check_fault_tolerance(config: LayoutFields, dp: int) -> None:
                           f"shard_group ({config.shard_group}) must be {inside}, or left out")
     given = [name for name, on in (("ep", config.ep > 1), ("ps_mode", config.ps_mode != "off"),
                                    ("dp_mode diloco with outer_fragments > 1 (Streaming DiLoCo)",
-                                    config.dp_mode == "diloco" and config.outer_fragments > 1),
-                                   ("zero 3 (a joiner is sent the gathered parameters, which ZeRO-3 frees)",
-                                    config.zero == 3)) if on]
+                                    config.dp_mode == "diloco" and config.outer_fragments > 1)) if on]
     if given:
         raise ConfigError(f"fault_tolerance replica with {', '.join(given)}: not built in this version; replica groups "
-                          f"compose with tp, pp, cp and ZeRO-1/2 inside each group, and with DiLoCo's outer step: "
+                          f"compose with tp, pp, cp and ZeRO inside each group, and with DiLoCo's outer step: "
                           f"drop {', '.join(given)}")

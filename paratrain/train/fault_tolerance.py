@@ -140,11 +140,12 @@ def _cut(batch: Any, lo: int, hi: int) -> Any:
 
 def state_tensors(engine: Engine) -> list[torch.Tensor]:
     """Every tensor of this rank's training state as its strategy holds it, in one order on every group of the same
-    layout: ZeRO's flat parameters (and separate masters), the other parameters, the persistent buffers."""
+    layout: ZeRO's flat parameters (ZeRO-3: this rank's shard of them) and separate masters, the other parameters,
+    the persistent buffers."""
     tensors: list[torch.Tensor] = []
     grouped: set[int] = set()
     for g in engine.flat_groups:
-        tensors.append(g.param_flat)
+        tensors.append(g.param_flat if g.persistent else g.shard)  # ZeRO-3: its own shard (the full flat is freed)
         if g.own_master:
             tensors.append(g.master.data)
         grouped.update(id(p) for p in g.params)

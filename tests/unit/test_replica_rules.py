@@ -33,12 +33,11 @@ def test_diloco_refusals():
     (dict(dp=4, fault_tolerance="replica", replica_groups=2, dp_mode="diloco", inner_steps=4, outer_fragments=2),
      "with dp_mode diloco with outer_fragments > 1"),
     (dict(dp=4, fault_tolerance="sometimes"), "fault_tolerance must be one of"),
-    (dict(dp=4, zero=3, fault_tolerance="replica", replica_groups=2), "zero 3"),
 ])
 def test_fault_tolerance_refusals(fields, message):
     with pytest.raises(paratrain.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         paratrain.ParallelConfig(**fields).resolved(4)
-    paratrain.ParallelConfig(dp=4, zero=2, fault_tolerance="replica", replica_groups=2).resolved(4)
+    paratrain.ParallelConfig(dp=4, zero=3, fault_tolerance="replica", replica_groups=2).resolved(4)
 
 
 SMALL = ["train", "--nproc", "4", "--model", "tiny", "--seq-len", "32", "--micro-batch", "2", "--steps", "2"]
@@ -74,7 +73,6 @@ def test_runs_with_replica_groups_refuse_what_they_cannot_do(capsys, flags, mess
     (dict(max_restarts=1, save="/tmp/x"), "max_restarts"),
     (dict(replica_group=1), "needs lighthouse='HOST:PORT'"),
     (dict(replica_group=2, lighthouse="127.0.0.1:1"), "replica_group=G (0 .. 1)"),
-    (dict(strategy="zero3"), "zero 3"),
 ])
 def test_a_trainer_with_replica_groups_refuses_what_it_cannot_do(options, message):
     """Trainer(fault_tolerance="replica"): the CLI's rules, before any process starts."""
