@@ -4,7 +4,6 @@ cut), and the run file the launcher hands its workers: the RunConfig as JSON, af
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from paratrain.config.errors import ConfigError
 from paratrain.config.load import from_dict, to_dict
 from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import ParallelConfig
+from paratrain.config.rules import divisors
 from paratrain.config.run import RunConfig
 
 
@@ -48,19 +48,13 @@ def batch_layout(global_batch: int, micro_batch: int, dp: int) -> BatchLayout:
     if micro < 1:
         raise ConfigError(f"micro_batch must be >= 1, got {micro_batch}")
     if per_rank % micro:
-        choices = _divisors(per_rank)
+        choices = divisors(per_rank)
         raise ConfigError(
             f"accumulation = global_batch / (micro_batch x dp) = {global_batch} / ({micro} x {dp}) "
             f"= {global_batch / (micro * dp):g} is not an integer: choose micro_batch in {choices}, "
             f"or global_batch a multiple of {micro * dp}"
         )
     return BatchLayout(global_batch=global_batch, micro_batch=micro, dp=dp)
-
-
-def _divisors(n: int) -> list[int]:
-    """The divisors of n in increasing order, in O(sqrt n) (a global batch may be 10**9)."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 @dataclass(frozen=True)

@@ -47,10 +47,17 @@ PS_MODES: tuple[str, ...] = ("off", "sync", "async")
 asynchronous with bounded staleness (paratrain.param_server)."""
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of n in increasing order, in O(sqrt n) (a flag may say 10**9: listing them must not take
+    a minute)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
 def check_divides_dp(name: str, value: int, dp: int, why: str = "") -> None:
     """A sub-axis of dp (ep, a ZeRO shard group) divides dp, or a ConfigError naming the values that do."""
     if value < 1 or dp % value:
-        choices = [d for d in range(1, dp + 1) if dp % d == 0]
+        choices = divisors(dp)
         raise ConfigError(f"{name} ({value}) must divide dp ({dp}){why}; choose {name} in {choices}")
 
 
@@ -178,7 +185,7 @@ def check_diloco(config: LayoutFields, dp: int) -> None:
                               f"outer_fragments ({config.outer_fragments}) configure DiLoCo, and dp_mode is 'sync': set "
                               "dp_mode 'diloco', or drop them")
         return
-    groups = [g for g in range(2, dp + 1) if dp % g == 0]
+    groups = divisors(dp)[1:]
     if config.replica_groups not in groups:
         raise ConfigError(f"dp_mode diloco cuts dp ({dp}) into replica_groups groups of consecutive dp ranks, at "
                           f"least 2: replica_groups ({config.replica_groups}) must divide dp and be >= 2; "
@@ -187,7 +194,7 @@ def check_diloco(config: LayoutFields, dp: int) -> None:
         raise ConfigError(f"DiLoCo's inner_steps ({config.inner_steps}) is the steps each replica group takes between outer "
                           "steps: it must be >= 1 (1 averages the groups' updates after every step)")
     if config.outer_fragments < 1 or config.inner_steps % config.outer_fragments:
-        choices = [f for f in range(1, config.inner_steps + 1) if config.inner_steps % f == 0]
+        choices = divisors(config.inner_steps)
         raise ConfigError(f"Streaming DiLoCo staggers outer_fragments ({config.outer_fragments}) fragments evenly over "
                           f"the inner_steps ({config.inner_steps}) between outer steps: it must divide them; choose "
                           f"outer_fragments in {choices}")
@@ -233,7 +240,7 @@ def check_fault_tolerance(config: LayoutFields, dp: int) -> None:
         raise ConfigError(f"fault_tolerance must be one of {', '.join(FAULT_TOLERANCE)}, got {config.fault_tolerance!r}")
     if config.fault_tolerance == "off":
         return
-    groups = [g for g in range(2, dp + 1) if dp % g == 0]
+    groups = divisors(dp)[1:]
     if config.replica_groups not in groups:
         raise ConfigError(f"fault_tolerance replica cuts dp ({dp}) into replica_groups groups of consecutive dp ranks "
                           f"that survive each other, at least 2: replica_groups ({config.replica_groups}) must divide "
