@@ -250,7 +250,11 @@ def check_fault_tolerance(config: LayoutFields, dp: int) -> None:
         raise ConfigError(f"fault_tolerance replica shards ZeRO's state inside each replica group of dp / "
                           f"replica_groups = {inside} ranks (a group's loss must not take another's shards with it): "
                           f"shard_group ({config.shard_group}) must be {inside}, or left out")
-    given = [name for name, on in (("ep", config.ep > 1), ("ps_mode", config.ps_mode != "off"),
+    if config.ep > 1 and inside % config.ep:
+        raise ConfigError(f"fault_tolerance replica keeps each replica group's experts inside it: ep ({config.ep}) "
+                          f"must divide the group's dp / replica_groups = {inside} ranks; choose ep in "
+                          f"{divisors(inside)}")
+    given = [name for name, on in (("ps_mode", config.ps_mode != "off"),
                                    ("dp_mode diloco with outer_fragments > 1 (Streaming DiLoCo)",
                                     config.dp_mode == "diloco" and config.outer_fragments > 1)) if on]
     if given:

@@ -121,7 +121,7 @@ def check_run(config: RunConfig, world_size: int, *, model_shape: ModelShape = p
         micro_batch = data.global_batch // (parallel.dp * parallel.microbatches)  # SMP's way: say the count
     batch = batch_layout(data.global_batch, micro_batch, parallel.dp)
     if parallel.fault_tolerance == "replica":
-        check_replica_run(config, model, parallel, batch.micro_batch)
+        check_replica_run(config, parallel, batch.micro_batch)
     check_grid_rows(parallel, batch)
     check_pipeline(model, parallel, batch)
     if parallel.pp_layout and parallel.pp > 1:  # the run's pp_split, as the layout writes it for this model
@@ -295,14 +295,13 @@ def check_replica_batch(parallel: ParallelConfig, batch: int, micro_batch: int) 
                               f"{math.lcm(*range(1, groups + 1)) * inside * micro_batch})")
 
 
-def check_replica_run(config: RunConfig, model: ModelConfig, parallel: ParallelConfig, micro_batch: int) -> None:
+def check_replica_run(config: RunConfig, parallel: ParallelConfig, micro_batch: int) -> None:
     """Fault tolerance by replica groups (paratrain.topology.quorum): the global batch divides among any number of
     surviving groups, and what this version does not compose with it, refused by name."""
     check_replica_batch(parallel, config.data.global_batch, micro_batch)
     groups, launch = parallel.replica_groups, config.launch
     given = [what for what, on in (
-        ("--precision fp16 (its loss scale's overflow decision is the group's)", config.train.precision == "fp16"),
-        ("a MoE model (its routing statistics and balancing are the group's)", model.n_experts > 0),
+        ("--precision fp16 (its loss scale is agreed over the group's ranks only)", config.train.precision == "fp16"),
         ("--plan auto", launch.plan == "auto"),
         ("--spike-policy", config.train.spike_policy != "off"),
         ("--max-restarts (start a lost group again with --replica-group G --lighthouse HOST:PORT: it joins the "

@@ -122,7 +122,7 @@ def check_replica_trainer(parallel: ParallelConfig, batch: BatchLayout, *, num_n
     """A Trainer's fault tolerance checked before launch, as `paratrain train`'s is (check_replica_run)."""
     check_replica_batch(parallel, batch.global_batch, batch.micro_batch)
     given = [what for what, on in (
-        ("precision='fp16' (its loss scale's overflow decision is the group's)", precision == "fp16"),
+        ("precision='fp16' (its loss scale is agreed over the group's ranks only)", precision == "fp16"),
         ("accelerator='cuda' (each group would number its GPUs from 0, and a joiner's state travels over gloo's CPU "
          "point-to-point)", accelerator == "cuda"),
         ("max_restarts (start a lost group again with replica_group=G, lighthouse='HOST:PORT': it joins the "

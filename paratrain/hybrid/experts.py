@@ -26,6 +26,7 @@ from torch import nn
 from paratrain.comm import all_reduce
 from paratrain.nn.moe import MoE, RouterLog
 from paratrain.topology.mesh import AxisGroup
+from paratrain.topology.quorum import Quorum
 
 MOE_KEYS = ("moe_balance_loss", "moe_z_loss", "moe_dropped_fraction", "expert_tokens_min", "expert_tokens_max",
             "expert_tokens_cv", "expert_load_factor")
@@ -56,11 +57,13 @@ def add_step_aux(totals: torch.Tensor, log: RouterLog | None, split: AxisGroup |
 
 
 def routing_totals(log: RouterLog, device: torch.device, dp: AxisGroup | None, pp: AxisGroup | None,
-                   split: AxisGroup | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                   split: AxisGroup | None = None, *, quorum: Quorum | None = None
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """([balance sum, z sum, dropped, assigned, count sum, count sum of squares, (layer, expert) slots, max count,
     -min count] of the step, over the job; this stage's layers' assignments per expert over the global batch, by
-    name) (collective over dp and pp, and over `split`: the tp ranks under sequence parallelism). The counts are
-    integers in float64, so their sums are exact in any order: what the balancing bias moves by."""
+    name) (collective over dp and pp, and over `split`: the tp ranks under sequence parallelism; under fault
+    tolerance also over the replica groups of the quorum, which may raise ReplicaLost before anything is applied).
+    The counts are integers in float64, so their sums are exact in any order: what the balancing bias moves by."""
     zero = torch.zeros((), dtype=torch.float64, device=device)
     sums = torch.stack([log.balance_sum if log.balance_sum is not None else zero,
                         log.z_sum if log.z_sum is not None else zero,
@@ -74,6 +77,10 @@ def routing_totals(log: RouterLog, device: torch.device, dp: AxisGroup | None, p
             both = torch.cat([sums, counts.reshape(-1)])
             all_reduce(both, group)
             sums, counts = both[:4], both[4:].view_as(counts)
+    if quorum is not None:  # the global batch spans every live replica group
+        both = torch.cat([sums, counts.reshape(-1)])
+        quorum.reduce([both])
+        sums, counts = both[:4], both[4:].view_as(counts)
     spread = torch.stack([counts.sum(), counts.pow(2).sum(), zero + counts.numel()])
     extremes = (torch.stack([counts.max(), -counts.min()]) if counts.numel()
                 else torch.full((2,), -math.inf, dtype=torch.float64, device=device))

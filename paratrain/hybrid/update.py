@@ -65,7 +65,7 @@ class LocalUpdate:
         counts: dict[str, torch.Tensor] = {}
         if engine.router_log is not None:
             pending.routing, counts = routing_totals(engine.router_log, engine.ctx.device, engine.dp_group,
-                                                     engine.pp_group, engine.routed_apart)
+                                                     engine.pp_group, engine.routed_apart, quorum=self.quorum)
         grads = engine.grads.owned_grads()
         scaler = engine.scaler
         scale = scaler.scale if scaler and scaler.scale else 1.0

@@ -1,7 +1,8 @@
 """Replica groups (fault_tolerance 'replica') in float64 against one process: two groups of dp 2 (ZeRO-3 or ZeRO-2 inside), each its own
 world (as their launchers start them), meeting through a lighthouse store this test holds.
 
-- every step (Muon under ZeRO-3: the groups' gradient sums precede its owners' whole-matrix step): rank 3 SIGKILLs itself at step
+- every step (a fine-grained MoE, ep 2 and ZeRO-3 inside each group, Muon: the groups' gradient sums precede its
+  owners' whole-matrix step, their expert counts the balancing bias's update): rank 3 SIGKILLs itself at step
   4 (in its backward), and group 0 redoes that step alone; the whole TrainLoop runs (paratrain.train.fault_tolerance)
   and the one process runs the same loop on the same global batches;
 - DiLoCo (dp_mode 'diloco', H 4): the groups meet at outer steps only; rank 3 killed in step 6, group 0 finds it gone
@@ -32,6 +33,7 @@ from paratrain.train.loop import TrainLoop
 from paratrain.train.loop_settings import LoopSettings
 from paratrain.train.optim import optimizer_factory
 from paratrain.config.run import OptimSection
+from paratrain.config import preset
 from tests.helpers import LR, TINY, WARMUP, lr_at, max_state_diff
 from tests.margins import within
 
@@ -40,6 +42,10 @@ H, OUTER_LR, OUTER_MOMENTUM = 4, 0.7, 0.9
 STEPS = {"muon": 8, "diloco": 12}
 KILL = {"muon": 4, "diloco": 6}  # rank 3 dies in this step's backward
 ZERO = {"muon": 3, "diloco": 2}  # inside each group
+MODEL = {"muon": preset("tiny-dsmoe", seq_len=TINY.seq_len), "diloco": TINY}
+"""tiny-dsmoe: 16 experts top-4, sigmoid and group-limited, the balancing bias moved by the global batch's counts
+(summed over the quorum's groups too), a shared expert, MTP depth 1; ep 2 inside each group."""
+EP = {"muon": 2, "diloco": 1}
 
 
 def _settings(mode: str) -> LoopSettings:
@@ -47,7 +53,8 @@ def _settings(mode: str) -> LoopSettings:
 
 
 def _engine(ctx: paratrain.Context, mode: str) -> paratrain.Engine:
-    model = paratrain.build_gpt(TINY, seed=7, dtype=torch.float64)
+    """mode 'muon' (the MoE model) or 'diloco' (TINY, AdamW); 'adamw': TINY, AdamW (the DiLoCo simulation's)."""
+    model = paratrain.build_gpt(MODEL.get(mode, TINY), seed=7, dtype=torch.float64)
     optimizer = optimizer_factory(OptimSection(optimizer="muon", lr=LR, weight_decay=0.1, muon_ns_dtype="fp64")) \
         if mode == "muon" else (lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.1))
     return paratrain.parallelize(model, ctx, optimizer=optimizer,
@@ -67,7 +74,8 @@ def _group_rank(mode: str, group: int, rank: int, port: int, lighthouse: str, ou
     member = join("cpu", timeout=timedelta(seconds=120))  # the group's own world: its ranks start seconds apart
     diloco = dict(dp_mode="diloco", inner_steps=H, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM) \
         if mode == "diloco" else {}
-    config = paratrain.ParallelConfig(dp=GROUPS * RANKS, zero=ZERO[mode], bucket_mb=0.05, fault_tolerance="replica",
+    config = paratrain.ParallelConfig(dp=GROUPS * RANKS, zero=ZERO[mode], ep=EP[mode], bucket_mb=0.05,
+                                      fault_tolerance="replica",
                                       replica_groups=GROUPS, **diloco).resolved(GROUPS * RANKS)
     quorum = Quorum(connect(lighthouse, timedelta(seconds=60)), group=group, groups=GROUPS, rank=rank, world=RANKS,
                     timeout=timeout, admit_every=H if mode == "diloco" else 1)
@@ -139,17 +147,24 @@ def _run_groups(tmp_path: Path, mode: str) -> list[dict]:
 
 
 def test_a_lost_group_costs_a_redone_step_and_the_losses_stay_one_process_s(tmp_path):
-    """Muon (Newton-Schulz in float64) under two replica groups of ZeRO-3: the losses one process's."""
+    """tiny-dsmoe, Muon (Newton-Schulz in float64), ep 2 x ZeRO-3 in each of two replica groups: the losses and
+    weights one process's, the experts' balancing biases bitwise."""
     survivors = _run_groups(tmp_path, "muon")
     ctx = paratrain.init(device="cpu", config=paratrain.ParallelConfig())
-    reference = TrainLoop(_engine(ctx, "muon"), ctx, lm_loss, _loader(), None, _settings("muon")).run().losses
+    engine = _engine(ctx, "muon")
+    reference = TrainLoop(engine, ctx, lm_loss, _loader(), None, _settings("muon")).run().losses
+    weights = engine.state_dict()["model"]
+    got = torch.load(tmp_path / "0-0.json.pt")
+    biases = [name for name in weights if name.endswith("expert_bias")]
+    assert biases and all(torch.equal(got[name], weights[name]) for name in biases)  # bitwise: integer counts
+    within(max_state_diff(got, weights), 1e-12, "weights with a replica group lost at step 4 (MoE, Muon, float64)")
     for got in survivors:
         assert got["recoveries"][0]["step"] == 4 and got["recoveries"][0]["members"] == [0]
         losses = {int(k): v for k, v in got["losses"].items()}
         assert sorted(losses) == list(range(1, STEPS["muon"] + 1))
-        # measured: 3.4e-16 relative (avx2), 1.7e-16 (default kernels)
+        # measured: 1.3e-16 relative (avx2 and default kernels); the weights 2.2e-16
         within(max(abs(losses[s] - reference[s]) / reference[s] for s in reference), 1e-12,
-               "loss with a replica group lost at step 4 (Muon, ZeRO-3, float64)")
+               "loss with a replica group lost at step 4 (MoE, Muon, ZeRO-3, float64)")
 
 
 def test_diloco_over_replica_groups_skips_a_lost_groups_round(tmp_path):

@@ -29,7 +29,7 @@ def test_diloco_refusals():
     (dict(dp=4, fault_tolerance="replica", replica_groups=3), "replica_groups (3) must divide dp"),
     (dict(dp=4, fault_tolerance="replica", replica_groups=1), "replica_groups (1) must divide dp"),
     (dict(dp=4, zero=1, shard_group=4, fault_tolerance="replica", replica_groups=2), "shard_group (4) must be 2"),
-    (dict(dp=4, ep=2, fault_tolerance="replica", replica_groups=2), "with ep"),
+    (dict(dp=4, ep=4, fault_tolerance="replica", replica_groups=2), "ep (4) must divide the group's dp"),
     (dict(dp=4, fault_tolerance="replica", replica_groups=2, dp_mode="diloco", inner_steps=4, outer_fragments=2),
      "with dp_mode diloco with outer_fragments > 1"),
     (dict(dp=4, fault_tolerance="sometimes"), "fault_tolerance must be one of"),
