@@ -8,7 +8,8 @@ below), as loop hooks.
     RANK:STEP:kill-saving  SIGKILL while saving the checkpoint of STEP (its own file written, unpublished)
     RANK:STEP:kill-node    SIGKILL its whole node: its launcher and every worker of it (Linux), once every
                            rank's asynchronous save in flight is written (each rank waits for its own writer
-                           at that step: the job has a checkpoint to come back to, whatever the disk's speed)
+                           at that step, then for every other rank: the job has a checkpoint to come back to,
+                           whatever the disk's speed)
 
 Only the first attempt of a job fails: a relaunch (--max-restarts) runs clean. A dedicated parameter
 server's RANK fails before it applies that step's update.
@@ -37,6 +38,8 @@ class FaultInjection(Hook):
     def on_step_start(self, loop: TrainLoop) -> None:
         if self.first_attempt and self.how == ["kill-node"] and self.step == loop.step + 1 and loop.saver is not None:
             loop.saver.wait()  # on every rank: the save in flight written (and copied) before the node dies
+            if torch.distributed.is_initialized():  # and every rank's, not only the killer's (it was a race)
+                torch.distributed.barrier()
         if self.armed and self.how == ["kill-backward"] and self.step == loop.step + 1:
             for param in loop.engine.model.parameters():  # the first gradient of the step's backward kills
                 if param.requires_grad:
