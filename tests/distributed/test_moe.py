@@ -37,12 +37,13 @@ def same_routing(got: dict, ref: dict) -> None:
     dict(dp=1, tp=2, micro_batch=8),                    # attention split, experts replicated over tp
     dict(dp=2, ep=2, pp=2, micro_batch=2, schedule="zb-v"),  # two chunks a rank in a V, MoE layers on both
     dict(dp=2, ep=2, pp=2, micro_batch=1, schedule="dualpipev"),  # the V in DualPipeV's phases, B beside I and W
-    dict(dp=4, ep=4, micro_batch=4),                    # one expert per rank
+    pytest.param(dict(dp=4, ep=4, micro_batch=4), marks=pytest.mark.large),  # one expert per rank (tiny-dsmoe's too)
     dict(dp=4, ep=2, micro_batch=4),                    # dp 2 x ep 2: each expert on two ranks (edp)
     dict(dp=2, ep=2, tp=2, micro_batch=8),              # experts over ep, attention over tp
     dict(dp=2, ep=2, pp=2, micro_batch=2, schedule="zb-h1"),  # a MoE layer a stage; ZB-H1's W over the experts
-    dict(dp=4, ep=2, zero=3, micro_batch=2),            # experts sharded and gathered over edp, the rest over dp
-    dict(dp=1, cp=2, micro_batch=8),                    # each sequence split: capacity and balance over the whole
+    pytest.param(dict(dp=4, ep=2, zero=3, micro_batch=2), marks=pytest.mark.large),  # experts sharded over edp, the
+    # rest over dp (and cp 2 below): the fine-grained router's test runs both layouts
+    pytest.param(dict(dp=1, cp=2, micro_batch=8), marks=pytest.mark.large),  # each sequence split
     dict(dp=2, ep=2, cp=2, cp_mode="ulysses", micro_batch=4),  # experts over ep, their gradients over ep x cp
     dict(dp=2, ep=2, tp=2, expert_tp=True, zero=3, micro_batch=4),  # experts over ep, each cut over tp, ZeRO-3 (edp 1)
     dict(dp=2, tp=2, sequence_parallel=True, micro_batch=4),   # each tp rank routes its chunk of the sequence

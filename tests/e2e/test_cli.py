@@ -336,6 +336,8 @@ def uninterrupted(tmp_path_factory) -> dict[int, float]:
     return losses(log)
 
 
+@pytest.mark.large  # the same relaunch and exact resume: the parameter-server kill below (one node), the lost and
+# the memory-restored node (two); an unpublished checkpoint left behind: tests/distributed/test_async_checkpoint.py
 def test_a_killed_rank_is_restarted_and_the_run_continues_exactly(tmp_path, uninterrupted):
     """dp2 x tp2 x ZeRO-1: kill -9 of a random rank while the checkpoint of step 8 is being written (its
     own file on disk, the checkpoint not published), so step 4's (--save-every 4) stays `latest`. With
@@ -632,8 +634,8 @@ def test_the_hugging_face_loop_from_text_in_every_layout_to_transformers(tmp_pat
     logs = {}
     for name, data, layout in (("one", corpus, ["--nproc", "1", "--steps", "4"]),
                                ("cp2", corpus, ["--nproc", "2", "--cp", "2", "--steps", "4"]),
-                               ("tp2", str(tmp_path / "data"), ["--nproc", "4", "--dp", "2", "--tp", "2", "--zero", "1",
-                                                                "--steps", "3", "--save", str(tmp_path / "ckpt")])):
+                               ("tp2", str(tmp_path / "data"), ["--nproc", "2", "--tp", "2", "--steps", "3",
+                                                                "--save", str(tmp_path / "ckpt")])):
         logs[name] = tmp_path / f"{name}.jsonl"
         out = paratrain("train", *common, "--data", data, *layout, "--log-json", str(logs[name]))
         assert out.returncode == 0, out.stderr
@@ -839,13 +841,13 @@ def test_a_folder_of_text_shards_streams_in_any_layout(tmp_path):
     assert worst <= 1e-5, worst
 
 
-def test_replay_recomputes_a_step_of_a_4_process_run_in_one(tmp_path):
-    """`paratrain replay CKPT --step 7` of a dp 2 x tp 2 run saved every 4 steps: resumed on one process from step 4,
-    its step 7 has the logged loss and gradient norm (float32; the parity suite's 1e-5: measured 0 and 1.3e-7), the
+def test_replay_recomputes_a_step_of_a_2_process_run_in_one(tmp_path):
+    """`paratrain replay CKPT --step 7` of a tp 2 run saved every 4 steps: resumed on one process from step 4,
+    its step 7 has the logged loss and gradient norm (float32; the parity suite's 1e-5: measured 0 and 2.0e-7), the
     per-tensor gradient norms make up the gradient norm, every tensor moved, the worst samples are decoded; a step
     no checkpoint precedes, or past the run, is refused."""
     common = [*SMALL, "--steps", "8"]
-    out = paratrain("train", "--nproc", "4", "--dp", "2", "--tp", "2", *common, "--save", str(tmp_path / "ckpt"),
+    out = paratrain("train", "--nproc", "2", "--tp", "2", *common, "--save", str(tmp_path / "ckpt"),
                     "--save-every", "4", "--log-json", str(tmp_path / "log.jsonl"))
     assert out.returncode == 0, out.stderr
     out = paratrain("replay", str(tmp_path / "ckpt"), "--step", "7", "--json")
@@ -854,7 +856,7 @@ def test_replay_recomputes_a_step_of_a_4_process_run_in_one(tmp_path):
     assert report["checkpoint"].endswith("step_00000004")
     loss = abs(report["loss"] - report["logged_loss"]) / report["logged_loss"]
     norm = abs(report["grad_norm"] - report["logged_grad_norm"]) / report["logged_grad_norm"]
-    print(f"\nreplayed step 7 of dp 2 x tp 2 on one process: loss within {loss:.1e}, grad norm within {norm:.1e}")
+    print(f"\nreplayed step 7 of tp 2 on one process: loss within {loss:.1e}, grad norm within {norm:.1e}")
     assert loss <= 1e-5 and norm <= 1e-5, (loss, norm)
     tensors = report["tensors"]
     assert sum(t["grad_norm"] ** 2 for t in tensors.values()) ** 0.5 == pytest.approx(report["grad_norm"], rel=1e-5)
