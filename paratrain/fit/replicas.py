@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from torch import nn
 
@@ -29,6 +30,7 @@ from paratrain.config import ConfigError, ParallelConfig
 from paratrain.config.run import LaunchSection
 from paratrain.config.plan import BatchLayout
 from paratrain.config.validate import check_replica_batch
+from paratrain.fit.launcher import HANDOFF_ENV, launch_workers, load_handoff, this_program
 from paratrain.fit.result import FitResult
 from paratrain.topology.context import Member
 from paratrain.topology.quorum import Quorum, reach
@@ -51,12 +53,34 @@ def group_launch(launch: LaunchSection, groups_on_node: int) -> LaunchSection:
     return LaunchSection(nproc=launch.nproc // groups_on_node, device=launch.device, timeout_s=launch.timeout_s)
 
 
+def launch_replica_groups(model: nn.Module | None, launch: LaunchSection, parallel: ParallelConfig, *,
+                          replica_group: int | None, lighthouse: str, save: str | None,
+                          fit_here: Callable[[], FitResult]) -> FitResult:
+    """A fault-tolerant fit outside torchrun: in the launching process, start this node's groups (launch_groups); in
+    a group's process, its workers (run_group; a group of one process trains here, fit_here, and leaves); by hand
+    (replica_group=G with the lighthouse), group G alone, returning its result."""
+    from paratrain.launch.replicas import node_groups
+
+    one = group_launch(launch, len(node_groups(parallel.replica_groups, launch.nnodes, launch.node_rank)))
+    if this_group() is not None:  # a group's own process
+        if one.nproc == 1:
+            return fit_here()  # hands over and leaves
+        run_group(one, this_program(launch))
+    if replica_group is None:
+        return launch_groups(model, launch, parallel, this_program(launch))
+    os.environ.update({GROUP_ENV: str(replica_group), LIGHTHOUSE_ENV: lighthouse})
+    try:
+        return launch_workers(model, one, max_restarts=0, save=save)
+    finally:
+        os.environ.pop(GROUP_ENV, None)
+        os.environ.pop(LIGHTHOUSE_ENV, None)
+
+
 def launch_groups(model: nn.Module | None, launch: LaunchSection, parallel: ParallelConfig,
                   command: list[str]) -> FitResult:
     """The launching process of a fault-tolerant fit: run `python *command` once per replica group of this node
     (paratrain.launch.replicas.node_groups), wait for them, and return the first finished group's FitResult (the
     trained weights loaded into `model`)."""
-    from paratrain.fit.launcher import HANDOFF_ENV, load_handoff
     from paratrain.launch.replicas import hold_lighthouse, node_groups, say_lost
 
     mine = node_groups(parallel.replica_groups, launch.nnodes, launch.node_rank)

@@ -38,9 +38,8 @@ from paratrain.config.rules import check_diloco_uses
 from paratrain.data_parallel import BATCH_NORM_MODES
 from paratrain.data.stream import Data, dataset_loader, is_stream
 from paratrain.fit.callbacks import Callback, CallbackHooks
-from paratrain.fit.launcher import hand_over, launch_workers, launched_by_trainer, relaunch_attempt, this_program
-from paratrain.fit.replicas import (GROUP_ENV, LIGHTHOUSE_ENV, check_replica_trainer, group_launch, launch_groups,
-                                    quorum_for, run_group, this_group)
+from paratrain.fit.launcher import hand_over, launch_workers, launched_by_trainer, relaunch_attempt
+from paratrain.fit.replicas import check_replica_trainer, launch_replica_groups, quorum_for
 from paratrain.fit.result import FitResult
 from paratrain.fit.strategy import strategy_config
 from paratrain.hybrid import Engine, EngineOptions, parallelize
@@ -235,29 +234,10 @@ class Trainer:
         launch = LaunchSection(nproc=self.devices, nnodes=self.num_nodes, node_rank=self.node_rank,
                                rdzv_endpoint=self.master, device=self.accelerator, timeout_s=self.timeout_s)
         if groups > 1:
-            return self._launch_replica_groups(model, launch, train_data, val_data, loss_fn)
+            return launch_replica_groups(model, launch, self.parallel, replica_group=self.replica_group,
+                                         lighthouse=self.lighthouse, save=self.save,
+                                         fit_here=lambda: self._fit_here(model, loss_fn, train_data, val_data))
         return launch_workers(model, launch, max_restarts=self.max_restarts, save=self.save)
-
-    def _launch_replica_groups(self, model: nn.Module | None, launch: LaunchSection, train_data: Data,
-                               val_data: Data | None, loss_fn: UserLoss | None) -> FitResult:
-        """fault_tolerance 'replica' (paratrain.fit.replicas): in the launching process, start this node's groups;
-        in a group's process, its workers (or, a group of one process, train here); by hand (replica_group=G),
-        group G alone, returning its result."""
-        from paratrain.launch.replicas import node_groups
-
-        one = group_launch(launch, len(node_groups(self.parallel.replica_groups, self.num_nodes, self.node_rank)))
-        if this_group() is not None:  # a group's own process
-            if one.nproc == 1:
-                return self._fit_here(model, loss_fn, train_data, val_data)  # hands over and leaves
-            run_group(one, this_program(launch))
-        if self.replica_group is None:
-            return launch_groups(model, launch, self.parallel, this_program(launch))
-        os.environ.update({GROUP_ENV: str(self.replica_group), LIGHTHOUSE_ENV: self.lighthouse})
-        try:
-            return launch_workers(model, one, max_restarts=0, save=self.save)
-        finally:
-            os.environ.pop(GROUP_ENV, None)
-            os.environ.pop(LIGHTHOUSE_ENV, None)
 
     # --- a rank of the job ---
 
