@@ -134,10 +134,8 @@ def quorum_for(member: Member, parallel: ParallelConfig, *, timeout_s: float, de
         raise ConfigError("fault_tolerance 'replica' under an external launcher (torchrun): each replica group is a "
                           "job of its own; run the script as `python script.py` and the Trainer starts them")
     group, lighthouse = here
-    return reach(lighthouse, group=group, groups=parallel.replica_groups, rank=member.rank, world=member.world_size,
-                 timeout_s=timeout_s, device=device,
-                 admit_every=parallel.inner_steps if parallel.dp_mode == "diloco" else 1)
-
+    return reach(lighthouse, parallel, group=group, rank=member.rank, world=member.world_size, timeout_s=timeout_s,
+                 device=device)
 
 
 def check_replica_trainer(parallel: ParallelConfig, batch: BatchLayout, *, num_nodes: int, precision: str,

@@ -56,10 +56,8 @@ def replica_quorum(plan: RunPlan, rank: int, world: int) -> Quorum | None:
     if plan.parallel.fault_tolerance != "replica":
         return None
     launch = plan.config.launch
-    parallel = plan.parallel
-    return reach(launch.lighthouse, group=launch.replica_group, groups=parallel.replica_groups, rank=rank,
-                 world=world, timeout_s=launch.timeout_s, device=launch.device,
-                 admit_every=parallel.inner_steps if parallel.dp_mode == "diloco" else 1)
+    return reach(launch.lighthouse, plan.parallel, group=launch.replica_group, rank=rank, world=world,
+                 timeout_s=launch.timeout_s, device=launch.device)
 
 
 def memory_hooks(plan: RunPlan) -> list[MemorySnapshot]:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.config.errors import ConfigError
+from paratrain.config.parallel import ParallelConfig
 
 MEET_TIMEOUT_S = 120.0
 """How long the groups wait for each other to start (launchers and imports take seconds; --timeout is a step's)."""
@@ -70,17 +71,18 @@ def connect(address: str, timeout: timedelta) -> dist.TCPStore:
     return dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
 
 
-def reach(address: str, *, group: int, groups: int, rank: int, world: int, timeout_s: float, device: str,
-          admit_every: int = 1) -> Quorum:
-    """Replica group `group` of `groups`' rank `rank` (of its own world of `world`), meeting the others at the
-    lighthouse at HOST:PORT; a step's collectives wait up to timeout_s; joiners admitted at steps after a multiple
-    of admit_every (DiLoCo's inner_steps: at the start of an outer round). CPU (gloo) only in this version."""
+def reach(address: str, parallel: ParallelConfig, *, group: int, rank: int, world: int, timeout_s: float,
+          device: str) -> Quorum:
+    """Replica group `group` of parallel.replica_groups' rank `rank` (of its own world of `world`), meeting the others
+    at the lighthouse at HOST:PORT; a step's collectives wait up to timeout_s; under DiLoCo joiners are admitted at an
+    outer round's first step (admit_every = inner_steps). CPU (gloo) only in this version."""
     if torch.cuda.is_available() and device != "cpu":
         raise ConfigError("fault_tolerance replica runs on the CPU (gloo) in this version: each group's launcher "
                           "would number its GPUs from 0, and a joiner's state travels over gloo's CPU point-to-point; "
                           "give device cpu")
-    return Quorum(connect(address, timedelta(seconds=max(60.0, timeout_s))), group=group, groups=groups, rank=rank,
-                  world=world, timeout=timedelta(seconds=timeout_s), admit_every=admit_every)
+    return Quorum(connect(address, timedelta(seconds=max(60.0, timeout_s))), group=group,
+                  groups=parallel.replica_groups, rank=rank, world=world, timeout=timedelta(seconds=timeout_s),
+                  admit_every=parallel.inner_steps if parallel.dp_mode == "diloco" else 1)
 
 
 class Quorum:
