@@ -13,11 +13,12 @@ from tests.margins import within
 STEPS = 10
 
 
-@pytest.mark.parametrize("recompute", ["none", pytest.param("full", marks=pytest.mark.large),
-                                       pytest.param("selective", marks=pytest.mark.large)])
+@pytest.mark.large  # inductor against eager in the suite: the three layouts below (the parity suite's bounds)
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
 def test_compiled_blocks_match_eager_on_one_process(recompute):
-    """Inductor against eager on one process. (Compiled full and selective recomputation run in the layouts below,
-    pp2-recompute and dp2-zero3-selective; their one-process cases are large.)"""
+    """Inductor against eager on one process, in the tighter bounds measured here. (The suite runs compiled blocks,
+    recomputation full and selective included, in the layouts below: pp2-recompute, tp2-sp and dp2-zero3-selective;
+    with inductor's cache cold, each compile is 10-20 s of this machine.)"""
     eager = reference_run(STEPS, recompute=recompute)
     compiled = tiny_run(dp=None, micro_batch=None, steps=STEPS, recompute=recompute, compile=True)
     # measured (inductor vs eager, tiny GPT, 10 steps, each recompute mode): loss 9.0e-8 (avx2 and default
