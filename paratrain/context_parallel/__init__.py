@@ -10,6 +10,7 @@
     ulysses.py  Ulysses: all-to-all from sequence shards to head shards and back
     usp.py      USP: Ulysses inside groups of cp ranks, a ring across them
     shard.py    SequenceShard: what the engine and a model's recipe use (positions, shard_batch, attend)
+    families.py the Hugging Face families it does not run yet (refused before launch)
 """
 
 from paratrain.context_parallel.block import Scoring, block_attention, block_attention_backward, merge_partials

@@ -43,6 +43,7 @@ from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import ParallelConfig
 from paratrain.config.run import RunConfig
 from paratrain.config.validate import preset_shape
+from paratrain.context_parallel.families import check_hf_family
 from paratrain.hf.files import MOE_TYPES, HFCheckpoint, files_dtype, files_layout, weight_files
 from paratrain.nn.recipe import Recipe
 
@@ -153,17 +154,7 @@ def run_model_shape(config: RunConfig, parallel: ParallelConfig) -> ModelConfig:
         raise ConfigError("--expert-tp with --hf: cutting each Hugging Face expert over tp is not built (ep splits "
                           "the experts whole); drop --expert-tp, or shard them with --ep / --zero")
     shape = stand_in(config.model.hf, tp=parallel.tp_split, sequence_parallel=parallel.sequence_parallel)
-    family = _config(Path(config.model.hf))
-    if family.model_type == "gpt_oss" and parallel.cp > 1:
-        raise ConfigError(f"--cp {parallel.cp} with gpt-oss: its attention sinks (a learned logit a head) are not in "
-                          "the ring / Ulysses attentions yet; train it with dp, ZeRO, pp or ep")
-    if family.model_type == "gpt2" and parallel.cp > 1:
-        dropouts = {k: getattr(family, k, 0.0) for k in ("attn_pdrop", "resid_pdrop", "embd_pdrop")}
-        if parallel.pp > 1 or any(dropouts.values()):
-            why = (f"with --pp {parallel.pp}: a stage's embedding reads its part's positions (not built)" if parallel.pp > 1
-                   else f"with dropout {dropouts}: transformers draws it from each rank's own generator")
-            raise ConfigError(f"--cp {parallel.cp} on GPT-2 {why}; set the dropouts to 0 in config.json and use pp 1, "
-                              "or cp 1")
+    check_hf_family(_config(Path(config.model.hf)), parallel)  # the families context parallelism does not run
     if parallel.ep > 1 and not shape.n_experts:
         raise ConfigError(f"--ep {parallel.ep}: expert parallelism splits a Mixture-of-Experts model's experts, and "
                           f"{config.model.hf} holds a dense {_config(Path(config.model.hf)).model_type!r} model; drop "

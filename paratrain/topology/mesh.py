@@ -86,20 +86,16 @@ class Mesh:
                 add(axis, dims.all_groups(axis))
         if dims.pp > 1:  # the first and last stage of each (dp, tp) position: a weight tied across them
             add("tied", [[group[0], group[-1]] for group in dims.all_groups("pp")])
-        if dims.cp > 1 and dims.dp_shard < dims.dp:  # each shard group spans its dp ranks' cp ranks too
+        if dims.dp_shard < dims.dp and dims.shard_ranks > 1:  # a shard group: its dp ranks' cp ranks too
             shards, replicas = dims.data_split(dims.dp_shard)
-            add("dp_shard", shards)
-            add("dp_replicate", replicas)
-        elif 1 < dims.dp_shard < dims.dp:
-            shards, replicas = dims.dp_split(dims.dp_shard)
             add("dp_shard", shards)
             add("dp_replicate", replicas)
         elif dims.dp_shard == dims.dp and "dp" in groups:
             groups["dp_shard"] = groups["dp"]
-        if dims.cp > 1:
-            add("dp_cp", dims.data_groups())
+        if dims.data_axis != "dp":  # dp x cp
+            add(dims.data_axis, dims.data_groups())
             if dims.dp_shard == dims.dp:  # ZeRO over all of dp x cp (plain dp: no strategy reads dp_shard)
-                groups["dp_shard"] = groups["dp_cp"]
+                groups["dp_shard"] = groups[dims.data_axis]
         if dims.cp_ulysses > 1:
             inner, ring = dims.cp_split()
             add("cp_ulysses", inner)
@@ -121,8 +117,8 @@ class Mesh:
             add("ep", experts)
             if dims.ep < dims.dp:
                 add("edp", replicas)
-            if dims.cp > 1:
-                add("edp_cp", dims.expert_data_groups())
+            if dims.expert_data_axis != "edp":  # edp x cp
+                add(dims.expert_data_axis, dims.expert_data_groups())
         return cls(dims=dims, rank=rank, groups=groups, recorder=recorder)
 
     @classmethod
@@ -151,10 +147,10 @@ class Mesh:
         over: dp, or dp x cp under context parallelism (None: one such rank); under DiLoCo (dims.dp_local)
         those of this rank's replica group only (its dp_shard ranks, x cp)."""
         if self.dims.dp_local:
-            if self.dims.dp_shard == 1 and self.dims.cp == 1:
+            if self.dims.shard_ranks == 1:
                 return None  # a replica group of one rank
             return self.groups["dp_shard"]
-        return self.groups.get("dp_cp", self.groups.get("dp"))
+        return self.groups.get(self.dims.data_axis)
 
     def replica_group(self) -> AxisGroup | None:
         """Under DiLoCo (dims.dp_local): the ranks at this rank's place in every replica group, which hold the

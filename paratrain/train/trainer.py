@@ -259,7 +259,7 @@ class Trainer:
         elif self.engine.pipeline is not None:  # no rank holds the whole model to sample from
             if sample_tokens and self.ctx.is_main:
                 self.log.info("no sample under pipeline parallelism (each rank holds only its stage)")
-        elif self.ctx.config.cp > 1:  # attention runs over the cp ranks' parts of a sequence
+        elif self.ctx.dims.sequence_parts > 1:  # attention runs over the cp ranks' parts of a sequence
             if sample_tokens and self.ctx.is_main:
                 self.log.info("no sample under context parallelism (each rank attends through its part of a sequence)")
         elif sample_tokens and (self.ctx.is_main or sharded) and self.source.can_write:
