@@ -34,11 +34,11 @@ from paratrain.config.errors import ConfigError
 from paratrain.nn.documents import refuse_documents
 from paratrain.nn.recipe import Layer, Run
 from paratrain.nn.ties import tied_parameters
-from paratrain.pipeline.schedules import Schedule
+from paratrain.pipeline.schedules import Schedule, balanced_split  # (the split's arithmetic: torch-free, there)
 from paratrain.state_layout import ModelState, OptimizerState
 from paratrain.topology.mesh import AxisGroup, Mesh
 
-__all__ = ["Layer", "PipelineLayout", "StageModel", "chunk_ranges", "model_layers", "sequential_layers"]  # Layer: paratrain.nn.recipe's
+__all__ = ["Layer", "PipelineLayout", "StageModel", "balanced_split", "chunk_ranges", "model_layers", "sequential_layers"]  # Layer: paratrain.nn.recipe's
 
 
 def sequential_layers(model: nn.Sequential) -> list[Layer]:
@@ -64,32 +64,6 @@ def model_layers(model: nn.Module) -> list[Layer]:
                     f"{type(model).__name__} has neither: express the model as nn.Sequential of its layers, or pass "
                     "parallelize(..., layers=model -> list[Layer]) (paratrain.models.hf.llama_layers for HF Llama / "
                     "Mistral)")
-
-
-def balanced_split(costs: Sequence[float], parts: int) -> list[int]:
-    """Start index of each of `parts` contiguous, non-empty ranges minimising the largest range cost
-    (exact, by dynamic programming over split points)."""
-    n = len(costs)
-    if parts > n:
-        raise ConfigError(f"{parts} pipeline chunks need at least {parts} layers; the model has {n}")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]  # best[k][j]: first j layers in k ranges
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, parts + 1):
-        for j in range(k, n + 1):
-            for i in range(k - 1, j):
-                value = max(best[k - 1][i], prefix[j] - prefix[i])
-                if value < best[k][j] - 1e-12:
-                    best[k][j], cut[k][j] = value, i
-    starts, j = [], n
-    for k in range(parts, 0, -1):
-        j = cut[k][j]
-        starts.append(j)
-    return starts[::-1]
 
 
 def chunk_ranges(layers: Sequence[Layer], parts: int, split: Sequence[int] | None = None) -> list[tuple[int, int]]:

@@ -31,16 +31,15 @@ Selective recompute keeps the attention core's inputs only, whatever cp does ins
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
-
-import numpy as np
 
 from paratrain.config.model import ModelConfig
 from paratrain.memory import precision_policy
 from paratrain.pipeline.schedules import Action, Schedule
 import paratrain.planner.cp_cost as cp_cost
-from paratrain.planner.layout import Layout, chunk_layers
+from paratrain.planner.layout import Layout, chunk_layers, layer_ranges
 from paratrain.planner.moe_activations import moe_activation_bytes
 from paratrain.planner.mtp_activations import mtp_activation_bytes, mtp_proj_cast
 from paratrain.topology.dims import ParallelDims
@@ -216,12 +215,21 @@ def _chunk_sizes(model: ModelConfig, saved: tuple[Any, ...], moe_imbalance: floa
                                            sequence_parts=layout.dims.sequence_parts,
                                            share=layout.tp_depth if layout.tp_mode == "2.5d" else 1)
     sizes = []
-    for start, end in chunk_layers(model, layout.dims, pp_split):
-        held = range(max(start, 1), min(end, model.n_layer + 1))  # GPT layer i + 1 is block i
-        moe = _moe_blocks(model, held)
-        ends = (embedding if start == 0 else 0.0) + (head if end == model.n_layer + 2 else 0.0)
-        sizes.append((len(held) - moe) * block + moe * moe_block + ends)
+    for blocks, moe, first, last in _chunk_blocks(model, layout.dims.pp * layout.dims.virtual_stages, pp_split):
+        ends = (embedding if first else 0.0) + (head if last else 0.0)
+        sizes.append((blocks - moe) * block + moe * moe_block + ends)
     return tuple(sizes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _chunk_blocks(model: ModelConfig, parts: int, pp_split: tuple[int, ...]) -> tuple[tuple[int, int, bool, bool], ...]:
+    """(blocks, of them MoE blocks, holds the embedding, holds the head) of each of the `parts` pipeline chunks, as
+    the engine cuts the layers (cached on the cut: every layout of a pp x v shares it)."""
+    out = []
+    for start, end in layer_ranges(model, parts, pp_split):
+        held = range(max(start, 1), min(end, model.n_layer + 1))  # GPT layer i + 1 is block i
+        out.append((len(held), _moe_blocks(model, held), start == 0, end == model.n_layer + 2))
+    return tuple(out)
 
 
 def _moe_blocks(model: ModelConfig, layers: range) -> int:
@@ -255,41 +263,67 @@ def activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str,
     if layout.pp == 1:
         return sizes[0] + rope
     casts = _chunk_casts(model, layout, mode, pp_split)
-    per_micro_batch = tuple(size - cast for size, cast in zip(sizes, casts))
     assert layout.pipeline is not None
-    return _peak_in_flight(layout.pipeline, microbatches, stage, per_micro_batch, casts) + rope
+    return _peak_in_flight(layout.pipeline, microbatches, stage, sizes, casts) + rope
 
 
-def _peak_in_flight(schedule: Schedule, microbatches: int, stage: int, sizes: tuple[float, ...],
-                    casts: tuple[float, ...] = ()) -> float:
-    """The most bytes a stage's schedule keeps saved at once: F saves a chunk's, B or W releases them; a chunk's
-    weight casts (one copy for the step) from its first F to the release of its last micro-batch."""
-    saved, held = _in_flight_counts(schedule, schedule.peak_microbatches(microbatches), stage)  # [forwards, chunks]
-    live = saved @ np.asarray(sizes, dtype=np.float64)
-    if casts:
-        live = live + held @ np.asarray(casts, dtype=np.float64)
-    return float(live.max(initial=0.0))
+def _peak_in_flight(schedule: Schedule, microbatches: int, stage: int, sizes: Sequence[float],
+                    casts: Sequence[float]) -> float:
+    """The most bytes a stage's schedule keeps saved at once: F saves a chunk's micro-batch (its size less its
+    weight casts), B or W releases it; a chunk's weight casts (one copy for the step) from its first F to the
+    release of its last micro-batch. sizes, casts: every chunk of the model's (the stage reads its own)."""
+    microbatches = schedule.peak_microbatches(microbatches)
+    mine = _in_flight_counts(schedule, microbatches, stage)[0]
+    own = [sizes[c] - casts[c] for c in mine]
+    own_casts = [casts[c] for c in mine]
+    signs = tuple((w > 0) - (w < 0) for w in (*own, *own_casts))
+    peak = 0.0
+    for saved, held in _peak_states(schedule, microbatches, stage, signs):
+        live = 0.0
+        for n, size in zip(saved, own):
+            live += n * size
+        kept = 0.0
+        for n, cast in zip(held, own_casts):
+            kept += n * cast
+        peak = max(peak, live + kept)
+    return peak
+
+
+@functools.lru_cache(maxsize=4096)
+def _peak_states(schedule: Schedule, microbatches: int, stage: int,
+                 signs: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    """_in_flight_counts' states that can hold the peak for bytes of these signs (each chunk's size less its casts,
+    then each one's casts: 1, 0 or -1): those no other state holds at least as much as on every chunk (a state
+    dominated so holds no more bytes, to the last bit: each product and sum rounds monotonically)."""
+    states = _in_flight_counts(schedule, microbatches, stage)[1]
+    signed = {tuple(w * n for w, n in zip(signs, (*saved, *held))): (saved, held) for saved, held in states}
+    kept: list[tuple[int, ...]] = []  # largest sum first: a state can be dominated only by one of no smaller sum
+    for vector in sorted(signed, key=sum, reverse=True):
+        if not any(all(a <= b for a, b in zip(vector, other)) for other in kept):
+            kept.append(vector)
+    return tuple(signed[vector] for vector in kept)
 
 
 @functools.lru_cache(maxsize=1024)
-def _in_flight_counts(schedule: Schedule, microbatches: int, stage: int) -> tuple[np.ndarray, np.ndarray]:
-    """After each forward of the stage's program (where the peaks are): how many micro-batches of each chunk hold
-    saved activations, and whether each chunk's weight casts are held ([forwards, chunks], float64)."""
-    chunks = schedule.stages * schedule.chunks
-    saved_now, held_now = np.zeros(chunks), np.zeros(chunks)
-    saved, held = [], []
+def _in_flight_counts(schedule: Schedule, microbatches: int,
+                      stage: int) -> tuple[tuple[int, ...], tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]]:
+    """(the stage's chunks, and the distinct states after each forward of its program, where the peaks are: how many
+    micro-batches of each of those chunks hold saved activations, and whether each one's weight casts are held)."""
+    mine = tuple(schedule.chunks_of(stage))
+    at = {chunk: i for i, chunk in enumerate(mine)}
+    saved_now, held_now = [0] * len(mine), [0] * len(mine)
+    states: dict[tuple[tuple[int, ...], tuple[int, ...]], None] = {}
     for action in _compute_program(schedule, microbatches, stage):
+        i = at[action.chunk]
         if action.kind == "F":
-            saved_now[action.chunk] += 1
-            held_now[action.chunk] = 1.0
-            saved.append(saved_now.copy())
-            held.append(held_now.copy())
+            saved_now[i] += 1
+            held_now[i] = 1
+            states.setdefault((tuple(saved_now), tuple(held_now)))
         elif action.kind in ("B", "W"):
-            saved_now[action.chunk] -= 1
+            saved_now[i] -= 1
             if action.mb == microbatches - 1:  # its last micro-batch released: no forward reuses the casts
-                held_now[action.chunk] = 0.0
-    empty = np.zeros((0, chunks))
-    return (np.array(saved) if saved else empty), (np.array(held) if held else empty)
+                held_now[i] = 0
+    return mine, tuple(states)
 
 
 def _chunk_casts(model: ModelConfig, layout: Layout, mode: str, pp_split: tuple[int, ...]) -> tuple[float, ...]:

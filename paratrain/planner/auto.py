@@ -65,7 +65,8 @@ def choose_layout(config: RunConfig, *, world_size: int, hw: Hardware, pins: dic
     fitting = [r for r in result["candidates"] if r["fits"]]
     if not fitting:
         reason = (f"none of {len(result['candidates'])} layouts fits {hw.memory_bytes / 1e9:.1f} GB per process"
-                  if result["candidates"] else
+                  if result["candidates"] else f"no layout is made of these processes: {result['unmade']}"
+                  if "unmade" in result else
                   f"paratrain's rules refuse all {len(result['rejected'])} layouts; the first: "
                   + (result["rejected"][0]["reason"] if result["rejected"] else "none"))
         raise ConfigError(f"--plan auto found no layout for {config.model.preset} on {world_size} processes "

@@ -86,8 +86,13 @@ def flat_groups(params: list[RankParam], *, zero: int, shards: int, bucket_bytes
     plans = []
     for n, expert, matrix, cast in _group_sizes(tuple(params), zero == 3, bucket_bytes, optimizer, float8):
         parts = expert_shards if expert else shards
-        plans.append(FlatPlan(math.ceil(n / parts) * parts, parts, "muon" if matrix else "adamw", cast))
+        plans.append(FlatPlan(_padded(n, parts), parts, "muon" if matrix else "adamw", cast))
     return plans
+
+
+def _padded(elements: int, shards: int) -> int:
+    """A flat group's elements padded to a multiple of its shard count."""
+    return math.ceil(elements / shards) * shards
 
 
 @functools.lru_cache(maxsize=4096)
@@ -134,12 +139,29 @@ def flat_members(params: tuple[RankParam, ...], zero3: bool, bucket_bytes: int, 
 def _sharded_totals(model: ModelConfig, layout: Layout, stage: int, pp_split: tuple[int, ...],
                     bucket_bytes: int, optimizer: str = "adamw", float8: bool = False) -> tuple[int, int, int, int]:
     """(padded elements, shard elements, of which Muon's, AdamW's flat groups) of a stage's ZeRO flat groups
-    (`layout`: its dims and ZeRO stage, what they depend on)."""
-    params = rank_params(model, layout.dims, stage, pp_split, expert_tp=layout.expert_tp, pipeline=layout.pipeline)
-    groups = flat_groups(params, zero=layout.zero, shards=layout.shards, bucket_bytes=bucket_bytes,
-                         expert_shards=layout.expert_shards, optimizer=optimizer, float8=float8)
-    return (sum(g.padded for g in groups), sum(g.shard_numel for g in groups),
-            sum(g.shard_numel for g in groups if g.kind == "muon"), sum(g.kind == "adamw" for g in groups))
+    (`layout`: its dims and ZeRO stage, what they depend on): flat_groups' sums."""
+    sizes = _stage_group_sizes(model, layout.dims.parameter_slices(), stage, pp_split, layout.expert_tp,
+                               layout.pipeline, layout.zero == 3, bucket_bytes, optimizer, float8)
+    padded = shard = muon = adamw = 0
+    for n, expert, matrix, _ in sizes:
+        parts = layout.expert_shards if expert else layout.shards
+        group = _padded(n, parts)
+        padded, shard = padded + group, shard + group // parts
+        if matrix:
+            muon += group // parts
+        else:
+            adamw += 1
+    return padded, shard, muon, adamw
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_group_sizes(model: ModelConfig, dims: ParallelDims, stage: int, pp_split: tuple[int, ...],
+                       expert_tp: bool, pipeline: Schedule | None, zero3: bool, bucket_bytes: int, optimizer: str,
+                       float8: bool) -> tuple[tuple[int, bool, bool, bool], ...]:
+    """_group_sizes of a stage's parameters, cached on what makes them (dims: their parameter_slices, the axes that
+    cut parameters) rather than on the parameters themselves, a long tuple to hash."""
+    params = rank_params(model, dims, stage, pp_split, expert_tp=expert_tp, pipeline=pipeline)
+    return _group_sizes(tuple(params), zero3, bucket_bytes, optimizer, float8)
 
 
 @functools.lru_cache(maxsize=8192)

@@ -258,9 +258,18 @@ def rank_work(model: ModelConfig, layout: Layout, hw: Hardware, *, micro_batches
     """(the micro-batches' work of the pipeline rank whose compute is longest: its blocks and, on the last rank,
     the head; once per step, its optimizer step over `stage_elements` parameter elements). moe_layer: a MoE
     layer's work per micro-batch (paratrain.planner.moe_ops), in place of the MLP of each MoE block."""
-    tokens = layout.micro_batch * layout.local_tokens(seq)
-    cut = Cut.of(layout)
-    common = dict(tokens=tokens, seq=seq, cut=cut, recompute=layout.recompute, numerics=numerics)
+    best = _busiest_micro_batch(model, hw, layout.micro_batch * layout.local_tokens(seq), seq, Cut.of(layout),
+                                layout.recompute, numerics, layout.dims.pp, layout.dims.virtual_stages, layout.pipeline,
+                                moe_layer)
+    return best * micro_batches, optimizer_work(hw, stage_elements, numerics.kernels)
+
+
+@functools.lru_cache(maxsize=4096)
+def _busiest_micro_batch(model: ModelConfig, hw: Hardware, tokens: int, seq: int, cut: Cut, recompute: str,
+                         numerics: Numerics, pp: int, v: int, pipeline: Schedule | None, moe_layer: Work) -> Work:
+    """rank_work's one micro-batch on its busiest pipeline rank, cached on what it reads (the search prices it for
+    every ZeRO stage, dp and micro-batch count alike)."""
+    common = dict(tokens=tokens, seq=seq, cut=cut, recompute=recompute, numerics=numerics)
     block = block_work(model, hw, **common)
     # a MoE block: the block without its MLP, and the MoE layer in its place
     moe_block = block_work(model, hw, **common, mlp=False) + moe_layer if model.n_experts else Work()
@@ -268,12 +277,11 @@ def rank_work(model: ModelConfig, layout: Layout, hw: Hardware, *, micro_batches
     if model.mtp_depth:  # each MTP depth: a dense block and the head again (its 2D -> D projection not priced)
         head = head * (1 + model.mtp_depth) + block * model.mtp_depth
     best = Work()
-    for blocks, moe_blocks, has_head in _rank_shapes(model, layout.dims.pp, layout.dims.virtual_stages,
-                                                     layout.pipeline):
+    for blocks, moe_blocks, has_head in _rank_shapes(model, pp, v, pipeline):
         mine = block * (blocks - moe_blocks) + moe_block * moe_blocks + (head if has_head else Work())
         if mine.total > best.total:
             best = mine
-    return best * micro_batches, optimizer_work(hw, stage_elements, numerics.kernels)
+    return best
 
 
 @functools.lru_cache(maxsize=4096)

@@ -130,11 +130,23 @@ def candidates(model: ModelConfig, devices: int, hardware: Hardware, *, global_b
 
 
 def _candidate_fields(model: ModelConfig, devices: int, hardware: Hardware, *, global_batch: int,
-                      pins: dict[str, Any], seq: int) -> list[dict[str, Any]]:
-    """`candidates` as flat fields (Layout.of's), each once, in the search's order."""
+                      pins: dict[str, Any], seq: int, dropped: list[str] | None = None) -> list[dict[str, Any]]:
+    """`candidates` as flat fields (Layout.of's), each once, in the search's order. dropped: gets the rule of each
+    grid left out before any layout of it is made (dp not dividing the global batch, pins that make another device
+    count), in that order: `search` says the first when no layout is made at all."""
     out: dict[tuple[Any, ...], dict[str, Any]] = {}
+    dropped = [] if dropped is None else dropped
     served = pins.get("ps_mode", "off") != "off"
-    devices -= pins.get("ps_servers", 0)  # dedicated parameter servers train nothing: the grid is the trainers'
+    servers = pins.get("ps_servers", 0)
+    devices -= servers  # dedicated parameter servers train nothing: the grid is the trainers'
+    if devices < 1:
+        dropped.append(f"{servers} dedicated parameter servers leave no trainer of the {devices + servers} devices: "
+                       "lower --ps-servers or raise --gpus")
+    axes = {axis: pins[axis] for axis in ("dp", "tp", "cp", "pp") if axis in pins}
+    if devices >= 1 and devices % math.prod(axes.values()):
+        dropped.append(f"the pinned {' x '.join(f'{axis} {n}' for axis, n in axes.items())} make groups of "
+                       f"{math.prod(axes.values())} ranks, which do not divide the {devices} "
+                       f"{'trainers' if servers else 'devices'}: change the pins or --gpus")
     for tp, cp in itertools.product(_divisors(devices), _divisors(devices)):
         if served and tp * cp > 1:  # the parameter server composes with data parallelism only
             continue
@@ -156,6 +168,13 @@ def _candidate_fields(model: ModelConfig, devices: int, hardware: Hardware, *, g
                 continue
             dp = devices // (tp * cp * pp)
             if global_batch % dp:
+                if all(pins.get(axis, n) == n for axis, n in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp))):
+                    dropped.append(
+                        f"the trainers' dp {dp} (the {devices + servers} devices less {servers} parameter servers) "
+                        f"does not divide the global batch {global_batch}: change --global-batch, --gpus or "
+                        "--ps-servers" if served and servers else
+                        f"dp {dp} (the {devices} devices over tp {tp} x cp {cp} x pp {pp}) does not divide the global "
+                        f"batch {global_batch}: change --global-batch or --gpus, or pin --tp, --cp or --pp")
                 continue
             per_rank = global_batch // dp
             micro = [m for m in (1, 2, 4, 8, 16, 32) if per_rank % m == 0]
@@ -187,7 +206,12 @@ def _candidate_fields(model: ModelConfig, devices: int, hardware: Hardware, *, g
                               tp_mode=tp_mode, tp_depth=depth)
                 if pins:
                     fields.update({k: pins[k] for k in pins if k in fields})
-                    if fields["dp"] * fields["tp"] * fields["pp"] * fields["cp"] != devices:
+                    ranks = fields["dp"] * fields["tp"] * fields["pp"] * fields["cp"]
+                    if ranks != devices:
+                        dropped.append(f"the pins make dp {fields['dp']} x tp {fields['tp']} x pp {fields['pp']} x cp "
+                                       f"{fields['cp']} = {ranks} trainers, not the {devices} devices"
+                                       + (f" less {servers} parameter servers" if servers else "")
+                                       + ": change the pins or --gpus")
                         continue
                 out.setdefault(tuple(fields.values()), fields)
     return list(out.values())
@@ -232,10 +256,11 @@ def search(model_config: ModelConfig, devices: int, hardware: Hardware, *, globa
            seq_len: int | None = None, pins: dict[str, Any] | None = None, kernels: str = "eager",
            settings: StepSettings = PRICED) -> dict[str, list[dict[str, Any]]]:
     """{"candidates": fitting layouts, fastest first, then those that do not fit, smallest peak first;
-    "rejected": [{"layout", "reason"}] for layouts paratrain's rules refuse}. Under Muon every layout is priced
-    with its exchange estimated, then the EXACT fastest fitting ones again from the exchange's own plan (about a
-    second each on a thousand ranks) and ranked again: the table's first rows and `--plan auto`'s choice are
-    priced exactly (their records say "muon_exchange": "exact")."""
+    "rejected": [{"layout", "reason"}] for layouts paratrain's rules refuse; and, only when no layout is made at all,
+    "unmade": the first rule that left a grid out (dp not dividing the global batch, pins of another device count)}.
+    Under Muon every layout is priced with its exchange estimated, then the EXACT fastest fitting ones again from the
+    exchange's own plan (about a second each on a thousand ranks) and ranked again: the table's first rows and
+    `--plan auto`'s choice are priced exactly (their records say "muon_exchange": "exact")."""
     if seq_len and seq_len > model_config.seq_len:  # the model is built for sequences this long
         model_config = dataclasses.replace(model_config, seq_len=seq_len)
     seq = seq_len or model_config.seq_len
@@ -245,8 +270,10 @@ def search(model_config: ModelConfig, devices: int, hardware: Hardware, *, globa
     muon = settings.optimizer == "muon"
     run = Run(global_batch, seq, settings, kernels, exact=not muon)
     refusals: dict[tuple[Any, ...], str | None] = {}  # the rules' answer, by the fields they read
-    for fields in _candidate_fields(model_config, devices, hardware, global_batch=global_batch, pins=pins or {},
-                                    seq=seq):
+    dropped: list[str] = []
+    made = _candidate_fields(model_config, devices, hardware, global_batch=global_batch, pins=pins or {}, seq=seq,
+                             dropped=dropped)
+    for fields in made:
         reason = _refusal(model_config, fields, global_batch=global_batch, seq=seq, refusals=refusals)
         if reason is None:
             try:
@@ -264,4 +291,7 @@ def search(model_config: ModelConfig, devices: int, hardware: Hardware, *, globa
         fits = sorted([r for r in again if r["fits"]], key=lambda r: r["step_time_s"]) + fits[EXACT:]
         too_big += [r for r in again if not r["fits"]]
     too_big.sort(key=lambda r: r["memory"]["peak"])
-    return {"candidates": fits + too_big, "rejected": rejected}
+    result: dict[str, Any] = {"candidates": fits + too_big, "rejected": rejected}
+    if not made:
+        result["unmade"] = dropped[0] if dropped else "the search space holds no layout of these devices"
+    return result

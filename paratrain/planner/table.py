@@ -35,10 +35,10 @@ def layout_text(layout: dict[str, Any]) -> str:
 
 def _why(record: dict[str, Any], best: dict[str, Any]) -> str:
     """What makes a runner-up slower than the best: its largest difference."""
+    if not record["fits"]:  # (the first row too, when none fits)
+        return "does not fit"
     if record is best:
         return "best"
-    if not record["fits"]:
-        return "does not fit"
     gaps = {"compute (recompute / stage balance)": record["compute_s"] - best["compute_s"],
             "communication": record["comm_s"] - best["comm_s"],
             "pipeline bubble": record["step_time_s"] * record["bubble"] - best["step_time_s"] * best["bubble"]}
@@ -53,8 +53,11 @@ def plan_table(record: dict[str, Any], top: int, *, tokens: float | None) -> str
     lines = [f"{model['preset']} ({model['params'] / 1e9:.2f}B parameters) on {record['devices']} x {hw['name']} "
              f"({hw['memory_bytes'] / gb:.0f} GB, {hw['peak_flops'] / 1e12:.0f} TFLOP/s peak {rate})"]
     if not candidates:
-        lines.append(f"no layout passes paratrain's rules ({len(record['rejected'])} refused); first reason: "
-                     + (record["rejected"][0]["reason"] if record["rejected"] else "none"))
+        if "unmade" in record:  # no layout made at all: the rule that left the grids out
+            lines.append(f"no layout is made of these devices: {record['unmade']}")
+        else:
+            lines.append(f"no layout passes paratrain's rules ({len(record['rejected'])} refused); first reason: "
+                         + (record["rejected"][0]["reason"] if record["rejected"] else "none"))
         return "\n".join(lines)
     best = candidates[0]
     if "diloco" in record:

@@ -395,3 +395,31 @@ def test_the_search_tries_the_grid_modes_and_they_win_across_nodes(capsys):
     assert main(["plan", "--model", "gpt3-xl", "--gpus", "64", "--global-batch", "16", "--tp", "64", "--pp", "1",
                  "--tp-mode", "3d", "--micro-batch", "16", "--top", "1"]) == 0
     assert " 3d " in capsys.readouterr().out
+
+
+def test_a_search_that_makes_no_layout_says_the_rule(capsys):
+    """16 devices less 2 parameter servers leave 14 trainers, whose dp does not divide the global batch 64: no layout
+    is made at all, and the table says that rule, its numbers and the fix (not "0 refused; first reason: none")."""
+    result = search(preset("gpt2"), 16, hardware("a100-80gb"), global_batch=64,
+                    pins={"ps_mode": "sync", "ps_servers": 2, "staleness": 0})
+    assert result["candidates"] == [] and result["rejected"] == []
+    assert "dp 14" in result["unmade"] and "global batch 64" in result["unmade"] and "--ps-servers" in result["unmade"]
+    assert main(["plan", "--model", "gpt2", "--gpus", "16", "--hardware", "a100-80gb", "--global-batch", "64",
+                 "--ps-mode", "sync", "--ps-servers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "first reason: none" not in out
+    assert ("no layout is made of these devices: the trainers' dp 14 (the 16 devices less 2 parameter servers) does "
+            "not divide the global batch 64: change --global-batch, --gpus or --ps-servers") in out
+    pinned = search(preset("gpt2"), 12, hardware("a100-80gb"), global_batch=64, pins={"tp": 8})
+    assert "pinned tp 8" in pinned["unmade"] and "12 devices" in pinned["unmade"]
+    assert "unmade" not in search(preset("gpt2"), 8, hardware("a100-80gb"), global_batch=64)
+
+
+def test_the_table_calls_no_layout_best_when_none_fits(capsys):
+    """When no layout fits, the first row is the smallest peak, not the best: it says "does not fit" as the rest."""
+    assert main(["plan", "--model", "gpt3-2.7b", "--gpus", "18", "--hardware", "a100-80gb", "--global-batch", "64",
+                 "--ps-mode", "sync", "--ps-servers", "2", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("dp16")]
+    assert "0 layouts fit" in out and len(rows) == 3
+    assert all(row.endswith("does not fit") for row in rows) and " best" not in out
