@@ -29,6 +29,11 @@ from paratrain.planner.table import layout_text, plan_table
 _PINS = {"--dp": "dp", "--tp": "tp", "--pp": "pp", "--virtual-stages": "virtual_stages", "--zero": "zero",
          "--micro-batch": "micro_batch", "--ep": "ep", "--cp": "cp", "--tp-depth": "tp_depth",
          "--cp-ulysses": "cp_ulysses"}
+"""The layout's whole-number pins: flag -> Layout field."""
+
+_MODE_PINS = {"--cp-mode": "cp_mode", "--tp-mode": "tp_mode"}
+"""The layout's modes a flag pins (their choices are declared with the flags below): flag -> Layout field, which is
+also ParallelConfig's."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,18 +132,12 @@ def run(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.moe_imbalance) and args.moe_imbalance >= 1):  # take it from a run's expert_load_factor
         raise ConfigError(f"--moe-imbalance is the busiest expert's load over the mean, at least 1 (balanced), got "
                           f"{args.moe_imbalance}: give a run's --log-json expert_load_factor")
-    pins: dict[str, Any] = {field: getattr(args, flag[2:].replace("-", "_")) for flag, field in _PINS.items()
-                            if getattr(args, flag[2:].replace("-", "_")) is not None}
+    given = {field: getattr(args, flag[2:].replace("-", "_")) for flag, field in {**_PINS, **_MODE_PINS}.items()}
+    pins: dict[str, Any] = {field: value for field, value in given.items() if value is not None}
     if args.hf or args.dry_run:
-        if args.tp_mode is not None:
-            pins["tp_mode"] = args.tp_mode
         return _hf_plan(args, devices, pins) if args.hf else _dry_run(args, model, devices, pins)
     if args.recompute is not None:
         pins["recompute"] = args.recompute
-    if args.cp_mode is not None:
-        pins["cp_mode"] = args.cp_mode
-    if args.tp_mode is not None:
-        pins["tp_mode"] = args.tp_mode
     if args.sequence_parallel:
         pins["sequence_parallel"] = True
     if args.ps_mode is not None:
@@ -192,7 +191,7 @@ def _dry_run(args: argparse.Namespace, model: Any, devices: int, pins: dict[str,
 
     micro_batch = pins.pop("micro_batch", 1)
     parallel = ParallelConfig(**pins, sequence_parallel=bool(args.sequence_parallel), schedule=args.schedule,
-                              grad_reduce=args.grad_reduce, cp_mode=args.cp_mode or "ring")
+                              grad_reduce=args.grad_reduce)
     if args.seq_len:
         from dataclasses import replace
 
@@ -209,8 +208,8 @@ def _hf_plan(args: argparse.Namespace, devices: int, pins: dict[str, Any]) -> in
     from paratrain.planner.hf import hf_memory
 
     micro_batch = pins.pop("micro_batch", 1)
-    parallel = ParallelConfig(**pins, sequence_parallel=bool(args.sequence_parallel), schedule=args.schedule,
-                              cp_mode=args.cp_mode or "ring").resolved(devices)
+    parallel = ParallelConfig(**pins, sequence_parallel=bool(args.sequence_parallel),
+                              schedule=args.schedule).resolved(devices)
     shape = stand_in(args.hf, tp=parallel.tp_split, sequence_parallel=parallel.sequence_parallel)  # its family's tp rules
     ranks = hf_memory(args.hf, parallel, global_batch=args.global_batch, micro_batch=micro_batch,
                       seq_len=args.seq_len or shape.seq_len, precision=args.precision, recompute=args.recompute or "none")

@@ -153,7 +153,8 @@ def dry_run(model: ModelConfig, parallel: ParallelConfig, *, rank: int, world_si
         if policy.low and not ctx.config.zero:
             notes.append(f"zero 0 with {precision}: the meta device runs no autocast, so activations are counted in "
                          f"float32; a real run's autocast moves the row outputs in {precision} (less)")
-        coords = {axis: ctx.mesh.index(axis) for axis in ("dp", "cp", "tp", "pp") if axis != "cp" or ctx.dims.cp > 1}
+        coords = {axis: ctx.mesh.index(axis) for axis in ("dp", "cp", "tp", "pp")  # dp, tp and pp always
+                  if axis in ("dp", "tp", "pp") or ctx.dims.degree(axis) > 1}
         return DryRun(rank, world_size, coords, engine.memory_report(), predicted_memory, collectives, volume,
                       predicted_volume, actions, time.perf_counter() - started, notes)
 
