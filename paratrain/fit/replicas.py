@@ -138,11 +138,9 @@ def quorum_for(member: Member, parallel: ParallelConfig, *, timeout_s: float, de
                  device=device)
 
 
-def check_replica_trainer(parallel: ParallelConfig, batch: BatchLayout, *, num_nodes: int, precision: str,
-                          max_restarts: int, accelerator: str, replica_group: int | None, lighthouse: str,
-                          save: str | None) -> None:
-    """A Trainer's fault tolerance checked before launch, as `paratrain train`'s is (check_replica_run)."""
-    check_replica_batch(parallel, batch.global_batch, batch.micro_batch)
+def check_replica_uses(*, precision: str, accelerator: str, max_restarts: int, diloco_saves: bool) -> None:
+    """What a Trainer's fault_tolerance='replica' does not compose with in this version, refused before launch, as
+    `paratrain train` refuses it (check_replica_run). diloco_saves: save= under dp_mode diloco."""
     given = [what for what, on in (
         ("precision='fp16' (its loss scale is agreed over the group's ranks only)", precision == "fp16"),
         ("accelerator='cuda' (each group would number its GPUs from 0, and a joiner's state travels over gloo's CPU "
@@ -150,10 +148,17 @@ def check_replica_trainer(parallel: ParallelConfig, batch: BatchLayout, *, num_n
         ("max_restarts (start a lost group again with replica_group=G, lighthouse='HOST:PORT': it joins the "
          "running job)", max_restarts > 0),
         ("save= with dp_mode diloco (each group's inner state is its own, and replica group 0 writes only its own)",
-         parallel.dp_mode == "diloco" and bool(save))) if on]
+         diloco_saves)) if on]
     if given:
         raise ConfigError("fault_tolerance='replica' with " + "; ".join(given) + ": not built in this version; drop "
                           "them")
+
+
+def check_replica_groups(parallel: ParallelConfig, batch: BatchLayout, *, num_nodes: int, replica_group: int | None,
+                         lighthouse: str) -> None:
+    """A Trainer's replica groups checked before launch: the batch each group takes, whole groups on each node, and
+    replica_group= with lighthouse= (a group started again) both or neither."""
+    check_replica_batch(parallel, batch.global_batch, batch.micro_batch)
     groups = parallel.replica_groups
     if groups % num_nodes:
         raise ConfigError(f"fault_tolerance='replica' runs whole replica groups on each node: replica_groups "

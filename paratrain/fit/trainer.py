@@ -39,7 +39,7 @@ from paratrain.data_parallel import BATCH_NORM_MODES
 from paratrain.data.stream import Data, dataset_loader, is_stream
 from paratrain.fit.callbacks import Callback, CallbackHooks
 from paratrain.fit.launcher import hand_over, launch_workers, launched_by_trainer, relaunch_attempt
-from paratrain.fit.replicas import check_replica_trainer, launch_replica_groups, quorum_for
+from paratrain.fit.replicas import check_replica_groups, check_replica_uses, launch_replica_groups, quorum_for
 from paratrain.fit.result import FitResult
 from paratrain.fit.strategy import strategy_config
 from paratrain.hybrid import Engine, EngineOptions, parallelize
@@ -152,9 +152,10 @@ class Trainer:
             check_diloco_uses(muon=optimizer == "muon")
         self.batch = batch_layout(global_batch, micro_batch or 0, self.parallel.dp or 1)
         if self.parallel.fault_tolerance == "replica":
-            check_replica_trainer(self.parallel, self.batch, num_nodes=num_nodes, precision=precision,
-                                  max_restarts=max_restarts, accelerator=accelerator, replica_group=replica_group,
-                                  lighthouse=lighthouse, save=save)
+            check_replica_uses(precision=precision, accelerator=accelerator, max_restarts=max_restarts,
+                               diloco_saves=self.parallel.dp_mode == "diloco" and bool(save))
+            check_replica_groups(self.parallel, self.batch, num_nodes=num_nodes, replica_group=replica_group,
+                                 lighthouse=lighthouse)
         self.replica_group, self.lighthouse = replica_group, lighthouse
         self.devices, self.num_nodes = devices, num_nodes
         self.max_steps, self.lr, self.lr_schedule = max_steps, lr, lr_schedule

@@ -34,6 +34,19 @@ class Record:
     pulls: Mapping[int, Sequence[tuple[int, tuple[int, ...]]]]
     """Trainer -> its pulls: (the clock it pulled for, the version received from each server)."""
 
+    @property
+    def servers(self) -> int:
+        return len(self.pushes)
+
+    @property
+    def trainers(self) -> int:
+        """Every trainer pushes to every server at every clock."""
+        return 1 + max(trainer for log in self.pushes.values() for _, trainer, _ in log)
+
+    @property
+    def clocks(self) -> int:
+        return 1 + max(clock for log in self.pushes.values() for clock, _, _ in log)
+
 
 @torch.no_grad()
 def _set(groups: list, flats: list[torch.Tensor], history: list[list[list[torch.Tensor]]],
@@ -45,10 +58,12 @@ def _set(groups: list, flats: list[torch.Tensor], history: list[list[list[torch.
 
 
 def replay(record: Record, *, model: nn.Module, optimizer: OptimizerFactory, loss_fn: LossFn,
-           batches: Callable[[int, int], list[Any]], lrs: Callable[[int], tuple[float, ...]], servers: int,
-           trainers: int, clocks: int, bucket_bytes: int, grad_clip: float = 0.0) -> dict[str, torch.Tensor]:
-    """The final weights of the recorded run, by name. batches(trainer, clock): that trainer's micro-batches of
-    that step; lrs(clock): every optimizer group's learning rate then. `model` holds the initial values."""
+           batches: Callable[[int, int], list[Any]], lrs: Callable[[int], tuple[float, ...]], bucket_bytes: int,
+           grad_clip: float = 0.0) -> dict[str, torch.Tensor]:
+    """The final weights of the recorded run, by name (its servers, trainers and clocks: the record's). batches(trainer,
+    clock): that trainer's micro-batches of that step; lrs(clock): every optimizer group's learning rate then. `model`
+    holds the initial values."""
+    servers, trainers, clocks = record.servers, record.trainers, record.clocks
     compute = copy.deepcopy(model)
     params = [p for p in compute.parameters() if p.requires_grad]
     names = {id(p): n for n, p in compute.named_parameters()}

@@ -140,8 +140,8 @@ def _sharded_totals(model: ModelConfig, layout: Layout, stage: int, pp_split: tu
                     bucket_bytes: int, optimizer: str = "adamw", float8: bool = False) -> tuple[int, int, int, int]:
     """(padded elements, shard elements, of which Muon's, AdamW's flat groups) of a stage's ZeRO flat groups
     (`layout`: its dims and ZeRO stage, what they depend on): flat_groups' sums."""
-    sizes = _stage_group_sizes(model, layout.dims.parameter_slices(), stage, pp_split, layout.expert_tp,
-                               layout.pipeline, layout.zero == 3, bucket_bytes, optimizer, float8)
+    slices = Layout(dims=layout.dims.parameter_slices(), expert_tp=layout.expert_tp, schedule=layout.schedule)
+    sizes = _stage_group_sizes(model, slices, stage, pp_split, layout.zero == 3, bucket_bytes, optimizer, float8)
     padded = shard = muon = adamw = 0
     for n, expert, matrix, _ in sizes:
         parts = layout.expert_shards if expert else layout.shards
@@ -155,12 +155,12 @@ def _sharded_totals(model: ModelConfig, layout: Layout, stage: int, pp_split: tu
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_group_sizes(model: ModelConfig, dims: ParallelDims, stage: int, pp_split: tuple[int, ...],
-                       expert_tp: bool, pipeline: Schedule | None, zero3: bool, bucket_bytes: int, optimizer: str,
-                       float8: bool) -> tuple[tuple[int, bool, bool, bool], ...]:
-    """_group_sizes of a stage's parameters, cached on what makes them (dims: their parameter_slices, the axes that
-    cut parameters) rather than on the parameters themselves, a long tuple to hash."""
-    params = rank_params(model, dims, stage, pp_split, expert_tp=expert_tp, pipeline=pipeline)
+def _stage_group_sizes(model: ModelConfig, slices: Layout, stage: int, pp_split: tuple[int, ...], zero3: bool,
+                       bucket_bytes: int, optimizer: str, float8: bool) -> tuple[tuple[int, bool, bool, bool], ...]:
+    """_group_sizes of a stage's parameters, cached on what makes them (slices: a layout of the axes that cut
+    parameters, ParallelDims.parameter_slices, expert tp and the schedule's placement) rather than on the parameters
+    themselves, a long tuple to hash."""
+    params = rank_params(model, slices.dims, stage, pp_split, expert_tp=slices.expert_tp, pipeline=slices.pipeline)
     return _group_sizes(tuple(params), zero3, bucket_bytes, optimizer, float8)
 
 

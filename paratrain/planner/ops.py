@@ -29,6 +29,7 @@ import bisect
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from paratrain.config.model import ModelConfig
 from paratrain.planner.float8 import block_linears, cast_bytes, float8_speedup
@@ -258,26 +259,36 @@ def rank_work(model: ModelConfig, layout: Layout, hw: Hardware, *, micro_batches
     """(the micro-batches' work of the pipeline rank whose compute is longest: its blocks and, on the last rank,
     the head; once per step, its optimizer step over `stage_elements` parameter elements). moe_layer: a MoE
     layer's work per micro-batch (paratrain.planner.moe_ops), in place of the MLP of each MoE block."""
-    best = _busiest_micro_batch(model, hw, layout.micro_batch * layout.local_tokens(seq), seq, Cut.of(layout),
-                                layout.recompute, numerics, layout.dims.pp, layout.dims.virtual_stages, layout.pipeline,
-                                moe_layer)
+    shape = MicroBatchShape(layout.micro_batch * layout.local_tokens(seq), seq, Cut.of(layout), layout.recompute,
+                            numerics)
+    best = _busiest_micro_batch(model, hw, shape, layout.pipeline, moe_layer)
     return best * micro_batches, optimizer_work(hw, stage_elements, numerics.kernels)
 
 
+class MicroBatchShape(NamedTuple):
+    """What a block's work reads of one micro-batch (block_work's keywords)."""
+
+    tokens: int
+    seq: int
+    cut: Cut
+    recompute: str
+    numerics: Numerics
+
+
 @functools.lru_cache(maxsize=4096)
-def _busiest_micro_batch(model: ModelConfig, hw: Hardware, tokens: int, seq: int, cut: Cut, recompute: str,
-                         numerics: Numerics, pp: int, v: int, pipeline: Schedule | None, moe_layer: Work) -> Work:
-    """rank_work's one micro-batch on its busiest pipeline rank, cached on what it reads (the search prices it for
-    every ZeRO stage, dp and micro-batch count alike)."""
-    common = dict(tokens=tokens, seq=seq, cut=cut, recompute=recompute, numerics=numerics)
-    block = block_work(model, hw, **common)
+def _busiest_micro_batch(model: ModelConfig, hw: Hardware, shape: MicroBatchShape, pipeline: Schedule | None,
+                         moe_layer: Work) -> Work:
+    """rank_work's one micro-batch on its busiest pipeline rank (pipeline None: the one rank), cached on what it reads
+    (the search prices it for every ZeRO stage, dp and micro-batch count alike)."""
+    block = block_work(model, hw, **shape._asdict())
     # a MoE block: the block without its MLP, and the MoE layer in its place
-    moe_block = block_work(model, hw, **common, mlp=False) + moe_layer if model.n_experts else Work()
-    head = head_work(model, hw, tokens=tokens, cut=cut, act=numerics.act, kernels=numerics.kernels)
+    moe_block = block_work(model, hw, **shape._asdict(), mlp=False) + moe_layer if model.n_experts else Work()
+    head = head_work(model, hw, tokens=shape.tokens, cut=shape.cut, act=shape.numerics.act,
+                     kernels=shape.numerics.kernels)
     if model.mtp_depth:  # each MTP depth: a dense block and the head again (its 2D -> D projection not priced)
         head = head * (1 + model.mtp_depth) + block * model.mtp_depth
     best = Work()
-    for blocks, moe_blocks, has_head in _rank_shapes(model, pp, v, pipeline):
+    for blocks, moe_blocks, has_head in _rank_shapes(model, pipeline):
         mine = block * (blocks - moe_blocks) + moe_block * moe_blocks + (head if has_head else Work())
         if mine.total > best.total:
             best = mine
@@ -285,9 +296,10 @@ def _busiest_micro_batch(model: ModelConfig, hw: Hardware, tokens: int, seq: int
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_shapes(model: ModelConfig, pp: int, v: int, pipeline: Schedule | None) -> frozenset[tuple[int, int, bool]]:
+def _rank_shapes(model: ModelConfig, pipeline: Schedule | None) -> frozenset[tuple[int, int, bool]]:
     """The distinct (blocks, of them MoE blocks, holds the head) of the pipeline ranks, as the engine cuts the
     layers (layer i of the cut is block i - 1: the embedding is layer 0)."""
+    pp, v = (pipeline.stages, pipeline.chunks) if pipeline is not None else (1, 1)
     dims = ParallelDims(pp=pp, virtual_stages=v)
     ranges = chunk_layers(model, dims)
     shapes = set()

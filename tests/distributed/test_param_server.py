@@ -145,8 +145,9 @@ def test_a_recorded_arrival_order_replays_exactly(pools):
 
     model = paratrain.build_gpt(TINY, seed=7, dtype=torch.float64)
     weights = replay(record, model=model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1),
-                     loss_fn=paratrain.lm_loss, batches=micro, lrs=lambda c: (lr_at(c),), servers=2, trainers=2,
-                     clocks=steps, bucket_bytes=int(0.05 * 2**20), grad_clip=1.0)
+                     loss_fn=paratrain.lm_loss, batches=micro, lrs=lambda c: (lr_at(c),),
+                     bucket_bytes=int(0.05 * 2**20), grad_clip=1.0)
+    assert (record.servers, record.trainers, record.clocks) == (2, 2, steps)
     for trainer in got[:2]:
         assert all(bool((trainer["model"][k] == weights[k]).all()) for k in weights)
 
