@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -28,6 +30,15 @@ def paratrain(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "paratrain", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """A command that starts no process (tokenize, export, a run refused before launch) run in this one, returned as
+    paratrain() returns it: without an interpreter and imports of its own (2-3 s a call, transformers' included)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def records(path: Path) -> list[dict]:
@@ -130,7 +141,7 @@ def test_train_log_save_resume(tmp_path):
     # naming the file and step 2
     cut = tmp_path / "ckpt" / "step_00000004" / "rank-00001.safetensors"  # rank 1's pieces
     cut.write_bytes(cut.read_bytes()[:-100])
-    out = paratrain("train", "--nproc", "1", *SMALL, "--steps", "4", "--resume", str(tmp_path / "ckpt"))
+    out = cli("train", "--nproc", "1", *SMALL, "--steps", "4", "--resume", str(tmp_path / "ckpt"))
     assert out.returncode == 2 and "step_00000004/rank-00001.safetensors has" in out.stderr
     assert "the newest older checkpoint that verifies is" in out.stderr and "step_00000002" in out.stderr
     # --resume auto takes that one: the ZeRO-2 checkpoint of step 2 on ONE process as plain DP, whose
@@ -575,7 +586,7 @@ def test_tokenize_then_train_on_the_token_files(tmp_path):
     with open(tmp_path / "corpus.jsonl", "w") as out:
         for text in builtin_text().split("\n\n\n"):
             out.write(json.dumps({"text": text}) + "\n")
-    out = paratrain("tokenize", str(tmp_path / "corpus.jsonl"), "--train-bpe", "600", "--workers", "2",
+    out = cli("tokenize", str(tmp_path / "corpus.jsonl"), "--train-bpe", "600", "--workers", "2",
                     "--val-fraction", "0.05", "--out", str(tmp_path / "data"), "--no-progress")
     assert out.returncode == 0, out.stderr
     assert "documents" in out.stdout and "vocabulary 600" in out.stdout
@@ -595,7 +606,7 @@ def llama_with_bpe(tmp_path: Path, documents: list[str]) -> Path:
     with open(tmp_path / "corpus.jsonl", "w") as out:
         for text in documents:
             out.write(json.dumps({"text": text}) + "\n")
-    assert paratrain("tokenize", str(tmp_path / "corpus.jsonl"), "--train-bpe", "500", "--out", str(tmp_path / "bpe"),
+    assert cli("tokenize", str(tmp_path / "corpus.jsonl"), "--train-bpe", "500", "--out", str(tmp_path / "bpe"),
                      "--val-fraction", "0.05", "--no-progress").returncode == 0
     torch.manual_seed(0)
     model = tmp_path / "llama"
@@ -630,7 +641,7 @@ def test_the_hugging_face_loop_from_text_in_every_layout_to_transformers(tmp_pat
     common = ["--hf", str(model), "--data-cache", str(tmp_path / "cache"), "--device", "cpu", "--seq-len", "32",
               "--global-batch", "8", "--micro-batch", "4", "--eval-every", "0", "--no-progress", "--warmup", "2",
               "--val-fraction", "0.05"]
-    out = paratrain("tokenize", corpus, "--tokenizer", str(model), "--out", str(tmp_path / "data"),
+    out = cli("tokenize", corpus, "--tokenizer", str(model), "--out", str(tmp_path / "data"),
                     "--val-fraction", "0.05", "--workers", "2", "--no-progress")
     assert out.returncode == 0, out.stderr
     logs = {}
@@ -654,7 +665,7 @@ def test_the_hugging_face_loop_from_text_in_every_layout_to_transformers(tmp_pat
     for split in ("train", "val"):
         assert (cached / f"{split}.bin").read_bytes() == (tmp_path / "data" / f"{split}.bin").read_bytes()
         assert IndexedTokens(cached / split).documents > 100
-    out = paratrain("export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--hf", str(model),
+    out = cli("export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--hf", str(model),
                     "--max-shard-size", "40KB")
     assert out.returncode == 0, out.stderr
     exported, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
@@ -676,7 +687,7 @@ def test_the_hugging_face_loop_from_text_in_every_layout_to_transformers(tmp_pat
     meta = json.loads((tmp_path / "other" / "tokens.json").read_text())
     meta["tokenizer"]["sha256"] = "0" * 64
     (tmp_path / "other" / "tokens.json").write_text(json.dumps(meta))
-    out = paratrain("train", *common, "--data", str(tmp_path / "other"), "--nproc", "1", "--steps", "1")
+    out = cli("train", *common, "--data", str(tmp_path / "other"), "--nproc", "1", "--steps", "1")
     assert out.returncode == 2 and "written with another tokenizer" in out.stderr
 
 
@@ -723,7 +734,7 @@ def test_a_hugging_face_mixtral_trains_in_every_layout_and_exports_as_the_hub_wr
     for step in other:
         assert other[step] == pytest.approx(one[step], rel=1e-5)
     shutil.rmtree(model)  # the checkpoint carries the model's config and tokenizer: the export needs no source
-    out = paratrain("export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--hf")
+    out = cli("export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--hf")
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "out" / "tokenizer.json").is_file()
     from safetensors import safe_open
@@ -870,7 +881,7 @@ def test_replay_recomputes_a_step_of_a_2_process_run_in_one(tmp_path):
     assert len(samples) == 5 and samples[0]["loss"] >= samples[-1]["loss"] and samples[0]["text"]
     assert len({s["index"] for s in samples}) == 5
     for step, message in (("3", "no checkpoint under"), ("9", "the run trained 8 steps")):
-        out = paratrain("replay", str(tmp_path / "ckpt"), "--step", step)
+        out = cli("replay", str(tmp_path / "ckpt"), "--step", step)
         assert out.returncode == 2 and message in out.stderr, out.stderr
 
 
@@ -1069,7 +1080,7 @@ def test_chat_data_trains_on_the_assistant_tokens_only_in_every_layout(tmp_path)
     with open(tmp_path / "chats.jsonl", "w") as out:
         for messages in chats:
             out.write(json.dumps({"messages": messages}) + "\n")
-    out = paratrain("tokenize", str(tmp_path / "chats.jsonl"), "--chat", "--tokenizer", str(model), "--out",
+    out = cli("tokenize", str(tmp_path / "chats.jsonl"), "--chat", "--tokenizer", str(model), "--out",
                     str(tmp_path / "chat"), "--val-fraction", "0.1", "--no-progress")
     assert out.returncode == 0, out.stderr
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
