@@ -7,7 +7,8 @@ from dataclasses import dataclass, replace
 from paratrain.config.errors import ConfigError
 from paratrain.config.pp_layout import layout_chunks
 from paratrain.config.rules import (PS_MODES, TP_MODES, check_diloco, check_expert_parallel, check_fault_tolerance,
-                                    check_parameter_server, check_shard_group, check_tp_mode, check_usp, grid_side)
+                                    check_parameter_server, check_shard_group, check_tp_mode, check_usp, grid_dp,
+                                    grid_side)
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zero-bubble", "zb-h1", "zb-v", "dualpipev")
 """The pipeline schedules paratrain.pipeline.schedules builds, by name (config is the ground floor:
@@ -264,24 +265,7 @@ class ParallelConfig:
             raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb}")
         self._check_context_parallel()
         check_parameter_server(self, world_size)
-        world_size -= self.ps_servers  # dedicated servers train nothing: the layout is the trainers'
-        model_parallel = self.tp * self.pp * self.cp
-        axes = ("tp", "pp", "cp") if self.cp > 1 else ("tp", "pp")  # cp named where it is used
-        names, values = " x ".join(axes), " x ".join(str(getattr(self, a)) for a in axes)
-        if world_size % model_parallel:
-            raise ConfigError(
-                f"{names} = {values} = {model_parallel} must divide the world size "
-                f"({world_size}): change {'/'.join(axes)} or the number of processes"
-            )
-        dp = self.dp if self.dp is not None else world_size // model_parallel
-        if dp < 1:
-            raise ConfigError(f"dp must be >= 1, got {dp}")
-        if dp * model_parallel != world_size:
-            raise ConfigError(
-                f"dp x {names} = {dp} x {values} = {dp * model_parallel} must equal the "
-                f"world size ({world_size}): set dp={world_size // model_parallel} or run "
-                f"{dp * model_parallel} processes (--nproc)"
-            )
+        dp = grid_dp(self, world_size - self.ps_servers)  # dedicated servers train nothing: the grid is the trainers'
         unknown = self.offloaded - {"optimizer", "activations"}
         if self.offload != "none" and (unknown or not self.offloaded):
             raise ConfigError(f"offload must be 'none', 'optimizer', 'activations' or 'optimizer,activations', "

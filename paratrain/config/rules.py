@@ -13,6 +13,7 @@ class LayoutFields(Protocol):
     """What these rules read of a layout (ParallelConfig has it; this file does not import it, which imports
     this file)."""
 
+    dp: int | None
     tp: int
     tp_mode: str
     tp_depth: int
@@ -35,6 +36,26 @@ class LayoutFields(Protocol):
     outer_lr: float
     outer_momentum: float
     outer_fragments: int
+
+def grid_dp(config: LayoutFields, trainers: int) -> int:
+    """The grid's rule: dp x tp x pp x cp = the trainers (the world less the dedicated parameter servers); dp, or
+    the dp it leaves when dp is None. The one home of the product: ParallelConfig.resolved applies it, and through it
+    the CLI, the Trainer and the planner's search."""
+    model_parallel = config.tp * config.pp * config.cp
+    axes = ("tp", "pp", "cp") if config.cp > 1 else ("tp", "pp")  # cp named where it is used
+    names, values = " x ".join(axes), " x ".join(str(getattr(config, a)) for a in axes)
+    if trainers % model_parallel:
+        raise ConfigError(f"{names} = {values} = {model_parallel} must divide the world size ({trainers}): change "
+                          f"{'/'.join(axes)} or the number of processes")
+    dp = config.dp if config.dp is not None else trainers // model_parallel
+    if dp < 1:
+        raise ConfigError(f"dp must be >= 1, got {dp}")
+    if dp * model_parallel != trainers:
+        raise ConfigError(f"dp x {names} = {dp} x {values} = {dp * model_parallel} must equal the world size "
+                          f"({trainers}): set dp={trainers // model_parallel} or run {dp * model_parallel} processes "
+                          "(--nproc)")
+    return dp
+
 
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 """How tensor parallelism splits each layer (ParallelConfig.tp_mode)."""
