@@ -301,7 +301,6 @@ def check_replica_run(config: RunConfig, parallel: ParallelConfig, micro_batch: 
     check_replica_batch(parallel, config.data.global_batch, micro_batch)
     groups, launch = parallel.replica_groups, config.launch
     given = [what for what, on in (
-        ("--precision fp16 (its loss scale is agreed over the group's ranks only)", config.train.precision == "fp16"),
         ("--plan auto", launch.plan == "auto"),
         ("--spike-policy", config.train.spike_policy != "off"),
         ("--max-restarts (start a lost group again with --replica-group G --lighthouse HOST:PORT: it joins the "

@@ -138,11 +138,10 @@ def quorum_for(member: Member, parallel: ParallelConfig, *, timeout_s: float, de
                  device=device)
 
 
-def check_replica_uses(*, precision: str, accelerator: str, max_restarts: int, diloco_saves: bool) -> None:
+def check_replica_uses(*, accelerator: str, max_restarts: int, diloco_saves: bool) -> None:
     """What a Trainer's fault_tolerance='replica' does not compose with in this version, refused before launch, as
     `paratrain train` refuses it (check_replica_run). diloco_saves: save= under dp_mode diloco."""
     given = [what for what, on in (
-        ("precision='fp16' (its loss scale is agreed over the group's ranks only)", precision == "fp16"),
         ("accelerator='cuda' (each group would number its GPUs from 0, and a joiner's state travels over gloo's CPU "
          "point-to-point)", accelerator == "cuda"),
         ("max_restarts (start a lost group again with replica_group=G, lighthouse='HOST:PORT': it joins the "

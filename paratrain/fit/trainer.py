@@ -152,7 +152,7 @@ class Trainer:
             check_diloco_uses(muon=optimizer == "muon")
         self.batch = batch_layout(global_batch, micro_batch or 0, self.parallel.dp or 1)
         if self.parallel.fault_tolerance == "replica":
-            check_replica_uses(precision=precision, accelerator=accelerator, max_restarts=max_restarts,
+            check_replica_uses(accelerator=accelerator, max_restarts=max_restarts,
                                diloco_saves=self.parallel.dp_mode == "diloco" and bool(save))
             check_replica_groups(self.parallel, self.batch, num_nodes=num_nodes, replica_group=replica_group,
                                  lighthouse=lighthouse)

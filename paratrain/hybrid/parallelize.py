@@ -143,7 +143,9 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                                    ("the parameter server's slices", ctx.config.ps_mode != "off")) if cut]
     check_layout_fits(opt, cuts)
     grads: GradientStrategy
-    update: Update = LocalUpdate(quorum=ctx.replicas)  # replica groups: their sums over the quorum each step
+    # replica groups (not DiLoCo's, which meet at outer steps only): their sums over the quorum each step
+    per_step = ctx.replicas if ctx.config.dp_mode != "diloco" else None
+    update: Update = LocalUpdate(quorum=per_step)
     if ctx.config.ps_mode != "off":  # 8b. the parameter server: pushes and pulls instead of collectives
         if meta:
             place()
@@ -179,7 +181,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
                               "every rank, and DiLoCo's replica groups train apart: use AdamW or SGD inside the "
                               "groups, or dp_mode sync")
         update = LocalUpdate(matrix_exchange(opt, model, pieces, grads.groups if isinstance(grads, ZeroSync) else [],
-                                             ctx), quorum=ctx.replicas)  # the groups' sums precede the owners' step
+                                             ctx), quorum=per_step)  # the groups' sums precede the owners' step
     if ctx.config.dp_mode == "diloco":  # 8d. the replica groups' outer step every inner_steps steps (by fragments;
         # under fault tolerance the groups are worlds of their own, meeting over the quorum at outer steps only)
         settings = OuterSettings(ctx.config.inner_steps, ctx.config.outer_lr, ctx.config.outer_momentum,
@@ -189,7 +191,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         update = LocalUpdate(outer=OuterStep(optimizer_tensors(opt), ctx.mesh.replica_group(), settings,
                                              bucket_elements=bucket_bytes // 4, spans=spans, quorum=ctx.replicas))
     # 9. Loss scaling where the policy needs it (fp16), its overflow decision shared by all ranks.
-    scaler = policy.scaler(options.loss_scale)
+    scaler = policy.scaler(options.loss_scale, across=per_step)
     # 10. Pipeline: the executor that runs the schedule's actions on this rank.
     executor = None if stage is None else pipeline_executor(stage, ctx, recipe, family=family, hidden=hidden,
                                                     policy=policy, recomputed=recomputed)

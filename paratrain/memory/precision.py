@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from paratrain.comm import all_reduce
 from paratrain.topology.mesh import AxisGroup
+from paratrain.topology.quorum import Quorum
 
 @dataclass(frozen=True)
 class Precision:
@@ -74,10 +75,10 @@ class Precision:
         """The dtype of the parameters a rank holds: `stored` under ZeRO, float32 otherwise."""
         return self.stored if sharded and self.stored is not None else torch.float32
 
-    def scaler(self, first_scale: float | None) -> LossScaler | None:
+    def scaler(self, first_scale: float | None, across: Quorum | None = None) -> LossScaler | None:
         """The dynamic loss scale this policy needs (None without loss scaling), starting at `first_scale` (None:
-        from the first micro-batch's tokens)."""
-        return LossScaler(scale=first_scale) if self.loss_scaling else None
+        from the first micro-batch's tokens, the smallest over the dp ranks and the replica groups `across`)."""
+        return LossScaler(scale=first_scale, across=across) if self.loss_scaling else None
 
 
 POLICIES: dict[str, Precision] = {
@@ -115,6 +116,10 @@ class LossScaler:
     growth_interval: int = 2000
     min_scale: float = 1.0
     good_steps: int = 0
+    across: Quorum | None = None
+    """Replica groups whose gradient sums meet every step (fault_tolerance 'replica'; not DiLoCo's, which meet at
+    outer steps only): the first scale is the smallest over them too, or each group's scaled gradients would be
+    summed with another's scale. A group joining later is sent the scale with the rest of the state."""
 
     def initial(self, tokens: float) -> float:
         """The first scale for a micro-batch of `tokens` loss terms (a power of two, at least min_scale)."""
@@ -122,11 +127,15 @@ class LossScaler:
 
     def agreed(self, tokens: float, device: torch.device, group: AxisGroup | None) -> float:
         """This step's scale. The very first derives it from the micro-batch's token count, the smallest
-        over `group` (the dp ranks: one all-reduce, once), so that every rank scales by the same factor."""
+        over `group` (the dp ranks: one all-reduce, once) and the replica groups `across` (one reduce over their
+        quorum, which may raise ReplicaLost before anything is applied), so that every rank scales by the same
+        factor."""
         if self.scale is None:
             first = torch.tensor([self.initial(tokens)], device=device)
             if group is not None:
                 all_reduce(first, group, op=dist.ReduceOp.MIN)
+            if self.across is not None:
+                self.across.reduce([first], op=dist.ReduceOp.MIN)
             self.scale = float(first.item())
         return self.scale
 

@@ -196,13 +196,16 @@ class Quorum:
 
     # --- each step ---
 
-    def reduce(self, tensors: list[torch.Tensor]) -> None:
-        """Sum `tensors` over the members (in place), then agree inside the group that every rank's sum went
-        through: ReplicaLost on every rank of the group if not (nothing was applied yet: the step can be redone)."""
+    def reduce(self, tensors: list[torch.Tensor], *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+        """Sum `tensors` over the members (in place; op: MIN for fp16's first loss scale), then agree inside the group
+        that every rank's reduce went through: ReplicaLost on every rank of the group if not (nothing was applied
+        yet: the step can be redone)."""
         failed, self.last_error = torch.zeros(1), ""
         if self.pg is not None:
+            options = dist.AllreduceOptions()
+            options.reduceOp = op
             try:
-                works = [self.pg.allreduce([t]) for t in tensors]
+                works = [self.pg.allreduce([t], options) for t in tensors]
                 for work in works:
                     work.wait()
             except RuntimeError as error:

@@ -46,8 +46,6 @@ SMALL = ["train", "--nproc", "4", "--model", "tiny", "--seq-len", "32", "--micro
 @pytest.mark.parametrize("flags, message", [
     (["--nproc", "6", "--fault-tolerance", "replica", "--replica-groups", "3", "--global-batch", "6", "--micro-batch",
       "1"], "with 2 of 3 groups left that is 4 x 1 rows"),
-    (["--fault-tolerance", "replica", "--replica-groups", "2", "--global-batch", "8", "--precision", "fp16"],
-     "--precision fp16"),
     (["--fault-tolerance", "replica", "--replica-groups", "2", "--global-batch", "8", "--max-restarts", "1",
       "--save", "/tmp/x"], "--max-restarts"),
     (["--nproc", "2", "--fault-tolerance", "replica", "--replica-groups", "2", "--global-batch", "8", "--replica-group",
@@ -67,7 +65,6 @@ def test_runs_with_replica_groups_refuse_what_they_cannot_do(capsys, flags, mess
 
 @pytest.mark.parametrize("options, message", [
     (dict(global_batch=6, micro_batch=1, replica_groups=3, devices=6), "with 2 of 3 groups left that is 4 x 1 rows"),
-    (dict(precision="fp16"), "precision='fp16'"),
     (dict(strategy=paratrain.ParallelConfig(zero=2, dp_mode="diloco", inner_steps=2), save="/tmp/x"),
      "save= with dp_mode diloco"),
     (dict(max_restarts=1, save="/tmp/x"), "max_restarts"),
@@ -80,3 +77,36 @@ def test_a_trainer_with_replica_groups_refuses_what_it_cannot_do(options, messag
     with pytest.raises(paratrain.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         paratrain.Trainer(**settings)
     paratrain.Trainer(devices=4, strategy="zero2", max_steps=2, global_batch=8, fault_tolerance="replica")
+
+
+class _Groups:
+    """A stand-in for the replica groups' quorum: the other groups' first loss scales, reduced as Quorum.reduce does."""
+
+    def __init__(self, others: list[float]) -> None:
+        self.others: list[float] = others
+        self.ops: list[object] = []
+
+    def reduce(self, tensors: list, *, op: object = None) -> None:
+        import torch.distributed as dist
+
+        self.ops.append(op)
+        for tensor in tensors:
+            values = [float(tensor.item()), *self.others]
+            tensor.fill_(min(values) if op == dist.ReduceOp.MIN else sum(values))
+
+
+def test_fp16_under_replica_groups_takes_the_smallest_first_scale_of_every_group():
+    """fp16 under fault_tolerance 'replica': each step sums the groups' scaled gradients, so the first scale (from a
+    micro-batch's token count) is the smallest over the replica groups as well as the dp ranks; a group with fewer
+    tokens would otherwise scale by twice another's and the sum mix both. Later steps ask no group."""
+    import torch
+    import torch.distributed as dist
+
+    from paratrain.memory.precision import POLICIES
+
+    groups = _Groups(others=[2.0**8])  # another group's first micro-batch: 256 tokens
+    scaler = POLICIES["fp16"].scaler(None, across=groups)
+    assert scaler.initial(100.0) == 2.0**9  # 100 tokens alone: 2^16 / 100, down to a power of two
+    assert scaler.agreed(100.0, torch.device("cpu"), None) == 2.0**8 and groups.ops == [dist.ReduceOp.MIN]
+    assert scaler.agreed(100.0, torch.device("cpu"), None) == 2.0**8 and len(groups.ops) == 1
+    assert POLICIES["fp16"].scaler(None).across is None and POLICIES["bf16"].scaler(None, across=groups) is None
