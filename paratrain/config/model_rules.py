@@ -6,6 +6,7 @@ applies them to every candidate."""
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
@@ -172,9 +173,16 @@ FLOAT8_MULTIPLE = 16
 device)."""
 
 
-def check_float8_layout(tp: int, tp_mode: str) -> None:
+class TensorCut(Protocol):
+    """How tp cuts each layer (ParallelConfig and ParallelDims have it)."""
+
+    tp: int
+    tp_mode: str
+
+
+def check_float8_layout(layout: TensorCut) -> None:
     """Precision fp8 under tensor parallelism: 1d, 2d and 2.5d (the 3d cube's blocks do not multiply in float8 yet)."""
-    if tp > 1 and tp_mode == "3d":
+    if layout.tp > 1 and layout.tp_mode == "3d":
         raise ConfigError("precision fp8 under tp_mode 3d: the cube's blocks do not multiply in float8 yet; use "
                           "tp_mode 1d, 2d or 2.5d, or precision bf16")
 
@@ -185,7 +193,7 @@ def check_float8(model: ModelConfig, parallel: ParallelConfig, precision: str) -
     float8 (paratrain.memory.float8.float8_linears)."""
     if precision != "fp8":
         return
-    check_float8_layout(parallel.tp, parallel.tp_mode)
+    check_float8_layout(parallel)
     multiple = FLOAT8_MULTIPLE * parallel.tp_split
     widths = {"d_model": model.d_model, "the MLP's width": model.ff_dim}
     unfit = [f"{name} {value}" for name, value in widths.items() if value % multiple]

@@ -119,7 +119,7 @@ def float8_choice(model: nn.Module, recipe: Recipe, settings: Float8Settings,
         raise ConfigError(f"precision fp8 makes the linears of a model's blocks float8, and this "
                           f"{type(model).__name__}'s recipe names no blocks: give it blocks (paratrain.recipe_for("
                           "model, blocks=REGEX)) or use bf16")
-    check_float8_layout(parallel.tp, parallel.tp_mode)
+    check_float8_layout(parallel)
     styles = resolve_plan(model, recipe.tp_plan, allow_missing=True) if parallel.tp > 1 and recipe.tp_plan else {}
     dense = frozenset(name for name, style in styles.items() if style == "partial_linear")
     return float8_linears(model, recipe.blocks, settings, parts=parallel.tp_split, dense=dense), styles

@@ -39,6 +39,7 @@ from paratrain.config.model import ModelConfig
 from paratrain.memory import precision_policy
 from paratrain.pipeline.schedules import Action, Schedule
 import paratrain.planner.cp_cost as cp_cost
+from paratrain.planner.grid import grid_cuts
 from paratrain.planner.layout import Layout, chunk_layers, layer_ranges
 from paratrain.planner.moe_activations import moe_activation_bytes
 from paratrain.planner.mtp_activations import mtp_activation_bytes, mtp_proj_cast
@@ -64,17 +65,6 @@ def _norm_and_column_input(tokens: float, d: int, mode: str) -> float:
     return tokens * (d * 2 + 4 + d * 2)  # low: the 16-bit input, 1/rms, the 16-bit x * weight
 
 
-def grid_cuts(layout: Layout) -> tuple[int, int, int]:
-    """(row blocks, width blocks, weight blocks) of a grid mode: how its activations' rows and width and its
-    matrices are cut (1d: (1, 1, tp) for the matrices; its activations are whole or split by tp alone)."""
-    mode, q = layout.tp_mode, layout.dims.grid_side
-    if mode == "1d":
-        return 1, 1, layout.tp
-    if mode == "3d":
-        return q * q, q, q ** 3
-    return layout.tp_depth * q, q, q * q  # 2d; 2.5d: every grid of the stack holds the same blocks
-
-
 def block_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode: str = "fp32",
                            moe: bool = False, moe_imbalance: float = 1.0) -> float:
     """Bytes one transformer block keeps for backward, per micro-batch of `layout` (its micro-batch, tp,
@@ -90,8 +80,8 @@ def block_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode
     # d / width). A grid cuts every other tensor into rows x width = tp blocks too: its attention and MLP terms
     # below (n d / t, n f / t elements a tensor) hold as they are; its heads per rank are h / width.
     rows, width, _ = grid_cuts(layout)
-    tokens, wide = (n / q, d) if layout.tp_mode == "1d" else (n / rows, d // width)
-    heads, lse_rows = (h // t, b) if layout.tp_mode == "1d" else (h // width, b / rows)
+    tokens, wide = (n / q, d) if not layout.dims.tp_grid else (n / rows, d // width)
+    heads, lse_rows = (h // t, b) if not layout.dims.tp_grid else (h // width, b / rows)
     if recompute == "full":
         return tokens * wide * res  # the block's input
     if recompute not in ("none", "selective"):
@@ -132,7 +122,7 @@ def block_weight_casts(model: ModelConfig, layout: Layout, *, mode: str, moe: bo
     if mode != "autocast":
         return 0.0
     d, f, t = model.d_model, model.ff_dim, layout.tp
-    if layout.tp_mode != "1d":  # every grid linear casts its own block inside its autograd function and keeps it
+    if layout.dims.tp_grid:  # every grid linear casts its own block inside its autograd function and keeps it
         return 2 * (4 * d * d + 2 * d * f) / grid_cuts(layout)[2]
     mlp_weights = 0 if moe else d * f
     column = 0 if layout.sequence_parallel else 3 * d * d + mlp_weights
@@ -207,13 +197,13 @@ def _chunk_sizes(model: ModelConfig, saved: tuple[Any, ...], moe_imbalance: floa
     block = block_activation_bytes(model, layout, seq=seq, mode=mode)
     moe_block = block_activation_bytes(model, layout, seq=seq, mode=mode, moe=True, moe_imbalance=moe_imbalance)
     kwargs = dict(micro_batch=layout.micro_batch, seq=layout.local_tokens(seq), tp=layout.tp)
-    grid = grid_cuts(layout) if layout.tp_mode != "1d" else None
+    grid = grid_cuts(layout) if layout.dims.tp_grid else None
     head = head_activation_bytes(model, sequence_parallel=layout.sequence_parallel, mode=mode, grid=grid, **kwargs)
     head += mtp_activation_bytes(model, layout, seq=seq, mode=mode, block=block, head=head, head_cast=head_weight_cast(
         model, tp=layout.tp, sequence_parallel=layout.sequence_parallel, mode=mode))
     embedding = embedding_activation_bytes(micro_batch=layout.micro_batch, seq=seq, tp=layout.tp,
                                            sequence_parts=layout.dims.sequence_parts,
-                                           share=layout.tp_depth if layout.tp_mode == "2.5d" else 1)
+                                           share=layout.tp_depth)  # (a 2.5d stack's depth; 1 in every other mode)
     sizes = []
     for blocks, moe, first, last in _chunk_blocks(model, layout.dims.pp * layout.dims.virtual_stages, pp_split):
         ends = (embedding if first else 0.0) + (head if last else 0.0)
@@ -336,7 +326,7 @@ def _chunk_casts(model: ModelConfig, layout: Layout, mode: str, pp_split: tuple[
 def _casts(model: ModelConfig, dims: ParallelDims, sequence_parallel: bool, mode: str,
            pp_split: tuple[int, ...]) -> tuple[float, ...]:
     layout = Layout(dims=replace(dims, dp_replicate=dims.dp, dp_shard=1), sequence_parallel=sequence_parallel)
-    if layout.tp_mode != "1d":
+    if layout.dims.tp_grid:
         return tuple(0.0 for _ in chunk_layers(model, layout.dims, pp_split))
     block = block_weight_casts(model, layout, mode=mode)
     head = head_weight_cast(model, tp=layout.tp, sequence_parallel=layout.sequence_parallel, mode=mode)

@@ -47,10 +47,9 @@ from __future__ import annotations
 from collections import Counter
 
 from paratrain.config.model import ModelConfig
-from paratrain.planner.activations import grid_cuts
 import paratrain.planner.cp_cost as cp_cost
 from paratrain.planner.dp_comm import data_parallel_volume
-from paratrain.planner.grid import grid_calls
+from paratrain.planner.grid import grid_calls, grid_cuts, norm_parts, width_axes
 from paratrain.planner.moe_comm import Call, expert_exchanges, expert_step_calls, sequence_parallel_moe
 from paratrain.planner.layout import Layout, chunk_layers
 from paratrain.planner.params import rank_params
@@ -115,7 +114,7 @@ def tensor_parallel_calls(model: ModelConfig, layout: Layout, *, stage: int, pre
         return []
     blocks, first, last = _held(model, layout, stage, pp_split)
     act = _activation_bytes(layout, precision)
-    if layout.tp_mode != "1d":  # 2d, 2.5d, 3d: paratrain.planner.grid
+    if layout.dims.tp_grid:  # 2d, 2.5d, 3d: paratrain.planner.grid
         return grid_calls(model, layout, blocks=blocks, first=first, last=last, act=act)
     # the MTP depths run with the head, each a block, an embedding lookup and the head (with its loss) again; under
     # sequence parallelism their two input norms and projection are replicated weights summed over tp too
@@ -166,9 +165,8 @@ def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str
         else:
             calls.append(("tied", "all_reduce", params[0].numel, 4))
     # tp slices and replicated weights sum over different axes; a grid's matrices, the replicated kind (none of its
-    # parameters) and its vectors' blocks along each activation layout's width (2d: the row; 3d: the output and the
-    # input axis) over three or four
-    parts = {"1d": 2, "3d": 4}.get(layout.tp_mode, 3) if layout.tp > 1 else 1
+    # parameters) and its vectors' blocks along each activation layout's width over three or four
+    parts = norm_parts(layout)
     if layout.dims.replicas > 1:
         calls.append((layout.dims.data_axis, "all_reduce", 2, 8))
         if layout.zero:  # the norm's squares add up over the ranks that hold different shards
@@ -178,9 +176,8 @@ def step_calls(model: ModelConfig, layout: Layout, *, stage: int, precision: str
         calls += expert_step_calls(model, layout, moe=_moe_layers(model, layout, stage, pp_split))
     if layout.tp > 1:
         calls.append(("tp", "all_reduce", 1, 4))
-        if layout.tp_mode != "1d":  # the vectors' blocks, along the row (3d: the output, then the input axis)
-            widths = ("tp_output", "tp_input") if layout.tp_mode == "3d" else ("tp_row",)
-            calls += [(axis, "all_reduce", 1, 4) for axis in widths]
+        # a grid's vectors' blocks, along the row (3d: the output, then the input axis)
+        calls += [(axis, "all_reduce", 1, 4) for axis in width_axes(layout)]
     if layout.pp > 1:
         calls.append(("pp", "all_reduce", 2, 8))
         calls += [("pp", "all_reduce", 1, 4)] * parts
@@ -197,7 +194,7 @@ def pipeline_sends(model: ModelConfig, layout: Layout, *, stage: int, micro_batc
     messages = sum((c < chunks - 1 and placed(c + 1) != stage) + (c > 0 and placed(c - 1) != stage)
                    for c in mine) * micro_batches
     split = (layout.tp if layout.sequence_parallel else 1) * layout.dims.sequence_parts
-    rows, width = (1, 1) if layout.tp_mode == "1d" else grid_cuts(layout)[:2]  # a grid's block of the activation
+    rows, width = grid_cuts(layout)[:2]  # a grid's block of the activation (1d: the whole of it)
     message = (layout.micro_batch // rows * (model.seq_len // split) * (model.d_model // width)
                * _activation_bytes(layout, precision))
     return messages * message

@@ -39,6 +39,32 @@ from paratrain.planner.layout import Layout
 Call = tuple[str, str, int, int]
 
 
+def grid_cuts(layout: Layout) -> tuple[int, int, int]:
+    """(row blocks, width blocks, weight blocks) of a grid mode: how its activations' rows and width and its
+    matrices are cut (1d: (1, 1, tp) for the matrices; its activations are whole or split by tp alone)."""
+    mode, q = layout.tp_mode, layout.dims.grid_side
+    if mode == "1d":
+        return 1, 1, layout.tp
+    if mode == "3d":
+        return q * q, q, q ** 3
+    return layout.tp_depth * q, q, q * q  # 2d; 2.5d: every grid of the stack holds the same blocks
+
+
+def width_axes(layout: Layout) -> tuple[str, ...]:
+    """The sub-axes a grid's vectors' blocks lie along (the activation's width: 2d / 2.5d the row, 3d the output
+    and the input axis), each a norm's squares are summed over; none under 1d."""
+    if layout.tp_mode == "1d":
+        return ()
+    return ("tp_output", "tp_input") if layout.tp_mode == "3d" else ("tp_row",)
+
+
+def norm_parts(layout: Layout) -> int:
+    """The gradient norm's kinds of parts a rank sums (each one all-reduce over a shard group, and over pp): tp's
+    slices and its replicated weights (1d: 2), a grid's matrices, the replicated kind and its vectors' blocks along
+    each width axis (2d / 2.5d: 3, 3d: 4); 1 without tp."""
+    return 2 + len(width_axes(layout)) if layout.tp > 1 else 1
+
+
 def _linears(model: ModelConfig) -> list[tuple[int, int, str]]:
     """(out, in, style) of a GPT block's linears, in forward order."""
     d, f = model.d_model, model.ff_dim

@@ -146,7 +146,7 @@ def _rank_parts(model: ModelConfig, where: MatrixLayout,
 def _tp_part(dims: ParallelDims, tp: int) -> int:
     """Which part of a tp-split matrix tp rank `tp` holds: its 1-D slice or grid block; a 2.5-D grid's depths
     (tp = depth q^2 + row q + column) hold the same blocks."""
-    if dims.tp_mode == "2.5d":
+    if dims.tp_depth > 1:  # (tp_depth is 1 in every other mode)
         return tp % dims.grid_side ** 2
     return tp
 

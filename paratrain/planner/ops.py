@@ -151,7 +151,7 @@ class Cut:
 
     @classmethod
     def of(cls, layout: Layout) -> Cut:
-        return cls(layout.tp_mode, layout.tp, layout.dims.grid_side, layout.tp_depth, layout.sequence_parallel)
+        return cls(*layout.dims.tp_shape, layout.sequence_parallel)
 
     def products(self, tokens: int, d_in: int, d_out: int) -> tuple[Gemm, int]:
         """(the product one rank runs, how many times) for a linear [tokens, d_in] -> [tokens, d_out]: 1d a

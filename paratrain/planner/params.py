@@ -62,21 +62,21 @@ def rank_params(model: ModelConfig, dims: ParallelDims, stage: int, pp_split: tu
     order), with tensor parallelism's slices (GPT_PLAN: qkv, up and head split by rows, out and down
     by columns, the embedding by vocabulary rows; norms and MoE layers replicated, the experts cut along
     their width with expert_tp) and expert parallelism's (each rank E / ep experts of every MoE layer)."""
-    if dims.tp_mode != "1d":
-        return list(_grid_params(model, dims.tp_mode, dims.grid_side, dims.pp * dims.virtual_stages,
+    if dims.tp_grid:
+        return list(_grid_params(model, dims.tp_cube, dims.grid_side, dims.pp * dims.virtual_stages,
                                  stage_chunks(dims, stage, pipeline), tuple(pp_split)))
     return list(_rank_params(model, dims.tp, dims.pp * dims.virtual_stages, stage_chunks(dims, stage, pipeline),
                              tuple(pp_split), dims.ep, expert_tp and dims.tp > 1))
 
 
 @functools.lru_cache(maxsize=4096)
-def _grid_params(model: ModelConfig, mode: str, q: int, parts: int, mine: tuple[int, ...],
+def _grid_params(model: ModelConfig, cube: bool, q: int, parts: int, mine: tuple[int, ...],
                  pp_split: tuple[int, ...]) -> tuple[RankParam, ...]:
     """rank_params under a grid mode (paratrain.tensor_parallel.grid_plan): every matrix W[out, in] a block of
     [out / q, in / q] (2d, 2.5d: the same blocks on every grid of the stack) or [out / q^2, in / q] (3d), the
     embedding and the head as a [V, d] matrix, norms [d / q]. The GPT's MoE layers are refused there."""
     d, f, v = model.d_model, model.ff_dim, model.padded_vocab
-    rows = q * q if mode == "3d" else q
+    rows = q * q if cube else q
 
     def matrix(name: str, out: int, inp: int, **kw: bool) -> RankParam:
         return RankParam(name, (out // rows, inp // q), True, **kw)

@@ -11,7 +11,8 @@ from paratrain.config.model import ModelConfig
 from paratrain.nn.loss import CHUNK_BYTES
 import paratrain.planner.cp_cost as cp_cost
 import paratrain.planner.param_server as param_server
-from paratrain.planner.activations import activation_bytes, grid_cuts, storage_mode
+from paratrain.planner.activations import activation_bytes, storage_mode
+from paratrain.planner.grid import grid_cuts
 from paratrain.planner.layout import Layout
 from paratrain.planner.memory import model_state_bytes
 from paratrain.planner.optimizer import exchange_bytes

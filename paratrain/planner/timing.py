@@ -174,7 +174,7 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     moe_tp = tp if layout.expert_tp or layout.sequence_parallel else 1
     float8 = settings.fp8_recipe if precision == "fp8" else ""
     if float8:  # the blocks' linears at the float8 rate (their casts: priced by operation only)
-        check_float8_layout(layout.tp, layout.tp_mode)
+        check_float8_layout(layout.dims)
         hardware_flops -= linear_flops_per_token(model) * tokens * hardware_flops / model_flops * (
             1.0 - 1.0 / float8_speedup(hw.name, hw.float8_speedup))
     per_rank = (hardware_flops - moe_flops) / layout.dims.inside("pp") + (moe_flops + skewed) / (
@@ -214,7 +214,7 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
         count = (6 if megatron else 5) if full else 4
         per_block = count * bus_time(tp_bytes, tp, hw.bandwidth(tp), hw.latency_s, factor=2)
     tp_time = m * blocks_here * per_block
-    if layout.tp_mode != "1d" and tp > 1:  # a grid's collectives, each over the links its sub-axis spans; its
+    if layout.dims.tp_grid and tp > 1:  # a grid's collectives, each over the links its sub-axis spans; its
         # head's SUMMA too (its weight term is large): paratrain.planner.grid
         tp_time = m * grid_time(model, layout, hw, blocks=blocks_here, last=pp == 1, act=act, seq=local)
     cp_time = m * blocks_here * cp_cost.exchange_time(model, layout, hw, seq=seq, act=act, rate=attention_rate)

@@ -107,6 +107,32 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def tp_grid(self) -> bool:
+        """Whether tp cuts each layer over a grid of ranks (tp_mode 2d, 2.5d or 3d) rather than along one dimension."""
+        return self.tp_mode != "1d"
+
+    @property
+    def tp_cube(self) -> bool:
+        """Whether that grid is a q x q x q cube (tp_mode 3d)."""
+        return self.tp_mode == "3d"
+
+    @property
+    def tp_shape(self) -> tuple[str, int, int, int]:
+        """(tp_mode, tp, grid_side, tp_depth): how tp cuts each layer, whole."""
+        return self.tp_mode, self.tp, self.grid_side, self.tp_depth
+
+    def tp_sub_axes(self) -> dict[str, list[list[int]]]:
+        """The grid's sub-axes of tp and every group of each, as the mesh builds them: "tp_row" and "tp_col" (and
+        "tp_depth" with tp_depth > 1) of 2d / 2.5d, "tp_input", "tp_weight" and "tp_output" of the cube; none
+        under 1d."""
+        if not self.tp_grid:
+            return {}
+        if self.tp_cube:
+            return dict(zip(("tp_input", "tp_weight", "tp_output"), self.tp_cube_groups()))
+        rows, cols, depths = self.tp_grid_groups()
+        return {"tp_row": rows, "tp_col": cols, **({"tp_depth": depths} if self.tp_depth > 1 else {})}
+
+    @property
     def grid_side(self) -> int:
         """q of a 2d / 2.5d tensor-parallel grid (tp_depth x q x q = tp ranks) or a 3d cube (q^3); 1 under 1d."""
         return grid_side(self.tp_mode, self.tp, self.tp_depth)

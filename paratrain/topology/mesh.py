@@ -100,15 +100,8 @@ class Mesh:
             inner, ring = dims.cp_split()
             add("cp_ulysses", inner)
             add("cp_ring", ring)
-        if dims.tp_mode in ("2d", "2.5d"):
-            rows, cols, depths = dims.tp_grid_groups()
-            add("tp_row", rows)
-            add("tp_col", cols)
-            if dims.tp_depth > 1:
-                add("tp_depth", depths)
-        if dims.tp_mode == "3d":
-            for axis, ranks_of_axis in zip(("tp_input", "tp_weight", "tp_output"), dims.tp_cube_groups()):
-                add(axis, ranks_of_axis)
+        for axis, ranks_of_axis in dims.tp_sub_axes().items():  # a grid's rows and columns, a cube's three axes
+            add(axis, ranks_of_axis)
         if dims.servers > 1:
             add("servers", [list(range(dims.grid_size, dims.world_size))])
         if dims.ep > 1:  # a process group of its own even when ep = dp: the all-to-alls in backward must not
