@@ -139,7 +139,7 @@ def parallelize(model: nn.Module, ctx: Context, *, optimizer: OptimizerFactory,
         else optimizer(params)
     matrix = isinstance(opt, MatrixOptimizer)
     cuts = [what for what, cut in ((f"ZeRO-{ctx.config.zero}'s flat shards", ctx.config.zero > 0),
-                                   ("tensor-parallel slices", ctx.config.tp > 1), ("expert shards", ctx.config.ep > 1),
+                                   ("tensor-parallel slices", ctx.config.tp > 1), ("expert shards", ctx.dims.experts_split),
                                    ("the parameter server's slices", ctx.config.ps_mode != "off")) if cut]
     check_layout_fits(opt, cuts)
     grads: GradientStrategy

@@ -41,7 +41,7 @@ from paratrain.pipeline.schedules import Action, Schedule
 import paratrain.planner.cp_cost as cp_cost
 from paratrain.planner.grid import grid_cuts
 from paratrain.planner.layout import Layout, chunk_layers, layer_ranges
-from paratrain.planner.moe_activations import moe_activation_bytes
+from paratrain.planner.moe_cost import layer_activation_bytes
 from paratrain.planner.mtp_activations import mtp_activation_bytes, mtp_proj_cast
 from paratrain.topology.dims import ParallelDims
 
@@ -72,7 +72,7 @@ def block_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode
     for the whole model, see rope_bytes); seq: tokens of a whole sequence; moe: a block with a MoE layer
     for its MLP (moe_imbalance: StepSettings')."""
     b, s, d, f, h, t = layout.micro_batch, layout.local_tokens(seq), model.d_model, model.ff_dim, model.n_head, layout.tp
-    sequence_parallel, recompute, ep = layout.sequence_parallel, layout.recompute, layout.ep
+    sequence_parallel, recompute = layout.sequence_parallel, layout.recompute
     n = b * s
     q = t if sequence_parallel else 1
     res = 2 if mode == "low" else 4
@@ -101,9 +101,7 @@ def block_activation_bytes(model: ModelConfig, layout: Layout, *, seq: int, mode
     attention += cp_cost.rotation_bytes(model, layout, local=s, mode=mode)
     if moe:  # the MoE layer keeps its own copies of the normed input (moe_activation_bytes)
         norms += _norm_and_column_input(n / q, d, mode) - n / q * d * (4 if mode == "fp32" else 2)
-        mlp = moe_activation_bytes(model, micro_batch=b, seq=s // q, mode=mode, ep=ep,
-                                   expert_tp=t if layout.expert_tp else 1, gathered=sequence_parallel and layout.expert_tp,
-                                   imbalance=moe_imbalance)
+        mlp = layer_activation_bytes(model, layout, micro_batch=b, seq=s // q, mode=mode, imbalance=moe_imbalance)
     else:
         norms += _norm_and_column_input(tokens, wide, mode)
         mlp = 2 * n * f / t * act  # up's output (GELU's input) and GELU's output (down's input)

@@ -50,7 +50,7 @@ from paratrain.config.model import ModelConfig
 import paratrain.planner.cp_cost as cp_cost
 from paratrain.planner.dp_comm import data_parallel_volume
 from paratrain.planner.grid import grid_calls, grid_cuts, norm_parts, width_axes
-from paratrain.planner.moe_comm import Call, expert_exchanges, expert_step_calls, sequence_parallel_moe
+from paratrain.planner.moe_cost import Call, expert_exchanges, expert_step_calls, sequence_parallel_moe
 from paratrain.planner.layout import Layout, chunk_layers
 from paratrain.planner.params import rank_params
 from paratrain.planner.memory import flat_groups
@@ -90,7 +90,7 @@ def step_volume(model: ModelConfig, layout: Layout, *, stage: int, micro_batches
         ops = volume.setdefault(axis, {})  # cp's own: Ulysses' all-to-alls, the MTP depths' ids gathered
         for op, n in sequence_ops.items():
             ops[op] = ops.get(op, 0) + n
-    if model.n_experts:  # ep's all-to-alls, cp's per-sequence fractions (paratrain.planner.moe_comm)
+    if model.n_experts:  # ep's all-to-alls, cp's per-sequence fractions (paratrain.planner.moe_cost)
         moe, act = _moe_layers(model, layout, stage, pp_split), _activation_bytes(layout, precision)
         # each micro-batch's exchanges, then each W's repeat of its chunk's backward ones
         runs = [(moe, 0, micro_batches)] + [(0, _w_repeats(model, layout, stage, pp_split, (c,))[2], n)

@@ -160,5 +160,5 @@ def _units(p: RankParam, dims: ParallelDims, dp: int) -> tuple[int, int]:
     """(the index among the whole tensor's units of this rank's first, elements of each held here): an expert
     bank's experts are the ep rank's contiguous share."""
     local = _count(p)
-    first = (dp % dims.ep) * local if p.expert else 0
+    first = dims.expert_index(dp) * local if p.expert else 0
     return first, p.numel // local

@@ -200,7 +200,7 @@ class Numerics:
 def block_work(model: ModelConfig, hw: Hardware, *, tokens: int, seq: int, cut: Cut, recompute: str,
                numerics: Numerics, mlp: bool = True) -> Work:
     """One block and one micro-batch of `tokens` rows on one tp rank (attention over `seq` keys); without its
-    MLP when `mlp` is false (a MoE block: paratrain.planner.moe_ops prices the layer in its place)."""
+    MLP when `mlp` is false (a MoE block: paratrain.planner.moe_cost prices the layer in its place)."""
     kernels, act, float8 = numerics.kernels, numerics.act, numerics.float8
     h, f, tp = model.d_model, model.ff_dim, cut.tp
     linears = block_linears(model, mlp=mlp)
@@ -258,7 +258,7 @@ def rank_work(model: ModelConfig, layout: Layout, hw: Hardware, *, micro_batches
               stage_elements: float, moe_layer: Work = Work()) -> tuple[Work, Work]:
     """(the micro-batches' work of the pipeline rank whose compute is longest: its blocks and, on the last rank,
     the head; once per step, its optimizer step over `stage_elements` parameter elements). moe_layer: a MoE
-    layer's work per micro-batch (paratrain.planner.moe_ops), in place of the MLP of each MoE block."""
+    layer's work per micro-batch (paratrain.planner.moe_cost), in place of the MLP of each MoE block."""
     shape = MicroBatchShape(layout.micro_batch * layout.local_tokens(seq), seq, Cut.of(layout), layout.recompute,
                             numerics)
     best = _busiest_micro_batch(model, hw, shape, layout.pipeline, moe_layer)

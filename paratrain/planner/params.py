@@ -66,7 +66,8 @@ def rank_params(model: ModelConfig, dims: ParallelDims, stage: int, pp_split: tu
         return list(_grid_params(model, dims.tp_cube, dims.grid_side, dims.pp * dims.virtual_stages,
                                  stage_chunks(dims, stage, pipeline), tuple(pp_split)))
     return list(_rank_params(model, dims.tp, dims.pp * dims.virtual_stages, stage_chunks(dims, stage, pipeline),
-                             tuple(pp_split), dims.ep, expert_tp and dims.tp > 1))
+                             tuple(pp_split), dims.experts_of(model.n_experts), dims.experts_split,
+                             expert_tp and dims.tp > 1))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -107,7 +108,9 @@ def _grid_params(model: ModelConfig, cube: bool, q: int, parts: int, mine: tuple
 
 @functools.lru_cache(maxsize=4096)
 def _rank_params(model: ModelConfig, t: int, parts: int, mine: tuple[int, ...],
-                 pp_split: tuple[int, ...], ep: int = 1, expert_tp: bool = False) -> tuple[RankParam, ...]:
+                 pp_split: tuple[int, ...], experts: int = 0, experts_apart: bool = False,
+                 expert_tp: bool = False) -> tuple[RankParam, ...]:
+    """rank_params under 1d: experts, this rank's of each MoE layer; experts_apart, whether ep splits them."""
     d, f, v = model.d_model, model.ff_dim, model.padded_vocab
     ranges = layer_ranges(model, parts, pp_split)
     layers = {i for c in mine for i in range(*ranges[c])}
@@ -131,10 +134,10 @@ def _rank_params(model: ModelConfig, t: int, parts: int, mine: tuple[int, ...],
                 continue
             params += dense(b)[:4]
             # a MoE layer (paratrain.nn.moe): replicated over tp, its experts sliced over ep (and over tp)
-            e, fe = model.n_experts // ep, model.expert_dim // (t if expert_tp else 1)
+            fe = model.expert_dim // (t if expert_tp else 1)
             params += [RankParam(f"{b}.moe.router.weight", (model.n_experts, d), False),
-                       RankParam(f"{b}.moe.experts.up", (e, fe, d), expert_tp, expert=ep > 1),
-                       RankParam(f"{b}.moe.experts.down", (e, d, fe), expert_tp, expert=ep > 1)]
+                       RankParam(f"{b}.moe.experts.up", (experts, fe, d), expert_tp, expert=experts_apart),
+                       RankParam(f"{b}.moe.experts.down", (experts, d, fe), expert_tp, expert=experts_apart)]
             if model.shared_expert:
                 params += [RankParam(f"{b}.moe.shared.up.weight", (f, d), False),
                            RankParam(f"{b}.moe.shared.down.weight", (d, f), False)]

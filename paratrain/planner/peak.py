@@ -61,7 +61,7 @@ def memory(model: ModelConfig, layout: Layout, *, global_batch: int, seq: int,
             blocks = grid_cuts(layout)[2]  # tp, or a grid's blocks of each matrix
             unit = 4 * model.d_model ** 2 / blocks + max(
                 2 * model.d_model * model.ff_dim / blocks,
-                model.moe_layer_params(model.n_experts // layout.ep) / (layout.tp if layout.expert_tp else 1)
+                model.moe_layer_params(layout.dims.experts_of(model.n_experts)) / (layout.tp if layout.expert_tp else 1)
                 if model.n_experts else 0)
             other += 2 * unit * BYTES[precision if mode == "low" else "fp32"]
         record = {**{k: float(v) for k, v in states.items()}, "activations": activations, "other": other}

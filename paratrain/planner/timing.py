@@ -5,7 +5,7 @@ section 4), each term named so that a measurement can be set against it.
     compute    on a GPU profile with per-operation rates (Hardware.per_operation), the busiest pipeline rank's
                GEMMs, attention, memory-bound operations and kernel launches per micro-batch, and once per
                step its optimizer (paratrain.planner.ops; a MoE layer's routing, dispatch and experts:
-               paratrain.planner.moe_ops). Otherwise (the CPU profile, one efficiency): model
+               paratrain.planner.moe_cost). Otherwise (the CPU profile, one efficiency): model
                FLOPs (6 N per token + attention, PaLM's count) of the busiest pipeline stage, times 4/3 with
                full recomputation (one more forward), over peak x efficiency; plus the profile's fixed
                overhead per block and micro-batch (launches, Python), and per MoE layer and micro-batch what
@@ -61,7 +61,7 @@ from paratrain.planner.hardware import Hardware, bus_time
 from paratrain.planner.held import rank_held, stepped_elements
 from paratrain.planner.layout import Layout, chunk_layers, layer_costs, stage_chunks
 from paratrain.planner.memory import BYTES
-from paratrain.planner.moe_ops import moe_layer_work
+from paratrain.planner.moe_cost import expert_exchange_time, expert_skew, moe_layer_work
 from paratrain.planner.ops import KERNELS, Numerics, Work, rank_work
 from paratrain.planner.param_server import exchange_time
 from paratrain.planner.settings import PRICED, StepSettings
@@ -168,7 +168,7 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     # parallelism (each rank 1/tp of every expert) or sequence parallelism (each rank routes its chunk) divide them
     moe_flops = 6.0 * model.moe_layers * model.moe_layer_params(model.top_k) * tokens
     moe_flops *= hardware_flops / model_flops
-    skew = moe_imbalance if layout.ep > 1 else 1.0  # the busiest ep rank's experts run skew x a balanced share
+    skew = expert_skew(layout, moe_imbalance)  # the busiest ep rank's experts run skew x a balanced share
     skewed = (skew - 1.0) * 12.0 * model.moe_layers * model.top_k * model.d_model * model.expert_dim * tokens * (
         hardware_flops / model_flops)
     moe_tp = tp if layout.expert_tp or layout.sequence_parallel else 1
@@ -187,7 +187,7 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
     by_operation = {"compute: FLOPs at peak x efficiency": compute - overhead, "compute: fixed overhead": overhead}
     once = 0.0  # the per-operation model's optimizer step, after the pipelined part
     attention_rate = rate
-    if hw.per_operation:  # paratrain.planner.ops (and a MoE layer's: paratrain.planner.moe_ops)
+    if hw.per_operation:  # paratrain.planner.ops (and a MoE layer's: paratrain.planner.moe_cost)
         # the optimizer steps on this device over its ZeRO shard (not when offloaded, nor under the parameter server)
         stepped = stepped_elements(model, layout)
         moe = moe_layer_work(model, layout, hw, tokens=layout.micro_batch * local, act=act,
@@ -218,19 +218,11 @@ def step_time(model: ModelConfig, layout: Layout, hw: Hardware, *, global_batch:
         # head's SUMMA too (its weight term is large): paratrain.planner.grid
         tp_time = m * grid_time(model, layout, hw, blocks=blocks_here, last=pp == 1, act=act, seq=local)
     cp_time = m * blocks_here * cp_cost.exchange_time(model, layout, hw, seq=seq, act=act, rate=attention_rate)
-    # expert parallelism, on the critical path, per MoE layer and micro-batch: the rows to the experts and
-    # back, forward and backward (4 all-to-alls of micro-batch x seq x top_k rows; a share (ep - 1) / ep
-    # leaves the rank), over the link its ep ranks (consecutive in dp) span
+    # the MoE layers' exchanges on the critical path, per layer and micro-batch (paratrain.planner.moe_cost)
     ep_time = 0.0
-    rows_bytes = layout.micro_batch * local * model.top_k * model.d_model * act  # a micro-batch's routed rows
-    if layout.ep > 1:  # (under sequence parallelism each tp rank sends its chunk's rows)
-        sent = rows_bytes / tp if layout.sequence_parallel else rows_bytes
-        ep_time = m * moe_here * 4 * bus_time(sent * skew, layout.ep, hw.bandwidth(layout.dims.inside("dp") * layout.ep),
-                                               hw.latency_s, factor=1)
-    if layout.expert_tp and tp > 1:  # the experts' outputs summed over tp: an all-reduce each way of the rows;
-        # under sequence parallelism the rows all-gathered and the outputs reduce-scattered, and back in backward
-        ops, factor = (4, 1) if layout.sequence_parallel else (2, 2)
-        ep_time += m * moe_here * ops * bus_time(rows_bytes, tp, hw.bandwidth(tp), hw.latency_s, factor=factor)
+    for calls, seconds in expert_exchange_time(model, layout, hw, tokens=layout.micro_batch * local, act=act,
+                                               skew=skew):
+        ep_time += m * moe_here * calls * seconds
     bubble = layout.pipeline.bubble(m) if layout.pipeline is not None else 0.0
     pipelined = (compute + tp_time + ep_time + cp_time) / (1.0 - bubble)
     # pipeline: the fill and drain expose 2 (p - 1) transfers of an activation (or its gradient)

@@ -107,6 +107,32 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def experts_split(self) -> bool:
+        """Whether expert parallelism splits the experts among ranks (ep > 1)."""
+        return self.ep > 1
+
+    def experts_of(self, experts: int) -> int:
+        """The experts of a layer of `experts` one rank holds: experts / ep."""
+        return experts // self.ep
+
+    def expert_index(self, dp_index: int) -> int:
+        """Which share of the experts dp rank `dp_index` holds (an ep group is ep consecutive dp ranks)."""
+        return dp_index % self.ep
+
+    def expert_axes(self) -> dict[str, list[list[int]]]:
+        """Expert parallelism's axes and every group of each, as the mesh builds them: "ep" (its own process group
+        even when ep = dp: the all-to-alls in backward must not interleave with the gradient all-reduces GradSync
+        starts on dp meanwhile), "edp" (the ranks holding the same experts) when ep < dp, and under cp "edp_cp"
+        (edp x cp); none without ep."""
+        if not self.experts_split:
+            return {}
+        experts, replicas = self.dp_split(self.ep)
+        axes = {"ep": experts, **({"edp": replicas} if self.ep < self.dp else {})}
+        if self.expert_data_axis != "edp":
+            axes[self.expert_data_axis] = self.expert_data_groups()
+        return axes
+
+    @property
     def tp_grid(self) -> bool:
         """Whether tp cuts each layer over a grid of ranks (tp_mode 2d, 2.5d or 3d) rather than along one dimension."""
         return self.tp_mode != "1d"

@@ -104,14 +104,8 @@ class Mesh:
             add(axis, ranks_of_axis)
         if dims.servers > 1:
             add("servers", [list(range(dims.grid_size, dims.world_size))])
-        if dims.ep > 1:  # a process group of its own even when ep = dp: the all-to-alls in backward must not
-            # interleave with the gradient all-reduces that GradSync starts on dp meanwhile
-            experts, replicas = dims.dp_split(dims.ep)
-            add("ep", experts)
-            if dims.ep < dims.dp:
-                add("edp", replicas)
-            if dims.expert_data_axis != "edp":  # edp x cp
-                add(dims.expert_data_axis, dims.expert_data_groups())
+        for axis, ranks_of_axis in dims.expert_axes().items():  # ep, edp, edp x cp
+            add(axis, ranks_of_axis)
         return cls(dims=dims, rank=rank, groups=groups, recorder=recorder)
 
     @classmethod

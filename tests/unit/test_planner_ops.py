@@ -230,14 +230,14 @@ def test_recompute_collectives_and_grid_cuts():
 
 
 def test_a_moe_layer_is_priced_by_operation():
-    """A MoE model on a GPU profile is priced by operation (paratrain.planner.moe_ops), not by one efficiency. Checks
+    """A MoE model on a GPU profile is priced by operation (paratrain.planner.moe_cost), not by one efficiency. Checks
     of consistency, not of a GPU run (none measured): two experts of half the MLP's width, each token sent to both,
     do the dense MLP's FLOPs: their GEMMs within 10 % of the dense MLP's (reached 5.8 %: products half as wide run
     3.6 % slower, and the router's product, bandwidth-bound, adds 2.1 %); top-2 costs more expert GEMM time than
     top-1 and less than twice plus the router; expert parallelism over 8 ranks takes the experts' weight-gradient
     accumulation off 7 of 8 and adds the all-to-alls; full recomputation runs the layer's forward again."""
     from paratrain.planner.layout import Layout
-    from paratrain.planner.moe_ops import moe_layer_work
+    from paratrain.planner.moe_cost import moe_layer_work
     from paratrain.planner.ops import Cut, Numerics, block_work
 
     h100 = hardware("h100-80gb")

@@ -207,7 +207,7 @@ def test_a_measured_routing_imbalance_is_planned_with(capsys):
     (one rank runs every expert) nothing changes; F below 1 is refused."""
     import dataclasses
 
-    from paratrain.planner.moe_activations import moe_activation_bytes
+    from paratrain.planner.moe_cost import moe_activation_bytes
     from paratrain.planner.search import PRICED
 
     model, hw = preset("switch-base-8"), hardware("h100-80gb")
