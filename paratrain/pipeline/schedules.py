@@ -46,11 +46,9 @@ entry here, its name and rules in paratrain.config.parallel, and its test.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from paratrain.config.errors import ConfigError
 from paratrain.config.parallel import ScheduleError, check_schedule  # the names and rules: config; the programs: here
 from paratrain.pipeline.zero_bubble import dualpipev_order, dualpipev_span, list_schedule, v_placement
 
@@ -289,30 +287,3 @@ def in_send_order(programs: list[list[Action]], schedule: Schedule) -> list[list
                 out.append(earlier)
         ordered.append(out)
     return ordered
-
-
-def balanced_split(costs: Sequence[float], parts: int) -> list[int]:
-    """Start index of each of `parts` contiguous, non-empty ranges minimising the largest range cost
-    (exact, by dynamic programming over split points). The cut of the p x v chunks: paratrain.pipeline.stages cuts
-    a model's layers by it, and the planner its layer costs (here, beside the schedules, so neither needs torch)."""
-    n = len(costs)
-    if parts > n:
-        raise ConfigError(f"{parts} pipeline chunks need at least {parts} layers; the model has {n}")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]  # best[k][j]: first j layers in k ranges
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, parts + 1):
-        for j in range(k, n + 1):
-            for i in range(k - 1, j):
-                value = max(best[k - 1][i], prefix[j] - prefix[i])
-                if value < best[k][j] - 1e-12:
-                    best[k][j], cut[k][j] = value, i
-    starts, j = [], n
-    for k in range(parts, 0, -1):
-        j = cut[k][j]
-        starts.append(j)
-    return starts[::-1]

@@ -34,7 +34,8 @@ from paratrain.config.errors import ConfigError
 from paratrain.nn.documents import refuse_documents
 from paratrain.nn.recipe import Layer, Run
 from paratrain.nn.ties import tied_parameters
-from paratrain.pipeline.schedules import Schedule, balanced_split  # (the split's arithmetic: torch-free, there)
+from paratrain.pipeline.schedules import Schedule
+from paratrain.pipeline.split import balanced_split  # (torch-free: the planner reads it too)
 from paratrain.state_layout import ModelState, OptimizerState
 from paratrain.topology.mesh import AxisGroup, Mesh
 

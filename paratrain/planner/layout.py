@@ -16,7 +16,8 @@ from paratrain.config.errors import ConfigError
 from paratrain.config.model import ModelConfig
 from paratrain.config.parallel import CP_MODES, ParallelConfig
 from paratrain.config.rules import check_shard_group, check_usp
-from paratrain.pipeline.schedules import Schedule, balanced_split
+from paratrain.pipeline.schedules import Schedule
+from paratrain.pipeline.split import balanced_split
 from paratrain.topology.dims import ParallelDims
 
 
