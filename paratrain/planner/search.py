@@ -131,20 +131,24 @@ def candidates(model: ModelConfig, devices: int, hardware: Hardware, *, global_b
 
 def _candidate_fields(model: ModelConfig, devices: int, hardware: Hardware, *, global_batch: int,
                       pins: dict[str, Any], seq: int, dropped: list[str] | None = None) -> list[dict[str, Any]]:
-    """`candidates` as flat fields (Layout.of's), each once, in the search's order. dropped: gets the rule of each
-    grid left out before any layout of it is made (dp not dividing the global batch, pins that make another device
-    count), in that order: `search` says the first when no layout is made at all."""
+    """`candidates` as flat fields (Layout.of's), each once, in the search's order. dropped: gets the rule of the
+    first grid left out before any layout of it is made (dp not dividing the global batch, pins that make another
+    device count): `search` says it when no layout is made at all."""
     out: dict[tuple[Any, ...], dict[str, Any]] = {}
     dropped = [] if dropped is None else dropped
+
+    def drop(reason: str) -> None:  # the first reason only: the loops below may leave out thousands of grids
+        if not dropped:
+            dropped.append(reason)
     served = pins.get("ps_mode", "off") != "off"
     servers = pins.get("ps_servers", 0)
     devices -= servers  # dedicated parameter servers train nothing: the grid is the trainers'
     if devices < 1:
-        dropped.append(f"{servers} dedicated parameter servers leave no trainer of the {devices + servers} devices: "
+        drop(f"{servers} dedicated parameter servers leave no trainer of the {devices + servers} devices: "
                        "lower --ps-servers or raise --gpus")
     axes = {axis: pins[axis] for axis in ("dp", "tp", "cp", "pp") if axis in pins}
     if devices >= 1 and devices % math.prod(axes.values()):
-        dropped.append(f"the pinned {' x '.join(f'{axis} {n}' for axis, n in axes.items())} make groups of "
+        drop(f"the pinned {' x '.join(f'{axis} {n}' for axis, n in axes.items())} make groups of "
                        f"{math.prod(axes.values())} ranks, which do not divide the {devices} "
                        f"{'trainers' if servers else 'devices'}: change the pins or --gpus")
     for tp, cp in itertools.product(_divisors(devices), _divisors(devices)):
@@ -169,7 +173,7 @@ def _candidate_fields(model: ModelConfig, devices: int, hardware: Hardware, *, g
             dp = devices // (tp * cp * pp)
             if global_batch % dp:
                 if all(pins.get(axis, n) == n for axis, n in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp))):
-                    dropped.append(
+                    drop(
                         f"the trainers' dp {dp} (the {devices + servers} devices less {servers} parameter servers) "
                         f"does not divide the global batch {global_batch}: change --global-batch, --gpus or "
                         "--ps-servers" if served and servers else
@@ -208,7 +212,7 @@ def _candidate_fields(model: ModelConfig, devices: int, hardware: Hardware, *, g
                     fields.update({k: pins[k] for k in pins if k in fields})
                     ranks = fields["dp"] * fields["tp"] * fields["pp"] * fields["cp"]
                     if ranks != devices:
-                        dropped.append(f"the pins make dp {fields['dp']} x tp {fields['tp']} x pp {fields['pp']} x cp "
+                        drop(f"the pins make dp {fields['dp']} x tp {fields['tp']} x pp {fields['pp']} x cp "
                                        f"{fields['cp']} = {ranks} trainers, not the {devices} devices"
                                        + (f" less {servers} parameter servers" if servers else "")
                                        + ": change the pins or --gpus")
